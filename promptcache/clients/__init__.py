@@ -1,0 +1,1 @@
+"""promptcache.clients."""

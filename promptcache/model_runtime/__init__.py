@@ -1,0 +1,1 @@
+"""promptcache.model_runtime."""

@@ -1,0 +1,42 @@
+"""PML: Prompt Markup Language schemas and prompts -> typed trees, position layouts and plans.
+
+Pure Python + lxml; no torch. Public API: parse_schema, parse_prompt, the Schema/PromptPlan data
+types, TextEncoder (the tokenizer view PML needs), PmlLimits, and the PmlError tree.
+"""
+
+from promptcache.pml.chat_format import PLAIN_CHAT_FORMAT, ChatFormat, chat_format_from_tokenizer
+from promptcache.pml.errors import (
+    ArgumentTooLongError,
+    ChatTemplateError,
+    DuplicateImportError,
+    EmptyPromptError,
+    InvalidNameError,
+    InvalidParamError,
+    PmlError,
+    PmlLimitError,
+    PmlSecurityError,
+    PmlSyntaxError,
+    PositionConflictError,
+    PromptError,
+    ScaffoldError,
+    SchemaError,
+    UnknownModuleError,
+    UnknownParamError,
+    UnknownSchemaError,
+)
+from promptcache.pml.limits import PmlLimits
+from promptcache.pml.nodes import Module, Param, RoleSection, TextRun, Union
+from promptcache.pml.plan import CachedSegment, NewRun, PromptPlan
+from promptcache.pml.prompt_parser import parse_prompt
+from promptcache.pml.schema import Scaffold, Schema, Segment
+from promptcache.pml.schema_parser import parse_schema
+from promptcache.pml.text_encoder import TextEncoder
+
+__all__ = [
+    "PLAIN_CHAT_FORMAT", "ArgumentTooLongError", "CachedSegment", "ChatFormat", "ChatTemplateError",
+    "DuplicateImportError", "EmptyPromptError", "InvalidNameError", "InvalidParamError", "Module", "NewRun",
+    "Param", "PmlError", "PmlLimitError", "PmlLimits", "PmlSecurityError", "PmlSyntaxError",
+    "PositionConflictError", "PromptError", "PromptPlan", "RoleSection", "Scaffold", "ScaffoldError", "Schema",
+    "SchemaError", "Segment", "TextEncoder", "TextRun", "Union", "UnknownModuleError", "UnknownParamError",
+    "UnknownSchemaError", "chat_format_from_tokenizer", "parse_prompt", "parse_schema",
+]

@@ -1,0 +1,110 @@
+"""PromptPlan: what the runtime must do for one prompt (cached segments + new token runs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from promptcache.pml.schema import Schema, Segment
+
+
+@dataclass(frozen=True, slots=True)
+class CachedSegment:
+    """A schema segment whose KV comes from the cache, encoded after `context_ids`."""
+
+    segment: Segment
+    context_ids: tuple[int, ...]
+    variant: str  # "default" | "scaffold:<name>" | "isolated"
+
+
+@dataclass(frozen=True, slots=True)
+class NewRun:
+    """Tokens computed for this request at positions [start, start + len(token_ids)).
+
+    kind: "text" (prompt text), "argument" (a param's value), "role" (role markup the prompt adds),
+    or "module" (a cache="false" module's tokens). `source` names the param or module path.
+    """
+
+    token_ids: tuple[int, ...]
+    start: int
+    kind: str
+    source: str
+    line: int
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PromptPlan:
+    """A prompt resolved against its schema. Cached segments and new runs are in position order.
+
+    `is_exact` is true when serving the plan from cache gives the same result as a full prefill of
+    `token_ids()` at `position_ids()`; otherwise `approximations` says which attention is missing.
+    """
+
+    schema: Schema
+    cached: tuple[CachedSegment, ...]
+    new_runs: tuple[NewRun, ...]
+    module_paths: tuple[str, ...]
+    approximations: tuple[str, ...]
+
+    @property
+    def is_exact(self) -> bool:
+        return not self.approximations
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(len(c.segment.token_ids) for c in self.cached)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.new_runs)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.num_cached_tokens + self.num_new_tokens
+
+    def new_token_ids(self) -> list[int]:
+        return [t for run in self.new_runs for t in run.token_ids]
+
+    def new_position_ids(self) -> list[int]:
+        return [p for run in self.new_runs for p in range(run.start, run.end)]
+
+    def token_ids(self) -> list[int]:
+        """Every prompt token (cached and new) in position order: the full-prefill input."""
+        return [t for _, t in self._by_position()]
+
+    def position_ids(self) -> list[int]:
+        return [p for p, _ in self._by_position()]
+
+    def _by_position(self) -> list[tuple[int, int]]:
+        pairs = [(p, t) for c in self.cached for p, t in zip(c.segment.position_ids, c.segment.token_ids)]
+        pairs += [(p, t) for run in self.new_runs for p, t in zip(range(run.start, run.end), run.token_ids)]
+        return sorted(pairs)
+
+
+def find_approximations(cached: tuple[CachedSegment, ...], new_runs: tuple[NewRun, ...]) -> tuple[str, ...]:
+    """Why serving this plan from cache differs from a full prefill (empty tuple: it does not).
+
+    A cached segment is exact when the segments it was encoded after are exactly the cached segments
+    positioned before it in this plan and no new token precedes it; new tokens are exact when none
+    is positioned before a cached token (a full prefill would not let them see later tokens).
+    """
+    reasons: list[str] = []
+    for item in cached:
+        segment = item.segment
+        before = {c.segment.segment_id for c in cached if c.segment.end <= segment.start}
+        if set(item.context_ids) != before:
+            owner = segment.owner or "the schema's always-included text"
+            reasons.append(f"{owner} at [{segment.start}, {segment.end}) was encoded without attending "
+                           "to every module before it in this prompt, or with one this prompt leaves out")
+        early = [run for run in new_runs if run.start < segment.start]
+        if early:
+            reasons.append(f"new {early[0].kind} at position {early[0].start} precedes cached tokens at "
+                           f"[{segment.start}, {segment.end}), which were encoded without it")
+    last_cached = max((c.segment.end for c in cached), default=0)
+    late = [run for run in new_runs if run.start < last_cached]
+    if late and not any("precedes" in r for r in reasons):
+        reasons.append(f"new {late[0].kind} at position {late[0].start} attends to cached tokens after it")
+    return tuple(dict.fromkeys(reasons))

