@@ -79,7 +79,9 @@ def _cached_segment(schema: Schema, segment: Segment, imported: set[str], isolat
                   if segment.segment_id in sc.contexts and set(sc.module_paths) <= imported]
     if applicable:
         best = max(applicable, key=lambda sc: (len(sc.module_paths), -schema.scaffolds.index(sc)))
-        return CachedSegment(segment, best.contexts[segment.segment_id], f"scaffold:{best.name}")
+        context = best.contexts[segment.segment_id]
+        if context != segment.context_ids:
+            return CachedSegment(segment, context, f"scaffold:{best.name}")
     return CachedSegment(segment, segment.context_ids, "default")
 
 

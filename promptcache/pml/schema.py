@@ -38,7 +38,8 @@ class Segment:
 
 @dataclass(frozen=True, slots=True)
 class Scaffold:
-    """Modules encoded jointly; `contexts` gives each of their segments its joint context."""
+    """Modules encoded jointly. `contexts` gives every segment of the group (the modules, their
+    enclosing modules and the always-included text) its context when all the modules are imported."""
 
     name: str
     module_paths: tuple[str, ...]

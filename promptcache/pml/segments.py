@@ -111,9 +111,11 @@ def build_scaffolds(elements: Sequence[etree._Element], modules: Mapping[str, Mo
         name = element.get("name") or "+".join(paths)
         if any(s.name == name for s in scaffolds):
             raise ScaffoldError(f"<scaffold> name {name!r} is declared twice", line=line)
+        # Every segment of the group (scaffold modules, their ancestors, the root) gets its joint
+        # context: root text between two scaffold modules is encoded after the first one too.
         contexts = {
             s.segment_id: tuple(c.segment_id for c in segments if c.owner in group and c.end <= s.start)
-            for s in segments if s.owner in paths
+            for s in segments if s.owner in group
         }
         scaffolds.append(Scaffold(name, paths, MappingProxyType(contexts), line))
     return tuple(scaffolds)

@@ -69,7 +69,7 @@ def test_union_member_choice_and_conflicts(pml):
       <module name="fr">Bonjour tout le monde.</module></union></schema>""")
     assert pml.prompt('<prompt schema="u"><fr/></prompt>').module_paths == ("fr",)
     assert pml.prompt('<prompt schema="u">Hi</prompt>').module_paths == ("en",)  # default member
-    with pytest.raises(DuplicateImportError, match="members of one <union>"):
+    with pytest.raises(DuplicateImportError, match=r"members of one <union>"):
         pml.prompt('<prompt schema="u"><en/><fr/></prompt>')
 
 
@@ -78,7 +78,7 @@ def test_nested_union_path_and_skipped_level(pml):
       <union><module name="miami">Miami.</module><module name="paris">Paris.</module></union></module></schema>""")
     plan = pml.prompt('<prompt schema="t"><trip><paris/></trip></prompt>')
     assert plan.module_paths == ("trip", "trip.paris")
-    with pytest.raises(UnknownModuleError, match="<paris>.*nested as 'trip.paris'"):
+    with pytest.raises(UnknownModuleError, match=r"<paris>.*nested as 'trip.paris'"):
         pml.prompt('<prompt schema="t"><paris/></prompt>')
 
 

@@ -101,7 +101,7 @@ def test_no_two_tokens_share_a_position(case):
     positions = plan.position_ids()
     assert len(positions) == len(set(positions))
     for cached in plan.cached:
-        assert 0 <= cached.segment.start and cached.segment.end <= schema.num_positions
+        assert cached.segment.start >= 0 and cached.segment.end <= schema.num_positions
         assert set(cached.context_ids) <= {s.segment_id for s in schema.segments if s.end <= cached.segment.start}
     for run in plan.new_runs:
         assert run.start >= 0

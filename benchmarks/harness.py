@@ -1,0 +1,47 @@
+"""Benchmark plumbing: thread count, medians after warm-up, JSON lines out."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def setup(threads: int) -> None:
+    torch.set_num_threads(threads)
+    torch.set_num_interop_threads(1)
+
+
+def median_ms(fn: Callable[[], object], *, runs: int, warmup: int = 1) -> tuple[float, list[float]]:
+    """Run `fn` warmup + runs times; return the median and all timed runs in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times), times
+
+
+def emit(record: dict, out: Path | None = None) -> None:
+    """Print one JSON line (and append it to `out`)."""
+    record = {**record, "torch_threads": torch.get_num_threads(), "machine": platform.machine()}
+    line = json.dumps(record, sort_keys=True)
+    print(line, flush=True)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a") as fh:
+            fh.write(line + "\n")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

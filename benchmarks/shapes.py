@@ -1,0 +1,33 @@
+"""Realistic model shapes with random weights, for timing (timing does not depend on weights)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+SHAPES = {
+    # TinyLlama-1.1B: 22 layers, hidden 2048, 32 query / 4 KV heads, MLP 5632.
+    "tinyllama-1.1b": lambda vocab: LlamaConfig(
+        vocab_size=vocab, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=16384, rope_theta=10000.0),
+    # Qwen2.5-0.5B: 24 layers, hidden 896, 14 query / 2 KV heads, MLP 4864, QKV biases.
+    "qwen2.5-0.5b": lambda vocab: Qwen2Config(
+        vocab_size=vocab, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
+        tie_word_embeddings=True, use_sliding_window=False),
+}
+# The shapes' real vocabularies: the LM head's size is part of the cost being timed.
+VOCAB = {"tinyllama-1.1b": 32000, "qwen2.5-0.5b": 151936}
+
+
+def build_model(shape: str, *, min_vocab: int = 0, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A random-weight model of `shape` (fp32 by default), eval mode, SDPA attention.
+
+    The vocabulary grows to `min_vocab` when the tokenizer used needs more ids than the shape has
+    (TinyLlama's 32000 < SmolLM2's 49152): with `logits_to_keep=1` that adds one LM-head row block.
+    """
+    torch.manual_seed(seed)
+    config = SHAPES[shape](max(VOCAB[shape], min_vocab))
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()

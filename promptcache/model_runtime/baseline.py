@@ -1,0 +1,52 @@
+"""Full prefill without any cache: the oracle for exactness tests and the TTFT benchmark baseline."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+@torch.inference_mode()
+def full_prefill_logits(model, token_ids: Sequence[int], position_ids: Sequence[int] | None = None,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [n, vocab] (float32) of one plain forward pass over `token_ids`.
+
+    `attention_mask` may be a [1, 1, n, n] boolean mask (True = may attend) to express an
+    approximation explicitly; by default the mask is causal. An explicit all-ones 2-D mask is passed
+    otherwise: without one, transformers reads a jump in `position_ids` as the start of a new packed
+    sequence and would block attention across it.
+    """
+    device = model.device
+    input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)  # [1, n]
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)  # [1, n]
+    kwargs = {}
+    if position_ids is not None:
+        kwargs["position_ids"] = torch.tensor([list(position_ids)], dtype=torch.long, device=device)  # [1, n]
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask.to(device)
+    return model(input_ids=input_ids, use_cache=False, **kwargs).logits[0].float()
+
+
+@torch.inference_mode()
+def full_prefill_greedy(model, token_ids: Sequence[int], position_ids: Sequence[int], num_tokens: int,
+                        eos_token_ids: Sequence[int] = ()) -> list[int]:
+    """Greedy tokens after a full prefill, decoding with the model's own (HF) KV cache."""
+    device = model.device
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)       # [1, n]
+    pos = torch.tensor([list(position_ids)], dtype=torch.long, device=device)    # [1, n]
+    out = model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=True)
+    past, next_pos = out.past_key_values, int(pos[0, -1]) + 1
+    tokens: list[int] = []
+    logits = out.logits[0, -1]
+    for _ in range(num_tokens):
+        token = int(torch.argmax(logits))
+        tokens.append(token)
+        if token in eos_token_ids:
+            break
+        mask = torch.ones((1, past.get_seq_length() + 1), dtype=torch.long, device=device)  # [1, kv_len]
+        out = model(input_ids=torch.tensor([[token]], device=device), position_ids=torch.tensor([[next_pos]], device=device),
+                    attention_mask=mask, past_key_values=past, use_cache=True)
+        past, next_pos, logits = out.past_key_values, next_pos + 1, out.logits[0, -1]
+    return tokens

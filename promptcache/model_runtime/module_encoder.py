@@ -1,0 +1,128 @@
+"""Module encoding: the KV of schema segments at their layout positions, after their contexts.
+
+A segment's KV is identified by (segment, context); contexts are prefix-closed, so the KV of a
+context chain Z0..Zk is built left to right, each link encoded after the links before it. Links found
+in the store are reused; the missing tail is computed in ONE forward pass and stored link by link.
+The result equals a full prefill of the chain's tokens at their positions.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from promptcache.cache_store import KVBlock, make_kv_key
+from promptcache.model_runtime.forward import run_tokens
+from promptcache.model_runtime.kv_buffer import KVBuffer
+from promptcache.model_runtime.loader import LoadedModel
+from promptcache.model_runtime.store_protocol import KVStore
+from promptcache.pml import Schema
+
+
+@dataclass(frozen=True, slots=True)
+class FetchedKV:
+    """A segment's KV and the tier it came from ("computed" when it was encoded just now)."""
+
+    block: KVBlock
+    tier: str
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeReport:
+    num_segments: int
+    num_encoded: int
+    encode_ms: float
+
+
+class ModuleEncoder:
+    """Computes, stores and fetches segment KV. Called from the engine thread; counters are locked."""
+
+    def __init__(self, loaded: LoadedModel, store: KVStore) -> None:
+        self.loaded = loaded
+        self.store = store
+        self._lock = threading.Lock()
+        self.num_encoded_segments = 0
+        self.num_forward_passes = 0
+
+    def key(self, schema: Schema, segment_id: int, context_ids: Sequence[int], cache_salt: str | None) -> str:
+        segment = schema.segments[segment_id]
+        return make_kv_key(
+            model_fingerprint=self.loaded.model_fingerprint,
+            tokenizer_fingerprint=self.loaded.tokenizer_fingerprint,
+            token_ids=segment.token_ids,
+            position_ids=segment.position_ids,
+            context_digest=schema.context_digest(context_ids),
+            cache_salt=cache_salt,
+        )
+
+    def fetch(self, schema: Schema, segment_id: int, context_ids: Sequence[int],
+              cache_salt: str | None = None) -> FetchedKV:
+        """KV of `segment_id` encoded after `context_ids`, from the store or computed now."""
+        target = self.key(schema, segment_id, context_ids, cache_salt)
+        hit = self.store.get(target)
+        if hit is not None:
+            return FetchedKV(hit[0], hit[1])
+        chain = [*sorted(context_ids, key=lambda i: schema.segments[i].start), segment_id]
+        blocks: list[KVBlock] = []
+        for index, link in enumerate(chain[:-1]):
+            found = self.store.get(self.key(schema, link, chain[:index], cache_salt))
+            if found is None:
+                break
+            blocks.append(found[0])
+        computed = self._encode_tail(schema, chain, blocks, cache_salt)
+        return FetchedKV(computed, "computed")
+
+    def _encode_tail(self, schema: Schema, chain: list[int], blocks: list[KVBlock],
+                     cache_salt: str | None) -> KVBlock:
+        loaded = self.loaded
+        tail = chain[len(blocks):]
+        segments = [schema.segments[i] for i in tail]
+        token_ids = [t for s in segments for t in s.token_ids]
+        position_ids = [p for s in segments for p in s.position_ids]
+        check_positions(position_ids, loaded.max_positions)
+        device = loaded.model.device
+        buffer = KVBuffer.from_blocks(
+            [b.to(device) for b in blocks], extra=len(token_ids), num_layers=loaded.num_layers,
+            num_kv_heads=loaded.num_kv_heads, head_dim=loaded.head_dim, dtype=loaded.model.dtype, device=device)
+        with torch.inference_mode():
+            run_tokens(loaded.model, buffer, token_ids, position_ids)
+        offset = buffer.length - len(token_ids)
+        block = None
+        for index, segment in zip(range(len(blocks), len(chain)), segments):
+            n = len(segment.token_ids)
+            positions = torch.tensor(list(segment.position_ids), dtype=torch.long)  # [n]
+            block = buffer.block(offset, offset + n, positions)
+            self.store.put(self.key(schema, segment.segment_id, chain[:index], cache_salt), block)
+            offset += n
+        with self._lock:
+            self.num_encoded_segments += len(segments)
+            self.num_forward_passes += 1
+        assert block is not None
+        return block
+
+    def encode_schema(self, schema: Schema, cache_salt: str | None = None,
+                      progress: Callable[[int, int], None] | None = None) -> EncodeReport:
+        """Encode every cached segment's default KV (and each scaffold's joint KV) not yet stored."""
+        started = time.perf_counter()
+        before = self.num_encoded_segments
+        jobs = [(s.segment_id, s.context_ids) for s in schema.segments if s.is_cached]
+        for scaffold in schema.scaffolds:
+            jobs += [(sid, ctx) for sid, ctx in scaffold.contexts.items() if ctx != schema.segments[sid].context_ids]
+        for done, (segment_id, context_ids) in enumerate(jobs, 1):
+            if self.store.contains(self.key(schema, segment_id, context_ids, cache_salt)) is None:
+                self.fetch(schema, segment_id, context_ids, cache_salt)
+            if progress is not None:
+                progress(done, len(jobs))
+        return EncodeReport(len(jobs), self.num_encoded_segments - before, (time.perf_counter() - started) * 1e3)
+
+
+def check_positions(position_ids: Sequence[int], max_positions: int) -> None:
+    from promptcache.model_runtime.errors import PromptTooLongError
+
+    if position_ids and max(position_ids) >= max_positions:
+        raise PromptTooLongError(f"the prompt uses position {max(position_ids)}, but the model supports "
+                                 f"positions below {max_positions}")

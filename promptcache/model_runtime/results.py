@@ -1,0 +1,73 @@
+"""What a generation returns: completions, usage, cache report, timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Slowest last: a module's reported tier is the slowest tier any of its segments came from.
+TIER_ORDER = ("device", "host", "redis", "disk", "computed")
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleUse:
+    """A module the prompt used: its path, cached tokens, and where its KV came from."""
+
+    path: str
+    num_tokens: int
+    tier: str
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int  # prompt tokens computed for this request (new text, arguments)
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    encode_ms: float    # modules encoded on demand because no tier had them
+    assembly_ms: float  # gathering cached KV into the request buffer (includes encode_ms)
+    prefill_ms: float   # computing the new tokens against the cached KV
+    ttft_ms: float      # submit -> first token sampled
+    total_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" (EOS or stop string) | "length"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    completions: tuple[Completion, ...]
+    usage: Usage
+    is_exact: bool
+    approximations: tuple[str, ...]
+    modules: tuple[ModuleUse, ...]
+    timings: Timings
+
+    @property
+    def text(self) -> str:
+        return self.completions[0].text
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.completions[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.completions[0].finish_reason
+
+
+def slowest_tier(tiers: list[str]) -> str:
+    rank = {name: i for i, name in enumerate(TIER_ORDER)}
+    return max(tiers, key=lambda t: rank.get(t, len(TIER_ORDER)), default="device")

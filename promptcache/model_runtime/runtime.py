@@ -1,0 +1,67 @@
+"""ModelRuntime: one loaded model, its schemas, its module encoder and the single-sequence path."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from promptcache.model_runtime.generator import generate
+from promptcache.model_runtime.loader import LoadedModel
+from promptcache.model_runtime.module_encoder import EncodeReport, ModuleEncoder
+from promptcache.model_runtime.results import GenerationResult
+from promptcache.model_runtime.sampling import SamplingParams
+from promptcache.model_runtime.store_protocol import KVStore
+from promptcache.pml import PmlLimits, PromptPlan, Schema, TextEncoder, parse_prompt, parse_schema
+
+
+class ModelRuntime:
+    """Owns the parsed schemas of one model and serves prompts against them.
+
+    `add_schema` parses and encodes a schema (its modules' KV go into `store`); `plan` resolves a
+    prompt; `generate` runs the single-sequence path. Schema bookkeeping is thread-safe; model
+    compute must run on one thread at a time (the engine's).
+    """
+
+    def __init__(self, loaded: LoadedModel, store: KVStore, limits: PmlLimits | None = None) -> None:
+        self.loaded = loaded
+        self.store = store
+        self.limits = limits or PmlLimits()
+        self.text_encoder = TextEncoder.from_tokenizer(loaded.tokenizer)
+        self.module_encoder = ModuleEncoder(loaded, store)
+        self._schemas: dict[str, Schema] = {}
+        self._lock = threading.Lock()
+
+    def parse_schema(self, text: str) -> Schema:
+        """Parse and validate without registering or encoding (raises PmlError)."""
+        return parse_schema(text, self.text_encoder, self.limits)
+
+    def add_schema(self, schema: Schema, *, encode: bool = True, cache_salt: str | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> EncodeReport | None:
+        """Register `schema` (replacing one of the same name) and encode its modules unless told not to."""
+        with self._lock:
+            self._schemas[schema.name] = schema
+        if encode:
+            return self.module_encoder.encode_schema(schema, cache_salt, progress)
+        return None
+
+    def remove_schema(self, name: str) -> Schema | None:
+        with self._lock:
+            return self._schemas.pop(name, None)
+
+    def get_schema(self, name: str) -> Schema | None:
+        with self._lock:
+            return self._schemas.get(name)
+
+    def schema_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._schemas)
+
+    def plan(self, prompt: str, *, isolated: bool = False) -> PromptPlan:
+        """Resolve a `<prompt schema=...>` against the registered schemas (raises PmlError)."""
+        with self._lock:
+            schemas = dict(self._schemas)
+        return parse_prompt(prompt, schemas, self.text_encoder, self.limits, isolated=isolated)
+
+    def generate(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None = None) -> GenerationResult:
+        """Single-sequence generation (the reference the batched engine is tested against)."""
+        return generate(self.module_encoder, plan, params, cache_salt)

@@ -1,0 +1,67 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens. `temperature == 0` is greedy; `n` samples share the prompt's KV."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    n: int = 1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Sampler:
+    """Picks the next token from logits; one instance per sequence (it owns the RNG state)."""
+
+    def __init__(self, params: SamplingParams, *, seed_offset: int = 0) -> None:
+        self.params = params
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed + seed_offset)
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """`logits`: [vocab] float. Returns a token id."""
+        params = self.params
+        if params.is_greedy:
+            return int(torch.argmax(logits))
+        scores = logits.float() / params.temperature  # [vocab]
+        if params.top_k > 0:
+            kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (the token crossing it stays).
+            drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))

@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny random-weight runtimes over the in-process test tokenizer."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from promptcache.cache_store import StoreConfig, build_store
+from promptcache.model_runtime import ModelRuntime, wrap_model
+from tests.model_factories import make_test_tokenizer, make_tiny_model
+
+
+@functools.cache
+def _tiny_loaded(arch: str, dtype: torch.dtype):
+    tokenizer = make_test_tokenizer()
+    model = make_tiny_model(arch, vocab_size=len(tokenizer), dtype=dtype)
+    return wrap_model(model, tokenizer, name=f"tiny-{arch}")
+
+
+def make_tiny_runtime(arch: str = "llama", *, dtype: torch.dtype = torch.float32, store=None) -> ModelRuntime:
+    """A runtime over a cached tiny model and a fresh in-memory store (unless one is given)."""
+    store = store if store is not None else build_store(StoreConfig(), device="cpu")
+    return ModelRuntime(_tiny_loaded(arch, dtype), store)
+
+
+@pytest.fixture
+def tiny_runtime():
+    return make_tiny_runtime
