@@ -96,7 +96,13 @@ def _place_text(schema: Schema, items: PromptItems, included: list[Segment], use
         if not item.token_ids:
             continue
         later = [spans[id(i)] for i in items.items[index + 1:] if isinstance(i, ImportItem)]
-        if (item.after_section is not None and cursor is not None) or (later and cursor is not None):
+        if item.after_section is not None:
+            # Inside the section's turn: after its highest-positioned content (imports may come in any
+            # order), where the displaced closing markup was.
+            end = schema.role_sections[item.after_section].end
+            below = [p for p in used if p < end]
+            start = max(below) + 1 if below else 0
+        elif later and cursor is not None:
             start = cursor
         elif later:
             below = [p for p in used if p < later[0][0]]

@@ -173,3 +173,11 @@ def test_isolated_mode_encodes_modules_alone(pml):
     plan = pml.prompt('<prompt schema="docs"><d1/><d2/>Q</prompt>', isolated=True)
     assert all(c.variant == "isolated" for c in plan.cached)
     assert next(c for c in plan.cached if c.segment.owner == "d2").context_ids == ()
+
+
+def test_question_in_turn_after_out_of_order_imports(pml):
+    schema = pml.schema("""<schema name="qa2"><user><module name="d1">Doc one.</module>
+      <module name="d2">Doc two.</module><module name="d3">Doc three.</module></user></schema>""")
+    plan = pml.prompt('<prompt schema="qa2"><user><d2/><d1/>Which?</user><assistant/></prompt>')
+    question = next(r for r in plan.new_runs if r.kind == "text")
+    assert question.start == schema.modules["d2"].end  # after the section's highest used position

@@ -1,0 +1,111 @@
+"""Shared-module attention inside HF models, through transformers' attention-function registry.
+
+A batch step feeds every scheduled sequence's tokens as ONE packed row. `BatchCache` stands in for
+the HF cache: it writes each sequence's new keys/values into that sequence's own KV buffer. The
+registered attention function then attends, per layer, every shared KV segment once for all queries
+that include it, plus each sequence's own KV, merged exactly (model_runtime.attention). Outside a
+batch step (no active context) the function is plain SDPA, so the single-sequence path is unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from promptcache.model_runtime.attention import SharedSegment, shared_module_attention
+
+ATTENTION_NAME = "promptcache_shared"
+_active = threading.local()
+
+
+@dataclass(eq=False)
+class BatchContext:
+    """Everything one packed forward pass needs to attend correctly (sequences in row order)."""
+
+    query_lens: list[int]
+    own_keys: list[torch.Tensor]     # per sequence [num_layers, num_kv_heads, capacity, head_dim]
+    own_values: list[torch.Tensor]
+    own_starts: list[int]            # own KV length before this step
+    segments: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]]  # ([L, H_kv, n, D] x2, sequences)
+    backend: str = "auto"
+
+
+class BatchCache(Cache):
+    """The HF-facing cache of a packed batch step: routes new KV rows to each sequence's buffer."""
+
+    def __init__(self, context: BatchContext, num_layers: int) -> None:
+        self.context = context
+        self.num_layers = num_layers
+        super().__init__(layers=[])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # key_states: [1, num_kv_heads, total_q, head_dim]; rows are the sequences' tokens in order.
+        ctx, row = self.context, 0
+        for keys, values, start, n in zip(ctx.own_keys, ctx.own_values, ctx.own_starts, ctx.query_lens):
+            keys[layer_idx, :, start: start + n].copy_(key_states[0, :, row: row + n])
+            values[layer_idx, :, start: start + n].copy_(value_states[0, :, row: row + n])
+            row += n
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return query_length, 0  # the HF mask is ignored in a batch step; keep it tiny
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * self.num_layers
+
+
+def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    ctx: BatchContext | None = getattr(_active, "context", None)
+    if ctx is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    layer = module.layer_idx
+    queries = query[0].transpose(0, 1)  # [1, H, total_q, D] -> [total_q, H, D]
+    own_keys = [k[layer, :, : s + n] for k, s, n in zip(ctx.own_keys, ctx.own_starts, ctx.query_lens)]
+    own_values = [v[layer, :, : s + n] for v, s, n in zip(ctx.own_values, ctx.own_starts, ctx.query_lens)]
+    segments = [SharedSegment(keys=k[layer], values=v[layer], seq_indices=seqs) for k, v, seqs in ctx.segments]
+    out = shared_module_attention(queries, ctx.query_lens, own_keys, own_values, segments, scale=scaling,
+                                  backend=ctx.backend)
+    return out.unsqueeze(0), None  # [1, total_q, H, D]
+
+
+def install(model) -> None:
+    """Route `model`'s attention through the shared-module function (SDPA outside batch steps)."""
+    AttentionInterface.register(ATTENTION_NAME, _attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    if model.config._attn_implementation != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)
+
+
+class active_batch:
+    """Context manager marking a packed batch forward pass on this thread."""
+
+    def __init__(self, context: BatchContext) -> None:
+        self.context = context
+
+    def __enter__(self) -> BatchContext:
+        _active.context = self.context
+        return self.context
+
+    def __exit__(self, *exc) -> None:
+        _active.context = None

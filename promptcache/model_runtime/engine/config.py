@@ -1,0 +1,27 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Limits of the batch engine.
+
+    `max_kv_bytes` bounds the KV the running batch holds: every sequence's own KV (its computed prompt
+    tokens plus room for `max_tokens`) and, once each, every shared module block it references.
+    """
+
+    max_num_seqs: int = 64
+    max_kv_bytes: int = 2 << 30
+    attention_backend: str = "auto"  # "auto" | "fused_cpu" | "matmul" | "flash"
+    idle_wait_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_kv_bytes < 1:
+            raise ValueError(f"max_kv_bytes must be >= 1, got {self.max_kv_bytes}")
+        if self.attention_backend not in ("auto", "fused_cpu", "matmul", "flash"):
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}")

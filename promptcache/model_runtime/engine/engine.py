@@ -1,0 +1,136 @@
+"""Engine: continuous batching on a compute thread, token events delivered to asyncio callers."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from promptcache.model_runtime.engine.config import EngineConfig
+from promptcache.model_runtime.engine.request import Request, TokenEvent
+from promptcache.model_runtime.engine.runner import ModelRunner
+from promptcache.model_runtime.engine.scheduler import Scheduler
+from promptcache.model_runtime.module_encoder import ModuleEncoder
+from promptcache.model_runtime.sampling import SamplingParams
+from promptcache.pml import PromptPlan
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """Serves prompt plans with continuous batching and shared-module attention.
+
+    `submit` is called from an asyncio loop and returns an async iterator of TokenEvents (the last one
+    has `usage`); `abort` stops a request within one step and frees its KV. All model compute runs on
+    the engine's own thread — the event loop never blocks on it. Each step is schedule -> run ->
+    postprocess, with data passed one way.
+    """
+
+    def __init__(self, encoder: ModuleEncoder, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.encoder = encoder
+        self.scheduler = Scheduler(self.config, encoder)
+        self.runner = ModelRunner(encoder.loaded, backend=self.config.attention_backend)
+        self._inbox: list[tuple[str, object]] = []
+        self._wakeup = threading.Condition()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.num_steps = 0
+
+    # -- caller side (any thread with an asyncio loop) ------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="promptcache-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def submit(self, plan: PromptPlan, params: SamplingParams, *, cache_salt: str | None = None,
+               request_id: str | None = None) -> AsyncIterator[TokenEvent]:
+        """Queue a request; iterate the result for its events (must be called on a running loop)."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._sinks[request_id] = (loop, queue)
+        self._post("submit", Request(request_id, plan, params, cache_salt))
+        self.start()
+        return self._events(request_id, queue)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its last event has finish_reason "abort" unless it already finished."""
+        self._post("abort", request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    async def _events(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[TokenEvent]:
+        try:
+            while True:
+                event = await queue.get()
+                yield event
+                if event.usage is not None or event.error is not None:
+                    return
+        finally:
+            self._sinks.pop(request_id, None)
+            self.abort(request_id)  # no-op when finished; frees the KV of an abandoned stream
+
+    def _post(self, kind: str, item: object) -> None:
+        with self._wakeup:
+            self._inbox.append((kind, item))
+            self._wakeup.notify()
+
+    # -- engine thread --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._inbox and not self.scheduler.has_work and not self._stopping:
+                    self._wakeup.wait(self.config.idle_wait_s)
+                if self._stopping:
+                    return
+                inbox, self._inbox = self._inbox, []
+            for kind, item in inbox:
+                if kind == "submit":
+                    self.scheduler.add(item)  # type: ignore[arg-type]
+                else:
+                    self.scheduler.abort(item)  # type: ignore[arg-type]
+            try:
+                self._step()
+            except Exception:  # a bug must not kill the engine silently: fail the running requests
+                logger.exception("engine step failed")
+                self._fail_all("internal engine error")
+
+    def _step(self) -> None:
+        batch, events = self.scheduler.schedule()
+        if batch:
+            started = time.perf_counter()
+            logits = self.runner.run(batch)
+            events += self.scheduler.postprocess(batch, logits, (time.perf_counter() - started) * 1e3)
+            self.num_steps += 1
+        for event in events:
+            self._deliver(event)
+
+    def _deliver(self, event: TokenEvent) -> None:
+        sink = self._sinks.get(event.request_id)
+        if sink is not None:
+            loop, queue = sink
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    def _fail_all(self, message: str) -> None:
+        for request in self.scheduler.drop_all():
+            self._deliver(TokenEvent(request.request_id, 0, None, "", "error", error=message))

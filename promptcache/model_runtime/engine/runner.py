@@ -1,0 +1,77 @@
+"""ModelRunner: one packed forward pass for a scheduled batch; returns next-token logits per sequence."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence as Seq
+
+import torch
+
+from promptcache.model_runtime.engine.batch_attention import BatchCache, BatchContext, active_batch, install
+from promptcache.model_runtime.engine.request import Sequence
+from promptcache.model_runtime.loader import LoadedModel
+
+
+class ModelRunner:
+    """Runs batch steps. Shared segments are grouped by the exact set of sequences that use them;
+    a group of several blocks is concatenated once and reused while the same blocks stay in use."""
+
+    def __init__(self, loaded: LoadedModel, *, backend: str = "auto") -> None:
+        self.loaded = loaded
+        self.backend = backend
+        self._groups: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        install(loaded.model)
+
+    @torch.inference_mode()
+    def run(self, seqs: Seq[Sequence]) -> torch.Tensor:
+        """Feed each sequence's pending tokens; returns logits [num_seqs, vocab] (float32) for their
+        last tokens. Advances each sequence's own KV length; clears its pending tokens."""
+        model = self.loaded.model
+        device = model.device
+        query_lens = [len(s.pending_ids) for s in seqs]
+        input_ids = torch.tensor([[t for s in seqs for t in s.pending_ids]], dtype=torch.long, device=device)  # [1, Q]
+        positions = torch.tensor([[p for s in seqs for p in s.pending_positions]], dtype=torch.long,
+                                 device=device)  # [1, Q]
+        context = BatchContext(
+            query_lens=query_lens, own_keys=[s.own_keys for s in seqs], own_values=[s.own_values for s in seqs],
+            own_starts=[s.own_length for s in seqs], segments=self._segments(seqs), backend=self.backend)
+        cache = BatchCache(context, self.loaded.num_layers)
+        with active_batch(context):
+            hidden = model.base_model(input_ids=input_ids, position_ids=positions, past_key_values=cache,
+                                      use_cache=True).last_hidden_state  # [1, Q, hidden]
+        last_rows = torch.tensor(query_lens, device=device).cumsum(0) - 1  # [num_seqs]
+        logits = model.get_output_embeddings()(hidden[0, last_rows]).float()  # [num_seqs, vocab]
+        for seq, n in zip(seqs, query_lens):
+            seq.own_length += n
+            seq.pending_ids, seq.pending_positions = [], []
+        return logits
+
+    def _segments(self, seqs: Seq[Sequence]) -> list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]]:
+        users: dict[str, list[int]] = defaultdict(list)
+        blocks = {}
+        for index, seq in enumerate(seqs):
+            for shared in seq.shared:
+                users[shared.key].append(index)
+                blocks[shared.key] = shared.block
+        # Attention over shared KV is permutation-invariant, so every block used by the same set of
+        # sequences joins one segment, wherever its positions are.
+        by_users: dict[tuple[int, ...], list[str]] = defaultdict(list)
+        for key, indices in users.items():
+            by_users[tuple(indices)].append(key)
+        segments, live = [], set()
+        for indices, keys in by_users.items():
+            group = tuple(sorted(keys))
+            live.add(group)
+            if len(group) == 1:
+                block = blocks[group[0]]
+                segments.append((block.keys, block.values, indices))
+                continue
+            if group not in self._groups:
+                # [num_layers, num_kv_heads, sum n, head_dim], built once per distinct block set
+                self._groups[group] = (torch.cat([blocks[k].keys for k in group], dim=2),
+                                       torch.cat([blocks[k].values for k in group], dim=2))
+            keys_cat, values_cat = self._groups[group]
+            segments.append((keys_cat, values_cat, indices))
+        for stale in set(self._groups) - live:
+            del self._groups[stale]
+        return segments
