@@ -28,3 +28,11 @@ def make_tiny_runtime(arch: str = "llama", *, dtype: torch.dtype = torch.float32
 @pytest.fixture
 def tiny_runtime():
     return make_tiny_runtime
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model (SmolLM2-135M-Instruct, fp32), loaded once per session."""
+    from promptcache.model_runtime import ModelConfig, load_model
+
+    return load_model(ModelConfig())

@@ -1,1 +1,30 @@
-"""promptcache.cache_store."""
+"""Tiered KV store: device -> host -> Redis (and/or disk); keys, budgets, eviction, serialization.
+
+Knows nothing about HTTP or requests; may hold tensors but never imports transformers.
+"""
+
+from promptcache.cache_store.block import KVBlock
+from promptcache.cache_store.config import StoreConfig, build_store
+from promptcache.cache_store.disk_tier import DiskTier
+from promptcache.cache_store.errors import (
+    BlockMismatchError,
+    CacheStoreError,
+    CapacityError,
+    CorruptBlockError,
+    RegistryUnavailableError,
+    SchemaExistsError,
+)
+from promptcache.cache_store.keys import make_kv_key
+from promptcache.cache_store.memory_tier import MemoryTier
+from promptcache.cache_store.redis_tier import RedisTier
+from promptcache.cache_store.schema_registry import SchemaRegistry, StoredSchema
+from promptcache.cache_store.serialization import dumps, loads
+from promptcache.cache_store.store import StoreStats, TieredStore, TierStats
+from promptcache.cache_store.tier import Tier
+
+__all__ = [
+    "BlockMismatchError", "CacheStoreError", "CapacityError", "CorruptBlockError", "DiskTier", "KVBlock",
+    "MemoryTier", "RedisTier", "RegistryUnavailableError", "SchemaExistsError", "SchemaRegistry", "StoreConfig",
+    "StoreStats", "StoredSchema", "Tier", "TierStats", "TieredStore", "build_store", "dumps", "loads",
+    "make_kv_key",
+]

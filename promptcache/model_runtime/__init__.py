@@ -1,1 +1,28 @@
-"""promptcache.model_runtime."""
+"""Model runtime: loading HF causal LMs, module encoding, cached prefill, generation, batched engine.
+
+The only package that imports torch/transformers.
+"""
+
+from promptcache.model_runtime.errors import (
+    EngineError,
+    ModelLoadError,
+    PromptTooLongError,
+    UnsupportedModelError,
+)
+from promptcache.model_runtime.loader import (
+    SUPPORTED_ARCHITECTURES,
+    LoadedModel,
+    ModelConfig,
+    load_model,
+    wrap_model,
+)
+from promptcache.model_runtime.module_encoder import EncodeReport, ModuleEncoder
+from promptcache.model_runtime.results import Completion, GenerationResult, ModuleUse, Timings, Usage
+from promptcache.model_runtime.runtime import ModelRuntime
+from promptcache.model_runtime.sampling import SamplingParams
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES", "Completion", "EncodeReport", "EngineError", "GenerationResult", "LoadedModel",
+    "ModelConfig", "ModelLoadError", "ModelRuntime", "ModuleEncoder", "ModuleUse", "PromptTooLongError",
+    "SamplingParams", "Timings", "UnsupportedModelError", "Usage", "load_model", "wrap_model",
+]

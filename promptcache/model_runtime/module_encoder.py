@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from promptcache.cache_store import KVBlock, make_kv_key
+from promptcache.model_runtime.errors import PromptTooLongError
 from promptcache.model_runtime.forward import run_tokens
 from promptcache.model_runtime.kv_buffer import KVBuffer
 from promptcache.model_runtime.loader import LoadedModel
@@ -121,8 +122,7 @@ class ModuleEncoder:
 
 
 def check_positions(position_ids: Sequence[int], max_positions: int) -> None:
-    from promptcache.model_runtime.errors import PromptTooLongError
-
+    """Raise PromptTooLongError if a position is beyond what the model was trained for."""
     if position_ids and max(position_ids) >= max_positions:
         raise PromptTooLongError(f"the prompt uses position {max(position_ids)}, but the model supports "
                                  f"positions below {max_positions}")

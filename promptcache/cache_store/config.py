@@ -1,0 +1,49 @@
+"""Store configuration and the factory that builds the tier chain."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from promptcache.cache_store.disk_tier import DiskTier
+from promptcache.cache_store.memory_tier import MemoryTier
+from promptcache.cache_store.redis_tier import RedisTier
+from promptcache.cache_store.store import TieredStore
+from promptcache.cache_store.tier import Tier
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Budgets and backends. The device tier holds blocks on the model's device; the host tier in CPU
+    memory (pinned when the device is a GPU); Redis and disk tiers are shared and persistent."""
+
+    device_max_bytes: int = 1 << 30
+    host_max_bytes: int = 4 << 30
+    redis_url: str | None = None
+    redis_max_bytes: int = 8 << 30
+    redis_namespace: str = "default"
+    redis_timeout_s: float = 0.5
+    redis_retry_interval_s: float = 2.0
+    disk_dir: str | None = None
+    disk_max_bytes: int = 16 << 30
+    write_through_shared: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("device_max_bytes", "host_max_bytes", "redis_max_bytes", "disk_max_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"StoreConfig.{name} must be > 0")
+        if self.redis_timeout_s <= 0:
+            raise ValueError("StoreConfig.redis_timeout_s must be > 0")
+
+
+def build_store(config: StoreConfig, device: str = "cpu") -> TieredStore:
+    """device -> host -> [redis] -> [disk]."""
+    tiers: list[Tier] = [
+        MemoryTier("device", config.device_max_bytes, device),
+        MemoryTier("host", config.host_max_bytes, "cpu", pin_memory=device != "cpu"),
+    ]
+    if config.redis_url:
+        tiers.append(RedisTier(config.redis_url, max_bytes=config.redis_max_bytes, namespace=config.redis_namespace,
+                               timeout_s=config.redis_timeout_s, retry_interval_s=config.redis_retry_interval_s))
+    if config.disk_dir:
+        tiers.append(DiskTier(config.disk_dir, max_bytes=config.disk_max_bytes))
+    return TieredStore(tiers, write_through_shared=config.write_through_shared)

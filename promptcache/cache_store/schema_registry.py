@@ -1,0 +1,100 @@
+"""Uploaded schema documents, persisted in Redis when configured so replicas and restarts see them."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from promptcache.cache_store.errors import RegistryUnavailableError, SchemaExistsError
+from promptcache.cache_store.redis_guard import logger
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSchema:
+    name: str
+    pml_text: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0
+
+
+class SchemaRegistry:
+    """Schema documents by name. In memory always; in Redis too when `redis_url` is given.
+
+    `save` raises SchemaExistsError for a taken name (unless overwrite) and RegistryUnavailableError
+    when Redis cannot be written; `load`/`list` fall back to what this process knows, with a warning.
+    """
+
+    def __init__(self, redis_url: str | None = None, *, namespace: str = "default", timeout_s: float = 0.5) -> None:
+        self._local: dict[str, StoredSchema] = {}
+        self._lock = threading.Lock()
+        self._prefix = f"promptcache:{namespace}:schema:"
+        self._client = None
+        if redis_url:
+            self._client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+    def save(self, name: str, pml_text: str, metadata: dict[str, Any] | None = None, *,
+             overwrite: bool = False) -> StoredSchema:
+        stored = StoredSchema(name, pml_text, dict(metadata or {}), time.time())
+        if self._client is not None:
+            value = json.dumps({"name": name, "pml_text": pml_text, "metadata": stored.metadata,
+                                "created_at": stored.created_at})
+            try:
+                if not self._client.set(self._prefix + name, value, nx=not overwrite):
+                    raise SchemaExistsError(f"schema {name!r} already exists")
+            except redis.RedisError as exc:
+                raise RegistryUnavailableError(f"cannot save schema {name!r} to Redis: {exc}") from None
+        with self._lock:
+            if not overwrite and name in self._local and self._client is None:
+                raise SchemaExistsError(f"schema {name!r} already exists")
+            self._local[name] = stored
+        return stored
+
+    def load(self, name: str) -> StoredSchema | None:
+        if self._client is not None:
+            try:
+                raw = self._client.get(self._prefix + name)
+            except redis.RedisError as exc:
+                logger.warning("schema registry unavailable (%s); using this process's copy", exc)
+            else:
+                if raw is None:
+                    with self._lock:
+                        self._local.pop(name, None)
+                    return None
+                stored = _decode(raw)
+                with self._lock:
+                    self._local[name] = stored
+                return stored
+        with self._lock:
+            return self._local.get(name)
+
+    def list(self) -> list[StoredSchema]:
+        if self._client is not None:
+            try:
+                names = [k.decode()[len(self._prefix):] for k in self._client.scan_iter(self._prefix + "*")]
+                found = [s for s in (self.load(n) for n in sorted(names)) if s is not None]
+                return found
+            except redis.RedisError as exc:
+                logger.warning("schema registry unavailable (%s); listing this process's copies", exc)
+        with self._lock:
+            return sorted(self._local.values(), key=lambda s: s.name)
+
+    def delete(self, name: str) -> bool:
+        removed = False
+        if self._client is not None:
+            try:
+                removed = bool(self._client.delete(self._prefix + name))
+            except redis.RedisError as exc:
+                raise RegistryUnavailableError(f"cannot delete schema {name!r} from Redis: {exc}") from None
+        with self._lock:
+            removed = self._local.pop(name, None) is not None or removed
+        return removed
+
+
+def _decode(raw: bytes) -> StoredSchema:
+    data = json.loads(raw)
+    return StoredSchema(data["name"], data["pml_text"], data.get("metadata", {}), data.get("created_at", 0.0))

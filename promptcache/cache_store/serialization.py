@@ -1,0 +1,81 @@
+"""A compact, versioned binary format for KV blocks, with a checksum and the key it belongs to.
+
+Layout (little endian): magic "PCKV" | u16 version | u8 dtype code | u8 reserved | 64-byte key (ascii hex,
+zero-padded) | 4 x u32 shape (layers, kv_heads, tokens, head_dim) | u64 payload length | 32-byte
+blake2b digest of the payload | payload = position ids (int64) + keys + values (raw bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import torch
+
+from promptcache.cache_store.block import KVBlock
+from promptcache.cache_store.errors import BlockMismatchError, CorruptBlockError
+
+MAGIC = b"PCKV"
+VERSION = 1
+_HEADER = struct.Struct("<4sHBB64s4IQ32s")
+_DTYPES = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}
+_CODES = {dtype: code for code, dtype in _DTYPES.items()}
+
+
+def dumps(block: KVBlock, key: str = "") -> bytes:
+    """Serialize `block` (stored under `key`)."""
+    if block.dtype not in _CODES:
+        raise BlockMismatchError(f"cannot serialize dtype {block.dtype}; supported: {list(_CODES)}")
+    parts = [_raw(block.position_ids.to(torch.int64)), _raw(block.keys), _raw(block.values)]
+    payload = b"".join(parts)
+    digest = hashlib.blake2b(payload, digest_size=32).digest()
+    header = _HEADER.pack(MAGIC, VERSION, _CODES[block.dtype], 0, key.encode("ascii").ljust(64, b"\0"),
+                          *block.keys.shape, len(payload), digest)
+    return header + payload
+
+
+def loads(data: bytes | bytearray | memoryview, *, expect_key: str | None = None) -> KVBlock:
+    """Parse and verify a blob; CorruptBlockError if damaged, BlockMismatchError if it is another key's."""
+    if len(data) < _HEADER.size:
+        raise CorruptBlockError(f"blob of {len(data)} bytes is shorter than the {_HEADER.size}-byte header")
+    magic, version, code, _, key, layers, heads, tokens, dim, length, digest = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise CorruptBlockError(f"bad magic {magic!r}")
+    if version != VERSION:
+        raise CorruptBlockError(f"unsupported format version {version} (this build reads {VERSION})")
+    if code not in _DTYPES:
+        raise CorruptBlockError(f"unknown dtype code {code}")
+    payload = memoryview(data)[_HEADER.size:]
+    if len(payload) != length:
+        raise CorruptBlockError(f"payload is {len(payload)} bytes, header says {length}")
+    if hashlib.blake2b(payload, digest_size=32).digest() != digest:
+        raise CorruptBlockError("checksum mismatch")
+    stored_key = key.rstrip(b"\0").decode("ascii")
+    if expect_key is not None and stored_key != expect_key:
+        raise BlockMismatchError(f"blob belongs to key {stored_key[:12]}..., not {expect_key[:12]}...")
+    dtype = _DTYPES[code]
+    buffer = bytearray(payload)  # one copy, writable, so tensors can own it
+    n_pos = tokens * 8
+    n_kv = layers * heads * tokens * dim * torch.empty((), dtype=dtype).element_size()
+    if n_pos + 2 * n_kv != length:
+        raise CorruptBlockError("shape does not match payload length")
+    positions = torch.frombuffer(buffer, dtype=torch.int64, count=tokens, offset=0) if tokens else \
+        torch.empty(0, dtype=torch.int64)
+    shape = (layers, heads, tokens, dim)
+    keys = _tensor(buffer, dtype, shape, n_pos)
+    values = _tensor(buffer, dtype, shape, n_pos + n_kv)
+    return KVBlock(keys, values, positions)
+
+
+def _raw(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: move the raw 16-bit words
+        flat = flat.view(torch.int16)
+    return flat.numpy().tobytes()
+
+
+def _tensor(buffer: bytearray, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
+    count = shape[0] * shape[1] * shape[2] * shape[3]
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)

@@ -1,0 +1,48 @@
+"""Attention kernels returning (out, lse): plain matmul, the fused CPU op, and flash-attn on GPU.
+
+All take q [G_kv, M, D] (query rows folded per KV head), k/v [G_kv, N, D] with N > 0, and an optional
+boolean mask [M, N] (True = attend). They return out [G_kv, M, D] and lse [G_kv, M] (fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def matmul_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Always-correct reference kernel, any dtype (scores in fp32)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [G_kv, M, N]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                  # [G_kv, M]
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)          # fully masked rows -> 0
+    return torch.matmul(probs, v.float()), lse
+
+
+def fused_cpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's fused CPU flash attention. Pitfalls handled: it crashes on empty KV (callers never pass
+    one) and reports lse = 0 for fully masked rows (masked calls go to matmul instead)."""
+    if mask is not None or k.shape[1] == 0:
+        return matmul_attend(q, k, v, scale, mask)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, False, scale=scale)  # [1, G_kv, M, D], [1, G_kv, M]
+    return out[0], lse[0]
+
+
+def flash_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash-attn on CUDA (optional dependency); returns its softmax_lse."""
+    if mask is not None or not q.is_cuda:
+        return matmul_attend(q, k, v, scale, mask)
+    from flash_attn import flash_attn_func
+
+    # flash-attn layout: [batch, seqlen, heads, dim]; one "head" per KV group keeps the folding.
+    out, lse, _ = flash_attn_func(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                  v.transpose(0, 1).unsqueeze(0), softmax_scale=scale, causal=False,
+                                  return_attn_probs=True)
+    return out[0].transpose(0, 1), lse[0].float()
+
+
+BACKENDS = {"matmul": matmul_attend, "fused_cpu": fused_cpu_attend, "flash": flash_attend}

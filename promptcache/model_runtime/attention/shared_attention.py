@@ -1,0 +1,137 @@
+"""Shared-module attention: Hydragen's shared-prefix decomposition generalised to shared *sets*.
+
+Per call (one layer): each shared segment is attended ONCE by the queries of every sequence that
+includes it, with sequences and the GQA group folded into the query axis (matrix-matrix, not
+matrix-vector); each sequence's own KV (new text + generated tokens) is attended causally; the
+partial results are merged exactly with log-sum-exp rescaling in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from promptcache.model_runtime.attention.backends import matmul_attend
+from promptcache.model_runtime.attention.dispatch import choose
+from promptcache.model_runtime.attention.segments import SharedSegment
+
+
+def shared_module_attention(
+    queries: torch.Tensor,
+    query_lens: Sequence[int],
+    own_keys: Sequence[torch.Tensor],
+    own_values: Sequence[torch.Tensor],
+    segments: Sequence[SharedSegment],
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """queries [total_q, H, D] grouped by sequence; own_keys[i] [H_kv, S_i, D] (S_i >= T_i: the last
+    T_i own keys are the queries' own tokens, attended causally). Returns [total_q, H, D]."""
+    total_q, num_heads, head_dim = queries.shape
+    num_kv_heads = _validate(queries, query_lens, own_keys, own_values, segments)
+    group = num_heads // num_kv_heads
+    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+
+    acc_out = torch.zeros((total_q, num_heads, head_dim), dtype=torch.float32, device=queries.device)  # [Q, H, D]
+    acc_lse = torch.full((total_q, num_heads), float("-inf"), dtype=torch.float32, device=queries.device)  # [Q, H]
+
+    def merge(rows: torch.Tensor | slice, out: torch.Tensor, lse: torch.Tensor) -> None:
+        # out [M, H, D], lse [M, H]: fold into the running result of rows `rows` (online LSE merge).
+        old_lse = acc_lse[rows]
+        new_lse = torch.logaddexp(old_lse, lse)
+        safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
+        acc_out[rows] = (acc_out[rows] * torch.exp(old_lse - safe).unsqueeze(-1)
+                         + out.float() * torch.exp(lse - safe).unsqueeze(-1))
+        acc_lse[rows] = new_lse
+
+    for segment in segments:
+        if segment.keys.shape[1] == 0:
+            continue  # an empty segment contributes nothing (and would crash the fused op)
+        rows = _rows(segment.seq_indices, starts, queries.device)
+        q = _fold(queries[rows], num_kv_heads, group)                    # [H_kv, M*G, D]
+        kernel = choose(backend, q, segment.keys)
+        out, lse = kernel(q, segment.keys, segment.values, scale)
+        merge(rows, *_unfold(out, lse, len(rows), num_kv_heads, group))
+
+    decode = [i for i, n in enumerate(query_lens) if n == 1 and own_keys[i].shape[1] > 0]
+    if decode:
+        out, lse = _own_decode(queries, starts, decode, own_keys, own_values, num_kv_heads, group, scale)
+        merge(torch.tensor([starts[i] for i in decode], device=queries.device), out, lse)
+    for i, n in enumerate(query_lens):
+        if n == 1 or own_keys[i].shape[1] == 0:
+            continue
+        keys, values = own_keys[i], own_values[i]
+        q = _fold(queries[starts[i]: starts[i + 1]], num_kv_heads, group)  # [H_kv, T*G, D]
+        # Bottom-right causal: query t of T sees own keys [0, S - T + t].
+        visible = torch.arange(keys.shape[1], device=q.device)[None, :] <= \
+            (keys.shape[1] - n + torch.arange(n, device=q.device))[:, None]  # [T, S]
+        mask = visible.repeat_interleave(group, dim=0)                        # [T*G, S]
+        out, lse = matmul_attend(q, keys, values, scale, mask)
+        merge(slice(starts[i], starts[i + 1]), *_unfold(out, lse, n, num_kv_heads, group))
+    return acc_out.to(queries.dtype)
+
+
+def _own_decode(queries, starts, seqs, own_keys, own_values, num_kv_heads, group, scale):
+    """One batched call for all single-token sequences: own KV padded to the longest, masked."""
+    lengths = torch.tensor([own_keys[i].shape[1] for i in seqs], device=queries.device)
+    longest = int(lengths.max())
+    head_dim = queries.shape[-1]
+    keys = queries.new_zeros((len(seqs), num_kv_heads, longest, head_dim))    # [B, H_kv, S_max, D]
+    values = queries.new_zeros((len(seqs), num_kv_heads, longest, head_dim))
+    for b, i in enumerate(seqs):
+        keys[b, :, : own_keys[i].shape[1]] = own_keys[i]
+        values[b, :, : own_values[i].shape[1]] = own_values[i]
+    q = queries[[starts[i] for i in seqs]].view(len(seqs), num_kv_heads, group, head_dim)  # [B, H_kv, G, D]
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale               # [B, H_kv, G, S_max]
+    valid = torch.arange(longest, device=queries.device)[None, :] < lengths[:, None]       # [B, S_max]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                                    # [B, H_kv, G]
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())               # [B, H_kv, G, D]
+    return out.reshape(len(seqs), -1, head_dim), lse.reshape(len(seqs), -1)                 # [B, H, D], [B, H]
+
+
+def _rows(seq_indices: Sequence[int], starts: list[int], device) -> torch.Tensor:
+    return torch.cat([torch.arange(starts[i], starts[i + 1], device=device) for i in seq_indices])
+
+
+def _fold(q: torch.Tensor, num_kv_heads: int, group: int) -> torch.Tensor:
+    # [M, H, D] -> [M, H_kv, G, D] -> [H_kv, M, G, D] -> [H_kv, M*G, D]: one KV head's queries in a block
+    m, _, d = q.shape
+    return q.view(m, num_kv_heads, group, d).permute(1, 0, 2, 3).reshape(num_kv_heads, m * group, d)
+
+
+def _unfold(out: torch.Tensor, lse: torch.Tensor, m: int, num_kv_heads: int, group: int):
+    # [H_kv, M*G, D] -> [M, H, D] and [H_kv, M*G] -> [M, H]
+    d = out.shape[-1]
+    out = out.view(num_kv_heads, m, group, d).permute(1, 0, 2, 3).reshape(m, num_kv_heads * group, d)
+    lse = lse.view(num_kv_heads, m, group).permute(1, 0, 2).reshape(m, num_kv_heads * group)
+    return out, lse
+
+
+def _validate(queries, query_lens, own_keys, own_values, segments) -> int:
+    if queries.dim() != 3:
+        raise ValueError(f"queries must be [total_q, heads, head_dim], got {tuple(queries.shape)}")
+    if sum(query_lens) != queries.shape[0] or any(n < 1 for n in query_lens):
+        raise ValueError(f"query_lens {list(query_lens)} must be >= 1 and sum to {queries.shape[0]}")
+    if len(own_keys) != len(query_lens) or len(own_values) != len(query_lens):
+        raise ValueError("one own_keys/own_values entry per sequence is required")
+    kv = [*own_keys, *(s.keys for s in segments)]
+    num_kv_heads = kv[0].shape[0]
+    for tensor in kv:
+        if tensor.dim() != 3 or tensor.shape[0] != num_kv_heads or tensor.shape[2] != queries.shape[2]:
+            raise ValueError(f"KV tensors must be [{num_kv_heads}, n, {queries.shape[2]}], got {tuple(tensor.shape)}")
+    if queries.shape[1] % num_kv_heads:
+        raise ValueError(f"{queries.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads")
+    for i, (keys, n) in enumerate(zip(own_keys, query_lens)):
+        if keys.shape[1] and keys.shape[1] < n:
+            raise ValueError(f"sequence {i} has {n} queries but only {keys.shape[1]} own keys")
+    for segment in segments:
+        if not segment.seq_indices or any(not 0 <= i < len(query_lens) for i in segment.seq_indices):
+            raise ValueError(f"segment seq_indices {segment.seq_indices} out of range")
+    return num_kv_heads

@@ -1,0 +1,19 @@
+"""The runtime's error tree."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Root of every model-runtime error."""
+
+
+class ModelLoadError(EngineError):
+    """A model or tokenizer could not be loaded."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model's architecture is not one promptcache supports."""
+
+
+class PromptTooLongError(EngineError):
+    """The prompt (or its generation) needs positions the model does not have."""

@@ -1,0 +1,95 @@
+"""Server errors and the ONE table that maps every domain exception to an HTTP status."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from promptcache.cache_store import CacheStoreError
+from promptcache.model_runtime.errors import EngineError, ModelLoadError, PromptTooLongError
+from promptcache.pml import PmlError, PmlLimitError, UnknownSchemaError
+
+
+class ServerError(Exception):
+    """Root of the server's own errors."""
+
+
+class NotReadyError(ServerError):
+    """The model is still loading."""
+
+
+class UnauthorizedError(ServerError):
+    """Missing or invalid API key."""
+
+
+class PayloadTooLargeError(ServerError):
+    """The request body exceeds the configured limit."""
+
+
+class SchemaExistsError(ServerError):
+    """A schema with that name is already loaded."""
+
+
+class SchemaNotFoundError(ServerError):
+    """No schema has that name."""
+
+
+class UnsupportedParameterError(ServerError):
+    """A request field asks for something this server does not do."""
+
+
+# Most specific first: the first matching row wins.
+ERROR_TABLE: list[tuple[type[Exception], int, str]] = [
+    (UnauthorizedError, 401, "authentication_error"),
+    (NotReadyError, 503, "service_unavailable"),
+    (PayloadTooLargeError, 413, "payload_too_large"),
+    (SchemaExistsError, 409, "schema_exists"),
+    (SchemaNotFoundError, 404, "schema_not_found"),
+    (UnknownSchemaError, 404, "schema_not_found"),
+    (UnsupportedParameterError, 400, "unsupported_parameter"),
+    (PmlLimitError, 413, "pml_limit_exceeded"),
+    (PmlError, 400, "invalid_pml"),
+    (PromptTooLongError, 400, "prompt_too_long"),
+    (ModelLoadError, 503, "model_unavailable"),
+    (EngineError, 500, "engine_error"),
+    (CacheStoreError, 503, "cache_unavailable"),
+    (ValueError, 400, "invalid_request"),
+]
+
+
+def status_for(exc: Exception) -> tuple[int, str]:
+    for cls, status, kind in ERROR_TABLE:
+        if isinstance(exc, cls):
+            return status, kind
+    return 500, "internal_error"
+
+
+def error_response(status: int, kind: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception through ERROR_TABLE; the body is always {"error": {"type", "message"}}."""
+
+    async def domain(request: Request, exc: Exception) -> JSONResponse:
+        status, kind = status_for(exc)
+        message = str(exc) if status < 500 or status == 503 else "internal server error"
+        return error_response(status, kind, f"{type(exc).__name__}: {message}" if status < 500 else message)
+
+    async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+            parts.append(f"{where or 'body'}: {error.get('msg')}")
+        return error_response(422, "invalid_request", "; ".join(parts))
+
+    async def http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, "http_error", str(exc.detail))
+
+    for cls, _, _ in ERROR_TABLE:
+        app.add_exception_handler(cls, domain)
+    app.add_exception_handler(Exception, domain)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(StarletteHTTPException, http)

@@ -1,0 +1,52 @@
+"""Server settings: the only place that reads the environment (prefix PROMPTCACHE_)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class ServerSettings(BaseSettings):
+    """Every knob of a promptcache server. Environment variables `PROMPTCACHE_<NAME>` set them; CLI
+    flags override the environment (the CLI passes them as keyword arguments)."""
+
+    model_config = SettingsConfigDict(env_prefix="PROMPTCACHE_", extra="ignore")
+
+    model: str | None = Field(None, description="HF model path or hub id; None serves SmolLM2-135M-Instruct")
+    dtype: str = "float32"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="accepted Bearer keys; empty = no auth")
+    redis_url: str | None = None
+    namespace: str = "default"
+    device_max_bytes: int = 1 << 30
+    host_max_bytes: int = 4 << 30
+    redis_max_bytes: int = 8 << 30
+    redis_timeout_s: float = 0.5
+    disk_dir: str | None = None
+    disk_max_bytes: int = 16 << 30
+    max_num_seqs: int = 64
+    max_kv_bytes: int = 2 << 30
+    attention_backend: str = "auto"
+    max_request_bytes: int = 2 << 20
+    max_schema_bytes: int = 4 << 20
+    max_tokens_limit: int = 4096
+    preload_examples: bool = True
+    model_cache_dir: str | None = None
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value):
+        if isinstance(value, str):  # PROMPTCACHE_API_KEYS="k1,k2"
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _check_dtype(cls, value: str) -> str:
+        if value not in ("float32", "bfloat16", "float16"):
+            raise ValueError("dtype must be float32, bfloat16 or float16")
+        return value
