@@ -36,3 +36,13 @@ def smollm2():
     from promptcache.model_runtime import ModelConfig, load_model
 
     return load_model(ModelConfig())
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh real Redis for one test; `redis_server.url`, `.stop()`, `.start()`."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
