@@ -102,7 +102,7 @@ def test_budgets_hold_under_random_operations(ops):
             truth.pop(key, None)
         for tier in tiers:
             assert tier.used_bytes <= tier.max_bytes
-            assert tier.used_bytes == sum(tier.get(k).nbytes for k in tier.keys() if tier.contains(k))
+            assert tier.used_bytes == sum(tier.get(k).nbytes for k in tier.keys() if tier.contains(k))  # noqa: SIM118 (a Tier, not a dict)
 
 
 def test_thread_safety_counters_add_up():
