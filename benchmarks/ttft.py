@@ -29,13 +29,14 @@ PROSE = ("The committee met on a grey morning to review the harbour plans. Engin
          "would still reach the old quay at low tide, and the chair promised a survey before winter. ")
 
 
-def make_texts(tokenizer, length: int, new_tokens: int = 64) -> tuple[str, str]:
-    """A document of about `length - new_tokens` tokens (after chat markup) and a question."""
-    question = ("Considering everything in the minutes above, what exactly did the chair promise the "
-                "fisherman about the old quay, and when will the survey of the harbour be completed?")
-    budget = length - new_tokens - 40  # system turn and role markup
-    ids = tokenizer.encode(PROSE * (budget // 40 + 2), add_special_tokens=False)[:budget]
-    return tokenizer.decode(ids), question
+QUESTION = ("Considering everything recorded in the minutes above, what exactly did the chair promise the "
+            "fisherman about reaching the old quay at low tide, which engineers spoke about the breakwater and the "
+            "dredging schedule, and when will the survey of the harbour be completed?")
+
+
+def document(tokenizer, num_tokens: int) -> str:
+    ids = tokenizer.encode(PROSE * (num_tokens // 40 + 2), add_special_tokens=False)[:num_tokens]
+    return tokenizer.decode(ids)
 
 
 def schema_and_prompt(document: str, question: str) -> tuple[str, str]:
@@ -53,8 +54,15 @@ def run(shape: str, lengths: list[int], runs: int, out: Path) -> list[dict]:
     records = []
     for length in lengths:
         runtime = ModelRuntime(loaded, build_store(StoreConfig(device_max_bytes=8 << 30), device="cpu"))
-        schema_text, prompt_text = schema_and_prompt(*make_texts(tokenizer, length))
-        report = runtime.add_schema(runtime.parse_schema(schema_text))
+        # Size the document so that the whole prompt is `length` tokens (markup and question included).
+        doc_tokens = length
+        for _ in range(3):
+            schema_text, prompt_text = schema_and_prompt(document(tokenizer, doc_tokens), QUESTION)
+            schema = runtime.parse_schema(schema_text)
+            runtime.add_schema(schema, encode=False)
+            total = runtime.plan(prompt_text).num_prompt_tokens
+            doc_tokens += length - total
+        report = runtime.add_schema(schema)
         plan = runtime.plan(prompt_text)
         ids = torch.tensor([plan.token_ids()])                 # [1, n]
         positions = torch.tensor([plan.position_ids()])        # [1, n]

@@ -48,7 +48,11 @@ class PromptError(PmlError):
 
 
 class UnknownSchemaError(PromptError):
-    """The prompt names a schema that is not loaded."""
+    """The prompt names a schema that is not loaded (`schema_name` says which)."""
+
+    def __init__(self, message: str, *, line: int | None = None, schema_name: str = "") -> None:
+        super().__init__(message, line=line)
+        self.schema_name = schema_name
 
 
 class UnknownModuleError(PromptError):

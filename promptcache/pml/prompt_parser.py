@@ -22,6 +22,8 @@ from promptcache.pml.schema import Schema, Segment
 from promptcache.pml.text_encoder import TextEncoder
 from promptcache.pml.xml_reader import parse_xml
 
+_XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
+
 
 def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
                  limits: PmlLimits | None = None, *, isolated: bool = False) -> PromptPlan:
@@ -36,7 +38,7 @@ def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
     if root.tag != "prompt":
         raise PromptError(f"the root element is <{root.tag}>; expected <prompt schema=...>", line=root.sourceline)
     for attribute in root.attrib:
-        if attribute != "schema":
+        if attribute not in ("schema", _XML_SPACE):
             raise PromptError(f"<prompt> has unknown attribute {attribute!r}; expected: schema", line=root.sourceline)
     name = root.get("schema")
     if name is None:
@@ -44,7 +46,7 @@ def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
     schema = schemas.get(name)
     if schema is None:
         raise UnknownSchemaError(f"<prompt> names unknown schema {name!r} (loaded: {sorted(schemas)})",
-                                 line=root.sourceline)
+                                 line=root.sourceline, schema_name=name)
     items = PromptReader(schema, encoder).read(root)
     return _build_plan(schema, items, isolated=isolated)
 

@@ -23,6 +23,8 @@ from promptcache.pml.schema import Schema
 from promptcache.pml.text_encoder import TextEncoder
 from promptcache.pml.xml_reader import TextItem, iter_content
 
+_XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
+
 
 @dataclass(slots=True)
 class ImportItem:
@@ -81,8 +83,8 @@ class PromptReader:
 
     def _role(self, element: etree._Element, *, is_last: bool) -> None:
         role, line = element.tag, element.sourceline
-        if element.attrib:
-            raise PromptError(f"<{role}> takes no attributes in a prompt", line=line)
+        if set(element.attrib) - {_XML_SPACE}:
+            raise PromptError(f"<{role}> takes no attributes in a prompt (except xml:space)", line=line)
         content = list(iter_content(element))
         imports = [c for c in content if not isinstance(c, TextItem)]
         if not imports:

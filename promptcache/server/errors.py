@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from promptcache.cache_store import CacheStoreError
+from promptcache.cache_store import SchemaExistsError as StoreSchemaExistsError
 from promptcache.model_runtime.errors import EngineError, ModelLoadError, PromptTooLongError
 from promptcache.pml import PmlError, PmlLimitError, UnknownSchemaError
 
@@ -40,6 +41,14 @@ class UnsupportedParameterError(ServerError):
     """A request field asks for something this server does not do."""
 
 
+class RequestRejectedError(ServerError):
+    """The engine cannot serve this request (e.g. it needs more KV than the whole budget)."""
+
+
+class EngineFailureError(ServerError):
+    """The engine failed while serving the request."""
+
+
 # Most specific first: the first matching row wins.
 ERROR_TABLE: list[tuple[type[Exception], int, str]] = [
     (UnauthorizedError, 401, "authentication_error"),
@@ -49,6 +58,9 @@ ERROR_TABLE: list[tuple[type[Exception], int, str]] = [
     (SchemaNotFoundError, 404, "schema_not_found"),
     (UnknownSchemaError, 404, "schema_not_found"),
     (UnsupportedParameterError, 400, "unsupported_parameter"),
+    (RequestRejectedError, 400, "request_rejected"),
+    (EngineFailureError, 500, "engine_error"),
+    (StoreSchemaExistsError, 409, "schema_exists"),
     (PmlLimitError, 413, "pml_limit_exceeded"),
     (PmlError, 400, "invalid_pml"),
     (PromptTooLongError, 400, "prompt_too_long"),

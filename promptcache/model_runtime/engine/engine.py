@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from promptcache.model_runtime.engine.config import EngineConfig
 from promptcache.model_runtime.engine.request import Request, TokenEvent
@@ -18,6 +20,7 @@ from promptcache.model_runtime.sampling import SamplingParams
 from promptcache.pml import PromptPlan
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Engine:
@@ -67,6 +70,14 @@ class Engine:
         self.start()
         return self._events(request_id, queue)
 
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `fn` on the engine thread between steps (module encoding and other model compute must
+        never run beside a batch step). Await it with `asyncio.wrap_future`."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._post("call", (fn, future))
+        self.start()
+        return future
+
     def abort(self, request_id: str) -> None:
         """Stop a request; its last event has finish_reason "abort" unless it already finished."""
         self._post("abort", request_id)
@@ -107,13 +118,24 @@ class Engine:
             for kind, item in inbox:
                 if kind == "submit":
                     self.scheduler.add(item)  # type: ignore[arg-type]
-                else:
+                elif kind == "abort":
                     self.scheduler.abort(item)  # type: ignore[arg-type]
+                else:
+                    self._run_call(*item)  # type: ignore[misc]
             try:
                 self._step()
             except Exception:  # a bug must not kill the engine silently: fail the running requests
                 logger.exception("engine step failed")
                 self._fail_all("internal engine error")
+
+    @staticmethod
+    def _run_call(fn: Callable[[], object], future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # delivered to the caller, who re-raises it
+            future.set_exception(exc)
 
     def _step(self) -> None:
         batch, events = self.scheduler.schedule()
@@ -133,4 +155,4 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         for request in self.scheduler.drop_all():
-            self._deliver(TokenEvent(request.request_id, 0, None, "", "error", error=message))
+            self._deliver(TokenEvent(request.request_id, 0, None, "", "error", error=message, error_type="internal"))

@@ -33,6 +33,7 @@ class TokenEvent:
     timings: Timings | None = None
     is_exact: bool | None = None
     error: str | None = None
+    error_type: str | None = None  # "invalid_request" (the request cannot be served) | "internal"
 
 
 class SeqStatus(enum.Enum):

@@ -231,7 +231,7 @@ class Scheduler:
         return list(requests.values())
 
     def _error(self, request: Request, message: str) -> TokenEvent:
-        return TokenEvent(request.request_id, 0, None, "", "error", error=message)
+        return TokenEvent(request.request_id, 0, None, "", "error", error=message, error_type="invalid_request")
 
 
 class _Placeholder:

@@ -1,0 +1,91 @@
+"""Command line: `promptcache serve | encode | explain`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="promptcache", description="LLM serving with prompt-module KV caching")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the HTTP server")
+    _model_flags(serve)
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--api-key", action="append", dest="api_keys", help="accepted Bearer key (repeatable)")
+    serve.add_argument("--no-examples", action="store_true", help="do not preload the bundled example schemas")
+    serve.add_argument("--log-level", default="info")
+
+    encode = commands.add_parser("encode", help="encode a schema's modules into the store (e.g. a shared Redis)")
+    _model_flags(encode)
+    encode.add_argument("schema", type=Path, help="a .pml schema file")
+
+    args = parser.parse_args(argv)
+    return _serve(args) if args.command == "serve" else _encode(args)
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="HF model path or hub id (default: built-in SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", help="cpu | cuda | cuda:N")
+    parser.add_argument("--redis-url", help="redis://host:port/db for the shared KV tier and schema registry")
+
+
+def _settings(args: argparse.Namespace):
+    from promptcache.server.settings import ServerSettings
+
+    # Flags win over PROMPTCACHE_* environment variables: only flags actually given are passed.
+    overrides = {k: v for k, v in {
+        "model": args.model, "dtype": args.dtype, "device": args.device, "redis_url": args.redis_url,
+        "host": getattr(args, "host", None), "port": getattr(args, "port", None),
+        "api_keys": getattr(args, "api_keys", None),
+        "preload_examples": False if getattr(args, "no_examples", False) else None,
+    }.items() if v is not None}
+    return ServerSettings(**overrides)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from promptcache.server import create_app
+
+    settings = _settings(args)
+    print(f"promptcache: serving {settings.model or 'SmolLM2-135M-Instruct (built-in)'} on "
+          f"http://{settings.host}:{settings.port} (GET /health turns 200 when the model is loaded)", flush=True)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
+    return 0
+
+
+def _encode(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from promptcache.cache_store import StoreConfig, build_store
+    from promptcache.model_runtime import ModelConfig, ModelRuntime, load_model
+
+    settings = _settings(args)
+    loaded = load_model(ModelConfig(settings.model, dtype=settings.dtype, device=settings.device))
+    store = build_store(StoreConfig(redis_url=settings.redis_url, redis_namespace=settings.namespace),
+                        device=settings.device)
+    runtime = ModelRuntime(loaded, store)
+    schema = runtime.parse_schema(args.schema.read_text())
+    with tqdm(total=len(schema.segments), desc=f"encoding {schema.name}", unit="segment") as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+
+        report = runtime.add_schema(schema, progress=progress)
+    print(json.dumps({"schema": schema.name, "num_tokens": schema.num_positions, "segments": report.num_segments,
+                      "encoded": report.num_encoded, "encode_ms": round(report.encode_ms, 1),
+                      "stored_in": [t.name for t in store.tiers]}))
+    if not settings.redis_url:
+        print("note: without --redis-url the encoded KV lives only in this process", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

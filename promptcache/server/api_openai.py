@@ -1,0 +1,149 @@
+"""OpenAI-compatible API: /v1/completions, /v1/chat/completions (with PML module imports), /v1/models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from xml.sax.saxutils import escape
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+
+from promptcache.pml import PromptPlan
+from promptcache.server.errors import UnsupportedParameterError
+from promptcache.server.generation import (
+    DONE,
+    collect,
+    raise_for_error,
+    record,
+    sampling_params,
+    sse,
+    sse_error,
+)
+from promptcache.server.openai_wire import ChatCompletionRequest, CompletionRequest, _OpenAIFields
+from promptcache.server.service import PLAIN_SCHEMA, PromptService
+from promptcache.server.state import Service
+
+router = APIRouter(prefix="/v1")
+
+
+@router.get("/models")
+async def models(service: Service) -> dict:
+    return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": 0,
+                                        "owned_by": "promptcache"}]}
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, service: Service):
+    _refuse_unsupported(body)
+    if body.echo or body.suffix:
+        raise UnsupportedParameterError("echo and suffix are not supported")
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if len(prompts) != 1:
+        raise UnsupportedParameterError("send one prompt per request (batching happens in the server)")
+    text = prompts[0]
+    pml = text if text.lstrip().startswith("<prompt") else \
+        f'<prompt schema="{PLAIN_SCHEMA}" xml:space="preserve">{escape(text)}</prompt>'
+    return await _run(service, body, service.plan(pml), "cmpl", "text_completion", chat=False)
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, service: Service):
+    _refuse_unsupported(body)
+    if body.tools:
+        raise UnsupportedParameterError("tools are not supported")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise UnsupportedParameterError("only response_format type 'text' is supported")
+    if body.max_completion_tokens is not None:
+        body.max_tokens = body.max_completion_tokens
+    elif "max_tokens" not in body.model_fields_set:
+        body.max_tokens = min(256, service.settings.max_tokens_limit)
+    turns = []
+    for index, message in enumerate(body.messages):
+        content = message.content if isinstance(message.content, str) else "".join(
+            part.get("text", "") for part in message.content or [] if part.get("type") == "text")
+        if not isinstance(message.content, (str, type(None))) and any(
+                part.get("type") != "text" for part in message.content or []):
+            raise UnsupportedParameterError(f"messages[{index}]: only text content parts are supported")
+        role = "system" if message.role == "developer" else message.role
+        # With a schema, content is PML (so <module-name/> imports modules); otherwise it is plain text.
+        body_text = content if body.schema_name else escape(content)
+        turns.append(f"<{role}>{body_text}</{role}>")
+    schema = body.schema_name or PLAIN_SCHEMA
+    pml = f'<prompt schema="{escape(schema, {chr(34): "&quot;"})}" xml:space="preserve">{"".join(turns)}<assistant/></prompt>'
+    return await _run(service, body, service.plan(pml), "chatcmpl", "chat.completion", chat=True)
+
+
+def _refuse_unsupported(body: _OpenAIFields) -> None:
+    if body.logprobs not in (None, False, 0):
+        raise UnsupportedParameterError("logprobs are not supported")
+    if body.presence_penalty or body.frequency_penalty or body.logit_bias:
+        raise UnsupportedParameterError("presence/frequency penalties and logit_bias are not supported")
+    if body.best_of not in (None, 1):
+        raise UnsupportedParameterError("best_of is not supported")
+
+
+async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, prefix: str, obj: str, *, chat: bool):
+    params = sampling_params(body, service.settings.max_tokens_limit)
+    request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+    created = int(time.time())
+    events = service.submit(plan, params, body.cache_salt, request_id)
+    head = {"id": request_id, "object": obj, "created": created, "model": service.model_name}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(service, events, head, chat, include_usage, plan),
+                                 media_type="text/event-stream")
+    outcome = await collect(events, params.n)
+    record(service.metrics, outcome.final, outcome.finish_reasons)
+    choices = []
+    for index, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons)):
+        choice = {"index": index, "finish_reason": _reason(reason), "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        choices.append(choice)
+    return {**head, "choices": choices, "usage": _usage(outcome.final),
+            "promptcache": _extension(outcome.final, plan)}
+
+
+async def _stream(service, events, head: dict, chat: bool, include_usage: bool, plan: PromptPlan):
+    obj = head["object"] + (".chunk" if chat else "")
+    started: set[int] = set()
+    reasons: dict[int, str | None] = {}
+    try:
+        async for event in events:
+            raise_for_error(event)
+            choice: dict = {"index": event.index, "finish_reason": _reason(event.finish_reason), "logprobs": None}
+            if chat:
+                delta = {"content": event.text}
+                if event.index not in started:
+                    delta["role"] = "assistant"
+                    started.add(event.index)
+                choice["delta"] = delta
+            else:
+                choice["text"] = event.text
+            if event.finish_reason is not None:
+                reasons[event.index] = event.finish_reason
+            yield sse({**head, "object": obj, "choices": [choice]})
+            if event.usage is not None:
+                record(service.metrics, event, list(reasons.values()))
+                if include_usage:
+                    yield sse({**head, "object": obj, "choices": [], "usage": _usage(event),
+                               "promptcache": _extension(event, plan)})
+    except Exception as exc:
+        yield sse_error(exc)
+    yield DONE
+
+
+def _reason(reason: str | None) -> str | None:
+    return None if reason is None else ("stop" if reason == "abort" else reason)
+
+
+def _usage(final) -> dict:
+    u = final.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def _extension(final, plan: PromptPlan) -> dict:
+    return {"exact": bool(final.is_exact), "approximations": list(plan.approximations),
+            "modules": [{"path": m.path, "num_tokens": m.num_tokens, "tier": m.tier} for m in final.modules or ()],
+            "timings": {"ttft_ms": round(final.timings.ttft_ms, 3), "total_ms": round(final.timings.total_ms, 3)}}

@@ -1,0 +1,97 @@
+"""Turning engine events into responses: sampling params from wire fields, collecting, SSE framing."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from promptcache.model_runtime import SamplingParams
+from promptcache.model_runtime.engine import TokenEvent
+from promptcache.server.errors import (
+    EngineFailureError,
+    RequestRejectedError,
+    UnsupportedParameterError,
+    status_for,
+)
+from promptcache.server.metrics import Metrics
+from promptcache.server.wire import CacheReport, ModuleReport, SamplingFields, Timings, Usage
+
+DONE = "data: [DONE]\n\n"
+
+
+def sampling_params(fields: SamplingFields, max_tokens_limit: int) -> SamplingParams:
+    if fields.max_tokens > max_tokens_limit:
+        raise UnsupportedParameterError(f"max_tokens is {fields.max_tokens}; this server allows at most "
+                                        f"{max_tokens_limit}")
+    stop = [fields.stop] if isinstance(fields.stop, str) else list(fields.stop or [])
+    if len(stop) > 8 or any(not s for s in stop):
+        raise UnsupportedParameterError("stop takes at most 8 non-empty strings")
+    return SamplingParams(max_tokens=fields.max_tokens, temperature=fields.temperature, top_p=fields.top_p,
+                          top_k=fields.top_k, n=fields.n, seed=fields.seed, stop=tuple(stop))
+
+
+def raise_for_error(event: TokenEvent) -> None:
+    if event.error is not None:
+        if event.error_type == "invalid_request":
+            raise RequestRejectedError(event.error)
+        raise EngineFailureError(event.error)
+
+
+@dataclass
+class Outcome:
+    """A finished request: per-sample text and finish reason, and the final event's report."""
+
+    texts: list[str]
+    finish_reasons: list[str | None]
+    final: TokenEvent
+    started: float = field(default_factory=time.perf_counter)
+
+
+async def collect(events: AsyncIterator[TokenEvent], n: int) -> Outcome:
+    texts, reasons = [""] * n, [None] * n
+    final = None
+    async for event in events:
+        raise_for_error(event)
+        texts[event.index] += event.text
+        if event.finish_reason is not None:
+            reasons[event.index] = event.finish_reason
+        if event.usage is not None:
+            final = event
+    assert final is not None, "the engine always ends a request with a final event"
+    return Outcome(texts, reasons, final)
+
+
+def record(metrics: Metrics, final: TokenEvent, finish_reasons: list[str | None]) -> None:
+    usage, timings = final.usage, final.timings
+    metrics.observe(ttft_s=timings.ttft_ms / 1e3, e2e_s=timings.total_ms / 1e3, prompt_tokens=usage.prompt_tokens,
+                    cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
+                    finish_reasons=[r or "unknown" for r in finish_reasons])
+
+
+def wire_usage(final: TokenEvent) -> Usage:
+    u = final.usage
+    return Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens, completion_tokens=u.completion_tokens,
+                 total_tokens=u.total_tokens, computed_tokens=u.computed_tokens)
+
+
+def wire_cache(final: TokenEvent, approximations: tuple[str, ...]) -> CacheReport:
+    return CacheReport(exact=bool(final.is_exact), approximations=list(approximations),
+                       modules=[ModuleReport(path=m.path, num_tokens=m.num_tokens, tier=m.tier)
+                                for m in final.modules or ()])
+
+
+def wire_timings(final: TokenEvent) -> Timings:
+    t = final.timings
+    return Timings(ttft_ms=round(t.ttft_ms, 3), total_ms=round(t.total_ms, 3), encode_ms=round(t.encode_ms, 3),
+                   assembly_ms=round(t.assembly_ms, 3), prefill_ms=round(t.prefill_ms, 3))
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    status, kind = status_for(exc)
+    return sse({"error": {"type": kind, "message": str(exc), "status": status}})

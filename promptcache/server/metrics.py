@@ -1,0 +1,90 @@
+"""Prometheus metrics with vLLM-style names (prefix `promptcache:`), one registry per app."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+
+
+class Metrics:
+    """Request-level counters are updated by the service; engine and store state is read at scrape time."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.ttft = Histogram("promptcache:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("promptcache:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+                             registry=self.registry)
+        self.prompt_tokens = Counter("promptcache:prompt_tokens", "Prompt tokens processed.", labels,
+                                     registry=self.registry)
+        self.cached_prompt_tokens = Counter("promptcache:cached_prompt_tokens", "Prompt tokens served from cache.",
+                                            labels, registry=self.registry)
+        self.generation_tokens = Counter("promptcache:generation_tokens", "Generated tokens.", labels,
+                                         registry=self.registry)
+        self.requests = Counter("promptcache:request_success", "Finished requests by finish reason.",
+                                [*labels, "finished_reason"], registry=self.registry)
+        self._sources: list[Callable[[], Iterator]] = []
+        self.registry.register(_Live(self))
+
+    def observe(self, *, ttft_s: float, e2e_s: float, prompt_tokens: int, cached_tokens: int,
+                completion_tokens: int, finish_reasons: list[str]) -> None:
+        m = self.model_name
+        self.ttft.labels(m).observe(ttft_s)
+        self.e2e.labels(m).observe(e2e_s)
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.cached_prompt_tokens.labels(m).inc(cached_tokens)
+        self.generation_tokens.labels(m).inc(completion_tokens)
+        for reason in finish_reasons:
+            self.requests.labels(m, reason).inc()
+
+    def add_source(self, source: Callable[[], Iterator]) -> None:
+        """`source()` yields metric families describing live state (engine queue, store tiers)."""
+        self._sources.append(source)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Live:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        for source in self.metrics._sources:
+            yield from source()
+
+
+def engine_families(engine, encoder, model_name: str) -> Iterator:
+    running = GaugeMetricFamily("promptcache:num_requests_running", "Sequences in the running batch.",
+                                labels=["model_name"])
+    running.add_metric([model_name], engine.num_running)
+    waiting = GaugeMetricFamily("promptcache:num_requests_waiting", "Requests waiting for admission.",
+                                labels=["model_name"])
+    waiting.add_metric([model_name], engine.num_waiting)
+    kv = GaugeMetricFamily("promptcache:kv_cache_usage_bytes", "KV bytes held by the running batch.",
+                           labels=["model_name"])
+    kv.add_metric([model_name], engine.scheduler.memory.used_bytes)
+    encodings = CounterMetricFamily("promptcache:module_encodings", "Segments encoded (cache misses in every tier).",
+                                    labels=["model_name"])
+    encodings.add_metric([model_name], encoder.num_encoded_segments)
+    yield from (running, waiting, kv, encodings)
+
+
+def store_families(store) -> Iterator:
+    stats = store.stats()
+    queries = CounterMetricFamily("promptcache:cache_queries", "KV lookups that reached a tier.", labels=["tier"])
+    hits = CounterMetricFamily("promptcache:cache_hits", "KV lookups answered by a tier.", labels=["tier"])
+    evictions = CounterMetricFamily("promptcache:cache_evictions", "Blocks evicted from a tier.", labels=["tier"])
+    used = GaugeMetricFamily("promptcache:cache_usage_bytes", "Bytes held by a tier.", labels=["tier"])
+    for tier in stats.tiers:
+        queries.add_metric([tier.name], tier.hits + tier.misses)
+        hits.add_metric([tier.name], tier.hits)
+        evictions.add_metric([tier.name], tier.evictions)
+        used.add_metric([tier.name], tier.used_bytes)
+    yield from (queries, hits, evictions, used)

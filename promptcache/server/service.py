@@ -1,0 +1,140 @@
+"""PromptService: the server's one gateway to schemas, plans, the engine, the store and metrics.
+
+Model compute (module encoding) runs on the engine thread via `Engine.call`; nothing here blocks the
+event loop on a tensor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from importlib import resources
+from typing import TypeVar
+
+from promptcache.cache_store import SchemaRegistry, StoreConfig, build_store
+from promptcache.model_runtime import LoadedModel, ModelRuntime, SamplingParams
+from promptcache.model_runtime.engine import Engine, EngineConfig, TokenEvent
+from promptcache.pml import PmlLimits, PromptPlan, Schema, UnknownSchemaError
+from promptcache.server.errors import SchemaExistsError, SchemaNotFoundError
+from promptcache.server.metrics import Metrics, engine_families, store_families
+from promptcache.server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+PLAIN_SCHEMA = "__plain__"  # the empty schema that plain-text and chat prompts are resolved against
+T = TypeVar("T")
+
+
+class PromptService:
+    """Owns the runtime, engine, store, schema registry and metrics of one server process."""
+
+    def __init__(self, settings: ServerSettings, loaded: LoadedModel) -> None:
+        self.settings = settings
+        self.model_name = loaded.name
+        self.store = build_store(StoreConfig(
+            device_max_bytes=settings.device_max_bytes, host_max_bytes=settings.host_max_bytes,
+            redis_url=settings.redis_url, redis_max_bytes=settings.redis_max_bytes,
+            redis_namespace=settings.namespace, redis_timeout_s=settings.redis_timeout_s,
+            disk_dir=settings.disk_dir, disk_max_bytes=settings.disk_max_bytes), device=settings.device)
+        self.registry = SchemaRegistry(settings.redis_url, namespace=settings.namespace,
+                                       timeout_s=settings.redis_timeout_s)
+        limits = PmlLimits(max_schema_bytes=settings.max_schema_bytes, max_prompt_bytes=settings.max_request_bytes)
+        self.runtime = ModelRuntime(loaded, self.store, limits)
+        self.engine = Engine(self.runtime.module_encoder, EngineConfig(
+            max_num_seqs=settings.max_num_seqs, max_kv_bytes=settings.max_kv_bytes,
+            attention_backend=settings.attention_backend))
+        self.metrics = Metrics(self.model_name)
+        self.metrics.add_source(lambda: engine_families(self.engine, self.runtime.module_encoder, self.model_name))
+        self.metrics.add_source(lambda: store_families(self.store))
+        self.runtime.add_schema(self.runtime.parse_schema(f'<schema name="{PLAIN_SCHEMA}"/>'), encode=False)
+        self.encode_ms: dict[str, float] = {}
+
+    async def start(self) -> None:
+        """Start the engine, adopt schemas persisted in the registry, preload the bundled examples."""
+        self.engine.start()
+        for stored in self.registry.list():
+            self._adopt(stored.name, stored.pml_text)
+        if self.settings.preload_examples:
+            for example in sorted(resources.files("promptcache.examples").iterdir(), key=lambda p: p.name):
+                if example.name.endswith(".pml"):
+                    schema = self.runtime.parse_schema(example.read_text())
+                    if self.runtime.get_schema(schema.name) is None:
+                        await self.create_schema(example.read_text())
+
+    def close(self) -> None:
+        self.engine.stop()
+
+    async def on_engine(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.engine.call(fn))
+
+    # -- schemas -----------------------------------------------------------------------------------
+    async def create_schema(self, pml: str) -> Schema:
+        schema = self.runtime.parse_schema(pml)
+        if schema.name == PLAIN_SCHEMA or self.ensure_schema(schema.name) is not None:
+            raise SchemaExistsError(f"schema {schema.name!r} already exists; DELETE it first to replace it")
+        self.registry.save(schema.name, pml, {"num_tokens": schema.num_positions})
+        report = await self.on_engine(lambda: self.runtime.add_schema(schema))
+        self.encode_ms[schema.name] = report.encode_ms if report else 0.0
+        return schema
+
+    def list_schemas(self) -> list[Schema]:
+        for stored in self.registry.list():
+            if self.runtime.get_schema(stored.name) is None:
+                self._adopt(stored.name, stored.pml_text)
+        return [s for n in self.runtime.schema_names() if n != PLAIN_SCHEMA
+                for s in [self.runtime.get_schema(n)] if s is not None]
+
+    def get_schema(self, name: str) -> Schema:
+        schema = self.ensure_schema(name) if name != PLAIN_SCHEMA else None
+        if schema is None:
+            raise SchemaNotFoundError(f"no schema named {name!r}")
+        return schema
+
+    async def delete_schema(self, name: str) -> None:
+        schema = self.get_schema(name)
+        self.runtime.remove_schema(name)
+        self.registry.delete(name)
+        self.encode_ms.pop(name, None)
+        encoder = self.runtime.module_encoder
+        contexts = [(s.segment_id, s.context_ids) for s in schema.segments]
+        contexts += [(sid, ctx) for sc in schema.scaffolds for sid, ctx in sc.contexts.items()]
+        for segment_id, context_ids in contexts:  # unsalted KV; salted copies age out by LRU
+            self.store.delete(encoder.key(schema, segment_id, context_ids, None))
+
+    def ensure_schema(self, name: str) -> Schema | None:
+        """The schema, from this process or from the shared registry (uploaded by another replica)."""
+        schema = self.runtime.get_schema(name)
+        if schema is not None:
+            return schema
+        stored = self.registry.load(name)
+        return self._adopt(name, stored.pml_text) if stored is not None else None
+
+    def _adopt(self, name: str, pml: str) -> Schema | None:
+        """Register a persisted schema without encoding: its KV is fetched from the shared tier (or
+        encoded on first use if no tier has it)."""
+        try:
+            schema = self.runtime.parse_schema(pml)
+        except Exception as exc:  # a registry entry this model cannot parse must not break startup
+            logger.warning("skipping stored schema %r: %s", name, exc)
+            return None
+        self.runtime.add_schema(schema, encode=False)
+        return schema
+
+    # -- prompts -----------------------------------------------------------------------------------
+    def plan(self, prompt: str, *, isolated: bool = False) -> PromptPlan:
+        try:
+            return self.runtime.plan(prompt, isolated=isolated)
+        except UnknownSchemaError as exc:
+            if exc.schema_name and exc.schema_name != PLAIN_SCHEMA and self.ensure_schema(exc.schema_name):
+                return self.runtime.plan(prompt, isolated=isolated)
+            raise
+
+    def submit(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None,
+               request_id: str) -> AsyncIterator[TokenEvent]:
+        return self.engine.submit(plan, params, cache_salt=cache_salt, request_id=request_id)
+
+    def locate(self, plan: PromptPlan, cache_salt: str | None) -> list[str | None]:
+        """For each cached segment of the plan, the tier holding its KV (None: would be computed)."""
+        encoder = self.runtime.module_encoder
+        return [self.store.contains(encoder.key(plan.schema, c.segment.segment_id, c.context_ids, cache_salt))
+                for c in plan.cached]

@@ -1,0 +1,21 @@
+"""Access to the app's PromptService from routes (503 while the model loads)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from promptcache.server.errors import NotReadyError
+from promptcache.server.service import PromptService
+
+
+def get_service(request: Request) -> PromptService:
+    service = getattr(request.app.state, "service", None)
+    if service is None:
+        error = getattr(request.app.state, "load_error", None)
+        raise NotReadyError(f"model failed to load: {error}" if error else "the model is still loading")
+    return service
+
+
+Service = Annotated[PromptService, Depends(get_service)]
