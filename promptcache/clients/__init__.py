@@ -1,1 +1,58 @@
-"""promptcache.clients."""
+"""promptcache Python SDK: sync and async clients, streaming, PML builder, @prompt programs.
+
+Imports only httpx and pydantic (the base install of `promptcache` is this SDK).
+"""
+
+from promptcache.clients.async_client import AsyncClient
+from promptcache.clients.errors import (
+    APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
+    AuthenticationError,
+    BadRequestError,
+    ConflictError,
+    InternalServerError,
+    NotFoundError,
+    PayloadTooLargeError,
+    PromptCacheError,
+    RateLimitError,
+    ServiceUnavailableError,
+    UnprocessableEntityError,
+)
+from promptcache.clients.pml_builder import (
+    Assistant,
+    AssistantTurn,
+    Import,
+    Module,
+    Param,
+    Prompt,
+    Scaffold,
+    Schema,
+    System,
+    Union,
+    User,
+)
+from promptcache.clients.prompt_program import PromptProgram, Recorder, prompt
+from promptcache.clients.streaming import AsyncStream, Stream
+from promptcache.clients.sync_client import Client
+from promptcache.clients.types import (
+    CacheReport,
+    Choice,
+    Explanation,
+    Generation,
+    GenerationChunk,
+    ModuleInfo,
+    ModuleReport,
+    SchemaInfo,
+    Timings,
+    Usage,
+)
+
+__all__ = [
+    "APIConnectionError", "APIStatusError", "APITimeoutError", "Assistant", "AssistantTurn", "AsyncClient",
+    "AsyncStream", "AuthenticationError", "BadRequestError", "CacheReport", "Choice", "Client", "ConflictError",
+    "Explanation", "Generation", "GenerationChunk", "Import", "InternalServerError", "Module", "ModuleInfo",
+    "ModuleReport", "NotFoundError", "Param", "PayloadTooLargeError", "Prompt", "PromptCacheError", "PromptProgram",
+    "RateLimitError", "Recorder", "Scaffold", "Schema", "SchemaInfo", "ServiceUnavailableError", "Stream", "System",
+    "Timings", "Union", "UnprocessableEntityError", "Usage", "User", "prompt",
+]

@@ -1,0 +1,109 @@
+"""AsyncClient: the asynchronous SDK (httpx.AsyncClient); same surface as Client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, overload
+
+import httpx
+
+from promptcache.clients.base import DEFAULT_BASE_URL, BaseClient, RequestSpec
+from promptcache.clients.errors import APIConnectionError, APITimeoutError
+from promptcache.clients.streaming import AsyncStream
+from promptcache.clients.types import Explanation, Generation, GenerationChunk, SchemaInfo
+
+
+class AsyncSchemas:
+    """`client.schemas` (async): upload, list, get and delete PML schemas."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def create(self, pml: str) -> SchemaInfo:
+        """Upload a schema; its modules are encoded before this returns. ConflictError if the name exists."""
+        return BaseClient.parse(await self._client._send(RequestSpec("POST", "/v1/schemas", {"pml": pml})), SchemaInfo)
+
+    async def list(self) -> list[SchemaInfo]:
+        data = (await self._client._send(RequestSpec("GET", "/v1/schemas"))).json()["data"]
+        return [SchemaInfo.model_validate(item) for item in data]
+
+    async def get(self, name: str) -> SchemaInfo:
+        return BaseClient.parse(await self._client._send(RequestSpec("GET", f"/v1/schemas/{name}")), SchemaInfo)
+
+    async def delete(self, name: str) -> None:
+        await self._client._send(RequestSpec("DELETE", f"/v1/schemas/{name}"))
+
+
+class AsyncClient(BaseClient):
+    """Asynchronous promptcache client. Retries 429/5xx/connection errors with backoff."""
+
+    def __init__(self, base_url: str = DEFAULT_BASE_URL, *, api_key: str | None = None, timeout_s: float = 60.0,
+                 max_retries: int = 2, http_client: httpx.AsyncClient | None = None,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        super().__init__(base_url, api_key, timeout_s, max_retries)
+        self._http = http_client or httpx.AsyncClient(timeout=timeout_s)
+        self._sleep = sleep
+        self.schemas = AsyncSchemas(self)
+
+    @overload
+    async def generate(self, prompt: str, *, stream: Literal[False] = False, **kwargs: Any) -> Generation: ...
+
+    @overload
+    async def generate(self, prompt: str, *, stream: Literal[True], **kwargs: Any) -> AsyncStream[GenerationChunk]: ...
+
+    async def generate(self, prompt: str, *, max_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, n: int | None = None,
+                 stop: str | list[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
+                 stream: bool = False) -> Generation | AsyncStream[GenerationChunk]:
+        """Generate from a PML prompt (`<prompt schema="...">`). With `stream=True`, iterate chunks."""
+        body = self.generate_body(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  n=n, stop=stop, seed=seed, cache_salt=cache_salt, stream=stream)
+        response = await self._send(RequestSpec("POST", "/v1/generate", body, stream=stream))
+        return AsyncStream(response, GenerationChunk) if stream else self.parse(response, Generation)
+
+    async def explain(self, prompt: str, cache_salt: str | None = None) -> Explanation:
+        """Dry run: which modules hit and on which tier, tokens to compute, exact or not."""
+        body = self.body(prompt=prompt, cache_salt=cache_salt)
+        return self.parse(await self._send(RequestSpec("POST", "/v1/prompts/explain", body)), Explanation)
+
+    async def health(self) -> bool:
+        try:
+            return (await self._http.get(self.base_url + "/health", timeout=self.timeout_s)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def _send(self, spec: RequestSpec) -> httpx.Response:
+        attempt = 0
+        while True:
+            request = self._http.build_request(spec.method, self.base_url + spec.path, json=spec.json,
+                                               headers=self.headers())
+            try:
+                response = await self._http.send(request, stream=spec.stream)
+            except httpx.TimeoutException as exc:
+                if not self.should_retry(attempt, self.max_retries, error=exc):
+                    raise APITimeoutError(f"{spec.method} {spec.path} timed out") from exc
+                await self._sleep(self.backoff_s(attempt))
+            except httpx.TransportError as exc:
+                if not self.should_retry(attempt, self.max_retries, error=exc):
+                    raise APIConnectionError(f"{spec.method} {spec.path}: {exc}") from exc
+                await self._sleep(self.backoff_s(attempt))
+            else:
+                if response.status_code < 400:
+                    return response
+                if spec.stream:
+                    await response.aread()
+                if not self.should_retry(attempt, self.max_retries, status=response.status_code):
+                    self.raise_for_status(response)
+                await self._sleep(self.backoff_s(attempt, response.headers.get("retry-after")))
+                await response.aclose()
+            attempt += 1
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

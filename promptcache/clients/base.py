@@ -1,0 +1,105 @@
+"""The SDK's pure logic, shared by Client and AsyncClient: requests, responses, retries, streams."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from promptcache.clients.errors import error_for
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+INITIAL_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 8.0
+MAX_RETRY_AFTER_S = 60.0
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    method: str
+    path: str
+    json: dict[str, Any] | None = None
+    stream: bool = False
+
+
+class BaseClient:
+    """Everything but sending and sleeping."""
+
+    def __init__(self, base_url: str, api_key: str | None, timeout_s: float, max_retries: int) -> None:
+        if max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+
+    def headers(self) -> dict[str, str]:
+        headers = {"Accept": "application/json", "User-Agent": "promptcache-python"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    @staticmethod
+    def body(**fields: Any) -> dict[str, Any]:
+        """JSON body without the fields left unset (None)."""
+        return {k: v for k, v in fields.items() if v is not None}
+
+    @staticmethod
+    def should_retry(attempt: int, max_retries: int, *, status: int | None = None,
+                     error: Exception | None = None) -> bool:
+        if attempt >= max_retries:
+            return False
+        if error is not None:
+            return isinstance(error, (httpx.TransportError, httpx.TimeoutException))
+        return status in RETRY_STATUSES
+
+    @staticmethod
+    def backoff_s(attempt: int, retry_after: str | None = None, *, rng: random.Random | None = None) -> float:
+        """Seconds to wait before retry `attempt + 1`: Retry-After if the server sent one (capped),
+        else exponential with jitter, capped."""
+        if retry_after is not None:
+            try:
+                return min(max(float(retry_after), 0.0), MAX_RETRY_AFTER_S)
+            except ValueError:
+                pass
+        base = min(INITIAL_BACKOFF_S * 2 ** attempt, MAX_BACKOFF_S)
+        return base * (0.75 + 0.5 * (rng or random).random())
+
+    @staticmethod
+    def generate_body(prompt: str, *, max_tokens: int | None, temperature: float | None, top_p: float | None,
+                      top_k: int | None, n: int | None, stop: str | list[str] | None, seed: int | None,
+                      cache_salt: str | None, stream: bool) -> dict[str, Any]:
+        return BaseClient.body(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                               top_k=top_k, n=n, stop=stop, seed=seed, cache_salt=cache_salt,
+                               stream=True if stream else None)
+
+    @staticmethod
+    def raise_for_status(response: httpx.Response) -> None:
+        if response.status_code < 400:
+            return
+        try:
+            body: Any = response.json()
+        except ValueError:
+            body = response.text
+        raise error_for(response.status_code, body)
+
+    @staticmethod
+    def parse(response: httpx.Response, model: type[M]) -> M:
+        return model.model_validate(response.json())
+
+    @staticmethod
+    def decode_event(data: str, model: type[M]) -> M | None:
+        """One SSE data payload -> a chunk; None at [DONE]; raises the mapped error for error events."""
+        if data == "[DONE]":
+            return None
+        payload = json.loads(data)
+        if isinstance(payload, dict) and "error" in payload:
+            error = error_for(int(payload["error"].get("status", 500)), payload)
+            raise error
+        return model.model_validate(payload)

@@ -1,0 +1,80 @@
+"""Iterators over streamed generations (sync and async)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Generic, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from promptcache.clients.base import BaseClient
+from promptcache.clients.sse import SSEDecoder
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class Stream(Generic[T]):
+    """Iterate chunks of a streamed response; closes the connection at the end or on `close()`."""
+
+    def __init__(self, response: httpx.Response, model: type[T]) -> None:
+        self.response = response
+        self.model = model
+
+    def __iter__(self) -> Iterator[T]:
+        decoder = SSEDecoder()
+        try:
+            for text in self.response.iter_text():
+                for data in decoder.feed(text):
+                    chunk = BaseClient.decode_event(data, self.model)
+                    if chunk is None:
+                        return
+                    yield chunk
+            for data in decoder.flush():
+                chunk = BaseClient.decode_event(data, self.model)
+                if chunk is not None:
+                    yield chunk
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.response.close()
+
+    def __enter__(self) -> Stream[T]:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncStream(Generic[T]):
+    """Async iteration over streamed chunks."""
+
+    def __init__(self, response: httpx.Response, model: type[T]) -> None:
+        self.response = response
+        self.model = model
+
+    async def __aiter__(self) -> AsyncIterator[T]:
+        decoder = SSEDecoder()
+        try:
+            async for text in self.response.aiter_text():
+                for data in decoder.feed(text):
+                    chunk = BaseClient.decode_event(data, self.model)
+                    if chunk is None:
+                        return
+                    yield chunk
+            for data in decoder.flush():
+                chunk = BaseClient.decode_event(data, self.model)
+                if chunk is not None:
+                    yield chunk
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        await self.response.aclose()
+
+    async def __aenter__(self) -> AsyncStream[T]:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,85 @@
+"""Typed responses of the promptcache API (extra fields from newer servers are kept, not rejected)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class ModuleInfo(_Model):
+    name: str
+    path: str
+    start: int
+    end: int
+    num_tokens: int
+
+
+class SchemaInfo(_Model):
+    name: str
+    num_tokens: int
+    modules: list[ModuleInfo]
+    encode_ms: float | None = None
+
+
+class Choice(_Model):
+    index: int
+    text: str
+    finish_reason: str | None = None
+
+
+class Usage(_Model):
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModuleReport(_Model):
+    path: str
+    num_tokens: int
+    tier: str | None = None
+
+
+class CacheReport(_Model):
+    exact: bool
+    modules: list[ModuleReport]
+    approximations: list[str] = Field(default_factory=list)
+
+
+class Timings(_Model):
+    ttft_ms: float
+    total_ms: float | None = None
+
+
+class Generation(_Model):
+    id: str
+    choices: list[Choice]
+    usage: Usage
+    cache: CacheReport
+    timings: Timings
+
+    @property
+    def text(self) -> str:
+        """The first choice's text."""
+        return self.choices[0].text
+
+
+class GenerationChunk(_Model):
+    id: str
+    choices: list[Choice]
+    usage: Usage | None = None
+    cache: CacheReport | None = None
+    timings: Timings | None = None
+
+
+class Explanation(_Model):
+    schema_name: str = Field(alias="schema")
+    exact: bool
+    approximations: list[str]
+    modules: list[ModuleReport]
+    prompt_tokens: int
+    cached_tokens: int
+    tokens_to_compute: int

@@ -1,0 +1,61 @@
+"""The Python SDK against a real server: sync, async, streaming, errors, builder-made schemas."""
+
+from __future__ import annotations
+
+import pytest
+
+from promptcache.clients import (
+    AssistantTurn,
+    AsyncClient,
+    BadRequestError,
+    Client,
+    ConflictError,
+    Import,
+    Module,
+    NotFoundError,
+    Prompt,
+    Schema,
+    System,
+    User,
+)
+
+SCHEMA = Schema("kb", [System("Answer briefly."),
+                       User([Module("cats", "Cats sleep a lot."), Module("tea", "Tea is brewed hot.")])])
+PROMPT = Prompt("kb", [User([Import("cats"), "Who sleeps?"]), AssistantTurn()]).to_pml()
+
+
+@pytest.fixture
+def server(live_server):
+    return live_server()
+
+
+def test_sync_client_end_to_end(server):
+    with Client(server.url, max_retries=0) as client:
+        assert client.health()
+        info = client.schemas.create(SCHEMA.to_pml())
+        assert info.name == "kb" and [m.path for m in info.modules] == ["cats", "tea"]
+        with pytest.raises(ConflictError):
+            client.schemas.create(SCHEMA.to_pml())
+        result = client.generate(PROMPT, max_tokens=5, temperature=0)
+        assert result.usage.completion_tokens >= 1 and result.cache.modules[0].path == "cats"
+        streamed = "".join(c.choices[0].text for c in client.generate(PROMPT, max_tokens=5, temperature=0,
+                                                                       stream=True))
+        assert streamed == result.text
+        explanation = client.explain(PROMPT)
+        assert explanation.schema_name == "kb" and explanation.modules[0].tier == "device"
+        with pytest.raises(BadRequestError, match="ghost"):
+            client.generate(Prompt("kb", [Import("ghost")]).to_pml())
+        client.schemas.delete("kb")
+        with pytest.raises(NotFoundError):
+            client.schemas.get("kb")
+
+
+async def test_async_client_end_to_end(server):
+    async with AsyncClient(server.url, max_retries=0) as client:
+        assert await client.health()
+        await client.schemas.create(SCHEMA.to_pml())
+        assert [s.name for s in await client.schemas.list()] == ["kb"]
+        result = await client.generate(PROMPT, max_tokens=4, temperature=0, n=2)
+        assert [c.index for c in result.choices] == [0, 1] and result.choices[0].text == result.choices[1].text
+        chunks = [c async for c in await client.generate(PROMPT, max_tokens=4, temperature=0, stream=True)]
+        assert chunks[-1].usage is not None and "".join(c.choices[0].text for c in chunks) == result.text
