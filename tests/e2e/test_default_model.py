@@ -1,0 +1,26 @@
+"""The README's serve path: the built-in SmolLM2 with the example schemas preloaded gives real answers."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.server.conftest import LiveServer, settings_for
+
+
+def test_default_model_answers_from_the_preloaded_example(smollm2):
+    server = LiveServer(settings_for(preload_examples=True), lambda: smollm2).start()
+    try:
+        names = [s["name"] for s in httpx.get(server.url + "/v1/schemas").json()["data"]]
+        assert {"library", "trip-planner"} <= set(names)
+        prompt = ('<prompt schema="library"><user><doc-amazon/>Into which ocean does the Amazon flow?</user>'
+                  "<assistant/></prompt>")
+        body = httpx.post(server.url + "/v1/generate", json={"prompt": prompt, "max_tokens": 24, "temperature": 0},
+                          timeout=120).json()
+        assert "Atlantic" in body["choices"][0]["text"]
+        assert body["cache"]["exact"] is True and body["usage"]["cached_tokens"] > 40
+        chat = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct", "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]}).json()
+        assert "Paris" in chat["choices"][0]["message"]["content"]
+    finally:
+        server.stop()
