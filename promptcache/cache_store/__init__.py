@@ -14,6 +14,7 @@ from promptcache.cache_store.errors import (
     RegistryUnavailableError,
     SchemaExistsError,
 )
+from promptcache.cache_store.fetch_policy import FetchPolicy
 from promptcache.cache_store.keys import make_kv_key
 from promptcache.cache_store.memory_tier import MemoryTier
 from promptcache.cache_store.redis_tier import RedisTier
@@ -23,7 +24,7 @@ from promptcache.cache_store.store import StoreStats, TieredStore, TierStats
 from promptcache.cache_store.tier import Tier
 
 __all__ = [
-    "BlockMismatchError", "CacheStoreError", "CapacityError", "CorruptBlockError", "DiskTier", "KVBlock",
+    "BlockMismatchError", "CacheStoreError", "CapacityError", "CorruptBlockError", "DiskTier", "FetchPolicy", "KVBlock",
     "MemoryTier", "RedisTier", "RegistryUnavailableError", "SchemaExistsError", "SchemaRegistry", "StoreConfig",
     "StoreStats", "StoredSchema", "Tier", "TierStats", "TieredStore", "build_store", "dumps", "loads",
     "make_kv_key",

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from promptcache.cache_store.block import KVBlock
 from promptcache.cache_store.errors import CapacityError
+from promptcache.cache_store.fetch_policy import FetchPolicy
 from promptcache.cache_store.tier import Tier
 
 
@@ -56,20 +58,31 @@ class TieredStore:
     to every shared tier too, so other replicas see it at once.
     """
 
-    def __init__(self, tiers: Sequence[Tier], *, write_through_shared: bool = True) -> None:
+    def __init__(self, tiers: Sequence[Tier], *, write_through_shared: bool = True,
+                 policy: FetchPolicy | None = None) -> None:
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
         self.tiers = list(tiers)
         self.write_through_shared = write_through_shared
+        self.policy = policy or FetchPolicy()
         self._lock = threading.RLock()
         self._counters = _Counters({t.name: TierCounters() for t in self.tiers})
 
-    def get(self, key: str) -> tuple[KVBlock, str] | None:
+    def get(self, key: str, *, num_tokens: int | None = None, nbytes: int | None = None) -> tuple[KVBlock, str] | None:
+        """`num_tokens`/`nbytes` (optional) let the fetch policy skip a shared tier that would be slower
+        than recomputing the block."""
         with self._lock:
             self._counters.gets += 1
             for index, tier in enumerate(self.tiers):
-                block = tier.get(key)
                 counters = self._counters.per_tier[tier.name]
+                if tier.is_shared and nbytes is not None and not self.policy.worth_fetching(tier.name, nbytes,
+                                                                                              num_tokens):
+                    counters.misses += 1
+                    continue
+                started = time.perf_counter()
+                block = tier.get(key)
+                if block is not None and tier.is_shared:
+                    self.policy.record_fetch(tier.name, block.nbytes, time.perf_counter() - started)
                 if block is None:
                     counters.misses += 1
                     continue

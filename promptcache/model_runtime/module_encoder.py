@@ -64,18 +64,25 @@ class ModuleEncoder:
               cache_salt: str | None = None) -> FetchedKV:
         """KV of `segment_id` encoded after `context_ids`, from the store or computed now."""
         target = self.key(schema, segment_id, context_ids, cache_salt)
-        hit = self.store.get(target)
+        hit = self.store.get(target, **self._cost(schema, segment_id))
         if hit is not None:
             return FetchedKV(hit[0], hit[1])
         chain = [*sorted(context_ids, key=lambda i: schema.segments[i].start), segment_id]
         blocks: list[KVBlock] = []
         for index, link in enumerate(chain[:-1]):
-            found = self.store.get(self.key(schema, link, chain[:index], cache_salt))
+            found = self.store.get(self.key(schema, link, chain[:index], cache_salt), **self._cost(schema, link))
             if found is None:
                 break
             blocks.append(found[0])
         computed = self._encode_tail(schema, chain, blocks, cache_salt)
         return FetchedKV(computed, "computed")
+
+    def _cost(self, schema: Schema, segment_id: int) -> dict[str, int]:
+        loaded = self.loaded
+        num_tokens = len(schema.segments[segment_id].token_ids)
+        element = 2 if loaded.model.dtype in (torch.float16, torch.bfloat16) else 4
+        per_token = loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * 2 * element + 8
+        return {"num_tokens": num_tokens, "nbytes": num_tokens * per_token}
 
     def _encode_tail(self, schema: Schema, chain: list[int], blocks: list[KVBlock],
                      cache_salt: str | None) -> KVBlock:
@@ -89,8 +96,12 @@ class ModuleEncoder:
         buffer = KVBuffer.from_blocks(
             [b.to(device) for b in blocks], extra=len(token_ids), num_layers=loaded.num_layers,
             num_kv_heads=loaded.num_kv_heads, head_dim=loaded.head_dim, dtype=loaded.model.dtype, device=device)
+        started = time.perf_counter()
         with torch.inference_mode():
             run_tokens(loaded.model, buffer, token_ids, position_ids)
+        policy = getattr(self.store, "policy", None)
+        if policy is not None:  # what recomputing costs, for the store's fetch-or-recompute decision
+            policy.record_recompute(len(token_ids), time.perf_counter() - started)
         offset = buffer.length - len(token_ids)
         block = None
         for index, segment in zip(range(len(blocks), len(chain)), segments):

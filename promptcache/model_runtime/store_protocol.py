@@ -8,7 +8,8 @@ from promptcache.cache_store import KVBlock
 
 
 class KVStore(Protocol):
-    def get(self, key: str) -> tuple[KVBlock, str] | None: ...
+    def get(self, key: str, *, num_tokens: int | None = None,
+            nbytes: int | None = None) -> tuple[KVBlock, str] | None: ...
 
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None) -> None: ...
 

@@ -127,3 +127,23 @@ def test_thread_safety_counters_add_up():
     hits = sum(t.hits for t in stats.tiers)
     assert hits + stats.tiers[-1].misses == stats.num_gets  # every get ends in a hit or a last-tier miss
     assert device.used_bytes <= device.max_bytes
+
+
+def test_fetch_policy_skips_a_tier_slower_than_recompute():
+    from promptcache.cache_store import FetchPolicy
+
+    policy = FetchPolicy()
+    assert policy.worth_fetching("redis", 10**6, 100)  # nothing measured yet: fetch
+    policy.record_fetch("redis", 10**6, 1.0)             # 1 MB/s
+    policy.record_recompute(1000, 0.1)                   # 10k tokens/s
+    assert not policy.worth_fetching("redis", 10**6, 100)  # 1 s to fetch vs 0.01 s to recompute
+    assert policy.worth_fetching("redis", 10**3, 100)      # 1 ms vs 10 ms
+
+    class SlowShared(MemoryTier):
+        is_shared = True
+
+    shared = SlowShared("redis", 100 * SIZE)
+    store = TieredStore([MemoryTier("device", 10 * SIZE), shared], policy=policy)
+    shared.put("k", blk(1))
+    assert store.get("k", num_tokens=1, nbytes=10**6) is None  # skipped: recompute is cheaper
+    assert store.get("k", num_tokens=1000, nbytes=10**3) is not None
