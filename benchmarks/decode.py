@@ -32,11 +32,11 @@ from benchmarks.harness import RESULTS, emit, log, setup
 from benchmarks.shapes import build_model
 from promptcache.cache_store import KVBlock
 from promptcache.model_runtime.default_model import default_model_path
-from promptcache.model_runtime.engine.batch_attention import install
 from promptcache.model_runtime.engine.memory import KVMemory
 from promptcache.model_runtime.engine.request import Sequence, SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.loader import wrap_model
+from promptcache.model_runtime.packed_attention import install
 
 MODES = ("baseline_hf", "baseline_sdpa", "shared", "noattention")
 

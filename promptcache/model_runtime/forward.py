@@ -1,4 +1,4 @@
-"""Thin forward-pass helpers over an HF causal LM: hidden states at given positions, last logits."""
+"""Forward passes over an HF causal LM for one sequence: hidden states at given positions, last logits."""
 
 from __future__ import annotations
 
@@ -7,19 +7,31 @@ from collections.abc import Sequence
 import torch
 
 from promptcache.model_runtime.kv_buffer import KVBuffer
+from promptcache.model_runtime.packed_attention import BatchCache, BatchContext, active_batch
 
 
 def run_tokens(model, buffer: KVBuffer, token_ids: Sequence[int], position_ids: Sequence[int]) -> torch.Tensor:
     """Feed `token_ids` at `position_ids` after the states in `buffer`; returns the last hidden state.
 
-    Every new token attends to all states in the buffer and causally to the new tokens before it
-    (HF builds that mask from the cache length). States of the new tokens are appended to `buffer`.
-    Returns [hidden_size] for the last token. Skips the LM head (callers ask for logits once).
+    Every new token attends to all states in the buffer and causally to the new tokens before it: the
+    buffer's filled part is one shared segment, the new tokens the sequence's own KV (shared-module
+    attention with a batch of one, so GQA needs no KV copies). New states are written into `buffer`.
+    Returns [hidden_size] for the last token; the LM head is left to the caller.
     """
     device = buffer.keys.device
+    n, start = len(token_ids), buffer.length
+    if start + n > buffer.capacity:
+        raise RuntimeError(f"KV buffer overflow: {start + n} > capacity {buffer.capacity}")
     input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)     # [1, n]
     positions = torch.tensor([list(position_ids)], dtype=torch.long, device=device)  # [1, n]
-    outputs = model.base_model(input_ids=input_ids, position_ids=positions, past_key_values=buffer, use_cache=True)
+    keys, values = buffer.keys[:, 0], buffer.values[:, 0]                             # [L, H_kv, capacity, D]
+    segments = [(keys[:, :, :start], values[:, :, :start], (0,))] if start else []
+    context = BatchContext(query_lens=[n], own_keys=[keys[:, :, start:]], own_values=[values[:, :, start:]],
+                           own_starts=[0], segments=segments)
+    with active_batch(context):
+        outputs = model.base_model(input_ids=input_ids, position_ids=positions,
+                                   past_key_values=BatchCache(context, buffer.num_layers), use_cache=True)
+    buffer.length = start + n
     return outputs.last_hidden_state[0, -1]  # [hidden]
 
 

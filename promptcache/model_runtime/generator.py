@@ -74,12 +74,5 @@ def _decode(encoder: ModuleEncoder, prompt: PrefilledPrompt, params: SamplingPar
 
 
 def _copy_prompt(prompt: PrefilledPrompt) -> PrefilledPrompt:
-    buffer = prompt.buffer
-    clone = type(buffer)(num_layers=buffer.num_layers, num_kv_heads=buffer.keys.shape[2],
-                         head_dim=buffer.keys.shape[-1], capacity=buffer.capacity, dtype=buffer.keys.dtype,
-                         device=buffer.keys.device)
-    clone.keys[:, :, :, : buffer.length].copy_(buffer.keys[:, :, :, : buffer.length])
-    clone.values[:, :, :, : buffer.length].copy_(buffer.values[:, :, :, : buffer.length])
-    clone.length = buffer.length
-    return PrefilledPrompt(clone, prompt.logits, prompt.next_position, prompt.modules, prompt.num_computed_tokens,
-                           prompt.encode_ms, prompt.assembly_ms, prompt.prefill_ms)
+    return PrefilledPrompt(prompt.buffer.clone(), prompt.logits, prompt.next_position, prompt.modules,
+                           prompt.num_computed_tokens, prompt.encode_ms, prompt.assembly_ms, prompt.prefill_ms)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from promptcache.model_runtime.generator import generate
 from promptcache.model_runtime.loader import LoadedModel
 from promptcache.model_runtime.module_encoder import EncodeReport, ModuleEncoder
+from promptcache.model_runtime.packed_attention import install
 from promptcache.model_runtime.results import GenerationResult
 from promptcache.model_runtime.sampling import SamplingParams
 from promptcache.model_runtime.store_protocol import KVStore
@@ -27,6 +28,7 @@ class ModelRuntime:
         self.store = store
         self.limits = limits or PmlLimits()
         self.text_encoder = TextEncoder.from_tokenizer(loaded.tokenizer)
+        install(loaded.model)  # every forward pass uses shared-module attention
         self.module_encoder = ModuleEncoder(loaded, store)
         self._schemas: dict[str, Schema] = {}
         self._lock = threading.Lock()

@@ -60,6 +60,8 @@ CASES = {
                        segment_specs=[(64, [0, 1, 2, 3]), (30, [1, 3]), (7, [2]), (50, [0])]),
     "gqa4_no_segment_for_one": dict(num_heads=8, num_kv_heads=2, query_lens=[3, 1], own_lens=[3, 6],
                                     segment_specs=[(33, [1])]),
+    "prefill_fused_causal": dict(num_heads=8, num_kv_heads=2, query_lens=[200, 1, 40], own_lens=[260, 3, 40],
+                                 segment_specs=[(100, [0, 1]), (30, [2])]),
     "long_shared_fused": dict(num_heads=8, num_kv_heads=2, query_lens=[1] * 12, own_lens=list(range(1, 13)),
                               segment_specs=[(2048, list(range(12))), (512, list(range(0, 12, 2)))]),
 }

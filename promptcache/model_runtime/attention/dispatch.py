@@ -11,6 +11,8 @@ from promptcache.model_runtime.attention.backends import BACKENDS, fused_cpu_att
 
 # rows x keys per KV group at which the fused CPU op starts to win (see docs/benchmarks.md).
 FUSED_MIN_WORK = 16 * 1024
+# T x T x G for a causal block of T new tokens: below it the masked matmul is cheaper than expanding KV.
+CAUSAL_FUSED_MIN_WORK = 64 * 1024
 
 
 def choose(backend: str, q: torch.Tensor, k: torch.Tensor) -> Callable:

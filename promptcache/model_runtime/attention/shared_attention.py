@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from promptcache.model_runtime.attention.backends import matmul_attend
-from promptcache.model_runtime.attention.dispatch import choose
+from promptcache.model_runtime.attention.dispatch import CAUSAL_FUSED_MIN_WORK, choose
 from promptcache.model_runtime.attention.segments import SharedSegment
 
 
@@ -66,15 +66,34 @@ def shared_module_attention(
     for i, n in enumerate(query_lens):
         if n == 1 or own_keys[i].shape[1] == 0:
             continue
+        rows = slice(starts[i], starts[i + 1])
         keys, values = own_keys[i], own_values[i]
-        q = _fold(queries[starts[i]: starts[i + 1]], num_kv_heads, group)  # [H_kv, T*G, D]
-        # Bottom-right causal: query t of T sees own keys [0, S - T + t].
-        visible = torch.arange(keys.shape[1], device=q.device)[None, :] <= \
-            (keys.shape[1] - n + torch.arange(n, device=q.device))[:, None]  # [T, S]
-        mask = visible.repeat_interleave(group, dim=0)                        # [T*G, S]
-        out, lse = matmul_attend(q, keys, values, scale, mask)
-        merge(slice(starts[i], starts[i + 1]), *_unfold(out, lse, n, num_kv_heads, group))
+        prefix = keys.shape[1] - n
+        q = _fold(queries[rows], num_kv_heads, group)                       # [H_kv, T*G, D]
+        if prefix > 0:  # own keys before the queries' own tokens: attended in full
+            kernel = choose(backend, q, keys[:, :prefix])
+            merge(rows, *_unfold(*kernel(q, keys[:, :prefix], values[:, :prefix], scale), n, num_kv_heads, group))
+        # The queries' own tokens: a square causal block (top-left == bottom-right alignment).
+        out, lse = _causal_square(queries[rows], keys[:, prefix:], values[:, prefix:], group, scale, backend)
+        merge(rows, out, lse)
     return acc_out.to(queries.dtype)
+
+
+def _causal_square(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: int, scale: float,
+                   backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] attends causally to keys/values [H_kv, T, D]; returns out [T, H, D], lse [T, H]."""
+    n = q.shape[0]
+    if backend != "matmul" and not q.is_cuda and n * n * group >= CAUSAL_FUSED_MIN_WORK:
+        # The fused op needs equal head counts: expand the T own tokens' KV (small next to the shared KV).
+        k = keys.repeat_interleave(group, dim=0).unsqueeze(0)        # [1, H, T, D]
+        v = values.repeat_interleave(group, dim=0).unsqueeze(0)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(0, 1).unsqueeze(0), k, v, 0.0, True, scale=scale)  # [1, H, T, D], [1, H, T]
+        return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+    num_kv_heads = keys.shape[0]
+    mask = torch.ones((n, n), dtype=torch.bool, device=q.device).tril().repeat_interleave(group, dim=0)  # [T*G, T]
+    out, lse = matmul_attend(_fold(q, num_kv_heads, group), keys, values, scale, mask)
+    return _unfold(out, lse, n, num_kv_heads, group)
 
 
 def _own_decode(queries, starts, seqs, own_keys, own_values, num_kv_heads, group, scale):

@@ -7,9 +7,9 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from promptcache.model_runtime.engine.batch_attention import BatchCache, BatchContext, active_batch, install
 from promptcache.model_runtime.engine.request import Sequence
 from promptcache.model_runtime.loader import LoadedModel
+from promptcache.model_runtime.packed_attention import BatchCache, BatchContext, active_batch, install
 
 
 class ModelRunner:

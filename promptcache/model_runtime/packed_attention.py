@@ -1,6 +1,7 @@
 """Shared-module attention inside HF models, through transformers' attention-function registry.
 
-A batch step feeds every scheduled sequence's tokens as ONE packed row. `BatchCache` stands in for
+Every forward pass of the runtime (a batch step, a single request's prefill, module encoding) feeds
+its sequences' tokens as ONE packed row. `BatchCache` stands in for
 the HF cache: it writes each sequence's new keys/values into that sequence's own KV buffer. The
 registered attention function then attends, per layer, every shared KV segment once for all queries
 that include it, plus each sequence's own KV, merged exactly (model_runtime.attention). Outside a
