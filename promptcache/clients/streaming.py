@@ -14,6 +14,28 @@ from promptcache.clients.sse import SSEDecoder
 T = TypeVar("T", bound=BaseModel)
 
 
+class _ChunkParser(Generic[T]):
+    """SSE text in, typed chunks out; `done` once [DONE] arrives."""
+
+    def __init__(self, model: type[T]) -> None:
+        self.model = model
+        self.decoder = SSEDecoder()
+        self.done = False
+
+    def feed(self, text: str | None) -> list[T]:
+        chunks: list[T] = []
+        events = self.decoder.feed(text) if text is not None else self.decoder.flush()
+        for data in events:
+            if self.done:
+                break
+            chunk = BaseClient.decode_event(data, self.model)
+            if chunk is None:
+                self.done = True
+            else:
+                chunks.append(chunk)
+        return chunks
+
+
 class Stream(Generic[T]):
     """Iterate chunks of a streamed response; closes the connection at the end or on `close()`."""
 
@@ -22,18 +44,13 @@ class Stream(Generic[T]):
         self.model = model
 
     def __iter__(self) -> Iterator[T]:
-        decoder = SSEDecoder()
+        parser = _ChunkParser(self.model)
         try:
             for text in self.response.iter_text():
-                for data in decoder.feed(text):
-                    chunk = BaseClient.decode_event(data, self.model)
-                    if chunk is None:
-                        return
-                    yield chunk
-            for data in decoder.flush():
-                chunk = BaseClient.decode_event(data, self.model)
-                if chunk is not None:
-                    yield chunk
+                yield from parser.feed(text)
+                if parser.done:
+                    return
+            yield from parser.feed(None)
         finally:
             self.close()
 
@@ -55,18 +72,15 @@ class AsyncStream(Generic[T]):
         self.model = model
 
     async def __aiter__(self) -> AsyncIterator[T]:
-        decoder = SSEDecoder()
+        parser = _ChunkParser(self.model)
         try:
             async for text in self.response.aiter_text():
-                for data in decoder.feed(text):
-                    chunk = BaseClient.decode_event(data, self.model)
-                    if chunk is None:
-                        return
+                for chunk in parser.feed(text):
                     yield chunk
-            for data in decoder.flush():
-                chunk = BaseClient.decode_event(data, self.model)
-                if chunk is not None:
-                    yield chunk
+                if parser.done:
+                    return
+            for chunk in parser.feed(None):
+                yield chunk
         finally:
             await self.close()
 
