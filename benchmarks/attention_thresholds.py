@@ -1,0 +1,46 @@
+"""Where the fused CPU attention op beats a plain matmul (sets model_runtime/attention/dispatch.py).
+
+    python benchmarks/attention_thresholds.py
+
+Grid of query rows (folded: sequences x GQA group) x KV length, head_dim 64, 2 KV-head groups, fp32,
+2 threads; median microseconds per call for each kernel, JSON lines, and the smallest work
+(rows x keys) from which the fused op wins at every larger size.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness import RESULTS, emit, log, median_ms, setup
+from promptcache.model_runtime.attention.backends import fused_cpu_attend, matmul_attend
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64, 256])
+    parser.add_argument("--kv", nargs="+", type=int, default=[16, 64, 256, 1024, 4096])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "attention_thresholds.jsonl")
+    args = parser.parse_args()
+    setup(args.threads)
+    wins = []
+    for rows in args.rows:
+        for kv in args.kv:
+            q, k, v = torch.randn(2, rows, 64), torch.randn(2, kv, 64), torch.randn(2, kv, 64)
+            times = {}
+            for name, kernel in (("matmul", matmul_attend), ("fused_cpu", fused_cpu_attend)):
+                times[name] = median_ms(lambda kernel=kernel, q=q, k=k, v=v: kernel(q, k, v, 0.125), runs=30, warmup=3)[0]
+                emit({"bench": "attention_thresholds", "backend": name, "q_rows": rows, "kv_len": kv, "head_dim": 64,
+                      "median_us": round(times[name] * 1e3, 1)}, args.out)
+            wins.append((rows * kv, times["fused_cpu"] < times["matmul"]))
+    wins.sort()
+    crossover = next((work for work, _ in wins if all(w for x, w in wins if x >= work)), None)
+    log(f"fused op wins at every size from rows x keys = {crossover}")
+    emit({"bench": "attention_thresholds", "crossover_work": crossover}, args.out)
+
+
+if __name__ == "__main__":
+    main()
