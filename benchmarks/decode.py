@@ -10,7 +10,7 @@ module KV that all sequences of the batch import, plus its own `own` tokens. Mod
 - shared: promptcache's engine step (ModelRunner + shared-module attention): the shared KV once,
   attended by all queries of the batch in one matrix-matrix call, merged with each sequence's own KV;
 - noattention: attention output := query (the ceiling: everything but attention, as in Hydragen).
-KV is filled with random values instead of a prefill (timing does not depend on values); tokens/s =
+KV is filled with constant values instead of a prefill (timing does not depend on values); tokens/s =
 batch x steps / decode time. Peak RSS is sampled per run. Also reports how many sequences sharing an
 8K-token module set fit a fixed KV budget, per-sequence vs shared (the engine's own accounting).
 """
@@ -73,19 +73,23 @@ def _sdpa_gqa(module, query, key, value, attention_mask, scaling=None, **kwargs)
     return out.transpose(1, 2), None
 
 
+def _kv(*shape: int) -> torch.Tensor:
+    return torch.full(shape, 0.01)  # cheap to fill even at several GB; values do not change the timing
+
+
 def run_mode(mode: str, model, loaded, batch: int, shared: int, own: int, steps: int) -> dict:
     layers, kv_heads, head_dim = loaded.num_layers, loaded.num_kv_heads, loaded.head_dim
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1000, (batch, steps), generator=g)
     if mode == "shared":
-        block = KVBlock(torch.randn(layers, kv_heads, shared, head_dim, generator=g),
-                        torch.randn(layers, kv_heads, shared, head_dim, generator=g), torch.arange(shared))
+        block = KVBlock(_kv(layers, kv_heads, shared, head_dim),
+                        _kv(layers, kv_heads, shared, head_dim), torch.arange(shared))
         runner = ModelRunner(loaded)
         seqs = []
         for i in range(batch):
             seq = Sequence(seq_id=i, request=None, index=0, shared=[SharedKV("modules", block)],  # type: ignore[arg-type]
-                           own_keys=torch.randn(layers, kv_heads, own + steps, head_dim, generator=g),
-                           own_values=torch.randn(layers, kv_heads, own + steps, head_dim, generator=g))
+                           own_keys=_kv(layers, kv_heads, own + steps, head_dim),
+                           own_values=_kv(layers, kv_heads, own + steps, head_dim))
             seq.own_length = own
             seqs.append(seq)
 
@@ -99,11 +103,11 @@ def run_mode(mode: str, model, loaded, batch: int, shared: int, own: int, steps:
         if mode == "baseline_hf":
             cache = DynamicCache()
             for layer in range(layers):  # each sequence holds its own copy of the shared KV
-                cache.update(torch.randn(batch, kv_heads, total, head_dim, generator=g),
-                             torch.randn(batch, kv_heads, total, head_dim, generator=g), layer)
+                cache.update(_kv(batch, kv_heads, total, head_dim),
+                             _kv(batch, kv_heads, total, head_dim), layer)
         elif mode == "baseline_sdpa":
-            keys = [torch.randn(batch, kv_heads, total + steps, head_dim, generator=g) for _ in range(layers)]
-            values = [torch.randn(batch, kv_heads, total + steps, head_dim, generator=g) for _ in range(layers)]
+            keys = [_kv(batch, kv_heads, total + steps, head_dim) for _ in range(layers)]
+            values = [_kv(batch, kv_heads, total + steps, head_dim) for _ in range(layers)]
             cache = _PerSequenceBuffer(keys, values, total)
         else:
             cache = None

@@ -121,9 +121,10 @@ class ModuleEncoder:
         """Encode every cached segment's default KV (and each scaffold's joint KV) not yet stored."""
         started = time.perf_counter()
         before = self.num_encoded_segments
-        jobs = [(s.segment_id, s.context_ids) for s in schema.segments if s.is_cached]
+        jobs = [(s.segment_id, s.context_ids) for s in schema.segments if s.is_cached and not s.is_placeholder]
         for scaffold in schema.scaffolds:
-            jobs += [(sid, ctx) for sid, ctx in scaffold.contexts.items() if ctx != schema.segments[sid].context_ids]
+            jobs += [(sid, ctx) for sid, ctx in scaffold.contexts.items()
+                     if ctx != schema.segments[sid].context_ids and not schema.segments[sid].is_placeholder]
         for done, (segment_id, context_ids) in enumerate(jobs, 1):
             if self.store.contains(self.key(schema, segment_id, context_ids, cache_salt)) is None:
                 self.fetch(schema, segment_id, context_ids, cache_salt)

@@ -54,7 +54,8 @@ def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
 def _build_plan(schema: Schema, items: PromptItems, *, isolated: bool) -> PromptPlan:
     imported = set(items.imported)
     included = [s for s in schema.segments
-                if (s.owner == "" or s.owner in imported) and s.role_suffix_of not in items.displaced_sections]
+                if (s.owner == "" or s.owner in imported) and not s.is_placeholder
+                and s.role_suffix_of not in items.displaced_sections]
     new_runs = [NewRun(s.token_ids, s.start, "module", s.owner, 0) for s in included if not s.is_cached]
     for item in [*items.items, items.implicit]:
         if isinstance(item, ImportItem):
@@ -121,7 +122,8 @@ def _place_text(schema: Schema, items: PromptItems, included: list[Segment], use
 
 def _span(schema: Schema, item: ImportItem, used: set[int]) -> tuple[int, int]:
     """First and one-past-last position of the tokens an import includes."""
-    positions = [p for s in schema.segments if s.owner in item.module_paths for p in s.position_ids]
+    positions = [p for s in schema.segments if s.owner in item.module_paths and not s.is_placeholder
+                 for p in s.position_ids]
     positions += [p for run in item.arguments for p in range(run.start, run.end)]
     if not positions:
         start = min(schema.modules[p].start for p in item.module_paths)

@@ -26,6 +26,7 @@ class Segment:
     is_cached: bool
     role_suffix_of: int | None
     digest: str
+    is_placeholder: bool = False  # a parameter slot's placeholder tokens: context only, never in a plan
 
     @property
     def end(self) -> int:

@@ -29,9 +29,14 @@ def parse_schema(text: str, encoder: TextEncoder, limits: PmlLimits | None = Non
     root = parse_xml(text, max_bytes=limits.max_schema_bytes, max_depth=limits.max_depth, what="schema")
     if root.tag != "schema":
         raise SchemaError(f"the root element is <{root.tag}>; expected <schema name=...>", line=root.sourceline)
-    _check_attributes(root, {"name"})
+    _check_attributes(root, {"name", "params"})
     name = check_name(root.get("name"), element="schema", line=root.sourceline)
-    return _SchemaBuilder(encoder, limits).build(root, name, text)
+    params = root.get("params", "placeholder")
+    if params not in ("placeholder", "skip"):
+        raise SchemaError(f'<schema params={params!r}>: expected "placeholder" (encode module text after a '
+                          'slot with placeholder tokens in it) or "skip" (encode it without the slot)',
+                          line=root.sourceline)
+    return _SchemaBuilder(encoder, limits).build(root, name, text, placeholders=params == "placeholder")
 
 
 class _SchemaBuilder:
@@ -42,7 +47,7 @@ class _SchemaBuilder:
         self.sections: dict[int, RoleSection] = {}
         self.scaffold_elements: list[etree._Element] = []
 
-    def build(self, element: etree._Element, name: str, text: str) -> Schema:
+    def build(self, element: etree._Element, name: str, text: str, *, placeholders: bool) -> Schema:
         bos = self.encoder.bos_token_ids
         head: tuple[Node, ...] = (TextRun(bos, 0, element.sourceline),) if bos else ()
         root = self._module(element, name=name, path="", cursor=len(bos), is_cached=True,
@@ -51,7 +56,7 @@ class _SchemaBuilder:
             raise PmlLimitError(f"schema {name!r} spans {root.end} token positions; the limit is "
                                 f"{self.limits.max_schema_tokens}")
         modules = MappingProxyType(dict(sorted(self.modules.items(), key=lambda kv: (kv[1].start, kv[0]))))
-        segments = build_segments(root)
+        segments = build_segments(root, self.encoder.placeholder_id if placeholders else None)
         scaffolds = build_scaffolds(self.scaffold_elements, modules, segments)
         return Schema(name=name, pml=text, root=root, modules=modules, segments=segments, scaffolds=scaffolds,
                       role_sections=MappingProxyType(dict(self.sections)), num_positions=root.end)

@@ -26,20 +26,30 @@ class _Leaf:
     run: TextRun
     owner: str
     is_cached: bool
+    is_placeholder: bool = False
 
 
-def build_segments(root: Module) -> tuple[Segment, ...]:
-    """Merge adjacent text runs of one owner into segments; compute default contexts."""
-    leaves: list[_Leaf | None] = []  # None marks a parameter slot, which ends a segment
+def build_segments(root: Module, placeholder_id: int | None = None) -> tuple[Segment, ...]:
+    """Merge adjacent text runs of one owner into segments; compute default contexts.
+
+    With `placeholder_id`, every parameter slot becomes a placeholder segment (that token repeated):
+    the module text after a slot is encoded after the placeholders, as in the paper; plans never
+    include placeholder segments (arguments take their positions). Without it, slots are skipped.
+    """
+    leaves: list[_Leaf | None] = []  # None marks a skipped parameter slot, which ends a segment
     ancestry: dict[str, tuple[str, ...]] = {}
-    _flatten(root, root, (), leaves, ancestry)
+    _flatten(root, root, (), leaves, ancestry, placeholder_id)
 
     groups: list[list[_Leaf]] = []
     for leaf in leaves:
         previous = groups[-1][-1] if groups and groups[-1] else None
         if leaf is None:
             groups.append([])
+        elif leaf.is_placeholder:
+            groups.append([leaf])
+            groups.append([])
         elif (previous is not None and previous.owner == leaf.owner and previous.run.end == leaf.run.start
+              and not previous.is_placeholder
               and previous.run.role_suffix_of is None and leaf.run.role_suffix_of is None):
             groups[-1].append(leaf)
         else:
@@ -54,27 +64,32 @@ def build_segments(root: Module) -> tuple[Segment, ...]:
         segments.append(Segment(
             segment_id=len(segments), token_ids=token_ids, start=start, owner=owner, context_ids=context,
             is_cached=group[0].is_cached, role_suffix_of=group[0].run.role_suffix_of,
+            is_placeholder=group[0].is_placeholder,
             digest=segment_digest(start, token_ids)))
     return tuple(segments)
 
 
 def _flatten(node: Node, owner: Module, ancestors: tuple[str, ...], leaves: list[_Leaf | None],
-             ancestry: dict[str, tuple[str, ...]]) -> None:
+             ancestry: dict[str, tuple[str, ...]], placeholder_id: int | None) -> None:
     if isinstance(node, TextRun):
         leaves.append(_Leaf(node, owner.path, owner.is_cached))
     elif isinstance(node, Param):
-        leaves.append(None)
+        if placeholder_id is None:
+            leaves.append(None)
+        else:
+            run = TextRun((placeholder_id,) * node.length, node.start, node.line)
+            leaves.append(_Leaf(run, owner.path, owner.is_cached, is_placeholder=True))
     elif isinstance(node, Module):
         chain = (*ancestors, node.path)
         ancestry[node.path] = chain
         for child in node.children:
-            _flatten(child, node, chain, leaves, ancestry)
+            _flatten(child, node, chain, leaves, ancestry, placeholder_id)
     elif isinstance(node, Union):
         for member in node.members:
-            _flatten(member, owner, ancestors, leaves, ancestry)
+            _flatten(member, owner, ancestors, leaves, ancestry, placeholder_id)
     elif isinstance(node, RoleSection):
         for child in node.children:
-            _flatten(child, owner, ancestors, leaves, ancestry)
+            _flatten(child, owner, ancestors, leaves, ancestry, placeholder_id)
 
 
 def ancestors_of(modules: Mapping[str, Module], path: str) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ class TextEncoder:
     encode_fn: Callable[[str], list[int]]
     chat_format: ChatFormat = PLAIN_CHAT_FORMAT
     bos_token_ids: tuple[int, ...] = ()
+    placeholder_id: int = 0  # fills parameter slots while modules are encoded (the paper's <unk>)
     _cache: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     def encode(self, text: str) -> tuple[int, ...]:
@@ -43,5 +44,7 @@ class TextEncoder:
         bos: tuple[int, ...] = ()
         if len(with_special) > len(plain) and with_special[-len(plain):] == plain:
             bos = tuple(with_special[: len(with_special) - len(plain)])
+        unk = getattr(tokenizer, "unk_token_id", None)
+        placeholder = unk if isinstance(unk, int) else (encode_fn(" ") or [0])[0]
         return cls(encode_fn=encode_fn, chat_format=chat_format_from_tokenizer(tokenizer, adds_bos=bool(bos)),
-                   bos_token_ids=bos)
+                   bos_token_ids=bos, placeholder_id=placeholder)

@@ -1,4 +1,4 @@
-"""Oracles for runtime tests: the explicit attention mask that expresses a plan's approximation."""
+"""Oracle for runtime tests: one forward pass whose explicit attention mask expresses a plan's approximation."""
 
 from __future__ import annotations
 
@@ -7,28 +7,41 @@ import torch
 from promptcache.pml import PromptPlan
 
 
-def approximation_mask(plan: PromptPlan) -> torch.Tensor:
-    """[1, 1, n, n] boolean mask over `plan.token_ids()` (position order), True = may attend.
+def approximation_reference(plan: PromptPlan) -> tuple[list[int], list[int], torch.Tensor]:
+    """Tokens, positions and a [1, 1, n, n] boolean mask (True = may attend) such that one forward pass
+    computes what the cached path computes for `plan`.
 
     A cached token attends to the tokens of the segments its KV was encoded after and causally within
-    its own segment; a new token attends to every cached token and causally to new tokens.
+    its own segment. Context segments that are not in the plan (placeholder tokens of parameter slots)
+    join the reference sequence as extra tokens, seen only by the segments encoded after them. A new
+    token attends to every cached token of the plan and causally to new tokens before it.
     """
-    positions = plan.position_ids()
-    index = {p: i for i, p in enumerate(positions)}
-    n = len(positions)
+    schema = plan.schema
+    encoded = {c.segment.segment_id: tuple(c.context_ids) for c in plan.cached}
+    pending = [sid for ctx in encoded.values() for sid in ctx if sid not in encoded]
+    while pending:  # context segments outside the plan, with their own (default) contexts
+        sid = pending.pop()
+        if sid not in encoded:
+            encoded[sid] = schema.segments[sid].context_ids
+            pending += [c for c in encoded[sid] if c not in encoded]
+    tokens, positions, rows_of = [], [], {}
+    for sid in encoded:
+        segment = schema.segments[sid]
+        rows_of[sid] = list(range(len(tokens), len(tokens) + len(segment.token_ids)))
+        tokens += segment.token_ids
+        positions += list(segment.position_ids)
+    new_rows = list(range(len(tokens), len(tokens) + plan.num_new_tokens))
+    tokens += plan.new_token_ids()
+    positions += plan.new_position_ids()
+    n = len(tokens)
     mask = torch.zeros((n, n), dtype=torch.bool)  # [n, n]
-    segments = {c.segment.segment_id: c.segment for c in plan.cached}
-    cached_rows = []
-    for item in plan.cached:
-        seg = item.segment
-        context_cols = [index[p] for sid in item.context_ids for p in segments[sid].position_ids]
-        rows = [index[p] for p in seg.position_ids]
-        cached_rows += rows
-        for k, row in enumerate(rows):
+    for sid, context in encoded.items():
+        context_cols = [r for c in context for r in rows_of[c]]
+        for k, row in enumerate(rows_of[sid]):
             mask[row, context_cols] = True
-            mask[row, rows[: k + 1]] = True
-    new_rows = [index[p] for run in plan.new_runs for p in range(run.start, run.end)]
+            mask[row, rows_of[sid][: k + 1]] = True
+    plan_rows = [r for c in plan.cached for r in rows_of[c.segment.segment_id]]
     for k, row in enumerate(new_rows):
-        mask[row, cached_rows] = True
+        mask[row, plan_rows] = True
         mask[row, new_rows[: k + 1]] = True
-    return mask[None, None]
+    return tokens, positions, mask[None, None]

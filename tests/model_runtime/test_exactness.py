@@ -8,7 +8,7 @@ import torch
 from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.baseline import full_prefill_greedy, full_prefill_logits
 from promptcache.model_runtime.cached_prefill import prefill
-from tests.model_runtime.oracles import approximation_mask
+from tests.model_runtime.oracles import approximation_reference
 
 ARCHS = ["llama", "mistral", "qwen2", "gpt2"]
 EXACT_SCHEMA = """<schema name="exact">
@@ -21,7 +21,7 @@ SCAFFOLD_SCHEMA = """<schema name="scaf">Shared preface for all documents.
   <module name="c">Gamma document: and runs away.</module>
   <scaffold modules="a b c"/>
 </schema>"""
-APPROX_SCHEMA = """<schema name="approx">Preface text here.
+APPROX_SCHEMA = """<schema name="approx" params="{params}">Preface text here.
   <module name="trip">Plan a trip of <param name="days" len="6"/> days to
     <union><module name="miami">Miami with beaches.</module><module name="paris">Paris, the city of light.</module></union>
     and enjoy it.<param name="buffer" len="12"/></module>
@@ -62,16 +62,17 @@ def test_fully_imported_scaffold_is_exact(tiny_runtime, arch):
     _check_exact(runtime, '<prompt schema="scaf"><c/><a/><b/>Summarise.</prompt>')
 
 
+@pytest.mark.parametrize("params", ["placeholder", "skip"])
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("prompt", APPROX_PROMPTS)
-def test_approximate_prompts_match_masked_reference(tiny_runtime, arch, prompt):
+def test_approximate_prompts_match_masked_reference(tiny_runtime, arch, prompt, params):
     runtime = tiny_runtime(arch)
-    runtime.add_schema(runtime.parse_schema(APPROX_SCHEMA))
+    runtime.add_schema(runtime.parse_schema(APPROX_SCHEMA.format(params=params)))
     plan = runtime.plan(prompt)
     assert not plan.is_exact
     cached = prefill(runtime.module_encoder, plan)
-    reference = full_prefill_logits(runtime.loaded.model, plan.token_ids(), plan.position_ids(),
-                                    attention_mask=approximation_mask(plan))[-1]
+    tokens, positions, mask = approximation_reference(plan)
+    reference = full_prefill_logits(runtime.loaded.model, tokens, positions, attention_mask=mask)[-1]
     assert (cached.logits - reference).abs().max().item() <= 1e-4
     plain = full_prefill_logits(runtime.loaded.model, plan.token_ids(), plan.position_ids())[-1]
     assert (cached.logits - plain).abs().max().item() > 1e-4  # the approximation is real, and visible

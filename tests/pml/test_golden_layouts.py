@@ -24,7 +24,8 @@ def layout(schema: Schema, tokenizer) -> dict:
         "modules": schema.module_table(),
         "segments": [
             {"id": s.segment_id, "owner": s.owner, "start": s.start, "end": s.end, "context": list(s.context_ids),
-             "cached": s.is_cached, "text": tokenizer.decode(s.token_ids)}
+             "cached": s.is_cached, "placeholder": s.is_placeholder,
+             "text": tokenizer.decode(s.token_ids)}
             for s in schema.segments
         ],
         "scaffolds": [{"name": sc.name, "modules": list(sc.module_paths),

@@ -124,3 +124,22 @@ def test_cache_false_modules_are_computed_as_new_tokens(pml):
     plan = pml.prompt('<prompt schema="s"><live/></prompt>')
     assert [r.kind for r in plan.new_runs] == ["module"]
     assert [c.segment.owner for c in plan.cached] == [""]
+
+
+def test_param_encoding_placeholder_or_skip(pml):
+    text = '<schema name="p{0}" {1}>Hi. <module name="m">Go for <param name="d" len="3"/> days.</module></schema>'
+    placeholder = pml.schema(text.format(1, ""))
+    slot = [s for s in placeholder.segments if s.is_placeholder]
+    assert len(slot) == 1 and slot[0].token_ids == (pml.encoder.placeholder_id,) * 3
+    after = placeholder.segments[slot[0].segment_id + 1]
+    assert slot[0].segment_id in after.context_ids  # " days." was encoded after the placeholders
+    plan = pml.prompt('<prompt schema="p1"><m d="2"/>Q</prompt>')
+    assert not any(c.segment.is_placeholder for c in plan.cached) and not plan.is_exact
+    skip = pml.schema(text.format(2, 'params="skip"'))
+    assert not any(s.is_placeholder for s in skip.segments)
+    assert pml.prompt('<prompt schema="p2"><m/>Q</prompt>').is_exact  # no argument, nothing skipped is missing
+    import pytest
+
+    from promptcache.pml import SchemaError
+    with pytest.raises(SchemaError, match="placeholder"):
+        pml.schema(text.format(3, 'params="other"'))
