@@ -118,7 +118,7 @@ def test_each_segment_is_attended_once_and_not_copied(monkeypatch):
 
 
 def test_dispatch_thresholds():
-    small = dispatch.choose("auto", torch.zeros(2, 4, 8), torch.zeros(2, 16, 8))
+    small = dispatch.choose("auto", torch.zeros(2, 1, 8), torch.zeros(2, 8, 8))
     large = dispatch.choose("auto", torch.zeros(2, 64, 8), torch.zeros(2, 4096, 8))
     assert small is backends.matmul_attend and large is backends.fused_cpu_attend
     with pytest.raises(ValueError):
