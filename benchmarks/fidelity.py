@@ -62,7 +62,8 @@ def build_cases(runtime: ModelRuntime, *, docs: int, pick: int, questions: int, 
     for i in range(max(2, questions // 4)):
         group = list(rng.choice(groups))
         rng.shuffle(group)
-        target = next(d for d in documents if d.name == rng.choice(group))
+        target_name = rng.choice(group)
+        target = next(d for d in documents if d.name == target_name)
         q = make_questions([target], 1, 1, seed + 10 + i)[0]
         cases.append(Case("fact_qa_scaffold", _qa_prompt(tuple(group), q.text), q.answer))
     runtime.add_schema(runtime.parse_schema(
