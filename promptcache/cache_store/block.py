@@ -11,28 +11,22 @@ from promptcache.cache_store.errors import BlockMismatchError
 
 @dataclass(frozen=True, slots=True, eq=False)
 class KVBlock:
-    """Post-RoPE attention states of one cached token run, all layers.
-
-    Blocks are shared, not copied, by the tiers that hold them: treat the tensors as read-only.
-    `position_ids` is metadata and always lives on the CPU; `keys`/`values` live on `device`.
-    Raises BlockMismatchError when the tensors do not form a block (they may come from a blob).
-    """
+    """Post-RoPE keys and values of `num_tokens` tokens for every layer, and their position ids."""
 
     keys: torch.Tensor          # [num_layers, num_kv_heads, num_tokens, head_dim]
     values: torch.Tensor        # [num_layers, num_kv_heads, num_tokens, head_dim]
     position_ids: torch.Tensor  # [num_tokens] int64
 
     def __post_init__(self) -> None:
-        keys, values, positions = self.keys, self.values, self.position_ids
-        if keys.dim() != 4 or keys.shape != values.shape:
-            raise BlockMismatchError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must have one "
-                                     "4-D shape [num_layers, num_kv_heads, num_tokens, head_dim]")
-        if keys.dtype != values.dtype or keys.device != values.device:
-            raise BlockMismatchError(f"keys are {keys.dtype} on {keys.device} but values are {values.dtype} "
-                                     f"on {values.device}")
-        if positions.dim() != 1 or positions.dtype != torch.int64 or positions.numel() != keys.shape[2]:
-            raise BlockMismatchError(f"position_ids must be int64 [{keys.shape[2]}], got {positions.dtype} "
-                                     f"{tuple(positions.shape)}")
+        if self.keys.dim() != 4 or self.keys.shape != self.values.shape:
+            raise BlockMismatchError(f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} must be "
+                                     "equal 4-D shapes [layers, kv_heads, tokens, head_dim]")
+        if self.keys.dtype != self.values.dtype:
+            raise BlockMismatchError(f"keys are {self.keys.dtype} but values are {self.values.dtype}")
+        if self.position_ids.dim() != 1 or self.position_ids.dtype != torch.int64 \
+                or self.position_ids.numel() != self.keys.shape[2]:
+            raise BlockMismatchError(f"position_ids must be int64 [{self.keys.shape[2]}], got "
+                                     f"{self.position_ids.dtype} {tuple(self.position_ids.shape)}")
 
     @property
     def num_tokens(self) -> int:
@@ -40,9 +34,8 @@ class KVBlock:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: keys + values + position ids (what tier budgets count)."""
-        kv_bytes = self.keys.numel() * self.keys.element_size()
-        return 2 * kv_bytes + self.position_ids.numel() * self.position_ids.element_size()
+        return (self.keys.numel() * self.keys.element_size() * 2
+                + self.position_ids.numel() * self.position_ids.element_size())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -52,21 +45,11 @@ class KVBlock:
     def device(self) -> torch.device:
         return self.keys.device
 
-    def to(self, device: torch.device | str) -> KVBlock:
-        """This block with keys/values on `device`; `self` if they are already there."""
-        device = torch.device(device)
-        if _same_device(self.keys.device, device):
+    def to(self, device: torch.device | str, *, pin_memory: bool = False) -> KVBlock:
+        """This block on `device` (self if already there); `pin_memory` for host copies of GPU data."""
+        if torch.device(device) == self.keys.device and not pin_memory:
             return self
-        return KVBlock(self.keys.to(device), self.values.to(device), self.position_ids.cpu())
-
-    def pin_memory(self) -> KVBlock:
-        """A page-locked CPU copy (fast, async copies to a GPU); `self` without CUDA or if already pinned."""
-        if not torch.cuda.is_available() or self.keys.is_pinned():
-            return self
-        host = self.to("cpu")
-        return KVBlock(host.keys.pin_memory(), host.values.pin_memory(), host.position_ids)
-
-
-def _same_device(have: torch.device, want: torch.device) -> bool:
-    # "cuda" (no index) means the current device: compare the type only then.
-    return have.type == want.type and (want.index is None or have.index == want.index)
+        keys, values = self.keys.to(device), self.values.to(device)
+        if pin_memory:
+            keys, values = keys.pin_memory(), values.pin_memory()
+        return KVBlock(keys, values, self.position_ids.to("cpu"))

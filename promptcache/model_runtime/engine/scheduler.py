@@ -186,11 +186,11 @@ class Scheduler:
         if all(s.status == SeqStatus.FINISHED for s in request.sequences) and \
                 len(request.sequences) == params.n:
             self._release(request)
-            events.append(self._final(request, seq, token, text, finish))
+            events.append(self._final(request, seq.index, token, text, finish))
         else:
             events.append(TokenEvent(request.request_id, seq.index, token, text, finish))
 
-    def _final(self, request: Request, seq: Sequence, token: int | None, text: str, finish: str) -> TokenEvent:
+    def _final(self, request: Request, index: int, token: int | None, text: str, finish: str) -> TokenEvent:
         plan = request.plan
         now = time.perf_counter()
         usage = Usage(prompt_tokens=plan.num_prompt_tokens, cached_tokens=plan.num_cached_tokens,
@@ -200,7 +200,7 @@ class Scheduler:
         timings = Timings(encode_ms=request.encode_ms, assembly_ms=request.assembly_ms,
                           prefill_ms=request.prefill_ms, ttft_ms=(first - request.submitted_at) * 1e3,
                           total_ms=(now - request.submitted_at) * 1e3)
-        return TokenEvent(request.request_id, seq.index, token, text, finish, usage=usage, modules=request.modules,
+        return TokenEvent(request.request_id, index, token, text, finish, usage=usage, modules=request.modules,
                           timings=timings, is_exact=plan.is_exact)
 
     def _release(self, request: Request) -> None:
@@ -212,12 +212,12 @@ class Scheduler:
         events = []
         for request in [r for r in self.waiting if r.is_aborted]:
             self.waiting.remove(request)
-            events.append(self._final(request, _Placeholder(), None, "", "abort"))
+            events.append(self._final(request, 0, None, "", "abort"))
         aborted = {s.request.request_id: s.request for s in self.running if s.request.is_aborted}
         for request_id, request in aborted.items():
             self.running = [s for s in self.running if s.request.request_id != request_id]
             self._release(request)
-            events.append(self._final(request, _Placeholder(), None, "", "abort"))
+            events.append(self._final(request, 0, None, "", "abort"))
         return events
 
     def drop_all(self) -> list[Request]:
@@ -232,7 +232,3 @@ class Scheduler:
 
     def _error(self, request: Request, message: str) -> TokenEvent:
         return TokenEvent(request.request_id, 0, None, "", "error", error=message, error_type="invalid_request")
-
-
-class _Placeholder:
-    index = 0
