@@ -1,161 +1,238 @@
-"""Fidelity: what module caching does to answers, on the real SmolLM2-135M-Instruct.
+"""Fidelity: what reusing module KV does to answers, per fidelity mode, over HTTP on SmolLM2-135M-Instruct.
 
-    python benchmarks/fidelity.py --docs 8 --pick 3 --questions 40
+    python -m benchmarks.fidelity --per-task 200 --modes fast balanced:8 balanced:16 balanced:32 exact
 
-Tasks (generated from fixed seeds, benchmarks/fidelity_data.py):
-- fact_qa: documents of fictional facts as modules; each prompt imports k of them in random order and
-  asks about one fact; accuracy = the fact appears in the greedy answer.
-- fact_qa_scaffold: the same, importing one whole scaffold group (jointly encoded).
-- template: a trip-planner module with <param> slots and a persona <union>; scored by agreement.
-- prefix: a long system prompt + question, no optional parts: must be exact.
-Modes side by side on the same prompts: full_prefill (the prompt's tokens at contiguous positions: what
-a server without module caching computes), full_prefill_layout (same tokens at the schema's layout
-positions: isolates the effect of position gaps), default (promptcache: guaranteed-context encoding),
-isolated (each module encoded alone: the paper's literal masking).
-Per task and mode: accuracy, agreement (first 16 greedy tokens equal to full_prefill), mean KL of the
-first-token distribution vs full_prefill, mean TTFT. JSON lines; docs/fidelity.md has the table.
+The evaluation set (benchmarks/fidelity_tasks.py) is generated in-repo from fixed seeds: multi-document
+fact QA (k of M documents in random order), RULER-style key retrieval, a parameterised template.
+Reference: a plain full prefill of each prompt's tokens at contiguous positions with Hugging Face
+transformers in this process (greedy, the independent oracle). Every promptcache mode runs through a
+real `promptcache serve` (same model, fp32) with the request's `fidelity`; TTFT is measured by this
+client (streamed first token, sequential, fresh servers), the quality runs are sent concurrently.
+Per task and mode: accuracy with a 95 % Wilson interval, % of the full-prefill accuracy, greedy
+16-token agreement with the reference, first-token KL from the reference (on the mode's top-20
+tokens + the rest: a lower bound of the full KL), recomputed fraction of the reused module KV, and
+median TTFT. One JSON line per (task, mode), every answer in a side file, a PNG of accuracy vs TTFT.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
+import json
+import math
 import statistics
-import time
-from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import torch
 
-from benchmarks.fidelity_data import make_documents, make_questions
+from benchmarks.fidelity_tasks import EvalItem, EvalSet, build_eval_set, score
 from benchmarks.harness import RESULTS, emit, log, setup
+from benchmarks.live_server import promptcache_server
+from benchmarks.serving import Target
 from promptcache.cache_store import StoreConfig, build_store
-from promptcache.model_runtime import ModelConfig, ModelRuntime, SamplingParams, load_model
+from promptcache.model_runtime import LoadedModel, ModelConfig, ModelRuntime, load_model
 from promptcache.model_runtime.baseline import full_prefill_greedy, full_prefill_logits
-from promptcache.model_runtime.cached_prefill import prefill
 
-MODES = ("full_prefill", "full_prefill_layout", "default", "isolated")
-GENERATE = 24
-AGREE = 16
-SYSTEM = "Answer the question with a short phrase, using only the documents."
+GENERATE = 16
+TOP = 20
 
 
 @dataclass
-class Case:
-    task: str
-    prompt: str
-    answer: str | None  # None: scored by agreement only
+class Answer:
+    """One prompt answered by one mode."""
+
+    text: str
+    token_ids: list[int]
+    first_top: dict[int, float]   # first token: id -> logprob (top-20), or the full distribution
+    recomputed: int = 0
+    reused_module_tokens: int = 0
 
 
-def build_cases(runtime: ModelRuntime, *, docs: int, pick: int, questions: int, seed: int = 0) -> list[Case]:
-    documents = make_documents(docs, seed)
-    modules = "".join(f'<module name="{d.name}">{d.text}</module>' for d in documents)
-    groups = [[d.name for d in documents[i: i + pick]] for i in range(0, docs - pick + 1, pick)]
-    scaffolds = "".join(f'<scaffold modules="{" ".join(g)}"/>' for g in groups)
-    runtime.add_schema(runtime.parse_schema(
-        f'<schema name="facts"><system>{SYSTEM}</system><user>{modules}</user>{scaffolds}</schema>'))
-    cases = []
-    for q in make_questions(documents, questions, pick, seed + 1):
-        cases.append(Case("fact_qa", _qa_prompt(q.docs, q.text), q.answer))
-    rng = random.Random(seed + 2)
-    for i in range(max(2, questions // 4)):
-        group = list(rng.choice(groups))
-        rng.shuffle(group)
-        target_name = rng.choice(group)
-        target = next(d for d in documents if d.name == target_name)
-        q = make_questions([target], 1, 1, seed + 10 + i)[0]
-        cases.append(Case("fact_qa_scaffold", _qa_prompt(tuple(group), q.text), q.answer))
-    runtime.add_schema(runtime.parse_schema(
-        '<schema name="trip"><system>You are a travel agent. Answer in two sentences.</system><user>'
-        '<union default="friendly"><module name="friendly">Speak in a warm, friendly tone.</module>'
-        '<module name="formal">Speak in a formal, precise tone.</module>'
-        '<module name="pirate">Speak like an old pirate captain.</module></union>'
-        '<module name="plan">Plan a trip of <param name="days" len="3"/> days to <param name="city" len="6"/>. '
-        'Mention one museum and one dish.</module></user></schema>'))
-    cities = ["Paris", "Lisbon", "Kyoto", "Cairo", "Oslo", "Lima", "Rome", "Seoul"]
-    for i in range(max(2, questions // 4)):
-        persona = ["friendly", "formal", "pirate"][i % 3]
-        cases.append(Case("template", f'<prompt schema="trip"><user><{persona}/><plan days="{2 + i % 5}" '
-                                      f'city="{cities[i % len(cities)]}"/>Go.</user><assistant/></prompt>', None))
-    long_system = " ".join(d.text for d in documents[:2])
-    runtime.add_schema(runtime.parse_schema(f'<schema name="prefix"><system>{SYSTEM} {long_system}</system></schema>'))
-    for i, d in enumerate(documents[:2] * max(1, questions // 8)):
-        q = make_questions([d], 1, 1, seed + 100 + i)[0]
-        cases.append(Case("prefix", f'<prompt schema="prefix"><user>{q.text}</user><assistant/></prompt>', q.answer))
-    return cases
+def parse_mode(spec: str) -> tuple[str, int | None]:
+    mode, _, k = spec.partition(":")
+    return mode, int(k) if k else None
 
 
-def _qa_prompt(doc_names: tuple[str, ...], question: str) -> str:
-    imports = "".join(f"<{name}/>" for name in doc_names)
-    return f'<prompt schema="facts"><user>{imports}Question: {question}</user><assistant/></prompt>'
+def reference_answers(loaded: LoadedModel, eval_set: EvalSet, items: list[EvalItem]) -> list[Answer]:
+    """Plain full prefill of every prompt's tokens at positions 0..n-1 (no promptcache code on the path
+    but the PML parser that turns the prompt into tokens)."""
+    runtime = ModelRuntime(loaded, build_store(StoreConfig()))
+    for text in eval_set.schemas.values():
+        runtime.add_schema(runtime.parse_schema(text), encode=False)
+    answers = []
+    for index, item in enumerate(items):
+        tokens = runtime.plan(item.prompt).token_ids()
+        positions = list(range(len(tokens)))
+        with torch.inference_mode():
+            logprobs = torch.log_softmax(full_prefill_logits(loaded.model, tokens, positions)[-1], dim=-1)
+            generated = full_prefill_greedy(loaded.model, tokens, positions, GENERATE, loaded.eos_token_ids)
+        generated = _until_eos(generated, loaded.eos_token_ids)
+        text = loaded.tokenizer.decode(generated, skip_special_tokens=True)
+        answers.append(Answer(text, generated, dict(enumerate(logprobs.tolist()))))
+        if index % 50 == 0:
+            log(f"reference {index}/{len(items)}")
+    return answers
 
 
-def evaluate(runtime: ModelRuntime, cases: list[Case]) -> list[dict]:
-    """One record per (case, mode): answer text, correctness, agreement, KL, TTFT."""
-    model, tokenizer, eos = runtime.loaded.model, runtime.loaded.tokenizer, runtime.loaded.eos_token_ids
-    params = SamplingParams(max_tokens=GENERATE, temperature=0)
-    records = []
-    for index, case in enumerate(cases):
-        plan = runtime.plan(case.prompt)
-        tokens, layout = plan.token_ids(), plan.position_ids()
-        outputs: dict[str, tuple[list[int], torch.Tensor, float]] = {}
-        for mode, positions in (("full_prefill", list(range(len(tokens)))), ("full_prefill_layout", layout)):
-            started = time.perf_counter()
-            logits = full_prefill_logits(model, tokens, positions)[-1]
-            ttft = (time.perf_counter() - started) * 1e3
-            outputs[mode] = (full_prefill_greedy(model, tokens, positions, GENERATE, eos), logits, ttft)
-        for mode, mode_plan in (("default", plan), ("isolated", runtime.plan(case.prompt, isolated=True))):
-            logits = prefill(runtime.module_encoder, mode_plan).logits
-            result = runtime.generate(mode_plan, params)
-            outputs[mode] = (list(result.token_ids), logits, result.timings.ttft_ms)
-        reference_tokens, reference_logits, _ = outputs["full_prefill"]
-        reference_logp = torch.log_softmax(reference_logits, -1)
-        for mode, (generated, logits, ttft) in outputs.items():
-            text = tokenizer.decode(generated, skip_special_tokens=True)
-            kl = torch.sum(reference_logp.exp() * (reference_logp - torch.log_softmax(logits, -1))).item()
-            records.append({
-                "task": case.task, "case": index, "mode": mode, "exact_plan": plan.is_exact, "answer": text.strip(),
-                "correct": None if case.answer is None else case.answer.lower() in text.lower(),
-                "agrees": generated[:AGREE] == reference_tokens[:AGREE], "kl": max(kl, 0.0), "ttft_ms": ttft})
-    return records
+def mode_answers(url: str, items: list[EvalItem], mode: str, k: int | None, *, concurrency: int,
+                 eos_ids: set[int]) -> list[Answer]:
+    client = httpx.Client(timeout=1800)
+
+    def ask(item: EvalItem) -> Answer:
+        body = {"prompt": item.prompt, "max_tokens": GENERATE, "temperature": 0, "logprobs": TOP, "fidelity": mode}
+        if k is not None:
+            body["fidelity_head_tokens"] = k
+        response = client.post(url + "/v1/generate", json=body)
+        response.raise_for_status()
+        data = response.json()
+        logprobs = data["choices"][0]["logprobs"]
+        token_ids = _until_eos(logprobs["token_ids"], eos_ids)
+        first = dict(zip(logprobs["top_token_ids"][0], logprobs["top_token_logprobs"][0]))
+        reused = sum(m["num_tokens"] for m in data["cache"]["modules"])
+        return Answer(data["choices"][0]["text"], token_ids, first, data["cache"]["recomputed_tokens"], reused)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(ask, items))
 
 
-def summarize(records: list[dict]) -> list[dict]:
-    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
-    for r in records:
-        groups[(r["task"], r["mode"])].append(r)
-    rows = []
-    for (task, mode), rs in sorted(groups.items()):
-        scored = [r["correct"] for r in rs if r["correct"] is not None]
-        rows.append({"bench": "fidelity", "task": task, "mode": mode, "num_prompts": len(rs),
-                     "accuracy": round(100 * sum(scored) / len(scored), 1) if scored else None,
-                     "agreement": round(100 * sum(r["agrees"] for r in rs) / len(rs), 1),
-                     "mean_kl": round(statistics.mean(r["kl"] for r in rs), 4),
-                     "mean_ttft_ms": round(statistics.mean(r["ttft_ms"] for r in rs), 1)})
-    return rows
+def _until_eos(token_ids: list[int], eos_ids) -> list[int]:
+    for i, token in enumerate(token_ids):
+        if token in eos_ids:
+            return list(token_ids[:i])
+    return list(token_ids)
+
+
+def first_token_kl(reference: Answer, answer: Answer) -> float:
+    """KL(reference || mode) of the first-token distributions on the mode's top tokens + the rest."""
+    support = list(answer.first_top)
+    p = [math.exp(reference.first_top[t]) for t in support]
+    q = [math.exp(answer.first_top[t]) for t in support]
+    p_rest, q_rest = max(1e-12, 1 - sum(p)), max(1e-12, 1 - sum(q))
+    kl = sum(pi * (math.log(max(pi, 1e-30)) - math.log(max(qi, 1e-30))) for pi, qi in zip(p, q))
+    return max(0.0, kl + p_rest * (math.log(p_rest) - math.log(q_rest)))
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return 0.0, 0.0
+    phat = successes / n
+    centre = (phat + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(phat * (1 - phat) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return 100 * (centre - half), 100 * (centre + half)
+
+
+def summarize(task: str, mode: str, items: list[EvalItem], answers: list[Answer], references: list[Answer],
+              ttft_ms: list[float]) -> dict:
+    correct = [score(a.text, item) for a, item in zip(answers, items)]
+    reference_correct = [score(r.text, item) for r, item in zip(references, items)]
+    accuracy = 100 * sum(correct) / len(correct)
+    full = 100 * sum(reference_correct) / len(reference_correct)
+    low, high = wilson(sum(correct), len(correct))
+    reused = sum(a.reused_module_tokens + a.recomputed for a in answers)
+    return {
+        "bench": "fidelity", "task": task, "mode": mode, "num_prompts": len(items),
+        "accuracy": round(accuracy, 1), "ci95": [round(low, 1), round(high, 1)],
+        "percent_of_full_prefill": round(100 * accuracy / full, 1) if full else None,
+        "agreement": round(100 * sum(a.token_ids[:GENERATE] == r.token_ids[:GENERATE]
+                                     for a, r in zip(answers, references)) / len(items), 1),
+        "first_token_kl": round(statistics.mean(first_token_kl(r, a) for a, r in zip(answers, references)), 4),
+        "recomputed_fraction": round(sum(a.recomputed for a in answers) / reused, 4) if reused else 0.0,
+        "median_ttft_ms": round(statistics.median(ttft_ms), 1) if ttft_ms else None,
+    }
+
+
+def measure_ttft(url: str, items: list[EvalItem], mode: str, k: int | None) -> list[float]:
+    """Client-side TTFT of streamed single requests, one at a time."""
+    target = Target(mode, url, is_promptcache=True)
+    extra = {"fidelity": mode, **({"fidelity_head_tokens": k} if k is not None else {})}
+    return [target.ttft("/v1/generate", {"prompt": item.prompt, "max_tokens": 1, **extra})[0] for item in items]
+
+
+def upload(url: str, eval_set: EvalSet) -> None:
+    for text in eval_set.schemas.values():
+        httpx.post(url + "/v1/schemas", json={"pml": text}, timeout=1800).raise_for_status()
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r["task"] for r in rows})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for row in (r for r in rows if r["task"] == task and r["median_ttft_ms"]):
+            low, high = row["ci95"]
+            ax.errorbar(row["median_ttft_ms"], row["accuracy"], yerr=[[row["accuracy"] - low], [high - row["accuracy"]]],
+                        fmt="o", capsize=3)
+            ax.annotate(row["mode"], (row["median_ttft_ms"], row["accuracy"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel("median TTFT over HTTP (ms, log)")
+        ax.set_ylabel("accuracy (%, 95 % CI)")
+        ax.set_title(task)
+    fig.suptitle("SmolLM2-135M-Instruct, fp32, 2 CPU cores: accuracy vs TTFT per fidelity mode")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--docs", type=int, default=8)
-    parser.add_argument("--pick", type=int, default=3)
-    parser.add_argument("--questions", type=int, default=40)
+    parser.add_argument("--per-task", type=int, default=200)
+    parser.add_argument("--modes", nargs="+", default=["fast", "balanced:8", "balanced:16", "balanced:32", "exact"])
+    parser.add_argument("--ttft-per-task", type=int, default=20, help="prompts per task timed one at a time")
+    parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "fidelity.jsonl")
     args = parser.parse_args()
     setup(args.threads)
-    runtime = ModelRuntime(load_model(ModelConfig()), build_store(StoreConfig(), device="cpu"))
-    cases = build_cases(runtime, docs=args.docs, pick=args.pick, questions=args.questions)
-    log(f"{len(cases)} prompts")
-    records = evaluate(runtime, cases)
-    for row in summarize(records):
-        emit(row, args.out)
-    with args.out.with_suffix(".answers.jsonl").open("w") as fh:
-        import json
+    loaded = load_model(ModelConfig())
+    eos = set(loaded.eos_token_ids)
+    eval_set = build_eval_set(per_task=args.per_task, seed=args.seed)
+    items = eval_set.items
+    tasks = sorted({item.task for item in items})
+    timed = [i for task in tasks for i in [it for it in items if it.task == task][: args.ttft_per_task]]
+    log(f"{len(items)} prompts over {tasks}; TTFT on {len(timed)}")
 
-        for record in records:
-            fh.write(json.dumps(record) + "\n")
+    ttft: dict[str, list[float]] = {}
+    with promptcache_server(["--no-prefix-caching"]) as url:  # what a server without caching computes
+        upload(url, eval_set)
+        measure_ttft(url, timed[:2], "exact", None)  # warm-up
+        ttft["full_prefill"] = measure_ttft(url, timed, "exact", None)
+    answers: dict[str, list[Answer]] = {}
+    with promptcache_server([]) as url:
+        upload(url, eval_set)
+        measure_ttft(url, timed[:2], "fast", None)
+        for spec in args.modes:  # timed first, on a fresh server: nothing of these prompts is stored yet
+            ttft[spec] = measure_ttft(url, timed, *parse_mode(spec))
+        for spec in args.modes:
+            log(f"quality run: {spec}")
+            answers[spec] = mode_answers(url, items, *parse_mode(spec), concurrency=args.concurrency, eos_ids=eos)
+    log("reference: full prefill in-process")
+    references = reference_answers(loaded, eval_set, items)
+    answers["full_prefill"] = references
+
+    rows = []
+    for task in tasks:
+        index = [i for i, item in enumerate(items) if item.task == task]
+        task_items = [items[i] for i in index]
+        task_timed = {id(item) for item in timed if item.task == task}
+        for spec in ["full_prefill", *args.modes]:
+            task_ttft = [t for t, item in zip(ttft[spec], timed) if id(item) in task_timed]
+            row = summarize(task, spec, task_items, [answers[spec][i] for i in index],
+                            [references[i] for i in index], task_ttft)
+            rows.append(row)
+            emit(row, args.out)
+    with args.out.with_suffix(".answers.jsonl").open("w") as fh:
+        for spec, mode_list in answers.items():
+            for item, answer in zip(items, mode_list):
+                fh.write(json.dumps({"mode": spec, "task": item.task, "meta": item.meta, "text": answer.text,
+                                     "correct": score(answer.text, item), "recomputed": answer.recomputed}) + "\n")
+    plot(rows, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

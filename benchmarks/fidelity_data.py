@@ -72,3 +72,14 @@ def make_questions(docs: list[Document], count: int, pick: int, seed: int = 1) -
         questions.append(Question(tuple(d.name for d in chosen), target.name, question.format(town=target.town),
                                   target.facts[kind]))
     return questions
+
+
+def balanced(rng: random.Random, values: list, count: int) -> list:
+    """`count` values cycling through `values`, each pass in a fresh random order (every value is used
+    equally often, and any prefix is as balanced as possible)."""
+    out: list = []
+    while len(out) < count:
+        block = list(values)
+        rng.shuffle(block)
+        out += block
+    return out[:count]

@@ -18,6 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--api-key", action="append", dest="api_keys", help="accepted Bearer key (repeatable)")
     serve.add_argument("--no-examples", action="store_true", help="do not preload the bundled example schemas")
+    serve.add_argument("--no-prefix-caching", action="store_true",
+                       help="turn off automatic prefix reuse (plain, chat and PML new text)")
+    serve.add_argument("--prefix-block-size", type=int, help="tokens per automatic prefix block (default 32)")
+    serve.add_argument("--fidelity", choices=["fast", "balanced", "exact"],
+                       help="default fidelity mode for reused module KV (docs/fidelity.md)")
     serve.add_argument("--log-level", default="info")
 
     encode = commands.add_parser("encode", help="encode a schema's modules into the store (e.g. a shared Redis)")
@@ -44,6 +49,9 @@ def _settings(args: argparse.Namespace):
         "host": getattr(args, "host", None), "port": getattr(args, "port", None),
         "api_keys": getattr(args, "api_keys", None),
         "preload_examples": False if getattr(args, "no_examples", False) else None,
+        "prefix_caching": False if getattr(args, "no_prefix_caching", False) else None,
+        "prefix_block_size": getattr(args, "prefix_block_size", None),
+        "fidelity": getattr(args, "fidelity", None),
     }.items() if v is not None}
     return ServerSettings(**overrides)
 

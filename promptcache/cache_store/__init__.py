@@ -4,6 +4,7 @@ Knows nothing about HTTP or requests; may hold tensors but never imports transfo
 """
 
 from promptcache.cache_store.block import KVBlock
+from promptcache.cache_store.block_index import BlockIndex, BlockIndexConfig, Link, Match
 from promptcache.cache_store.config import StoreConfig, build_store
 from promptcache.cache_store.disk_tier import DiskTier
 from promptcache.cache_store.errors import (
@@ -15,17 +16,18 @@ from promptcache.cache_store.errors import (
     SchemaExistsError,
 )
 from promptcache.cache_store.fetch_policy import FetchPolicy
-from promptcache.cache_store.keys import make_kv_key
+from promptcache.cache_store.keys import chain_root, make_kv_key
 from promptcache.cache_store.memory_tier import MemoryTier
 from promptcache.cache_store.redis_tier import RedisTier
 from promptcache.cache_store.schema_registry import SchemaRegistry, StoredSchema
 from promptcache.cache_store.serialization import dumps, loads
 from promptcache.cache_store.store import StoreStats, TieredStore, TierStats
-from promptcache.cache_store.tier import Tier
+from promptcache.cache_store.tier import BlockKind, Eviction, Tier, TierHit, TierUsage
 
 __all__ = [
-    "BlockMismatchError", "CacheStoreError", "CapacityError", "CorruptBlockError", "DiskTier", "FetchPolicy", "KVBlock",
-    "MemoryTier", "RedisTier", "RegistryUnavailableError", "SchemaExistsError", "SchemaRegistry", "StoreConfig",
-    "StoreStats", "StoredSchema", "Tier", "TierStats", "TieredStore", "build_store", "dumps", "loads",
+    "BlockIndex", "BlockIndexConfig", "BlockKind", "BlockMismatchError", "CacheStoreError", "CapacityError", "CorruptBlockError", "DiskTier",
+    "Eviction", "FetchPolicy", "KVBlock", "Link", "Match", "MemoryTier", "RedisTier", "RegistryUnavailableError",
+    "SchemaExistsError", "SchemaRegistry", "StoreConfig", "StoreStats", "StoredSchema", "Tier", "TierHit",
+    "TierStats", "TierUsage", "TieredStore", "build_store", "chain_root", "dumps", "loads",
     "make_kv_key",
 ]

@@ -26,9 +26,11 @@ class StoreConfig:
     disk_dir: str | None = None
     disk_max_bytes: int = 16 << 30
     write_through_shared: bool = True
+    write_behind_max_bytes: int = 1 << 30  # queue for shared-tier writes; more is dropped (and counted)
 
     def __post_init__(self) -> None:
-        for name in ("device_max_bytes", "host_max_bytes", "redis_max_bytes", "disk_max_bytes"):
+        for name in ("device_max_bytes", "host_max_bytes", "redis_max_bytes", "disk_max_bytes",
+                     "write_behind_max_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"StoreConfig.{name} must be > 0")
         if self.redis_timeout_s <= 0:
@@ -46,4 +48,5 @@ def build_store(config: StoreConfig, device: str = "cpu") -> TieredStore:
                                timeout_s=config.redis_timeout_s, retry_interval_s=config.redis_retry_interval_s))
     if config.disk_dir:
         tiers.append(DiskTier(config.disk_dir, max_bytes=config.disk_max_bytes))
-    return TieredStore(tiers, write_through_shared=config.write_through_shared)
+    return TieredStore(tiers, write_through_shared=config.write_through_shared,
+                       write_behind_max_bytes=config.write_behind_max_bytes)

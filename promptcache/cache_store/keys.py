@@ -1,8 +1,14 @@
-"""Cache keys: SHA-256 over everything that determines a module's KV (design.md §4)."""
+"""Cache keys: SHA-256 over everything that determines a link's KV (design.md §4, §4a).
+
+One key function names every KV link: a module segment after its encoding context, or a prefix block
+of a token stream after its parent link (the previous block, or the chain root of the modules it
+follows). The parent goes in as `context_digest`, so a key covers the whole chain before it.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 
 KEY_VERSION = b"promptcache-kv-key-v1"
@@ -21,6 +27,24 @@ def make_kv_key(*, model_fingerprint: str, tokenizer_fingerprint: str, token_ids
     for ints in (token_ids, position_ids):
         values = list(ints)
         h.update(len(values).to_bytes(8, "little"))
-        for value in values:
-            h.update(int(value).to_bytes(8, "little", signed=True))
+        h.update(struct.pack(f"<{len(values)}q", *values))  # each value: 8 bytes, little-endian, signed
+    return h.hexdigest()
+
+
+CHAIN_ROOT_VERSION = b"promptcache-chain-root-v1"
+
+
+def chain_root(link_keys: Sequence[str], *, variant: str = "") -> str:
+    """The parent key of the first prefix block of a token stream (design.md §4a).
+
+    A stream computed after cached module links hangs off the digest of those links' keys, in the
+    order they precede it; a plain prompt (no modules) hangs off the digest of the empty chain.
+    `variant` names anything else that changes what the stream's KV attends to (e.g. a fidelity
+    mode that recomputes part of the module KV), so such KV never shares keys with the plain reuse.
+    """
+    h = hashlib.sha256(CHAIN_ROOT_VERSION)
+    for text in (variant, *link_keys):
+        data = text.encode("utf-8")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
     return h.hexdigest()

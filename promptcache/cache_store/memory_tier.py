@@ -1,4 +1,5 @@
-"""An in-process tier (the model's device, or host memory): LRU under a byte budget, pins, TTLs."""
+"""An in-process tier (the model's device, or host memory): LRU per kind under a byte budget, pins,
+refcounts, TTLs."""
 
 from __future__ import annotations
 
@@ -12,20 +13,34 @@ import torch
 
 from promptcache.cache_store.block import KVBlock
 from promptcache.cache_store.errors import CapacityError
-from promptcache.cache_store.tier import Tier
+from promptcache.cache_store.tier import (
+    BLOCK_KINDS,
+    BlockKind,
+    Eviction,
+    Tier,
+    TierHit,
+    TierUsage,
+    merge_kind,
+)
 
 
 @dataclass(slots=True)
 class _Entry:
     block: KVBlock
     nbytes: int
+    kind: BlockKind
     pinned: bool
     expires_at: float | None
 
 
 class MemoryTier(Tier):
-    """Blocks held as tensors on `device`. Thread-safe. Pinned entries are never evicted; when only
-    pinned data is left and a block does not fit, `put` raises CapacityError instead of overflowing."""
+    """Blocks held as tensors on `device`. Thread-safe.
+
+    Eviction takes the least recently used unpinned, unreferenced "prefix" entry first, then the least
+    recently used such "module" entry. Pinned entries and entries with a positive refcount (`acquire`)
+    are never evicted; when only those are left and a block does not fit, `put` raises CapacityError
+    instead of overflowing. Every operation is O(1) amortized (no scan of the entries per put).
+    """
 
     def __init__(self, name: str, max_bytes: int, device: str = "cpu", *, pin_memory: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -36,45 +51,62 @@ class MemoryTier(Tier):
         self.device = torch.device(device)
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self._clock = clock
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._entries: dict[str, _Entry] = {}
+        # Only evictable keys (unpinned, unreferenced) are in these, oldest first, one per kind, so
+        # eviction pops from the front instead of scanning past pinned data.
+        self._lru: dict[BlockKind, OrderedDict[str, None]] = {kind: OrderedDict() for kind in BLOCK_KINDS}
+        # Refcounts are per key, not per entry, so they survive a delete or re-put of the key.
+        self._refs: dict[str, int] = {}
         self._used = 0
+        self._evictable_bytes = 0
+        self._prefix_bytes = 0
         self._lock = threading.Lock()
 
     def get(self, key: str) -> KVBlock | None:
+        hit = self.lookup(key)
+        return None if hit is None else hit.block
+
+    def lookup(self, key: str) -> TierHit | None:
         with self._lock:
             entry = self._live(key)
             if entry is None:
                 return None
-            self._entries.move_to_end(key)
-            return entry.block
+            lru = self._lru[entry.kind]
+            if key in lru:
+                lru.move_to_end(key)
+            ttl = None if entry.expires_at is None else entry.expires_at - self._clock()
+            return TierHit(entry.block, entry.kind, ttl)
 
-    def put(self, key: str, block: KVBlock, *, pinned: bool = False,
-            ttl_s: float | None = None) -> list[tuple[str, KVBlock]]:
+    def touch(self, key: str) -> None:
+        with self._lock:
+            entry = self._live(key)
+            if entry is not None and key in self._lru[entry.kind]:
+                self._lru[entry.kind].move_to_end(key)
+
+    def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
+            kind: BlockKind = "module") -> list[tuple[str, KVBlock]]:
         block = block.to(self.device, pin_memory=self.pin_memory)
         nbytes = block.nbytes
-        if nbytes > self.max_bytes:
-            raise CapacityError(f"a {nbytes}-byte block exceeds tier {self.name!r}'s budget of {self.max_bytes}")
         with self._lock:
-            old = self._entries.pop(key, None)
+            old = self._remove(key)  # even a refused put drops the old value: it must not be served as current
+            if nbytes > self.max_bytes:
+                raise CapacityError(f"a {nbytes}-byte block exceeds tier {self.name!r}'s budget of {self.max_bytes}")
             if old is not None:
-                self._used -= old.nbytes
                 pinned = pinned or old.pinned
-            evicted = []
-            for victim in [k for k, e in self._entries.items() if not e.pinned]:
-                if self._used + nbytes <= self.max_bytes:
-                    break
-                entry = self._entries.pop(victim)
-                self._used -= entry.nbytes
-                evicted.append((victim, entry.block))
-            if self._used + nbytes > self.max_bytes:
-                for victim, victim_block in evicted:  # undo: the block cannot fit beside pinned data
-                    self._entries[victim] = _Entry(victim_block, victim_block.nbytes, False, None)
-                    self._used += victim_block.nbytes
-                raise CapacityError(f"tier {self.name!r} holds {self._used} pinned bytes; a {nbytes}-byte block "
-                                    f"does not fit in {self.max_bytes}")
-            expires = None if ttl_s is None else self._clock() + ttl_s
-            self._entries[key] = _Entry(block, nbytes, pinned, expires)
-            self._used += nbytes
+                kind = merge_kind(old.kind, kind)
+            if self._used - self._evictable_bytes + nbytes > self.max_bytes:
+                raise CapacityError(f"tier {self.name!r} holds {self._used - self._evictable_bytes} pinned or "
+                                    f"referenced bytes; a {nbytes}-byte block does not fit in {self.max_bytes}")
+            now = self._clock()
+            evicted: list[tuple[str, KVBlock]] = []
+            while self._used + nbytes > self.max_bytes:
+                victim = next(iter(self._lru["prefix"] or self._lru["module"]))
+                entry = self._remove(victim)
+                if entry.expires_at is None or entry.expires_at > now:  # expired entries are not demoted
+                    ttl = None if entry.expires_at is None else entry.expires_at - now
+                    evicted.append(Eviction(victim, entry.block, entry.kind, ttl))
+            expires = None if ttl_s is None else now + ttl_s
+            self._add(key, _Entry(block, nbytes, kind, pinned, expires))
             return evicted
 
     def contains(self, key: str) -> bool:
@@ -83,10 +115,7 @@ class MemoryTier(Tier):
 
     def delete(self, key: str) -> bool:
         with self._lock:
-            entry = self._entries.pop(key, None)
-            if entry is not None:
-                self._used -= entry.nbytes
-            return entry is not None
+            return self._remove(key) is not None
 
     def pin(self, key: str) -> bool:
         return self._set_pin(key, True)
@@ -94,25 +123,82 @@ class MemoryTier(Tier):
     def unpin(self, key: str) -> bool:
         return self._set_pin(key, False)
 
+    def acquire(self, key: str) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._set_evictable(key, entry, False)
+            self._refs[key] = self._refs.get(key, 0) + 1
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            count = self._refs.get(key, 0)
+            if count == 0:
+                return
+            if count > 1:
+                self._refs[key] = count - 1
+                return
+            del self._refs[key]
+            entry = self._entries.get(key)
+            if entry is not None and not entry.pinned:
+                self._set_evictable(key, entry, True)
+
     @property
     def used_bytes(self) -> int:
         return self._used
 
+    @property
+    def num_referenced(self) -> int:
+        """Entries held now whose refcount is positive."""
+        with self._lock:
+            return sum(1 for key in self._refs if key in self._entries)
+
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._entries)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(self._used, len(self._entries), self._prefix_bytes,
+                             sum(1 for key in self._refs if key in self._entries))
 
     def _set_pin(self, key: str, pinned: bool) -> bool:
         with self._lock:
             entry = self._live(key)
             if entry is not None:
                 entry.pinned = pinned
+                self._set_evictable(key, entry, not pinned and key not in self._refs)
             return entry is not None
+
+    def _set_evictable(self, key: str, entry: _Entry, evictable: bool) -> None:
+        """Moves `key` in or out of its kind's LRU; an entry that becomes evictable counts as just used."""
+        lru = self._lru[entry.kind]
+        if evictable and key not in lru:
+            lru[key] = None
+            self._evictable_bytes += entry.nbytes
+        elif not evictable and key in lru:
+            del lru[key]
+            self._evictable_bytes -= entry.nbytes
+
+    def _add(self, key: str, entry: _Entry) -> None:
+        self._entries[key] = entry
+        self._used += entry.nbytes
+        if entry.kind == "prefix":
+            self._prefix_bytes += entry.nbytes
+        self._set_evictable(key, entry, not entry.pinned and key not in self._refs)
+
+    def _remove(self, key: str) -> _Entry | None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._set_evictable(key, entry, False)
+            self._used -= entry.nbytes
+            if entry.kind == "prefix":
+                self._prefix_bytes -= entry.nbytes
+        return entry
 
     def _live(self, key: str) -> _Entry | None:
         entry = self._entries.get(key)
         if entry is not None and entry.expires_at is not None and self._clock() >= entry.expires_at:
-            del self._entries[key]
-            self._used -= entry.nbytes
+            self._remove(key)
             return None
         return entry

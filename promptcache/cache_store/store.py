@@ -1,16 +1,18 @@
-"""TieredStore: device -> host -> shared (Redis / disk) with promotion on hit, demotion on eviction."""
+"""TieredStore: device -> host -> shared (Redis / disk) with promotion on hit, demotion on eviction,
+refcounts on in-process entries, and write-behind to the shared tiers."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
 from promptcache.cache_store.block import KVBlock
 from promptcache.cache_store.errors import CapacityError
 from promptcache.cache_store.fetch_policy import FetchPolicy
-from promptcache.cache_store.tier import Tier
+from promptcache.cache_store.tier import BlockKind, Tier, check_kind
+from promptcache.cache_store.write_behind import WriteBehind
 
 
 @dataclass(slots=True)
@@ -33,6 +35,9 @@ class TierStats:
     used_bytes: int
     max_bytes: int
     num_entries: int
+    prefix_bytes: int = 0
+    module_bytes: int = 0
+    num_referenced: int = 0  # entries in use (acquired); in-process tiers only
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +45,9 @@ class StoreStats:
     tiers: tuple[TierStats, ...]
     num_gets: int
     num_puts: int
+    dropped_writes: int = 0        # shared-tier writes dropped because the write-behind queue was full
+    pending_write_bytes: int = 0   # bytes queued for (or being written to) the shared tiers
+    num_pending_writes: int = 0
 
 
 @dataclass(slots=True)
@@ -50,110 +58,249 @@ class _Counters:
 
 
 class TieredStore:
-    """KV blocks in tiers ordered fastest first. Thread-safe (one lock around each operation).
+    """KV blocks in tiers ordered fastest first: in-process tiers, then shared ones. Thread-safe.
 
     `get` looks tier by tier, returns the block on the first tier's device and the name of the tier it
-    was found in, and promotes it to the faster tiers. `put` writes to the first tier (evictions are
-    demoted down the chain, what falls off the last tier is dropped) and, with `write_through_shared`,
-    to every shared tier too, so other replicas see it at once.
+    was found in, and promotes it (keeping its kind and TTL) to the faster tiers. `put` writes the first
+    tier synchronously (evictions are demoted down the chain, what falls off the last tier is dropped);
+    every write into a shared tier (write-through with `write_through_shared`, and demotions) goes to one
+    background writer whose queue holds at most `write_behind_max_bytes` (more is dropped and counted in
+    `stats().dropped_writes`); `flush` waits for it. Serialization and Redis/disk I/O never run under
+    the store's lock. A `delete` cancels the key's queued writes and is ordered after a running one, so
+    a late write never resurrects a deleted key.
+
+    Each entry has a kind (`"module"` or `"prefix"`): every tier evicts unpinned, unreferenced prefix
+    entries (LRU) before module entries (LRU). `acquire`/`release` count users of in-process entries,
+    which are not evicted while in use.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, write_through_shared: bool = True,
-                 policy: FetchPolicy | None = None) -> None:
+                 policy: FetchPolicy | None = None, write_behind_max_bytes: int = 1 << 30) -> None:
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
+        if write_behind_max_bytes <= 0:
+            raise ValueError(f"write_behind_max_bytes must be > 0, got {write_behind_max_bytes}")
         self.tiers = list(tiers)
+        self._num_local = next((i for i, t in enumerate(self.tiers) if t.is_shared), len(self.tiers))
+        if not all(t.is_shared for t in self.tiers[self._num_local:]):
+            raise ValueError("in-process tiers must come before shared tiers")
         self.write_through_shared = write_through_shared
         self.policy = policy or FetchPolicy()
         self._lock = threading.RLock()
         self._counters = _Counters({t.name: TierCounters() for t in self.tiers})
+        self._writer = WriteBehind(write_behind_max_bytes)
+        self._held: dict[str, list[tuple[Tier, ...]]] = {}  # key -> tiers of each outstanding acquire
+
+    @property
+    def _local(self) -> list[Tier]:
+        return self.tiers[:self._num_local]
+
+    @property
+    def _shared(self) -> list[Tier]:
+        return self.tiers[self._num_local:]
 
     def get(self, key: str, *, num_tokens: int | None = None, nbytes: int | None = None) -> tuple[KVBlock, str] | None:
         """`num_tokens`/`nbytes` (optional) let the fetch policy skip a shared tier that would be slower
         than recomputing the block."""
         with self._lock:
             self._counters.gets += 1
-            for index, tier in enumerate(self.tiers):
-                counters = self._counters.per_tier[tier.name]
-                if tier.is_shared and nbytes is not None and not self.policy.worth_fetching(tier.name, nbytes,
-                                                                                              num_tokens):
-                    counters.misses += 1
-                    continue
+        for index, tier in enumerate(self.tiers):
+            counters = self._counters.per_tier[tier.name]
+            if not tier.is_shared:
+                with self._lock:
+                    hit = tier.lookup(key)
+            elif nbytes is not None and not self.policy.worth_fetching(tier.name, nbytes, num_tokens):
+                hit = None
+            else:
                 started = time.perf_counter()
-                block = tier.get(key)
-                if block is not None and tier.is_shared:
-                    self.policy.record_fetch(tier.name, block.nbytes, time.perf_counter() - started)
-                if block is None:
+                hit = tier.lookup(key)  # I/O: outside the lock
+                if hit is not None:
+                    self.policy.record_fetch(tier.name, hit.block.nbytes, time.perf_counter() - started)
+            with self._lock:
+                if hit is None:
                     counters.misses += 1
                     continue
                 counters.hits += 1
-                if index > 0:
-                    counters.promotions += 1
-                    block = self._place(0, key, block, stop=index)
-                return block, tier.name
-            return None
+                if index == 0:
+                    return hit.block, tier.name
+                counters.promotions += 1
+                placed = self._place(0, key, hit.block, kind=hit.kind, ttl_s=hit.ttl_s, stop=index)
+                return placed or hit.block, tier.name
+        return None
 
-    def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None) -> None:
+    def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
+            kind: BlockKind = "module") -> None:
+        """Store `block` under `key`: synchronously in the first tier that takes it, and queued for the
+        shared tiers. A re-put keeps an existing pin, refcount and "module" kind."""
+        kind = check_kind(kind)
         with self._lock:
             self._counters.puts += 1
-            self._place(0, key, block, pinned=pinned, ttl_s=ttl_s)
-            if self.write_through_shared:
-                for tier in self.tiers[1:]:
-                    if tier.is_shared and not tier.contains(key):
-                        tier.put(key, block, pinned=pinned, ttl_s=ttl_s)
+            placed = self._place(0, key, block, pinned=pinned, ttl_s=ttl_s, kind=kind)
+        if not self._shared:
+            return
+        deadline = None if ttl_s is None else time.monotonic() + ttl_s
+        if self.write_through_shared:
+            self._writer.submit(key, block.nbytes, lambda: self._write_through(key, block, pinned, kind, deadline))
+        elif placed is None:
+            self._writer.submit(key, block.nbytes, lambda: self._demote_shared(
+                self._num_local, key, block, kind, deadline, pinned=pinned))
 
     def _place(self, index: int, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
-               stop: int | None = None) -> KVBlock:
-        """Put into tier `index` (falling through to the next on CapacityError); demote what it evicts.
-        Returns the block as stored in the tier that took it."""
-        stop = len(self.tiers) if stop is None else stop
+               kind: BlockKind = "module", stop: int | None = None) -> KVBlock | None:
+        """Under the lock: put into in-process tier `index` (falling through to the next on CapacityError)
+        and demote what it evicts. Returns the block as stored, or None if no tier before `stop` took it."""
+        stop = self._num_local if stop is None else min(stop, self._num_local)
         for position in range(index, stop):
             tier = self.tiers[position]
             try:
-                evicted = tier.put(key, block, pinned=pinned, ttl_s=ttl_s)
+                evicted = tier.put(key, block, pinned=pinned, ttl_s=ttl_s, kind=kind)
             except CapacityError:
                 continue
             self._demote(position, evicted)
-            stored = tier.get(key)
-            return stored if stored is not None else block
-        return block
+            return tier.get(key)
+        return None
 
     def _demote(self, position: int, evicted: Iterable[tuple[str, KVBlock]]) -> None:
-        counters = self._counters.per_tier[self.tiers[position].name]
-        for victim, victim_block in evicted:
-            counters.evictions += 1
-            below = position + 1
+        """Move what tier `position` evicted to the next tier: in-process ones now (under the lock), shared
+        ones through the writer (or directly when already on the writer, evicting from a shared tier)."""
+        counters, below = self._counters.per_tier[self.tiers[position].name], position + 1
+        for victim in evicted:
+            key, block = victim
+            kind, ttl_s = getattr(victim, "kind", "module"), getattr(victim, "ttl_s", None)
+            with self._lock:
+                counters.evictions += 1
+                counters.demotions += below < len(self.tiers)
             if below >= len(self.tiers):
                 continue
-            if self.tiers[below].is_shared and self.tiers[below].contains(victim):
-                continue  # already written through
-            counters.demotions += 1
-            self._place(below, victim, victim_block)
+            if below < self._num_local:
+                self._place(below, key, block, kind=kind, ttl_s=ttl_s)
+                continue
+            deadline = None if ttl_s is None else time.monotonic() + ttl_s
+            if position >= self._num_local:
+                self._demote_shared(below, key, block, kind, deadline)
+            else:
+                self._writer.submit(key, block.nbytes,
+                                    lambda key=key, block=block, kind=kind, deadline=deadline:
+                                    self._demote_shared(below, key, block, kind, deadline))
+
+    def _write_through(self, key: str, block: KVBlock, pinned: bool, kind: BlockKind,
+                       deadline: float | None) -> None:
+        """On the writer: put into every shared tier that lacks the key."""
+        for position in range(self._num_local, len(self.tiers)):
+            if self.tiers[position].contains(key):
+                if pinned:
+                    self.tiers[position].pin(key)
+                continue
+            self._store_shared(position, key, block, pinned, kind, deadline, fall_through=False)
+
+    def _demote_shared(self, position: int, key: str, block: KVBlock, kind: BlockKind, deadline: float | None,
+                       *, pinned: bool = False) -> None:
+        """On the writer: put into the first shared tier from `position` that takes it, unless already there."""
+        if not self.tiers[position].contains(key):
+            self._store_shared(position, key, block, pinned, kind, deadline, fall_through=True)
+
+    def _store_shared(self, position: int, key: str, block: KVBlock, pinned: bool, kind: BlockKind,
+                      deadline: float | None, *, fall_through: bool) -> None:
+        ttl_s = None if deadline is None else deadline - time.monotonic()
+        if ttl_s is not None and ttl_s <= 0:
+            return  # expired while queued
+        for index in range(position, len(self.tiers)):
+            try:
+                evicted = self.tiers[index].put(key, block, pinned=pinned, ttl_s=ttl_s, kind=kind)
+            except CapacityError:
+                if fall_through:
+                    continue
+                return
+            self._demote(index, evicted)
+            return
 
     def contains(self, key: str) -> str | None:
         """Name of the fastest tier holding `key` (no promotion, no counters), or None."""
         with self._lock:
-            return next((t.name for t in self.tiers if t.contains(key)), None)
+            name = next((t.name for t in self._local if t.contains(key)), None)
+        return name or next((t.name for t in self._shared if t.contains(key)), None)
 
     def locate(self, keys: Iterable[str]) -> dict[str, str | None]:
         return {key: self.contains(key) for key in keys}
 
     def delete(self, key: str) -> bool:
+        """Remove `key` from every tier and cancel its queued shared writes; a write already running is
+        followed by a second delete, so it cannot resurrect the key. Refcounts are kept."""
         with self._lock:
-            return any([tier.delete(key) for tier in self.tiers])
+            found = any([tier.delete(key) for tier in self._local])
+        is_running = self._writer.cancel(key)
+        found = any([tier.delete(key) for tier in self._shared]) or found
+        if is_running:
+            self._writer.submit(key, 0, lambda: [tier.delete(key) for tier in self._shared])
+        return found
 
     def pin(self, key: str) -> bool:
         with self._lock:
-            return any([tier.pin(key) for tier in self.tiers])
+            found = any([tier.pin(key) for tier in self._local])
+        return self._shared_op(key, lambda tier: tier.pin(key)) or found
 
     def unpin(self, key: str) -> bool:
         with self._lock:
-            return any([tier.unpin(key) for tier in self.tiers])
+            found = any([tier.unpin(key) for tier in self._local])
+        return self._shared_op(key, lambda tier: tier.unpin(key)) or found
+
+    def _shared_op(self, key: str, op: Callable[[Tier], bool]) -> bool:
+        """Run `op` on the shared tiers now, or behind the key's queued write so it applies after it."""
+        if self._shared and self._writer.has_pending(key):
+            self._writer.submit(key, 0, lambda: [op(tier) for tier in self._shared])
+            return True
+        return any([op(tier) for tier in self._shared])
+
+    def touch(self, keys: Iterable[str]) -> None:
+        """Mark `keys` as just used in the in-process tiers, in order (the last ends up most recent);
+        no promotion, no counters, no I/O. Chains of prefix links should be touched leaf first, so that
+        LRU eviction takes leaves before the links they hang from (a chain is useless without its root)."""
+        with self._lock:
+            for key in keys:
+                for tier in self._local:
+                    tier.touch(key)
+
+    def acquire(self, keys: Iterable[str]) -> None:
+        """Mark `keys` in use: their entries in in-process tiers are not evicted until `release`. A key
+        held by no in-process tier is skipped (and its later release is a no-op)."""
+        with self._lock:
+            for key in keys:
+                holders = tuple(tier for tier in self._local if tier.contains(key))
+                for tier in holders:
+                    tier.acquire(key)
+                if holders:
+                    self._held.setdefault(key, []).append(holders)
+
+    def release(self, keys: Iterable[str]) -> None:
+        """Undo one `acquire` of each key; releasing more than was acquired is a no-op."""
+        with self._lock:
+            for key in keys:
+                held = self._held.get(key)
+                if not held:
+                    continue
+                for tier in held.pop():
+                    tier.release(key)
+                if not held:
+                    del self._held[key]
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued shared-tier write has been attempted; False if `timeout_s` ran out."""
+        return self._writer.flush(timeout_s)
+
+    def close(self, timeout_s: float | None = 10.0) -> bool:
+        """Flush (bounded by `timeout_s`), drop what is still queued, stop the writer thread. The store
+        stays usable (a later shared write starts a new writer). False if writes were dropped."""
+        return self._writer.close(timeout_s)
 
     def stats(self) -> StoreStats:
         with self._lock:
-            tiers = tuple(
-                TierStats(t.name, c.hits, c.misses, c.evictions, c.demotions, c.promotions, t.used_bytes,
-                          t.max_bytes, len(t.keys()))
-                for t in self.tiers for c in [self._counters.per_tier[t.name]])
-            return StoreStats(tiers, self._counters.gets, self._counters.puts)
+            counters = [(t, replace(self._counters.per_tier[t.name])) for t in self.tiers]
+            gets, puts = self._counters.gets, self._counters.puts
+        tiers = []
+        for t, c in counters:
+            usage = t.usage()  # shared tiers do I/O: outside the lock
+            tiers.append(TierStats(t.name, c.hits, c.misses, c.evictions, c.demotions, c.promotions,
+                                   usage.used_bytes, t.max_bytes, usage.num_entries, usage.prefix_bytes,
+                                   usage.used_bytes - usage.prefix_bytes, usage.num_referenced))
+        return StoreStats(tuple(tiers), gets, puts, self._writer.num_dropped, self._writer.pending_bytes,
+                          self._writer.num_pending)

@@ -1,17 +1,76 @@
-"""The interface every storage tier implements."""
+"""The interface every storage tier implements, and the small records tiers hand back."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Literal, NamedTuple, get_args
 
 from promptcache.cache_store.block import KVBlock
+
+BlockKind = Literal["module", "prefix"]
+"""What a block is: a module's KV ("module") or a link of automatic prefix caching ("prefix").
+Every tier evicts unpinned, unreferenced "prefix" entries (LRU) before any "module" entry."""
+
+BLOCK_KINDS: tuple[BlockKind, ...] = get_args(BlockKind)
+
+
+def check_kind(kind: str) -> BlockKind:
+    """`kind` if it is a BlockKind; ValueError naming the accepted values otherwise."""
+    if kind not in BLOCK_KINDS:
+        raise ValueError(f"block kind must be one of {BLOCK_KINDS}, got {kind!r}")
+    return kind  # type: ignore[return-value]
+
+
+def merge_kind(old: BlockKind | None, new: BlockKind) -> BlockKind:
+    """The kind a re-put keeps: a re-put never downgrades a "module" entry to "prefix" (like pins)."""
+    return "module" if old == "module" else new
+
+
+class TierHit(NamedTuple):
+    """A block found in a tier, with its kind and remaining time to live (None: no TTL)."""
+
+    block: KVBlock
+    kind: BlockKind = "module"
+    ttl_s: float | None = None
+
+
+class TierUsage(NamedTuple):
+    """What a tier holds right now (for stats)."""
+
+    used_bytes: int
+    num_entries: int
+    prefix_bytes: int = 0
+    num_referenced: int = 0
+
+
+class Eviction(tuple):
+    """An entry a tier evicted. Unpacks as `(key, block)` as before; also carries its kind and remaining
+    TTL so a demotion keeps both."""
+
+    kind: BlockKind
+    ttl_s: float | None
+
+    def __new__(cls, key: str, block: KVBlock, kind: BlockKind = "module", ttl_s: float | None = None) -> Eviction:
+        self = super().__new__(cls, (key, block))
+        self.kind, self.ttl_s = kind, ttl_s
+        return self
+
+    @property
+    def key(self) -> str:
+        return self[0]
+
+    @property
+    def block(self) -> KVBlock:
+        return self[1]
 
 
 class Tier(ABC):
     """One level of the KV store with a byte budget.
 
-    `put` returns the entries it evicted to make room, so the TieredStore can demote them to the
-    next tier instead of losing them. `is_shared` tiers (Redis, disk) are visible to other processes.
+    `put` returns the entries it evicted to make room (as `Eviction`s), so the TieredStore can demote
+    them to the next tier instead of losing them. `is_shared` tiers (Redis, disk) are visible to other
+    processes; the TieredStore only touches them outside its lock (they do I/O). Refcounts
+    (`acquire`/`release`) only matter to in-process tiers; shared tiers ignore them.
     """
 
     name: str
@@ -22,8 +81,8 @@ class Tier(ABC):
     def get(self, key: str) -> KVBlock | None: ...
 
     @abstractmethod
-    def put(self, key: str, block: KVBlock, *, pinned: bool = False,
-            ttl_s: float | None = None) -> list[tuple[str, KVBlock]]: ...
+    def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
+            kind: BlockKind = "module") -> list[tuple[str, KVBlock]]: ...
 
     @abstractmethod
     def contains(self, key: str) -> bool: ...
@@ -43,3 +102,24 @@ class Tier(ABC):
 
     @abstractmethod
     def keys(self) -> list[str]: ...
+
+    def lookup(self, key: str) -> TierHit | None:
+        """Like `get` (and refreshes LRU the same way), but also says the entry's kind and remaining TTL."""
+        block = self.get(key)
+        return None if block is None else TierHit(block)
+
+    def touch(self, key: str) -> None:
+        """Mark `key` as just used (LRU) without reading it. No-op by default."""
+        return None
+
+    def acquire(self, key: str) -> None:
+        """Count one user of `key`: a referenced entry is never evicted until released. No-op by default."""
+        return None
+
+    def release(self, key: str) -> None:
+        """Undo one `acquire`; never goes below zero. No-op by default."""
+        return None
+
+    def usage(self) -> TierUsage:
+        """Bytes and entries held now; tiers override this with something cheaper than `keys()`."""
+        return TierUsage(self.used_bytes, len(self.keys()))

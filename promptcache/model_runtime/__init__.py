@@ -4,6 +4,7 @@ The only package that imports torch/transformers.
 """
 
 from promptcache.model_runtime.errors import (
+    ChatRenderError,
     EngineError,
     ModelLoadError,
     PromptTooLongError,
@@ -17,12 +18,19 @@ from promptcache.model_runtime.loader import (
     wrap_model,
 )
 from promptcache.model_runtime.module_encoder import EncodeReport, ModuleEncoder
-from promptcache.model_runtime.results import Completion, GenerationResult, ModuleUse, Timings, Usage
+from promptcache.model_runtime.results import (
+    Completion,
+    GenerationResult,
+    ModuleUse,
+    PrefixUse,
+    Timings,
+    Usage,
+)
 from promptcache.model_runtime.runtime import ModelRuntime
 from promptcache.model_runtime.sampling import SamplingParams
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES", "Completion", "EncodeReport", "EngineError", "GenerationResult", "LoadedModel",
-    "ModelConfig", "ModelLoadError", "ModelRuntime", "ModuleEncoder", "ModuleUse", "PromptTooLongError",
+    "SUPPORTED_ARCHITECTURES", "ChatRenderError", "Completion", "EncodeReport", "EngineError", "GenerationResult", "LoadedModel",
+    "ModelConfig", "ModelLoadError", "ModelRuntime", "ModuleEncoder", "ModuleUse", "PrefixUse", "PromptTooLongError",
     "SamplingParams", "Timings", "UnsupportedModelError", "Usage", "load_model", "wrap_model",
 ]

@@ -17,3 +17,7 @@ class UnsupportedModelError(ModelLoadError):
 
 class PromptTooLongError(EngineError):
     """The prompt (or its generation) needs positions the model does not have."""
+
+
+class ChatRenderError(EngineError):
+    """The model's chat template cannot render the given messages (bad input, a 4xx)."""

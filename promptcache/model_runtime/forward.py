@@ -25,7 +25,7 @@ def run_tokens(model, buffer: KVBuffer, token_ids: Sequence[int], position_ids: 
     input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)     # [1, n]
     positions = torch.tensor([list(position_ids)], dtype=torch.long, device=device)  # [1, n]
     keys, values = buffer.keys[:, 0], buffer.values[:, 0]                             # [L, H_kv, capacity, D]
-    segments = [(keys[:, :, :start], values[:, :, :start], (0,))] if start else []
+    segments = [(keys[:, :, :start], values[:, :, :start], (0,), None)] if start else []
     context = BatchContext(query_lens=[n], own_keys=[keys[:, :, start:]], own_values=[values[:, :, start:]],
                            own_starts=[0], segments=segments)
     with active_batch(context):

@@ -78,6 +78,12 @@ class LoadedModel:
     max_positions: int
     eos_token_ids: tuple[int, ...]
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token takes across all layers, in the model's dtype."""
+        element = torch.empty((), dtype=self.model.dtype).element_size()
+        return self.num_layers * self.num_kv_heads * self.head_dim * 2 * element
+
 
 def load_model(config: ModelConfig) -> LoadedModel:
     """Load model + tokenizer from a local directory, a hub id, or (None) the built-in default model.

@@ -80,8 +80,7 @@ class ModuleEncoder:
     def _cost(self, schema: Schema, segment_id: int) -> dict[str, int]:
         loaded = self.loaded
         num_tokens = len(schema.segments[segment_id].token_ids)
-        element = 2 if loaded.model.dtype in (torch.float16, torch.bfloat16) else 4
-        per_token = loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * 2 * element + 8
+        per_token = loaded.kv_bytes_per_token + 8  # + the int64 position id
         return {"num_tokens": num_tokens, "nbytes": num_tokens * per_token}
 
     def _encode_tail(self, schema: Schema, chain: list[int], blocks: list[KVBlock],
@@ -99,9 +98,8 @@ class ModuleEncoder:
         started = time.perf_counter()
         with torch.inference_mode():
             run_tokens(loaded.model, buffer, token_ids, position_ids)
-        policy = getattr(self.store, "policy", None)
-        if policy is not None:  # what recomputing costs, for the store's fetch-or-recompute decision
-            policy.record_recompute(len(token_ids), time.perf_counter() - started)
+        # What recomputing costs, for the store's fetch-or-recompute decision.
+        self.store.policy.record_recompute(len(token_ids), time.perf_counter() - started)
         offset = buffer.length - len(token_ids)
         block = None
         for index, segment in zip(range(len(blocks), len(chain)), segments):

@@ -33,7 +33,8 @@ class BatchContext:
     own_keys: list[torch.Tensor]     # per sequence [num_layers, num_kv_heads, capacity, head_dim]
     own_values: list[torch.Tensor]
     own_starts: list[int]            # own KV length before this step
-    segments: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]]  # ([L, H_kv, n, D] x2, sequences)
+    # ([L, H_kv, n, D] x2, sequences, per-sequence row offsets or None: see SharedSegment)
+    segments: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...] | None]]
     backend: str = "auto"
 
 
@@ -84,7 +85,8 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     queries = query[0].transpose(0, 1)  # [1, H, total_q, D] -> [total_q, H, D]
     own_keys = [k[layer, :, : s + n] for k, s, n in zip(ctx.own_keys, ctx.own_starts, ctx.query_lens)]
     own_values = [v[layer, :, : s + n] for v, s, n in zip(ctx.own_values, ctx.own_starts, ctx.query_lens)]
-    segments = [SharedSegment(keys=k[layer], values=v[layer], seq_indices=seqs) for k, v, seqs in ctx.segments]
+    segments = [SharedSegment(keys=k[layer], values=v[layer], seq_indices=seqs, row_offsets=offsets)
+                for k, v, seqs, offsets in ctx.segments]
     out = shared_module_attention(queries, ctx.query_lens, own_keys, own_values, segments, scale=scaling,
                                   backend=ctx.backend)
     return out.unsqueeze(0), None  # [1, total_q, H, D]

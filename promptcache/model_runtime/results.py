@@ -10,19 +10,31 @@ TIER_ORDER = ("device", "host", "redis", "disk", "computed")
 
 @dataclass(frozen=True, slots=True)
 class ModuleUse:
-    """A module the prompt used: its path, cached tokens, and where its KV came from."""
+    """A module the prompt used: its path, the tokens of its KV reused, where that KV came from, and
+    how many of its tokens were recomputed in their actual context (fidelity modes)."""
 
     path: str
     num_tokens: int
     tier: str
+    num_recomputed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixUse:
+    """Prompt tokens reused from stored prefix blocks (automatic prefix reuse), by tier."""
+
+    num_tokens: int
+    num_blocks: int
+    tiers: tuple[tuple[str, int], ...]  # (tier, tokens) pairs, sorted by tier name
 
 
 @dataclass(frozen=True, slots=True)
 class Usage:
     prompt_tokens: int
-    cached_tokens: int
-    computed_tokens: int  # prompt tokens computed for this request (new text, arguments)
+    cached_tokens: int    # prompt tokens whose KV was reused: module KV and prefix blocks
+    computed_tokens: int  # prompt tokens computed for this request (new text, arguments, recomputed KV)
     completion_tokens: int
+    recomputed_tokens: int = 0  # tokens of cached module KV recomputed in their actual context
 
     @property
     def total_tokens(self) -> int:

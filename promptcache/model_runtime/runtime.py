@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from promptcache.model_runtime.generator import generate
 from promptcache.model_runtime.loader import LoadedModel
 from promptcache.model_runtime.module_encoder import EncodeReport, ModuleEncoder
 from promptcache.model_runtime.packed_attention import install
+from promptcache.model_runtime.prompt_tokens import chat_tokens, completion_tokens
 from promptcache.model_runtime.results import GenerationResult
 from promptcache.model_runtime.sampling import SamplingParams
 from promptcache.model_runtime.store_protocol import KVStore
@@ -63,6 +64,19 @@ class ModelRuntime:
         with self._lock:
             schemas = dict(self._schemas)
         return parse_prompt(prompt, schemas, self.text_encoder, self.limits, isolated=isolated)
+
+    def tokenize_completion(self, text: str) -> tuple[int, ...]:
+        """Token ids of a plain completion prompt (no PML: the text is used verbatim)."""
+        return completion_tokens(self.loaded.tokenizer, text)
+
+    def tokenize_chat(self, messages: Sequence[Mapping[str, str]]) -> tuple[int, ...]:
+        """Token ids of a chat (role/content dicts) rendered by the model's chat template, ready for the
+        assistant's reply. Raises ChatRenderError if the template refuses the messages."""
+        return chat_tokens(self.loaded.tokenizer, messages)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token decoded alone (special tokens included)."""
+        return self.loaded.tokenizer.decode([token_id])
 
     def generate(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None = None) -> GenerationResult:
         """Single-sequence generation (the reference the batched engine is tested against)."""

@@ -6,6 +6,25 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The sampled token's log-probability under the model's distribution (before temperature, top-k
+    or top-p) and the `logprobs` most likely tokens with theirs, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: torch.Tensor, token: int, num_top: int) -> TokenLogprobs:
+    """`logits`: [vocab]. The log-softmax of the raw logits at `token` and its `num_top` largest."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [vocab]
+    top = torch.topk(logprobs, num_top) if num_top else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+    return TokenLogprobs(float(logprobs[token]), pairs)
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -19,6 +38,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # report each sampled token's logprob and this many top alternatives
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -33,6 +53,8 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:

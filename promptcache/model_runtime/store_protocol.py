@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Iterable
+from typing import Literal, Protocol
 
-from promptcache.cache_store import KVBlock
+from promptcache.cache_store import FetchPolicy, KVBlock
 
 
 class KVStore(Protocol):
+    policy: FetchPolicy  # decides whether fetching from a shared tier beats recomputing
+
     def get(self, key: str, *, num_tokens: int | None = None,
             nbytes: int | None = None) -> tuple[KVBlock, str] | None: ...
 
-    def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None) -> None: ...
+    def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
+            kind: Literal["module", "prefix"] = "module") -> None: ...
 
     def contains(self, key: str) -> str | None: ...
+
+    def acquire(self, keys: Iterable[str]) -> None: ...
+
+    def release(self, keys: Iterable[str]) -> None: ...

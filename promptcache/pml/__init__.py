@@ -26,7 +26,7 @@ from promptcache.pml.errors import (
 )
 from promptcache.pml.limits import PmlLimits
 from promptcache.pml.nodes import Module, Param, RoleSection, TextRun, Union
-from promptcache.pml.plan import CachedSegment, NewRun, PromptPlan
+from promptcache.pml.plan import CachedSegment, NewRun, PromptPlan, token_plan
 from promptcache.pml.prompt_parser import parse_prompt
 from promptcache.pml.schema import Scaffold, Schema, Segment
 from promptcache.pml.schema_parser import parse_schema
@@ -38,5 +38,5 @@ __all__ = [
     "Param", "PmlError", "PmlLimitError", "PmlLimits", "PmlSecurityError", "PmlSyntaxError",
     "PositionConflictError", "PromptError", "PromptPlan", "RoleSection", "Scaffold", "ScaffoldError", "Schema",
     "SchemaError", "Segment", "TextEncoder", "TextRun", "Union", "UnknownModuleError", "UnknownParamError",
-    "UnknownSchemaError", "chat_format_from_tokenizer", "parse_prompt", "parse_schema",
+    "UnknownSchemaError", "chat_format_from_tokenizer", "parse_prompt", "parse_schema", "token_plan",
 ]

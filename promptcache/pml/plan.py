@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from promptcache.pml.errors import EmptyPromptError
 from promptcache.pml.schema import Schema, Segment
 
 
@@ -108,3 +109,16 @@ def find_approximations(cached: tuple[CachedSegment, ...], new_runs: tuple[NewRu
     if late and not any("precedes" in r for r in reasons):
         reasons.append(f"new {late[0].kind} at position {late[0].start} attends to cached tokens after it")
     return tuple(dict.fromkeys(reasons))
+
+
+def token_plan(schema: Schema, token_ids: tuple[int, ...]) -> PromptPlan:
+    """A plan that computes `token_ids` at positions 0..n-1 with nothing cached from `schema`.
+
+    Plain completions and chat prompts are token sequences, never PML: their text reaches the
+    tokenizer unchanged (no XML escaping or whitespace rules) and reuse comes from prefix blocks.
+    `schema` only names where the plan belongs (the server's empty plain schema).
+    """
+    if not token_ids:
+        raise EmptyPromptError("the prompt has no tokens; send at least one")
+    return PromptPlan(schema=schema, cached=(), new_runs=(NewRun(tuple(token_ids), 0, "text", "", 1),),
+                      module_paths=(), approximations=())

@@ -18,6 +18,7 @@ from promptcache.server.generation import (
     sse,
     sse_error,
     wire_cache,
+    wire_logprobs,
     wire_timings,
     wire_usage,
 )
@@ -32,6 +33,7 @@ from promptcache.server.wire import (
     GenerateResponse,
     ModuleInfo,
     ModuleReport,
+    PrefixReport,
     SchemaCreate,
     SchemaInfo,
     SchemaList,
@@ -71,9 +73,10 @@ async def delete_schema(name: str, service: Service) -> Response:
 @router.post("/generate", response_model=GenerateResponse)
 async def generate(body: GenerateRequest, service: Service):
     plan = service.plan(body.prompt)
-    params = sampling_params(body, service.settings.max_tokens_limit)
+    params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs)
     request_id = f"gen-{uuid.uuid4().hex[:24]}"
-    events = service.submit(plan, params, body.cache_salt, request_id)
+    events = service.submit(plan, params, body.cache_salt, request_id,
+                            service.fidelity(body.fidelity, body.fidelity_head_tokens))
     if body.stream:
         return StreamingResponse(_stream(service, events, request_id, plan.approximations),
                                  media_type="text/event-stream")
@@ -81,8 +84,8 @@ async def generate(body: GenerateRequest, service: Service):
     record(service.metrics, outcome.final, outcome.finish_reasons)
     return GenerateResponse(
         id=request_id, model=service.model_name,
-        choices=[Choice(index=i, text=t, finish_reason=r) for i, (t, r) in
-                 enumerate(zip(outcome.texts, outcome.finish_reasons))],
+        choices=[Choice(index=i, text=t, finish_reason=r, logprobs=wire_logprobs(e, service.token_text))
+                 for i, (t, r, e) in enumerate(zip(outcome.texts, outcome.finish_reasons, outcome.events))],
         usage=wire_usage(outcome.final), cache=wire_cache(outcome.final, plan.approximations),
         timings=wire_timings(outcome.final))
 
@@ -94,9 +97,10 @@ async def _stream(service: PromptService, events, request_id: str, approximation
             raise_for_error(event)
             if event.finish_reason is not None:
                 reasons[event.index] = event.finish_reason
+            logprobs = wire_logprobs([event], service.token_text) if event.token_id is not None else None
             chunk = GenerateChunk(id=request_id, model=service.model_name,
                                   choices=[Choice(index=event.index, text=event.text,
-                                                  finish_reason=event.finish_reason)])
+                                                  finish_reason=event.finish_reason, logprobs=logprobs)])
             if event.usage is not None:
                 chunk.usage, chunk.cache = wire_usage(event), wire_cache(event, approximations)
                 chunk.timings = wire_timings(event)
@@ -109,18 +113,35 @@ async def _stream(service: PromptService, events, request_id: str, approximation
 
 @router.post("/prompts/explain", response_model=Explanation, response_model_by_alias=True)
 async def explain(body: ExplainRequest, service: Service) -> Explanation:
+    """Dry run: which module KV and prefix blocks the prompt would reuse now, and what it would compute."""
     plan = service.plan(body.prompt)
+    reuse, blocks = service.explain(plan, body.cache_salt, service.fidelity(body.fidelity, body.fidelity_head_tokens))
     tiers = service.locate(plan, body.cache_salt)
-    by_module: dict[str, list[str | None]] = {}
-    for cached, tier in zip(plan.cached, tiers):
-        by_module.setdefault(cached.segment.owner, []).append(tier)
+    tier_of = {c.segment.segment_id: t for c, t in zip(plan.cached, tiers)}
+    used: dict[str, int] = {}
+    found: dict[str, list[str | None]] = {}
+    for use in reuse.uses:
+        owner = use.cached.segment.owner
+        used[owner] = used.get(owner, 0) + use.last - use.first
+        found.setdefault(owner, []).append(tier_of[use.cached.segment.segment_id])
+    recomputed = dict(reuse.recomputed)
     modules = []
     for path in plan.module_paths:
-        found = by_module.get(path, [])
-        tier = None if not found or None in found else slowest_tier(found)
-        tokens = sum(len(c.segment.token_ids) for c in plan.cached if c.segment.owner == path)
-        modules.append(ModuleReport(path=path, num_tokens=tokens, tier=tier))
-    missing = sum(len(c.segment.token_ids) for c, t in zip(plan.cached, tiers) if t is None)
-    return Explanation(schema_name=plan.schema.name, exact=plan.is_exact, approximations=list(plan.approximations),
-                       modules=modules, prompt_tokens=plan.num_prompt_tokens, cached_tokens=plan.num_cached_tokens,
-                       tokens_to_compute=plan.num_new_tokens + missing)
+        tiers_here = found.get(path, [])
+        tier = None if not tiers_here or None in tiers_here else slowest_tier(tiers_here)
+        modules.append(ModuleReport(path=path, num_tokens=used.get(path, 0), tier=tier,
+                                    recomputed_tokens=recomputed.get(path, 0)))
+    missing = sum(u.last - u.first for u in reuse.uses if tier_of[u.cached.segment.segment_id] is None)
+    reused = sum(count for _, count in blocks)
+    prefix = None
+    if blocks:
+        by_tier: dict[str, int] = {}
+        for tier_name, count in blocks:
+            by_tier[tier_name] = by_tier.get(tier_name, 0) + count
+        prefix = PrefixReport(num_tokens=reused, num_blocks=len(blocks), tiers=by_tier)
+    cached = sum(u.last - u.first for u in reuse.uses) - missing + reused
+    return Explanation(schema_name=plan.schema.name, exact=reuse.is_exact, fidelity=reuse.mode,
+                       recomputed_tokens=reuse.num_recomputed,
+                       approximations=[] if reuse.is_exact else list(plan.approximations),
+                       modules=modules, prompt_tokens=plan.num_prompt_tokens, cached_tokens=cached,
+                       tokens_to_compute=plan.num_prompt_tokens - cached, prefix=prefix)

@@ -19,9 +19,10 @@ from promptcache.server.generation import (
     sampling_params,
     sse,
     sse_error,
+    wire_prefix,
 )
 from promptcache.server.openai_wire import ChatCompletionRequest, CompletionRequest, _OpenAIFields
-from promptcache.server.service import PLAIN_SCHEMA, PromptService
+from promptcache.server.service import PromptService
 from promptcache.server.state import Service
 
 router = APIRouter(prefix="/v1")
@@ -42,9 +43,9 @@ async def completions(body: CompletionRequest, service: Service):
     if len(prompts) != 1:
         raise UnsupportedParameterError("send one prompt per request (batching happens in the server)")
     text = prompts[0]
-    pml = text if text.lstrip().startswith("<prompt") else \
-        f'<prompt schema="{PLAIN_SCHEMA}" xml:space="preserve">{escape(text)}</prompt>'
-    return await _run(service, body, service.plan(pml), "cmpl", "text_completion", chat=False)
+    # A PML document imports modules; anything else is plain text, tokenized verbatim (never XML).
+    plan = service.plan(text) if text.lstrip().startswith("<prompt") else service.plan_text(text)
+    return await _run(service, body, plan, "cmpl", "text_completion", chat=False)
 
 
 @router.post("/chat/completions")
@@ -58,20 +59,35 @@ async def chat_completions(body: ChatCompletionRequest, service: Service):
         body.max_tokens = body.max_completion_tokens
     elif "max_tokens" not in body.model_fields_set:
         body.max_tokens = min(256, service.settings.max_tokens_limit)
-    turns = []
+    messages = []
     for index, message in enumerate(body.messages):
-        content = message.content if isinstance(message.content, str) else "".join(
-            part.get("text", "") for part in message.content or [] if part.get("type") == "text")
         if not isinstance(message.content, (str, type(None))) and any(
                 part.get("type") != "text" for part in message.content or []):
             raise UnsupportedParameterError(f"messages[{index}]: only text content parts are supported")
-        role = "system" if message.role == "developer" else message.role
-        # With a schema, content is PML (so <module-name/> imports modules); otherwise it is plain text.
-        body_text = content if body.schema_name else escape(content)
-        turns.append(f"<{role}>{body_text}</{role}>")
-    schema = body.schema_name or PLAIN_SCHEMA
-    pml = f'<prompt schema="{escape(schema, {chr(34): "&quot;"})}" xml:space="preserve">{"".join(turns)}<assistant/></prompt>'
-    return await _run(service, body, service.plan(pml), "chatcmpl", "chat.completion", chat=True)
+        content = message.content if isinstance(message.content, str) else "".join(
+            part.get("text", "") for part in message.content or [] if part.get("type") == "text")
+        messages.append({"role": "system" if message.role == "developer" else message.role, "content": content})
+    if body.schema_name:
+        plan = service.plan(_chat_pml(body.schema_name, messages))
+    else:
+        plan = service.plan_chat(messages)
+    return await _run(service, body, plan, "chatcmpl", "chat.completion", chat=True)
+
+
+def _chat_pml(schema: str, messages: list[dict[str, str]]) -> str:
+    """With a schema, message contents are PML (so `<module-name/>` imports modules).
+
+    The schema's layout comes first and has no free positions before its modules, so leading system
+    messages become a system turn right after the first other message (which imports the modules),
+    where new text always fits. The order is documented in docs/api.md.
+    """
+    leading = 0
+    while leading < len(messages) and messages[leading]["role"] == "system":
+        leading += 1
+    if 0 < leading < len(messages):
+        messages = [messages[leading], *messages[:leading], *messages[leading + 1:]]
+    turns = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
+    return f'<prompt schema="{escape(schema, {chr(34): "&quot;"})}" xml:space="preserve">{turns}<assistant/></prompt>'
 
 
 def _refuse_unsupported(body: _OpenAIFields) -> None:
@@ -87,7 +103,8 @@ async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, pr
     params = sampling_params(body, service.settings.max_tokens_limit)
     request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
-    events = service.submit(plan, params, body.cache_salt, request_id)
+    events = service.submit(plan, params, body.cache_salt, request_id,
+                            service.fidelity(body.fidelity, body.fidelity_head_tokens))
     head = {"id": request_id, "object": obj, "created": created, "model": service.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -144,6 +161,11 @@ def _usage(final) -> dict:
 
 
 def _extension(final, plan: PromptPlan) -> dict:
-    return {"exact": bool(final.is_exact), "approximations": list(plan.approximations),
-            "modules": [{"path": m.path, "num_tokens": m.num_tokens, "tier": m.tier} for m in final.modules or ()],
+    prefix = wire_prefix(final)
+    return {"exact": bool(final.is_exact), "fidelity": final.fidelity,
+            "recomputed_tokens": final.usage.recomputed_tokens,
+            "approximations": [] if final.is_exact else list(plan.approximations),
+            "modules": [{"path": m.path, "num_tokens": m.num_tokens, "tier": m.tier,
+                         "recomputed_tokens": m.num_recomputed} for m in final.modules or ()],
+            "prefix": prefix.model_dump() if prefix is not None else None,
             "timings": {"ttft_ms": round(final.timings.ttft_ms, 3), "total_ms": round(final.timings.total_ms, 3)}}

@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from promptcache.cache_store import CacheStoreError
 from promptcache.cache_store import SchemaExistsError as StoreSchemaExistsError
-from promptcache.model_runtime.errors import EngineError, ModelLoadError, PromptTooLongError
+from promptcache.model_runtime.errors import ChatRenderError, EngineError, ModelLoadError, PromptTooLongError
 from promptcache.pml import PmlError, PmlLimitError, UnknownSchemaError
 
 
@@ -64,6 +64,7 @@ ERROR_TABLE: list[tuple[type[Exception], int, str]] = [
     (PmlLimitError, 413, "pml_limit_exceeded"),
     (PmlError, 400, "invalid_pml"),
     (PromptTooLongError, 400, "prompt_too_long"),
+    (ChatRenderError, 400, "invalid_messages"),
     (ModelLoadError, 503, "model_unavailable"),
     (EngineError, 500, "engine_error"),
     (CacheStoreError, 503, "cache_unavailable"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from promptcache.model_runtime import SamplingParams
@@ -16,12 +16,20 @@ from promptcache.server.errors import (
     status_for,
 )
 from promptcache.server.metrics import Metrics
-from promptcache.server.wire import CacheReport, ModuleReport, SamplingFields, Timings, Usage
+from promptcache.server.wire import (
+    CacheReport,
+    Logprobs,
+    ModuleReport,
+    PrefixReport,
+    SamplingFields,
+    Timings,
+    Usage,
+)
 
 DONE = "data: [DONE]\n\n"
 
 
-def sampling_params(fields: SamplingFields, max_tokens_limit: int) -> SamplingParams:
+def sampling_params(fields: SamplingFields, max_tokens_limit: int, logprobs: int | None = None) -> SamplingParams:
     if fields.max_tokens > max_tokens_limit:
         raise UnsupportedParameterError(f"max_tokens is {fields.max_tokens}; this server allows at most "
                                         f"{max_tokens_limit}")
@@ -29,7 +37,7 @@ def sampling_params(fields: SamplingFields, max_tokens_limit: int) -> SamplingPa
     if len(stop) > 8 or any(not s for s in stop):
         raise UnsupportedParameterError("stop takes at most 8 non-empty strings")
     return SamplingParams(max_tokens=fields.max_tokens, temperature=fields.temperature, top_p=fields.top_p,
-                          top_k=fields.top_k, n=fields.n, seed=fields.seed, stop=tuple(stop))
+                          top_k=fields.top_k, n=fields.n, seed=fields.seed, stop=tuple(stop), logprobs=logprobs)
 
 
 def raise_for_error(event: TokenEvent) -> None:
@@ -46,28 +54,51 @@ class Outcome:
     texts: list[str]
     finish_reasons: list[str | None]
     final: TokenEvent
+    events: list[list[TokenEvent]] = field(default_factory=list)  # per sample, every token event
     started: float = field(default_factory=time.perf_counter)
 
 
 async def collect(events: AsyncIterator[TokenEvent], n: int) -> Outcome:
     texts, reasons = [""] * n, [None] * n
+    per_sample: list[list[TokenEvent]] = [[] for _ in range(n)]
     final = None
     async for event in events:
         raise_for_error(event)
         texts[event.index] += event.text
+        if event.token_id is not None:
+            per_sample[event.index].append(event)
         if event.finish_reason is not None:
             reasons[event.index] = event.finish_reason
         if event.usage is not None:
             final = event
     assert final is not None, "the engine always ends a request with a final event"
-    return Outcome(texts, reasons, final)
+    return Outcome(texts, reasons, final, per_sample)
+
+
+def wire_logprobs(events: list[TokenEvent], token_text: Callable[[int], str]) -> Logprobs | None:
+    """The logprobs of a sample's token events (None when the request asked for none)."""
+    if not events or events[0].logprobs is None:
+        return None
+    result = Logprobs()
+    for event in events:
+        assert event.logprobs is not None and event.token_id is not None
+        result.tokens.append(token_text(event.token_id))
+        result.token_ids.append(event.token_id)
+        result.token_logprobs.append(event.logprobs.logprob)
+        result.top_logprobs.append({token_text(t): lp for t, lp in event.logprobs.top})
+        result.top_token_ids.append([t for t, _ in event.logprobs.top])
+        result.top_token_logprobs.append([lp for _, lp in event.logprobs.top])
+    return result
 
 
 def record(metrics: Metrics, final: TokenEvent, finish_reasons: list[str | None]) -> None:
     usage, timings = final.usage, final.timings
+    reused = [("module", m.tier, m.num_tokens) for m in final.modules or () if m.tier != "computed"]
+    if final.prefix is not None:
+        reused += [("prefix", tier, count) for tier, count in final.prefix.tiers]
     metrics.observe(ttft_s=timings.ttft_ms / 1e3, e2e_s=timings.total_ms / 1e3, prompt_tokens=usage.prompt_tokens,
                     cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
-                    finish_reasons=[r or "unknown" for r in finish_reasons])
+                    finish_reasons=[r or "unknown" for r in finish_reasons], reused=reused)
 
 
 def wire_usage(final: TokenEvent) -> Usage:
@@ -77,9 +108,19 @@ def wire_usage(final: TokenEvent) -> Usage:
 
 
 def wire_cache(final: TokenEvent, approximations: tuple[str, ...]) -> CacheReport:
-    return CacheReport(exact=bool(final.is_exact), approximations=list(approximations),
-                       modules=[ModuleReport(path=m.path, num_tokens=m.num_tokens, tier=m.tier)
-                                for m in final.modules or ()])
+    return CacheReport(exact=bool(final.is_exact), fidelity=final.fidelity or "fast",
+                       recomputed_tokens=final.usage.recomputed_tokens,
+                       approximations=[] if final.is_exact else list(approximations),
+                       modules=[ModuleReport(path=m.path, num_tokens=m.num_tokens, tier=m.tier,
+                                             recomputed_tokens=m.num_recomputed) for m in final.modules or ()],
+                       prefix=wire_prefix(final))
+
+
+def wire_prefix(final: TokenEvent) -> PrefixReport | None:
+    prefix = final.prefix
+    if prefix is None:
+        return None
+    return PrefixReport(num_tokens=prefix.num_tokens, num_blocks=prefix.num_blocks, tiers=dict(prefix.tiers))
 
 
 def wire_timings(final: TokenEvent) -> Timings:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -27,13 +27,18 @@ class Metrics:
                                             labels, registry=self.registry)
         self.generation_tokens = Counter("promptcache:generation_tokens", "Generated tokens.", labels,
                                          registry=self.registry)
+        self.reused_tokens = Counter("promptcache:reused_prompt_tokens",
+                                     "Prompt tokens whose KV was reused, by kind (module | prefix) and tier.",
+                                     [*labels, "kind", "tier"], registry=self.registry)
         self.requests = Counter("promptcache:request_success", "Finished requests by finish reason.",
                                 [*labels, "finished_reason"], registry=self.registry)
         self._sources: list[Callable[[], Iterator]] = []
         self.registry.register(_Live(self))
 
     def observe(self, *, ttft_s: float, e2e_s: float, prompt_tokens: int, cached_tokens: int,
-                completion_tokens: int, finish_reasons: list[str]) -> None:
+                completion_tokens: int, finish_reasons: list[str],
+                reused: Sequence[tuple[str, str, int]] = ()) -> None:
+        """Record one finished request; `reused` holds (kind, tier, tokens) triples."""
         m = self.model_name
         self.ttft.labels(m).observe(ttft_s)
         self.e2e.labels(m).observe(e2e_s)
@@ -42,6 +47,8 @@ class Metrics:
         self.generation_tokens.labels(m).inc(completion_tokens)
         for reason in finish_reasons:
             self.requests.labels(m, reason).inc()
+        for kind, tier, count in reused:
+            self.reused_tokens.labels(m, kind, tier).inc(count)
 
     def add_source(self, source: Callable[[], Iterator]) -> None:
         """`source()` yields metric families describing live state (engine queue, store tiers)."""

@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator, Callable
 from importlib import resources
 from typing import TypeVar
 
-from promptcache.cache_store import SchemaRegistry, StoreConfig, build_store
+from promptcache.cache_store import BlockIndexConfig, SchemaRegistry, StoreConfig, build_store
 from promptcache.model_runtime import LoadedModel, ModelRuntime, SamplingParams
-from promptcache.model_runtime.engine import Engine, EngineConfig, TokenEvent
-from promptcache.pml import PmlLimits, PromptPlan, Schema, UnknownSchemaError
+from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, ReusePlan, TokenEvent
+from promptcache.pml import PmlLimits, PromptPlan, Schema, UnknownSchemaError, token_plan
 from promptcache.server.errors import SchemaExistsError, SchemaNotFoundError
 from promptcache.server.metrics import Metrics, engine_families, store_families
 from promptcache.server.settings import ServerSettings
@@ -40,9 +40,11 @@ class PromptService:
                                        timeout_s=settings.redis_timeout_s)
         limits = PmlLimits(max_schema_bytes=settings.max_schema_bytes, max_prompt_bytes=settings.max_request_bytes)
         self.runtime = ModelRuntime(loaded, self.store, limits)
+        prefix = BlockIndexConfig(block_size=settings.prefix_block_size, ttl_s=settings.prefix_ttl_s) \
+            if settings.prefix_caching else None
         self.engine = Engine(self.runtime.module_encoder, EngineConfig(
             max_num_seqs=settings.max_num_seqs, max_kv_bytes=settings.max_kv_bytes,
-            attention_backend=settings.attention_backend))
+            attention_backend=settings.attention_backend, prefix=prefix, fidelity=self.fidelity(None)))
         self.metrics = Metrics(self.model_name)
         self.metrics.add_source(lambda: engine_families(self.engine, self.runtime.module_encoder, self.model_name))
         self.metrics.add_source(lambda: store_families(self.store))
@@ -63,6 +65,7 @@ class PromptService:
 
     def close(self) -> None:
         self.engine.stop()
+        self.store.close()
 
     async def on_engine(self, fn: Callable[[], T]) -> T:
         return await asyncio.wrap_future(self.engine.call(fn))
@@ -74,6 +77,8 @@ class PromptService:
             raise SchemaExistsError(f"schema {schema.name!r} already exists; DELETE it first to replace it")
         self.registry.save(schema.name, pml, {"num_tokens": schema.num_positions})
         report = await self.on_engine(lambda: self.runtime.add_schema(schema))
+        # Shared-tier writes are write-behind: let them land so another replica finds the KV at once.
+        await asyncio.to_thread(self.store.flush, self.settings.redis_timeout_s * 60)
         self.encode_ms[schema.name] = report.encode_ms if report else 0.0
         return schema
 
@@ -129,12 +134,34 @@ class PromptService:
                 return self.runtime.plan(prompt, isolated=isolated)
             raise
 
-    def submit(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None,
-               request_id: str) -> AsyncIterator[TokenEvent]:
-        return self.engine.submit(plan, params, cache_salt=cache_salt, request_id=request_id)
+    def plan_text(self, text: str) -> PromptPlan:
+        """A plain completion prompt: its tokens verbatim (no PML), reused through prefix blocks."""
+        return token_plan(self.runtime.get_schema(PLAIN_SCHEMA), self.runtime.tokenize_completion(text))
+
+    def plan_chat(self, messages: list[dict[str, str]]) -> PromptPlan:
+        """A plain chat rendered by the model's chat template (no PML), reused through prefix blocks."""
+        return token_plan(self.runtime.get_schema(PLAIN_SCHEMA), self.runtime.tokenize_chat(messages))
+
+    def fidelity(self, mode: str | None, head_tokens: int | None = None) -> Fidelity:
+        """The request's fidelity: its mode and k, or the server's defaults."""
+        return Fidelity(mode or self.settings.fidelity,
+                        self.settings.fidelity_head_tokens if head_tokens is None else head_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as the tokenizer decodes it alone (logprobs report tokens this way)."""
+        return self.runtime.token_text(token_id)
+
+    def submit(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None, request_id: str,
+               fidelity: Fidelity) -> AsyncIterator[TokenEvent]:
+        return self.engine.submit(plan, params, cache_salt=cache_salt, request_id=request_id, fidelity=fidelity)
 
     def locate(self, plan: PromptPlan, cache_salt: str | None) -> list[str | None]:
         """For each cached segment of the plan, the tier holding its KV (None: would be computed)."""
         encoder = self.runtime.module_encoder
         return [self.store.contains(encoder.key(plan.schema, c.segment.segment_id, c.context_ids, cache_salt))
                 for c in plan.cached]
+
+    def explain(self, plan: PromptPlan, cache_salt: str | None,
+                fidelity: Fidelity) -> tuple[ReusePlan, list[tuple[str, int]]]:
+        """What serving the plan would reuse and recompute now, and the prefix blocks it would hit."""
+        return self.engine.explain(plan, cache_salt=cache_salt, fidelity=fidelity)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -34,6 +34,14 @@ class ServerSettings(BaseSettings):
     max_request_bytes: int = 2 << 20
     max_schema_bytes: int = 4 << 20
     max_tokens_limit: int = 4096
+    prefix_caching: bool = True
+    prefix_block_size: int = Field(32, ge=1, le=4096, description="tokens per automatic prefix block")
+    prefix_ttl_s: float | None = Field(None, gt=0, description="unused prefix blocks expire after this")
+    fidelity: Literal["fast", "balanced", "exact"] = Field(
+        "fast", description="default fidelity mode of requests that name none (docs/fidelity.md)")
+    fidelity_head_tokens: int = Field(16, ge=0, le=4096,
+                                      description="balanced mode: tokens recomputed at the start of each "
+                                                  "module reused outside its encoding context")
     preload_examples: bool = True
     model_cache_dir: str | None = None
 

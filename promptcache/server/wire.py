@@ -49,22 +49,43 @@ class SamplingFields(BaseModel):
     seed: int | None = None
     stream: bool = False
     cache_salt: str | None = Field(None, max_length=256)
+    fidelity: Literal["fast", "balanced", "exact"] | None = Field(
+        None, description="how module KV reused outside its encoding context is treated (default: the server's)")
+    fidelity_head_tokens: int | None = Field(
+        None, ge=0, le=4096, description="balanced: tokens recomputed at the start of each out-of-context module")
 
 
 class GenerateRequest(SamplingFields):
     model_config = ConfigDict(extra="forbid")
     prompt: str
+    logprobs: int | None = Field(None, ge=0, le=20, description="return each token's logprob and this many "
+                                                                 "top alternatives")
 
 
 class ExplainRequest(_Strict):
     prompt: str
     cache_salt: str | None = Field(None, max_length=256)
+    fidelity: Literal["fast", "balanced", "exact"] | None = None
+    fidelity_head_tokens: int | None = Field(None, ge=0, le=4096)
+
+
+class Logprobs(BaseModel):
+    """Per generated token, as OpenAI's completions API shapes them."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_ids: list[int] = Field(default_factory=list)
+    # The top alternatives by id (token texts may collide in top_logprobs), most likely first.
+    top_token_ids: list[list[int]] = Field(default_factory=list)
+    top_token_logprobs: list[list[float]] = Field(default_factory=list)
 
 
 class Choice(BaseModel):
     index: int
     text: str
     finish_reason: str | None = None
+    logprobs: Logprobs | None = None
 
 
 class Usage(BaseModel):
@@ -77,14 +98,26 @@ class Usage(BaseModel):
 
 class ModuleReport(BaseModel):
     path: str
-    num_tokens: int
+    num_tokens: int = Field(..., description="tokens of the module's cached KV reused")
     tier: str | None
+    recomputed_tokens: int = Field(0, description="tokens of its KV recomputed in their actual context")
+
+
+class PrefixReport(BaseModel):
+    """Prompt tokens reused from automatic prefix blocks, and the tiers they came from."""
+
+    num_tokens: int
+    num_blocks: int
+    tiers: dict[str, int] = Field(default_factory=dict, description="tokens per tier")
 
 
 class CacheReport(BaseModel):
     exact: bool
+    fidelity: str = Field("fast", description="the fidelity mode that ran: fast | balanced | exact")
+    recomputed_tokens: int = 0
     approximations: list[str] = Field(default_factory=list)
     modules: list[ModuleReport]
+    prefix: PrefixReport | None = None
 
 
 class Timings(BaseModel):
@@ -118,11 +151,14 @@ class GenerateChunk(BaseModel):
 class Explanation(BaseModel):
     schema_name: str = Field(..., alias="schema")
     exact: bool
+    fidelity: str
+    recomputed_tokens: int
     approximations: list[str]
     modules: list[ModuleReport]
     prompt_tokens: int
     cached_tokens: int
     tokens_to_compute: int
+    prefix: PrefixReport | None = None
 
     model_config = ConfigDict(populate_by_name=True)
 

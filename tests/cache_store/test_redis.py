@@ -85,6 +85,7 @@ def test_outage_is_a_miss_and_recovery_uses_redis_again(redis_server, caplog):
     redis_server.start()
     time.sleep(0.35)  # past the retry interval
     store.put("after", blk(2))
+    assert store.flush(timeout_s=5)  # the shared write is queued behind put
     assert redis_tier.get("after") is not None
 
 
@@ -92,6 +93,7 @@ def test_two_replicas_share_blocks_and_schemas(redis_server):
     one = build_store(StoreConfig(redis_url=redis_server.url, redis_namespace="r"))
     two = build_store(StoreConfig(redis_url=redis_server.url, redis_namespace="r"))
     one.put("module", blk(3, 7.0))
+    assert one.flush(timeout_s=5)
     got = two.get("module")
     assert got is not None and got[1] == "redis" and float(got[0].keys.flatten()[0]) == 7.0
     assert two.get("module")[1] == "device"

@@ -1,25 +1,35 @@
-"""A small slice of the fidelity evaluation on the real SmolLM2 (benchmarks/fidelity.py)."""
+"""A slice of the fidelity evaluation (benchmarks/fidelity.py) on the real SmolLM2 over HTTP: one prompt
+per task in every mode, against the in-process full-prefill reference."""
 
 from __future__ import annotations
 
-from benchmarks.fidelity import MODES, build_cases, evaluate, summarize
-from promptcache.cache_store import StoreConfig, build_store
-from promptcache.model_runtime import ModelRuntime
+import httpx
+
+from benchmarks.fidelity import GENERATE, mode_answers, reference_answers, summarize
+from benchmarks.fidelity_tasks import EvalSet, build_eval_set
+from tests.server.conftest import LiveServer, settings_for
 
 
 def test_fidelity_slice(smollm2):
-    runtime = ModelRuntime(smollm2, build_store(StoreConfig(), device="cpu"))
-    cases = build_cases(runtime, docs=4, pick=2, questions=4)
-    slice_ = [c for c in cases if c.task == "fact_qa"][:1] + [c for c in cases if c.task == "template"][:1] \
-        + [c for c in cases if c.task == "prefix"][:1]
-    records = evaluate(runtime, slice_)
-    assert len(records) == len(slice_) * len(MODES)
-    # Prompts with no optional parts are served exactly: every mode agrees with the full prefill.
-    prefix = [r for r in records if r["task"] == "prefix"]
-    assert prefix and all(r["exact_plan"] for r in prefix)
-    assert all(r["agrees"] and r["kl"] < 1e-6 for r in prefix if r["mode"] in ("default", "full_prefill_layout"))
-    # Every mode produced a scored answer for every prompt.
-    assert all(r["answer"] for r in records)
-    assert all(r["correct"] is not None for r in records if r["task"].startswith("fact_qa"))
-    rows = summarize(records)
-    assert {(r["task"], r["mode"]) for r in rows} >= {("fact_qa", m) for m in MODES}
+    full = build_eval_set(per_task=3, seed=0)
+    items = [full.by_task(task)[0] for task in ("fact_qa", "ruler", "template")]
+    eval_set = EvalSet({item.schema_name: full.schemas[item.schema_name] for item in items}, items)
+    references = reference_answers(smollm2, eval_set, items)
+    server = LiveServer(settings_for(max_kv_bytes=1 << 30), lambda: smollm2).start()
+    try:
+        for text in eval_set.schemas.values():
+            httpx.post(server.url + "/v1/schemas", json={"pml": text}, timeout=600).raise_for_status()
+        eos = set(smollm2.eos_token_ids)
+        answers = {mode: mode_answers(server.url, items, mode, k, concurrency=3, eos_ids=eos)
+                   for mode, k in (("fast", None), ("balanced", 8), ("exact", None))}
+    finally:
+        server.stop()
+    # exact equals the plain full prefill (greedy tokens; fp32)
+    assert [a.token_ids for a in answers["exact"]] == [r.token_ids[:GENERATE] for r in references]
+    # balanced recomputes a bounded part of the reused module KV, and reports it
+    assert all(0 < a.recomputed <= 8 * 6 for a in answers["balanced"][:2])
+    assert all(a.recomputed == 0 for a in answers["fast"])
+    for mode, mode_list in answers.items():
+        row = summarize("slice", mode, items, mode_list, references, [1.0])
+        assert row["num_prompts"] == 3 and 0 <= row["accuracy"] <= 100
+        assert row["agreement"] == 100.0 or mode != "exact"

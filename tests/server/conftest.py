@@ -28,7 +28,7 @@ class LiveServer:
 
     def start(self, *, ready: bool = True) -> LiveServer:
         self.thread.start()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # loading + preloading examples on a busy 2-core machine
         while time.monotonic() < deadline:
             try:
                 status = httpx.get(self.url + "/health", timeout=2).status_code
@@ -37,6 +37,7 @@ class LiveServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
+        self.stop()
         raise RuntimeError("server did not become ready")
 
     def stop(self) -> None:

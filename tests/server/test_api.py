@@ -7,6 +7,7 @@ import threading
 
 import httpx
 import pytest
+import torch
 
 from promptcache.model_runtime import SamplingParams
 from tests.conftest import make_tiny_runtime
@@ -78,7 +79,9 @@ def test_explain_reports_tiers_without_generating(server):
     body = httpx.post(server.url + "/v1/prompts/explain",
                       json={"prompt": '<prompt schema="docs"><d2/>Q</prompt>'}).json()
     assert body["schema"] == "docs" and body["exact"] is False and body["approximations"]
-    assert body["modules"] == [{"path": "d2", "num_tokens": body["modules"][0]["num_tokens"], "tier": "device"}]
+    assert body["modules"] == [{"path": "d2", "num_tokens": body["modules"][0]["num_tokens"], "tier": "device",
+                                "recomputed_tokens": 0}]
+    assert body["fidelity"] == "fast" and body["recomputed_tokens"] == 0
     assert body["tokens_to_compute"] > 0 and body["cached_tokens"] > 0
     salted = httpx.post(server.url + "/v1/prompts/explain", json={"prompt": PROMPT, "cache_salt": "tenant-a"}).json()
     assert all(m["tier"] is None for m in salted["modules"])  # another tenant's KV is never shared
@@ -157,3 +160,29 @@ def test_metrics_exposes_vllm_style_names(server):
                  "promptcache:num_requests_waiting"):
         assert name in text, name
     assert 'promptcache:generation_tokens_total{model_name="tiny-llama"} 3.0' in text
+
+
+def test_generate_logprobs_and_fidelity_report(server):
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    prompt = '<prompt schema="docs"><user><d2/>Who sleeps?</user><assistant/></prompt>'
+    body = httpx.post(server.url + "/v1/generate", timeout=60, json={
+        "prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 2, "fidelity": "exact"}).json()
+    runtime = make_tiny_runtime("llama")
+    runtime.add_schema(runtime.parse_schema(SCHEMA))
+    plan = runtime.plan(prompt)
+    from promptcache.model_runtime.baseline import full_prefill_logits
+
+    reference = torch.log_softmax(full_prefill_logits(runtime.loaded.model, plan.token_ids())[-1], dim=-1)
+    logprobs = body["choices"][0]["logprobs"]
+    assert len(logprobs["token_logprobs"]) == 3 and all(len(top) <= 2 for top in logprobs["top_logprobs"])
+    first = logprobs["token_ids"][0]
+    assert first == int(reference.argmax()) and abs(logprobs["token_logprobs"][0] - reference[first].item()) < 1e-4
+    assert body["cache"]["fidelity"] == "exact" and body["cache"]["exact"] is True
+    assert body["cache"]["recomputed_tokens"] == body["cache"]["modules"][0]["recomputed_tokens"] > 0
+    approximate = '<prompt schema="docs"><d2/>Who sleeps?</prompt>'  # text outside the turn: d2 lacks its context
+    balanced = httpx.post(server.url + "/v1/generate", timeout=60, json={
+        "prompt": approximate, "max_tokens": 1, "fidelity": "balanced"}).json()["cache"]
+    assert balanced["fidelity"] == "balanced" and balanced["exact"] is False and balanced["approximations"]
+    assert balanced["recomputed_tokens"] > 0
+    bad = httpx.post(server.url + "/v1/generate", json={"prompt": prompt, "fidelity": "perfect"})
+    assert bad.status_code == 422 and "fidelity" in bad.text

@@ -19,9 +19,10 @@ def test_models_and_plain_completion(client):
     assert [m.id for m in api.models.list().data] == ["tiny-llama"]
     completion = api.completions.create(model="tiny-llama", prompt="The quick brown fox", max_tokens=5, temperature=0)
     assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 5
-    assert completion.usage.prompt_tokens_details.cached_tokens == 0
+    assert completion.usage.prompt_tokens_details.cached_tokens == 0  # the first request: nothing stored yet
     again = api.completions.create(model="tiny-llama", prompt="The quick brown fox", max_tokens=5, temperature=0)
     assert again.choices[0].text == completion.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
 
 
 def test_completion_with_pml_prompt_reports_cached_tokens(client):
@@ -43,7 +44,8 @@ def test_streaming_completion_equals_non_streaming(client):
                                     stream_options={"include_usage": True})
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full
-    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 6 and usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
 
 
 def test_chat_plain_and_with_schema_modules(client):

@@ -53,7 +53,9 @@ def shared_module_attention(
     for segment in segments:
         if segment.keys.shape[1] == 0:
             continue  # an empty segment contributes nothing (and would crash the fused op)
-        rows = _rows(segment.seq_indices, starts, queries.device)
+        rows = _rows(segment.seq_indices, segment.row_offsets, starts, queries.device)
+        if rows.numel() == 0:
+            continue
         q = _fold(queries[rows], num_kv_heads, group)                    # [H_kv, M*G, D]
         kernel = choose(backend, q, segment.keys)
         out, lse = kernel(q, segment.keys, segment.values, scale)
@@ -115,8 +117,10 @@ def _own_decode(queries, starts, seqs, own_keys, own_values, num_kv_heads, group
     return out.reshape(len(seqs), -1, head_dim), lse.reshape(len(seqs), -1)                 # [B, H, D], [B, H]
 
 
-def _rows(seq_indices: Sequence[int], starts: list[int], device) -> torch.Tensor:
-    return torch.cat([torch.arange(starts[i], starts[i + 1], device=device) for i in seq_indices])
+def _rows(seq_indices: Sequence[int], row_offsets: Sequence[int] | None, starts: list[int], device) -> torch.Tensor:
+    offsets = row_offsets or [0] * len(seq_indices)
+    return torch.cat([torch.arange(min(starts[i] + off, starts[i + 1]), starts[i + 1], device=device)
+                      for i, off in zip(seq_indices, offsets)])
 
 
 def _fold(q: torch.Tensor, num_kv_heads: int, group: int) -> torch.Tensor:
@@ -153,4 +157,7 @@ def _validate(queries, query_lens, own_keys, own_values, segments) -> int:
     for segment in segments:
         if not segment.seq_indices or any(not 0 <= i < len(query_lens) for i in segment.seq_indices):
             raise ValueError(f"segment seq_indices {segment.seq_indices} out of range")
+        if segment.row_offsets is not None and (len(segment.row_offsets) != len(segment.seq_indices)
+                                                or min(segment.row_offsets) < 0):
+            raise ValueError(f"segment row_offsets {segment.row_offsets} must be >= 0, one per sequence")
     return num_kv_heads

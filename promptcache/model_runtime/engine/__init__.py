@@ -3,5 +3,6 @@
 from promptcache.model_runtime.engine.config import EngineConfig
 from promptcache.model_runtime.engine.engine import Engine
 from promptcache.model_runtime.engine.request import TokenEvent
+from promptcache.model_runtime.engine.reuse_plan import FIDELITY_MODES, Fidelity, ReusePlan, resolve
 
-__all__ = ["Engine", "EngineConfig", "TokenEvent"]
+__all__ = ["FIDELITY_MODES", "Engine", "EngineConfig", "Fidelity", "ReusePlan", "TokenEvent", "resolve"]

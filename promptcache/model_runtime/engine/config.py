@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from promptcache.cache_store import BlockIndexConfig
+from promptcache.model_runtime.engine.reuse_plan import Fidelity
 
 
 @dataclass(frozen=True, slots=True)
@@ -10,13 +13,17 @@ class EngineConfig:
     """Limits of the batch engine.
 
     `max_kv_bytes` bounds the KV the running batch holds: every sequence's own KV (its computed prompt
-    tokens plus room for `max_tokens`) and, once each, every shared module block it references.
+    tokens plus room for `max_tokens`) and, once each, every shared module or prefix block it references.
+    `prefix` configures automatic prefix reuse (design.md §4a); None turns it off. `fidelity` is the
+    mode of requests that name none (design.md §4b).
     """
 
     max_num_seqs: int = 64
     max_kv_bytes: int = 2 << 30
     attention_backend: str = "auto"  # "auto" | "fused_cpu" | "matmul" | "flash"
     idle_wait_s: float = 0.05
+    prefix: BlockIndexConfig | None = field(default_factory=BlockIndexConfig)
+    fidelity: Fidelity = field(default_factory=Fidelity)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

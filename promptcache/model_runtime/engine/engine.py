@@ -11,8 +11,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
+from promptcache.cache_store import BlockIndex
 from promptcache.model_runtime.engine.config import EngineConfig
+from promptcache.model_runtime.engine.prefix import PrefixReuse
 from promptcache.model_runtime.engine.request import Request, TokenEvent
+from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan, resolve
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.engine.scheduler import Scheduler
 from promptcache.model_runtime.module_encoder import ModuleEncoder
@@ -35,7 +38,12 @@ class Engine:
     def __init__(self, encoder: ModuleEncoder, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.encoder = encoder
-        self.scheduler = Scheduler(self.config, encoder)
+        loaded = encoder.loaded
+        index = None if self.config.prefix is None else BlockIndex(
+            encoder.store, self.config.prefix, model_fingerprint=loaded.model_fingerprint,
+            tokenizer_fingerprint=loaded.tokenizer_fingerprint, bytes_per_token=loaded.kv_bytes_per_token)
+        self.prefix = PrefixReuse(index)
+        self.scheduler = Scheduler(self.config, encoder, self.prefix)
         self.runner = ModelRunner(encoder.loaded, backend=self.config.attention_backend)
         self._inbox: list[tuple[str, object]] = []
         self._wakeup = threading.Condition()
@@ -60,13 +68,14 @@ class Engine:
             self._thread = None
 
     def submit(self, plan: PromptPlan, params: SamplingParams, *, cache_salt: str | None = None,
-               request_id: str | None = None) -> AsyncIterator[TokenEvent]:
-        """Queue a request; iterate the result for its events (must be called on a running loop)."""
+               request_id: str | None = None, fidelity: Fidelity | None = None) -> AsyncIterator[TokenEvent]:
+        """Queue a request; iterate the result for its events (must be called on a running loop).
+        `fidelity` (default: the engine's) says how module KV reused out of context is treated."""
         request_id = request_id or f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._sinks[request_id] = (loop, queue)
-        self._post("submit", Request(request_id, plan, params, cache_salt))
+        self._post("submit", Request(request_id, plan, params, cache_salt, fidelity or self.config.fidelity))
         self.start()
         return self._events(request_id, queue)
 
@@ -81,6 +90,16 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Stop a request; its last event has finish_reason "abort" unless it already finished."""
         self._post("abort", request_id)
+
+    def explain(self, plan: PromptPlan, *, cache_salt: str | None = None,
+                fidelity: Fidelity | None = None) -> tuple[ReusePlan, list[tuple[str, int]]]:
+        """What serving `plan` now would do, without doing it: its ReusePlan and (tier, tokens) of each
+        stored prefix block its stream would reuse (no fetch, no promotion; safe from any thread)."""
+        reuse = resolve(plan, fidelity or self.config.fidelity)
+        module_keys = [self.encoder.key(plan.schema, u.cached.segment.segment_id, u.cached.context_ids, cache_salt)
+                       for u in reuse.uses]
+        return reuse, self.prefix.peek(module_keys, list(reuse.token_ids), list(reuse.position_ids),
+                                       salt=cache_salt, variant=reuse.variant)
 
     @property
     def num_running(self) -> int:
@@ -146,6 +165,15 @@ class Engine:
             self.num_steps += 1
         for event in events:
             self._deliver(event)
+        self._store_prefixes()
+
+    def _store_prefixes(self) -> None:
+        stores, self.scheduler.pending_stores = self.scheduler.pending_stores, []
+        for store in stores:
+            try:
+                store()
+            except Exception:  # a failed cache write costs future hits, never this request
+                logger.exception("storing prefix blocks failed")
 
     def _deliver(self, event: TokenEvent) -> None:
         sink = self._sinks.get(event.request_id)

@@ -10,8 +10,10 @@ import torch
 
 from promptcache.cache_store import KVBlock
 from promptcache.model_runtime.detokenizer import Detokenizer
-from promptcache.model_runtime.results import ModuleUse, Timings, Usage
-from promptcache.model_runtime.sampling import Sampler, SamplingParams
+from promptcache.model_runtime.engine.prefix import Stream
+from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan
+from promptcache.model_runtime.results import ModuleUse, PrefixUse, Timings, Usage
+from promptcache.model_runtime.sampling import Sampler, SamplingParams, TokenLogprobs
 from promptcache.pml import PromptPlan
 
 
@@ -28,10 +30,13 @@ class TokenEvent:
     token_id: int | None
     text: str
     finish_reason: str | None = None
+    logprobs: TokenLogprobs | None = None  # of token_id, when the request asked for logprobs
     usage: Usage | None = None
     modules: tuple[ModuleUse, ...] | None = None
+    prefix: PrefixUse | None = None
     timings: Timings | None = None
     is_exact: bool | None = None
+    fidelity: str | None = None  # the fidelity mode that ran
     error: str | None = None
     error_type: str | None = None  # "invalid_request" (the request cannot be served) | "internal"
 
@@ -49,6 +54,9 @@ class SharedKV:
 
     key: str
     block: KVBlock  # keys/values [num_layers, num_kv_heads, n, head_dim], referenced, never copied per sequence
+    # In the prefill step, only the pending tokens from this index on attend to it (they are positioned
+    # after it); every later step sees it in full.
+    visible_from: int = 0
 
 
 @dataclass(eq=False)
@@ -66,6 +74,8 @@ class Sequence:
     pending_positions: list[int] = field(default_factory=list)
     next_position: int = 0
     output_ids: list[int] = field(default_factory=list)
+    first_position: int = 0  # position of the first generated token
+    generated_offset: int = 0  # where the generated tokens' KV starts in the own buffer
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     sampler: Sampler | None = None
@@ -84,9 +94,13 @@ class Request:
     plan: PromptPlan
     params: SamplingParams
     cache_salt: str | None
+    fidelity: Fidelity = field(default_factory=Fidelity)
     submitted_at: float = field(default_factory=time.perf_counter)
     sequences: list[Sequence] = field(default_factory=list)
     modules: tuple[ModuleUse, ...] = ()
+    reuse: ReusePlan | None = None  # resolved at admission
+    stream: Stream | None = None  # the tokens computed for this request and the prefix reused for them
+    held_keys: tuple[str, ...] = ()  # store keys acquired while the request runs
     num_computed_tokens: int = 0
     assembly_ms: float = 0.0
     encode_ms: float = 0.0

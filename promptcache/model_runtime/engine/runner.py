@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from promptcache.model_runtime.engine.request import Sequence
+from promptcache.model_runtime.engine.request import SeqStatus, Sequence
 from promptcache.model_runtime.loader import LoadedModel
 from promptcache.model_runtime.packed_attention import BatchCache, BatchContext, active_batch, install
 
@@ -46,32 +46,38 @@ class ModelRunner:
             seq.pending_ids, seq.pending_positions = [], []
         return logits
 
-    def _segments(self, seqs: Seq[Sequence]) -> list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]]:
-        users: dict[str, list[int]] = defaultdict(list)
+    def _segments(self, seqs: Seq[Sequence]):
+        users: dict[str, list[tuple[int, int]]] = defaultdict(list)
         blocks = {}
         for index, seq in enumerate(seqs):
             for shared in seq.shared:
-                users[shared.key].append(index)
-                blocks[shared.key] = shared.block
+                # Row offsets only matter in a prefill step (tokens positioned before the block);
+                # a sequence whose every pending token precedes the block skips it this step.
+                offset = shared.visible_from if seq.status == SeqStatus.PREFILL else 0
+                if offset < len(seq.pending_ids):
+                    users[shared.key].append((index, offset))
+                    blocks[shared.key] = shared.block
         # Attention over shared KV is permutation-invariant, so every block used by the same set of
-        # sequences joins one segment, wherever its positions are.
-        by_users: dict[tuple[int, ...], list[str]] = defaultdict(list)
-        for key, indices in users.items():
-            by_users[tuple(indices)].append(key)
+        # (sequence, offset) pairs joins one segment, wherever its positions are.
+        by_users: dict[tuple[tuple[int, int], ...], list[str]] = defaultdict(list)
+        for key, pairs in users.items():
+            by_users[tuple(pairs)].append(key)
         segments, live = [], set()
-        for indices, keys in by_users.items():
+        for pairs, keys in by_users.items():
+            indices = tuple(i for i, _ in pairs)
+            offsets = tuple(o for _, o in pairs) if any(o for _, o in pairs) else None
             group = tuple(sorted(keys))
             live.add(group)
             if len(group) == 1:
                 block = blocks[group[0]]
-                segments.append((block.keys, block.values, indices))
+                segments.append((block.keys, block.values, indices, offsets))
                 continue
             if group not in self._groups:
                 # [num_layers, num_kv_heads, sum n, head_dim], built once per distinct block set
                 self._groups[group] = (torch.cat([blocks[k].keys for k in group], dim=2),
                                        torch.cat([blocks[k].values for k in group], dim=2))
             keys_cat, values_cat = self._groups[group]
-            segments.append((keys_cat, values_cat, indices))
+            segments.append((keys_cat, values_cat, indices, offsets))
         for stale in set(self._groups) - live:
             del self._groups[stale]
         return segments

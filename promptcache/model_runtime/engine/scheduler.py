@@ -5,18 +5,22 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
 from promptcache.cache_store import KVBlock
 from promptcache.model_runtime.detokenizer import Detokenizer
+from promptcache.model_runtime.engine.assembly import assemble, module_key
 from promptcache.model_runtime.engine.config import EngineConfig
 from promptcache.model_runtime.engine.memory import KVMemory
+from promptcache.model_runtime.engine.prefix import PrefixReuse, prefix_use
 from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequence, SharedKV, TokenEvent
+from promptcache.model_runtime.engine.reuse_plan import resolve
 from promptcache.model_runtime.errors import EngineError
-from promptcache.model_runtime.module_encoder import ModuleEncoder, check_positions
-from promptcache.model_runtime.results import ModuleUse, Timings, Usage, slowest_tier
-from promptcache.model_runtime.sampling import Sampler
+from promptcache.model_runtime.module_encoder import ModuleEncoder
+from promptcache.model_runtime.results import Timings, Usage
+from promptcache.model_runtime.sampling import Sampler, TokenLogprobs, token_logprobs
 
 PROMPT_SEQ = -1  # index of the sequence that prefills a prompt shared by n > 1 samples
 
@@ -25,18 +29,20 @@ class Scheduler:
     """Owns waiting requests and running sequences. `schedule` admits and picks the step's batch;
     `postprocess` turns the step's logits into tokens, events, finished sequences and freed memory."""
 
-    def __init__(self, config: EngineConfig, encoder: ModuleEncoder) -> None:
+    def __init__(self, config: EngineConfig, encoder: ModuleEncoder, prefix: PrefixReuse) -> None:
         loaded = encoder.loaded
         self.config = config
         self.encoder = encoder
+        self.prefix = prefix
         self.loaded = loaded
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []
         self.memory = KVMemory(config.max_kv_bytes)
-        element = torch.empty((), dtype=loaded.model.dtype).element_size()
-        self.bytes_per_token = loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * 2 * element
+        self.bytes_per_token = loaded.kv_bytes_per_token
         self._seq_ids = itertools.count()
         self._reservations: dict[str, tuple[int, dict[str, int]]] = {}
+        # Prefix blocks to store, run by the engine after the step's events went out (off the TTFT path).
+        self.pending_stores: list[Callable[[], None]] = []
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -63,10 +69,14 @@ class Scheduler:
             n_seqs = request.params.n + (1 if request.params.n > 1 else 0)
             if self.running and len(self.running) + n_seqs > self.config.max_num_seqs:
                 return
-            plan, params = request.plan, request.params
-            shared = {self.encoder.key(plan.schema, c.segment.segment_id, c.context_ids, request.cache_salt):
-                      len(c.segment.token_ids) * self.bytes_per_token for c in plan.cached}
-            own = (plan.num_new_tokens + 1 + params.n * params.max_tokens) * self.bytes_per_token
+            params = request.params
+            if request.reuse is None:
+                request.reuse = resolve(request.plan, request.fidelity)
+            reuse = request.reuse
+            shared = {module_key(self.encoder, request, use): (use.last - use.first) * self.bytes_per_token
+                      for use in reuse.uses}
+            # Upper bound: reused prefix tokens move from own KV to shared blocks, never adding bytes.
+            own = (len(reuse.token_ids) + 1 + params.n * params.max_tokens) * self.bytes_per_token
             if self.memory.cost(own, shared) > self.memory.max_bytes:
                 self.waiting.popleft()
                 events.append(self._error(request, f"the request needs {self.memory.cost(own, shared)} bytes of "
@@ -76,47 +86,38 @@ class Scheduler:
                 return  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             try:
-                self._start(request)
+                own, shared = self._start(request)
             except EngineError as exc:
                 events.append(self._error(request, str(exc)))
                 continue
             self.memory.reserve(own, shared)
             self._reservations[request.request_id] = (own, shared)
 
-    def _start(self, request: Request) -> None:
-        plan, params, loaded = request.plan, request.params, self.loaded
-        started = time.perf_counter()
-        before = self.encoder.num_encoded_segments
-        fetched = [self.encoder.fetch(plan.schema, c.segment.segment_id, c.context_ids, request.cache_salt)
-                   for c in plan.cached]
-        device = loaded.model.device
-        shared = [SharedKV(self.encoder.key(plan.schema, c.segment.segment_id, c.context_ids, request.cache_salt),
-                           f.block.to(device)) for c, f in zip(plan.cached, fetched)]
-        if self.encoder.num_encoded_segments != before:
-            request.encode_ms = (time.perf_counter() - started) * 1e3
-        token_ids, positions = plan.new_token_ids(), plan.new_position_ids()
-        if not token_ids:  # recompute the highest-positioned cached token to get its logits
-            last = shared[-1]
-            n = last.block.num_tokens - 1
-            shared[-1] = SharedKV(last.key + "#head", KVBlock(last.block.keys[:, :, :n], last.block.values[:, :, :n],
-                                                             last.block.position_ids[:n]))
-            segment = plan.cached[-1].segment
-            token_ids, positions = [segment.token_ids[-1]], [segment.end - 1]
-        check_positions(positions, loaded.max_positions)
-        tiers: dict[str, list[str]] = {}
-        for c, f in zip(plan.cached, fetched):
-            tiers.setdefault(c.segment.owner, []).append(f.tier)
-        request.modules = tuple(
-            ModuleUse(p, sum(len(c.segment.token_ids) for c in plan.cached if c.segment.owner == p),
-                      slowest_tier(tiers.get(p, ["computed"]))) for p in plan.module_paths)
+    def _start(self, request: Request) -> tuple[int, dict[str, int]]:
+        """Assemble the request's reused KV and create its first sequence. Returns the own and shared
+        KV bytes it holds."""
+        params, reuse = request.params, request.reuse
+        assert reuse is not None
+        assembled = assemble(request, reuse, self.encoder, self.prefix)
+        request.stream = assembled.stream
+        token_ids, shared = assembled.token_ids, assembled.shared
+        # A view ("key#...") shares its block's storage: hold and count the block under its store key.
+        request.held_keys = tuple(dict.fromkeys(s.key.partition("#")[0] for s in shared))
+        self.encoder.store.acquire(request.held_keys)
         request.num_computed_tokens = len(token_ids)
         index = PROMPT_SEQ if params.n > 1 else 0
         capacity = len(token_ids) + (0 if params.n > 1 else params.max_tokens)
         seq = self._new_sequence(request, index, shared, capacity)
-        seq.pending_ids, seq.pending_positions = list(token_ids), list(positions)
-        seq.next_position = max(plan.position_ids()) + 1
+        seq.pending_ids, seq.pending_positions = token_ids, assembled.position_ids
+        seq.next_position = seq.first_position = reuse.next_position
+        seq.generated_offset = len(token_ids)
         seq.status = SeqStatus.PREFILL
-        request.assembly_ms = (time.perf_counter() - started) * 1e3
+        own = (len(token_ids) + 1 + params.n * params.max_tokens) * self.bytes_per_token
+        held: dict[str, int] = {}
+        for item in shared:
+            key = item.key.partition("#")[0]
+            held[key] = max(held.get(key, 0), item.block.num_tokens * self.bytes_per_token)
+        return own, held
 
     def _new_sequence(self, request: Request, index: int, shared: list[SharedKV], capacity: int) -> Sequence:
         loaded = self.loaded
@@ -139,11 +140,13 @@ class Scheduler:
             request = seq.request
             if seq.status == SeqStatus.PREFILL:
                 request.prefill_ms = step_ms
+                if seq.index != PROMPT_SEQ:
+                    self._store_prompt(seq)
             if seq.index == PROMPT_SEQ:
                 self._fork(seq, row, events)
             else:
                 seq.status = SeqStatus.DECODE
-                self._accept(seq, seq.sampler.sample(row), events)
+                self._accept(seq, seq.sampler.sample(row), events, row)
         return events
 
     def _fork(self, prompt: Sequence, logits: torch.Tensor, events: list[TokenEvent]) -> None:
@@ -154,14 +157,16 @@ class Scheduler:
         prompt_kv = SharedKV(f"{request.request_id}/prompt", KVBlock(
             prompt.own_keys[:, :, :n], prompt.own_values[:, :, :n],
             torch.arange(n, dtype=torch.long)))
+        self._store_prompt(prompt)
         for index in range(request.params.n):
             seq = self._new_sequence(request, index, [*prompt.shared, prompt_kv], request.params.max_tokens)
-            seq.next_position = prompt.next_position
+            seq.next_position = seq.first_position = prompt.next_position
             seq.status = SeqStatus.DECODE
-            self._accept(seq, seq.sampler.sample(logits), events)
+            self._accept(seq, seq.sampler.sample(logits), events, logits)
 
-    def _accept(self, seq: Sequence, token: int, events: list[TokenEvent]) -> None:
+    def _accept(self, seq: Sequence, token: int, events: list[TokenEvent], logits: torch.Tensor) -> None:
         request, params = seq.request, seq.request.params
+        logprobs = None if params.logprobs is None else token_logprobs(logits, token, params.logprobs)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         seq.output_ids.append(token)
@@ -179,34 +184,64 @@ class Scheduler:
         if finish is None:
             seq.pending_ids, seq.pending_positions = [token], [seq.next_position]
             seq.next_position += 1
-            events.append(TokenEvent(request.request_id, seq.index, token, text))
+            events.append(TokenEvent(request.request_id, seq.index, token, text, logprobs=logprobs))
             return
         seq.status, seq.finish_reason = SeqStatus.FINISHED, finish
         self.running.remove(seq)
+        self._store_sample(seq)
         if all(s.status == SeqStatus.FINISHED for s in request.sequences) and \
                 len(request.sequences) == params.n:
             self._release(request)
-            events.append(self._final(request, seq.index, token, text, finish))
+            events.append(self._final(request, seq.index, token, text, finish, logprobs))
         else:
-            events.append(TokenEvent(request.request_id, seq.index, token, text, finish))
+            events.append(TokenEvent(request.request_id, seq.index, token, text, finish, logprobs=logprobs))
 
-    def _final(self, request: Request, index: int, token: int | None, text: str, finish: str) -> TokenEvent:
-        plan = request.plan
+    def _store_prompt(self, seq: Sequence) -> None:
+        """After prefill: queue storing the prompt's blocks (its computed KV is seq's own [0, n))."""
+        stream, n = seq.request.stream, seq.generated_offset
+        if stream is None:
+            return
+        computed = (stream.num_reused, seq.own_keys[:, :, :n], seq.own_values[:, :, :n])
+        salt = seq.request.cache_salt
+        self.pending_stores.append(lambda: self.prefix.store_prompt(stream, computed, salt=salt))
+
+    def _store_sample(self, seq: Sequence) -> None:
+        """After a sample finished: queue storing its generated text's blocks."""
+        stream = seq.request.stream
+        if stream is None:
+            return
+        start, end = seq.generated_offset, seq.own_length
+        generated = (len(stream.token_ids), seq.own_keys[:, :, start:end], seq.own_values[:, :, start:end])
+        output_ids, first, salt = list(seq.output_ids), seq.first_position, seq.request.cache_salt
+        self.pending_stores.append(
+            lambda: self.prefix.store_sample(stream, output_ids, first, generated, salt=salt))
+
+    def _final(self, request: Request, index: int, token: int | None, text: str, finish: str,
+               logprobs: TokenLogprobs | None = None) -> TokenEvent:
+        plan, reuse, stream = request.plan, request.reuse, request.stream
         now = time.perf_counter()
-        usage = Usage(prompt_tokens=plan.num_prompt_tokens, cached_tokens=plan.num_cached_tokens,
+        reused = sum(u.last - u.first for u in reuse.uses) if reuse is not None else 0
+        reused += stream.num_reused if stream is not None else 0
+        usage = Usage(prompt_tokens=plan.num_prompt_tokens, cached_tokens=reused,
                       computed_tokens=request.num_computed_tokens,
-                      completion_tokens=sum(len(s.output_ids) for s in request.sequences))
+                      completion_tokens=sum(len(s.output_ids) for s in request.sequences),
+                      recomputed_tokens=reuse.num_recomputed if reuse is not None else 0)
         first = request.first_token_at or now
         timings = Timings(encode_ms=request.encode_ms, assembly_ms=request.assembly_ms,
                           prefill_ms=request.prefill_ms, ttft_ms=(first - request.submitted_at) * 1e3,
                           total_ms=(now - request.submitted_at) * 1e3)
-        return TokenEvent(request.request_id, index, token, text, finish, usage=usage, modules=request.modules,
-                          timings=timings, is_exact=plan.is_exact)
+        return TokenEvent(request.request_id, index, token, text, finish, logprobs, usage=usage, modules=request.modules,
+                          prefix=prefix_use(stream.match) if stream is not None else None, timings=timings,
+                          is_exact=reuse.is_exact if reuse is not None else plan.is_exact,
+                          fidelity=request.fidelity.mode)
 
     def _release(self, request: Request) -> None:
         reservation = self._reservations.pop(request.request_id, None)
         if reservation is not None:
             self.memory.release(*reservation)
+        if request.held_keys:
+            self.encoder.store.release(request.held_keys)
+            request.held_keys = ()
 
     def _reap_aborted(self) -> list[TokenEvent]:
         events = []

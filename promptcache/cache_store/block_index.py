@@ -1,0 +1,228 @@
+"""BlockIndex: automatic prefix reuse as chains of fixed-size KV blocks in the tiered store (design.md §4a).
+
+A token stream (a plain prompt, a chat, the new text of a PML prompt after its modules, and the text
+generated after it) is cut into blocks of `block_size` tokens. Block i's key is SHA-256 over its parent
+(block i-1's key, or the stream's chain root), its token ids and position ids, the model and tokenizer
+fingerprints and the salt — the same key function as module KV, so one store, one set of tiers and one
+budget hold both. A request reuses the longest chain of present blocks; where its tokens diverge inside
+a block, any stored block with the same parent that shares a prefix with them donates that prefix (a
+token's KV depends only on the tokens before it), so reuse is token-exact, like a radix tree.
+
+Knows nothing about requests: it sees token ids, positions, and a function that returns computed KV.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from promptcache.cache_store.block import KVBlock
+from promptcache.cache_store.keys import make_kv_key
+from promptcache.cache_store.store import TieredStore
+
+# Returns keys and values [num_layers, num_kv_heads, end - start, head_dim] of stream tokens [start, end).
+KVGather = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockIndexConfig:
+    """`block_size` tokens per block; `ttl_s` bounds how long an unused block lives (None: LRU only);
+    `max_children` bounds the in-memory map used for partial-block reuse."""
+
+    block_size: int = 32
+    ttl_s: float | None = None
+    max_children: int = 200_000
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.block_size <= 4096:
+            raise ValueError(f"block_size must be in [1, 4096], got {self.block_size}")
+        if self.ttl_s is not None and self.ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0 or None, got {self.ttl_s}")
+        if self.max_children < 0:
+            raise ValueError(f"max_children must be >= 0, got {self.max_children}")
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A stored block reused for stream tokens [start, start + num_tokens) (a prefix of the block)."""
+
+    key: str
+    start: int
+    num_tokens: int
+    block: KVBlock  # sliced to num_tokens (a view)
+    tier: str
+    is_whole: bool  # the whole stored block is used (not only a prefix of it)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """The longest reusable prefix of a stream: consecutive links from token 0."""
+
+    links: tuple[Link, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.links[-1].end if self.links else 0
+
+
+class BlockIndex:
+    """Finds and stores the prefix blocks of token streams. Thread-safe; KV lives in `store`."""
+
+    def __init__(self, store: TieredStore, config: BlockIndexConfig, *, model_fingerprint: str,
+                 tokenizer_fingerprint: str, bytes_per_token: int) -> None:
+        self.store = store
+        self.config = config
+        self.model_fingerprint = model_fingerprint
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.bytes_per_token = bytes_per_token
+        # parent key -> {child key: (token ids, position ids)}, parents in LRU order. Local to this
+        # process: only partial-block reuse needs it; full blocks are found by key in any tier.
+        self._children: OrderedDict[str, dict[str, tuple[tuple[int, ...], tuple[int, ...]]]] = OrderedDict()
+        self._num_children = 0
+        self._lock = threading.Lock()
+
+    def key(self, parent: str, token_ids: Sequence[int], position_ids: Sequence[int], salt: str | None) -> str:
+        return make_kv_key(model_fingerprint=self.model_fingerprint, tokenizer_fingerprint=self.tokenizer_fingerprint,
+                           token_ids=token_ids, position_ids=position_ids, context_digest=parent, cache_salt=salt)
+
+    def match(self, root: str, token_ids: Sequence[int], position_ids: Sequence[int], *, salt: str | None,
+              max_tokens: int) -> Match:
+        """Fetch the longest stored prefix of the stream, at most `max_tokens` tokens long.
+
+        Blocks are fetched (and promoted) through the store; a caller that uses them should
+        `store.acquire` their keys while they are in use.
+        """
+        size, limit = self.config.block_size, min(max_tokens, len(token_ids))
+        links: list[Link] = []
+        parent, start = root, 0
+        while start < limit:
+            ids, pos = tuple(token_ids[start: start + size]), tuple(position_ids[start: start + size])
+            link = self._fetch(self.key(parent, ids, pos, salt), start, min(len(ids), limit - start))
+            if link is None:
+                link = self._donor(_family(parent, salt), ids, pos, start, limit - start)
+                if link is not None:
+                    links.append(link)
+                break
+            links.append(link)
+            if len(ids) < size or link.num_tokens < len(ids):
+                break
+            parent, start = link.key, start + size
+        self.store.touch(link.key for link in reversed(links))  # keep the chain's root the most recent
+        return Match(tuple(links))
+
+    def peek(self, root: str, token_ids: Sequence[int], position_ids: Sequence[int], *,
+             salt: str | None) -> list[tuple[str, int]]:
+        """(tier, num_tokens) for each block `match` would reuse, without fetching anything."""
+        size = self.config.block_size
+        found: list[tuple[str, int]] = []
+        parent, start = root, 0
+        while start < len(token_ids):
+            ids, pos = tuple(token_ids[start: start + size]), tuple(position_ids[start: start + size])
+            key = self.key(parent, ids, pos, salt)
+            tier = self.store.contains(key)
+            if tier is None:
+                donor = self._best_child(_family(parent, salt), ids, pos)
+                tier = self.store.contains(donor[0]) if donor is not None else None
+                if donor is not None and tier is not None:
+                    found.append((tier, donor[1]))
+                break
+            found.append((tier, len(ids)))
+            if len(ids) < size:
+                break
+            parent, start = key, start + size
+        return found
+
+    def insert(self, root: str, token_ids: Sequence[int], position_ids: Sequence[int], gather: KVGather, *,
+               salt: str | None, stored_upto: int = 0) -> int:
+        """Store the stream's blocks from token `stored_upto` on (a multiple of the block size: the
+        full blocks before it are already stored). The last block may be partial. Returns the new
+        `stored_upto`: the end of the last full block."""
+        size, n = self.config.block_size, len(token_ids)
+        assert stored_upto % size == 0, "stored_upto must end a full block"
+        chain: list[tuple[str, str, int, tuple[int, ...], tuple[int, ...]]] = []  # (parent, key, start, ids, pos)
+        parent = root
+        for start in range(0, n, size):
+            ids, pos = tuple(token_ids[start: start + size]), tuple(position_ids[start: start + size])
+            key = self.key(parent, ids, pos, salt)
+            chain.append((parent, key, start, ids, pos))
+            parent = key
+        # Leaf first: the last put is the most recently used, and LRU evicts a chain from its leaves
+        # (a block is useless once the block it hangs from is gone).
+        for parent, key, start, ids, pos in reversed(chain):
+            if start >= stored_upto:
+                keys, values = gather(start, start + len(ids))
+                block = KVBlock(keys, values, torch.tensor(pos, dtype=torch.long))
+                self.store.put(key, block, ttl_s=self.config.ttl_s, kind="prefix")
+                self._remember(_family(parent, salt), key, ids, pos)
+        self.store.touch(key for _, key, *_ in reversed(chain))
+        return n - n % size
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _fetch(self, key: str, start: int, num_tokens: int) -> Link | None:
+        size = self.config.block_size
+        hit = self.store.get(key, num_tokens=size, nbytes=size * self.bytes_per_token)
+        if hit is None:
+            return None
+        block, tier = hit
+        used = min(num_tokens, block.num_tokens)
+        is_whole = used == block.num_tokens
+        if not is_whole:
+            block = KVBlock(block.keys[:, :, :used], block.values[:, :, :used], block.position_ids[:used])
+        return Link(key, start, used, block, tier, is_whole)
+
+    def _donor(self, parent: str, ids: tuple[int, ...], pos: tuple[int, ...], start: int,
+               limit: int) -> Link | None:
+        """A stored sibling block sharing a prefix with `ids`: its first tokens are ours too."""
+        best = self._best_child(parent, ids, pos)
+        if best is None:
+            return None
+        key, common = best
+        return self._fetch(key, start, min(common, limit))
+
+    def _best_child(self, parent: str, ids: tuple[int, ...], pos: tuple[int, ...]) -> tuple[str, int] | None:
+        with self._lock:
+            children = self._children.get(parent)
+            if not children:
+                return None
+            self._children.move_to_end(parent)
+            best: tuple[str, int] | None = None
+            for key, (child_ids, child_pos) in children.items():
+                common = _common_prefix(child_ids, child_pos, ids, pos)
+                if common and (best is None or common > best[1]):
+                    best = (key, common)
+            return best
+
+    def _remember(self, parent: str, key: str, ids: tuple[int, ...], pos: tuple[int, ...]) -> None:
+        if self.config.max_children == 0:
+            return
+        with self._lock:
+            children = self._children.setdefault(parent, {})
+            self._children.move_to_end(parent)
+            if key not in children:
+                children[key] = (ids, pos)
+                self._num_children += 1
+            while self._num_children > self.config.max_children:
+                _, dropped = self._children.popitem(last=False)
+                self._num_children -= len(dropped)
+
+
+def _family(parent: str, salt: str | None) -> str:
+    """Children are looked up per (parent, salt): a root is shared by every salt, its blocks are not."""
+    return parent if salt is None else f"{parent}/{salt}"
+
+
+def _common_prefix(a_ids: Sequence[int], a_pos: Sequence[int], b_ids: Sequence[int], b_pos: Sequence[int]) -> int:
+    n = 0
+    for ai, ap, bi, bp in zip(a_ids, a_pos, b_ids, b_pos):
+        if ai != bi or ap != bp:
+            break
+        n += 1
+    return n

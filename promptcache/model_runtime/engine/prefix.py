@@ -1,0 +1,131 @@
+"""Automatic prefix reuse for engine requests: look up a request's token stream, store what it computed.
+
+A request's *stream* is every token the engine computes for it, in order: the plan's new tokens (all of
+a plain or chat prompt; the text of a PML prompt after its cached modules) and then the tokens it
+generates. The stream hangs off a chain root naming the module links it attends to, so the same text
+after different modules never shares KV. Lookup happens at admission; the prompt's blocks are stored
+once its prefill step ran (so a concurrent repeat can hit them), and each finished sample stores the
+blocks of its generated text (so the next chat turn reuses the reply it was sent).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from promptcache.cache_store import BlockIndex, Link, Match, chain_root
+from promptcache.model_runtime.results import PrefixUse
+
+# A run of the stream's KV: (first stream index, keys, values), tensors [L, H_kv, n, D] (views).
+KVPiece = tuple[int, torch.Tensor, torch.Tensor]
+
+
+@dataclass(eq=False)
+class Stream:
+    """One request's stream: tokens and positions of its prompt part, what was reused, what is stored."""
+
+    root: str
+    token_ids: list[int]
+    position_ids: list[int]
+    match: Match = field(default_factory=Match)
+    prompt_pieces: list[KVPiece] = field(default_factory=list)  # KV of every prompt token, after prefill
+    stored_upto: int = 0  # stream tokens covered by full blocks already in the store
+
+    @property
+    def num_reused(self) -> int:
+        return self.match.num_tokens
+
+
+class PrefixReuse:
+    """The engine's view of the block index. `index=None` turns automatic prefix reuse off."""
+
+    def __init__(self, index: BlockIndex | None) -> None:
+        self.index = index
+
+    def open(self, module_keys: list[str], token_ids: list[int], position_ids: list[int], *,
+             salt: str | None, variant: str = "") -> Stream:
+        """A stream for these tokens with its longest stored prefix fetched. At least the last token
+        is left to compute: its logits are the first sample's input."""
+        stream = Stream(chain_root(module_keys, variant=variant), list(token_ids), list(position_ids))
+        if self.index is not None and token_ids:
+            stream.match = self.index.match(stream.root, token_ids, position_ids, salt=salt,
+                                            max_tokens=len(token_ids) - 1)
+            size = self.index.config.block_size
+            stream.stored_upto = sum(1 for link in stream.match.links if link.num_tokens == size) * size
+        return stream
+
+    def peek(self, module_keys: list[str], token_ids: list[int], position_ids: list[int], *,
+             salt: str | None, variant: str = "") -> list[tuple[str, int]]:
+        """(tier, tokens) of the blocks `open` would reuse, without fetching them."""
+        if self.index is None or not token_ids:
+            return []
+        found = self.index.peek(chain_root(module_keys, variant=variant), token_ids, position_ids, salt=salt)
+        limit, result = len(token_ids) - 1, []
+        for tier, count in found:  # `open` leaves the last token to compute
+            count = min(count, limit)
+            if count > 0:
+                result.append((tier, count))
+            limit -= count
+        return result
+
+    def store_prompt(self, stream: Stream, computed: KVPiece, *, salt: str | None) -> None:
+        """Store the prompt's blocks once its computed part (`computed`, starting where reuse ended)
+        exists. Remembers the prompt's KV pieces for `store_sample`."""
+        stream.prompt_pieces = [*(_piece(link) for link in stream.match.links), computed]
+        if self.index is None:
+            return
+        stream.stored_upto = self.index.insert(stream.root, stream.token_ids, stream.position_ids,
+                                               _gather(stream.prompt_pieces), salt=salt,
+                                               stored_upto=stream.stored_upto)
+
+    def store_sample(self, stream: Stream, output_ids: list[int], first_position: int, generated: KVPiece, *,
+                     salt: str | None) -> None:
+        """Store the blocks of prompt + generated text. The last sampled token was never fed to the
+        model (it has no KV), so the stream ends before it."""
+        if self.index is None or not stream.prompt_pieces or len(output_ids) < 2:
+            return
+        fed = output_ids[:-1]
+        token_ids = stream.token_ids + fed
+        position_ids = stream.position_ids + list(range(first_position, first_position + len(fed)))
+        self.index.insert(stream.root, token_ids, position_ids, _gather([*stream.prompt_pieces, generated]),
+                          salt=salt, stored_upto=stream.stored_upto)
+
+
+def prefix_use(match: Match) -> PrefixUse | None:
+    """The report of what a stream reused (None when nothing was)."""
+    if not match.links:
+        return None
+    tiers: Counter[str] = Counter()
+    for link in match.links:
+        tiers[link.tier] += link.num_tokens
+    return PrefixUse(num_tokens=match.num_tokens, num_blocks=len(match.links), tiers=tuple(sorted(tiers.items())))
+
+
+def shared_name(link: Link) -> str:
+    """The engine's name for a reused link: a partly used block is a different tensor than the whole."""
+    return link.key if link.is_whole else f"{link.key}#{link.num_tokens}"
+
+
+def _piece(link: Link) -> KVPiece:
+    return link.start, link.block.keys, link.block.values
+
+
+def _gather(pieces: list[KVPiece]):
+    """KV of stream tokens [start, end) copied out of the pieces that cover them."""
+
+    def gather(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = [], []
+        for first, piece_keys, piece_values in pieces:
+            last = first + piece_keys.shape[2]
+            lo, hi = max(start, first), min(end, last)
+            if lo < hi:
+                keys.append(piece_keys[:, :, lo - first: hi - first])
+                values.append(piece_values[:, :, lo - first: hi - first])
+        covered = sum(k.shape[2] for k in keys)
+        assert covered == end - start, f"stream KV [{start}, {end}) covered by {covered} tokens"
+        # torch.cat copies: a stored block owns its memory and never pins a request's buffer.
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+    return gather

@@ -1,0 +1,143 @@
+"""ReusePlan: which cached module KV a request reuses and which tokens it computes, per fidelity mode.
+
+Reusing a module outside the context it was encoded in is approximate (design.md §4b). The mode says
+how much of that approximation a request accepts:
+- fast:     every cached segment is reused as encoded; new text attends to all of it (the paper).
+- balanced: segments not encoded after exactly what precedes them now get their first k tokens
+            recomputed in their actual context (attention sinks at chunk starts, as in EPIC/LegoLink);
+            recomputed and new tokens attend causally by position. The recomputed KV serves this
+            request (and its own prefix chain) only; it never replaces the module's stored KV.
+- exact:    only a leading run of segments whose context and positions equal a full prefill's is
+            reused; every other token is computed at contiguous positions: a full prefill's answer.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Literal
+
+from promptcache.pml import CachedSegment, PromptPlan
+
+FidelityMode = Literal["fast", "balanced", "exact"]
+FIDELITY_MODES: tuple[str, ...] = ("fast", "balanced", "exact")
+
+
+@dataclass(frozen=True, slots=True)
+class Fidelity:
+    """A request's fidelity mode; `head_tokens` is k, the tokens recomputed per out-of-context segment."""
+
+    mode: FidelityMode = "fast"
+    head_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mode not in FIDELITY_MODES:
+            raise ValueError(f"fidelity mode must be one of {', '.join(FIDELITY_MODES)}, got {self.mode!r}")
+        if not 0 <= self.head_tokens <= 4096:
+            raise ValueError(f"head_tokens must be in [0, 4096], got {self.head_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class CachedUse:
+    """Tokens [first, last) of a cached segment's stored KV, attended by the stream tokens from index
+    `visible_from` on (every stream token before it is positioned before these tokens)."""
+
+    cached: CachedSegment
+    first: int
+    last: int
+    visible_from: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ReusePlan:
+    """What the engine does for one prompt: reuse `uses`, compute the stream (position order)."""
+
+    mode: str
+    uses: tuple[CachedUse, ...]
+    token_ids: tuple[int, ...]
+    position_ids: tuple[int, ...]
+    next_position: int                          # position of the first generated token
+    recomputed: tuple[tuple[str, int], ...]     # (module path, tokens of its cached KV recomputed)
+    variant: str                                # names what the stream attends to beyond the module keys
+    is_exact: bool
+
+    @property
+    def num_recomputed(self) -> int:
+        return sum(count for _, count in self.recomputed)
+
+
+def resolve(plan: PromptPlan, fidelity: Fidelity) -> ReusePlan:
+    """The ReusePlan of `plan` under `fidelity` (pure: no KV is touched). The stream is never empty:
+    a prompt made only of cached tokens recomputes its last one, whose logits start generation."""
+    if fidelity.mode == "exact":
+        reuse = _exact(plan)
+    elif fidelity.mode == "balanced" and not plan.is_exact:
+        reuse = _balanced(plan, fidelity.head_tokens)
+    else:
+        reuse = ReusePlan(fidelity.mode, tuple(CachedUse(c, 0, len(c.segment.token_ids)) for c in plan.cached),
+                          tuple(plan.new_token_ids()), tuple(plan.new_position_ids()), _after(plan), (), "",
+                          plan.is_exact)
+    return reuse if reuse.token_ids else _recompute_last(reuse)
+
+
+def _recompute_last(reuse: ReusePlan) -> ReusePlan:
+    last = max(reuse.uses, key=lambda u: u.cached.segment.start + u.last)
+    segment = last.cached.segment
+    shrunk = CachedUse(last.cached, last.first, last.last - 1, last.visible_from)
+    uses = tuple(shrunk if u is last else u for u in reuse.uses if u is not last or shrunk.last > shrunk.first)
+    return ReusePlan(reuse.mode, uses, (segment.token_ids[last.last - 1],), (segment.start + last.last - 1,),
+                     reuse.next_position, reuse.recomputed, reuse.variant, reuse.is_exact)
+
+
+def in_context(plan: PromptPlan, cached: CachedSegment) -> bool:
+    """True when the segment was encoded after exactly the cached segments before it in this plan
+    and no new token precedes it (its stored KV is what a full prefill at these positions computes)."""
+    start = cached.segment.start
+    before = {c.segment.segment_id for c in plan.cached if c.segment.end <= start}
+    return set(cached.context_ids) == before and not any(run.start < start for run in plan.new_runs)
+
+
+def _balanced(plan: PromptPlan, k: int) -> ReusePlan:
+    pieces = [(p, t) for run in plan.new_runs for p, t in zip(range(run.start, run.end), run.token_ids)]
+    heads: list[tuple[CachedSegment, int]] = []
+    recomputed: dict[str, int] = {}
+    for cached in plan.cached:
+        segment = cached.segment
+        head = 0 if in_context(plan, cached) else min(k, len(segment.token_ids))
+        heads.append((cached, head))
+        pieces += list(zip(segment.position_ids[:head], segment.token_ids[:head]))
+        if head:
+            recomputed[segment.owner] = recomputed.get(segment.owner, 0) + head
+    pieces.sort()
+    positions = [p for p, _ in pieces]
+    uses = tuple(CachedUse(c, head, len(c.segment.token_ids), bisect.bisect_left(positions, c.segment.end))
+                 for c, head in heads if head < len(c.segment.token_ids))
+    return ReusePlan("balanced", uses, tuple(t for _, t in pieces), tuple(positions), _after(plan),
+                     tuple(recomputed.items()), f"balanced:{k}", not recomputed and plan.is_exact)
+
+
+def _exact(plan: PromptPlan) -> ReusePlan:
+    """Reuse the leading segments a full prefill would compute identically; compute the rest at
+    contiguous positions after them."""
+    leading: list[CachedSegment] = []
+    for cached in plan.cached:
+        reused = sum(len(c.segment.token_ids) for c in leading)
+        if cached.segment.start != reused or not in_context(plan, cached):
+            break
+        leading.append(cached)
+    reused = sum(len(c.segment.token_ids) for c in leading)
+    rest = [(p, t) for c in plan.cached[len(leading):] for p, t in zip(c.segment.position_ids, c.segment.token_ids)]
+    rest += [(p, t) for run in plan.new_runs for p, t in zip(range(run.start, run.end), run.token_ids)]
+    rest.sort()
+    token_ids = tuple(t for _, t in rest)
+    positions = tuple(range(reused, reused + len(token_ids)))
+    uses = tuple(CachedUse(c, 0, len(c.segment.token_ids)) for c in leading)
+    recomputed: dict[str, int] = {}
+    for cached in plan.cached[len(leading):]:
+        recomputed[cached.segment.owner] = recomputed.get(cached.segment.owner, 0) + len(cached.segment.token_ids)
+    return ReusePlan("exact", uses, token_ids, positions, reused + len(token_ids), tuple(recomputed.items()), "",
+                     True)
+
+
+def _after(plan: PromptPlan) -> int:
+    return max(plan.position_ids()) + 1

@@ -1,0 +1,35 @@
+"""Token ids of plain prompts: completion text and chat conversations, exactly as the tokenizer sees them.
+
+No PML and no XML on this path: text reaches the tokenizer unchanged (`\\r\\n`, control characters and
+markup-like text included). Chats are rendered by the model's own chat template (the Hugging Face
+convention, what vLLM does); a model without one gets PML's documented plain turn format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from promptcache.model_runtime.errors import ChatRenderError
+from promptcache.pml import PLAIN_CHAT_FORMAT
+
+
+def completion_tokens(tokenizer: Any, text: str) -> tuple[int, ...]:
+    """`text` as the tokenizer encodes a whole sequence (with its BOS, if it adds one)."""
+    return tuple(tokenizer.encode(text, add_special_tokens=True))
+
+
+def chat_tokens(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> tuple[int, ...]:
+    """The conversation rendered with the generation prompt, then encoded without adding specials
+    (the template writes them). Raises ChatRenderError when the template refuses the messages."""
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            text = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                                 add_generation_prompt=True)
+        except Exception as exc:  # templates raise arbitrary errors (jinja's raise_exception, type errors)
+            raise ChatRenderError(f"the model's chat template refused these messages: {exc}") from None
+    else:
+        fmt = PLAIN_CHAT_FORMAT
+        text = "".join(fmt.prefixes[m["role"]] + m["content"] + fmt.suffixes[m["role"]] for m in messages)
+        text += fmt.generation_prompt
+    return tuple(tokenizer.encode(text, add_special_tokens=False))

@@ -1,0 +1,147 @@
+"""Fidelity modes in the engine against oracles: full prefill (exact), one explicit-mask forward pass
+(every mode), stored module KV untouched (balanced), batched == alone (every mode)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from promptcache.model_runtime import SamplingParams
+from promptcache.model_runtime.baseline import full_prefill_greedy, full_prefill_logits
+from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, resolve
+from promptcache.model_runtime.engine.prefix import PrefixReuse
+from promptcache.model_runtime.engine.request import Request
+from promptcache.model_runtime.engine.reuse_plan import in_context
+from promptcache.model_runtime.engine.runner import ModelRunner
+from promptcache.model_runtime.engine.scheduler import Scheduler
+from tests.conftest import make_tiny_runtime
+from tests.model_runtime.oracles import reuse_reference
+from tests.model_runtime.test_exactness import APPROX_PROMPTS, APPROX_SCHEMA
+
+SCHEMA = """<schema name="lib"><system>Answer from the documents only.</system>
+  <user>
+    <module name="d0">Zero: cats sleep most of the day and dream of fish.</module>
+    <module name="d1">One: tea is brewed with hot water in a pot.</module>
+    <module name="d2">Two: Rome was not built in a day, nor in a week.</module>
+    <module name="d3">Three: the moon orbits the earth every month.</module>
+  </user>
+</schema>"""
+PROMPTS = [
+    '<prompt schema="lib"><user><d2/><d0/>Which documents mention time?</user><assistant/></prompt>',
+    '<prompt schema="lib"><user><d0/><d1/>Who sleeps?</user><assistant/></prompt>',
+    '<prompt schema="lib"><user><d3/>What orbits?</user><assistant/></prompt>',
+]
+MODES = [Fidelity("fast"), Fidelity("balanced", 2), Fidelity("balanced", 5), Fidelity("exact")]
+ARCHS = ["llama", "qwen2", "gpt2"]
+
+
+def _runtime(arch: str):
+    runtime = make_tiny_runtime(arch)
+    runtime.add_schema(runtime.parse_schema(SCHEMA))
+    runtime.add_schema(runtime.parse_schema(APPROX_SCHEMA.format(params="placeholder")))
+    return runtime
+
+
+def _first_logits(runtime, plan, fidelity: Fidelity, *, prefix: PrefixReuse | None = None) -> tuple:
+    """The engine's own scheduler and runner, one prefill step on this thread."""
+    scheduler = Scheduler(EngineConfig(prefix=None), runtime.module_encoder, prefix or PrefixReuse(None))
+    request = Request("probe", plan, SamplingParams(max_tokens=1, temperature=0), None, fidelity)
+    scheduler.add(request)
+    batch, events = scheduler.schedule()
+    assert not events, events
+    logits = ModelRunner(runtime.loaded).run(batch)
+    final = scheduler.postprocess(batch, logits, 0.0)[-1]
+    return logits[0], final
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fidelity", MODES, ids=lambda f: f"{f.mode}-{f.head_tokens}")
+def test_every_mode_matches_its_explicit_mask_oracle(arch, fidelity):
+    runtime = _runtime(arch)
+    for prompt in [*PROMPTS, *APPROX_PROMPTS]:
+        plan = runtime.plan(prompt)
+        reuse = resolve(plan, fidelity)
+        logits, final = _first_logits(runtime, plan, fidelity)
+        tokens, positions, mask = reuse_reference(plan, reuse)
+        reference = full_prefill_logits(runtime.loaded.model, tokens, positions, mask)[-1]
+        assert (logits - reference).abs().max().item() <= 1e-4, prompt
+        assert final.fidelity == fidelity.mode and final.usage.recomputed_tokens == reuse.num_recomputed
+        assert final.usage.cached_tokens + final.usage.computed_tokens == plan.num_prompt_tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_exact_equals_a_plain_full_prefill(arch):
+    runtime = _runtime(arch)
+    model = runtime.loaded.model
+    engine = Engine(runtime.module_encoder, EngineConfig(prefix=None))
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    try:
+        for prompt in [*PROMPTS, *APPROX_PROMPTS]:
+            plan = runtime.plan(prompt)
+            contiguous = list(range(plan.num_prompt_tokens))
+            logits, final = _first_logits(runtime, plan, Fidelity("exact"))
+            reference = full_prefill_logits(model, plan.token_ids(), contiguous)[-1]
+            assert (logits - reference).abs().max().item() <= 1e-4, prompt
+            assert final.is_exact
+            tokens = asyncio.run(_tokens(engine, plan, params, Fidelity("exact")))
+            assert tokens == full_prefill_greedy(model, plan.token_ids(), contiguous, 10)
+    finally:
+        engine.stop()
+
+
+def test_balanced_recomputes_what_it_reports_and_never_writes_back():
+    runtime = _runtime("llama")
+    plan = runtime.plan(PROMPTS[0])  # d0 is positioned before d2 (layout order), but d2 was encoded without it
+    encoder, store = runtime.module_encoder, runtime.module_encoder.store
+    keys = [encoder.key(plan.schema, c.segment.segment_id, c.context_ids, None) for c in plan.cached]
+    before = [store.get(k)[0].keys.clone() for k in keys]
+    reuse = resolve(plan, Fidelity("balanced", 3))
+    out_of_context = [c for c in plan.cached if not in_context(plan, c)]
+    assert out_of_context and reuse.num_recomputed == sum(min(3, len(c.segment.token_ids)) for c in out_of_context)
+    _, final = _first_logits(runtime, plan, Fidelity("balanced", 3))
+    reported = {m.path: m.num_recomputed for m in final.modules}
+    assert sum(reported.values()) == final.usage.recomputed_tokens == reuse.num_recomputed
+    assert reported == {"d2": 3, "d0": 0}
+    assert not final.is_exact
+    for key, old in zip(keys, before):
+        assert torch.equal(store.get(key)[0].keys, old)  # the module's stored KV is never overwritten
+
+
+def test_in_context_prompt_is_identical_in_every_mode():
+    runtime = _runtime("llama")
+    plan = runtime.plan(PROMPTS[2])  # d3 alone: encoded after exactly the text before it (a gap is fine)
+    assert plan.is_exact
+    fast = resolve(plan, Fidelity("fast"))
+    balanced = resolve(plan, Fidelity("balanced", 4))
+    assert balanced.num_recomputed == 0 and balanced.variant == "" and balanced.token_ids == fast.token_ids
+    exact = resolve(plan, Fidelity("exact"))  # a full prefill has no gap: d3 moves, so it is recomputed
+    assert dict(exact.recomputed) == {"d3": len(plan.schema.segments_of("d3")[0].token_ids)}
+    assert exact.position_ids == tuple(range(exact.position_ids[0], plan.num_prompt_tokens))
+
+
+def test_batched_equals_alone_for_each_mode():
+    runtime = _runtime("llama")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    jobs = [(runtime.plan(p), m) for p in [*PROMPTS, *APPROX_PROMPTS] for m in MODES]
+    engine = Engine(runtime.module_encoder, EngineConfig(prefix=None, max_num_seqs=8))
+
+    async def together():
+        return await asyncio.gather(*[_tokens(engine, plan, params, mode) for plan, mode in jobs])
+
+    try:
+        alone = [asyncio.run(_tokens(engine, plan, params, mode)) for plan, mode in jobs]
+        batched = asyncio.run(together())
+    finally:
+        engine.stop()
+    assert batched == alone
+
+
+async def _tokens(engine: Engine, plan, params: SamplingParams, fidelity: Fidelity) -> list[int]:
+    tokens = []
+    async for event in engine.submit(plan, params, fidelity=fidelity):
+        assert event.error is None, event.error
+        if event.token_id is not None:
+            tokens.append(event.token_id)
+    return tokens
