@@ -15,9 +15,13 @@ class UnsupportedModelError(ModelLoadError):
     """The model's architecture is not one promptcache supports."""
 
 
-class PromptTooLongError(EngineError):
+class InvalidRequestError(EngineError):
+    """The request itself cannot be served (bad input): a 4xx, never a server fault."""
+
+
+class PromptTooLongError(InvalidRequestError):
     """The prompt (or its generation) needs positions the model does not have."""
 
 
-class ChatRenderError(EngineError):
+class ChatRenderError(InvalidRequestError):
     """The model's chat template cannot render the given messages (bad input, a 4xx)."""

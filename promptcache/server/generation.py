@@ -34,8 +34,6 @@ def sampling_params(fields: SamplingFields, max_tokens_limit: int, logprobs: int
         raise UnsupportedParameterError(f"max_tokens is {fields.max_tokens}; this server allows at most "
                                         f"{max_tokens_limit}")
     stop = [fields.stop] if isinstance(fields.stop, str) else list(fields.stop or [])
-    if len(stop) > 8 or any(not s for s in stop):
-        raise UnsupportedParameterError("stop takes at most 8 non-empty strings")
     return SamplingParams(max_tokens=fields.max_tokens, temperature=fields.temperature, top_p=fields.top_p,
                           top_k=fields.top_k, n=fields.n, seed=fields.seed, stop=tuple(stop), logprobs=logprobs)
 

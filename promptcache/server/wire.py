@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MIN_TEMPERATURE = 1e-3  # model_runtime.sampling refuses smaller non-zero temperatures too
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
 
 
 class _Strict(BaseModel):
@@ -41,16 +44,32 @@ class SamplingFields(BaseModel):
     """Sampling fields shared by /v1/generate and the OpenAI endpoints."""
 
     max_tokens: int = Field(64, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 = greedy; otherwise at least 0.001")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
     cache_salt: str | None = Field(None, max_length=256)
     fidelity: Literal["fast", "balanced", "exact"] | None = Field(
         None, description="how module KV reused outside its encoding context is treated (default: the server's)")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_floor(cls, value: float) -> float:
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                             f"{MAX_STOP_CHARS} characters")
+        return value
     fidelity_head_tokens: int | None = Field(
         None, ge=0, le=4096, description="balanced: tokens recomputed at the start of each out-of-context module")
 

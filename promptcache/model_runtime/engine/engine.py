@@ -11,6 +11,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
+import torch
+
 from promptcache.cache_store import BlockIndex
 from promptcache.model_runtime.engine.config import EngineConfig
 from promptcache.model_runtime.engine.prefix import PrefixReuse
@@ -160,12 +162,32 @@ class Engine:
         batch, events = self.scheduler.schedule()
         if batch:
             started = time.perf_counter()
-            logits = self.runner.run(batch)
-            events += self.scheduler.postprocess(batch, logits, (time.perf_counter() - started) * 1e3)
+            batch, logits = self._run(batch, events)
+            if batch:
+                events += self.scheduler.postprocess(batch, logits, (time.perf_counter() - started) * 1e3)
             self.num_steps += 1
         for event in events:
             self._deliver(event)
         self._store_prefixes()
+
+    def _run(self, batch: list, events: list[TokenEvent]) -> tuple[list, torch.Tensor]:
+        """One forward pass for the batch. If it fails, each sequence runs alone, so a request that
+        breaks the model fails by itself (its KV slots are rewritten: a sequence's own length only
+        advances after a successful pass)."""
+        try:
+            return batch, self.runner.run(batch)
+        except Exception:
+            logger.warning("a batch step failed; running its %d sequences one by one", len(batch), exc_info=True)
+        done = []
+        for seq in batch:
+            if seq.request.is_failed:
+                continue
+            try:
+                done.append((seq, self.runner.run([seq])[0]))
+            except Exception as exc:
+                events.append(self.scheduler.fail(seq.request, exc))
+        done = [(seq, row) for seq, row in done if not seq.request.is_failed]
+        return [seq for seq, _ in done], torch.stack([row for _, row in done]) if done else torch.empty(0)
 
     def _store_prefixes(self) -> None:
         stores, self.scheduler.pending_stores = self.scheduler.pending_stores, []

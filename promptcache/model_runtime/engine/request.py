@@ -107,4 +107,5 @@ class Request:
     prefill_ms: float = 0.0
     first_token_at: float | None = None
     is_aborted: bool = False
+    is_failed: bool = False
     reserved_bytes: int = 0

@@ -14,13 +14,12 @@ from promptcache.model_runtime.detokenizer import Detokenizer
 from promptcache.model_runtime.engine.assembly import assemble, module_key
 from promptcache.model_runtime.engine.config import EngineConfig
 from promptcache.model_runtime.engine.memory import KVMemory
-from promptcache.model_runtime.engine.prefix import PrefixReuse, prefix_use
+from promptcache.model_runtime.engine.prefix import PrefixReuse
+from promptcache.model_runtime.engine.reports import failure_event, final_event, rejection_event
 from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequence, SharedKV, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import resolve
-from promptcache.model_runtime.errors import EngineError
 from promptcache.model_runtime.module_encoder import ModuleEncoder
-from promptcache.model_runtime.results import Timings, Usage
-from promptcache.model_runtime.sampling import Sampler, TokenLogprobs, token_logprobs
+from promptcache.model_runtime.sampling import Sampler, token_logprobs
 
 PROMPT_SEQ = -1  # index of the sequence that prefills a prompt shared by n > 1 samples
 
@@ -79,7 +78,7 @@ class Scheduler:
             own = (len(reuse.token_ids) + 1 + params.n * params.max_tokens) * self.bytes_per_token
             if self.memory.cost(own, shared) > self.memory.max_bytes:
                 self.waiting.popleft()
-                events.append(self._error(request, f"the request needs {self.memory.cost(own, shared)} bytes of "
+                events.append(rejection_event(request, f"the request needs {self.memory.cost(own, shared)} bytes of "
                                                    f"KV; the engine's budget is {self.memory.max_bytes}"))
                 continue
             if not self.memory.fits(own, shared):
@@ -87,8 +86,8 @@ class Scheduler:
             self.waiting.popleft()
             try:
                 own, shared = self._start(request)
-            except EngineError as exc:
-                events.append(self._error(request, str(exc)))
+            except Exception as exc:  # one request's failure never touches another
+                events.append(self.fail(request, exc))
                 continue
             self.memory.reserve(own, shared)
             self._reservations[request.request_id] = (own, shared)
@@ -137,17 +136,24 @@ class Scheduler:
         """Sample a token for every sequence in `batch` from `logits` [len(batch), vocab]."""
         events: list[TokenEvent] = []
         for seq, row in zip(batch, logits):
-            request = seq.request
-            if seq.status == SeqStatus.PREFILL:
-                request.prefill_ms = step_ms
-                if seq.index != PROMPT_SEQ:
-                    self._store_prompt(seq)
-            if seq.index == PROMPT_SEQ:
-                self._fork(seq, row, events)
-            else:
-                seq.status = SeqStatus.DECODE
-                self._accept(seq, seq.sampler.sample(row), events, row)
+            if seq.request.is_failed:
+                continue
+            try:
+                self._advance(seq, row, step_ms, events)
+            except Exception as exc:  # sampling or detokenizing one sequence fails its request only
+                events.append(self.fail(seq.request, exc))
         return events
+
+    def _advance(self, seq: Sequence, row: torch.Tensor, step_ms: float, events: list[TokenEvent]) -> None:
+        if seq.status == SeqStatus.PREFILL:
+            seq.request.prefill_ms = step_ms
+            if seq.index != PROMPT_SEQ:
+                self._store_prompt(seq)
+        if seq.index == PROMPT_SEQ:
+            self._fork(seq, row, events)
+        else:
+            seq.status = SeqStatus.DECODE
+            self._accept(seq, seq.sampler.sample(row), events, row)
 
     def _fork(self, prompt: Sequence, logits: torch.Tensor, events: list[TokenEvent]) -> None:
         request = prompt.request
@@ -192,7 +198,7 @@ class Scheduler:
         if all(s.status == SeqStatus.FINISHED for s in request.sequences) and \
                 len(request.sequences) == params.n:
             self._release(request)
-            events.append(self._final(request, seq.index, token, text, finish, logprobs))
+            events.append(final_event(request, seq.index, token, text, finish, logprobs))
         else:
             events.append(TokenEvent(request.request_id, seq.index, token, text, finish, logprobs=logprobs))
 
@@ -216,25 +222,6 @@ class Scheduler:
         self.pending_stores.append(
             lambda: self.prefix.store_sample(stream, output_ids, first, generated, salt=salt))
 
-    def _final(self, request: Request, index: int, token: int | None, text: str, finish: str,
-               logprobs: TokenLogprobs | None = None) -> TokenEvent:
-        plan, reuse, stream = request.plan, request.reuse, request.stream
-        now = time.perf_counter()
-        reused = sum(u.last - u.first for u in reuse.uses) if reuse is not None else 0
-        reused += stream.num_reused if stream is not None else 0
-        usage = Usage(prompt_tokens=plan.num_prompt_tokens, cached_tokens=reused,
-                      computed_tokens=request.num_computed_tokens,
-                      completion_tokens=sum(len(s.output_ids) for s in request.sequences),
-                      recomputed_tokens=reuse.num_recomputed if reuse is not None else 0)
-        first = request.first_token_at or now
-        timings = Timings(encode_ms=request.encode_ms, assembly_ms=request.assembly_ms,
-                          prefill_ms=request.prefill_ms, ttft_ms=(first - request.submitted_at) * 1e3,
-                          total_ms=(now - request.submitted_at) * 1e3)
-        return TokenEvent(request.request_id, index, token, text, finish, logprobs, usage=usage, modules=request.modules,
-                          prefix=prefix_use(stream.match) if stream is not None else None, timings=timings,
-                          is_exact=reuse.is_exact if reuse is not None else plan.is_exact,
-                          fidelity=request.fidelity.mode)
-
     def _release(self, request: Request) -> None:
         reservation = self._reservations.pop(request.request_id, None)
         if reservation is not None:
@@ -247,13 +234,23 @@ class Scheduler:
         events = []
         for request in [r for r in self.waiting if r.is_aborted]:
             self.waiting.remove(request)
-            events.append(self._final(request, 0, None, "", "abort"))
+            events.append(final_event(request, 0, None, "", "abort"))
         aborted = {s.request.request_id: s.request for s in self.running if s.request.is_aborted}
         for request_id, request in aborted.items():
             self.running = [s for s in self.running if s.request.request_id != request_id]
             self._release(request)
-            events.append(self._final(request, 0, None, "", "abort"))
+            events.append(final_event(request, 0, None, "", "abort"))
         return events
+
+    def fail(self, request: Request, exc: BaseException) -> TokenEvent:
+        """Remove `request` wherever it is (waiting or running), free everything it holds, and return
+        the event that fails it. Every other request is untouched."""
+        request.is_failed = True
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.running = [s for s in self.running if s.request is not request]
+        self._release(request)
+        return failure_event(request, exc)
 
     def drop_all(self) -> list[Request]:
         """Forget every request (after an internal failure); returns them so callers can be told."""
@@ -264,6 +261,3 @@ class Scheduler:
         for request in requests.values():
             self._release(request)
         return list(requests.values())
-
-    def _error(self, request: Request, message: str) -> TokenEvent:
-        return TokenEvent(request.request_id, 0, None, "", "error", error=message, error_type="invalid_request")
