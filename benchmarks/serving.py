@@ -40,13 +40,14 @@ class Target:
         self.is_promptcache = is_promptcache
         self.client = httpx.Client(timeout=600)
 
-    def ttft(self, path: str, body: dict) -> tuple[float, str, int | None]:
-        """(TTFT ms, full text, cached prompt tokens if reported) of one streamed request."""
+    def ttft(self, path: str, body: dict) -> tuple[float, str, int | None, float | None]:
+        """(TTFT ms, full text, cached prompt tokens if reported, the server's own lookup ms if reported)
+        of one streamed request."""
         body = {**body, "stream": True, "temperature": 0}
         if path != "/v1/generate":
             body["stream_options"] = {"include_usage": True}
         started = time.perf_counter()
-        first, text, cached = None, "", None
+        first, text, cached, lookup_ms = None, "", None, None
         with self.client.stream("POST", self.url + path, json=body) as response:
             response.raise_for_status()
             for line in response.iter_lines():
@@ -68,18 +69,24 @@ class Target:
                     cached = usage["cached_tokens"]
                 if "timings" in chunk and isinstance(chunk["timings"], dict) and "cache_n" in chunk["timings"]:
                     cached = chunk["timings"]["cache_n"]  # llama.cpp reports reused tokens here
-        return ((first or time.perf_counter()) - started) * 1e3, text, cached
+                timings = (chunk.get("promptcache") or chunk.get("cache") or {}).get("timings") or {}
+                if "lookup_ms" in timings:
+                    lookup_ms = timings["lookup_ms"]
+        return ((first or time.perf_counter()) - started) * 1e3, text, cached, lookup_ms
 
 
-def record(target: Target, row: str, samples: list[tuple[float, str, int | None]], out: Path,
+def record(target: Target, row: str, samples: list[tuple[float, str, int | None, float | None]], out: Path,
            medians: dict[str, float]) -> None:
     times = [s[0] for s in samples]
     medians[row] = statistics.median(times)
+    lookups = [s[3] for s in samples if s[3] is not None]
     emit({"bench": "serving", "server": target.name, "row": row, "median_ttft_ms": round(medians[row], 1),
-          "runs_ms": [round(t, 1) for t in times], "cached_tokens": [s[2] for s in samples]}, out)
+          "runs_ms": [round(t, 1) for t in times], "cached_tokens": [s[2] for s in samples],
+          **({"lookup_ms": lookups,  # the server's own timer: walking the block index before prefill
+              "lookup_share": round(statistics.median(lookups) / medians[row], 5)} if lookups else {})}, out)
 
 
-def complete(target: Target, prompt: str) -> tuple[float, str, int | None]:
+def complete(target: Target, prompt: str) -> tuple[float, str, int | None, float | None]:
     return target.ttft("/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 1})
 
 
@@ -115,7 +122,7 @@ def run_rows(target: Target, work: Workload, *, runs: int, rows: set[str], out: 
             record(target, "c_pml", [target.ttft("/v1/generate", {"prompt": p, "max_tokens": 1})
                                      for p in work.retrieval_pml], out, medians)
     if "d" in rows:
-        per_turn: list[list[tuple[float, str, int | None]]] = [[] for _ in work.chat_turns]
+        per_turn: list[list[tuple[float, str, int | None, float | None]]] = [[] for _ in work.chat_turns]
         for session in range(max(1, runs // 2)):
             messages = [{"role": "system", "content": f"Session {session}. {work.chat_system}"}]
             for turn, question in enumerate(work.chat_turns):

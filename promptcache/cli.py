@@ -21,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--no-prefix-caching", action="store_true",
                        help="turn off automatic prefix reuse (plain, chat and PML new text)")
     serve.add_argument("--prefix-block-size", type=int, help="tokens per automatic prefix block (default 32)")
+    serve.add_argument("--max-prefill-tokens", type=int,
+                       help="prompt/encoding tokens per step while other sequences decode (default 64)")
+    serve.add_argument("--max-prefill-tokens-alone", type=int,
+                       help="prompt/encoding tokens per step when nothing decodes (default 4096)")
     serve.add_argument("--fidelity", choices=["fast", "balanced", "exact"],
                        help="default fidelity mode for reused module KV (docs/fidelity.md)")
     serve.add_argument("--log-level", default="info")
@@ -52,6 +56,8 @@ def _settings(args: argparse.Namespace):
         "prefix_caching": False if getattr(args, "no_prefix_caching", False) else None,
         "prefix_block_size": getattr(args, "prefix_block_size", None),
         "fidelity": getattr(args, "fidelity", None),
+        "max_prefill_tokens": getattr(args, "max_prefill_tokens", None),
+        "max_prefill_tokens_alone": getattr(args, "max_prefill_tokens_alone", None),
     }.items() if v is not None}
     return ServerSettings(**overrides)
 

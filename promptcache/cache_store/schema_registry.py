@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ class StoredSchema:
     pml_text: str
     metadata: dict[str, Any] = field(default_factory=dict)
     created_at: float = 0.0
+    version: str = ""  # changes with every save: replicas compare it to learn of replacements
 
 
 class SchemaRegistry:
@@ -27,25 +29,28 @@ class SchemaRegistry:
 
     `save` raises SchemaExistsError for a taken name (unless overwrite) and RegistryUnavailableError
     when Redis cannot be written; `load`/`list` fall back to what this process knows, with a warning.
+    `versions` (one Redis call) lets replicas notice deletes and replacements made elsewhere.
     """
 
     def __init__(self, redis_url: str | None = None, *, namespace: str = "default", timeout_s: float = 0.5) -> None:
         self._local: dict[str, StoredSchema] = {}
         self._lock = threading.Lock()
         self._prefix = f"promptcache:{namespace}:schema:"
+        self._index = f"promptcache:{namespace}:schemas"  # hash: name -> version
         self._client = None
         if redis_url:
             self._client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
     def save(self, name: str, pml_text: str, metadata: dict[str, Any] | None = None, *,
              overwrite: bool = False) -> StoredSchema:
-        stored = StoredSchema(name, pml_text, dict(metadata or {}), time.time())
+        stored = StoredSchema(name, pml_text, dict(metadata or {}), time.time(), uuid.uuid4().hex)
         if self._client is not None:
             value = json.dumps({"name": name, "pml_text": pml_text, "metadata": stored.metadata,
-                                "created_at": stored.created_at})
+                                "created_at": stored.created_at, "version": stored.version})
             try:
                 if not self._client.set(self._prefix + name, value, nx=not overwrite):
                     raise SchemaExistsError(f"schema {name!r} already exists")
+                self._client.hset(self._index, name, stored.version)
             except redis.RedisError as exc:
                 raise RegistryUnavailableError(f"cannot save schema {name!r} to Redis: {exc}") from None
         with self._lock:
@@ -87,7 +92,10 @@ class SchemaRegistry:
         removed = False
         if self._client is not None:
             try:
-                removed = bool(self._client.delete(self._prefix + name))
+                pipe = self._client.pipeline(transaction=True)
+                pipe.delete(self._prefix + name)
+                pipe.hdel(self._index, name)
+                removed = bool(pipe.execute()[0])
             except redis.RedisError as exc:
                 raise RegistryUnavailableError(f"cannot delete schema {name!r} from Redis: {exc}") from None
         with self._lock:
@@ -95,6 +103,20 @@ class SchemaRegistry:
         return removed
 
 
+    def versions(self) -> dict[str, str] | None:
+        """Name -> version of every stored schema, or None when there is no shared registry (or it
+        cannot be reached: then nobody can have changed it through it either)."""
+        if self._client is None:
+            return None
+        try:
+            raw = self._client.hgetall(self._index)
+        except redis.RedisError as exc:
+            logger.warning("schema registry unavailable (%s); keeping this process's schemas", exc)
+            return None
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+
 def _decode(raw: bytes) -> StoredSchema:
     data = json.loads(raw)
-    return StoredSchema(data["name"], data["pml_text"], data.get("metadata", {}), data.get("created_at", 0.0))
+    return StoredSchema(data["name"], data["pml_text"], data.get("metadata", {}), data.get("created_at", 0.0),
+                        data.get("version", ""))

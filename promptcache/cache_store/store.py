@@ -7,12 +7,16 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from promptcache.cache_store.block import KVBlock
 from promptcache.cache_store.errors import CapacityError
 from promptcache.cache_store.fetch_policy import FetchPolicy
+from promptcache.cache_store.redis_guard import logger
 from promptcache.cache_store.tier import BlockKind, Tier, check_kind
 from promptcache.cache_store.write_behind import WriteBehind
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -113,7 +117,7 @@ class TieredStore:
                 hit = None
             else:
                 started = time.perf_counter()
-                hit = tier.lookup(key)  # I/O: outside the lock
+                hit = _shared_call(tier, "read", lambda t=tier: t.lookup(key), None)  # I/O: outside the lock
                 if hit is not None:
                     self.policy.record_fetch(tier.name, hit.block.nbytes, time.perf_counter() - started)
             with self._lock:
@@ -205,20 +209,24 @@ class TieredStore:
         if ttl_s is not None and ttl_s <= 0:
             return  # expired while queued
         for index in range(position, len(self.tiers)):
+            tier = self.tiers[index]
             try:
-                evicted = self.tiers[index].put(key, block, pinned=pinned, ttl_s=ttl_s, kind=kind)
+                evicted = _shared_call(tier, "write", lambda: tier.put(key, block, pinned=pinned, ttl_s=ttl_s,
+                                                                       kind=kind), None)
             except CapacityError:
                 if fall_through:
                     continue
                 return
-            self._demote(index, evicted)
+            if evicted is not None:  # None: the tier failed (warned); the block stays where it was
+                self._demote(index, evicted)
             return
 
     def contains(self, key: str) -> str | None:
         """Name of the fastest tier holding `key` (no promotion, no counters), or None."""
         with self._lock:
             name = next((t.name for t in self._local if t.contains(key)), None)
-        return name or next((t.name for t in self._shared if t.contains(key)), None)
+        return name or next((t.name for t in self._shared
+                             if _shared_call(t, "look up", lambda t=t: t.contains(key), False)), None)
 
     def locate(self, keys: Iterable[str]) -> dict[str, str | None]:
         return {key: self.contains(key) for key in keys}
@@ -304,3 +312,16 @@ class TieredStore:
                                    usage.used_bytes - usage.prefix_bytes, usage.num_referenced))
         return StoreStats(tuple(tiers), gets, puts, self._writer.num_dropped, self._writer.pending_bytes,
                           self._writer.num_pending)
+
+
+def _shared_call(tier: Tier, what: str, fn: Callable[[], T], default: T) -> T:
+    """A shared tier's failure (Redis, disk) is a miss plus a warning, never an error for the caller;
+    tiers handle their expected errors themselves, this catches the unexpected ones."""
+    try:
+        return fn()
+    except CapacityError:
+        raise  # a full tier is a decision for the caller, not a failure
+    except Exception as exc:
+        logger.warning("%s tier failed to %s a block (%s: %s); treating it as a miss", tier.name, what,
+                       type(exc).__name__, exc)
+        return default

@@ -13,7 +13,11 @@ from pydantic import BaseModel
 from promptcache.clients.errors import error_for
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
-RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+# The server did not act on the request: safe to send again, whatever the method.
+NOT_PROCESSED_STATUSES = frozenset({408, 429, 503})
+# The request may have run (a POST could generate or upload twice): only idempotent methods retry.
+MAYBE_PROCESSED_STATUSES = frozenset({500, 502, 504})
 INITIAL_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 8.0
 MAX_RETRY_AFTER_S = 60.0
@@ -51,13 +55,19 @@ class BaseClient:
         return {k: v for k, v in fields.items() if v is not None}
 
     @staticmethod
-    def should_retry(attempt: int, max_retries: int, *, status: int | None = None,
+    def should_retry(attempt: int, max_retries: int, *, method: str, status: int | None = None,
                      error: Exception | None = None) -> bool:
+        """Retry only what cannot run twice by accident: a connection that never reached the server,
+        408/429/503 (the server did not act; 429/503 send Retry-After), and, for idempotent methods
+        only, 5xx and errors after the request was sent. A POST that got a 500 is never retried."""
         if attempt >= max_retries:
             return False
+        idempotent = method.upper() in IDEMPOTENT_METHODS
         if error is not None:
-            return isinstance(error, (httpx.TransportError, httpx.TimeoutException))
-        return status in RETRY_STATUSES
+            if isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout)):
+                return True  # nothing was sent
+            return idempotent and isinstance(error, (httpx.TransportError, httpx.TimeoutException))
+        return status in NOT_PROCESSED_STATUSES or (idempotent and status in MAYBE_PROCESSED_STATUSES)
 
     @staticmethod
     def backoff_s(attempt: int, retry_after: str | None = None, *, rng: random.Random | None = None) -> float:

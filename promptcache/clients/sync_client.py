@@ -81,11 +81,11 @@ class Client(BaseClient):
             try:
                 response = self._http.send(request, stream=spec.stream)
             except httpx.TimeoutException as exc:
-                if not self.should_retry(attempt, self.max_retries, error=exc):
+                if not self.should_retry(attempt, self.max_retries, method=spec.method, error=exc):
                     raise APITimeoutError(f"{spec.method} {spec.path} timed out") from exc
                 self._sleep(self.backoff_s(attempt))
             except httpx.TransportError as exc:
-                if not self.should_retry(attempt, self.max_retries, error=exc):
+                if not self.should_retry(attempt, self.max_retries, method=spec.method, error=exc):
                     raise APIConnectionError(f"{spec.method} {spec.path}: {exc}") from exc
                 self._sleep(self.backoff_s(attempt))
             else:
@@ -93,7 +93,7 @@ class Client(BaseClient):
                     return response
                 if spec.stream:
                     response.read()
-                if not self.should_retry(attempt, self.max_retries, status=response.status_code):
+                if not self.should_retry(attempt, self.max_retries, method=spec.method, status=response.status_code):
                     self.raise_for_status(response)
                 self._sleep(self.backoff_s(attempt, response.headers.get("retry-after")))
                 response.close()

@@ -33,6 +33,13 @@ def full_prefill_logits(model, token_ids: Sequence[int], position_ids: Sequence[
 def full_prefill_greedy(model, token_ids: Sequence[int], position_ids: Sequence[int], num_tokens: int,
                         eos_token_ids: Sequence[int] = ()) -> list[int]:
     """Greedy tokens after a full prefill, decoding with the model's own (HF) KV cache."""
+    return full_prefill_generate(model, token_ids, position_ids, num_tokens, eos_token_ids)[0]
+
+
+@torch.inference_mode()
+def full_prefill_generate(model, token_ids: Sequence[int], position_ids: Sequence[int], num_tokens: int,
+                          eos_token_ids: Sequence[int] = ()) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens after a full prefill and the logits [vocab] (float32) the first one was picked from."""
     device = model.device
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)       # [1, n]
     pos = torch.tensor([list(position_ids)], dtype=torch.long, device=device)    # [1, n]
@@ -40,6 +47,7 @@ def full_prefill_greedy(model, token_ids: Sequence[int], position_ids: Sequence[
     past, next_pos = out.past_key_values, int(pos[0, -1]) + 1
     tokens: list[int] = []
     logits = out.logits[0, -1]
+    first_logits = logits.float()
     for _ in range(num_tokens):
         token = int(torch.argmax(logits))
         tokens.append(token)
@@ -49,4 +57,4 @@ def full_prefill_greedy(model, token_ids: Sequence[int], position_ids: Sequence[
         out = model(input_ids=torch.tensor([[token]], device=device), position_ids=torch.tensor([[next_pos]], device=device),
                     attention_mask=mask, past_key_values=past, use_cache=True)
         past, next_pos, logits = out.past_key_values, next_pos + 1, out.logits[0, -1]
-    return tokens
+    return tokens, first_logits

@@ -35,7 +35,8 @@ def generate(encoder: ModuleEncoder, plan: PromptPlan, params: SamplingParams,
     usage = Usage(prompt_tokens=plan.num_prompt_tokens, cached_tokens=plan.num_cached_tokens,
                   computed_tokens=prompt.num_computed_tokens,
                   completion_tokens=sum(len(c.token_ids) for c in completions))
-    timings = Timings(encode_ms=prompt.encode_ms, assembly_ms=prompt.assembly_ms, prefill_ms=prompt.prefill_ms,
+    timings = Timings(encode_ms=prompt.encode_ms, assembly_ms=prompt.assembly_ms, lookup_ms=0.0,
+                      prefill_ms=prompt.prefill_ms,
                       ttft_ms=ttft_ms, total_ms=total_ms)
     return GenerationResult(tuple(completions), usage, plan.is_exact, plan.approximations, prompt.modules, timings)
 

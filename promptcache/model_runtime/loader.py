@@ -138,7 +138,7 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
     dtype = str(model.dtype).removeprefix("torch.")
     return LoadedModel(
         model=model.eval(), tokenizer=tokenizer, architecture=config.model_type, name=name,
-        model_fingerprint=model_fingerprint(name, config, dtype),
+        model_fingerprint=model_fingerprint(name, config, dtype, weights_digest(model)),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         num_layers=config.num_hidden_layers, num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
@@ -162,12 +162,31 @@ def check_architecture(hf_config: PretrainedConfig) -> None:
                                     "supported; promptcache needs full attention")
 
 
-def model_fingerprint(name: str, hf_config: PretrainedConfig, dtype: str) -> str:
-    """SHA-256 over name/path, the canonical JSON of the config (volatile keys removed) and dtype."""
+def model_fingerprint(name: str, hf_config: PretrainedConfig, dtype: str, weights: str) -> str:
+    """SHA-256 over name/path, the canonical JSON of the config (volatile keys removed), dtype, the
+    revision the weights came from (when the hub says) and the digest of the weights themselves: KV
+    computed by other weights under the same name is never served."""
     data = {k: v for k, v in hf_config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    digest = hashlib.sha256(b"promptcache-model-v1\0")
-    for part in (name, json.dumps(data, sort_keys=True, default=str), dtype):
+    revision = getattr(hf_config, "_commit_hash", None) or ""
+    digest = hashlib.sha256(b"promptcache-model-v2\0")
+    for part in (name, json.dumps(data, sort_keys=True, default=str), dtype, revision, weights):
         digest.update(part.encode() + b"\0")
+    return digest.hexdigest()
+
+
+def weights_digest(model: PreTrainedModel) -> str:
+    """SHA-256 over every parameter and buffer (name, dtype, shape, bytes), tied tensors once.
+    About a second per GB of weights on one core."""
+    digest = hashlib.sha256(b"promptcache-weights-v1\0")
+    seen: set[int] = set()
+    for name, tensor in sorted(model.state_dict().items()):
+        tensor = tensor.detach()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}\0".encode())
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        raw = tensor.cpu().contiguous().reshape(-1).view(torch.uint8)  # any dtype as bytes (bf16 too)
+        digest.update(memoryview(raw.numpy()))
     return digest.hexdigest()
 
 

@@ -21,7 +21,7 @@ from promptcache.model_runtime.forward import run_tokens
 from promptcache.model_runtime.kv_buffer import KVBuffer
 from promptcache.model_runtime.loader import LoadedModel
 from promptcache.model_runtime.store_protocol import KVStore
-from promptcache.pml import Schema
+from promptcache.pml import Schema, Segment
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +30,19 @@ class FetchedKV:
 
     block: KVBlock
     tier: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChainWork:
+    """Encoding one missing segment: its context chain's stored links (`found`, in order), then the
+    tail segments to compute, their store keys, and the tail's tokens and positions."""
+
+    target: str
+    found: tuple[KVBlock, ...]
+    segments: tuple[Segment, ...]
+    keys: tuple[str, ...]
+    token_ids: list[int]
+    position_ids: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,20 +75,68 @@ class ModuleEncoder:
 
     def fetch(self, schema: Schema, segment_id: int, context_ids: Sequence[int],
               cache_salt: str | None = None) -> FetchedKV:
-        """KV of `segment_id` encoded after `context_ids`, from the store or computed now."""
+        """KV of `segment_id` encoded after `context_ids`, from the store or computed now (in one
+        forward pass on this thread: the engine encodes misses in chunks itself, see `plan`)."""
         target = self.key(schema, segment_id, context_ids, cache_salt)
         hit = self.store.get(target, **self._cost(schema, segment_id))
         if hit is not None:
             return FetchedKV(hit[0], hit[1])
+        work = self.plan(schema, segment_id, context_ids, cache_salt, assume_missing=True)
+        assert work is not None
+        device = self.loaded.model.device
+        buffer = KVBuffer.from_blocks(
+            [b.to(device) for b in work.found], extra=len(work.token_ids), num_layers=self.loaded.num_layers,
+            num_kv_heads=self.loaded.num_kv_heads, head_dim=self.loaded.head_dim, dtype=self.loaded.model.dtype,
+            device=device)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            run_tokens(self.loaded.model, buffer, work.token_ids, work.position_ids)
+        self.record(work, time.perf_counter() - started)
+        start = buffer.length - len(work.token_ids)
+        keys, values = buffer.keys[:, 0, :, start: buffer.length], buffer.values[:, 0, :, start: buffer.length]
+        return FetchedKV(self.store_tail(work, keys, values), "computed")
+
+    def plan(self, schema: Schema, segment_id: int, context_ids: Sequence[int], cache_salt: str | None = None, *,
+             assume_missing: bool = False) -> ChainWork | None:
+        """What encoding `segment_id` after `context_ids` needs: the stored links of its context chain
+        and the tokens of the missing tail. None when the target is stored already."""
+        target = self.key(schema, segment_id, context_ids, cache_salt)
+        if not assume_missing and self.store.contains(target) is not None:
+            return None
         chain = [*sorted(context_ids, key=lambda i: schema.segments[i].start), segment_id]
-        blocks: list[KVBlock] = []
+        found: list[KVBlock] = []
         for index, link in enumerate(chain[:-1]):
-            found = self.store.get(self.key(schema, link, chain[:index], cache_salt), **self._cost(schema, link))
-            if found is None:
+            hit = self.store.get(self.key(schema, link, chain[:index], cache_salt), **self._cost(schema, link))
+            if hit is None:
                 break
-            blocks.append(found[0])
-        computed = self._encode_tail(schema, chain, blocks, cache_salt)
-        return FetchedKV(computed, "computed")
+            found.append(hit[0])
+        segments = [schema.segments[i] for i in chain[len(found):]]
+        token_ids = [t for s in segments for t in s.token_ids]
+        position_ids = [p for s in segments for p in s.position_ids]
+        check_positions(position_ids, self.loaded.max_positions)
+        keys = [self.key(schema, sid, chain[:index], cache_salt)
+                for index, sid in zip(range(len(found), len(chain)), chain[len(found):])]
+        return ChainWork(target, tuple(found), tuple(segments), tuple(keys), token_ids, position_ids)
+
+    def store_tail(self, work: ChainWork, keys: torch.Tensor, values: torch.Tensor) -> KVBlock:
+        """Store the computed tail (`keys`/`values` [L, H_kv, tail tokens, D]) segment by segment;
+        returns the target segment's block."""
+        offset, block = 0, None
+        for segment, key in zip(work.segments, work.keys):
+            n = len(segment.token_ids)
+            positions = torch.tensor(list(segment.position_ids), dtype=torch.long)  # [n]
+            block = KVBlock(keys[:, :, offset: offset + n].clone(), values[:, :, offset: offset + n].clone(), positions)
+            self.store.put(key, block)
+            offset += n
+        assert block is not None
+        return block
+
+    def record(self, work: ChainWork, seconds: float) -> None:
+        """Count an encoding and tell the fetch policy what recomputing cost."""
+        self.store.policy.record_recompute(len(work.token_ids), seconds)
+        with self._lock:
+            self.num_encoded_segments += len(work.segments)
+            self.num_forward_passes += 1
 
     def _cost(self, schema: Schema, segment_id: int) -> dict[str, int]:
         loaded = self.loaded
@@ -83,46 +144,20 @@ class ModuleEncoder:
         per_token = loaded.kv_bytes_per_token + 8  # + the int64 position id
         return {"num_tokens": num_tokens, "nbytes": num_tokens * per_token}
 
-    def _encode_tail(self, schema: Schema, chain: list[int], blocks: list[KVBlock],
-                     cache_salt: str | None) -> KVBlock:
-        loaded = self.loaded
-        tail = chain[len(blocks):]
-        segments = [schema.segments[i] for i in tail]
-        token_ids = [t for s in segments for t in s.token_ids]
-        position_ids = [p for s in segments for p in s.position_ids]
-        check_positions(position_ids, loaded.max_positions)
-        device = loaded.model.device
-        buffer = KVBuffer.from_blocks(
-            [b.to(device) for b in blocks], extra=len(token_ids), num_layers=loaded.num_layers,
-            num_kv_heads=loaded.num_kv_heads, head_dim=loaded.head_dim, dtype=loaded.model.dtype, device=device)
-        started = time.perf_counter()
-        with torch.inference_mode():
-            run_tokens(loaded.model, buffer, token_ids, position_ids)
-        # What recomputing costs, for the store's fetch-or-recompute decision.
-        self.store.policy.record_recompute(len(token_ids), time.perf_counter() - started)
-        offset = buffer.length - len(token_ids)
-        block = None
-        for index, segment in zip(range(len(blocks), len(chain)), segments):
-            n = len(segment.token_ids)
-            positions = torch.tensor(list(segment.position_ids), dtype=torch.long)  # [n]
-            block = buffer.block(offset, offset + n, positions)
-            self.store.put(self.key(schema, segment.segment_id, chain[:index], cache_salt), block)
-            offset += n
-        with self._lock:
-            self.num_encoded_segments += len(segments)
-            self.num_forward_passes += 1
-        assert block is not None
-        return block
+    def schema_jobs(self, schema: Schema) -> list[tuple[int, tuple[int, ...]]]:
+        """(segment, context) of every cached segment's default KV and each scaffold's joint KV."""
+        jobs = [(s.segment_id, s.context_ids) for s in schema.segments if s.is_cached and not s.is_placeholder]
+        for scaffold in schema.scaffolds:
+            jobs += [(sid, ctx) for sid, ctx in scaffold.contexts.items()
+                     if ctx != schema.segments[sid].context_ids and not schema.segments[sid].is_placeholder]
+        return jobs
 
     def encode_schema(self, schema: Schema, cache_salt: str | None = None,
                       progress: Callable[[int, int], None] | None = None) -> EncodeReport:
         """Encode every cached segment's default KV (and each scaffold's joint KV) not yet stored."""
         started = time.perf_counter()
         before = self.num_encoded_segments
-        jobs = [(s.segment_id, s.context_ids) for s in schema.segments if s.is_cached and not s.is_placeholder]
-        for scaffold in schema.scaffolds:
-            jobs += [(sid, ctx) for sid, ctx in scaffold.contexts.items()
-                     if ctx != schema.segments[sid].context_ids and not schema.segments[sid].is_placeholder]
+        jobs = self.schema_jobs(schema)
         for done, (segment_id, context_ids) in enumerate(jobs, 1):
             if self.store.contains(self.key(schema, segment_id, context_ids, cache_salt)) is None:
                 self.fetch(schema, segment_id, context_ids, cache_salt)

@@ -45,6 +45,7 @@ class Usage:
 class Timings:
     encode_ms: float    # modules encoded on demand because no tier had them
     assembly_ms: float  # gathering cached KV into the request buffer (includes encode_ms)
+    lookup_ms: float    # looking up stored prefix blocks (part of assembly_ms)
     prefill_ms: float   # computing the new tokens against the cached KV
     ttft_ms: float      # submit -> first token sampled
     total_ms: float

@@ -40,12 +40,12 @@ class ModelRuntime:
 
     def add_schema(self, schema: Schema, *, encode: bool = True, cache_salt: str | None = None,
                    progress: Callable[[int, int], None] | None = None) -> EncodeReport | None:
-        """Register `schema` (replacing one of the same name) and encode its modules unless told not to."""
+        """Encode `schema`'s modules (unless told not to), then register it (replacing one of the same
+        name). A failed encoding registers nothing."""
+        report = self.module_encoder.encode_schema(schema, cache_salt, progress) if encode else None
         with self._lock:
             self._schemas[schema.name] = schema
-        if encode:
-            return self.module_encoder.encode_schema(schema, cache_salt, progress)
-        return None
+        return report
 
     def remove_schema(self, name: str) -> Schema | None:
         with self._lock:

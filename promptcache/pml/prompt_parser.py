@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from promptcache.pml.errors import EmptyPromptError, PositionConflictError, PromptError, UnknownSchemaError
 from promptcache.pml.limits import PmlLimits
+from promptcache.pml.occupancy import Occupancy
 from promptcache.pml.plan import CachedSegment, NewRun, PromptPlan, find_approximations
 from promptcache.pml.prompt_reader import ImportItem, PromptItems, PromptReader, TextPiece
 from promptcache.pml.schema import Schema, Segment
@@ -60,8 +61,12 @@ def _build_plan(schema: Schema, items: PromptItems, *, isolated: bool) -> Prompt
     for item in [*items.items, items.implicit]:
         if isinstance(item, ImportItem):
             new_runs.extend(item.arguments)
-    used: set[int] = {p for s in included for p in s.position_ids}
-    used |= {p for run in new_runs if run.kind == "argument" for p in range(run.start, run.end)}
+    used = Occupancy()
+    for segment in included:
+        used.add(segment.start, segment.end)
+    for run in new_runs:
+        if run.kind == "argument":
+            used.add(run.start, run.end)
     new_runs.extend(_place_text(schema, items, included, used))
     cached = tuple(_cached_segment(schema, s, imported, isolated) for s in included if s.is_cached)
     runs = tuple(sorted(new_runs, key=lambda r: r.start))
@@ -88,8 +93,15 @@ def _cached_segment(schema: Schema, segment: Segment, imported: set[str], isolat
     return CachedSegment(segment, segment.context_ids, "default")
 
 
-def _place_text(schema: Schema, items: PromptItems, included: list[Segment], used: set[int]) -> list[NewRun]:
-    spans = {id(item): _span(schema, item, used) for item in items.items if isinstance(item, ImportItem)}
+def _place_text(schema: Schema, items: PromptItems, included: list[Segment], used: Occupancy) -> list[NewRun]:
+    spans = {id(item): _span(schema, item) for item in items.items if isinstance(item, ImportItem)}
+    # The span of the first import after each item (None after the last), in one backward pass.
+    next_span: list[tuple[int, int] | None] = [None] * len(items.items)
+    upcoming = None
+    for index in range(len(items.items) - 1, -1, -1):
+        next_span[index] = upcoming
+        if isinstance(items.items[index], ImportItem):
+            upcoming = spans[id(items.items[index])]
     runs: list[NewRun] = []
     cursor: int | None = None  # end of the previous placed element in document order
     for index, item in enumerate(items.items):
@@ -98,29 +110,29 @@ def _place_text(schema: Schema, items: PromptItems, included: list[Segment], use
             continue
         if not item.token_ids:
             continue
-        later = [spans[id(i)] for i in items.items[index + 1:] if isinstance(i, ImportItem)]
+        later = next_span[index]
         if item.after_section is not None:
             # Inside the section's turn: after its highest-positioned content (imports may come in any
             # order), where the displaced closing markup was.
-            end = schema.role_sections[item.after_section].end
-            below = [p for p in used if p < end]
-            start = max(below) + 1 if below else 0
-        elif later and cursor is not None:
+            below = used.highest_below(schema.role_sections[item.after_section].end)
+            start = below + 1 if below is not None else 0
+        elif later is not None and cursor is not None:
             start = cursor
-        elif later:
-            below = [p for p in used if p < later[0][0]]
-            start = max(below) + 1 if below else 0
+        elif later is not None:
+            below = used.highest_below(later[0])
+            start = below + 1 if below is not None else 0
         else:
-            start = max(used) + 1 if used else 0
+            highest = used.highest()
+            start = highest + 1 if highest is not None else 0
         _check_free(item, start, used, included)
         run = NewRun(item.token_ids, start, item.kind, "text", item.line)
         runs.append(run)
-        used.update(range(run.start, run.end))
+        used.add(run.start, run.end)
         cursor = run.end
     return runs
 
 
-def _span(schema: Schema, item: ImportItem, used: set[int]) -> tuple[int, int]:
+def _span(schema: Schema, item: ImportItem) -> tuple[int, int]:
     """First and one-past-last position of the tokens an import includes."""
     positions = [p for s in schema.segments if s.owner in item.module_paths and not s.is_placeholder
                  for p in s.position_ids]
@@ -131,9 +143,9 @@ def _span(schema: Schema, item: ImportItem, used: set[int]) -> tuple[int, int]:
     return min(positions), max(positions) + 1
 
 
-def _check_free(piece: TextPiece, start: int, used: set[int], included: list[Segment]) -> None:
+def _check_free(piece: TextPiece, start: int, used: Occupancy, included: list[Segment]) -> None:
     end = start + len(piece.token_ids)
-    clash = min((p for p in used if start <= p < end), default=None)
+    clash = used.first_in(start, end)
     if clash is None:
         return
     owner = next((s.owner for s in included if clash in s.position_ids), None)

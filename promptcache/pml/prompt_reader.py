@@ -107,7 +107,7 @@ class PromptReader:
                 self.out.items.append(self._import_top(item))
 
     def _new_turn(self, role: str, text: str, line: int, *, is_last: bool) -> None:
-        fmt = self.encoder.chat_format
+        fmt = self.encoder.role_format(line)
         if role == "assistant" and is_last:
             markup = fmt.generation_prompt + text  # an open turn for the model to continue
         else:

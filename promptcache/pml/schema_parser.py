@@ -186,7 +186,7 @@ class _SchemaBuilder:
               is_root: bool) -> RoleSection:
         _check_attributes(element, {_XML_SPACE})
         role, line = element.tag, element.sourceline
-        fmt = self.encoder.chat_format
+        fmt = self.encoder.role_format(line)
         section_id = len(self.sections)
         start = cursor
         children: list[Node] = []

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from promptcache.pml.chat_format import PLAIN_CHAT_FORMAT, ChatFormat, chat_format_from_tokenizer
+from promptcache.pml.errors import ChatTemplateError
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,22 +24,38 @@ class TextEncoder:
     chat_format: ChatFormat = PLAIN_CHAT_FORMAT
     bos_token_ids: tuple[int, ...] = ()
     placeholder_id: int = 0  # fills parameter slots while modules are encoded (the paper's <unk>)
-    _cache: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
+    chat_format_error: str | None = None  # why role tags cannot be used (a template not split per role)
+    _cache: _EncodeCache = field(default_factory=lambda: _EncodeCache(), repr=False, compare=False)
+
+    def role_format(self, line: int | None = None) -> ChatFormat:
+        """The per-role markup for role tags; raises ChatTemplateError (a 4xx naming the line) when the
+        model's chat template cannot be split per role."""
+        if self.chat_format_error is not None:
+            raise ChatTemplateError(f"role tags cannot be used with this model: {self.chat_format_error}; "
+                                    "send the conversation through /v1/chat/completions without a schema",
+                                    line=line)
+        return self.chat_format
 
     def encode(self, text: str) -> tuple[int, ...]:
         """Token ids of `text` with no special tokens added (special-token text is still recognised)."""
         cached = self._cache.get(text)
         if cached is None:
             cached = tuple(self.encode_fn(text))
-            if len(self._cache) < 4096:
-                self._cache[text] = cached
+            self._cache.put(text, cached)
         return cached
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> TextEncoder:
         """Wrap a Hugging Face tokenizer (duck-typed: PML does not import transformers)."""
 
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+
         def encode_fn(text: str) -> list[int]:
+            # The Rust backend directly: the same ids as tokenizer.encode for fast tokenizers, without
+            # the Python wrapper's per-call overhead (a prompt of thousands of turns encodes thousands
+            # of short texts).
+            if backend is not None:
+                return backend.encode(text, add_special_tokens=False).ids
             return list(tokenizer.encode(text, add_special_tokens=False))
 
         with_special = list(tokenizer.encode("a", add_special_tokens=True))
@@ -46,5 +65,41 @@ class TextEncoder:
             bos = tuple(with_special[: len(with_special) - len(plain)])
         unk = getattr(tokenizer, "unk_token_id", None)
         placeholder = unk if isinstance(unk, int) else (encode_fn(" ") or [0])[0]
-        return cls(encode_fn=encode_fn, chat_format=chat_format_from_tokenizer(tokenizer, adds_bos=bool(bos)),
-                   bos_token_ids=bos, placeholder_id=placeholder)
+        try:
+            chat_format, error = chat_format_from_tokenizer(tokenizer, adds_bos=bool(bos)), None
+        except ChatTemplateError as exc:  # e.g. Llama-2-chat: the server still starts; role tags get a 4xx
+            chat_format, error = PLAIN_CHAT_FORMAT, str(exc)
+        return cls(encode_fn=encode_fn, chat_format=chat_format, bos_token_ids=bos, placeholder_id=placeholder,
+                   chat_format_error=error)
+
+
+class _EncodeCache:
+    """LRU of short texts' token ids, bounded in characters (texts from requests must not grow it
+    without bound). Thread-safe: parsing runs in worker threads."""
+
+    MAX_TEXT_CHARS = 4096
+    MAX_TOTAL_CHARS = 4 << 20
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def get(self, text: str) -> tuple[int, ...] | None:
+        with self._lock:
+            ids = self._entries.get(text)
+            if ids is not None:
+                self._entries.move_to_end(text)
+            return ids
+
+    def put(self, text: str, ids: tuple[int, ...]) -> None:
+        if len(text) > self.MAX_TEXT_CHARS:
+            return
+        with self._lock:
+            if text in self._entries:
+                return
+            self._entries[text] = ids
+            self._chars += len(text)
+            while self._chars > self.MAX_TOTAL_CHARS:
+                old, _ = self._entries.popitem(last=False)
+                self._chars -= len(old)

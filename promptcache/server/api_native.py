@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from fastapi import APIRouter, Response
@@ -56,12 +57,13 @@ async def create_schema(body: SchemaCreate, service: Service) -> SchemaInfo:
 
 @router.get("/schemas", response_model=SchemaList)
 async def list_schemas(service: Service) -> SchemaList:
-    return SchemaList(data=[schema_info(service, s) for s in service.list_schemas()])
+    schemas = await asyncio.to_thread(service.list_schemas)  # the registry may be a Redis call away
+    return SchemaList(data=[schema_info(service, s) for s in schemas])
 
 
 @router.get("/schemas/{name}", response_model=SchemaInfo)
 async def get_schema(name: str, service: Service) -> SchemaInfo:
-    return schema_info(service, service.get_schema(name))
+    return schema_info(service, await asyncio.to_thread(service.get_schema, name))
 
 
 @router.delete("/schemas/{name}", status_code=204)
@@ -72,7 +74,7 @@ async def delete_schema(name: str, service: Service) -> Response:
 
 @router.post("/generate", response_model=GenerateResponse)
 async def generate(body: GenerateRequest, service: Service):
-    plan = service.plan(body.prompt)
+    plan = await asyncio.to_thread(service.plan, body.prompt)  # parsing and tokenizing stay off the loop
     params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs)
     request_id = f"gen-{uuid.uuid4().hex[:24]}"
     events = service.submit(plan, params, body.cache_salt, request_id,
@@ -113,7 +115,12 @@ async def _stream(service: PromptService, events, request_id: str, approximation
 
 @router.post("/prompts/explain", response_model=Explanation, response_model_by_alias=True)
 async def explain(body: ExplainRequest, service: Service) -> Explanation:
-    """Dry run: which module KV and prefix blocks the prompt would reuse now, and what it would compute."""
+    """Dry run: which module KV and prefix blocks the prompt would reuse now, and what it would compute.
+    Runs in a worker thread (tier lookups may reach Redis); never waits on the engine."""
+    return await asyncio.to_thread(_explain, body, service)
+
+
+def _explain(body: ExplainRequest, service: PromptService) -> Explanation:
     plan = service.plan(body.prompt)
     reuse, blocks = service.explain(plan, body.cache_salt, service.fidelity(body.fidelity, body.fidelity_head_tokens))
     tiers = service.locate(plan, body.cache_salt)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from xml.sax.saxutils import escape
@@ -44,7 +45,8 @@ async def completions(body: CompletionRequest, service: Service):
         raise UnsupportedParameterError("send one prompt per request (batching happens in the server)")
     text = prompts[0]
     # A PML document imports modules; anything else is plain text, tokenized verbatim (never XML).
-    plan = service.plan(text) if text.lstrip().startswith("<prompt") else service.plan_text(text)
+    # Parsing and tokenizing run off the event loop (a long prompt must not stall other clients).
+    plan = await asyncio.to_thread(service.plan if text.lstrip().startswith("<prompt") else service.plan_text, text)
     return await _run(service, body, plan, "cmpl", "text_completion", chat=False)
 
 
@@ -68,9 +70,9 @@ async def chat_completions(body: ChatCompletionRequest, service: Service):
             part.get("text", "") for part in message.content or [] if part.get("type") == "text")
         messages.append({"role": "system" if message.role == "developer" else message.role, "content": content})
     if body.schema_name:
-        plan = service.plan(_chat_pml(body.schema_name, messages))
+        plan = await asyncio.to_thread(service.plan, _chat_pml(body.schema_name, messages))
     else:
-        plan = service.plan_chat(messages)
+        plan = await asyncio.to_thread(service.plan_chat, messages)
     return await _run(service, body, plan, "chatcmpl", "chat.completion", chat=True)
 
 
@@ -168,4 +170,5 @@ def _extension(final, plan: PromptPlan) -> dict:
             "modules": [{"path": m.path, "num_tokens": m.num_tokens, "tier": m.tier,
                          "recomputed_tokens": m.num_recomputed} for m in final.modules or ()],
             "prefix": prefix.model_dump() if prefix is not None else None,
-            "timings": {"ttft_ms": round(final.timings.ttft_ms, 3), "total_ms": round(final.timings.total_ms, 3)}}
+            "timings": {"ttft_ms": round(final.timings.ttft_ms, 3), "total_ms": round(final.timings.total_ms, 3),
+                        "lookup_ms": round(final.timings.lookup_ms, 3)}}

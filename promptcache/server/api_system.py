@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -21,5 +23,6 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     service = getattr(request.app.state, "service", None)
-    body = service.metrics.render() if service is not None else b""
+    # Rendering reads tier sizes (a Redis call): off the event loop, never waiting on the engine.
+    body = await asyncio.to_thread(service.metrics.render) if service is not None else b""
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

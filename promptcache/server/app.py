@@ -3,28 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
+import sys
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
-from starlette.middleware.base import BaseHTTPMiddleware
+from fastapi import FastAPI
 
 from promptcache.model_runtime import LoadedModel, ModelConfig, load_model
 from promptcache.server import api_native, api_openai, api_system
-from promptcache.server.errors import (
-    PayloadTooLargeError,
-    UnauthorizedError,
-    error_response,
-    install_error_handlers,
-    status_for,
-)
+from promptcache.server.errors import install_error_handlers
+from promptcache.server.guard import RequestGuard
 from promptcache.server.service import PromptService
 from promptcache.server.settings import ServerSettings
 
 logger = logging.getLogger("promptcache.server")
-OPEN_PATHS = {"/health", "/metrics"}
+GIL_SWITCH_INTERVAL_S = 0.001
 
 
 def create_app(settings: ServerSettings | None = None, *,
@@ -43,6 +37,9 @@ def create_app(settings: ServerSettings | None = None, *,
     async def lifespan(app: FastAPI):
         app.state.service = None
         app.state.load_error = None
+        # The engine thread and parsing workers run Python between tensor ops; handing the GIL back
+        # every millisecond (default 5) keeps the event loop answering (/health, streams) meanwhile.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         task = asyncio.create_task(_start(app, settings, load))
         try:
             yield
@@ -54,7 +51,7 @@ def create_app(settings: ServerSettings | None = None, *,
     app = FastAPI(title="promptcache", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     install_error_handlers(app)
-    app.add_middleware(_Guard, settings=settings)
+    app.add_middleware(RequestGuard, settings=settings)
     app.include_router(api_system.router)
     app.include_router(api_native.router)
     app.include_router(api_openai.router)
@@ -72,36 +69,3 @@ async def _start(app: FastAPI, settings: ServerSettings, load: Callable[[], Load
         return
     app.state.service = service
     logger.info("promptcache ready: model %s", loaded.name)
-
-
-class _Guard(BaseHTTPMiddleware):
-    """API keys (constant-time compare) and request-size limits, before any route runs."""
-
-    def __init__(self, app, settings: ServerSettings) -> None:
-        super().__init__(app)
-        self.settings = settings
-        self.keys = [k.encode() for k in settings.api_keys]
-
-    async def dispatch(self, request: Request, call_next):
-        try:
-            if request.url.path not in OPEN_PATHS:
-                self._authenticate(request)
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > self.settings.max_request_bytes:
-                raise PayloadTooLargeError(f"request body is {length} bytes; the limit is "
-                                           f"{self.settings.max_request_bytes}")
-        except (UnauthorizedError, PayloadTooLargeError) as exc:
-            status, kind = status_for(exc)
-            response = error_response(status, kind, str(exc))
-            if status == 401:
-                response.headers["WWW-Authenticate"] = "Bearer"
-            return response
-        return await call_next(request)
-
-    def _authenticate(self, request: Request) -> None:
-        if not self.keys:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.encode(), k) for k in self.keys):
-            raise UnauthorizedError("missing or invalid API key (send Authorization: Bearer <key>)")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -11,6 +14,8 @@ from promptcache.cache_store import CacheStoreError
 from promptcache.cache_store import SchemaExistsError as StoreSchemaExistsError
 from promptcache.model_runtime.errors import ChatRenderError, EngineError, ModelLoadError, PromptTooLongError
 from promptcache.pml import PmlError, PmlLimitError, UnknownSchemaError
+
+logger = logging.getLogger("promptcache.server")
 
 
 class ServerError(Exception):
@@ -37,6 +42,10 @@ class SchemaNotFoundError(ServerError):
     """No schema has that name."""
 
 
+class SchemaTooLongError(ServerError):
+    """A schema's layout needs more positions than the model has."""
+
+
 class UnsupportedParameterError(ServerError):
     """A request field asks for something this server does not do."""
 
@@ -56,6 +65,7 @@ ERROR_TABLE: list[tuple[type[Exception], int, str]] = [
     (PayloadTooLargeError, 413, "payload_too_large"),
     (SchemaExistsError, 409, "schema_exists"),
     (SchemaNotFoundError, 404, "schema_not_found"),
+    (SchemaTooLongError, 400, "schema_too_long"),
     (UnknownSchemaError, 404, "schema_not_found"),
     (UnsupportedParameterError, 400, "unsupported_parameter"),
     (RequestRejectedError, 400, "request_rejected"),
@@ -88,8 +98,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def domain(request: Request, exc: Exception) -> JSONResponse:
         status, kind = status_for(exc)
-        message = str(exc) if status < 500 or status == 503 else "internal server error"
-        return error_response(status, kind, f"{type(exc).__name__}: {message}" if status < 500 else message)
+        if status < 500:
+            return error_response(status, kind, f"{type(exc).__name__}: {exc}")
+        if status == 503 or isinstance(exc, EngineFailureError):  # messages written for the caller
+            return error_response(status, kind, str(exc))
+        error_id = uuid.uuid4().hex[:12]  # internals go to the log only, under an id the caller gets
+        logger.error("%s %s failed (error id %s)", request.method, request.url.path, error_id, exc_info=exc)
+        return error_response(status, kind, f"internal server error (id {error_id})")
 
     async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         parts = []

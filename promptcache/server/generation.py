@@ -35,7 +35,8 @@ def sampling_params(fields: SamplingFields, max_tokens_limit: int, logprobs: int
                                         f"{max_tokens_limit}")
     stop = [fields.stop] if isinstance(fields.stop, str) else list(fields.stop or [])
     return SamplingParams(max_tokens=fields.max_tokens, temperature=fields.temperature, top_p=fields.top_p,
-                          top_k=fields.top_k, n=fields.n, seed=fields.seed, stop=tuple(stop), logprobs=logprobs)
+                          top_k=fields.top_k, n=fields.n, seed=fields.seed, stop=tuple(stop), logprobs=logprobs,
+                          ignore_eos=fields.ignore_eos)
 
 
 def raise_for_error(event: TokenEvent) -> None:
@@ -124,7 +125,8 @@ def wire_prefix(final: TokenEvent) -> PrefixReport | None:
 def wire_timings(final: TokenEvent) -> Timings:
     t = final.timings
     return Timings(ttft_ms=round(t.ttft_ms, 3), total_ms=round(t.total_ms, 3), encode_ms=round(t.encode_ms, 3),
-                   assembly_ms=round(t.assembly_ms, 3), prefill_ms=round(t.prefill_ms, 3))
+                   assembly_ms=round(t.assembly_ms, 3), lookup_ms=round(t.lookup_ms, 3),
+                   prefill_ms=round(t.prefill_ms, 3))
 
 
 def sse(payload: dict) -> str:

@@ -77,10 +77,13 @@ def engine_families(engine, encoder, model_name: str) -> Iterator:
     kv = GaugeMetricFamily("promptcache:kv_cache_usage_bytes", "KV bytes held by the running batch.",
                            labels=["model_name"])
     kv.add_metric([model_name], engine.scheduler.memory.used_bytes)
+    stored = CounterMetricFamily("promptcache:prefix_store_seconds", "Time spent storing automatic prefix blocks.",
+                                 labels=["model_name"])
+    stored.add_metric([model_name], engine.prefix_store_s)
     encodings = CounterMetricFamily("promptcache:module_encodings", "Segments encoded (cache misses in every tier).",
                                     labels=["model_name"])
     encodings.add_metric([model_name], encoder.num_encoded_segments)
-    yield from (running, waiting, kv, encodings)
+    yield from (running, waiting, kv, encodings, stored)
 
 
 def store_families(store) -> Iterator:

@@ -8,21 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from importlib import resources
-from typing import TypeVar
 
-from promptcache.cache_store import BlockIndexConfig, SchemaRegistry, StoreConfig, build_store
+from promptcache.cache_store import BlockIndexConfig, SchemaRegistry, StoreConfig, StoredSchema, build_store
 from promptcache.model_runtime import LoadedModel, ModelRuntime, SamplingParams
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, ReusePlan, TokenEvent
 from promptcache.pml import PmlLimits, PromptPlan, Schema, UnknownSchemaError, token_plan
-from promptcache.server.errors import SchemaExistsError, SchemaNotFoundError
+from promptcache.server.errors import SchemaExistsError, SchemaNotFoundError, SchemaTooLongError
 from promptcache.server.metrics import Metrics, engine_families, store_families
 from promptcache.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 PLAIN_SCHEMA = "__plain__"  # the empty schema that plain-text and chat prompts are resolved against
-T = TypeVar("T")
 
 
 class PromptService:
@@ -44,18 +42,22 @@ class PromptService:
             if settings.prefix_caching else None
         self.engine = Engine(self.runtime.module_encoder, EngineConfig(
             max_num_seqs=settings.max_num_seqs, max_kv_bytes=settings.max_kv_bytes,
-            attention_backend=settings.attention_backend, prefix=prefix, fidelity=self.fidelity(None)))
+            attention_backend=settings.attention_backend, prefix=prefix, fidelity=self.fidelity(None),
+            max_prefill_tokens=settings.max_prefill_tokens, max_prefill_tokens_alone=settings.max_prefill_tokens_alone))
         self.metrics = Metrics(self.model_name)
         self.metrics.add_source(lambda: engine_families(self.engine, self.runtime.module_encoder, self.model_name))
         self.metrics.add_source(lambda: store_families(self.store))
         self.runtime.add_schema(self.runtime.parse_schema(f'<schema name="{PLAIN_SCHEMA}"/>'), encode=False)
         self.encode_ms: dict[str, float] = {}
+        self._versions: dict[str, str] = {}  # schema name -> registry version this process serves
+        self._sync_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Start the engine, adopt schemas persisted in the registry, preload the bundled examples."""
         self.engine.start()
         for stored in self.registry.list():
-            self._adopt(stored.name, stored.pml_text)
+            self._adopt(stored)
+        self._sync_task = asyncio.create_task(self._follow_registry())
         if self.settings.preload_examples:
             for example in sorted(resources.files("promptcache.examples").iterdir(), key=lambda p: p.name):
                 if example.name.endswith(".pml"):
@@ -64,28 +66,34 @@ class PromptService:
                         await self.create_schema(example.read_text())
 
     def close(self) -> None:
+        if self._sync_task is not None:
+            self._sync_task.cancel()
         self.engine.stop()
         self.store.close()
 
-    async def on_engine(self, fn: Callable[[], T]) -> T:
-        return await asyncio.wrap_future(self.engine.call(fn))
-
     # -- schemas -----------------------------------------------------------------------------------
     async def create_schema(self, pml: str) -> Schema:
-        schema = self.runtime.parse_schema(pml)
-        if schema.name == PLAIN_SCHEMA or self.ensure_schema(schema.name) is not None:
+        """Validate, encode, then register: a failed upload leaves nothing behind (its encoded KV is
+        only cache). Raises PmlError, SchemaTooLongError, SchemaExistsError."""
+        schema = await asyncio.to_thread(self.runtime.parse_schema, pml)
+        if schema.num_positions > self.runtime.loaded.max_positions:
+            raise SchemaTooLongError(f"schema {schema.name!r} spans {schema.num_positions} positions; the model "
+                                     f"supports {self.runtime.loaded.max_positions}")
+        if schema.name == PLAIN_SCHEMA or await asyncio.to_thread(self.ensure_schema, schema.name) is not None:
             raise SchemaExistsError(f"schema {schema.name!r} already exists; DELETE it first to replace it")
-        self.registry.save(schema.name, pml, {"num_tokens": schema.num_positions})
-        report = await self.on_engine(lambda: self.runtime.add_schema(schema))
+        report = await asyncio.wrap_future(self.engine.encode_schema(schema))  # in chunks between decode steps
         # Shared-tier writes are write-behind: let them land so another replica finds the KV at once.
         await asyncio.to_thread(self.store.flush, self.settings.redis_timeout_s * 60)
-        self.encode_ms[schema.name] = report.encode_ms if report else 0.0
+        stored = self.registry.save(schema.name, pml, {"num_tokens": schema.num_positions})
+        self.runtime.add_schema(schema, encode=False)
+        self._versions[schema.name] = stored.version
+        self.encode_ms[schema.name] = report.encode_ms
         return schema
 
     def list_schemas(self) -> list[Schema]:
         for stored in self.registry.list():
             if self.runtime.get_schema(stored.name) is None:
-                self._adopt(stored.name, stored.pml_text)
+                self._adopt(stored)
         return [s for n in self.runtime.schema_names() if n != PLAIN_SCHEMA
                 for s in [self.runtime.get_schema(n)] if s is not None]
 
@@ -96,10 +104,14 @@ class PromptService:
         return schema
 
     async def delete_schema(self, name: str) -> None:
+        await asyncio.to_thread(self._delete_schema, name)
+
+    def _delete_schema(self, name: str) -> None:
         schema = self.get_schema(name)
         self.runtime.remove_schema(name)
         self.registry.delete(name)
         self.encode_ms.pop(name, None)
+        self._versions.pop(name, None)
         encoder = self.runtime.module_encoder
         contexts = [(s.segment_id, s.context_ids) for s in schema.segments]
         contexts += [(sid, ctx) for sc in schema.scaffolds for sid, ctx in sc.contexts.items()]
@@ -112,18 +124,41 @@ class PromptService:
         if schema is not None:
             return schema
         stored = self.registry.load(name)
-        return self._adopt(name, stored.pml_text) if stored is not None else None
+        return self._adopt(stored) if stored is not None else None
 
-    def _adopt(self, name: str, pml: str) -> Schema | None:
+    def _adopt(self, stored: StoredSchema) -> Schema | None:
         """Register a persisted schema without encoding: its KV is fetched from the shared tier (or
         encoded on first use if no tier has it)."""
         try:
-            schema = self.runtime.parse_schema(pml)
+            schema = self.runtime.parse_schema(stored.pml_text)
         except Exception as exc:  # a registry entry this model cannot parse must not break startup
-            logger.warning("skipping stored schema %r: %s", name, exc)
+            logger.warning("skipping stored schema %r: %s", stored.name, exc)
             return None
         self.runtime.add_schema(schema, encode=False)
+        self._versions[stored.name] = stored.version
         return schema
+
+    async def _follow_registry(self) -> None:
+        """Every `registry_poll_s`, drop schemas another replica deleted and adopt ones it replaced."""
+        while True:
+            await asyncio.sleep(self.settings.registry_poll_s)
+            try:
+                versions = await asyncio.to_thread(self.registry.versions)
+                if versions is not None:
+                    await asyncio.to_thread(self._apply_versions, versions)
+            except Exception:  # keep following: a bad registry entry must not stop this loop
+                logger.exception("following the schema registry failed")
+
+    def _apply_versions(self, versions: dict[str, str]) -> None:
+        for name, version in list(self._versions.items()):
+            if name not in versions:
+                self.runtime.remove_schema(name)
+                self._versions.pop(name, None)
+                self.encode_ms.pop(name, None)
+            elif versions[name] != version:
+                stored = self.registry.load(name)
+                if stored is not None:
+                    self._adopt(stored)
 
     # -- prompts -----------------------------------------------------------------------------------
     def plan(self, prompt: str, *, isolated: bool = False) -> PromptPlan:

@@ -30,6 +30,8 @@ class ServerSettings(BaseSettings):
     disk_max_bytes: int = 16 << 30
     max_num_seqs: int = 64
     max_kv_bytes: int = 2 << 30
+    max_prefill_tokens: int = Field(64, ge=1, description="prompt/encoding tokens per step while others decode")
+    max_prefill_tokens_alone: int = Field(4096, ge=1, description="prompt/encoding tokens per step otherwise")
     attention_backend: str = "auto"
     max_request_bytes: int = 2 << 20
     max_schema_bytes: int = 4 << 20
@@ -42,6 +44,7 @@ class ServerSettings(BaseSettings):
     fidelity_head_tokens: int = Field(16, ge=0, le=4096,
                                       description="balanced mode: tokens recomputed at the start of each "
                                                   "module reused outside its encoding context")
+    registry_poll_s: float = Field(1.0, gt=0, description="how often replicas check the shared schema registry")
     preload_examples: bool = True
     model_cache_dir: str | None = None
 

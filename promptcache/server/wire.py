@@ -51,6 +51,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
+    ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token (vLLM extension)")
     cache_salt: str | None = Field(None, max_length=256)
     fidelity: Literal["fast", "balanced", "exact"] | None = Field(
         None, description="how module KV reused outside its encoding context is treated (default: the server's)")
@@ -144,6 +145,7 @@ class Timings(BaseModel):
     total_ms: float
     encode_ms: float = 0.0
     assembly_ms: float = 0.0
+    lookup_ms: float = Field(0.0, description="looking up automatic prefix blocks (part of assembly_ms)")
     prefill_ms: float = 0.0
 
 

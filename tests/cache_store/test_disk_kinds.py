@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import shutil
 import time
 
 import torch
 
-from promptcache.cache_store import DiskTier, KVBlock, dumps
+from promptcache.cache_store import DiskTier, KVBlock, StoreConfig, build_store, dumps
 
 
 def blk(tokens: int = 4, fill: float = 1.0) -> KVBlock:
@@ -65,3 +67,20 @@ def test_files_written_before_kinds_still_read_as_modules(tmp_path):
     (tmp_path / "old.kv").write_bytes(dumps(blk(fill=5.0), "old"))
     hit = DiskTier(tmp_path, max_bytes=10 * SIZE).lookup("old")
     assert hit.kind == "module" and hit.ttl_s is None and float(hit.block.keys.flatten()[0]) == 5.0
+
+
+def test_a_broken_disk_is_a_miss_and_a_warning_never_an_error(tmp_path, caplog):
+    store = build_store(StoreConfig(device_max_bytes=SIZE, host_max_bytes=SIZE, disk_dir=str(tmp_path / "kv")))
+    for key in "abc":
+        store.put(key, blk())  # "a" is pushed down to disk, "b" to host
+    assert store.flush(timeout_s=5) and store.contains("a") == "disk"
+    shutil.rmtree(tmp_path / "kv")
+    (tmp_path / "kv").write_bytes(b"not a directory")  # every read and write now raises OSError
+    with caplog.at_level(logging.WARNING):
+        assert store.get("a") is None
+        store.put("c", blk())
+        store.put("d", blk())
+        store.put("e", blk())  # demotions to the broken disk
+        assert store.flush(timeout_s=5)
+    assert store.get("e") is not None
+    assert "disk" in caplog.text.lower()

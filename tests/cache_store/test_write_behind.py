@@ -115,7 +115,7 @@ def test_a_failing_write_does_not_stop_the_writer(caplog):
     store, shared = gated_store()
     store.put("bad", blk())
     store.put("good", blk())
-    assert store.flush(timeout_s=5) and shared.contains("good") and "write-behind" in caplog.text
+    assert store.flush(timeout_s=5) and shared.contains("good") and "failed to write a block" in caplog.text
 
 
 def test_delete_cancels_a_queued_write_and_follows_a_running_one():

@@ -11,6 +11,7 @@ import pytest
 
 from promptcache.clients import (
     APIConnectionError,
+    APITimeoutError,
     AsyncClient,
     AuthenticationError,
     BadRequestError,
@@ -129,7 +130,7 @@ def test_streaming_and_in_stream_errors():
 
 
 async def test_async_client_retries_and_parses():
-    responses = [httpx.Response(502, text="bad gateway"), httpx.Response(200, json=GENERATION)]
+    responses = [httpx.Response(503, text="loading"), httpx.Response(200, json=GENERATION)]
     sleeps = []
 
     async def fake_sleep(seconds):
@@ -147,3 +148,30 @@ def test_sdk_imports_no_server_dependencies():
             "print(sorted(m for m in ('torch', 'transformers', 'fastapi', 'lxml') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_post_that_got_a_500_or_lost_its_response_is_never_retried():
+    calls = []
+
+    def broken(request):
+        calls.append(request.method)
+        return httpx.Response(500, json={"error": {"type": "engine_error", "message": "internal error (id x)"}})
+
+    client, sleeps = mock_client(broken, max_retries=3)
+    with pytest.raises(InternalServerError):
+        client.generate("<prompt schema='s'/>")
+    assert calls == ["POST"] and sleeps == []
+    calls.clear()
+    with pytest.raises(InternalServerError):
+        client.schemas.get("x")  # GET is idempotent: retried
+    assert calls == ["GET"] * 4
+
+    def read_lost(request):
+        calls.append(request.method)
+        raise httpx.ReadTimeout("no answer", request=request)
+
+    calls.clear()
+    client, sleeps = mock_client(read_lost, max_retries=3)
+    with pytest.raises(APITimeoutError):
+        client.generate("<prompt schema='s'/>")  # the server may be generating it: not sent twice
+    assert calls == ["POST"] and sleeps == []

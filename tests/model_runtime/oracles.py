@@ -4,56 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from promptcache.model_runtime.engine import ReusePlan
+from promptcache.model_runtime.engine import Fidelity, ReusePlan, resolve
 from promptcache.pml import PromptPlan
 
 
 def approximation_reference(plan: PromptPlan) -> tuple[list[int], list[int], torch.Tensor]:
-    """Tokens, positions and a [1, 1, n, n] boolean mask (True = may attend) such that one forward pass
-    computes what the cached path computes for `plan`.
-
-    A cached token attends to the tokens of the segments its KV was encoded after and causally within
-    its own segment. Context segments that are not in the plan (placeholder tokens of parameter slots)
-    join the reference sequence as extra tokens, seen only by the segments encoded after them. A new
-    token attends to every cached token of the plan and causally to new tokens before it.
-    """
-    schema = plan.schema
-    encoded = {c.segment.segment_id: tuple(c.context_ids) for c in plan.cached}
-    pending = [sid for ctx in encoded.values() for sid in ctx if sid not in encoded]
-    while pending:  # context segments outside the plan, with their own (default) contexts
-        sid = pending.pop()
-        if sid not in encoded:
-            encoded[sid] = schema.segments[sid].context_ids
-            pending += [c for c in encoded[sid] if c not in encoded]
-    tokens, positions, rows_of = [], [], {}
-    for sid in encoded:
-        segment = schema.segments[sid]
-        rows_of[sid] = list(range(len(tokens), len(tokens) + len(segment.token_ids)))
-        tokens += segment.token_ids
-        positions += list(segment.position_ids)
-    new_rows = list(range(len(tokens), len(tokens) + plan.num_new_tokens))
-    tokens += plan.new_token_ids()
-    positions += plan.new_position_ids()
-    n = len(tokens)
-    mask = torch.zeros((n, n), dtype=torch.bool)  # [n, n]
-    for sid, context in encoded.items():
-        context_cols = [r for c in context for r in rows_of[c]]
-        for k, row in enumerate(rows_of[sid]):
-            mask[row, context_cols] = True
-            mask[row, rows_of[sid][: k + 1]] = True
-    plan_rows = [r for c in plan.cached for r in rows_of[c.segment.segment_id]]
-    for k, row in enumerate(new_rows):
-        mask[row, plan_rows] = True
-        mask[row, new_rows[: k + 1]] = True
-    return tokens, positions, mask[None, None]
+    """Tokens, positions and a [1, 1, n, n] mask such that one forward pass computes what the cached
+    path computes for `plan` as the paper does (the fast mode): see `reuse_reference`."""
+    return reuse_reference(plan, resolve(plan, Fidelity("fast")))
 
 
 def reuse_reference(plan: PromptPlan, reuse: ReusePlan) -> tuple[list[int], list[int], torch.Tensor]:
     """Tokens, positions and a [1, 1, n, n] mask such that one forward pass computes what the engine
     computes for `reuse` (any fidelity mode) — its last row is the first sampled token's input.
 
-    Rows: every cached segment's stored tokens with the mask they were encoded under (as in
-    `approximation_reference`: context segments, causal within the segment), then the stream (the
+    Rows: every cached segment's stored tokens with the mask they were encoded under (the tokens of
+    the segments it was encoded after, causally within itself; context segments outside the plan —
+    placeholder tokens of parameter slots — join as extra rows seen only by those), then the stream (the
     tokens the engine computes, in position order). A stream token attends causally to the stream and
     to the reused cached tokens its ReusePlan makes visible: all of them in fast mode, those positioned
     before it in balanced mode (recomputed heads replace their stored versions), the leading segments

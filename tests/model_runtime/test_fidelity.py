@@ -35,6 +35,7 @@ PROMPTS = [
 ]
 MODES = [Fidelity("fast"), Fidelity("balanced", 2), Fidelity("balanced", 5), Fidelity("exact")]
 ARCHS = ["llama", "qwen2", "gpt2"]
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
 def _runtime(arch: str):
@@ -49,7 +50,7 @@ def _first_logits(runtime, plan, fidelity: Fidelity, *, prefix: PrefixReuse | No
     scheduler = Scheduler(EngineConfig(prefix=None), runtime.module_encoder, prefix or PrefixReuse(None))
     request = Request("probe", plan, SamplingParams(max_tokens=1, temperature=0), None, fidelity)
     scheduler.add(request)
-    batch, events = scheduler.schedule()
+    batch, events, _ = scheduler.schedule()
     assert not events, events
     logits = ModelRunner(runtime.loaded).run(batch)
     final = scheduler.postprocess(batch, logits, 0.0)[-1]
@@ -138,7 +139,7 @@ def test_batched_equals_alone_for_each_mode():
     assert batched == alone
 
 
-async def _tokens(engine: Engine, plan, params: SamplingParams, fidelity: Fidelity) -> list[int]:
+async def _tokens(engine: Engine, plan, params: SamplingParams = GREEDY, fidelity: Fidelity | None = None) -> list[int]:
     tokens = []
     async for event in engine.submit(plan, params, fidelity=fidelity):
         assert event.error is None, event.error

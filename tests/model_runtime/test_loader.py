@@ -212,3 +212,14 @@ def test_default_model_conversion_is_reused(smollm2):
     assert time.perf_counter() - started < 1.0
     assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == before
     assert (path / "model.safetensors").is_file()
+
+
+def test_fingerprint_covers_the_weights():
+    from tests.model_factories import make_test_tokenizer, make_tiny_model
+
+    tokenizer = make_test_tokenizer()
+    same_a = wrap_model(make_tiny_model("llama", vocab_size=len(tokenizer), seed=0), tokenizer, name="m")
+    same_b = wrap_model(make_tiny_model("llama", vocab_size=len(tokenizer), seed=0), tokenizer, name="m")
+    other = wrap_model(make_tiny_model("llama", vocab_size=len(tokenizer), seed=1), tokenizer, name="m")
+    assert same_a.model_fingerprint == same_b.model_fingerprint  # same name, config and weights
+    assert other.model_fingerprint != same_a.model_fingerprint  # same name and config, other weights

@@ -193,7 +193,7 @@ def test_logits_with_reuse_equal_full_prefill(harness):
     scheduler = Scheduler(h.engine.config, h.runtime.module_encoder, h.engine.prefix)
     runner = ModelRunner(h.runtime.loaded)
     scheduler.add(Request("probe", token_plan(h.plain, ids), SamplingParams(max_tokens=1, temperature=0), None))
-    batch, _ = scheduler.schedule()
+    batch, _, _ = scheduler.schedule()
     assert batch[0].request.stream.num_reused == 36 and batch[0].pending_ids == [ids[-1]]
     logits = runner.run(batch)
     assert torch.allclose(logits[0], full.float(), atol=1e-4)

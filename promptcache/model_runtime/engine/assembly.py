@@ -53,9 +53,11 @@ def assemble(request: Request, reuse: ReusePlan, encoder: ModuleEncoder, prefix:
         request.encode_ms = (time.perf_counter() - started) * 1e3
 
     module_keys = [module_key(encoder, request, use) for use in reuse.uses]
+    looked_up = time.perf_counter()
     stream = prefix.open(module_keys, list(reuse.token_ids), list(reuse.position_ids), salt=request.cache_salt,
                          variant=reuse.variant)
     reused = stream.num_reused
+    request.lookup_ms = (time.perf_counter() - looked_up) * 1e3
     # Reused prefix blocks precede every stream token left to compute; module KV's visibility counts
     # stream tokens, of which the first `reused` are no longer computed.
     shared = [SharedKV(s.key, s.block, max(0, s.visible_from - reused)) for s in shared]

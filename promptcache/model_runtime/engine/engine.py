@@ -8,24 +8,23 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
 import torch
 
 from promptcache.cache_store import BlockIndex
 from promptcache.model_runtime.engine.config import EngineConfig
+from promptcache.model_runtime.engine.encoding import EncodeQueue
 from promptcache.model_runtime.engine.prefix import PrefixReuse
 from promptcache.model_runtime.engine.request import Request, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan, resolve
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.engine.scheduler import Scheduler
-from promptcache.model_runtime.module_encoder import ModuleEncoder
+from promptcache.model_runtime.module_encoder import EncodeReport, ModuleEncoder
 from promptcache.model_runtime.sampling import SamplingParams
-from promptcache.pml import PromptPlan
+from promptcache.pml import PromptPlan, Schema
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class Engine:
@@ -46,6 +45,9 @@ class Engine:
             tokenizer_fingerprint=loaded.tokenizer_fingerprint, bytes_per_token=loaded.kv_bytes_per_token)
         self.prefix = PrefixReuse(index)
         self.scheduler = Scheduler(self.config, encoder, self.prefix)
+        self.encodes = EncodeQueue(encoder)
+        self._awaiting: dict[str, tuple[Request, list[concurrent.futures.Future]]] = {}  # head request's encodes
+        self._schema_encodes: list[tuple[list[concurrent.futures.Future], concurrent.futures.Future, float, int]] = []
         self.runner = ModelRunner(encoder.loaded, backend=self.config.attention_backend)
         self._inbox: list[tuple[str, object]] = []
         self._wakeup = threading.Condition()
@@ -54,6 +56,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.num_steps = 0
+        self.prefix_store_s = 0.0  # time spent storing prefix blocks (after tokens went out)
 
     # -- caller side (any thread with an asyncio loop) ------------------------------------------
     def start(self) -> None:
@@ -81,11 +84,11 @@ class Engine:
         self.start()
         return self._events(request_id, queue)
 
-    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """Run `fn` on the engine thread between steps (module encoding and other model compute must
-        never run beside a batch step). Await it with `asyncio.wrap_future`."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._post("call", (fn, future))
+    def encode_schema(self, schema: Schema, cache_salt: str | None = None) -> concurrent.futures.Future[EncodeReport]:
+        """Encode every module KV of `schema` that no tier holds, in chunks between decode steps (no
+        stream stalls for it). Await the result with `asyncio.wrap_future`; it raises what failed."""
+        future: concurrent.futures.Future[EncodeReport] = concurrent.futures.Future()
+        self._post("encode", (schema, cache_salt, future))
         self.start()
         return future
 
@@ -131,7 +134,8 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._wakeup:
-                while not self._inbox and not self.scheduler.has_work and not self._stopping:
+                while not self._inbox and not self.scheduler.has_work and not self.encodes.has_work \
+                        and not self._stopping:
                     self._wakeup.wait(self.config.idle_wait_s)
                 if self._stopping:
                     return
@@ -142,30 +146,34 @@ class Engine:
                 elif kind == "abort":
                     self.scheduler.abort(item)  # type: ignore[arg-type]
                 else:
-                    self._run_call(*item)  # type: ignore[misc]
+                    self._queue_schema(*item)  # type: ignore[misc]
             try:
                 self._step()
             except Exception:  # a bug must not kill the engine silently: fail the running requests
                 logger.exception("engine step failed")
                 self._fail_all("internal engine error")
 
-    @staticmethod
-    def _run_call(fn: Callable[[], object], future: concurrent.futures.Future) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn())
-        except BaseException as exc:  # delivered to the caller, who re-raises it
-            future.set_exception(exc)
+    def _queue_schema(self, schema: Schema, salt: str | None, future: concurrent.futures.Future) -> None:
+        jobs = self.encoder.schema_jobs(schema)
+        futures = [self.encodes.submit(schema, sid, ctx, salt) for sid, ctx in jobs]
+        self._schema_encodes.append((futures, future, time.perf_counter(), self.encoder.num_encoded_segments))
 
     def _step(self) -> None:
-        batch, events = self.scheduler.schedule()
-        if batch:
+        batch, events, budget = self.scheduler.schedule()
+        for request, segment_id, context_ids in self.scheduler.encodes_needed:
+            future = self.encodes.submit(request.plan.schema, segment_id, context_ids, request.cache_salt)
+            self._awaiting.setdefault(request.request_id, (request, []))[1].append(future)
+        self.scheduler.encodes_needed.clear()
+        encoding = self.encodes.next_chunk(budget)
+        if batch or encoding is not None:
             started = time.perf_counter()
-            batch, logits = self._run(batch, events)
+            if encoding is not None:
+                self._encode_step(encoding)
+            batch, logits = self._run(batch, events) if batch else ([], torch.empty(0))
             if batch:
                 events += self.scheduler.postprocess(batch, logits, (time.perf_counter() - started) * 1e3)
             self.num_steps += 1
+        events += self._settle_encodes()
         for event in events:
             self._deliver(event)
         self._store_prefixes()
@@ -189,13 +197,47 @@ class Engine:
         done = [(seq, row) for seq, row in done if not seq.request.is_failed]
         return [seq for seq, _ in done], torch.stack([row for _, row in done]) if done else torch.empty(0)
 
+    def _encode_step(self, seq) -> None:
+        """One chunk of the active module encoding (its own pass: a failure fails only its waiters)."""
+        started = time.perf_counter()
+        try:
+            self.runner.run([seq])
+        except Exception as exc:
+            logger.exception("module encoding failed")
+            self.encodes.fail_active(exc)
+            return
+        self.encodes.after_step(time.perf_counter() - started)
+
+    def _settle_encodes(self) -> list[TokenEvent]:
+        """Resolve finished schema encodings; fail requests whose module encoding failed."""
+        events = []
+        for entry in list(self._schema_encodes):
+            futures, future, started, before = entry
+            if all(f.done() for f in futures):
+                self._schema_encodes.remove(entry)
+                errors = [f.exception() for f in futures if f.exception() is not None]
+                if errors:
+                    future.set_exception(errors[0])
+                else:
+                    future.set_result(EncodeReport(len(futures), self.encoder.num_encoded_segments - before,
+                                                   (time.perf_counter() - started) * 1e3))
+        for request_id, (request, futures) in list(self._awaiting.items()):
+            failed = next((f.exception() for f in futures if f.done() and f.exception() is not None), None)
+            if failed is not None and not request.is_failed:
+                events.append(self.scheduler.fail(request, failed))
+            if failed is not None or all(f.done() for f in futures):
+                del self._awaiting[request_id]
+        return events
+
     def _store_prefixes(self) -> None:
         stores, self.scheduler.pending_stores = self.scheduler.pending_stores, []
+        started = time.perf_counter()
         for store in stores:
             try:
                 store()
             except Exception:  # a failed cache write costs future hits, never this request
                 logger.exception("storing prefix blocks failed")
+        self.prefix_store_s += time.perf_counter() - started
 
     def _deliver(self, event: TokenEvent) -> None:
         sink = self._sinks.get(event.request_id)

@@ -27,7 +27,7 @@ def final_event(request: Request, index: int, token: int | None, text: str, fini
                   completion_tokens=sum(len(s.output_ids) for s in request.sequences),
                   recomputed_tokens=reuse.num_recomputed if reuse is not None else 0)
     first = request.first_token_at or now
-    timings = Timings(encode_ms=request.encode_ms, assembly_ms=request.assembly_ms,
+    timings = Timings(encode_ms=request.encode_ms, assembly_ms=request.assembly_ms, lookup_ms=request.lookup_ms,
                       prefill_ms=request.prefill_ms, ttft_ms=(first - request.submitted_at) * 1e3,
                       total_ms=(now - request.submitted_at) * 1e3)
     return TokenEvent(request.request_id, index, token, text, finish, logprobs, usage=usage,

@@ -64,14 +64,16 @@ class Sequence:
     """One sample being generated. Its own KV holds its computed tokens (prompt text or generated)."""
 
     seq_id: int
-    request: Request
+    request: Request | None  # None for a module-encoding pseudo-sequence (engine/encoding.py)
     index: int
     shared: list[SharedKV]
     own_keys: torch.Tensor | None = None    # [num_layers, num_kv_heads, capacity, head_dim]
     own_values: torch.Tensor | None = None  # [num_layers, num_kv_heads, capacity, head_dim]
     own_length: int = 0
-    pending_ids: list[int] = field(default_factory=list)        # tokens to feed in the next step
+    pending_ids: list[int] = field(default_factory=list)        # tokens still to feed
     pending_positions: list[int] = field(default_factory=list)
+    step_len: int = 0      # tokens of pending fed in the coming step (0: all); set by the scheduler
+    prefill_done: int = 0  # prompt tokens fed by earlier chunks of this sequence's prefill
     next_position: int = 0
     output_ids: list[int] = field(default_factory=list)
     first_position: int = 0  # position of the first generated token
@@ -104,6 +106,7 @@ class Request:
     num_computed_tokens: int = 0
     assembly_ms: float = 0.0
     encode_ms: float = 0.0
+    lookup_ms: float = 0.0
     prefill_ms: float = 0.0
     first_token_at: float | None = None
     is_aborted: bool = False

@@ -24,14 +24,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: Seq[Sequence]) -> torch.Tensor:
-        """Feed each sequence's pending tokens; returns logits [num_seqs, vocab] (float32) for their
-        last tokens. Advances each sequence's own KV length; clears its pending tokens."""
+        """Feed each sequence's next `step_len` pending tokens (all of them when 0: a chunk of a long
+        prefill otherwise); returns logits [num_seqs, vocab] (float32) for the last token fed. Only
+        after the pass succeeded: advances own KV lengths and drops the fed tokens from pending."""
         model = self.loaded.model
         device = model.device
-        query_lens = [len(s.pending_ids) for s in seqs]
-        input_ids = torch.tensor([[t for s in seqs for t in s.pending_ids]], dtype=torch.long, device=device)  # [1, Q]
-        positions = torch.tensor([[p for s in seqs for p in s.pending_positions]], dtype=torch.long,
-                                 device=device)  # [1, Q]
+        query_lens = [s.step_len or len(s.pending_ids) for s in seqs]
+        input_ids = torch.tensor([[t for s, n in zip(seqs, query_lens) for t in s.pending_ids[:n]]],
+                                 dtype=torch.long, device=device)  # [1, Q]
+        positions = torch.tensor([[p for s, n in zip(seqs, query_lens) for p in s.pending_positions[:n]]],
+                                 dtype=torch.long, device=device)  # [1, Q]
         context = BatchContext(
             query_lens=query_lens, own_keys=[s.own_keys for s in seqs], own_values=[s.own_values for s in seqs],
             own_starts=[s.own_length for s in seqs], segments=self._segments(seqs), backend=self.backend)
@@ -43,7 +45,10 @@ class ModelRunner:
         logits = model.get_output_embeddings()(hidden[0, last_rows]).float()  # [num_seqs, vocab]
         for seq, n in zip(seqs, query_lens):
             seq.own_length += n
-            seq.pending_ids, seq.pending_positions = [], []
+            seq.pending_ids, seq.pending_positions = seq.pending_ids[n:], seq.pending_positions[n:]
+            if seq.status == SeqStatus.PREFILL:
+                seq.prefill_done += n
+            seq.step_len = 0
         return logits
 
     def _segments(self, seqs: Seq[Sequence]):
@@ -51,10 +56,11 @@ class ModelRunner:
         blocks = {}
         for index, seq in enumerate(seqs):
             for shared in seq.shared:
-                # Row offsets only matter in a prefill step (tokens positioned before the block);
-                # a sequence whose every pending token precedes the block skips it this step.
-                offset = shared.visible_from if seq.status == SeqStatus.PREFILL else 0
-                if offset < len(seq.pending_ids):
+                # Row offsets only matter in a prefill step (tokens positioned before the block),
+                # counted from this chunk's first token; a sequence whose every token of this step
+                # precedes the block skips it.
+                offset = max(0, shared.visible_from - seq.prefill_done) if seq.status == SeqStatus.PREFILL else 0
+                if offset < (seq.step_len or len(seq.pending_ids)):
                     users[shared.key].append((index, offset))
                     blocks[shared.key] = shared.block
         # Attention over shared KV is permutation-invariant, so every block used by the same set of

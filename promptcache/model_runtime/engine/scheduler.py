@@ -42,6 +42,8 @@ class Scheduler:
         self._reservations: dict[str, tuple[int, dict[str, int]]] = {}
         # Prefix blocks to store, run by the engine after the step's events went out (off the TTFT path).
         self.pending_stores: list[Callable[[], None]] = []
+        # Module KV the head request waits for, handed to the engine's encode queue after each schedule.
+        self.encodes_needed: list[tuple[Request, int, tuple[int, ...]]] = []
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -55,11 +57,31 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], list[TokenEvent]]:
-        """Drop aborted work, admit waiting requests (FCFS), return the sequences to run now."""
+    def schedule(self) -> tuple[list[Sequence], list[TokenEvent], int]:
+        """Drop aborted work, admit waiting requests (FCFS), return the sequences to run now, the events
+        so far, and the prefill budget left for module encoding.
+
+        Decoding sequences always run. Prefills are chunked: together they feed at most
+        `max_prefill_tokens` a step while anything decodes (so no stream stalls for a long prompt),
+        `max_prefill_tokens_alone` otherwise; a sequence's `step_len` says how many it feeds.
+        """
         events = self._reap_aborted()
         self._admit(events)
-        return [s for s in self.running if s.pending_ids], events
+        decoding = [s for s in self.running if s.pending_ids and s.status != SeqStatus.PREFILL]
+        budget = self.config.max_prefill_tokens if decoding else self.config.max_prefill_tokens_alone
+        batch = list(decoding)
+        for seq in self.running:
+            if seq.status == SeqStatus.PREFILL and seq.pending_ids and budget > 0:
+                seq.step_len = min(len(seq.pending_ids), budget)
+                budget -= seq.step_len
+                batch.append(seq)
+        return batch, events, budget
+
+    def missing_modules(self, request: Request) -> list[tuple[int, tuple[int, ...]]]:
+        """(segment, context) of the module KV `request` reuses that no tier holds now."""
+        assert request.reuse is not None
+        return [(u.cached.segment.segment_id, tuple(u.cached.context_ids)) for u in request.reuse.uses
+                if self.encoder.store.contains(module_key(self.encoder, request, u)) is None]
 
     # -- admission ------------------------------------------------------------------------------
     def _admit(self, events: list[TokenEvent]) -> None:
@@ -72,6 +94,10 @@ class Scheduler:
             if request.reuse is None:
                 request.reuse = resolve(request.plan, request.fidelity)
             reuse = request.reuse
+            missing = self.missing_modules(request)
+            if missing:  # encoded in chunks by the engine first; FCFS: the head waits for it
+                self.encodes_needed.extend((request, segment_id, context) for segment_id, context in missing)
+                return
             shared = {module_key(self.encoder, request, use): (use.last - use.first) * self.bytes_per_token
                       for use in reuse.uses}
             # Upper bound: reused prefix tokens move from own KV to shared blocks, never adding bytes.
@@ -138,6 +164,9 @@ class Scheduler:
         for seq, row in zip(batch, logits):
             if seq.request.is_failed:
                 continue
+            if seq.status == SeqStatus.PREFILL and seq.pending_ids:
+                seq.request.prefill_ms += step_ms  # a chunk of a long prefill: nothing to sample yet
+                continue
             try:
                 self._advance(seq, row, step_ms, events)
             except Exception as exc:  # sampling or detokenizing one sequence fails its request only
@@ -146,7 +175,7 @@ class Scheduler:
 
     def _advance(self, seq: Sequence, row: torch.Tensor, step_ms: float, events: list[TokenEvent]) -> None:
         if seq.status == SeqStatus.PREFILL:
-            seq.request.prefill_ms = step_ms
+            seq.request.prefill_ms += step_ms
             if seq.index != PROMPT_SEQ:
                 self._store_prompt(seq)
         if seq.index == PROMPT_SEQ:

@@ -1,0 +1,83 @@
+"""No stop-the-world: long prompts and module encodings advance in chunks between decode steps, and
+give the same tokens and KV as doing them in one pass (the single-sequence path is the oracle)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from promptcache.cache_store import StoreConfig, build_store
+from promptcache.model_runtime import ModelRuntime, SamplingParams
+from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity
+from promptcache.pml import token_plan
+from tests.conftest import _tiny_loaded, make_tiny_runtime
+from tests.model_runtime.test_fidelity import GREEDY, PROMPTS, SCHEMA, _tokens
+
+TEXT = "The quick brown fox jumps over the lazy dog. Cats sleep most of the day. " * 12
+
+
+def test_long_prompts_prefill_in_chunks_while_others_decode():
+    runtime = make_tiny_runtime("llama")
+    runtime.add_schema(runtime.parse_schema(SCHEMA))
+    runtime.add_schema(runtime.parse_schema('<schema name="plain"/>'), encode=False)
+    ids = tuple(runtime.loaded.tokenizer.encode(TEXT, add_special_tokens=False))
+    long_plan = token_plan(runtime.get_schema("plain"), ids)
+    short = [runtime.plan(p) for p in PROMPTS]
+    engine = Engine(runtime.module_encoder, EngineConfig(prefix=None, max_prefill_tokens=16))
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+    async def main():
+        decoding = [asyncio.create_task(_tokens(engine, plan, params)) for plan in short]
+        await asyncio.sleep(0.05)
+        steps = engine.num_steps
+        long_task = asyncio.create_task(_tokens(engine, long_plan))
+        balanced = asyncio.create_task(_tokens(engine, short[0], fidelity=Fidelity("balanced", 3)))
+        results = await asyncio.gather(*decoding, long_task, balanced)
+        return results, engine.num_steps - steps
+
+    try:
+        results, steps = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert results[:3] == [list(runtime.generate(plan, params).token_ids) for plan in short]
+    assert results[3] == list(runtime.generate(long_plan, GREEDY).token_ids)
+    assert len(ids) > 16 * 8 and steps >= len(ids) // 16  # the long prompt took many small steps
+    alone = Engine(runtime.module_encoder, EngineConfig(prefix=None))
+    try:  # chunked balanced prefill (row offsets across chunks) == balanced in one pass
+        assert results[4] == asyncio.run(_tokens(alone, short[0], fidelity=Fidelity("balanced", 3)))
+    finally:
+        alone.stop()
+
+
+def test_schema_and_missing_modules_encode_in_engine_steps_with_the_same_kv():
+    loaded = _tiny_loaded("llama", torch.float32)
+    reference = ModelRuntime(loaded, build_store(StoreConfig()))
+    reference.add_schema(reference.parse_schema(SCHEMA))  # encoded in one pass each
+    runtime = ModelRuntime(loaded, build_store(StoreConfig()))
+    schema = runtime.parse_schema(SCHEMA)
+    engine = Engine(runtime.module_encoder, EngineConfig(prefix=None, max_prefill_tokens=4,
+                                                         max_prefill_tokens_alone=8))
+    try:
+        report = engine.encode_schema(schema).result(timeout=60)
+        assert report.num_encoded > 0 and engine.num_steps > report.num_encoded  # several chunks each
+        runtime.add_schema(schema, encode=False)
+        for segment_id, context_ids in runtime.module_encoder.schema_jobs(schema):
+            key = runtime.module_encoder.key(schema, segment_id, context_ids, None)
+            ours, theirs = runtime.module_encoder.store.get(key)[0], reference.module_encoder.store.get(key)[0]
+            assert (ours.keys - theirs.keys).abs().max() <= 1e-5
+        # A salt no tier has: the request's modules are encoded in chunks before it is admitted.
+        plan = runtime.plan(PROMPTS[0])
+        before = runtime.module_encoder.num_encoded_segments
+
+        async def salted():
+            tokens = []
+            async for event in engine.submit(plan, GREEDY, cache_salt="new-tenant"):
+                assert event.error is None, event.error
+                tokens += [event.token_id] if event.token_id is not None else []
+            return tokens
+
+        assert asyncio.run(salted()) == list(runtime.generate(plan, GREEDY, cache_salt="other").token_ids)
+        assert runtime.module_encoder.num_encoded_segments > before
+    finally:
+        engine.stop()

@@ -1,0 +1,211 @@
+"""One request never harms another, over HTTP: bad input is a 4xx, bodies are bounded as they stream,
+schema uploads are atomic and replicas follow deletes, the event loop keeps answering."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.model_factories import make_test_tokenizer, make_tiny_model
+from tests.server.test_api import PROMPT, SCHEMA
+
+LLAMA2_TEMPLATE = (  # folds the system prompt into the first user turn: not splittable per role
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+    "{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' }}{% if loop.first and system %}"
+    "{{ '<<SYS>>' + system + '<</SYS>> ' }}{% endif %}{{ m['content'] + ' [/INST]' }}"
+    "{% else %}{{ ' ' + m['content'] + ' </s>' }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize(("field", "value"), [("seed", 2**64), ("seed", -1), ("temperature", 1e-40),
+                                              ("stop", ["x"] * 9), ("stop", ["y" * 300])])
+def test_bad_sampling_values_are_4xx_naming_the_field(live_server, field, value):
+    server = live_server()
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    response = httpx.post(server.url + "/v1/generate", json={"prompt": PROMPT, "max_tokens": 2, field: value})
+    assert response.status_code == 422 and field in response.json()["error"]["message"]
+    assert httpx.post(server.url + "/v1/generate", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_body_limit_counts_streamed_bytes(live_server):
+    server = live_server(max_request_bytes=4096)
+
+    def chunks():  # chunked transfer encoding: no Content-Length to trust
+        yield b'{"prompt": "'
+        for _ in range(100):
+            yield b"x" * 100
+        yield b'"}'
+
+    response = httpx.post(server.url + "/v1/generate", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413 and "4096" in response.json()["error"]["message"]
+    small = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 1})
+    assert small.status_code == 200
+
+
+def test_failed_upload_leaves_nothing_and_a_retry_succeeds(live_server, monkeypatch):
+    server = live_server()
+    service = server.app.state.service
+    real = service.engine.encode_schema
+    calls = {"n": 0}
+
+    def flaky(schema, salt=None):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("encoding blew up")
+        return real(schema, salt)
+
+    monkeypatch.setattr(service.engine, "encode_schema", flaky)
+    assert httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).status_code == 500
+    assert httpx.get(server.url + "/v1/schemas/docs").status_code == 404
+    assert httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).status_code == 201
+
+
+def test_schema_longer_than_the_model_is_refused(live_server):
+    server = live_server()
+    words = " ".join(["cats sleep"] * 1200)  # > 2048 positions of the tiny model
+    response = httpx.post(server.url + "/v1/schemas", json={"pml": f'<schema name="big"><module name="m">{words}'
+                                                                    "</module></schema>"})
+    assert response.status_code == 400 and "2048" in response.json()["error"]["message"]
+
+
+def test_replicas_learn_deletes_and_replacements(live_server, redis_server):
+    first = live_server(redis_url=redis_server.url, registry_poll_s=0.2)
+    second = live_server(redis_url=redis_server.url, registry_poll_s=0.2)
+    httpx.post(first.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    assert httpx.post(second.url + "/v1/generate", json={"prompt": PROMPT, "max_tokens": 1}).status_code == 200
+    assert httpx.delete(first.url + "/v1/schemas/docs").status_code == 204
+    replaced = SCHEMA.replace("Cats sleep most of the day.", "Dogs bark at night.")
+    httpx.post(first.url + "/v1/schemas", json={"pml": replaced}).raise_for_status()
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        schema = httpx.get(second.url + "/v1/schemas/docs").json()
+        if schema["num_tokens"] != httpx.get(first.url + "/v1/schemas/docs").json()["num_tokens"] or \
+                second.app.state.service.runtime.get_schema("docs").pml == replaced:
+            break
+        time.sleep(0.1)
+    assert second.app.state.service.runtime.get_schema("docs").pml == replaced
+    httpx.delete(first.url + "/v1/schemas/docs").raise_for_status()
+    time.sleep(1.0)
+    assert httpx.post(second.url + "/v1/generate", json={"prompt": PROMPT, "max_tokens": 1}).status_code == 404
+
+
+def test_unsplittable_chat_template_still_serves(live_server):
+    tokenizer = make_test_tokenizer.__wrapped__()
+    tokenizer.chat_template = LLAMA2_TEMPLATE
+
+    def loader():
+        from promptcache.model_runtime import wrap_model
+
+        return wrap_model(make_tiny_model("llama", vocab_size=len(tokenizer)), tokenizer, name="tiny-llama2chat")
+
+    server = live_server(loader)
+    chat = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "max_tokens": 2})
+    assert chat.status_code == 200, chat.text
+    roles = httpx.post(server.url + "/v1/schemas", json={"pml": '<schema name="r"><system>x</system></schema>'})
+    assert roles.status_code == 400 and "role tags" in roles.json()["error"]["message"]
+    plain = httpx.post(server.url + "/v1/schemas", json={"pml": '<schema name="p"><module name="m">x</module>'
+                                                               "</schema>"})
+    assert plain.status_code == 201
+
+
+def test_long_prompt_placement_and_health_stay_fast(live_server):
+    server = live_server(max_request_bytes=4 << 20)
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    turns = "".join(f"<user>turn {i}</user><assistant>ok {i}</assistant>" for i in range(4000))
+    prompt = f'<prompt schema="docs"><user><d1/>Who?</user>{turns}<user>And?</user><assistant/></prompt>'
+    seconds = []
+    for _ in range(2):  # best of two: the bound is on the algorithm, not on a neighbour's CPU burst
+        started = time.perf_counter()
+        plan = server.app.state.service.plan(prompt)
+        seconds.append(time.perf_counter() - started)
+    assert min(seconds) < 1.0 and len(plan.new_runs) > 8000
+    latencies = []
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            began = time.perf_counter()
+            httpx.get(server.url + "/health")
+            latencies.append(time.perf_counter() - began)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        httpx.post(server.url + "/v1/generate",
+                   json={"prompt": prompt, "max_tokens": 1}, timeout=60)
+        httpx.post(server.url + "/v1/completions", json={"prompt": "word " * 1500, "max_tokens": 2}, timeout=60)
+    finally:
+        stop.set()
+        poller.join()
+    # The target is < 100 ms; on a shared 2-core CI runner one scheduler hiccup is tolerated, not a stall.
+    latencies.sort()
+    assert len(latencies) >= 5
+    assert latencies[int(0.95 * len(latencies))] < 0.1 and latencies[-1] < 0.5
+
+
+def test_a_client_that_disconnects_frees_its_sequence(live_server):
+    server = live_server()
+    engine = server.app.state.service.engine
+    body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        for count, _ in enumerate(response.iter_lines()):
+            if count == 5:
+                break
+        assert engine.num_running == 1
+    steps = engine.num_steps
+    deadline = time.monotonic() + 5
+    while engine.num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.num_running == 0 and engine.num_steps - steps <= 3
+    assert engine.scheduler.memory.used_bytes == 0
+
+
+def test_poison_requests_among_healthy_streams_fail_alone(live_server, monkeypatch):
+    """Streams decode while requests that break inside the engine (a module fetch that raises) and
+    requests refused at the wire come and go: every stream gets the text it gets alone."""
+    server = live_server()
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    healthy = [{"prompt": f"Story {i}: once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+               for i in range(3)]
+    expected = [httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+                for body in healthy]
+    encoder = server.app.state.service.runtime.module_encoder
+    fetch = encoder.fetch
+
+    def broken_fetch(schema, segment_id, context_ids, cache_salt=None):
+        if schema.segments[segment_id].owner == "d2":
+            raise RuntimeError("disk on fire")
+        return fetch(schema, segment_id, context_ids, cache_salt)
+
+    monkeypatch.setattr(encoder, "fetch", broken_fetch)
+    texts: list[str | None] = [None] * len(healthy)
+
+    def stream(index: int) -> None:
+        body = {**healthy[index], "prompt": healthy[index]["prompt"], "stream": True}
+        parts = []
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    parts.append(json.loads(line[6:])["choices"][0]["text"])
+        texts[index] = "".join(parts)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(healthy))]
+    for thread in threads:
+        thread.start()
+    poisoned = [httpx.post(server.url + "/v1/generate", json={"prompt": PROMPT, "max_tokens": 4}, timeout=60)
+                for _ in range(3)]
+    refused = httpx.post(server.url + "/v1/generate", json={"prompt": PROMPT, "seed": 2**64})
+    for thread in threads:
+        thread.join(timeout=60)
+    assert all(r.status_code == 500 and "(id " in r.json()["error"]["message"] for r in poisoned), \
+        [r.text for r in poisoned]
+    assert all("disk on fire" not in r.text for r in poisoned)
+    assert refused.status_code == 422
+    assert texts == expected
+    assert server.app.state.service.engine.scheduler.memory.used_bytes == 0
