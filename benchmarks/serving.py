@@ -119,7 +119,8 @@ def run_rows(target: Target, work: Workload, *, runs: int, rows: set[str], out: 
                                    for m in work.retrieval_chat], out, medians)
         if target.is_promptcache:
             target.client.post(target.url + "/v1/schemas", json={"pml": work.retrieval_schema}).raise_for_status()
-            record(target, "c_pml", [target.ttft("/v1/generate", {"prompt": p, "max_tokens": 1})
+            # `fast`: modules reused as encoded, whatever the server's default (docs/fidelity.md)
+            record(target, "c_pml", [target.ttft("/v1/generate", {"prompt": p, "max_tokens": 1, "fidelity": "fast"})
                                      for p in work.retrieval_pml], out, medians)
     if "d" in rows:
         per_turn: list[list[tuple[float, str, int | None, float | None]]] = [[] for _ in work.chat_turns]

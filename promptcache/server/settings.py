@@ -39,8 +39,8 @@ class ServerSettings(BaseSettings):
     prefix_caching: bool = True
     prefix_block_size: int = Field(32, ge=1, le=4096, description="tokens per automatic prefix block")
     prefix_ttl_s: float | None = Field(None, gt=0, description="unused prefix blocks expire after this")
-    fidelity: Literal["fast", "balanced", "exact"] = Field(
-        "fast", description="default fidelity mode of requests that name none (docs/fidelity.md)")
+    fidelity: Literal["fast", "balanced", "exact"] = Field(  # the evaluation's pick: docs/fidelity.md
+        "exact", description="default fidelity mode of requests that name none (docs/fidelity.md)")
     fidelity_head_tokens: int = Field(16, ge=0, le=4096,
                                       description="balanced mode: tokens recomputed at the start of each "
                                                   "module reused outside its encoding context")

@@ -46,7 +46,9 @@ class LiveServer:
 
 
 def settings_for(**overrides) -> ServerSettings:
-    base = dict(port=free_port(), preload_examples=False, max_num_seqs=16, max_kv_bytes=64 << 20)
+    # fidelity=fast: the suite exercises module reuse as encoded unless a test names a mode
+    base = dict(port=free_port(), preload_examples=False, max_num_seqs=16, max_kv_bytes=64 << 20,
+                fidelity="fast")
     return ServerSettings(**{**base, **overrides})
 
 

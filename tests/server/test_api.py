@@ -186,3 +186,23 @@ def test_generate_logprobs_and_fidelity_report(server):
     assert balanced["recomputed_tokens"] > 0
     bad = httpx.post(server.url + "/v1/generate", json={"prompt": prompt, "fidelity": "perfect"})
     assert bad.status_code == 422 and "fidelity" in bad.text
+
+
+def test_the_default_fidelity_answers_like_a_full_prefill(live_server):
+    """A request that names no mode gets the server default (exact): an out-of-order module is recomputed."""
+    from promptcache.server.settings import ServerSettings
+
+    server = live_server(fidelity=ServerSettings.model_fields["fidelity"].default)
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    prompt = '<prompt schema="docs"><user><d2/>Who sleeps?</user><assistant/></prompt>'
+    body = httpx.post(server.url + "/v1/generate", timeout=60, json={
+        "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1}).json()
+    runtime = make_tiny_runtime("llama")
+    runtime.add_schema(runtime.parse_schema(SCHEMA))
+    from promptcache.model_runtime.baseline import full_prefill_logits
+
+    reference = torch.log_softmax(full_prefill_logits(runtime.loaded.model, runtime.plan(prompt).token_ids())[-1], dim=-1)
+    first = body["choices"][0]["logprobs"]["token_ids"][0]
+    assert body["cache"]["fidelity"] == "exact" and body["cache"]["exact"] is True
+    assert first == int(reference.argmax())
+    assert abs(body["choices"][0]["logprobs"]["token_logprobs"][0] - reference[first].item()) < 1e-4
