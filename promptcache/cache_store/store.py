@@ -211,8 +211,8 @@ class TieredStore:
         for index in range(position, len(self.tiers)):
             tier = self.tiers[index]
             try:
-                evicted = _shared_call(tier, "write", lambda: tier.put(key, block, pinned=pinned, ttl_s=ttl_s,
-                                                                       kind=kind), None)
+                evicted = _shared_call(tier, "write", lambda tier=tier: tier.put(
+                    key, block, pinned=pinned, ttl_s=ttl_s, kind=kind), None)
             except CapacityError:
                 if fall_through:
                     continue
