@@ -5,10 +5,10 @@
 Over HTTP against `promptcache serve` (default SmolLM2, CPU): 4 clients stream long generations
 (ignore_eos); the client records the gap between consecutive streamed tokens. Phases, each while the
 4 streams run: `unloaded` (nothing else), `schema_upload` (a schema of ~4K tokens is uploaded, its
-modules encoded), `long_prompt` (a ~4K-token plain prompt is sent). Two servers, same run: `chunked`
-(default settings: prompt and encoding tokens advance in chunks between decode steps) and
+modules encoded), `long_prompt` (a ~4K-token plain prompt is sent). Servers, same run: `chunked_N`
+for each N in `--chunks` (prompt and encoding tokens advance N at a time between decode steps) and
 `unchunked` (chunks as large as the whole input: what a server without chunked prefill does). Per
-phase: p50/p99/max gap; JSON lines and a PNG.
+phase: p50/p99/max gap and how long the action took; JSON lines and a PNG.
 """
 
 from __future__ import annotations
@@ -73,15 +73,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096, help="size of the schema and of the long prompt")
     parser.add_argument("--unloaded-s", type=float, default=15.0)
+    parser.add_argument("--chunks", default="64",
+                        help="comma-separated --max-prefill-tokens values, one chunked server each")
     parser.add_argument("--out", type=Path, default=RESULTS / "stalls.jsonl")
     args = parser.parse_args()
+    servers = [(f"chunked_{c}", ["--max-prefill-tokens", c]) for c in args.chunks.split(",")]
+    servers.append(("unchunked", ["--max-prefill-tokens", "1000000", "--max-prefill-tokens-alone", "1000000"]))
     work = build(doc_repeats=20)
     text = work.document  # ~4K tokens of prose with SmolLM2's tokenizer at 20 documents
     docs = text.split("\n\n")
     modules = "".join(f'<module name="part{i}">{d}\n\n</module>' for i, d in enumerate(docs))
     results: dict[str, list[dict]] = {}
-    for name, flags in (("chunked", []), ("unchunked", ["--max-prefill-tokens", "1000000",
-                                                                  "--max-prefill-tokens-alone", "1000000"])):
+    for name, flags in servers:
         with promptcache_server(flags) as url:
             rows = [phase(url, "unloaded", lambda: time.sleep(args.unloaded_s), 5.0)]
             schema = f'<schema name="big">{modules}</schema>'
@@ -105,12 +108,12 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 
     phases = [r["phase"] for r in next(iter(results.values()))]
     fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.35
+    width = 0.8 / len(results)
     for i, (name, rows) in enumerate(results.items()):
         xs = [p + i * width for p in range(len(phases))]
         ax.bar(xs, [r["max_ms"] for r in rows], width, label=f"{name} max", alpha=0.5)
         ax.bar(xs, [r["p99_ms"] for r in rows], width, label=f"{name} p99")
-    ax.set_xticks([p + width / 2 for p in range(len(phases))], phases)
+    ax.set_xticks([p + width * (len(results) - 1) / 2 for p in range(len(phases))], phases)
     ax.set_yscale("log")
     ax.set_ylabel("inter-token gap of 4 streams (ms, log)")
     ax.legend(fontsize=8)

@@ -151,14 +151,16 @@ class PromptService:
 
     def _apply_versions(self, versions: dict[str, str]) -> None:
         for name, version in list(self._versions.items()):
-            if name not in versions:
+            if versions.get(name) == version:
+                continue
+            # `versions` may predate a re-upload this process adopted meanwhile: read the entry itself.
+            stored = self.registry.load(name)
+            if stored is None:
                 self.runtime.remove_schema(name)
                 self._versions.pop(name, None)
                 self.encode_ms.pop(name, None)
-            elif versions[name] != version:
-                stored = self.registry.load(name)
-                if stored is not None:
-                    self._adopt(stored)
+            elif stored.version != self._versions.get(name):
+                self._adopt(stored)
 
     # -- prompts -----------------------------------------------------------------------------------
     def plan(self, prompt: str, *, isolated: bool = False) -> PromptPlan:

@@ -4,6 +4,8 @@ schema uploads are atomic and replicas follow deletes, the event loop keeps answ
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -80,11 +82,10 @@ def test_replicas_learn_deletes_and_replacements(live_server, redis_server):
     assert httpx.delete(first.url + "/v1/schemas/docs").status_code == 204
     replaced = SCHEMA.replace("Cats sleep most of the day.", "Dogs bark at night.")
     httpx.post(first.url + "/v1/schemas", json={"pml": replaced}).raise_for_status()
-    deadline = time.monotonic() + 2.0
+    new_tokens = httpx.get(first.url + "/v1/schemas/docs").json()["num_tokens"]
+    deadline = time.monotonic() + 2.0  # the target: replicas follow within 2 s
     while time.monotonic() < deadline:
-        schema = httpx.get(second.url + "/v1/schemas/docs").json()
-        if schema["num_tokens"] != httpx.get(first.url + "/v1/schemas/docs").json()["num_tokens"] or \
-                second.app.state.service.runtime.get_schema("docs").pml == replaced:
+        if httpx.get(second.url + "/v1/schemas/docs").json()["num_tokens"] == new_tokens:
             break
         time.sleep(0.1)
     assert second.app.state.service.runtime.get_schema("docs").pml == replaced
@@ -125,27 +126,19 @@ def test_long_prompt_placement_and_health_stay_fast(live_server):
         plan = server.app.state.service.plan(prompt)
         seconds.append(time.perf_counter() - started)
     assert min(seconds) < 1.0 and len(plan.new_runs) > 8000
-    latencies = []
-    stop = threading.Event()
-
-    def poll():
-        while not stop.is_set():
-            began = time.perf_counter()
-            httpx.get(server.url + "/health")
-            latencies.append(time.perf_counter() - began)
-
-    poller = threading.Thread(target=poll)
-    poller.start()
+    poller = subprocess.Popen([sys.executable, "-m", "tests.server.health_poller", server.url],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert poller.stdout.readline().strip() == "ready"
     try:
         httpx.post(server.url + "/v1/generate",
                    json={"prompt": prompt, "max_tokens": 1}, timeout=60)
         httpx.post(server.url + "/v1/completions", json={"prompt": "word " * 1500, "max_tokens": 2}, timeout=60)
     finally:
-        stop.set()
-        poller.join()
-    # The target is < 100 ms; on a shared 2-core CI runner one scheduler hiccup is tolerated, not a stall.
+        out, _ = poller.communicate("stop\n", timeout=30)
+    latencies = json.loads(out)
+    # Target < 100 ms at p95; on a shared 2-core CI runner one scheduler hiccup is tolerated, not a stall.
     latencies.sort()
-    assert len(latencies) >= 5
+    assert len(latencies) >= 10
     assert latencies[int(0.95 * len(latencies))] < 0.1 and latencies[-1] < 0.5
 
 
