@@ -5,8 +5,9 @@
 Over HTTP against `promptcache serve` (default SmolLM2, CPU): 4 clients stream long generations
 (ignore_eos); the client records the gap between consecutive streamed tokens. Phases, each while the
 4 streams run: `unloaded` (nothing else), `schema_upload` (a schema of ~4K tokens is uploaded, its
-modules encoded), `long_prompt` (a ~4K-token plain prompt is sent). Servers, same run: `chunked_N`
-for each N in `--chunks` (prompt and encoding tokens advance N at a time between decode steps) and
+modules encoded), `long_prompt` (a ~4K-token plain prompt is sent). Servers, same run: `adaptive`
+(default settings: prompt and encoding tokens share decode steps, as many a step as keep it within
+`--max-step-slowdown` decode steps), `fixed_N` for each N in `--fixed-chunks` (N tokens a step) and
 `unchunked` (chunks as large as the whole input: what a server without chunked prefill does). Per
 phase: p50/p99/max gap and how long the action took; JSON lines and a PNG.
 """
@@ -73,12 +74,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096, help="size of the schema and of the long prompt")
     parser.add_argument("--unloaded-s", type=float, default=15.0)
-    parser.add_argument("--chunks", default="64",
-                        help="comma-separated --max-prefill-tokens values, one chunked server each")
+    parser.add_argument("--fixed-chunks", default="64",
+                        help="comma-separated fixed chunk sizes, one more server each (empty: none)")
     parser.add_argument("--out", type=Path, default=RESULTS / "stalls.jsonl")
     args = parser.parse_args()
-    servers = [(f"chunked_{c}", ["--max-prefill-tokens", c]) for c in args.chunks.split(",")]
-    servers.append(("unchunked", ["--max-prefill-tokens", "1000000", "--max-prefill-tokens-alone", "1000000"]))
+    servers = [("adaptive", [])]
+    servers += [(f"fixed_{c}", ["--max-step-slowdown", "0", "--max-prefill-tokens", c])
+                for c in args.fixed_chunks.split(",") if c]
+    servers.append(("unchunked", ["--max-step-slowdown", "0", "--max-prefill-tokens", "1000000",
+                                  "--max-prefill-tokens-alone", "1000000"]))
     work = build(doc_repeats=20)
     text = work.document  # ~4K tokens of prose with SmolLM2's tokenizer at 20 documents
     docs = text.split("\n\n")

@@ -22,7 +22,13 @@ def main(argv: list[str] | None = None) -> int:
                        help="turn off automatic prefix reuse (plain, chat and PML new text)")
     serve.add_argument("--prefix-block-size", type=int, help="tokens per automatic prefix block (default 32)")
     serve.add_argument("--max-prefill-tokens", type=int,
-                       help="prompt/encoding tokens per step while other sequences decode (default 64)")
+                       help="at most this many prompt/encoding tokens per step while other sequences decode "
+                            "(default 256)")
+    serve.add_argument("--min-prefill-tokens", type=int,
+                       help="at least this many prompt/encoding tokens per step while others decode (default 8)")
+    serve.add_argument("--max-step-slowdown", type=float,
+                       help="while sequences decode, feed as many prompt tokens as keep a step within this many "
+                            "decode steps (learned from step times; default 1.6; 0: always --max-prefill-tokens)")
     serve.add_argument("--max-prefill-tokens-alone", type=int,
                        help="prompt/encoding tokens per step when nothing decodes (default 4096)")
     serve.add_argument("--fidelity", choices=["fast", "balanced", "exact"],
@@ -58,6 +64,8 @@ def _settings(args: argparse.Namespace):
         "fidelity": getattr(args, "fidelity", None),
         "max_prefill_tokens": getattr(args, "max_prefill_tokens", None),
         "max_prefill_tokens_alone": getattr(args, "max_prefill_tokens_alone", None),
+        "min_prefill_tokens": getattr(args, "min_prefill_tokens", None),
+        "max_step_slowdown": getattr(args, "max_step_slowdown", None),
     }.items() if v is not None}
     return ServerSettings(**overrides)
 

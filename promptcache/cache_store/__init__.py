@@ -19,7 +19,7 @@ from promptcache.cache_store.fetch_policy import FetchPolicy
 from promptcache.cache_store.keys import chain_root, make_kv_key
 from promptcache.cache_store.memory_tier import MemoryTier
 from promptcache.cache_store.redis_tier import RedisTier
-from promptcache.cache_store.schema_registry import SchemaRegistry, StoredSchema
+from promptcache.cache_store.schema_registry import RegistryState, SchemaRegistry, StoredSchema
 from promptcache.cache_store.serialization import dumps, loads
 from promptcache.cache_store.store import StoreStats, TieredStore, TierStats
 from promptcache.cache_store.tier import BlockKind, Eviction, Tier, TierHit, TierUsage
@@ -27,7 +27,7 @@ from promptcache.cache_store.tier import BlockKind, Eviction, Tier, TierHit, Tie
 __all__ = [
     "BlockIndex", "BlockIndexConfig", "BlockKind", "BlockMismatchError", "CacheStoreError", "CapacityError", "CorruptBlockError", "DiskTier",
     "Eviction", "FetchPolicy", "KVBlock", "Link", "Match", "MemoryTier", "RedisTier", "RegistryUnavailableError",
-    "SchemaExistsError", "SchemaRegistry", "StoreConfig", "StoreStats", "StoredSchema", "Tier", "TierHit",
+    "RegistryState", "SchemaExistsError", "SchemaRegistry", "StoreConfig", "StoreStats", "StoredSchema", "Tier", "TierHit",
     "TierStats", "TierUsage", "TieredStore", "build_store", "chain_root", "dumps", "loads",
     "make_kv_key",
 ]

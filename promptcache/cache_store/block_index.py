@@ -14,6 +14,7 @@ Knows nothing about requests: it sees token ids, positions, and a function that 
 from __future__ import annotations
 
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,11 +32,11 @@ KVGather = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 @dataclass(frozen=True, slots=True)
 class BlockIndexConfig:
     """`block_size` tokens per block; `ttl_s` bounds how long an unused block lives (None: LRU only);
-    `max_children` bounds the in-memory map used for partial-block reuse."""
+    `max_children` bounds the in-memory map used for partial-block reuse (~0.8 KB per block of 32)."""
 
     block_size: int = 32
     ttl_s: float | None = None
-    max_children: int = 200_000
+    max_children: int = 65_536
 
     def __post_init__(self) -> None:
         if not 1 <= self.block_size <= 4096:
@@ -83,9 +84,11 @@ class BlockIndex:
         self.model_fingerprint = model_fingerprint
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.bytes_per_token = bytes_per_token
-        # parent key -> {child key: (token ids, position ids)}, parents in LRU order. Local to this
-        # process: only partial-block reuse needs it; full blocks are found by key in any tier.
-        self._children: OrderedDict[str, dict[str, tuple[tuple[int, ...], tuple[int, ...]]]] = OrderedDict()
+        # parent key -> {child key: packed (token id, position) pairs}, parents in LRU order. Local to
+        # this process: only partial-block reuse needs it; full blocks are found by key in any tier.
+        # Packed, not tuples of ints: a pair of tuples cost ~3 KB per block, which at 64K blocks was
+        # most of the server's growth under many distinct prompts (benchmarks/prefix_memory.py).
+        self._children: OrderedDict[str, dict[str, bytes]] = OrderedDict()
         self._num_children = 0
         self._lock = threading.Lock()
 
@@ -193,12 +196,14 @@ class BlockIndex:
             if not children:
                 return None
             self._children.move_to_end(parent)
-            best: tuple[str, int] | None = None
-            for key, (child_ids, child_pos) in children.items():
-                common = _common_prefix(child_ids, child_pos, ids, pos)
-                if common and (best is None or common > best[1]):
-                    best = (key, common)
-            return best
+            candidates = list(children.items())
+        ours = _pack(ids, pos)
+        best: tuple[str, int] | None = None
+        for key, packed in candidates:
+            common = _common_prefix(packed, ours)
+            if common and (best is None or common > best[1]):
+                best = (key, common)
+        return best
 
     def _remember(self, parent: str, key: str, ids: tuple[int, ...], pos: tuple[int, ...]) -> None:
         if self.config.max_children == 0:
@@ -207,7 +212,7 @@ class BlockIndex:
             children = self._children.setdefault(parent, {})
             self._children.move_to_end(parent)
             if key not in children:
-                children[key] = (ids, pos)
+                children[key] = _pack(ids, pos)
                 self._num_children += 1
             while self._num_children > self.config.max_children:
                 _, dropped = self._children.popitem(last=False)
@@ -219,10 +224,21 @@ def _family(parent: str, salt: str | None) -> str:
     return parent if salt is None else f"{parent}/{salt}"
 
 
-def _common_prefix(a_ids: Sequence[int], a_pos: Sequence[int], b_ids: Sequence[int], b_pos: Sequence[int]) -> int:
-    n = 0
-    for ai, ap, bi, bp in zip(a_ids, a_pos, b_ids, b_pos):
-        if ai != bi or ap != bp:
-            break
-        n += 1
-    return n
+def _pack(ids: Sequence[int], pos: Sequence[int]) -> bytes:
+    """Token ids and positions as interleaved int32 pairs: id0, pos0, id1, pos1, ..."""
+    pairs = array("i", bytes(8 * len(ids)))
+    pairs[0::2], pairs[1::2] = array("i", ids), array("i", pos)
+    return pairs.tobytes()
+
+
+def _common_prefix(a: bytes, b: bytes) -> int:
+    """How many leading (id, position) pairs two packed blocks share: a binary search over prefix
+    equality (each test one memcmp)."""
+    low, high = 0, min(len(a), len(b)) // 8  # a[:8*low] == b[:8*low] holds; find the largest such low
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:8 * mid] == b[:8 * mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low

@@ -29,14 +29,19 @@ class SchemaRegistry:
 
     `save` raises SchemaExistsError for a taken name (unless overwrite) and RegistryUnavailableError
     when Redis cannot be written; `load`/`list` fall back to what this process knows, with a warning.
-    `versions` (one Redis call) lets replicas notice deletes and replacements made elsewhere.
+    `state` (one Redis round trip) lets replicas notice deletes and replacements made elsewhere. A delete
+    leaves a tombstone for `tombstone_s`, so a follower can tell a schema someone deleted from one Redis
+    lost (a restart without persistence, a flush): only the first is dropped; the second is `restore`d.
     """
 
-    def __init__(self, redis_url: str | None = None, *, namespace: str = "default", timeout_s: float = 0.5) -> None:
+    def __init__(self, redis_url: str | None = None, *, namespace: str = "default", timeout_s: float = 0.5,
+                 tombstone_s: float = 3600.0) -> None:
         self._local: dict[str, StoredSchema] = {}
         self._lock = threading.Lock()
         self._prefix = f"promptcache:{namespace}:schema:"
         self._index = f"promptcache:{namespace}:schemas"  # hash: name -> version
+        self._deleted = f"promptcache:{namespace}:schemas_deleted"  # sorted set: name by deletion time
+        self._tombstone_s = tombstone_s
         self._client = None
         if redis_url:
             self._client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
@@ -50,7 +55,10 @@ class SchemaRegistry:
             try:
                 if not self._client.set(self._prefix + name, value, nx=not overwrite):
                     raise SchemaExistsError(f"schema {name!r} already exists")
-                self._client.hset(self._index, name, stored.version)
+                pipe = self._client.pipeline(transaction=True)
+                pipe.hset(self._index, name, stored.version)
+                pipe.zrem(self._deleted, name)
+                pipe.execute()
             except redis.RedisError as exc:
                 raise RegistryUnavailableError(f"cannot save schema {name!r} to Redis: {exc}") from None
         with self._lock:
@@ -95,6 +103,9 @@ class SchemaRegistry:
                 pipe = self._client.pipeline(transaction=True)
                 pipe.delete(self._prefix + name)
                 pipe.hdel(self._index, name)
+                now = time.time()
+                pipe.zadd(self._deleted, {name: now})
+                pipe.zremrangebyscore(self._deleted, "-inf", now - self._tombstone_s)
                 removed = bool(pipe.execute()[0])
             except redis.RedisError as exc:
                 raise RegistryUnavailableError(f"cannot delete schema {name!r} from Redis: {exc}") from None
@@ -102,18 +113,47 @@ class SchemaRegistry:
             removed = self._local.pop(name, None) is not None or removed
         return removed
 
+    def restore(self, stored: StoredSchema) -> bool:
+        """Write back a schema the shared registry lost, with its version (so replicas that serve it see
+        no change), unless the name is taken meanwhile. True if written."""
+        if self._client is None:
+            return False
+        value = json.dumps({"name": stored.name, "pml_text": stored.pml_text, "metadata": stored.metadata,
+                            "created_at": stored.created_at, "version": stored.version})
+        try:
+            if not self._client.set(self._prefix + stored.name, value, nx=True):
+                return False
+            self._client.hset(self._index, stored.name, stored.version)
+        except redis.RedisError as exc:
+            logger.warning("cannot restore schema %r to the registry (%s)", stored.name, exc)
+            return False
+        with self._lock:
+            self._local[stored.name] = stored
+        return True
 
-    def versions(self) -> dict[str, str] | None:
-        """Name -> version of every stored schema, or None when there is no shared registry (or it
-        cannot be reached: then nobody can have changed it through it either)."""
+    def state(self) -> RegistryState | None:
+        """Versions and recent deletes of the shared registry, or None when there is none (or it cannot be
+        reached: then nobody can have changed it through it either)."""
         if self._client is None:
             return None
         try:
-            raw = self._client.hgetall(self._index)
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hgetall(self._index)
+            pipe.zrange(self._deleted, 0, -1)
+            versions, deleted = pipe.execute()
         except redis.RedisError as exc:
             logger.warning("schema registry unavailable (%s); keeping this process's schemas", exc)
             return None
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        return RegistryState({k.decode(): v.decode() for k, v in versions.items()},
+                             frozenset(name.decode() for name in deleted))
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryState:
+    """What replicas follow: name -> version of every stored schema, and names deleted recently."""
+
+    versions: dict[str, str]
+    deleted: frozenset[str]
 
 
 def _decode(raw: bytes) -> StoredSchema:

@@ -11,11 +11,19 @@ import logging
 from collections.abc import AsyncIterator
 from importlib import resources
 
-from promptcache.cache_store import BlockIndexConfig, SchemaRegistry, StoreConfig, StoredSchema, build_store
+from promptcache.cache_store import (
+    BlockIndexConfig,
+    RegistryState,
+    SchemaRegistry,
+    StoreConfig,
+    StoredSchema,
+    build_store,
+)
 from promptcache.model_runtime import LoadedModel, ModelRuntime, SamplingParams
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, ReusePlan, TokenEvent
 from promptcache.pml import PmlLimits, PromptPlan, Schema, UnknownSchemaError, token_plan
 from promptcache.server.errors import SchemaExistsError, SchemaNotFoundError, SchemaTooLongError
+from promptcache.server.heap import trim_heap_every
 from promptcache.server.metrics import Metrics, engine_families, store_families
 from promptcache.server.settings import ServerSettings
 
@@ -43,21 +51,24 @@ class PromptService:
         self.engine = Engine(self.runtime.module_encoder, EngineConfig(
             max_num_seqs=settings.max_num_seqs, max_kv_bytes=settings.max_kv_bytes,
             attention_backend=settings.attention_backend, prefix=prefix, fidelity=self.fidelity(None),
-            max_prefill_tokens=settings.max_prefill_tokens, max_prefill_tokens_alone=settings.max_prefill_tokens_alone))
+            max_prefill_tokens=settings.max_prefill_tokens, max_prefill_tokens_alone=settings.max_prefill_tokens_alone,
+            min_prefill_tokens=settings.min_prefill_tokens, max_step_slowdown=settings.max_step_slowdown or None))
         self.metrics = Metrics(self.model_name)
         self.metrics.add_source(lambda: engine_families(self.engine, self.runtime.module_encoder, self.model_name))
         self.metrics.add_source(lambda: store_families(self.store))
         self.runtime.add_schema(self.runtime.parse_schema(f'<schema name="{PLAIN_SCHEMA}"/>'), encode=False)
         self.encode_ms: dict[str, float] = {}
         self._versions: dict[str, str] = {}  # schema name -> registry version this process serves
-        self._sync_task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         """Start the engine, adopt schemas persisted in the registry, preload the bundled examples."""
         self.engine.start()
         for stored in self.registry.list():
             self._adopt(stored)
-        self._sync_task = asyncio.create_task(self._follow_registry())
+        self._tasks.append(asyncio.create_task(self._follow_registry()))
+        if self.settings.heap_trim_s > 0:
+            self._tasks.append(asyncio.create_task(trim_heap_every(self.settings.heap_trim_s)))
         if self.settings.preload_examples:
             for example in sorted(resources.files("promptcache.examples").iterdir(), key=lambda p: p.name):
                 if example.name.endswith(".pml"):
@@ -66,8 +77,8 @@ class PromptService:
                         await self.create_schema(example.read_text())
 
     def close(self) -> None:
-        if self._sync_task is not None:
-            self._sync_task.cancel()
+        for task in self._tasks:
+            task.cancel()
         self.engine.stop()
         self.store.close()
 
@@ -139,28 +150,35 @@ class PromptService:
         return schema
 
     async def _follow_registry(self) -> None:
-        """Every `registry_poll_s`, drop schemas another replica deleted and adopt ones it replaced."""
+        """Every `registry_poll_s`, drop schemas another replica deleted, adopt ones it replaced, and
+        write back ones the shared registry lost."""
         while True:
             await asyncio.sleep(self.settings.registry_poll_s)
             try:
-                versions = await asyncio.to_thread(self.registry.versions)
-                if versions is not None:
-                    await asyncio.to_thread(self._apply_versions, versions)
+                state = await asyncio.to_thread(self.registry.state)
+                if state is not None:
+                    await asyncio.to_thread(self._apply_state, state)
             except Exception:  # keep following: a bad registry entry must not stop this loop
                 logger.exception("following the schema registry failed")
 
-    def _apply_versions(self, versions: dict[str, str]) -> None:
+    def _apply_state(self, state: RegistryState) -> None:
         for name, version in list(self._versions.items()):
-            if versions.get(name) == version:
+            if state.versions.get(name) == version:
                 continue
-            # `versions` may predate a re-upload this process adopted meanwhile: read the entry itself.
+            # `state` may predate a re-upload this process adopted meanwhile: read the entry itself.
             stored = self.registry.load(name)
-            if stored is None:
+            if stored is not None:
+                if stored.version != self._versions.get(name):
+                    self._adopt(stored)
+            elif name in state.deleted:
                 self.runtime.remove_schema(name)
                 self._versions.pop(name, None)
                 self.encode_ms.pop(name, None)
-            elif stored.version != self._versions.get(name):
-                self._adopt(stored)
+            else:  # gone without a delete: Redis lost it (restart without persistence, flush)
+                schema = self.runtime.get_schema(name)
+                if schema is not None and self.registry.restore(StoredSchema(
+                        name, schema.pml, {"num_tokens": schema.num_positions}, version=version)):
+                    logger.warning("schema %r was missing from the shared registry; restored it", name)
 
     # -- prompts -----------------------------------------------------------------------------------
     def plan(self, prompt: str, *, isolated: bool = False) -> PromptPlan:

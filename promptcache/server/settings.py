@@ -30,7 +30,10 @@ class ServerSettings(BaseSettings):
     disk_max_bytes: int = 16 << 30
     max_num_seqs: int = 64
     max_kv_bytes: int = 2 << 30
-    max_prefill_tokens: int = Field(64, ge=1, description="prompt/encoding tokens per step while others decode")
+    max_prefill_tokens: int = Field(256, ge=1, description="most prompt/encoding tokens a step while others decode")
+    min_prefill_tokens: int = Field(8, ge=1, description="least prompt/encoding tokens a step while others decode")
+    max_step_slowdown: float = Field(1.6, ge=0, description="a step with prompt tokens costs at most this many "
+                                                           "decode-only steps (learned); 0: fixed chunks")
     max_prefill_tokens_alone: int = Field(4096, ge=1, description="prompt/encoding tokens per step otherwise")
     attention_backend: str = "auto"
     max_request_bytes: int = 2 << 20
@@ -45,6 +48,8 @@ class ServerSettings(BaseSettings):
                                       description="balanced mode: tokens recomputed at the start of each "
                                                   "module reused outside its encoding context")
     registry_poll_s: float = Field(1.0, gt=0, description="how often replicas check the shared schema registry")
+    heap_trim_s: float = Field(5.0, ge=0, description="how often freed heap memory is returned to the OS "
+                                                     "(glibc malloc_trim); 0: never")
     preload_examples: bool = True
     model_cache_dir: str | None = None
 

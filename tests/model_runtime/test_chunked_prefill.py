@@ -81,3 +81,63 @@ def test_schema_and_missing_modules_encode_in_engine_steps_with_the_same_kv():
         assert runtime.module_encoder.num_encoded_segments > before
     finally:
         engine.stop()
+
+
+def _encode_while_decoding(fail_fused_once: bool):
+    """Upload SCHEMA while 3 prompts decode; returns (decoded tokens, their oracle, max KV difference
+    against a one-pass encoding, number of forward passes, number of steps)."""
+    loaded = _tiny_loaded("llama", torch.float32)
+    reference = ModelRuntime(loaded, build_store(StoreConfig()))
+    reference.add_schema(reference.parse_schema(SCHEMA))
+    runtime = ModelRuntime(loaded, build_store(StoreConfig()))
+    runtime.add_schema(runtime.parse_schema('<schema name="plain"/>'), encode=False)
+    plans = [token_plan(runtime.get_schema("plain"), tuple(loaded.tokenizer.encode(text, add_special_tokens=False)))
+             for text in ("Once upon a time", "The sea was calm", "Numbers: one two")]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    engine = Engine(runtime.module_encoder, EngineConfig(prefix=None, max_prefill_tokens=4))
+    passes, failed = [], []
+    run = engine.runner.run
+
+    def counted(seqs):
+        passes.append(len(seqs))
+        if fail_fused_once and not failed and len(seqs) > 1 and any(s.request is None for s in seqs):
+            failed.append(True)
+            raise RuntimeError("injected failure of a pass that carries an encoding chunk")
+        return run(seqs)
+
+    engine.runner.run = counted
+    schema = runtime.parse_schema(SCHEMA)
+
+    async def main():
+        decoding = [asyncio.create_task(_tokens(engine, plan, params)) for plan in plans]
+        await asyncio.sleep(0.05)
+        passes.clear()
+        steps = engine.num_steps
+        await asyncio.wrap_future(engine.encode_schema(schema))
+        return await asyncio.gather(*decoding), list(passes), engine.num_steps - steps
+
+    try:
+        tokens, seen, steps = asyncio.run(main())
+    finally:
+        engine.stop()
+    difference = 0.0
+    for segment_id, context_ids in runtime.module_encoder.schema_jobs(schema):
+        key = runtime.module_encoder.key(schema, segment_id, context_ids, None)
+        ours, theirs = runtime.module_encoder.store.get(key)[0], reference.module_encoder.store.get(key)[0]
+        difference = max(difference, (ours.keys - theirs.keys).abs().max().item())
+    oracle = [list(runtime.generate(plan, params).token_ids) for plan in plans]
+    return tokens, oracle, difference, seen, steps, bool(failed)
+
+
+def test_an_encoding_chunk_shares_the_decode_pass():
+    tokens, oracle, difference, passes, steps, _ = _encode_while_decoding(fail_fused_once=False)
+    assert tokens == oracle and difference <= 1e-5
+    # One forward pass per step, carrying the decoding sequences and the encoding chunk together
+    # (counted from another thread: a step may fall between the two reads).
+    assert steps > 3 and abs(len(passes) - steps) <= 1 and max(passes) == 4
+
+
+def test_a_failed_shared_pass_reruns_the_encoding_and_the_sequences_alone():
+    tokens, oracle, difference, passes, _, failed = _encode_while_decoding(fail_fused_once=True)
+    assert failed and tokens == oracle and difference <= 1e-5
+    assert passes[:5] == [4, 1, 1, 1, 1]  # the failed pass, then the encoding chunk and each sequence alone

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+import redis
 
 from tests.model_factories import make_test_tokenizer, make_tiny_model
 from tests.server.test_api import PROMPT, SCHEMA
@@ -92,6 +93,21 @@ def test_replicas_learn_deletes_and_replacements(live_server, redis_server):
     httpx.delete(first.url + "/v1/schemas/docs").raise_for_status()
     time.sleep(1.0)
     assert httpx.post(second.url + "/v1/generate", json={"prompt": PROMPT, "max_tokens": 1}).status_code == 404
+
+
+def test_a_registry_that_lost_its_data_is_restored_not_followed(live_server, redis_server):
+    """Redis restarting without persistence looks like every schema deleted; only a real delete (which
+    leaves a tombstone) may drop a schema. The replica keeps serving and writes the schema back."""
+    first = live_server(redis_url=redis_server.url, registry_poll_s=0.2)
+    httpx.post(first.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    redis.Redis.from_url(redis_server.url).flushall()
+    time.sleep(1.0)
+    assert httpx.post(first.url + "/v1/generate", json={"prompt": PROMPT, "max_tokens": 1}).status_code == 200
+    second = live_server(redis_url=redis_server.url)  # starts after the loss: learns the schema from Redis
+    assert httpx.post(second.url + "/v1/generate", json={"prompt": PROMPT, "max_tokens": 1}).status_code == 200
+    assert httpx.delete(second.url + "/v1/schemas/docs").status_code == 204
+    time.sleep(1.0)
+    assert httpx.post(first.url + "/v1/generate", json={"prompt": PROMPT, "max_tokens": 1}).status_code == 404
 
 
 def test_unsplittable_chat_template_still_serves(live_server):

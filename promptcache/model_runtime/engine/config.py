@@ -16,8 +16,10 @@ class EngineConfig:
     tokens plus room for `max_tokens`) and, once each, every shared module or prefix block it references.
     `prefix` configures automatic prefix reuse (design.md §4a); None turns it off. `fidelity` is the
     mode of requests that name none (design.md §4b). Prompt prefills and module encodings advance
-    in chunks: at most `max_prefill_tokens` tokens a step while any sequence decodes (the stall a
-    long prompt may cause every stream), `max_prefill_tokens_alone` when nothing decodes.
+    in chunks: `max_prefill_tokens_alone` tokens a step when nothing decodes; while something decodes,
+    as many as keep a step within `max_step_slowdown` times a decode-only step (learned from step
+    times, engine/step_budget.py), between `min_prefill_tokens` (capped at `max_prefill_tokens`) and
+    `max_prefill_tokens`. With `max_step_slowdown` None, always `max_prefill_tokens`.
     """
 
     max_num_seqs: int = 64
@@ -26,16 +28,21 @@ class EngineConfig:
     idle_wait_s: float = 0.05
     prefix: BlockIndexConfig | None = field(default_factory=BlockIndexConfig)
     fidelity: Fidelity = field(default_factory=Fidelity)
-    max_prefill_tokens: int = 64
+    max_prefill_tokens: int = 256
     max_prefill_tokens_alone: int = 4096
+    min_prefill_tokens: int = 8
+    max_step_slowdown: float | None = 1.6
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_kv_bytes < 1:
             raise ValueError(f"max_kv_bytes must be >= 1, got {self.max_kv_bytes}")
-        if not 1 <= self.max_prefill_tokens <= self.max_prefill_tokens_alone:
-            raise ValueError(f"need 1 <= max_prefill_tokens <= max_prefill_tokens_alone, got "
-                             f"{self.max_prefill_tokens} and {self.max_prefill_tokens_alone}")
+        if not 1 <= self.max_prefill_tokens <= self.max_prefill_tokens_alone or self.min_prefill_tokens < 1:
+            raise ValueError(f"need 1 <= max_prefill_tokens <= max_prefill_tokens_alone and min_prefill_tokens >= 1, "
+                             f"got {self.max_prefill_tokens}, {self.max_prefill_tokens_alone} and "
+                             f"{self.min_prefill_tokens}")
+        if self.max_step_slowdown is not None and self.max_step_slowdown <= 1.0:
+            raise ValueError(f"max_step_slowdown must be > 1 or None, got {self.max_step_slowdown}")
         if self.attention_backend not in ("auto", "fused_cpu", "matmul", "flash"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")

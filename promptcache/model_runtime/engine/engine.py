@@ -16,7 +16,7 @@ from promptcache.cache_store import BlockIndex
 from promptcache.model_runtime.engine.config import EngineConfig
 from promptcache.model_runtime.engine.encoding import EncodeQueue
 from promptcache.model_runtime.engine.prefix import PrefixReuse
-from promptcache.model_runtime.engine.request import Request, TokenEvent
+from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequence, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan, resolve
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.engine.scheduler import Scheduler
@@ -166,26 +166,38 @@ class Engine:
         self.scheduler.encodes_needed.clear()
         encoding = self.encodes.next_chunk(budget)
         if batch or encoding is not None:
+            fed = [s for s in batch if s.status == SeqStatus.PREFILL] + ([encoding] if encoding is not None else [])
+            num_fed = sum(s.step_len or len(s.pending_ids) for s in fed)
+            num_decoding = sum(1 for s in batch if s.status != SeqStatus.PREFILL)
             started = time.perf_counter()
-            if encoding is not None:
-                self._encode_step(encoding)
-            batch, logits = self._run(batch, events) if batch else ([], torch.empty(0))
+            batch, logits = self._run(batch, encoding, events)
+            step_ms = (time.perf_counter() - started) * 1e3
             if batch:
-                events += self.scheduler.postprocess(batch, logits, (time.perf_counter() - started) * 1e3)
+                events += self.scheduler.postprocess(batch, logits, step_ms)
+            self.scheduler.step_budget.observe(num_decoding, num_fed, step_ms)
             self.num_steps += 1
         events += self._settle_encodes()
         for event in events:
             self._deliver(event)
         self._store_prefixes()
 
-    def _run(self, batch: list, events: list[TokenEvent]) -> tuple[list, torch.Tensor]:
-        """One forward pass for the batch. If it fails, each sequence runs alone, so a request that
-        breaks the model fails by itself (its KV slots are rewritten: a sequence's own length only
-        advances after a successful pass)."""
+    def _run(self, batch: list, encoding: Sequence | None, events: list[TokenEvent]) -> tuple[list, torch.Tensor]:
+        """One forward pass for the batch and the module-encoding chunk (if any; one pass, not two, so a
+        schema upload costs streams only its tokens). If the pass fails, the encoding chunk runs alone
+        (a failure fails only its waiters) and each sequence runs alone, so a request that breaks the
+        model fails by itself (its KV slots are rewritten: a sequence's own length only advances after
+        a successful pass). Returns the sequences that ran and their logits [len, vocab]."""
+        started = time.perf_counter()
         try:
-            return batch, self.runner.run(batch)
+            logits = self.runner.run([*batch, encoding] if encoding is not None else batch)
         except Exception:
             logger.warning("a batch step failed; running its %d sequences one by one", len(batch), exc_info=True)
+        else:
+            if encoding is not None:
+                self.encodes.after_step(time.perf_counter() - started)
+            return batch, logits[: len(batch)]
+        if encoding is not None:
+            self._encode_step(encoding)
         done = []
         for seq in batch:
             if seq.request.is_failed:
@@ -197,8 +209,8 @@ class Engine:
         done = [(seq, row) for seq, row in done if not seq.request.is_failed]
         return [seq for seq, _ in done], torch.stack([row for _, row in done]) if done else torch.empty(0)
 
-    def _encode_step(self, seq) -> None:
-        """One chunk of the active module encoding (its own pass: a failure fails only its waiters)."""
+    def _encode_step(self, seq: Sequence) -> None:
+        """The module-encoding chunk alone (after a failed shared pass): a failure fails only its waiters."""
         started = time.perf_counter()
         try:
             self.runner.run([seq])

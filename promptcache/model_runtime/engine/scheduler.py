@@ -18,6 +18,7 @@ from promptcache.model_runtime.engine.prefix import PrefixReuse
 from promptcache.model_runtime.engine.reports import failure_event, final_event, rejection_event
 from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequence, SharedKV, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import resolve
+from promptcache.model_runtime.engine.step_budget import StepBudget
 from promptcache.model_runtime.module_encoder import ModuleEncoder
 from promptcache.model_runtime.sampling import Sampler, token_logprobs
 
@@ -37,6 +38,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []
         self.memory = KVMemory(config.max_kv_bytes)
+        self.step_budget = StepBudget(min(config.min_prefill_tokens, config.max_prefill_tokens),
+                                      config.max_prefill_tokens, config.max_step_slowdown)
         self.bytes_per_token = loaded.kv_bytes_per_token
         self._seq_ids = itertools.count()
         self._reservations: dict[str, tuple[int, dict[str, int]]] = {}
@@ -61,14 +64,14 @@ class Scheduler:
         """Drop aborted work, admit waiting requests (FCFS), return the sequences to run now, the events
         so far, and the prefill budget left for module encoding.
 
-        Decoding sequences always run. Prefills are chunked: together they feed at most
-        `max_prefill_tokens` a step while anything decodes (so no stream stalls for a long prompt),
+        Decoding sequences always run. Prefills are chunked: together they feed at most the step
+        budget while anything decodes (so no stream stalls for a long prompt; `step_budget`),
         `max_prefill_tokens_alone` otherwise; a sequence's `step_len` says how many it feeds.
         """
         events = self._reap_aborted()
         self._admit(events)
         decoding = [s for s in self.running if s.pending_ids and s.status != SeqStatus.PREFILL]
-        budget = self.config.max_prefill_tokens if decoding else self.config.max_prefill_tokens_alone
+        budget = self.step_budget.tokens() if decoding else self.config.max_prefill_tokens_alone
         batch = list(decoding)
         for seq in self.running:
             if seq.status == SeqStatus.PREFILL and seq.pending_ids and budget > 0:

@@ -1,0 +1,65 @@
+"""StepBudget: how many prompt or encoding tokens a step may feed while other sequences decode.
+
+A step that also feeds prefill tokens delays every stream's next token by the tokens' compute. A fixed
+chunk size cannot bound that delay: the cost of a token against the cost of a decode step differs by
+machine, dtype, model and batch (on a 2-core CPU a 64-token chunk tripled the gap; on a GPU it is
+almost free). So the budget is learned online: the engine reports each step's duration, and the budget
+is the number of tokens whose measured marginal cost keeps a step within `max_slowdown` times a
+decode-only step — never below `min_tokens` (a long prompt must still progress), never above
+`max_tokens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_SMOOTHING = 0.2  # weight of the newest measurement in the moving averages
+
+
+@dataclass(slots=True)
+class StepBudget:
+    """Prefill tokens per step while sequences decode. Used only on the engine thread.
+
+    `max_slowdown` None turns learning off: the budget is always `max_tokens`.
+    """
+
+    min_tokens: int
+    max_tokens: int
+    max_slowdown: float | None
+    decode_ms: float | None = None  # moving average of a decode-only step
+    added_ms: float | None = None   # moving average of what prefill tokens added to a mixed step
+    fed: float | None = None        # moving average of the prefill tokens of a mixed step
+
+    @property
+    def token_ms(self) -> float | None:
+        """One prefill token's added cost: a ratio of averages, so a step that fed one token (whose
+        cost is lost in the noise) weighs little."""
+        if self.added_ms is None or not self.fed:
+            return None
+        return max(self.added_ms / self.fed, 1e-3)
+
+    def tokens(self) -> int:
+        """The budget for the next step that has decoding sequences."""
+        if self.max_slowdown is None:
+            return self.max_tokens
+        token_ms = self.token_ms
+        if self.decode_ms is None or token_ms is None:
+            return self.min_tokens  # nothing measured yet: start small, learn from it
+        allowed = int((self.max_slowdown - 1.0) * self.decode_ms / token_ms)
+        # At most double the chunks measured so far: one noisy step must not buy a huge chunk.
+        allowed = min(allowed, int(2 * max(self.fed or 0, self.min_tokens)))
+        return max(self.min_tokens, min(self.max_tokens, allowed))
+
+    def observe(self, num_decoding: int, num_prefill_tokens: int, step_ms: float) -> None:
+        """Account one step that ran `num_decoding` decode tokens and `num_prefill_tokens` others."""
+        if num_decoding == 0:
+            return  # nothing decoded: no stream waited, nothing to learn about the trade
+        if num_prefill_tokens == 0:
+            self.decode_ms = _average(self.decode_ms, step_ms)
+        elif self.decode_ms is not None:
+            self.added_ms = _average(self.added_ms, step_ms - self.decode_ms)
+            self.fed = _average(self.fed, num_prefill_tokens)
+
+
+def _average(current: float | None, sample: float) -> float:
+    return sample if current is None else (1 - _SMOOTHING) * current + _SMOOTHING * sample

@@ -1,0 +1,55 @@
+"""StepBudget: the prefill tokens a step may feed while streams decode, learned from step times."""
+
+from __future__ import annotations
+
+import pytest
+
+from promptcache.model_runtime.engine import EngineConfig
+from promptcache.model_runtime.engine.step_budget import StepBudget
+
+
+def test_the_budget_keeps_a_simulated_step_within_the_slowdown():
+    decode_ms, token_ms = 100.0, 10.0  # a machine where a prefill token costs a tenth of a decode step
+    budget = StepBudget(min_tokens=1, max_tokens=256, max_slowdown=1.6)
+    assert budget.tokens() == 1  # nothing measured: start small
+    for _ in range(30):
+        budget.observe(4, 0, decode_ms)
+        n = budget.tokens()
+        budget.observe(4, n, decode_ms + n * token_ms)
+    assert budget.tokens() == 6  # 0.6 decode steps of tokens at 10 ms each
+    assert decode_ms + budget.tokens() * token_ms <= 1.6 * decode_ms
+
+
+@pytest.mark.parametrize(("token_ms", "expected"), [(1e-4, 64), (500.0, 8)])
+def test_the_budget_stays_within_its_bounds(token_ms, expected):
+    budget = StepBudget(min_tokens=8, max_tokens=64, max_slowdown=2.0)
+    budget.observe(2, 0, 50.0)
+    for _ in range(10):
+        n = budget.tokens()
+        budget.observe(2, n, 50.0 + n * token_ms)
+    assert budget.tokens() == expected
+
+
+def test_one_noisy_step_neither_jumps_the_budget_nor_outweighs_the_big_steps():
+    budget = StepBudget(min_tokens=8, max_tokens=4096, max_slowdown=1.6)
+    budget.observe(4, 0, 150.0)
+    budget.observe(4, 8, 140.0)  # timing noise: the chunk looked free
+    assert budget.tokens() == 16  # at most double what was measured, not 4096
+    for _ in range(20):
+        n = budget.tokens()
+        budget.observe(4, n, 150.0 + 4.0 * n)  # 4 ms a token
+    settled = budget.tokens()
+    budget.observe(4, 1, 100.0)  # a one-token step that happened to be fast
+    assert settled == 22 and budget.tokens() >= settled - 2
+
+
+def test_steps_without_decoding_teach_nothing_and_no_slowdown_means_fixed_chunks():
+    budget = StepBudget(min_tokens=4, max_tokens=32, max_slowdown=1.5)
+    budget.observe(0, 4096, 9000.0)  # a prefill alone: no stream waited
+    assert budget.decode_ms is None and budget.token_ms is None and budget.tokens() == 4
+    assert StepBudget(min_tokens=4, max_tokens=32, max_slowdown=None).tokens() == 32
+
+
+def test_engine_config_rejects_a_slowdown_that_allows_no_prefill():
+    with pytest.raises(ValueError, match="max_step_slowdown"):
+        EngineConfig(max_step_slowdown=1.0)
