@@ -22,7 +22,13 @@ from promptcache.server.generation import (
     sse_error,
     wire_prefix,
 )
-from promptcache.server.openai_wire import ChatCompletionRequest, CompletionRequest, _OpenAIFields
+from promptcache.server.openai_wire import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _OpenAIFields,
+    chat_messages,
+    refused_fields,
+)
 from promptcache.server.service import PromptService
 from promptcache.server.state import Service
 
@@ -32,14 +38,12 @@ router = APIRouter(prefix="/v1")
 @router.get("/models")
 async def models(service: Service) -> dict:
     return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": 0,
-                                        "owned_by": "promptcache"}]}
+                                        "owned_by": "promptcache", "max_model_len": service.max_model_len}]}
 
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, service: Service):
     _refuse_unsupported(body)
-    if body.echo or body.suffix:
-        raise UnsupportedParameterError("echo and suffix are not supported")
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if len(prompts) != 1:
         raise UnsupportedParameterError("send one prompt per request (batching happens in the server)")
@@ -53,22 +57,11 @@ async def completions(body: CompletionRequest, service: Service):
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, service: Service):
     _refuse_unsupported(body)
-    if body.tools:
-        raise UnsupportedParameterError("tools are not supported")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise UnsupportedParameterError("only response_format type 'text' is supported")
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
     elif "max_tokens" not in body.model_fields_set:
         body.max_tokens = min(256, service.settings.max_tokens_limit)
-    messages = []
-    for index, message in enumerate(body.messages):
-        if not isinstance(message.content, (str, type(None))) and any(
-                part.get("type") != "text" for part in message.content or []):
-            raise UnsupportedParameterError(f"messages[{index}]: only text content parts are supported")
-        content = message.content if isinstance(message.content, str) else "".join(
-            part.get("text", "") for part in message.content or [] if part.get("type") == "text")
-        messages.append({"role": "system" if message.role == "developer" else message.role, "content": content})
+    messages = chat_messages(body.messages)
     if body.schema_name:
         plan = await asyncio.to_thread(service.plan, _chat_pml(body.schema_name, messages))
     else:
@@ -93,12 +86,9 @@ def _chat_pml(schema: str, messages: list[dict[str, str]]) -> str:
 
 
 def _refuse_unsupported(body: _OpenAIFields) -> None:
-    if body.logprobs not in (None, False, 0):
-        raise UnsupportedParameterError("logprobs are not supported")
-    if body.presence_penalty or body.frequency_penalty or body.logit_bias:
-        raise UnsupportedParameterError("presence/frequency penalties and logit_bias are not supported")
-    if body.best_of not in (None, 1):
-        raise UnsupportedParameterError("best_of is not supported")
+    refused = refused_fields(body)
+    if refused:
+        raise UnsupportedParameterError("; ".join(f"{field}: {reason}" for field, reason in refused))
 
 
 async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, prefix: str, obj: str, *, chat: bool):

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from promptcache.model_runtime import LoadedModel, ModelConfig, load_model
-from promptcache.server import api_native, api_openai, api_system
+from promptcache.server import api_native, api_openai, api_system, api_tokenizer
 from promptcache.server.errors import install_error_handlers
 from promptcache.server.guard import RequestGuard
 from promptcache.server.service import PromptService
@@ -55,6 +55,7 @@ def create_app(settings: ServerSettings | None = None, *,
     app.include_router(api_system.router)
     app.include_router(api_native.router)
     app.include_router(api_openai.router)
+    app.include_router(api_tokenizer.router)
     return app
 
 

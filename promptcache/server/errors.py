@@ -107,10 +107,18 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(status, kind, f"internal server error (id {error_id})")
 
     async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = []
+        parts, unknown = [], []
         for error in exc.errors():
             where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
-            parts.append(f"{where or 'body'}: {error.get('msg')}")
+            if error.get("type") == "extra_forbidden":
+                unknown.append(where)
+            else:
+                parts.append(f"{where or 'body'}: {error.get('msg')}")
+        if unknown and not parts:  # a field we do not know is a feature we do not have: never ignored
+            return error_response(400, "unsupported_parameter",
+                                  f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: not "
+                                  f"supported by this server (see docs/api.md for the fields each route takes)")
+        parts += [f"{where}: unknown field" for where in unknown]
         return error_response(422, "invalid_request", "; ".join(parts))
 
     async def http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -6,44 +6,143 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from promptcache.server.errors import UnsupportedParameterError
 from promptcache.server.wire import SamplingFields
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
 class _OpenAIFields(SamplingFields):
-    model_config = ConfigDict(extra="ignore")  # clients send informational fields (user, metadata, ...)
+    """Every field OpenAI defines for the route is declared; any other field is refused with a 400 naming
+    it (extra="forbid"), so nothing a client asks for is silently dropped. Fields we do not implement are
+    accepted only at values that ask for nothing (`NEUTRAL`)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int = Field(16, ge=1)
     stream_options: StreamOptions | None = None
-    # Accepted only at their neutral values; anything else is refused (never silently ignored).
+    user: str | None = Field(None, description="informational (end-user id); logged, changes nothing")
     logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
 
 
 class CompletionRequest(_OpenAIFields):
     prompt: str | list[str]
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(_OpenAIFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     schema_name: str | None = Field(None, alias="schema", description="PML schema whose modules messages import")
+    top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
     response_format: dict[str, Any] | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    web_search_options: Any = None
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Role/content dicts for the chat template: text parts joined, `developer` as `system`. Raises
+    UnsupportedParameterError for non-text content parts."""
+    rendered = []
+    for index, message in enumerate(messages):
+        if not isinstance(message.content, (str, type(None))) and any(
+                part.get("type") != "text" for part in message.content or []):
+            raise UnsupportedParameterError(f"messages[{index}]: only text content parts are supported")
+        content = message.content if isinstance(message.content, str) else "".join(
+            part.get("text", "") for part in message.content or [] if part.get("type") == "text")
+        rendered.append({"role": "system" if message.role == "developer" else message.role, "content": content})
+    return rendered
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): exactly one of `prompt` or `messages`."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = Field(True, description="False is refused: prompts are tokenized as the completion "
+                                                       "routes tokenize them")
+    add_generation_prompt: bool = Field(True, description="False is refused: chats are rendered for a reply")
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int] = Field(..., max_length=1 << 20)
+
+
+def _no(value: Any) -> bool:
+    return not value
+
+
+# field -> (the values that ask for nothing this server does not do, why other values are refused)
+NEUTRAL: dict[str, tuple[Any, str]] = {
+    "logprobs": (lambda v: v in (None, False, 0), "logprobs are not supported on this route yet (/v1/generate "
+                                                  "returns them)"),
+    "top_logprobs": (lambda v: v in (None, 0), "top_logprobs are not supported on this route yet"),
+    "presence_penalty": (_no, "presence_penalty is not supported"),
+    "frequency_penalty": (_no, "frequency_penalty is not supported"),
+    "logit_bias": (_no, "logit_bias is not supported"),
+    "best_of": (lambda v: v in (None, 1), "best_of > 1 is not supported"),
+    "echo": (_no, "echo is not supported"),
+    "suffix": (_no, "suffix (insertion) is not supported"),
+    "tools": (_no, "tools are not supported"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool_choice other than none/auto needs tools, "
+                                                           "which are not supported"),
+    "functions": (_no, "functions are not supported"),
+    "function_call": (lambda v: v in (None, "none", "auto"), "function_call needs functions, which are not "
+                                                             "supported"),
+    "response_format": (lambda v: v is None or v.get("type", "text") == "text",
+                        "only response_format type 'text' is supported"),
+    "audio": (lambda v: v is None, "audio output is not supported"),
+    "modalities": (lambda v: v in (None, ["text"]), "only the text modality is supported"),
+    "prediction": (lambda v: v is None, "predicted outputs are not supported"),
+    "reasoning_effort": (lambda v: v is None, "reasoning_effort is not supported (not a reasoning model)"),
+    "store": (lambda v: v in (None, False), "store is not supported (completions are never stored)"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), "only service_tier auto/default exists here"),
+    "web_search_options": (lambda v: v is None, "web search is not supported"),
+}
+
+
+def refused_fields(body: BaseModel) -> list[tuple[str, str]]:
+    """(field, reason) for every field the client set to a value this server does not implement."""
+    refused = []
+    for name in sorted(body.model_fields_set):
+        rule = NEUTRAL.get(name)
+        if rule is not None and not rule[0](getattr(body, name)):
+            refused.append((name, rule[1]))
+    if isinstance(body, ChatCompletionRequest):
+        refused += [(f"messages[{i}].name", "participant names are not supported")
+                    for i, m in enumerate(body.messages) if m.name]
+    return refused

@@ -206,6 +206,18 @@ class PromptService:
         """One token's text as the tokenizer decodes it alone (logprobs report tokens this way)."""
         return self.runtime.token_text(token_id)
 
+    @property
+    def max_model_len(self) -> int:
+        """Positions the model supports: prompt plus generated tokens."""
+        return self.runtime.loaded.max_positions
+
+    def tokenize(self, text: str | None = None, messages: list[dict[str, str]] | None = None) -> tuple[int, ...]:
+        """Token ids exactly as /v1/completions (`text`) or /v1/chat/completions (`messages`) would feed them."""
+        return self.runtime.tokenize_chat(messages) if messages is not None else self.runtime.tokenize_completion(text)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.runtime.detokenize(token_ids)
+
     def submit(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None, request_id: str,
                fidelity: Fidelity) -> AsyncIterator[TokenEvent]:
         return self.engine.submit(plan, params, cache_salt=cache_salt, request_id=request_id, fidelity=fidelity)

@@ -75,3 +75,41 @@ def test_openai_errors_map_to_sdk_exceptions(client):
     with pytest.raises(openai.NotFoundError):
         api.chat.completions.create(model="m", messages=[{"role": "user", "content": "<d1/>"}],
                                     extra_body={"schema": "missing"})
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted(client):
+    api, _ = client
+    chat = api.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0,
+        tool_choice="none", response_format={"type": "text"}, user="u-1", metadata={"k": "v"}, store=False,
+        modalities=["text"], service_tier="auto", logprobs=False)
+    assert chat.choices[0].message.role == "assistant"
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"store": True}, "store"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"extra_body": {"min_p": 0.1}}, "min_p"),            # a vLLM extension we do not implement
+    ({"extra_body": {"surprise": 1}}, "surprise"),        # a field nobody defines
+    ({"messages": [{"role": "user", "content": "Hi", "name": "bob"}]}, "name"),
+])
+def test_unimplemented_or_unknown_chat_fields_are_400_naming_the_field(client, kwargs, field):
+    api, _ = client
+    request = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **kwargs}
+    with pytest.raises(openai.BadRequestError) as raised:
+        api.chat.completions.create(**request)
+    assert raised.value.status_code == 400 and field in raised.value.message
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+])
+def test_unimplemented_or_unknown_completion_fields_are_400_naming_the_field(client, kwargs, field):
+    api, _ = client
+    with pytest.raises(openai.BadRequestError) as raised:
+        api.completions.create(model="tiny-llama", prompt="Hi", max_tokens=2, **kwargs)
+    assert raised.value.status_code == 400 and field in raised.value.message

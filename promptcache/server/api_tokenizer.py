@@ -1,0 +1,36 @@
+"""/tokenize and /detokenize in vLLM's shapes: the token ids the completion routes would feed the model."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter
+
+from promptcache.server.errors import UnsupportedParameterError
+from promptcache.server.openai_wire import DetokenizeRequest, TokenizeRequest, chat_messages
+from promptcache.server.state import Service
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, service: Service) -> dict:
+    if (body.prompt is None) == (body.messages is None):
+        raise UnsupportedParameterError("send exactly one of prompt or messages")
+    if not body.add_special_tokens:
+        raise UnsupportedParameterError("add_special_tokens=false is not supported: prompts are tokenized as "
+                                        "/v1/completions tokenizes them")
+    if not body.add_generation_prompt:
+        raise UnsupportedParameterError("add_generation_prompt=false is not supported: chats are rendered as "
+                                        "/v1/chat/completions renders them")
+    messages = chat_messages(body.messages) if body.messages is not None else None
+    tokens = await asyncio.to_thread(service.tokenize, body.prompt, messages)  # off the event loop
+    reply: dict = {"count": len(tokens), "max_model_len": service.max_model_len, "tokens": list(tokens)}
+    if body.return_token_strs:
+        reply["token_strs"] = [service.token_text(t) for t in tokens]
+    return reply
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, service: Service) -> dict:
+    return {"prompt": await asyncio.to_thread(service.detokenize, body.tokens)}
