@@ -20,8 +20,10 @@ from promptcache.server.generation import (
     sampling_params,
     sse,
     sse_error,
-    wire_prefix,
 )
+from promptcache.server.openai_batch import run_completions
+from promptcache.server.openai_logprobs import chat_logprobs, completion_logprobs
+from promptcache.server.openai_shapes import extension, finish_reason, usage
 from promptcache.server.openai_wire import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,14 +46,25 @@ async def models(service: Service) -> dict:
 @router.post("/completions")
 async def completions(body: CompletionRequest, service: Service):
     _refuse_unsupported(body)
-    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    if len(prompts) != 1:
-        raise UnsupportedParameterError("send one prompt per request (batching happens in the server)")
-    text = prompts[0]
-    # A PML document imports modules; anything else is plain text, tokenized verbatim (never XML).
+    prompts: list = [body.prompt] if isinstance(body.prompt, str) or (
+        body.prompt and isinstance(body.prompt[0], int)) else list(body.prompt)
+    if not prompts or any(not p for p in prompts):
+        raise UnsupportedParameterError("prompt: expected a non-empty text, list of texts, token ids or list of "
+                                        "token-id lists")
     # Parsing and tokenizing run off the event loop (a long prompt must not stall other clients).
-    plan = await asyncio.to_thread(service.plan if text.lstrip().startswith("<prompt") else service.plan_text, text)
-    return await _run(service, body, plan, "cmpl", "text_completion", chat=False)
+    plans = [await asyncio.to_thread(_completion_plan, service, p) for p in prompts]
+    if len(plans) == 1 and not body.echo:
+        return await _run(service, body, plans[0], "cmpl", "text_completion", chat=False)
+    echoes = [p if isinstance(p, str) else service.detokenize(p) for p in prompts] if body.echo else None
+    return await run_completions(service, body, plans, echoes)
+
+
+def _completion_plan(service: PromptService, prompt: str | list[int]) -> PromptPlan:
+    """Token ids as given; a PML document (it starts with `<prompt`) imports modules; any other text is
+    plain, tokenized verbatim (never XML)."""
+    if not isinstance(prompt, str):
+        return service.plan_tokens(prompt)
+    return service.plan(prompt) if prompt.lstrip().startswith("<prompt") else service.plan_text(prompt)
 
 
 @router.post("/chat/completions")
@@ -91,8 +104,16 @@ def _refuse_unsupported(body: _OpenAIFields) -> None:
         raise UnsupportedParameterError("; ".join(f"{field}: {reason}" for field, reason in refused))
 
 
+def _num_logprobs(body: _OpenAIFields) -> int | None:
+    """How many alternatives each token's logprobs carry; None when the request wants no logprobs."""
+    if isinstance(body, ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    assert isinstance(body, CompletionRequest)
+    return body.logprobs
+
+
 async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, prefix: str, obj: str, *, chat: bool):
-    params = sampling_params(body, service.settings.max_tokens_limit)
+    params = sampling_params(body, service.settings.max_tokens_limit, _num_logprobs(body))
     request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     events = service.submit(plan, params, body.cache_salt, request_id,
@@ -106,21 +127,27 @@ async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, pr
     record(service.metrics, outcome.final, outcome.finish_reasons)
     choices = []
     for index, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons)):
-        choice = {"index": index, "finish_reason": _reason(reason), "logprobs": None}
+        choice = {"index": index, "finish_reason": finish_reason(reason),
+                  "logprobs": _logprobs(outcome.events[index], service, chat) if params.logprobs is not None else None}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         choices.append(choice)
-    return {**head, "choices": choices, "usage": _usage(outcome.final),
-            "promptcache": _extension(outcome.final, plan)}
+    return {**head, "choices": choices, "usage": usage(outcome.final),
+            "promptcache": extension(outcome.final, plan)}
 
 
 async def _stream(service, events, head: dict, chat: bool, include_usage: bool, plan: PromptPlan):
     obj = head["object"] + (".chunk" if chat else "")
     started: set[int] = set()
     reasons: dict[int, str | None] = {}
+    offsets: dict[int, int] = {}  # per sample: characters of token text sent so far (completions' text_offset)
     try:
         async for event in events:
             raise_for_error(event)
-            choice: dict = {"index": event.index, "finish_reason": _reason(event.finish_reason), "logprobs": None}
+            logprobs = None
+            if event.logprobs is not None and event.token_id is not None:
+                logprobs = _logprobs([event], service, chat, offsets.get(event.index, 0))
+                offsets[event.index] = offsets.get(event.index, 0) + len(service.token_text(event.token_id))
+            choice: dict = {"index": event.index, "finish_reason": finish_reason(event.finish_reason), "logprobs": logprobs}
             if chat:
                 delta = {"content": event.text}
                 if event.index not in started:
@@ -135,30 +162,14 @@ async def _stream(service, events, head: dict, chat: bool, include_usage: bool, 
             if event.usage is not None:
                 record(service.metrics, event, list(reasons.values()))
                 if include_usage:
-                    yield sse({**head, "object": obj, "choices": [], "usage": _usage(event),
-                               "promptcache": _extension(event, plan)})
+                    yield sse({**head, "object": obj, "choices": [], "usage": usage(event),
+                               "promptcache": extension(event, plan)})
     except Exception as exc:
         yield sse_error(exc)
     yield DONE
 
 
-def _reason(reason: str | None) -> str | None:
-    return None if reason is None else ("stop" if reason == "abort" else reason)
-
-
-def _usage(final) -> dict:
-    u = final.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
-
-
-def _extension(final, plan: PromptPlan) -> dict:
-    prefix = wire_prefix(final)
-    return {"exact": bool(final.is_exact), "fidelity": final.fidelity,
-            "recomputed_tokens": final.usage.recomputed_tokens,
-            "approximations": [] if final.is_exact else list(plan.approximations),
-            "modules": [{"path": m.path, "num_tokens": m.num_tokens, "tier": m.tier,
-                         "recomputed_tokens": m.num_recomputed} for m in final.modules or ()],
-            "prefix": prefix.model_dump() if prefix is not None else None,
-            "timings": {"ttft_ms": round(final.timings.ttft_ms, 3), "total_ms": round(final.timings.total_ms, 3),
-                        "lookup_ms": round(final.timings.lookup_ms, 3)}}
+def _logprobs(events: list, service: PromptService, chat: bool, text_offset: int = 0) -> dict:
+    if chat:
+        return chat_logprobs(events, service.token_text)
+    return completion_logprobs(events, service.token_text, text_offset=text_offset)

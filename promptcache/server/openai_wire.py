@@ -26,14 +26,16 @@ class _OpenAIFields(SamplingFields):
     max_tokens: int = Field(16, ge=1)
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="informational (end-user id); logged, changes nothing")
-    logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_OpenAIFields):
-    prompt: str | list[str]
+    # A text, a list of texts, token ids, or a list of token-id lists: each prompt one group of n choices.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = Field(16, ge=0, description="0 only with echo: return the prompt, generate nothing")
+    logprobs: int | None = Field(None, ge=0, le=20, description="each token's logprob and this many alternatives")
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -50,7 +52,8 @@ class ChatCompletionRequest(_OpenAIFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     schema_name: str | None = Field(None, alias="schema", description="PML schema whose modules messages import")
-    top_logprobs: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -108,14 +111,10 @@ def _no(value: Any) -> bool:
 
 # field -> (the values that ask for nothing this server does not do, why other values are refused)
 NEUTRAL: dict[str, tuple[Any, str]] = {
-    "logprobs": (lambda v: v in (None, False, 0), "logprobs are not supported on this route yet (/v1/generate "
-                                                  "returns them)"),
-    "top_logprobs": (lambda v: v in (None, 0), "top_logprobs are not supported on this route yet"),
     "presence_penalty": (_no, "presence_penalty is not supported"),
     "frequency_penalty": (_no, "frequency_penalty is not supported"),
     "logit_bias": (_no, "logit_bias is not supported"),
     "best_of": (lambda v: v in (None, 1), "best_of > 1 is not supported"),
-    "echo": (_no, "echo is not supported"),
     "suffix": (_no, "suffix (insertion) is not supported"),
     "tools": (_no, "tools are not supported"),
     "tool_choice": (lambda v: v in (None, "none", "auto"), "tool_choice other than none/auto needs tools, "
@@ -142,7 +141,19 @@ def refused_fields(body: BaseModel) -> list[tuple[str, str]]:
         rule = NEUTRAL.get(name)
         if rule is not None and not rule[0](getattr(body, name)):
             refused.append((name, rule[1]))
+    if isinstance(body, CompletionRequest):
+        if body.echo and body.logprobs is not None:
+            refused.append(("echo", "echo with logprobs (logprobs of the prompt's tokens) is not supported yet"))
+        if body.echo and body.stream:
+            refused.append(("echo", "echo is not supported with stream"))
+        if body.max_tokens == 0 and not body.echo:
+            refused.append(("max_tokens", "0 needs echo"))
+        if body.stream and isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) \
+                and len(body.prompt) > 1:
+            refused.append(("prompt", "streaming takes one prompt; send several without stream"))
     if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            refused.append(("top_logprobs", "needs logprobs: true"))
         refused += [(f"messages[{i}].name", "participant names are not supported")
                     for i, m in enumerate(body.messages) if m.name]
     return refused

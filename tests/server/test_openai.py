@@ -70,8 +70,10 @@ def test_chat_plain_and_with_schema_modules(client):
 
 def test_openai_errors_map_to_sdk_exceptions(client):
     api, _ = client
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        api.completions.create(model="m", prompt="x", max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        api.completions.create(model="m", prompt="x", max_tokens=2, logit_bias={"1": 3})
+    with pytest.raises(openai.UnprocessableEntityError, match="logprobs"):
+        api.completions.create(model="m", prompt="x", max_tokens=2, logprobs=21)
     with pytest.raises(openai.NotFoundError):
         api.chat.completions.create(model="m", messages=[{"role": "user", "content": "<d1/>"}],
                                     extra_body={"schema": "missing"})
@@ -105,7 +107,7 @@ def test_unimplemented_or_unknown_chat_fields_are_400_naming_the_field(client, k
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
-    ({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of"),
+    ({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
 ])
 def test_unimplemented_or_unknown_completion_fields_are_400_naming_the_field(client, kwargs, field):
@@ -113,3 +115,109 @@ def test_unimplemented_or_unknown_completion_fields_are_400_naming_the_field(cli
     with pytest.raises(openai.BadRequestError) as raised:
         api.completions.create(model="tiny-llama", prompt="Hi", max_tokens=2, **kwargs)
     assert raised.value.status_code == 400 and field in raised.value.message
+
+
+def _greedy_oracle(server, prompt_ids: list[int], steps: int, top: int):
+    """Greedy decoding with the server's model run directly (full forward each step): per step the token
+    id, its logprob and the top-`top` (id, logprob) pairs."""
+    import torch
+
+    model = server.app.state.service.runtime.loaded.model
+    ids, out = list(prompt_ids), []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            token = int(logprobs.argmax())
+            values, indices = torch.topk(logprobs, top)
+            out.append((token, float(logprobs[token]), list(zip(indices.tolist(), values.tolist()))))
+            ids.append(token)
+    return out
+
+
+def test_completion_logprobs_match_the_model_streamed_or_not(client):
+    api, server = client
+    import httpx
+
+    prompt = "The quick brown fox"
+    prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    oracle = _greedy_oracle(server, prompt_ids, 4, 3)
+    text_of = server.app.state.service.token_text
+    completion = api.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0, logprobs=3)
+    lp = completion.choices[0].logprobs
+    assert lp.tokens == [text_of(t) for t, _, _ in oracle]
+    assert lp.token_logprobs == pytest.approx([p for _, p, _ in oracle], abs=1e-4)
+    for got, (token, _, top) in zip(lp.top_logprobs, oracle):
+        assert set(got) == {text_of(t) for t, _ in top} | {text_of(token)}
+        assert got[text_of(top[0][0])] == pytest.approx(top[0][1], abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    streamed = [c.choices[0].logprobs for c in api.completions.create(
+        model="m", prompt=prompt, max_tokens=4, temperature=0, logprobs=3, stream=True) if c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+
+
+def test_chat_logprobs_and_top_logprobs(client):
+    api, server = client
+    import httpx
+
+    messages = [{"role": "user", "content": "Hi there"}]
+    prompt_ids = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    oracle = _greedy_oracle(server, prompt_ids, 3, 2)
+    chat = api.chat.completions.create(model="m", messages=messages, max_tokens=3, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    text_of = server.app.state.service.token_text
+    assert [c.token for c in content] == [text_of(t) for t, _, _ in oracle]
+    assert [c.logprob for c in content] == pytest.approx([p for _, p, _ in oracle], abs=1e-4)
+    assert [[a.token for a in c.top_logprobs] for c in content] == [[text_of(t) for t, _ in top] for *_, top in oracle]
+    assert content[0].bytes == list(content[0].token.encode())
+    plain = api.chat.completions.create(model="m", messages=messages, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        api.chat.completions.create(model="m", messages=messages, max_tokens=3, top_logprobs=2)
+
+
+def test_several_prompts_and_token_id_prompts_each_get_their_choices(client):
+    api, server = client
+    import httpx
+
+    texts = ["The quick brown fox", "Once upon a time", "The quick brown dog"]
+    alone = [api.completions.create(model="m", prompt=t, max_tokens=4, temperature=0).choices[0].text for t in texts]
+    batch = api.completions.create(model="m", prompt=texts, max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [t for t in alone for _ in range(2)]
+    assert batch.usage.completion_tokens == 3 * 2 * 4
+    ids = [httpx.post(server.url + "/tokenize", json={"prompt": t}).json()["tokens"] for t in texts]
+    assert api.completions.create(model="m", prompt=ids[0], max_tokens=4, temperature=0).choices[0].text == alone[0]
+    by_ids = api.completions.create(model="m", prompt=ids, max_tokens=4, temperature=0)
+    assert [c.text for c in by_ids.choices] == alone
+    assert by_ids.usage.prompt_tokens == sum(len(i) for i in ids)
+
+
+def test_echo_returns_the_prompt_before_the_completion(client):
+    api, server = client
+    import httpx
+
+    prompt = "The quick brown fox"
+    plain = api.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0).choices[0].text
+    echoed = api.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain
+    only = api.completions.create(model="m", prompt=[prompt, "Hi"], max_tokens=0, echo=True)
+    assert [c.text for c in only.choices] == [prompt, "Hi"] and only.usage.completion_tokens == 0
+    count = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["count"]
+    assert api.completions.create(model="m", prompt=prompt, max_tokens=0, echo=True).usage.prompt_tokens == count
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"prompt": ["a", "b"], "stream": True}, "prompt"),
+    ({"prompt": [10**9]}, "token id"),
+    ({"prompt": []}, "prompt"),
+])
+def test_completion_prompt_forms_refused_with_400_naming_the_problem(client, kwargs, field):
+    api, _ = client
+    with pytest.raises(openai.BadRequestError) as raised:
+        api.completions.create(**{"model": "m", "prompt": "Hi", "max_tokens": 2, **kwargs})
+    assert field in raised.value.message

@@ -1,0 +1,46 @@
+"""Token logprobs in OpenAI's two shapes, from the engine's per-token events.
+
+Completions (legacy): `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` with `top_logprobs` a
+dict per position of the N most likely tokens plus the sampled one, `text_offset` each token's character
+offset in the returned text. Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}],
+"refusal": None}`. Logprobs are of the model's distribution (before temperature, top-k, top-p).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from promptcache.model_runtime.engine import TokenEvent
+
+TokenText = Callable[[int], str]
+
+
+def completion_logprobs(events: list[TokenEvent], token_text: TokenText, *, text_offset: int = 0) -> dict:
+    """Legacy completions shape for one sample's token events (they must carry logprobs)."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = text_offset
+    for event in events:
+        assert event.logprobs is not None and event.token_id is not None
+        text = token_text(event.token_id)
+        tokens.append(text)
+        token_logprobs.append(event.logprobs.logprob)
+        top = {token_text(t): lp for t, lp in event.logprobs.top}
+        top.setdefault(text, event.logprobs.logprob)
+        top_logprobs.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def chat_logprobs(events: list[TokenEvent], token_text: TokenText) -> dict:
+    """Chat shape for one sample's token events (they must carry logprobs)."""
+    content = []
+    for event in events:
+        assert event.logprobs is not None and event.token_id is not None
+        content.append({**_entry(token_text(event.token_id), event.logprobs.logprob),
+                        "top_logprobs": [_entry(token_text(t), lp) for t, lp in event.logprobs.top]})
+    return {"content": content, "refusal": None}
+
+
+def _entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
