@@ -56,7 +56,10 @@ async def completions(body: CompletionRequest, service: Service):
     if len(plans) == 1 and not body.echo:
         return await _run(service, body, plans[0], "cmpl", "text_completion", chat=False)
     echoes = [p if isinstance(p, str) else service.detokenize(p) for p in prompts] if body.echo else None
-    return await run_completions(service, body, plans, echoes)
+    prompt_ids = None
+    if body.echo and body.logprobs is not None:  # the echoed tokens get logprobs too
+        prompt_ids = [list(p) if not isinstance(p, str) else list(service.tokenize(p)) for p in prompts]
+    return await run_completions(service, body, plans, echoes, prompt_ids)
 
 
 def _completion_plan(service: PromptService, prompt: str | list[int]) -> PromptPlan:

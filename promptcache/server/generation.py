@@ -29,14 +29,16 @@ from promptcache.server.wire import (
 DONE = "data: [DONE]\n\n"
 
 
-def sampling_params(fields: SamplingFields, max_tokens_limit: int, logprobs: int | None = None) -> SamplingParams:
+def sampling_params(fields: SamplingFields, max_tokens_limit: int, logprobs: int | None = None, *,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """The engine's sampling parameters. `max_tokens` 0 (echo only) runs one token, which the caller drops."""
     if fields.max_tokens > max_tokens_limit:
         raise UnsupportedParameterError(f"max_tokens is {fields.max_tokens}; this server allows at most "
                                         f"{max_tokens_limit}")
     stop = [fields.stop] if isinstance(fields.stop, str) else list(fields.stop or [])
-    return SamplingParams(max_tokens=fields.max_tokens, temperature=fields.temperature, top_p=fields.top_p,
+    return SamplingParams(max_tokens=max(fields.max_tokens, 1), temperature=fields.temperature, top_p=fields.top_p,
                           top_k=fields.top_k, n=fields.n, seed=fields.seed, stop=tuple(stop), logprobs=logprobs,
-                          ignore_eos=fields.ignore_eos)
+                          ignore_eos=fields.ignore_eos, prompt_logprobs=prompt_logprobs)
 
 
 def raise_for_error(event: TokenEvent) -> None:

@@ -10,20 +10,23 @@ import uuid
 
 from promptcache.pml import PromptPlan
 from promptcache.server.generation import Outcome, collect, record, sampling_params
-from promptcache.server.openai_logprobs import completion_logprobs
+from promptcache.server.openai_logprobs import completion_logprobs, echoed_logprobs
 from promptcache.server.openai_shapes import extension, finish_reason
 from promptcache.server.openai_wire import CompletionRequest
 from promptcache.server.service import PromptService
 
 
 async def run_completions(service: PromptService, body: CompletionRequest, plans: list[PromptPlan],
-                          echoes: list[str] | None) -> dict:
-    """Run every plan (none when `max_tokens` is 0: echo only); `echoes` are the prompts' texts to prepend."""
+                          echoes: list[str] | None, prompt_ids: list[list[int]] | None = None) -> dict:
+    """Run every plan (none when `max_tokens` is 0 and no logprobs are asked: echo only). `echoes` are the
+    prompts' texts to prepend; with `prompt_ids` (echo with logprobs) the prompts' tokens get logprobs
+    too, the first one None (nothing precedes it), as OpenAI reports them."""
     request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     outcomes: list[Outcome | None] = [None] * len(plans)
-    if body.max_tokens > 0:
-        params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs)
+    if body.max_tokens > 0 or prompt_ids is not None:
+        params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs,
+                                 prompt_logprobs=body.logprobs if prompt_ids is not None else None)
         fidelity = service.fidelity(body.fidelity, body.fidelity_head_tokens)
         outcomes = list(await asyncio.gather(*(
             collect(service.submit(plan, params, body.cache_salt, f"{request_id}-{i}", fidelity), params.n)
@@ -39,14 +42,21 @@ async def run_completions(service: PromptService, body: CompletionRequest, plans
             continue
         record(service.metrics, outcome.final, outcome.finish_reasons)
         used = outcome.final.usage
+        generated = body.max_tokens > 0  # else the engine ran one token for the prompt's logprobs: dropped
         totals["prompt_tokens"] += used.prompt_tokens
-        totals["completion_tokens"] += used.completion_tokens
+        totals["completion_tokens"] += used.completion_tokens if generated else 0
         totals["cached_tokens"] += used.cached_tokens
         reports.append(extension(outcome.final, plan))
         for i, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons)):
-            logprobs = completion_logprobs(outcome.events[i], service.token_text) \
-                if body.logprobs is not None else None
-            choices.append({"index": p * body.n + i, "text": echo + text, "finish_reason": finish_reason(reason),
+            events = outcome.events[i] if generated else []
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(events, service.token_text)
+                if prompt_ids is not None:
+                    logprobs = echoed_logprobs(prompt_ids[p], outcome.final.prompt_logprobs or (), logprobs,
+                                               service.token_text)
+            choices.append({"index": p * body.n + i, "text": echo + (text if generated else ""),
+                            "finish_reason": finish_reason(reason) if generated else "length",
                             "logprobs": logprobs})
     usage = {"prompt_tokens": totals["prompt_tokens"], "completion_tokens": totals["completion_tokens"],
              "total_tokens": totals["prompt_tokens"] + totals["completion_tokens"],

@@ -8,9 +8,11 @@ offset in the returned text. Chat: `{"content": [{"token", "logprob", "bytes", "
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 from promptcache.model_runtime.engine import TokenEvent
+from promptcache.model_runtime.sampling import TokenLogprobs
 
 TokenText = Callable[[int], str]
 
@@ -30,6 +32,25 @@ def completion_logprobs(events: list[TokenEvent], token_text: TokenText, *, text
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def echoed_logprobs(prompt_ids: list[int], prompt_logprobs: tuple[TokenLogprobs, ...] | list[TokenLogprobs],
+                    generated: dict, token_text: TokenText) -> dict:
+    """Legacy shape over the prompt's tokens then the generated ones (`generated`, from
+    `completion_logprobs`): the first prompt token has no logprob (None), as OpenAI reports it."""
+    assert len(prompt_logprobs) == len(prompt_ids) - 1, "one logprob per prompt token after the first"
+    tokens = [token_text(t) for t in prompt_ids]
+    token_logprobs: list[float | None] = [None] + [lp.logprob for lp in prompt_logprobs]
+    top_logprobs: list[dict | None] = [None]
+    for text, lp in zip(tokens[1:], prompt_logprobs):
+        top = {token_text(t): value for t, value in lp.top}
+        top.setdefault(text, lp.logprob)
+        top_logprobs.append(top)
+    ends = list(itertools.accumulate(len(t) for t in tokens))
+    offsets, shift = [0, *ends[:-1]], ends[-1]
+    return {"tokens": tokens + generated["tokens"], "token_logprobs": token_logprobs + generated["token_logprobs"],
+            "top_logprobs": top_logprobs + generated["top_logprobs"],
+            "text_offset": offsets + [shift + o for o in generated["text_offset"]]}
 
 
 def chat_logprobs(events: list[TokenEvent], token_text: TokenText) -> dict:

@@ -134,6 +134,11 @@ NEUTRAL: dict[str, tuple[Any, str]] = {
 }
 
 
+def _has_pml(prompt: Any) -> bool:
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    return any(isinstance(p, str) and p.lstrip().startswith("<prompt") for p in prompts)
+
+
 def refused_fields(body: BaseModel) -> list[tuple[str, str]]:
     """(field, reason) for every field the client set to a value this server does not implement."""
     refused = []
@@ -142,8 +147,9 @@ def refused_fields(body: BaseModel) -> list[tuple[str, str]]:
         if rule is not None and not rule[0](getattr(body, name)):
             refused.append((name, rule[1]))
     if isinstance(body, CompletionRequest):
-        if body.echo and body.logprobs is not None:
-            refused.append(("echo", "echo with logprobs (logprobs of the prompt's tokens) is not supported yet"))
+        if body.echo and body.logprobs is not None and _has_pml(body.prompt):
+            refused.append(("echo", "echo with logprobs takes plain text or token ids (a PML prompt reuses module "
+                                    "KV, which carries no logits)"))
         if body.echo and body.stream:
             refused.append(("echo", "echo is not supported with stream"))
         if body.max_tokens == 0 and not body.echo:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from promptcache.cache_store import StoreConfig, build_store
@@ -141,3 +142,30 @@ def test_a_failed_shared_pass_reruns_the_encoding_and_the_sequences_alone():
     tokens, oracle, difference, passes, _, failed = _encode_while_decoding(fail_fused_once=True)
     assert failed and tokens == oracle and difference <= 1e-5
     assert passes[:5] == [4, 1, 1, 1, 1]  # the failed pass, then the encoding chunk and each sequence alone
+
+
+def test_prompt_logprobs_across_chunks_equal_one_full_forward():
+    runtime = make_tiny_runtime("llama")
+    runtime.add_schema(runtime.parse_schema('<schema name="plain"/>'), encode=False)
+    ids = tuple(runtime.loaded.tokenizer.encode(TEXT[:200], add_special_tokens=False))
+    plan = token_plan(runtime.get_schema("plain"), ids)
+    with torch.no_grad():
+        expected = torch.log_softmax(runtime.loaded.model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    engine = Engine(runtime.module_encoder, EngineConfig(max_prefill_tokens=4, max_prefill_tokens_alone=8))
+    params = SamplingParams(max_tokens=2, temperature=0, n=2, prompt_logprobs=3)
+
+    async def run():
+        async for event in engine.submit(plan, params):
+            assert event.error is None, event.error
+            if event.usage is not None:
+                return event.prompt_logprobs
+
+    try:
+        asyncio.run(_tokens(engine, plan))  # the prompt's prefix is now stored: it must not be reused
+        found = asyncio.run(run())
+    finally:
+        engine.stop()
+    assert len(ids) > 3 * 8 and len(found) == len(ids) - 1
+    assert [f.logprob for f in found] == pytest.approx([float(expected[i, ids[i + 1]]) for i in range(len(ids) - 1)],
+                                                       abs=1e-4)
+    assert [f.top[0][0] for f in found] == [int(expected[i].argmax()) for i in range(len(ids) - 1)]

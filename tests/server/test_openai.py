@@ -210,7 +210,7 @@ def test_echo_returns_the_prompt_before_the_completion(client):
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
-    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"echo": True, "stream": True}, "echo"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"prompt": ["a", "b"], "stream": True}, "prompt"),
     ({"prompt": [10**9]}, "token id"),
@@ -221,3 +221,34 @@ def test_completion_prompt_forms_refused_with_400_naming_the_problem(client, kwa
     with pytest.raises(openai.BadRequestError) as raised:
         api.completions.create(**{"model": "m", "prompt": "Hi", "max_tokens": 2, **kwargs})
     assert field in raised.value.message
+
+
+def test_echo_with_logprobs_scores_every_prompt_token_like_the_model(client):
+    """What lm-evaluation-harness's loglikelihood requests send: token ids, echo, logprobs, max_tokens 0."""
+    import torch
+
+    api, server = client
+    import httpx
+
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": text}).json()["tokens"]
+    model, text_of = server.app.state.service.runtime.loaded.model, server.app.state.service.token_text
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # [T, vocab]
+    oracle = [float(expected[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+    api.completions.create(model="m", prompt=text, max_tokens=2, temperature=0)  # its prefix is now cached
+    for prompt in (ids, text):
+        scored = api.completions.create(model="m", prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+        lp = scored.choices[0].logprobs
+        assert lp.tokens == [text_of(t) for t in ids] and lp.token_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(oracle, abs=1e-4)
+        best = int(expected[0].argmax())
+        assert lp.top_logprobs[1][text_of(best)] == pytest.approx(float(expected[0, best]), abs=1e-4)
+        assert scored.usage.completion_tokens == 0 and scored.choices[0].text == text
+    more = api.completions.create(model="m", prompt=ids, max_tokens=2, echo=True, logprobs=0, temperature=0)
+    lp = more.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 2 and lp.token_logprobs[1:len(ids)] == pytest.approx(oracle, abs=1e-4)
+    assert lp.text_offset == sorted(lp.text_offset)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        api.completions.create(model="m", prompt='<prompt schema="docs"><user>Hi</user></prompt>', max_tokens=0,
+                               echo=True, logprobs=1)

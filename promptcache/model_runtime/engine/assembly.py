@@ -55,7 +55,7 @@ def assemble(request: Request, reuse: ReusePlan, encoder: ModuleEncoder, prefix:
     module_keys = [module_key(encoder, request, use) for use in reuse.uses]
     looked_up = time.perf_counter()
     stream = prefix.open(module_keys, list(reuse.token_ids), list(reuse.position_ids), salt=request.cache_salt,
-                         variant=reuse.variant)
+                         variant=reuse.variant, match=request.params.prompt_logprobs is None)
     reused = stream.num_reused
     request.lookup_ms = (time.perf_counter() - looked_up) * 1e3
     # Reused prefix blocks precede every stream token left to compute; module KV's visibility counts

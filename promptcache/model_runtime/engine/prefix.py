@@ -45,11 +45,12 @@ class PrefixReuse:
         self.index = index
 
     def open(self, module_keys: list[str], token_ids: list[int], position_ids: list[int], *,
-             salt: str | None, variant: str = "") -> Stream:
-        """A stream for these tokens with its longest stored prefix fetched. At least the last token
-        is left to compute: its logits are the first sample's input."""
+             salt: str | None, variant: str = "", match: bool = True) -> Stream:
+        """A stream for these tokens with its longest stored prefix fetched (none unless `match`: a
+        request that needs every token's logits computes them all). At least the last token is left to
+        compute: its logits are the first sample's input."""
         stream = Stream(chain_root(module_keys, variant=variant), list(token_ids), list(position_ids))
-        if self.index is not None and token_ids:
+        if self.index is not None and token_ids and match:
             stream.match = self.index.match(stream.root, token_ids, position_ids, salt=salt,
                                             max_tokens=len(token_ids) - 1)
             size = self.index.config.block_size

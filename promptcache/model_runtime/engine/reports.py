@@ -30,7 +30,8 @@ def final_event(request: Request, index: int, token: int | None, text: str, fini
     timings = Timings(encode_ms=request.encode_ms, assembly_ms=request.assembly_ms, lookup_ms=request.lookup_ms,
                       prefill_ms=request.prefill_ms, ttft_ms=(first - request.submitted_at) * 1e3,
                       total_ms=(now - request.submitted_at) * 1e3)
-    return TokenEvent(request.request_id, index, token, text, finish, logprobs, usage=usage,
+    prompt_logprobs = tuple(request.prompt_logprobs) if request.prompt_logprobs is not None else None
+    return TokenEvent(request.request_id, index, token, text, finish, logprobs, prompt_logprobs, usage=usage,
                       modules=request.modules, prefix=prefix_use(stream.match) if stream is not None else None,
                       timings=timings, is_exact=reuse.is_exact if reuse is not None else plan.is_exact,
                       fidelity=request.fidelity.mode)

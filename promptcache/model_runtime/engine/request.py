@@ -31,6 +31,8 @@ class TokenEvent:
     text: str
     finish_reason: str | None = None
     logprobs: TokenLogprobs | None = None  # of token_id, when the request asked for logprobs
+    # On the final event, when asked for: each prompt token's logprobs from the second token on.
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     usage: Usage | None = None
     modules: tuple[ModuleUse, ...] | None = None
     prefix: PrefixUse | None = None
@@ -112,3 +114,4 @@ class Request:
     is_aborted: bool = False
     is_failed: bool = False
     reserved_bytes: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # filled by the runner while the prompt prefills

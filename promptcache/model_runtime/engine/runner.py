@@ -10,6 +10,9 @@ import torch
 from promptcache.model_runtime.engine.request import SeqStatus, Sequence
 from promptcache.model_runtime.loader import LoadedModel
 from promptcache.model_runtime.packed_attention import BatchCache, BatchContext, active_batch, install
+from promptcache.model_runtime.sampling import TokenLogprobs, token_logprobs
+
+_LOGPROB_ROWS = 256  # prompt rows scored per lm_head call: bounds the [rows, vocab] logits in memory
 
 
 class ModelRunner:
@@ -43,6 +46,9 @@ class ModelRunner:
                                       use_cache=True).last_hidden_state  # [1, Q, hidden]
         last_rows = torch.tensor(query_lens, device=device).cumsum(0) - 1  # [num_seqs]
         logits = model.get_output_embeddings()(hidden[0, last_rows]).float()  # [num_seqs, vocab]
+        prompt_logprobs = self._prompt_logprobs(seqs, query_lens, hidden[0])
+        for seq, found in prompt_logprobs:
+            seq.request.prompt_logprobs.extend(found)
         for seq, n in zip(seqs, query_lens):
             seq.own_length += n
             seq.pending_ids, seq.pending_positions = seq.pending_ids[n:], seq.pending_positions[n:]
@@ -50,6 +56,26 @@ class ModelRunner:
                 seq.prefill_done += n
             seq.step_len = 0
         return logits
+
+    def _prompt_logprobs(self, seqs: Seq[Sequence], query_lens: list[int],
+                         hidden: torch.Tensor) -> list[tuple[Sequence, list[TokenLogprobs]]]:
+        """For prefilling sequences whose request wants prompt logprobs: each fed token's row scores the
+        next prompt token (the last prompt token has none to score). hidden [Q, hidden_size]."""
+        found, start = [], 0
+        for seq, n in zip(seqs, query_lens):
+            request = seq.request
+            if request is not None and request.prompt_logprobs is not None and seq.status == SeqStatus.PREFILL:
+                following = seq.pending_ids[1: n + 1]  # the prompt token each row predicts
+                num_top = request.params.prompt_logprobs or 0
+                rows: list[TokenLogprobs] = []
+                for first in range(0, len(following), _LOGPROB_ROWS):  # bounded [rows, vocab] at a time
+                    chunk = following[first: first + _LOGPROB_ROWS]
+                    scores = self.loaded.model.get_output_embeddings()(
+                        hidden[start + first: start + first + len(chunk)]).float()  # [rows, vocab]
+                    rows += [token_logprobs(row, token, num_top) for row, token in zip(scores, chunk)]
+                found.append((seq, rows))
+            start += n
+        return found
 
     def _segments(self, seqs: Seq[Sequence]):
         users: dict[str, list[tuple[int, int]]] = defaultdict(list)

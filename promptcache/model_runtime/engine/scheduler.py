@@ -19,6 +19,7 @@ from promptcache.model_runtime.engine.reports import failure_event, final_event,
 from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequence, SharedKV, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import resolve
 from promptcache.model_runtime.engine.step_budget import StepBudget
+from promptcache.model_runtime.errors import InvalidRequestError
 from promptcache.model_runtime.module_encoder import ModuleEncoder
 from promptcache.model_runtime.sampling import Sampler, token_logprobs
 
@@ -126,6 +127,11 @@ class Scheduler:
         KV bytes it holds."""
         params, reuse = request.params, request.reuse
         assert reuse is not None
+        if params.prompt_logprobs is not None:
+            if reuse.uses:
+                raise InvalidRequestError("prompt logprobs need every prompt token computed; this prompt reuses "
+                                          "module KV (send it as plain text or token ids)")
+            request.prompt_logprobs = []
         assembled = assemble(request, reuse, self.encoder, self.prefix)
         request.stream = assembled.stream
         token_ids, shared = assembled.token_ids, assembled.shared
