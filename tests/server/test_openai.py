@@ -252,3 +252,26 @@ def test_echo_with_logprobs_scores_every_prompt_token_like_the_model(client):
     with pytest.raises(openai.BadRequestError, match="echo"):
         api.completions.create(model="m", prompt='<prompt schema="docs"><user>Hi</user></prompt>', max_tokens=0,
                                echo=True, logprobs=1)
+
+
+def test_the_async_client_streams_chat_with_logprobs(client):
+    import asyncio
+
+    _, server = client
+
+    async def run():
+        api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "Hi there"}]
+        whole = await api.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0,
+                                                  logprobs=True, top_logprobs=1)
+        stream = await api.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0,
+                                                   logprobs=True, top_logprobs=1, stream=True)
+        pieces = [c async for c in stream]
+        await api.close()
+        return whole, pieces
+
+    whole, pieces = asyncio.run(run())
+    streamed = [e for c in pieces if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in whole.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole.choices[0].logprobs.content])
+    assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == whole.choices[0].message.content
