@@ -50,8 +50,7 @@ class SchemaRegistry:
              overwrite: bool = False) -> StoredSchema:
         stored = StoredSchema(name, pml_text, dict(metadata or {}), time.time(), uuid.uuid4().hex)
         if self._client is not None:
-            value = json.dumps({"name": name, "pml_text": pml_text, "metadata": stored.metadata,
-                                "created_at": stored.created_at, "version": stored.version})
+            value = _encode(stored)
             try:
                 if not self._client.set(self._prefix + name, value, nx=not overwrite):
                     raise SchemaExistsError(f"schema {name!r} already exists")
@@ -118,8 +117,7 @@ class SchemaRegistry:
         no change), unless the name is taken meanwhile. True if written."""
         if self._client is None:
             return False
-        value = json.dumps({"name": stored.name, "pml_text": stored.pml_text, "metadata": stored.metadata,
-                            "created_at": stored.created_at, "version": stored.version})
+        value = _encode(stored)
         try:
             if not self._client.set(self._prefix + stored.name, value, nx=True):
                 return False
@@ -154,6 +152,11 @@ class RegistryState:
 
     versions: dict[str, str]
     deleted: frozenset[str]
+
+
+def _encode(stored: StoredSchema) -> str:
+    return json.dumps({"name": stored.name, "pml_text": stored.pml_text, "metadata": stored.metadata,
+                       "created_at": stored.created_at, "version": stored.version})
 
 
 def _decode(raw: bytes) -> StoredSchema:

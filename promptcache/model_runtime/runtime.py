@@ -78,13 +78,17 @@ class ModelRuntime:
         """The text of one token decoded alone (special tokens included)."""
         return self.loaded.tokenizer.decode([token_id])
 
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        """The text of token ids decoded together (special tokens included). Raises ValueError for an id
-        outside the vocabulary."""
+    def check_token_ids(self, token_ids: Sequence[int]) -> None:
+        """Raises ValueError for an id outside the vocabulary."""
         vocab = len(self.loaded.tokenizer)
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids decoded together (special tokens included). Raises ValueError for an id
+        outside the vocabulary."""
+        self.check_token_ids(token_ids)
         return self.loaded.tokenizer.decode(list(token_ids))
 
     def generate(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None = None) -> GenerationResult:

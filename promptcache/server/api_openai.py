@@ -29,6 +29,7 @@ from promptcache.server.openai_wire import (
     CompletionRequest,
     _OpenAIFields,
     chat_messages,
+    is_pml,
     refused_fields,
 )
 from promptcache.server.service import PromptService
@@ -46,8 +47,7 @@ async def models(service: Service) -> dict:
 @router.post("/completions")
 async def completions(body: CompletionRequest, service: Service):
     _refuse_unsupported(body)
-    prompts: list = [body.prompt] if isinstance(body.prompt, str) or (
-        body.prompt and isinstance(body.prompt[0], int)) else list(body.prompt)
+    prompts = body.prompts()
     if not prompts or any(not p for p in prompts):
         raise UnsupportedParameterError("prompt: expected a non-empty text, list of texts, token ids or list of "
                                         "token-id lists")
@@ -67,7 +67,7 @@ def _completion_plan(service: PromptService, prompt: str | list[int]) -> PromptP
     plain, tokenized verbatim (never XML)."""
     if not isinstance(prompt, str):
         return service.plan_tokens(prompt)
-    return service.plan(prompt) if prompt.lstrip().startswith("<prompt") else service.plan_text(prompt)
+    return service.plan(prompt) if is_pml(prompt) else service.plan_text(prompt)
 
 
 @router.post("/chat/completions")

@@ -26,9 +26,7 @@ def completion_logprobs(events: list[TokenEvent], token_text: TokenText, *, text
         text = token_text(event.token_id)
         tokens.append(text)
         token_logprobs.append(event.logprobs.logprob)
-        top = {token_text(t): lp for t, lp in event.logprobs.top}
-        top.setdefault(text, event.logprobs.logprob)
-        top_logprobs.append(top)
+        top_logprobs.append(_legacy_top(text, event.logprobs, token_text))
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
@@ -41,16 +39,20 @@ def echoed_logprobs(prompt_ids: list[int], prompt_logprobs: tuple[TokenLogprobs,
     assert len(prompt_logprobs) == len(prompt_ids) - 1, "one logprob per prompt token after the first"
     tokens = [token_text(t) for t in prompt_ids]
     token_logprobs: list[float | None] = [None] + [lp.logprob for lp in prompt_logprobs]
-    top_logprobs: list[dict | None] = [None]
-    for text, lp in zip(tokens[1:], prompt_logprobs):
-        top = {token_text(t): value for t, value in lp.top}
-        top.setdefault(text, lp.logprob)
-        top_logprobs.append(top)
+    top_logprobs: list[dict | None] = [None, *(_legacy_top(text, lp, token_text)
+                                               for text, lp in zip(tokens[1:], prompt_logprobs))]
     ends = list(itertools.accumulate(len(t) for t in tokens))
     offsets, shift = [0, *ends[:-1]], ends[-1]
     return {"tokens": tokens + generated["tokens"], "token_logprobs": token_logprobs + generated["token_logprobs"],
             "top_logprobs": top_logprobs + generated["top_logprobs"],
             "text_offset": offsets + [shift + o for o in generated["text_offset"]]}
+
+
+def _legacy_top(text: str, logprobs: TokenLogprobs, token_text: TokenText) -> dict[str, float]:
+    """The N most likely tokens by text, plus the token itself (as OpenAI's legacy shape has it)."""
+    top = {token_text(t): value for t, value in logprobs.top}
+    top.setdefault(text, logprobs.logprob)
+    return top
 
 
 def chat_logprobs(events: list[TokenEvent], token_text: TokenText) -> dict:

@@ -35,6 +35,11 @@ class CompletionRequest(_OpenAIFields):
     # A text, a list of texts, token ids, or a list of token-id lists: each prompt one group of n choices.
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = Field(16, ge=0, description="0 only with echo: return the prompt, generate nothing")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per choice group: a text or token ids each."""
+        single = isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int))
+        return [self.prompt] if single else list(self.prompt)
     logprobs: int | None = Field(None, ge=0, le=20, description="each token's logprob and this many alternatives")
     echo: bool = False
     suffix: str | None = None
@@ -134,9 +139,9 @@ NEUTRAL: dict[str, tuple[Any, str]] = {
 }
 
 
-def _has_pml(prompt: Any) -> bool:
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    return any(isinstance(p, str) and p.lstrip().startswith("<prompt") for p in prompts)
+def is_pml(prompt: str | list[int]) -> bool:
+    """A completion prompt that is a PML document (it imports modules); any other text is plain."""
+    return isinstance(prompt, str) and prompt.lstrip().startswith("<prompt")
 
 
 def refused_fields(body: BaseModel) -> list[tuple[str, str]]:
@@ -147,15 +152,14 @@ def refused_fields(body: BaseModel) -> list[tuple[str, str]]:
         if rule is not None and not rule[0](getattr(body, name)):
             refused.append((name, rule[1]))
     if isinstance(body, CompletionRequest):
-        if body.echo and body.logprobs is not None and _has_pml(body.prompt):
+        if body.echo and body.logprobs is not None and any(is_pml(p) for p in body.prompts()):
             refused.append(("echo", "echo with logprobs takes plain text or token ids (a PML prompt reuses module "
                                     "KV, which carries no logits)"))
         if body.echo and body.stream:
             refused.append(("echo", "echo is not supported with stream"))
         if body.max_tokens == 0 and not body.echo:
             refused.append(("max_tokens", "0 needs echo"))
-        if body.stream and isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) \
-                and len(body.prompt) > 1:
+        if body.stream and len(body.prompts()) > 1:
             refused.append(("prompt", "streaming takes one prompt; send several without stream"))
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs is not None and not body.logprobs:

@@ -195,10 +195,7 @@ class PromptService:
 
     def plan_tokens(self, token_ids: list[int]) -> PromptPlan:
         """A prompt given as token ids, fed as they are. Raises ValueError for an id outside the vocabulary."""
-        vocab = len(self.runtime.loaded.tokenizer)
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
+        self.runtime.check_token_ids(token_ids)
         return token_plan(self.runtime.get_schema(PLAIN_SCHEMA), tuple(token_ids))
 
     def plan_chat(self, messages: list[dict[str, str]]) -> PromptPlan:
