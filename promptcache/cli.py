@@ -16,7 +16,14 @@ def main(argv: list[str] | None = None) -> int:
     _model_flags(serve)
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
-    serve.add_argument("--api-key", action="append", dest="api_keys", help="accepted Bearer key (repeatable)")
+    serve.add_argument("--api-key", action="append", dest="api_keys",
+                       help="accepted Bearer key of the default tenant (repeatable)")
+    serve.add_argument("--api-keys-file", help="JSON mapping API keys to tenant names (docs/security.md)")
+    serve.add_argument("--metrics-key", help="Bearer key /metrics asks for (default: /metrics is open)")
+    serve.add_argument("--tenant-max-schemas", type=int, help="schemas each tenant may hold (default: unlimited)")
+    serve.add_argument("--tenant-max-schema-tokens", type=int,
+                       help="schema tokens (positions) each tenant may hold, summed (default: unlimited)")
+    serve.add_argument("--tenant-rate-limit", help="requests per tenant, e.g. 10/second (default: unlimited)")
     serve.add_argument("--no-examples", action="store_true", help="do not preload the bundled example schemas")
     serve.add_argument("--no-prefix-caching", action="store_true",
                        help="turn off automatic prefix reuse (plain, chat and PML new text)")
@@ -58,6 +65,11 @@ def _settings(args: argparse.Namespace):
         "model": args.model, "dtype": args.dtype, "device": args.device, "redis_url": args.redis_url,
         "host": getattr(args, "host", None), "port": getattr(args, "port", None),
         "api_keys": getattr(args, "api_keys", None),
+        "api_keys_file": getattr(args, "api_keys_file", None),
+        "metrics_key": getattr(args, "metrics_key", None),
+        "tenant_max_schemas": getattr(args, "tenant_max_schemas", None),
+        "tenant_max_schema_tokens": getattr(args, "tenant_max_schema_tokens", None),
+        "tenant_rate_limit": getattr(args, "tenant_rate_limit", None),
         "preload_examples": False if getattr(args, "no_examples", False) else None,
         "prefix_caching": False if getattr(args, "no_prefix_caching", False) else None,
         "prefix_block_size": getattr(args, "prefix_block_size", None),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from promptcache.cache_store.disk_tier import DiskTier
 from promptcache.cache_store.memory_tier import MemoryTier
 from promptcache.cache_store.redis_tier import RedisTier
+from promptcache.cache_store.signing import BlobSigner
 from promptcache.cache_store.store import TieredStore
 from promptcache.cache_store.tier import Tier
 
@@ -27,6 +28,7 @@ class StoreConfig:
     disk_max_bytes: int = 16 << 30
     write_through_shared: bool = True
     write_behind_max_bytes: int = 1 << 30  # queue for shared-tier writes; more is dropped (and counted)
+    blob_key: bytes | None = None  # HMAC key: Redis blobs carry a tag checked on read (signing.py)
 
     def __post_init__(self) -> None:
         for name in ("device_max_bytes", "host_max_bytes", "redis_max_bytes", "disk_max_bytes",
@@ -45,7 +47,8 @@ def build_store(config: StoreConfig, device: str = "cpu") -> TieredStore:
     ]
     if config.redis_url:
         tiers.append(RedisTier(config.redis_url, max_bytes=config.redis_max_bytes, namespace=config.redis_namespace,
-                               timeout_s=config.redis_timeout_s, retry_interval_s=config.redis_retry_interval_s))
+                               timeout_s=config.redis_timeout_s, retry_interval_s=config.redis_retry_interval_s,
+                               signer=BlobSigner(config.blob_key)))
     if config.disk_dir:
         tiers.append(DiskTier(config.disk_dir, max_bytes=config.disk_max_bytes))
     return TieredStore(tiers, write_through_shared=config.write_through_shared,

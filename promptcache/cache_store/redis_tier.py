@@ -13,12 +13,15 @@ entry is read back from its score.
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit, urlunsplit
+
 import redis
 
 from promptcache.cache_store.block import KVBlock
 from promptcache.cache_store.errors import CacheStoreError
 from promptcache.cache_store.redis_guard import RedisGuard, logger
 from promptcache.cache_store.serialization import dumps, loads
+from promptcache.cache_store.signing import BlobSigner
 from promptcache.cache_store.tier import BlockKind, Tier, TierHit, TierUsage
 
 MODULE_SCORE_OFFSET = 10**15  # above any use count; scores stay exact integers in a double (< 2**53)
@@ -100,22 +103,36 @@ return existed
 """
 
 
+def redacted(url: str) -> str:
+    """`url` without its password, for logs and messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 class RedisTier(Tier):
     """KV blocks serialized into Redis under a byte budget. Redis failures are misses, never errors.
 
     Evicts unpinned "prefix" entries (LRU) before unpinned "module" entries (LRU); pinned entries
-    stay. Refcounts do not apply here (they protect in-process entries only).
+    stay. Refcounts do not apply here (they protect in-process entries only). With a keyed `signer`,
+    every blob carries an HMAC; one that fails the check is a miss (signing.py).
+
+    `url` may be `redis://`, `rediss://` (TLS; `?ssl_ca_certs=...&ssl_cert_reqs=...` as redis-py
+    parses them) and may carry an ACL user and password (`redis://user:password@host:port/db`).
     """
 
     is_shared = True
 
     def __init__(self, url: str, *, max_bytes: int, namespace: str = "default", timeout_s: float = 0.5,
-                 retry_interval_s: float = 2.0, name: str = "redis") -> None:
+                 retry_interval_s: float = 2.0, name: str = "redis", signer: BlobSigner | None = None) -> None:
         self.name = name
+        self.signer = signer or BlobSigner()
         self.max_bytes = max_bytes
         self.prefix = f"promptcache:{namespace}:"
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        self.guard = RedisGuard(f"Redis tier at {url}", retry_interval_s)
+        self.guard = RedisGuard(f"Redis tier at {redacted(url)}", retry_interval_s)
         self._put = self.client.register_script(_PUT)
         self._get = self.client.register_script(_GET)
         self._delete = self.client.register_script(_DELETE)
@@ -134,7 +151,10 @@ class RedisTier(Tier):
                                 None)
         if reply is None:
             return None
-        data, kind, ttl_ms = reply
+        sealed, kind, ttl_ms = reply
+        data = self.signer.open(self._blob_key(key), sealed)
+        if data is None:  # forged or altered (logged): a miss; a rightful put overwrites it
+            return None
         try:
             block = loads(data, expect_key=key)
         except CacheStoreError as exc:
@@ -146,7 +166,7 @@ class RedisTier(Tier):
 
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
             kind: BlockKind = "module") -> list[tuple[str, KVBlock]]:
-        blob = dumps(block, key)
+        blob = self.signer.seal(self._blob_key(key), dumps(block, key))
         if len(blob) > self.max_bytes:
             return []
         ttl_ms = 0 if ttl_s is None else max(1, int(ttl_s * 1000))

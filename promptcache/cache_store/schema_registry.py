@@ -13,6 +13,7 @@ import redis
 
 from promptcache.cache_store.errors import RegistryUnavailableError, SchemaExistsError
 from promptcache.cache_store.redis_guard import logger
+from promptcache.cache_store.signing import BlobSigner
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +33,13 @@ class SchemaRegistry:
     `state` (one Redis round trip) lets replicas notice deletes and replacements made elsewhere. A delete
     leaves a tombstone for `tombstone_s`, so a follower can tell a schema someone deleted from one Redis
     lost (a restart without persistence, a flush): only the first is dropped; the second is `restore`d.
+    With a keyed `signer`, entries carry an HMAC; one that fails the check reads as absent (signing.py).
+    Names are opaque strings here (the server qualifies them by tenant).
     """
 
     def __init__(self, redis_url: str | None = None, *, namespace: str = "default", timeout_s: float = 0.5,
-                 tombstone_s: float = 3600.0) -> None:
+                 tombstone_s: float = 3600.0, signer: BlobSigner | None = None) -> None:
+        self._signer = signer or BlobSigner()
         self._local: dict[str, StoredSchema] = {}
         self._lock = threading.Lock()
         self._prefix = f"promptcache:{namespace}:schema:"
@@ -50,7 +54,7 @@ class SchemaRegistry:
              overwrite: bool = False) -> StoredSchema:
         stored = StoredSchema(name, pml_text, dict(metadata or {}), time.time(), uuid.uuid4().hex)
         if self._client is not None:
-            value = _encode(stored)
+            value = self._signer.seal(self._prefix + name, _encode(stored))
             try:
                 if not self._client.set(self._prefix + name, value, nx=not overwrite):
                     raise SchemaExistsError(f"schema {name!r} already exists")
@@ -73,11 +77,12 @@ class SchemaRegistry:
             except redis.RedisError as exc:
                 logger.warning("schema registry unavailable (%s); using this process's copy", exc)
             else:
-                if raw is None:
+                value = None if raw is None else self._signer.open(self._prefix + name, raw)
+                if value is None:  # absent, or forged/altered (logged): never adopt it
                     with self._lock:
                         self._local.pop(name, None)
                     return None
-                stored = _decode(raw)
+                stored = _decode(value)
                 with self._lock:
                     self._local[name] = stored
                 return stored
@@ -117,7 +122,7 @@ class SchemaRegistry:
         no change), unless the name is taken meanwhile. True if written."""
         if self._client is None:
             return False
-        value = _encode(stored)
+        value = self._signer.seal(self._prefix + stored.name, _encode(stored))
         try:
             if not self._client.set(self._prefix + stored.name, value, nx=True):
                 return False
@@ -154,9 +159,9 @@ class RegistryState:
     deleted: frozenset[str]
 
 
-def _encode(stored: StoredSchema) -> str:
+def _encode(stored: StoredSchema) -> bytes:
     return json.dumps({"name": stored.name, "pml_text": stored.pml_text, "metadata": stored.metadata,
-                       "created_at": stored.created_at, "version": stored.version})
+                       "created_at": stored.created_at, "version": stored.version}).encode()
 
 
 def _decode(raw: bytes) -> StoredSchema:

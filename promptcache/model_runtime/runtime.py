@@ -31,7 +31,7 @@ class ModelRuntime:
         self.text_encoder = TextEncoder.from_tokenizer(loaded.tokenizer)
         install(loaded.model)  # every forward pass uses shared-module attention
         self.module_encoder = ModuleEncoder(loaded, store)
-        self._schemas: dict[str, Schema] = {}
+        self._schemas: dict[str, dict[str, Schema]] = {}  # namespace -> name -> schema
         self._lock = threading.Lock()
 
     def parse_schema(self, text: str) -> Schema:
@@ -39,30 +39,31 @@ class ModelRuntime:
         return parse_schema(text, self.text_encoder, self.limits)
 
     def add_schema(self, schema: Schema, *, encode: bool = True, cache_salt: str | None = None,
-                   progress: Callable[[int, int], None] | None = None) -> EncodeReport | None:
-        """Encode `schema`'s modules (unless told not to), then register it (replacing one of the same
-        name). A failed encoding registers nothing."""
+                   progress: Callable[[int, int], None] | None = None, namespace: str = "") -> EncodeReport | None:
+        """Encode `schema`'s modules (unless told not to), then register it in `namespace` (replacing one
+        of the same name there). A failed encoding registers nothing. Namespaces keep schemas of
+        different owners (tenants) apart: a prompt only sees the schemas of the namespace it is planned in."""
         report = self.module_encoder.encode_schema(schema, cache_salt, progress) if encode else None
         with self._lock:
-            self._schemas[schema.name] = schema
+            self._schemas.setdefault(namespace, {})[schema.name] = schema
         return report
 
-    def remove_schema(self, name: str) -> Schema | None:
+    def remove_schema(self, name: str, namespace: str = "") -> Schema | None:
         with self._lock:
-            return self._schemas.pop(name, None)
+            return self._schemas.get(namespace, {}).pop(name, None)
 
-    def get_schema(self, name: str) -> Schema | None:
+    def get_schema(self, name: str, namespace: str = "") -> Schema | None:
         with self._lock:
-            return self._schemas.get(name)
+            return self._schemas.get(namespace, {}).get(name)
 
-    def schema_names(self) -> list[str]:
+    def schema_names(self, namespace: str = "") -> list[str]:
         with self._lock:
-            return sorted(self._schemas)
+            return sorted(self._schemas.get(namespace, {}))
 
-    def plan(self, prompt: str, *, isolated: bool = False) -> PromptPlan:
-        """Resolve a `<prompt schema=...>` against the registered schemas (raises PmlError)."""
+    def plan(self, prompt: str, *, isolated: bool = False, namespace: str = "") -> PromptPlan:
+        """Resolve a `<prompt schema=...>` against the schemas registered in `namespace` (raises PmlError)."""
         with self._lock:
-            schemas = dict(self._schemas)
+            schemas = dict(self._schemas.get(namespace, {}))
         return parse_prompt(prompt, schemas, self.text_encoder, self.limits, isolated=isolated)
 
     def tokenize_completion(self, text: str) -> tuple[int, ...]:

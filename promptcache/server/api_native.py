@@ -24,7 +24,7 @@ from promptcache.server.generation import (
     wire_usage,
 )
 from promptcache.server.service import PromptService
-from promptcache.server.state import Service
+from promptcache.server.state import Service, Tenant
 from promptcache.server.wire import (
     Choice,
     ExplainRequest,
@@ -43,47 +43,47 @@ from promptcache.server.wire import (
 router = APIRouter(prefix="/v1")
 
 
-def schema_info(service: PromptService, schema: Schema) -> SchemaInfo:
+def schema_info(service: PromptService, schema: Schema, tenant: str | None) -> SchemaInfo:
     return SchemaInfo(name=schema.name, num_tokens=schema.num_positions,
                       modules=[ModuleInfo(**row) for row in schema.module_table()],
-                      encode_ms=service.encode_ms.get(schema.name), num_segments=len(schema.segments),
+                      encode_ms=service.schema_encode_ms(schema.name, tenant), num_segments=len(schema.segments),
                       scaffolds=[list(sc.module_paths) for sc in schema.scaffolds])
 
 
 @router.post("/schemas", status_code=201, response_model=SchemaInfo)
-async def create_schema(body: SchemaCreate, service: Service) -> SchemaInfo:
-    return schema_info(service, await service.create_schema(body.pml))
+async def create_schema(body: SchemaCreate, service: Service, tenant: Tenant) -> SchemaInfo:
+    return schema_info(service, await service.create_schema(body.pml, tenant), tenant)
 
 
 @router.get("/schemas", response_model=SchemaList)
-async def list_schemas(service: Service) -> SchemaList:
-    schemas = await asyncio.to_thread(service.list_schemas)  # the registry may be a Redis call away
-    return SchemaList(data=[schema_info(service, s) for s in schemas])
+async def list_schemas(service: Service, tenant: Tenant) -> SchemaList:
+    schemas = await asyncio.to_thread(service.list_schemas, tenant)  # the registry may be a Redis call away
+    return SchemaList(data=[schema_info(service, s, tenant) for s in schemas])
 
 
 @router.get("/schemas/{name}", response_model=SchemaInfo)
-async def get_schema(name: str, service: Service) -> SchemaInfo:
-    return schema_info(service, await asyncio.to_thread(service.get_schema, name))
+async def get_schema(name: str, service: Service, tenant: Tenant) -> SchemaInfo:
+    return schema_info(service, await asyncio.to_thread(service.get_schema, name, tenant), tenant)
 
 
 @router.delete("/schemas/{name}", status_code=204)
-async def delete_schema(name: str, service: Service) -> Response:
-    await service.delete_schema(name)
+async def delete_schema(name: str, service: Service, tenant: Tenant) -> Response:
+    await service.delete_schema(name, tenant)
     return Response(status_code=204)
 
 
 @router.post("/generate", response_model=GenerateResponse)
-async def generate(body: GenerateRequest, service: Service):
-    plan = await asyncio.to_thread(service.plan, body.prompt)  # parsing and tokenizing stay off the loop
+async def generate(body: GenerateRequest, service: Service, tenant: Tenant):
+    plan = await asyncio.to_thread(lambda: service.plan(body.prompt, tenant=tenant))  # parsing stays off the loop
     params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs)
     request_id = f"gen-{uuid.uuid4().hex[:24]}"
     events = service.submit(plan, params, body.cache_salt, request_id,
-                            service.fidelity(body.fidelity, body.fidelity_head_tokens))
+                            service.fidelity(body.fidelity, body.fidelity_head_tokens), tenant)
     if body.stream:
-        return StreamingResponse(_stream(service, events, request_id, plan.approximations),
+        return StreamingResponse(_stream(service, events, request_id, plan.approximations, tenant),
                                  media_type="text/event-stream")
     outcome = await collect(events, params.n)
-    record(service.metrics, outcome.final, outcome.finish_reasons)
+    record(service.metrics, outcome.final, outcome.finish_reasons, tenant)
     return GenerateResponse(
         id=request_id, model=service.model_name,
         choices=[Choice(index=i, text=t, finish_reason=r, logprobs=wire_logprobs(e, service.token_text))
@@ -92,7 +92,7 @@ async def generate(body: GenerateRequest, service: Service):
         timings=wire_timings(outcome.final))
 
 
-async def _stream(service: PromptService, events, request_id: str, approximations):
+async def _stream(service: PromptService, events, request_id: str, approximations, tenant: str | None):
     reasons: dict[int, str | None] = {}
     try:
         async for event in events:
@@ -106,7 +106,7 @@ async def _stream(service: PromptService, events, request_id: str, approximation
             if event.usage is not None:
                 chunk.usage, chunk.cache = wire_usage(event), wire_cache(event, approximations)
                 chunk.timings = wire_timings(event)
-                record(service.metrics, event, list(reasons.values()))
+                record(service.metrics, event, list(reasons.values()), tenant)
             yield sse(chunk.model_dump(exclude_none=True))
     except Exception as exc:  # headers are sent: report in-band, then end the stream
         yield sse_error(exc)
@@ -114,16 +114,17 @@ async def _stream(service: PromptService, events, request_id: str, approximation
 
 
 @router.post("/prompts/explain", response_model=Explanation, response_model_by_alias=True)
-async def explain(body: ExplainRequest, service: Service) -> Explanation:
+async def explain(body: ExplainRequest, service: Service, tenant: Tenant) -> Explanation:
     """Dry run: which module KV and prefix blocks the prompt would reuse now, and what it would compute.
     Runs in a worker thread (tier lookups may reach Redis); never waits on the engine."""
-    return await asyncio.to_thread(_explain, body, service)
+    return await asyncio.to_thread(_explain, body, service, tenant)
 
 
-def _explain(body: ExplainRequest, service: PromptService) -> Explanation:
-    plan = service.plan(body.prompt)
-    reuse, blocks = service.explain(plan, body.cache_salt, service.fidelity(body.fidelity, body.fidelity_head_tokens))
-    tiers = service.locate(plan, body.cache_salt)
+def _explain(body: ExplainRequest, service: PromptService, tenant: str | None) -> Explanation:
+    plan = service.plan(body.prompt, tenant=tenant)
+    reuse, blocks = service.explain(plan, body.cache_salt, service.fidelity(body.fidelity, body.fidelity_head_tokens),
+                                    tenant)
+    tiers = service.locate(plan, body.cache_salt, tenant)
     tier_of = {c.segment.segment_id: t for c, t in zip(plan.cached, tiers)}
     used: dict[str, int] = {}
     found: dict[str, list[str | None]] = {}

@@ -33,7 +33,7 @@ from promptcache.server.openai_wire import (
     refused_fields,
 )
 from promptcache.server.service import PromptService
-from promptcache.server.state import Service
+from promptcache.server.state import Service, Tenant
 
 router = APIRouter(prefix="/v1")
 
@@ -45,33 +45,33 @@ async def models(service: Service) -> dict:
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, service: Service):
+async def completions(body: CompletionRequest, service: Service, tenant: Tenant):
     _refuse_unsupported(body)
     prompts = body.prompts()
     if not prompts or any(not p for p in prompts):
         raise UnsupportedParameterError("prompt: expected a non-empty text, list of texts, token ids or list of "
                                         "token-id lists")
     # Parsing and tokenizing run off the event loop (a long prompt must not stall other clients).
-    plans = [await asyncio.to_thread(_completion_plan, service, p) for p in prompts]
+    plans = [await asyncio.to_thread(_completion_plan, service, p, tenant) for p in prompts]
     if len(plans) == 1 and not body.echo:
-        return await _run(service, body, plans[0], "cmpl", "text_completion", chat=False)
+        return await _run(service, body, plans[0], "cmpl", "text_completion", chat=False, tenant=tenant)
     echoes = [p if isinstance(p, str) else service.detokenize(p) for p in prompts] if body.echo else None
     prompt_ids = None
     if body.echo and body.logprobs is not None:  # the echoed tokens get logprobs too
         prompt_ids = [list(p) if not isinstance(p, str) else list(service.tokenize(p)) for p in prompts]
-    return await run_completions(service, body, plans, echoes, prompt_ids)
+    return await run_completions(service, body, plans, echoes, prompt_ids, tenant)
 
 
-def _completion_plan(service: PromptService, prompt: str | list[int]) -> PromptPlan:
+def _completion_plan(service: PromptService, prompt: str | list[int], tenant: str | None) -> PromptPlan:
     """Token ids as given; a PML document (it starts with `<prompt`) imports modules; any other text is
     plain, tokenized verbatim (never XML)."""
     if not isinstance(prompt, str):
         return service.plan_tokens(prompt)
-    return service.plan(prompt) if is_pml(prompt) else service.plan_text(prompt)
+    return service.plan(prompt, tenant=tenant) if is_pml(prompt) else service.plan_text(prompt)
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, service: Service):
+async def chat_completions(body: ChatCompletionRequest, service: Service, tenant: Tenant):
     _refuse_unsupported(body)
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
@@ -79,10 +79,10 @@ async def chat_completions(body: ChatCompletionRequest, service: Service):
         body.max_tokens = min(256, service.settings.max_tokens_limit)
     messages = chat_messages(body.messages)
     if body.schema_name:
-        plan = await asyncio.to_thread(service.plan, _chat_pml(body.schema_name, messages))
+        plan = await asyncio.to_thread(lambda: service.plan(_chat_pml(body.schema_name, messages), tenant=tenant))
     else:
         plan = await asyncio.to_thread(service.plan_chat, messages)
-    return await _run(service, body, plan, "chatcmpl", "chat.completion", chat=True)
+    return await _run(service, body, plan, "chatcmpl", "chat.completion", chat=True, tenant=tenant)
 
 
 def _chat_pml(schema: str, messages: list[dict[str, str]]) -> str:
@@ -115,19 +115,20 @@ def _num_logprobs(body: _OpenAIFields) -> int | None:
     return body.logprobs
 
 
-async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, prefix: str, obj: str, *, chat: bool):
+async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, prefix: str, obj: str, *, chat: bool,
+               tenant: str | None):
     params = sampling_params(body, service.settings.max_tokens_limit, _num_logprobs(body))
     request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     events = service.submit(plan, params, body.cache_salt, request_id,
-                            service.fidelity(body.fidelity, body.fidelity_head_tokens))
+                            service.fidelity(body.fidelity, body.fidelity_head_tokens), tenant)
     head = {"id": request_id, "object": obj, "created": created, "model": service.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(service, events, head, chat, include_usage, plan),
+        return StreamingResponse(_stream(service, events, head, chat, include_usage, plan, tenant),
                                  media_type="text/event-stream")
     outcome = await collect(events, params.n)
-    record(service.metrics, outcome.final, outcome.finish_reasons)
+    record(service.metrics, outcome.final, outcome.finish_reasons, tenant)
     choices = []
     for index, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons)):
         choice = {"index": index, "finish_reason": finish_reason(reason),
@@ -138,7 +139,7 @@ async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, pr
             "promptcache": extension(outcome.final, plan)}
 
 
-async def _stream(service, events, head: dict, chat: bool, include_usage: bool, plan: PromptPlan):
+async def _stream(service, events, head: dict, chat: bool, include_usage: bool, plan: PromptPlan, tenant: str | None):
     obj = head["object"] + (".chunk" if chat else "")
     started: set[int] = set()
     reasons: dict[int, str | None] = {}
@@ -163,7 +164,7 @@ async def _stream(service, events, head: dict, chat: bool, include_usage: bool, 
                 reasons[event.index] = event.finish_reason
             yield sse({**head, "object": obj, "choices": [choice]})
             if event.usage is not None:
-                record(service.metrics, event, list(reasons.values()))
+                record(service.metrics, event, list(reasons.values()), tenant)
                 if include_usage:
                     yield sse({**head, "object": obj, "choices": [], "usage": usage(event),
                                "promptcache": extension(event, plan)})

@@ -16,6 +16,7 @@ from promptcache.server.errors import install_error_handlers
 from promptcache.server.guard import RequestGuard
 from promptcache.server.service import PromptService
 from promptcache.server.settings import ServerSettings
+from promptcache.server.tenants import Quota, TenantDirectory
 
 logger = logging.getLogger("promptcache.server")
 GIL_SWITCH_INTERVAL_S = 0.001
@@ -26,6 +27,9 @@ def create_app(settings: ServerSettings | None = None, *,
     """Build the app. The model loads in a worker thread after startup, so /health answers 503
     ("loading") at once and 200 when ready. `model_loader` replaces `load_model` (tests, embedding)."""
     settings = settings or ServerSettings()
+    tenants = TenantDirectory.load(settings.api_keys_file, settings.api_keys, Quota(
+        max_schemas=settings.tenant_max_schemas, max_schema_tokens=settings.tenant_max_schema_tokens,
+        rate_limit=settings.tenant_rate_limit))  # a bad keys file fails here, before serving anything
 
     def load() -> LoadedModel:
         if model_loader is not None:
@@ -40,7 +44,7 @@ def create_app(settings: ServerSettings | None = None, *,
         # The engine thread and parsing workers run Python between tensor ops; handing the GIL back
         # every millisecond (default 5) keeps the event loop answering (/health, streams) meanwhile.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        task = asyncio.create_task(_start(app, settings, load))
+        task = asyncio.create_task(_start(app, settings, tenants, load))
         try:
             yield
         finally:
@@ -50,8 +54,9 @@ def create_app(settings: ServerSettings | None = None, *,
 
     app = FastAPI(title="promptcache", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
+    app.state.tenants = tenants
     install_error_handlers(app)
-    app.add_middleware(RequestGuard, settings=settings)
+    app.add_middleware(RequestGuard, settings=settings, tenants=tenants)
     app.include_router(api_system.router)
     app.include_router(api_native.router)
     app.include_router(api_openai.router)
@@ -59,10 +64,11 @@ def create_app(settings: ServerSettings | None = None, *,
     return app
 
 
-async def _start(app: FastAPI, settings: ServerSettings, load: Callable[[], LoadedModel]) -> None:
+async def _start(app: FastAPI, settings: ServerSettings, tenants: TenantDirectory,
+                 load: Callable[[], LoadedModel]) -> None:
     try:
         loaded = await asyncio.to_thread(load)
-        service = await asyncio.to_thread(PromptService, settings, loaded)
+        service = await asyncio.to_thread(PromptService, settings, loaded, tenants)
         await service.start()
     except Exception as exc:  # surfaced by /health and 503s, and logged
         logger.exception("startup failed")

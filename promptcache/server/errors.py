@@ -19,7 +19,11 @@ logger = logging.getLogger("promptcache.server")
 
 
 class ServerError(Exception):
-    """Root of the server's own errors."""
+    """Root of the server's own errors. `headers` go on the HTTP response (e.g. Retry-After)."""
+
+    def __init__(self, message: str = "", *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.headers = dict(headers or {})
 
 
 class NotReadyError(ServerError):
@@ -28,6 +32,17 @@ class NotReadyError(ServerError):
 
 class UnauthorizedError(ServerError):
     """Missing or invalid API key."""
+
+
+class RateLimitedError(ServerError):
+    """The tenant sent more requests than its rate allows."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+
+
+class QuotaExceededError(ServerError):
+    """The tenant's schemas would exceed its quota (count or tokens)."""
 
 
 class PayloadTooLargeError(ServerError):
@@ -63,6 +78,8 @@ ERROR_TABLE: list[tuple[type[Exception], int, str]] = [
     (UnauthorizedError, 401, "authentication_error"),
     (NotReadyError, 503, "service_unavailable"),
     (PayloadTooLargeError, 413, "payload_too_large"),
+    (RateLimitedError, 429, "rate_limit_exceeded"),
+    (QuotaExceededError, 429, "quota_exceeded"),
     (SchemaExistsError, 409, "schema_exists"),
     (SchemaNotFoundError, 404, "schema_not_found"),
     (SchemaTooLongError, 400, "schema_too_long"),
@@ -89,8 +106,17 @@ def status_for(exc: Exception) -> tuple[int, str]:
     return 500, "internal_error"
 
 
-def error_response(status: int, kind: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
+def error_response(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status, headers=headers)
+
+
+def response_for(exc: Exception) -> JSONResponse:
+    """The error response of a domain exception raised before any route ran (auth, limits)."""
+    status, kind = status_for(exc)
+    response = error_response(status, kind, str(exc), exc.headers if isinstance(exc, ServerError) else None)
+    if status == 401:
+        response.headers["WWW-Authenticate"] = "Bearer"
+    return response
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -99,7 +125,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def domain(request: Request, exc: Exception) -> JSONResponse:
         status, kind = status_for(exc)
         if status < 500:
-            return error_response(status, kind, f"{type(exc).__name__}: {exc}")
+            return error_response(status, kind, f"{type(exc).__name__}: {exc}",
+                                  exc.headers if isinstance(exc, ServerError) else None)
         if status == 503 or isinstance(exc, EngineFailureError):  # messages written for the caller
             return error_response(status, kind, str(exc))
         error_id = uuid.uuid4().hex[:12]  # internals go to the log only, under an id the caller gets

@@ -16,6 +16,7 @@ from promptcache.server.errors import (
     status_for,
 )
 from promptcache.server.metrics import Metrics
+from promptcache.server.tenants import tenant_label
 from promptcache.server.wire import (
     CacheReport,
     Logprobs,
@@ -92,14 +93,14 @@ def wire_logprobs(events: list[TokenEvent], token_text: Callable[[int], str]) ->
     return result
 
 
-def record(metrics: Metrics, final: TokenEvent, finish_reasons: list[str | None]) -> None:
+def record(metrics: Metrics, final: TokenEvent, finish_reasons: list[str | None], tenant: str | None) -> None:
     usage, timings = final.usage, final.timings
     reused = [("module", m.tier, m.num_tokens) for m in final.modules or () if m.tier != "computed"]
     if final.prefix is not None:
         reused += [("prefix", tier, count) for tier, count in final.prefix.tiers]
     metrics.observe(ttft_s=timings.ttft_ms / 1e3, e2e_s=timings.total_ms / 1e3, prompt_tokens=usage.prompt_tokens,
                     cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
-                    finish_reasons=[r or "unknown" for r in finish_reasons], reused=reused)
+                    finish_reasons=[r or "unknown" for r in finish_reasons], reused=reused, tenant=tenant_label(tenant))
 
 
 def wire_usage(final: TokenEvent) -> Usage:

@@ -1,4 +1,5 @@
-"""RequestGuard: API keys and the request-body limit, as plain ASGI, before any route runs.
+"""RequestGuard: API keys (-> the caller's tenant), request rates and the request-body limit, as plain
+ASGI, before any route runs. Routes read the tenant from `request.state.tenant` (state.py).
 
 The body limit counts the bytes actually received (chunked or not; Content-Length is only an early
 rejection), buffers at most the limit, and answers 413 as soon as it is crossed. The buffered body is
@@ -7,22 +8,27 @@ replayed to the app unchanged.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from promptcache.server.errors import PayloadTooLargeError, UnauthorizedError, error_response, status_for
+from promptcache.server.errors import PayloadTooLargeError, ServerError, UnauthorizedError, response_for
 from promptcache.server.settings import ServerSettings
+from promptcache.server.tenants import RequestRateLimiter, TenantDirectory
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+METRICS_PATH = "/metrics"
+OPEN_PATHS = frozenset({"/health", METRICS_PATH})
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, settings: ServerSettings) -> None:
+    def __init__(self, app: ASGIApp, settings: ServerSettings, tenants: TenantDirectory) -> None:
         self.app = app
         self.max_bytes = settings.max_request_bytes
-        self.keys = [k.encode() for k in settings.api_keys]
+        self.tenants = tenants
+        self.rates = RequestRateLimiter(tenants)
+        self.metrics_digest = hashlib.sha256(settings.metrics_key.encode()).digest() if settings.metrics_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -31,17 +37,17 @@ class RequestGuard:
         headers = Headers(scope=scope)
         try:
             if scope["path"] not in OPEN_PATHS:
-                self._authenticate(headers)
+                tenant = self.tenants.authenticate(headers.get("authorization", ""))
+                self.rates.check(tenant)
+                scope.setdefault("state", {})["tenant"] = tenant
+            elif scope["path"] == METRICS_PATH:
+                self._check_metrics_key(headers)
             length = headers.get("content-length", "")
             if length.isdigit() and int(length) > self.max_bytes:
                 raise PayloadTooLargeError(f"request body is {length} bytes; the limit is {self.max_bytes}")
             messages = await self._read_body(receive)
-        except (UnauthorizedError, PayloadTooLargeError) as exc:
-            status, kind = status_for(exc)
-            response = error_response(status, kind, str(exc))
-            if status == 401:
-                response.headers["WWW-Authenticate"] = "Bearer"
-            await response(scope, receive, send)
+        except ServerError as exc:
+            await response_for(exc)(scope, receive, send)
             return
 
         async def replay() -> Message:
@@ -64,9 +70,11 @@ class RequestGuard:
             if not message.get("more_body", False):
                 return messages
 
-    def _authenticate(self, headers: Headers) -> None:
-        if not self.keys:
+    def _check_metrics_key(self, headers: Headers) -> None:
+        """/metrics is open unless a metrics key is set (it is never behind the tenants' keys)."""
+        if self.metrics_digest is None:
             return
         scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.encode(), k) for k in self.keys):
-            raise UnauthorizedError("missing or invalid API key (send Authorization: Bearer <key>)")
+        if not (hmac.compare_digest(hashlib.sha256(token.encode()).digest(), self.metrics_digest)
+                and scheme.lower() == "bearer"):
+            raise UnauthorizedError("/metrics needs the metrics key (send Authorization: Bearer <metrics key>)")

@@ -21,34 +21,35 @@ class Metrics:
                               buckets=TTFT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("promptcache:e2e_request_latency_seconds", "End-to-end request latency.", labels,
                              registry=self.registry)
-        self.prompt_tokens = Counter("promptcache:prompt_tokens", "Prompt tokens processed.", labels,
+        by_tenant = [*labels, "tenant"]  # the default tenant is "_default" (tenants.py)
+        self.prompt_tokens = Counter("promptcache:prompt_tokens", "Prompt tokens processed.", by_tenant,
                                      registry=self.registry)
         self.cached_prompt_tokens = Counter("promptcache:cached_prompt_tokens", "Prompt tokens served from cache.",
-                                            labels, registry=self.registry)
+                                            by_tenant, registry=self.registry)
         self.generation_tokens = Counter("promptcache:generation_tokens", "Generated tokens.", labels,
                                          registry=self.registry)
         self.reused_tokens = Counter("promptcache:reused_prompt_tokens",
                                      "Prompt tokens whose KV was reused, by kind (module | prefix) and tier.",
-                                     [*labels, "kind", "tier"], registry=self.registry)
+                                     [*by_tenant, "kind", "tier"], registry=self.registry)
         self.requests = Counter("promptcache:request_success", "Finished requests by finish reason.",
-                                [*labels, "finished_reason"], registry=self.registry)
+                                [*by_tenant, "finished_reason"], registry=self.registry)
         self._sources: list[Callable[[], Iterator]] = []
         self.registry.register(_Live(self))
 
     def observe(self, *, ttft_s: float, e2e_s: float, prompt_tokens: int, cached_tokens: int,
                 completion_tokens: int, finish_reasons: list[str],
-                reused: Sequence[tuple[str, str, int]] = ()) -> None:
-        """Record one finished request; `reused` holds (kind, tier, tokens) triples."""
+                reused: Sequence[tuple[str, str, int]] = (), tenant: str = "_default") -> None:
+        """Record one finished request of `tenant` (its metrics label); `reused` holds (kind, tier, tokens)."""
         m = self.model_name
         self.ttft.labels(m).observe(ttft_s)
         self.e2e.labels(m).observe(e2e_s)
-        self.prompt_tokens.labels(m).inc(prompt_tokens)
-        self.cached_prompt_tokens.labels(m).inc(cached_tokens)
+        self.prompt_tokens.labels(m, tenant).inc(prompt_tokens)
+        self.cached_prompt_tokens.labels(m, tenant).inc(cached_tokens)
         self.generation_tokens.labels(m).inc(completion_tokens)
         for reason in finish_reasons:
-            self.requests.labels(m, reason).inc()
+            self.requests.labels(m, tenant, reason).inc()
         for kind, tier, count in reused:
-            self.reused_tokens.labels(m, kind, tier).inc(count)
+            self.reused_tokens.labels(m, tenant, kind, tier).inc(count)
 
     def add_source(self, source: Callable[[], Iterator]) -> None:
         """`source()` yields metric families describing live state (engine queue, store tiers)."""

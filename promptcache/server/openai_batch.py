@@ -17,7 +17,8 @@ from promptcache.server.service import PromptService
 
 
 async def run_completions(service: PromptService, body: CompletionRequest, plans: list[PromptPlan],
-                          echoes: list[str] | None, prompt_ids: list[list[int]] | None = None) -> dict:
+                          echoes: list[str] | None, prompt_ids: list[list[int]] | None = None,
+                          tenant: str | None = None) -> dict:
     """Run every plan (none when `max_tokens` is 0 and no logprobs are asked: echo only). `echoes` are the
     prompts' texts to prepend; with `prompt_ids` (echo with logprobs) the prompts' tokens get logprobs
     too, the first one None (nothing precedes it), as OpenAI reports them."""
@@ -29,7 +30,7 @@ async def run_completions(service: PromptService, body: CompletionRequest, plans
                                  prompt_logprobs=body.logprobs if prompt_ids is not None else None)
         fidelity = service.fidelity(body.fidelity, body.fidelity_head_tokens)
         outcomes = list(await asyncio.gather(*(
-            collect(service.submit(plan, params, body.cache_salt, f"{request_id}-{i}", fidelity), params.n)
+            collect(service.submit(plan, params, body.cache_salt, f"{request_id}-{i}", fidelity, tenant), params.n)
             for i, plan in enumerate(plans))))
     choices, reports = [], []
     totals = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
@@ -40,7 +41,7 @@ async def run_completions(service: PromptService, body: CompletionRequest, plans
             choices += [{"index": p * body.n + i, "text": echo, "finish_reason": "length", "logprobs": None}
                         for i in range(body.n)]
             continue
-        record(service.metrics, outcome.final, outcome.finish_reasons)
+        record(service.metrics, outcome.final, outcome.finish_reasons, tenant)
         used = outcome.final.usage
         generated = body.max_tokens > 0  # else the engine ran one token for the prompt's logprobs: dropped
         totals["prompt_tokens"] += used.prompt_tokens

@@ -2,6 +2,11 @@
 
 Model compute (module encoding) runs on the engine thread via `Engine.call`; nothing here blocks the
 event loop on a tensor.
+
+Tenants (tenants.py): every call that touches schemas or KV names the caller's tenant (None: the default
+tenant). A tenant's schemas live in its own runtime namespace and under `<tenant>/<name>` in the shared
+registry; every KV key it reads or writes is salted with the tenant (`salt`), so nothing one tenant
+computed can be read, or probed for, by another — whatever `cache_salt` it sends.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from collections.abc import AsyncIterator
 from importlib import resources
 
 from promptcache.cache_store import (
+    BlobSigner,
     BlockIndexConfig,
     RegistryState,
     SchemaRegistry,
@@ -22,10 +28,22 @@ from promptcache.cache_store import (
 from promptcache.model_runtime import LoadedModel, ModelRuntime, SamplingParams
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, ReusePlan, TokenEvent
 from promptcache.pml import PmlLimits, PromptPlan, Schema, UnknownSchemaError, token_plan
-from promptcache.server.errors import SchemaExistsError, SchemaNotFoundError, SchemaTooLongError
+from promptcache.server.errors import (
+    QuotaExceededError,
+    SchemaExistsError,
+    SchemaNotFoundError,
+    SchemaTooLongError,
+)
 from promptcache.server.heap import trim_heap_every
 from promptcache.server.metrics import Metrics, engine_families, store_families
 from promptcache.server.settings import ServerSettings
+from promptcache.server.tenants import (
+    TenantDirectory,
+    namespace,
+    registry_name,
+    split_registry_name,
+    tenant_salt,
+)
 
 logger = logging.getLogger(__name__)
 PLAIN_SCHEMA = "__plain__"  # the empty schema that plain-text and chat prompts are resolved against
@@ -34,16 +52,22 @@ PLAIN_SCHEMA = "__plain__"  # the empty schema that plain-text and chat prompts 
 class PromptService:
     """Owns the runtime, engine, store, schema registry and metrics of one server process."""
 
-    def __init__(self, settings: ServerSettings, loaded: LoadedModel) -> None:
+    def __init__(self, settings: ServerSettings, loaded: LoadedModel, tenants: TenantDirectory | None = None) -> None:
         self.settings = settings
+        self.tenants = tenants or TenantDirectory({})
+        signer = BlobSigner(settings.blob_key.encode() if settings.blob_key else None)
         self.model_name = loaded.name
         self.store = build_store(StoreConfig(
             device_max_bytes=settings.device_max_bytes, host_max_bytes=settings.host_max_bytes,
             redis_url=settings.redis_url, redis_max_bytes=settings.redis_max_bytes,
             redis_namespace=settings.namespace, redis_timeout_s=settings.redis_timeout_s,
-            disk_dir=settings.disk_dir, disk_max_bytes=settings.disk_max_bytes), device=settings.device)
+            disk_dir=settings.disk_dir, disk_max_bytes=settings.disk_max_bytes,
+            blob_key=settings.blob_key.encode() if settings.blob_key else None), device=settings.device)
         self.registry = SchemaRegistry(settings.redis_url, namespace=settings.namespace,
-                                       timeout_s=settings.redis_timeout_s)
+                                       timeout_s=settings.redis_timeout_s, signer=signer)
+        if settings.redis_url and not signer.enabled:
+            logger.warning("Redis is shared storage and no blob key is set (PROMPTCACHE_BLOB_KEY): anyone who can "
+                           "write to it can plant KV or schemas this server will serve (docs/security.md)")
         limits = PmlLimits(max_schema_bytes=settings.max_schema_bytes, max_prompt_bytes=settings.max_request_bytes)
         self.runtime = ModelRuntime(loaded, self.store, limits)
         prefix = BlockIndexConfig(block_size=settings.prefix_block_size, ttl_s=settings.prefix_ttl_s) \
@@ -57,8 +81,8 @@ class PromptService:
         self.metrics.add_source(lambda: engine_families(self.engine, self.runtime.module_encoder, self.model_name))
         self.metrics.add_source(lambda: store_families(self.store))
         self.runtime.add_schema(self.runtime.parse_schema(f'<schema name="{PLAIN_SCHEMA}"/>'), encode=False)
-        self.encode_ms: dict[str, float] = {}
-        self._versions: dict[str, str] = {}  # schema name -> registry version this process serves
+        self.encode_ms: dict[str, float] = {}  # registry name -> encoding time of its upload here
+        self._versions: dict[str, str] = {}  # registry name -> registry version this process serves
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -83,58 +107,87 @@ class PromptService:
         self.store.close()
 
     # -- schemas -----------------------------------------------------------------------------------
-    async def create_schema(self, pml: str) -> Schema:
-        """Validate, encode, then register: a failed upload leaves nothing behind (its encoded KV is
-        only cache). Raises PmlError, SchemaTooLongError, SchemaExistsError."""
+    def salt(self, tenant: str | None, cache_salt: str | None) -> str | None:
+        """The salt of every KV key a request of `tenant` uses: the tenant, then the client's `cache_salt`
+        inside it. The default tenant's salt is the client's, unchanged."""
+        return tenant_salt(tenant, cache_salt)
+
+    async def create_schema(self, pml: str, tenant: str | None = None) -> Schema:
+        """Validate, check the tenant's quota, encode, then register: a failed upload leaves nothing behind
+        (its encoded KV is only cache). Raises PmlError, SchemaTooLongError, SchemaExistsError,
+        QuotaExceededError."""
         schema = await asyncio.to_thread(self.runtime.parse_schema, pml)
         if schema.num_positions > self.runtime.loaded.max_positions:
             raise SchemaTooLongError(f"schema {schema.name!r} spans {schema.num_positions} positions; the model "
                                      f"supports {self.runtime.loaded.max_positions}")
-        if schema.name == PLAIN_SCHEMA or await asyncio.to_thread(self.ensure_schema, schema.name) is not None:
+        if schema.name == PLAIN_SCHEMA or await asyncio.to_thread(self.ensure_schema, schema.name, tenant) is not None:
             raise SchemaExistsError(f"schema {schema.name!r} already exists; DELETE it first to replace it")
-        report = await asyncio.wrap_future(self.engine.encode_schema(schema))  # in chunks between decode steps
+        await asyncio.to_thread(self._check_quota, schema, tenant)
+        # In chunks between decode steps; salted with the tenant like every later lookup of it.
+        report = await asyncio.wrap_future(self.engine.encode_schema(schema, self.salt(tenant, None)))
         # Shared-tier writes are write-behind: let them land so another replica finds the KV at once.
         await asyncio.to_thread(self.store.flush, self.settings.redis_timeout_s * 60)
-        stored = self.registry.save(schema.name, pml, {"num_tokens": schema.num_positions})
-        self.runtime.add_schema(schema, encode=False)
-        self._versions[schema.name] = stored.version
-        self.encode_ms[schema.name] = report.encode_ms
+        qualified = registry_name(tenant, schema.name)
+        stored = self.registry.save(qualified, pml, {"num_tokens": schema.num_positions})
+        self.runtime.add_schema(schema, encode=False, namespace=namespace(tenant))
+        self._versions[qualified] = stored.version
+        self.encode_ms[qualified] = report.encode_ms
         return schema
 
-    def list_schemas(self) -> list[Schema]:
-        for stored in self.registry.list():
-            if self.runtime.get_schema(stored.name) is None:
-                self._adopt(stored)
-        return [s for n in self.runtime.schema_names() if n != PLAIN_SCHEMA
-                for s in [self.runtime.get_schema(n)] if s is not None]
+    def _check_quota(self, schema: Schema, tenant: str | None) -> None:
+        quota = self.tenants.quota(tenant)
+        if quota.max_schemas is None and quota.max_schema_tokens is None:
+            return
+        owned = self.list_schemas(tenant)
+        if quota.max_schemas is not None and len(owned) + 1 > quota.max_schemas:
+            raise QuotaExceededError(f"this tenant has {len(owned)} schemas; its quota is {quota.max_schemas} "
+                                     "(delete one first)")
+        tokens = sum(s.num_positions for s in owned) + schema.num_positions
+        if quota.max_schema_tokens is not None and tokens > quota.max_schema_tokens:
+            raise QuotaExceededError(f"schema {schema.name!r} would bring this tenant's schemas to {tokens} tokens; "
+                                     f"its quota is {quota.max_schema_tokens}")
 
-    def get_schema(self, name: str) -> Schema:
-        schema = self.ensure_schema(name) if name != PLAIN_SCHEMA else None
-        if schema is None:
+    def list_schemas(self, tenant: str | None = None) -> list[Schema]:
+        """The tenant's schemas (adopting ones another replica uploaded)."""
+        ns = namespace(tenant)
+        for stored in self.registry.list():
+            owner, name = split_registry_name(stored.name)
+            if owner == tenant and self.runtime.get_schema(name, ns) is None:
+                self._adopt(stored)
+        return [s for n in self.runtime.schema_names(ns) if n != PLAIN_SCHEMA
+                for s in [self.runtime.get_schema(n, ns)] if s is not None]
+
+    def get_schema(self, name: str, tenant: str | None = None) -> Schema:
+        schema = self.ensure_schema(name, tenant) if name != PLAIN_SCHEMA else None
+        if schema is None:  # another tenant's schema of this name is as absent as a missing one
             raise SchemaNotFoundError(f"no schema named {name!r}")
         return schema
 
-    async def delete_schema(self, name: str) -> None:
-        await asyncio.to_thread(self._delete_schema, name)
+    def schema_encode_ms(self, name: str, tenant: str | None = None) -> float | None:
+        return self.encode_ms.get(registry_name(tenant, name))
 
-    def _delete_schema(self, name: str) -> None:
-        schema = self.get_schema(name)
-        self.runtime.remove_schema(name)
-        self.registry.delete(name)
-        self.encode_ms.pop(name, None)
-        self._versions.pop(name, None)
-        encoder = self.runtime.module_encoder
+    async def delete_schema(self, name: str, tenant: str | None = None) -> None:
+        await asyncio.to_thread(self._delete_schema, name, tenant)
+
+    def _delete_schema(self, name: str, tenant: str | None) -> None:
+        schema = self.get_schema(name, tenant)
+        qualified = registry_name(tenant, name)
+        self.runtime.remove_schema(name, namespace(tenant))
+        self.registry.delete(qualified)
+        self.encode_ms.pop(qualified, None)
+        self._versions.pop(qualified, None)
+        encoder, salt = self.runtime.module_encoder, self.salt(tenant, None)
         contexts = [(s.segment_id, s.context_ids) for s in schema.segments]
         contexts += [(sid, ctx) for sc in schema.scaffolds for sid, ctx in sc.contexts.items()]
-        for segment_id, context_ids in contexts:  # unsalted KV; salted copies age out by LRU
-            self.store.delete(encoder.key(schema, segment_id, context_ids, None))
+        for segment_id, context_ids in contexts:  # the upload's KV; client-salted copies age out by LRU
+            self.store.delete(encoder.key(schema, segment_id, context_ids, salt))
 
-    def ensure_schema(self, name: str) -> Schema | None:
-        """The schema, from this process or from the shared registry (uploaded by another replica)."""
-        schema = self.runtime.get_schema(name)
+    def ensure_schema(self, name: str, tenant: str | None = None) -> Schema | None:
+        """The tenant's schema, from this process or from the shared registry (uploaded by another replica)."""
+        schema = self.runtime.get_schema(name, namespace(tenant))
         if schema is not None:
             return schema
-        stored = self.registry.load(name)
+        stored = self.registry.load(registry_name(tenant, name))
         return self._adopt(stored) if stored is not None else None
 
     def _adopt(self, stored: StoredSchema) -> Schema | None:
@@ -145,7 +198,11 @@ class PromptService:
         except Exception as exc:  # a registry entry this model cannot parse must not break startup
             logger.warning("skipping stored schema %r: %s", stored.name, exc)
             return None
-        self.runtime.add_schema(schema, encode=False)
+        tenant, name = split_registry_name(stored.name)
+        if schema.name != name:  # the document must be the one stored under this name
+            logger.warning("skipping stored schema %r: its document names %r", stored.name, schema.name)
+            return None
+        self.runtime.add_schema(schema, encode=False, namespace=namespace(tenant))
         self._versions[stored.name] = stored.version
         return schema
 
@@ -162,31 +219,34 @@ class PromptService:
                 logger.exception("following the schema registry failed")
 
     def _apply_state(self, state: RegistryState) -> None:
-        for name, version in list(self._versions.items()):
-            if state.versions.get(name) == version:
+        for qualified, version in list(self._versions.items()):
+            if state.versions.get(qualified) == version:
                 continue
+            tenant, name = split_registry_name(qualified)
             # `state` may predate a re-upload this process adopted meanwhile: read the entry itself.
-            stored = self.registry.load(name)
+            stored = self.registry.load(qualified)
             if stored is not None:
-                if stored.version != self._versions.get(name):
+                if stored.version != self._versions.get(qualified):
                     self._adopt(stored)
-            elif name in state.deleted:
-                self.runtime.remove_schema(name)
-                self._versions.pop(name, None)
-                self.encode_ms.pop(name, None)
+            elif qualified in state.deleted:
+                self.runtime.remove_schema(name, namespace(tenant))
+                self._versions.pop(qualified, None)
+                self.encode_ms.pop(qualified, None)
             else:  # gone without a delete: Redis lost it (restart without persistence, flush)
-                schema = self.runtime.get_schema(name)
+                schema = self.runtime.get_schema(name, namespace(tenant))
                 if schema is not None and self.registry.restore(StoredSchema(
-                        name, schema.pml, {"num_tokens": schema.num_positions}, version=version)):
-                    logger.warning("schema %r was missing from the shared registry; restored it", name)
+                        qualified, schema.pml, {"num_tokens": schema.num_positions}, version=version)):
+                    logger.warning("schema %r was missing from the shared registry; restored it", qualified)
 
     # -- prompts -----------------------------------------------------------------------------------
-    def plan(self, prompt: str, *, isolated: bool = False) -> PromptPlan:
+    def plan(self, prompt: str, *, tenant: str | None = None, isolated: bool = False) -> PromptPlan:
+        """A PML prompt resolved against the tenant's schemas (an unknown name lists only those)."""
+        ns = namespace(tenant)
         try:
-            return self.runtime.plan(prompt, isolated=isolated)
+            return self.runtime.plan(prompt, isolated=isolated, namespace=ns)
         except UnknownSchemaError as exc:
-            if exc.schema_name and exc.schema_name != PLAIN_SCHEMA and self.ensure_schema(exc.schema_name):
-                return self.runtime.plan(prompt, isolated=isolated)
+            if exc.schema_name and exc.schema_name != PLAIN_SCHEMA and self.ensure_schema(exc.schema_name, tenant):
+                return self.runtime.plan(prompt, isolated=isolated, namespace=ns)
             raise
 
     def plan_text(self, text: str) -> PromptPlan:
@@ -224,16 +284,17 @@ class PromptService:
         return self.runtime.detokenize(token_ids)
 
     def submit(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None, request_id: str,
-               fidelity: Fidelity) -> AsyncIterator[TokenEvent]:
-        return self.engine.submit(plan, params, cache_salt=cache_salt, request_id=request_id, fidelity=fidelity)
+               fidelity: Fidelity, tenant: str | None = None) -> AsyncIterator[TokenEvent]:
+        return self.engine.submit(plan, params, cache_salt=self.salt(tenant, cache_salt), request_id=request_id,
+                                  fidelity=fidelity)
 
-    def locate(self, plan: PromptPlan, cache_salt: str | None) -> list[str | None]:
-        """For each cached segment of the plan, the tier holding its KV (None: would be computed)."""
-        encoder = self.runtime.module_encoder
-        return [self.store.contains(encoder.key(plan.schema, c.segment.segment_id, c.context_ids, cache_salt))
+    def locate(self, plan: PromptPlan, cache_salt: str | None, tenant: str | None = None) -> list[str | None]:
+        """For each cached segment of the plan, the tier holding the tenant's KV for it (None: would be computed)."""
+        encoder, salt = self.runtime.module_encoder, self.salt(tenant, cache_salt)
+        return [self.store.contains(encoder.key(plan.schema, c.segment.segment_id, c.context_ids, salt))
                 for c in plan.cached]
 
-    def explain(self, plan: PromptPlan, cache_salt: str | None,
-                fidelity: Fidelity) -> tuple[ReusePlan, list[tuple[str, int]]]:
+    def explain(self, plan: PromptPlan, cache_salt: str | None, fidelity: Fidelity,
+                tenant: str | None = None) -> tuple[ReusePlan, list[tuple[str, int]]]:
         """What serving the plan would reuse and recompute now, and the prefix blocks it would hit."""
-        return self.engine.explain(plan, cache_salt=cache_salt, fidelity=fidelity)
+        return self.engine.explain(plan, cache_salt=self.salt(tenant, cache_salt), fidelity=fidelity)

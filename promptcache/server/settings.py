@@ -20,7 +20,14 @@ class ServerSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="accepted Bearer keys; empty = no auth")
-    redis_url: str | None = None
+    api_keys_file: str | None = Field(None, description="JSON mapping API keys to tenant names (docs/security.md)")
+    metrics_key: str | None = Field(None, description="Bearer key /metrics asks for; None: /metrics is open")
+    tenant_max_schemas: int | None = Field(None, ge=0, description="schemas per tenant; None: unlimited")
+    tenant_max_schema_tokens: int | None = Field(None, ge=0, description="schema positions summed per tenant")
+    tenant_rate_limit: str | None = Field(None, description="requests per tenant, e.g. '10/second'; None: unlimited")
+    redis_url: str | None = Field(None, description="redis:// or rediss:// (TLS), optionally user:password@")
+    blob_key: str | None = Field(None, min_length=16, repr=False,
+                                 description="HMAC key for everything written to Redis (docs/security.md)")
     namespace: str = "default"
     device_max_bytes: int = 1 << 30
     host_max_bytes: int = 4 << 30

@@ -1,4 +1,4 @@
-"""Access to the app's PromptService from routes (503 while the model loads)."""
+"""Access to the app's PromptService (503 while the model loads) and the caller's tenant from routes."""
 
 from __future__ import annotations
 
@@ -19,3 +19,11 @@ def get_service(request: Request) -> PromptService:
 
 
 Service = Annotated[PromptService, Depends(get_service)]
+
+
+def get_tenant(request: Request) -> str | None:
+    """The caller's tenant, set by the RequestGuard from its API key (None: the default tenant)."""
+    return request.state.tenant if "tenant" in request.scope.get("state", {}) else None
+
+
+Tenant = Annotated[str | None, Depends(get_tenant)]

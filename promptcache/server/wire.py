@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MIN_TEMPERATURE = 1e-3  # model_runtime.sampling refuses smaller non-zero temperatures too
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
+CACHE_SALT_PATTERN = r"^[^\x00-\x1f]*$"  # no control characters: server-derived tenant salts use them
 
 
 class _Strict(BaseModel):
@@ -52,7 +53,7 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token (vLLM extension)")
-    cache_salt: str | None = Field(None, max_length=256)
+    cache_salt: str | None = Field(None, max_length=256, pattern=CACHE_SALT_PATTERN)
     fidelity: Literal["fast", "balanced", "exact"] | None = Field(
         None, description="how module KV reused outside its encoding context is treated (default: the server's)")
 
@@ -84,7 +85,7 @@ class GenerateRequest(SamplingFields):
 
 class ExplainRequest(_Strict):
     prompt: str
-    cache_salt: str | None = Field(None, max_length=256)
+    cache_salt: str | None = Field(None, max_length=256, pattern=CACHE_SALT_PATTERN)
     fidelity: Literal["fast", "balanced", "exact"] | None = None
     fidelity_head_tokens: int | None = Field(None, ge=0, le=4096)
 

@@ -31,10 +31,17 @@ def test_dockerfiles_are_hadolint_clean(name):
 def test_compose_runs_server_with_redis():
     compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
     server, redis = compose["services"]["promptcache"], compose["services"]["redis"]
-    assert server["environment"]["PROMPTCACHE_REDIS_URL"] == "redis://redis:6379/0"
+    env = server["environment"]
+    assert env["PROMPTCACHE_REDIS_URL"].startswith("redis://:${REDIS_PASSWORD:?")
+    assert env["PROMPTCACHE_REDIS_URL"].endswith("@redis:6379/0")
+    # Secure by default: keys file, blob key and Redis password are required (compose refuses without them).
+    assert env["PROMPTCACHE_API_KEYS_FILE"] == "/run/secrets/promptcache_api_keys"
+    assert server["secrets"] == ["promptcache_api_keys"] and "promptcache_api_keys" in compose["secrets"]
+    assert env["PROMPTCACHE_BLOB_KEY"].startswith("${PROMPTCACHE_BLOB_KEY:?")
+    assert "--requirepass" in redis["command"]
     assert server["depends_on"]["redis"]["condition"] == "service_healthy"
     assert any(v.endswith("/home/promptcache/.cache") for v in server["volumes"])
-    assert server["healthcheck"]["start_period"] == "300s" and "redis-cli" in redis["healthcheck"]["test"]
+    assert server["healthcheck"]["start_period"] == "300s" and "redis-cli" in " ".join(redis["healthcheck"]["test"])
     assert server["build"]["dockerfile"] == "docker/Dockerfile"
 
 
@@ -61,3 +68,17 @@ def test_entrypoint_serves_outside_a_container(tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_entrypoint_refuses_an_open_server_on_every_interface():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROMPTCACHE_")}
+    refused = subprocess.run(["sh", str(DOCKER / "entrypoint.sh")], env={**env, "PROMPTCACHE_HOST": "0.0.0.0"},
+                             capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 64 and "without API keys" in refused.stderr
+    # With a key (flag or environment) or an explicit opt-in it gets past the check: `--help` then exits 0.
+    for extra_env, args in (({}, ["--api-key", "k"]), ({"PROMPTCACHE_API_KEYS_FILE": "/x.json"}, []),
+                            ({"PROMPTCACHE_ALLOW_UNAUTHENTICATED": "1"}, [])):
+        passed = subprocess.run(["sh", str(DOCKER / "entrypoint.sh"), *args, "--help"],
+                                env={**env, "PROMPTCACHE_HOST": "0.0.0.0", **extra_env},
+                                capture_output=True, text=True, timeout=60)
+        assert passed.returncode == 0 and "--api-keys-file" in passed.stdout, passed.stderr

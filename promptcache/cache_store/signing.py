@@ -1,0 +1,68 @@
+"""Authenticated values in shared storage: an HMAC-SHA256 over (storage key, value) on everything written to
+Redis, checked on read (design.md §4; docs/security.md).
+
+Anyone who can write to Redis could otherwise plant KV that a server serves as a cache hit, or a schema
+it adopts. With a blob key configured, a value without a valid tag — forged, altered, or copied from
+another key — reads as absent (a miss) and is logged. Binding the storage key into the tag stops a valid
+blob from being replayed under another key (e.g. one tenant's KV under another tenant's key).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+
+logger = logging.getLogger("promptcache.cache_store")
+
+MAGIC = b"PCMAC1"  # marks a sealed value (and its format version)
+TAG_BYTES = hashlib.sha256().digest_size
+
+
+class BlobSigner:
+    """Seals values with HMAC-SHA256 under `key`; with no key, values pass through unchanged (and a
+    sealed value read without a key is refused: it cannot be checked)."""
+
+    def __init__(self, key: bytes | None = None) -> None:
+        if key is not None and len(key) < 16:
+            raise ValueError("the blob key must be at least 16 bytes")
+        self._key = key
+
+    @property
+    def enabled(self) -> bool:
+        return self._key is not None
+
+    def seal(self, storage_key: str, value: bytes) -> bytes:
+        """`value` with its tag in front (unchanged when no key is set)."""
+        if self._key is None:
+            return value
+        return MAGIC + self._tag(storage_key, value) + value
+
+    def open(self, storage_key: str, sealed: bytes) -> bytes | None:
+        """The value if its tag checks out (or no key is set and the value is unsealed); None otherwise,
+        with a warning: the caller treats it as a miss."""
+        if self._key is None:
+            if sealed.startswith(MAGIC):
+                logger.warning("value at %s is signed but no blob key is set (PROMPTCACHE_BLOB_KEY); ignoring it",
+                               storage_key)
+                return None
+            return sealed
+        header = len(MAGIC) + TAG_BYTES
+        if len(sealed) < header or not sealed.startswith(MAGIC):
+            logger.warning("unsigned value at %s ignored (a blob key is set: every value must carry a tag)",
+                           storage_key)
+            return None
+        tag, value = sealed[len(MAGIC):header], sealed[header:]
+        if not hmac.compare_digest(tag, self._tag(storage_key, value)):
+            logger.warning("value at %s failed its HMAC check (forged, altered or moved); ignoring it", storage_key)
+            return None
+        return value
+
+    def _tag(self, storage_key: str, value: bytes) -> bytes:
+        assert self._key is not None
+        mac = hmac.new(self._key, digestmod=hashlib.sha256)
+        key = storage_key.encode()
+        mac.update(len(key).to_bytes(8, "little"))
+        mac.update(key)
+        mac.update(value)
+        return mac.digest()
