@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--tenant-max-schema-tokens", type=int,
                        help="schema tokens (positions) each tenant may hold, summed (default: unlimited)")
     serve.add_argument("--tenant-rate-limit", help="requests per tenant, e.g. 10/second (default: unlimited)")
+    serve.add_argument("--tenant-cache-share", type=float,
+                       help="most of each KV tier's bytes (device, host, Redis) one tenant may hold, e.g. 0.25; a "
+                            "tenant at its share evicts only its own entries (default: no limit)")
     serve.add_argument("--no-examples", action="store_true", help="do not preload the bundled example schemas")
     serve.add_argument("--no-prefix-caching", action="store_true",
                        help="turn off automatic prefix reuse (plain, chat and PML new text)")
@@ -70,6 +73,7 @@ def _settings(args: argparse.Namespace):
         "tenant_max_schemas": getattr(args, "tenant_max_schemas", None),
         "tenant_max_schema_tokens": getattr(args, "tenant_max_schema_tokens", None),
         "tenant_rate_limit": getattr(args, "tenant_rate_limit", None),
+        "tenant_cache_share": getattr(args, "tenant_cache_share", None),
         "preload_examples": False if getattr(args, "no_examples", False) else None,
         "prefix_caching": False if getattr(args, "no_prefix_caching", False) else None,
         "prefix_block_size": getattr(args, "prefix_block_size", None),

@@ -16,19 +16,19 @@ from promptcache.cache_store.errors import (
     SchemaExistsError,
 )
 from promptcache.cache_store.fetch_policy import FetchPolicy
-from promptcache.cache_store.keys import chain_root, make_kv_key
+from promptcache.cache_store.keys import chain_root, make_kv_key, owned_salt, salt_owner
 from promptcache.cache_store.memory_tier import MemoryTier
 from promptcache.cache_store.redis_tier import RedisTier
 from promptcache.cache_store.schema_registry import RegistryState, SchemaRegistry, StoredSchema
 from promptcache.cache_store.serialization import dumps, loads
 from promptcache.cache_store.signing import BlobSigner
 from promptcache.cache_store.store import StoreStats, TieredStore, TierStats
-from promptcache.cache_store.tier import BlockKind, Eviction, Tier, TierHit, TierUsage
+from promptcache.cache_store.tier import BlockKind, Eviction, OwnerShares, Tier, TierHit, TierUsage
 
 __all__ = [
     "BlobSigner", "BlockIndex", "BlockIndexConfig", "BlockKind", "BlockMismatchError", "CacheStoreError", "CapacityError", "CorruptBlockError", "DiskTier",
-    "Eviction", "FetchPolicy", "KVBlock", "Link", "Match", "MemoryTier", "RedisTier", "RegistryUnavailableError",
+    "Eviction", "FetchPolicy", "OwnerShares", "KVBlock", "Link", "Match", "MemoryTier", "RedisTier", "RegistryUnavailableError",
     "RegistryState", "SchemaExistsError", "SchemaRegistry", "StoreConfig", "StoreStats", "StoredSchema", "Tier", "TierHit",
     "TierStats", "TierUsage", "TieredStore", "build_store", "chain_root", "dumps", "loads",
-    "make_kv_key",
+    "make_kv_key", "owned_salt", "salt_owner",
 ]

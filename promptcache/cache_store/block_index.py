@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from promptcache.cache_store.block import KVBlock
-from promptcache.cache_store.keys import make_kv_key
+from promptcache.cache_store.keys import make_kv_key, salt_owner
 from promptcache.cache_store.store import TieredStore
 
 # Returns keys and values [num_layers, num_kv_heads, end - start, head_dim] of stream tokens [start, end).
@@ -163,7 +163,7 @@ class BlockIndex:
             if start >= stored_upto:
                 keys, values = gather(start, start + len(ids))
                 block = KVBlock(keys, values, torch.tensor(pos, dtype=torch.long))
-                self.store.put(key, block, ttl_s=self.config.ttl_s, kind="prefix")
+                self.store.put(key, block, ttl_s=self.config.ttl_s, kind="prefix", owner=salt_owner(salt))
                 self._remember(_family(parent, salt), key, ids, pos)
         self.store.touch(key for _, key, *_ in reversed(chain))
         return n - n % size

@@ -9,7 +9,7 @@ from promptcache.cache_store.memory_tier import MemoryTier
 from promptcache.cache_store.redis_tier import RedisTier
 from promptcache.cache_store.signing import BlobSigner
 from promptcache.cache_store.store import TieredStore
-from promptcache.cache_store.tier import Tier
+from promptcache.cache_store.tier import OwnerShares, Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +29,7 @@ class StoreConfig:
     write_through_shared: bool = True
     write_behind_max_bytes: int = 1 << 30  # queue for shared-tier writes; more is dropped (and counted)
     blob_key: bytes | None = None  # HMAC key: Redis blobs carry a tag checked on read (signing.py)
+    owner_shares: tuple[tuple[str, float], ...] = ()  # (owner, fraction of each tier's budget): tier.OwnerShares
 
     def __post_init__(self) -> None:
         for name in ("device_max_bytes", "host_max_bytes", "redis_max_bytes", "disk_max_bytes",
@@ -41,14 +42,15 @@ class StoreConfig:
 
 def build_store(config: StoreConfig, device: str = "cpu") -> TieredStore:
     """device -> host -> [redis] -> [disk]."""
+    shares = OwnerShares(dict(config.owner_shares))
     tiers: list[Tier] = [
-        MemoryTier("device", config.device_max_bytes, device),
-        MemoryTier("host", config.host_max_bytes, "cpu", pin_memory=device != "cpu"),
+        MemoryTier("device", config.device_max_bytes, device, shares=shares),
+        MemoryTier("host", config.host_max_bytes, "cpu", pin_memory=device != "cpu", shares=shares),
     ]
     if config.redis_url:
         tiers.append(RedisTier(config.redis_url, max_bytes=config.redis_max_bytes, namespace=config.redis_namespace,
                                timeout_s=config.redis_timeout_s, retry_interval_s=config.redis_retry_interval_s,
-                               signer=BlobSigner(config.blob_key)))
+                               signer=BlobSigner(config.blob_key), shares=shares))
     if config.disk_dir:
         tiers.append(DiskTier(config.disk_dir, max_bytes=config.disk_max_bytes))
     return TieredStore(tiers, write_through_shared=config.write_through_shared,

@@ -74,7 +74,8 @@ class DiskTier(Tier):
         return None
 
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
-            kind: BlockKind = "module") -> list[tuple[str, KVBlock]]:
+            kind: BlockKind = "module", owner: str | None = None) -> list[tuple[str, KVBlock]]:
+        # The disk tier is operator-local spill space: no per-owner shares (docs/security.md).
         blob = dumps(block, key)
         if ttl_s is not None:
             blob = _EXPIRY.pack(_EXPIRY_MAGIC, time.time() + ttl_s) + blob

@@ -48,3 +48,19 @@ def chain_root(link_keys: Sequence[str], *, variant: str = "") -> str:
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()
+
+
+OWNER_MARK = "\x00owner\x00"  # a client salt cannot contain NUL (the server refuses control characters)
+
+
+def owned_salt(owner: str, salt: str | None) -> str:
+    """A salt that scopes keys to `owner` (a tenant), with `salt` subdividing inside it. No salt without
+    the mark can equal one with it, and `salt_owner` reads the owner back (for byte shares)."""
+    return f"{OWNER_MARK}{owner}\x00{'' if salt is None else '+' + salt}"
+
+
+def salt_owner(salt: str | None) -> str | None:
+    """The owner an `owned_salt` names; None for any other salt."""
+    if salt is None or not salt.startswith(OWNER_MARK):
+        return None
+    return salt[len(OWNER_MARK):].partition("\x00")[0]

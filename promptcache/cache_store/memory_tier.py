@@ -17,6 +17,7 @@ from promptcache.cache_store.tier import (
     BLOCK_KINDS,
     BlockKind,
     Eviction,
+    OwnerShares,
     Tier,
     TierHit,
     TierUsage,
@@ -31,6 +32,7 @@ class _Entry:
     kind: BlockKind
     pinned: bool
     expires_at: float | None
+    owner: str | None = None
 
 
 class MemoryTier(Tier):
@@ -40,10 +42,14 @@ class MemoryTier(Tier):
     recently used such "module" entry. Pinned entries and entries with a positive refcount (`acquire`)
     are never evicted; when only those are left and a block does not fit, `put` raises CapacityError
     instead of overflowing. Every operation is O(1) amortized (no scan of the entries per put).
+
+    With `shares`, a put by an owner that would take it past its share first evicts that owner's own
+    least recently used entries (prefix first); if they are all pinned or in use, the put is refused
+    (CapacityError) rather than evicting another owner's entries beyond the share.
     """
 
     def __init__(self, name: str, max_bytes: int, device: str = "cpu", *, pin_memory: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, shares: OwnerShares | None = None) -> None:
         if max_bytes <= 0:
             raise ValueError(f"tier {name!r} needs max_bytes > 0, got {max_bytes}")
         self.name = name
@@ -55,6 +61,9 @@ class MemoryTier(Tier):
         # Only evictable keys (unpinned, unreferenced) are in these, oldest first, one per kind, so
         # eviction pops from the front instead of scanning past pinned data.
         self._lru: dict[BlockKind, OrderedDict[str, None]] = {kind: OrderedDict() for kind in BLOCK_KINDS}
+        self._shares = shares or OwnerShares()
+        self._owner_lru: dict[str, dict[BlockKind, OrderedDict[str, None]]] = {}  # the same, per owner
+        self._owner_bytes: dict[str, int] = {}
         # Refcounts are per key, not per entry, so they survive a delete or re-put of the key.
         self._refs: dict[str, int] = {}
         self._used = 0
@@ -71,20 +80,30 @@ class MemoryTier(Tier):
             entry = self._live(key)
             if entry is None:
                 return None
-            lru = self._lru[entry.kind]
-            if key in lru:
-                lru.move_to_end(key)
+            self._mark_used(key, entry)
             ttl = None if entry.expires_at is None else entry.expires_at - self._clock()
-            return TierHit(entry.block, entry.kind, ttl)
+            return TierHit(entry.block, entry.kind, ttl, entry.owner)
 
     def touch(self, key: str) -> None:
         with self._lock:
             entry = self._live(key)
-            if entry is not None and key in self._lru[entry.kind]:
-                self._lru[entry.kind].move_to_end(key)
+            if entry is not None:
+                self._mark_used(key, entry)
+
+    def _mark_used(self, key: str, entry: _Entry) -> None:
+        for lru in self._lrus(entry):
+            if key in lru:
+                lru.move_to_end(key)
+
+    def _lrus(self, entry: _Entry) -> list[OrderedDict[str, None]]:
+        """The LRU lists `entry` belongs in: its kind's, and its owner's of that kind."""
+        lrus = [self._lru[entry.kind]]
+        if entry.owner is not None:
+            lrus.append(self._owner_lru.setdefault(entry.owner, {k: OrderedDict() for k in BLOCK_KINDS})[entry.kind])
+        return lrus
 
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
-            kind: BlockKind = "module") -> list[tuple[str, KVBlock]]:
+            kind: BlockKind = "module", owner: str | None = None) -> list[tuple[str, KVBlock]]:
         block = block.to(self.device, pin_memory=self.pin_memory)
         nbytes = block.nbytes
         with self._lock:
@@ -99,15 +118,27 @@ class MemoryTier(Tier):
                                     f"referenced bytes; a {nbytes}-byte block does not fit in {self.max_bytes}")
             now = self._clock()
             evicted: list[tuple[str, KVBlock]] = []
+            limit = self._shares.limit(owner, self.max_bytes)
+            if limit is not None:  # within its share, an owner makes room from its own entries only
+                own = self._owner_lru.get(owner, {})
+                while self._owner_bytes.get(owner, 0) + nbytes > limit:
+                    if not (own.get("prefix") or own.get("module")):
+                        raise CapacityError(f"owner {owner!r} holds {self._owner_bytes.get(owner, 0)} pinned or "
+                                            f"in-use bytes of tier {self.name!r}; a {nbytes}-byte block does not "
+                                            f"fit in its share of {limit}")
+                    self._evict(next(iter(own["prefix"] or own["module"])), now, evicted)
             while self._used + nbytes > self.max_bytes:
-                victim = next(iter(self._lru["prefix"] or self._lru["module"]))
-                entry = self._remove(victim)
-                if entry.expires_at is None or entry.expires_at > now:  # expired entries are not demoted
-                    ttl = None if entry.expires_at is None else entry.expires_at - now
-                    evicted.append(Eviction(victim, entry.block, entry.kind, ttl))
+                self._evict(next(iter(self._lru["prefix"] or self._lru["module"])), now, evicted)
             expires = None if ttl_s is None else now + ttl_s
-            self._add(key, _Entry(block, nbytes, kind, pinned, expires))
+            self._add(key, _Entry(block, nbytes, kind, pinned, expires, owner))
             return evicted
+
+    def _evict(self, victim: str, now: float, evicted: list[tuple[str, KVBlock]]) -> None:
+        entry = self._remove(victim)
+        assert entry is not None
+        if entry.expires_at is None or entry.expires_at > now:  # expired entries are not demoted
+            ttl = None if entry.expires_at is None else entry.expires_at - now
+            evicted.append(Eviction(victim, entry.block, entry.kind, ttl, entry.owner))
 
     def contains(self, key: str) -> bool:
         with self._lock:
@@ -172,17 +203,21 @@ class MemoryTier(Tier):
 
     def _set_evictable(self, key: str, entry: _Entry, evictable: bool) -> None:
         """Moves `key` in or out of its kind's LRU; an entry that becomes evictable counts as just used."""
-        lru = self._lru[entry.kind]
-        if evictable and key not in lru:
-            lru[key] = None
+        lrus = self._lrus(entry)
+        if evictable and key not in lrus[0]:
+            for lru in lrus:
+                lru[key] = None
             self._evictable_bytes += entry.nbytes
-        elif not evictable and key in lru:
-            del lru[key]
+        elif not evictable and key in lrus[0]:
+            for lru in lrus:
+                del lru[key]
             self._evictable_bytes -= entry.nbytes
 
     def _add(self, key: str, entry: _Entry) -> None:
         self._entries[key] = entry
         self._used += entry.nbytes
+        if entry.owner is not None:
+            self._owner_bytes[entry.owner] = self._owner_bytes.get(entry.owner, 0) + entry.nbytes
         if entry.kind == "prefix":
             self._prefix_bytes += entry.nbytes
         self._set_evictable(key, entry, not entry.pinned and key not in self._refs)
@@ -192,6 +227,8 @@ class MemoryTier(Tier):
         if entry is not None:
             self._set_evictable(key, entry, False)
             self._used -= entry.nbytes
+            if entry.owner is not None:
+                self._owner_bytes[entry.owner] -= entry.nbytes
             if entry.kind == "prefix":
                 self._prefix_bytes -= entry.nbytes
         return entry

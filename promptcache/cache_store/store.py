@@ -128,36 +128,38 @@ class TieredStore:
                 if index == 0:
                     return hit.block, tier.name
                 counters.promotions += 1
-                placed = self._place(0, key, hit.block, kind=hit.kind, ttl_s=hit.ttl_s, stop=index)
+                placed = self._place(0, key, hit.block, kind=hit.kind, ttl_s=hit.ttl_s, stop=index, owner=hit.owner)
                 return placed or hit.block, tier.name
         return None
 
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
-            kind: BlockKind = "module") -> None:
+            kind: BlockKind = "module", owner: str | None = None) -> None:
         """Store `block` under `key`: synchronously in the first tier that takes it, and queued for the
-        shared tiers. A re-put keeps an existing pin, refcount and "module" kind."""
+        shared tiers. A re-put keeps an existing pin, refcount and "module" kind. `owner` (a tenant) is
+        whose byte share the entry counts against in tiers that have shares."""
         kind = check_kind(kind)
         with self._lock:
             self._counters.puts += 1
-            placed = self._place(0, key, block, pinned=pinned, ttl_s=ttl_s, kind=kind)
+            placed = self._place(0, key, block, pinned=pinned, ttl_s=ttl_s, kind=kind, owner=owner)
         if not self._shared:
             return
         deadline = None if ttl_s is None else time.monotonic() + ttl_s
         if self.write_through_shared:
-            self._writer.submit(key, block.nbytes, lambda: self._write_through(key, block, pinned, kind, deadline))
+            self._writer.submit(key, block.nbytes,
+                                lambda: self._write_through(key, block, pinned, kind, deadline, owner))
         elif placed is None:
             self._writer.submit(key, block.nbytes, lambda: self._demote_shared(
-                self._num_local, key, block, kind, deadline, pinned=pinned))
+                self._num_local, key, block, kind, deadline, pinned=pinned, owner=owner))
 
     def _place(self, index: int, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
-               kind: BlockKind = "module", stop: int | None = None) -> KVBlock | None:
+               kind: BlockKind = "module", stop: int | None = None, owner: str | None = None) -> KVBlock | None:
         """Under the lock: put into in-process tier `index` (falling through to the next on CapacityError)
         and demote what it evicts. Returns the block as stored, or None if no tier before `stop` took it."""
         stop = self._num_local if stop is None else min(stop, self._num_local)
         for position in range(index, stop):
             tier = self.tiers[position]
             try:
-                evicted = tier.put(key, block, pinned=pinned, ttl_s=ttl_s, kind=kind)
+                evicted = tier.put(key, block, pinned=pinned, ttl_s=ttl_s, kind=kind, owner=owner)
             except CapacityError:
                 continue
             self._demote(position, evicted)
@@ -171,40 +173,41 @@ class TieredStore:
         for victim in evicted:
             key, block = victim
             kind, ttl_s = getattr(victim, "kind", "module"), getattr(victim, "ttl_s", None)
+            owner = getattr(victim, "owner", None)
             with self._lock:
                 counters.evictions += 1
                 counters.demotions += below < len(self.tiers)
             if below >= len(self.tiers):
                 continue
             if below < self._num_local:
-                self._place(below, key, block, kind=kind, ttl_s=ttl_s)
+                self._place(below, key, block, kind=kind, ttl_s=ttl_s, owner=owner)
                 continue
             deadline = None if ttl_s is None else time.monotonic() + ttl_s
             if position >= self._num_local:
-                self._demote_shared(below, key, block, kind, deadline)
+                self._demote_shared(below, key, block, kind, deadline, owner=owner)
             else:
                 self._writer.submit(key, block.nbytes,
-                                    lambda key=key, block=block, kind=kind, deadline=deadline:
-                                    self._demote_shared(below, key, block, kind, deadline))
+                                    lambda key=key, block=block, kind=kind, deadline=deadline, owner=owner:
+                                    self._demote_shared(below, key, block, kind, deadline, owner=owner))
 
     def _write_through(self, key: str, block: KVBlock, pinned: bool, kind: BlockKind,
-                       deadline: float | None) -> None:
+                       deadline: float | None, owner: str | None) -> None:
         """On the writer: put into every shared tier that lacks the key."""
         for position in range(self._num_local, len(self.tiers)):
             if self.tiers[position].contains(key):
                 if pinned:
                     self.tiers[position].pin(key)
                 continue
-            self._store_shared(position, key, block, pinned, kind, deadline, fall_through=False)
+            self._store_shared(position, key, block, pinned, kind, deadline, owner, fall_through=False)
 
     def _demote_shared(self, position: int, key: str, block: KVBlock, kind: BlockKind, deadline: float | None,
-                       *, pinned: bool = False) -> None:
+                       *, pinned: bool = False, owner: str | None = None) -> None:
         """On the writer: put into the first shared tier from `position` that takes it, unless already there."""
         if not self.tiers[position].contains(key):
-            self._store_shared(position, key, block, pinned, kind, deadline, fall_through=True)
+            self._store_shared(position, key, block, pinned, kind, deadline, owner, fall_through=True)
 
     def _store_shared(self, position: int, key: str, block: KVBlock, pinned: bool, kind: BlockKind,
-                      deadline: float | None, *, fall_through: bool) -> None:
+                      deadline: float | None, owner: str | None, *, fall_through: bool) -> None:
         ttl_s = None if deadline is None else deadline - time.monotonic()
         if ttl_s is not None and ttl_s <= 0:
             return  # expired while queued
@@ -212,7 +215,7 @@ class TieredStore:
             tier = self.tiers[index]
             try:
                 evicted = _shared_call(tier, "write", lambda tier=tier: tier.put(
-                    key, block, pinned=pinned, ttl_s=ttl_s, kind=kind), None)
+                    key, block, pinned=pinned, ttl_s=ttl_s, kind=kind, owner=owner), None)
             except CapacityError:
                 if fall_through:
                     continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Literal, NamedTuple, get_args
 
 from promptcache.cache_store.block import KVBlock
@@ -27,11 +28,13 @@ def merge_kind(old: BlockKind | None, new: BlockKind) -> BlockKind:
 
 
 class TierHit(NamedTuple):
-    """A block found in a tier, with its kind and remaining time to live (None: no TTL)."""
+    """A block found in a tier, with its kind, remaining time to live (None: no TTL) and owner (the tenant
+    whose byte share it counts against; None: nobody's)."""
 
     block: KVBlock
     kind: BlockKind = "module"
     ttl_s: float | None = None
+    owner: str | None = None
 
 
 class TierUsage(NamedTuple):
@@ -44,15 +47,17 @@ class TierUsage(NamedTuple):
 
 
 class Eviction(tuple):
-    """An entry a tier evicted. Unpacks as `(key, block)` as before; also carries its kind and remaining
-    TTL so a demotion keeps both."""
+    """An entry a tier evicted. Unpacks as `(key, block)` as before; also carries its kind, remaining
+    TTL and owner so a demotion keeps them."""
 
     kind: BlockKind
     ttl_s: float | None
+    owner: str | None
 
-    def __new__(cls, key: str, block: KVBlock, kind: BlockKind = "module", ttl_s: float | None = None) -> Eviction:
+    def __new__(cls, key: str, block: KVBlock, kind: BlockKind = "module", ttl_s: float | None = None,
+                owner: str | None = None) -> Eviction:
         self = super().__new__(cls, (key, block))
-        self.kind, self.ttl_s = kind, ttl_s
+        self.kind, self.ttl_s, self.owner = kind, ttl_s, owner
         return self
 
     @property
@@ -71,6 +76,10 @@ class Tier(ABC):
     them to the next tier instead of losing them. `is_shared` tiers (Redis, disk) are visible to other
     processes; the TieredStore only touches them outside its lock (they do I/O). Refcounts
     (`acquire`/`release`) only matter to in-process tiers; shared tiers ignore them.
+
+    An entry may have an `owner` (a tenant). Tiers given `OwnerShares` keep an owner within its share of
+    the budget by evicting that owner's own entries first, so a tenant at its share never evicts another
+    tenant's entries; tiers without shares ignore owners.
     """
 
     name: str
@@ -82,7 +91,7 @@ class Tier(ABC):
 
     @abstractmethod
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
-            kind: BlockKind = "module") -> list[tuple[str, KVBlock]]: ...
+            kind: BlockKind = "module", owner: str | None = None) -> list[tuple[str, KVBlock]]: ...
 
     @abstractmethod
     def contains(self, key: str) -> bool: ...
@@ -123,3 +132,18 @@ class Tier(ABC):
     def usage(self) -> TierUsage:
         """Bytes and entries held now; tiers override this with something cheaper than `keys()`."""
         return TierUsage(self.used_bytes, len(self.keys()))
+
+
+class OwnerShares:
+    """Byte shares of a tier's budget per owner: `limit(owner, max_bytes)` is the most bytes the owner's
+    entries may hold (None: no limit — entries without an owner, owners without a share)."""
+
+    def __init__(self, shares: Mapping[str, float] | None = None) -> None:
+        self.shares = dict(shares or {})
+        for owner, share in self.shares.items():
+            if not 0 < share <= 1:
+                raise ValueError(f"the byte share of {owner!r} must be in (0, 1], got {share}")
+
+    def limit(self, owner: str | None, max_bytes: int) -> int | None:
+        share = self.shares.get(owner) if owner is not None else None
+        return None if share is None else int(share * max_bytes)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from promptcache.cache_store import KVBlock, make_kv_key
+from promptcache.cache_store import KVBlock, make_kv_key, salt_owner
 from promptcache.model_runtime.errors import PromptTooLongError
 from promptcache.model_runtime.forward import run_tokens
 from promptcache.model_runtime.kv_buffer import KVBuffer
@@ -35,7 +35,8 @@ class FetchedKV:
 @dataclass(frozen=True, slots=True)
 class ChainWork:
     """Encoding one missing segment: its context chain's stored links (`found`, in order), then the
-    tail segments to compute, their store keys, and the tail's tokens and positions."""
+    tail segments to compute, their store keys, and the tail's tokens and positions. `owner` is the
+    tenant the salt scopes the keys to (whose byte share the stored KV counts against)."""
 
     target: str
     found: tuple[KVBlock, ...]
@@ -43,6 +44,7 @@ class ChainWork:
     keys: tuple[str, ...]
     token_ids: list[int]
     position_ids: list[int]
+    owner: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +118,8 @@ class ModuleEncoder:
         check_positions(position_ids, self.loaded.max_positions)
         keys = [self.key(schema, sid, chain[:index], cache_salt)
                 for index, sid in zip(range(len(found), len(chain)), chain[len(found):])]
-        return ChainWork(target, tuple(found), tuple(segments), tuple(keys), token_ids, position_ids)
+        return ChainWork(target, tuple(found), tuple(segments), tuple(keys), token_ids, position_ids,
+                         salt_owner(cache_salt))
 
     def store_tail(self, work: ChainWork, keys: torch.Tensor, values: torch.Tensor) -> KVBlock:
         """Store the computed tail (`keys`/`values` [L, H_kv, tail tokens, D]) segment by segment;
@@ -126,7 +129,7 @@ class ModuleEncoder:
             n = len(segment.token_ids)
             positions = torch.tensor(list(segment.position_ids), dtype=torch.long)  # [n]
             block = KVBlock(keys[:, :, offset: offset + n].clone(), values[:, :, offset: offset + n].clone(), positions)
-            self.store.put(key, block)
+            self.store.put(key, block, owner=work.owner)
             offset += n
         assert block is not None
         return block

@@ -29,7 +29,7 @@ def create_app(settings: ServerSettings | None = None, *,
     settings = settings or ServerSettings()
     tenants = TenantDirectory.load(settings.api_keys_file, settings.api_keys, Quota(
         max_schemas=settings.tenant_max_schemas, max_schema_tokens=settings.tenant_max_schema_tokens,
-        rate_limit=settings.tenant_rate_limit))  # a bad keys file fails here, before serving anything
+        rate_limit=settings.tenant_rate_limit, cache_share=settings.tenant_cache_share))  # a bad keys file fails here, before serving anything
 
     def load() -> LoadedModel:
         if model_loader is not None:

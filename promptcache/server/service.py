@@ -62,7 +62,8 @@ class PromptService:
             redis_url=settings.redis_url, redis_max_bytes=settings.redis_max_bytes,
             redis_namespace=settings.namespace, redis_timeout_s=settings.redis_timeout_s,
             disk_dir=settings.disk_dir, disk_max_bytes=settings.disk_max_bytes,
-            blob_key=settings.blob_key.encode() if settings.blob_key else None), device=settings.device)
+            blob_key=settings.blob_key.encode() if settings.blob_key else None,
+            owner_shares=tuple(self.tenants.cache_shares().items())), device=settings.device)
         self.registry = SchemaRegistry(settings.redis_url, namespace=settings.namespace,
                                        timeout_s=settings.redis_timeout_s, signer=signer)
         if settings.redis_url and not signer.enabled:

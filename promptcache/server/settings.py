@@ -25,6 +25,8 @@ class ServerSettings(BaseSettings):
     tenant_max_schemas: int | None = Field(None, ge=0, description="schemas per tenant; None: unlimited")
     tenant_max_schema_tokens: int | None = Field(None, ge=0, description="schema positions summed per tenant")
     tenant_rate_limit: str | None = Field(None, description="requests per tenant, e.g. '10/second'; None: unlimited")
+    tenant_cache_share: float | None = Field(None, gt=0, le=1, description="most of each KV tier's bytes one "
+                                                                       "tenant may hold; None: no limit")
     redis_url: str | None = Field(None, description="redis:// or rediss:// (TLS), optionally user:password@")
     blob_key: str | None = Field(None, min_length=16, repr=False,
                                  description="HMAC key for everything written to Redis (docs/security.md)")

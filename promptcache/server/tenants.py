@@ -25,6 +25,7 @@ from limits import parse as parse_rate
 from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
 
+from promptcache.cache_store import owned_salt
 from promptcache.server.errors import RateLimitedError, UnauthorizedError
 
 TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -38,12 +39,16 @@ class Quota:
     max_schemas: int | None = None
     max_schema_tokens: int | None = None  # positions summed over the tenant's schemas
     rate_limit: str | None = None  # requests, in the `limits` library's notation: "10/second", "600/minute"
+    cache_share: float | None = None  # most of each KV tier's bytes (device, host, Redis) the tenant may hold
 
     def __post_init__(self) -> None:
         for name in ("max_schemas", "max_schema_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"quota {name} must be a non-negative integer, got {value!r}")
+        if self.cache_share is not None and not (isinstance(self.cache_share, (int, float))
+                                                 and 0 < self.cache_share <= 1):
+            raise ValueError(f"quota cache_share must be a fraction in (0, 1], got {self.cache_share!r}")
         if self.rate_limit is not None:
             try:
                 parse_rate(self.rate_limit)
@@ -56,15 +61,11 @@ def tenant_label(tenant: str | None) -> str:
     return DEFAULT_TENANT_LABEL if tenant is None else tenant
 
 
-TENANT_SALT_MARK = "\x00tenant\x00"  # client salts cannot contain control characters (wire.py)
-
-
 def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
     """The salt of every KV key a request of `tenant` uses: the tenant, then the client's `cache_salt`
-    inside it. No client salt can spell another tenant's. The default tenant's is the client's, unchanged."""
-    if tenant is None:
-        return cache_salt
-    return f"{TENANT_SALT_MARK}{tenant}\x00{'' if cache_salt is None else '+' + cache_salt}"
+    inside it (cache_store.owned_salt). Client salts cannot contain control characters (wire.py), so none
+    spells another tenant's. The default tenant's is the client's, unchanged."""
+    return cache_salt if tenant is None else owned_salt(tenant, cache_salt)
 
 
 def registry_name(tenant: str | None, name: str) -> str:
@@ -145,6 +146,11 @@ class TenantDirectory:
 
     def quota(self, tenant: str | None) -> Quota:
         return self.default_quota if tenant is None else self._quotas.get(tenant, self.default_quota)
+
+    def cache_shares(self) -> dict[str, float]:
+        """Tenant -> its byte share of each KV tier, for tenants that have one."""
+        tenants = {t for _, t in self._digests if t is not None} | set(self._quotas)
+        return {t: share for t in sorted(tenants) if (share := self.quota(t).cache_share) is not None}
 
 
 class RequestRateLimiter:

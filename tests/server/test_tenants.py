@@ -196,3 +196,21 @@ def _settled(raw: redis.Redis, request):
             return result
         time.sleep(0.05)
     raise AssertionError("the request's KV did not reach Redis")
+
+
+@pytest.mark.parametrize("share", [0.5, None])
+def test_a_tenant_at_its_cache_share_cannot_evict_anothers_kv(live_server, tmp_path, share):
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text(json.dumps({"sk-a": "alpha", "sk-b": "beta"}))
+    server = live_server(api_keys_file=str(keys_file), tenant_cache_share=share, prefix_block_size=8,
+                         device_max_bytes=48 << 10, host_max_bytes=48 << 10)  # ~96 tokens of tiny-llama KV each
+    beta_prompt = "Beta keeps a short note about tea and cats. " * 2
+    _cached(_api(server, "sk-b"), beta_prompt)
+    assert _cached(_api(server, "sk-b"), beta_prompt)[0] > 0
+    for i in range(6):  # alpha floods both tiers several times over
+        _cached(_api(server, "sk-a"), f"Alpha document {i}: " + "rivers run north past old mills. " * 6)
+    kept, _ = _cached(_api(server, "sk-b"), beta_prompt)
+    if share is not None:
+        assert kept > 0  # beta's blocks, within its share, survived alpha's flood
+    else:
+        assert kept == 0  # the control: without shares, plain LRU evicted them
