@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF model path or hub id (default: built-in SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto (default for serve): bf16 where the hardware computes it natively, else fp32")
     parser.add_argument("--device", help="cpu | cuda | cuda:N")
     parser.add_argument("--redis-url", help="redis://host:port/db for the shared KV tier and schema registry")
 
@@ -92,8 +93,11 @@ def _serve(args: argparse.Namespace) -> int:
     from promptcache.server import create_app
 
     settings = _settings(args)
-    print(f"promptcache: serving {settings.model or 'SmolLM2-135M-Instruct (built-in)'} on "
-          f"http://{settings.host}:{settings.port} (GET /health turns 200 when the model is loaded)", flush=True)
+    from promptcache.model_runtime import ModelConfig
+
+    dtype = str(ModelConfig(settings.model, dtype=settings.dtype, device=settings.device).torch_dtype)
+    print(f"promptcache: serving {settings.model or 'SmolLM2-135M-Instruct (built-in)'} ({dtype.removeprefix('torch.')}) "
+          f"on http://{settings.host}:{settings.port} (GET /health turns 200 when the model is loaded)", flush=True)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -10,6 +11,11 @@ import torch
 from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import ModelRuntime, wrap_model
 from tests.model_factories import make_test_tokenizer, make_tiny_model
+
+# Tests compare against fp32 oracles, so the servers they start (in process or as subprocesses, which
+# inherit this) run fp32 on every machine; `--dtype auto` would pick bf16 on AMX/avx512_bf16 CPUs. bf16
+# has its own tolerance-based tests (tests/model_runtime/test_dtype.py).
+os.environ.setdefault("PROMPTCACHE_DTYPE", "float32")
 
 
 @functools.cache

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from promptcache.model_runtime.cpu_features import auto_dtype
 from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -38,8 +39,9 @@ class ModelConfig:
     """Which model to load and how.
 
     `name_or_path=None` is the built-in SmolLM2-135M-Instruct; `cache_dir` is where its converted
-    weights are kept (None: ~/.cache/promptcache/models). Raises ValueError for an unknown dtype or
-    a malformed device string.
+    weights are kept (None: ~/.cache/promptcache/models). `dtype="auto"` is bf16 where the hardware
+    computes it natively and fp32 elsewhere (cpu_features.auto_dtype). Raises ValueError for an unknown
+    dtype or a malformed device string.
     """
 
     name_or_path: str | None = None
@@ -49,10 +51,15 @@ class ModelConfig:
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES and self.dtype != "auto":
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype to load in ("auto" resolved for this machine)."""
+        return DTYPES[auto_dtype(self.device) if self.dtype == "auto" else self.dtype]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -114,7 +121,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     try:
         tokenizer = _load_tokenizer(path, options)
         model = AutoModelForCausalLM.from_pretrained(
-            path, config=hf_config, dtype=DTYPES[config.dtype], attn_implementation="sdpa", **options)
+            path, config=hf_config, dtype=config.torch_dtype, attn_implementation="sdpa", **options)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model at {path!r}: {exc}") from None
     return wrap_model(model.to(config.device), tokenizer, name=name)

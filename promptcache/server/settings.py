@@ -15,7 +15,8 @@ class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PROMPTCACHE_", extra="ignore")
 
     model: str | None = Field(None, description="HF model path or hub id; None serves SmolLM2-135M-Instruct")
-    dtype: str = "float32"
+    dtype: str = Field("auto", description="auto (bf16 where the CPU/GPU computes it natively, else fp32), "
+                                            "float32, bfloat16 or float16")
     device: str = "cpu"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -72,6 +73,6 @@ class ServerSettings(BaseSettings):
     @field_validator("dtype")
     @classmethod
     def _check_dtype(cls, value: str) -> str:
-        if value not in ("float32", "bfloat16", "float16"):
-            raise ValueError("dtype must be float32, bfloat16 or float16")
+        if value not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError("dtype must be auto, float32, bfloat16 or float16")
         return value

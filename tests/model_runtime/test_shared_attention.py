@@ -64,6 +64,9 @@ CASES = {
                                  segment_specs=[(100, [0, 1]), (30, [2])]),
     "long_shared_fused": dict(num_heads=8, num_kv_heads=2, query_lens=[1] * 12, own_lens=list(range(1, 13)),
                               segment_specs=[(2048, list(range(12))), (512, list(range(0, 12, 2)))]),
+    # decode with own KV on both sides of the in-place threshold (128 keys), next to a prefilling sequence
+    "long_own_decode_mixed": dict(num_heads=14, num_kv_heads=2, query_lens=[1, 1, 1, 1, 3],
+                                  own_lens=[2048, 128, 127, 1, 300], segment_specs=[(64, [0, 1, 2, 3, 4])]),
 }
 
 
@@ -117,12 +120,39 @@ def test_each_segment_is_attended_once_and_not_copied(monkeypatch):
     assert calls == [s.keys.data_ptr() for s in case[4]]  # one call per segment, on the original storage
 
 
+def test_long_own_kv_is_read_in_place_from_strided_buffers(monkeypatch):
+    """As in the engine: own KV is a [H_kv, S, D] view of a [layers, H_kv, capacity, D] buffer."""
+    g = torch.Generator().manual_seed(7)
+    lens = [700, 129, 40]
+    buffers = [torch.randn(3, 2, n + 50, 16, generator=g) for n in lens for _ in range(2)]
+    own_k = [buffers[2 * i][1, :, :n] for i, n in enumerate(lens)]
+    own_v = [buffers[2 * i + 1][1, :, :n] for i, n in enumerate(lens)]
+    queries = torch.randn(3, 6, 16, generator=g)
+    segments = [SharedSegment(torch.randn(2, 80, 16, generator=g), torch.randn(2, 80, 16, generator=g), (0, 1, 2))]
+    expected = reference(queries, [1, 1, 1], own_k, own_v, segments)
+    real, seen = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, []
+
+    def spy(q, k, v, *args, **kwargs):  # records which storage the fused op read keys from
+        seen.append(k.untyped_storage().data_ptr())
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", spy)
+    got = shared_module_attention(queries, [1, 1, 1], own_k, own_v, segments, backend="auto")
+    assert (got - expected).abs().max().item() <= 1e-4
+    own_buffers = {b.data_ptr() for b in buffers}
+    # the two long sequences' keys were read where they lie; the short one went through the padded batch
+    assert {p for p in seen if p in own_buffers} == {buffers[0].data_ptr(), buffers[2].data_ptr()}
+
+
 def test_dispatch_thresholds():
     small = dispatch.choose("auto", torch.zeros(2, 1, 8), torch.zeros(2, 8, 8))
     large = dispatch.choose("auto", torch.zeros(2, 64, 8), torch.zeros(2, 4096, 8))
     assert small is backends.matmul_attend and large is backends.fused_cpu_attend
     with pytest.raises(ValueError):
         dispatch.choose("nope", torch.zeros(1, 1, 1), torch.zeros(1, 1, 1))
+    q = torch.zeros(1, 4, 8)
+    assert dispatch.decode_in_place("auto", q, 128) and not dispatch.decode_in_place("auto", q, 127)
+    assert not dispatch.decode_in_place("matmul", q, 4096)
 
 
 def test_input_validation():

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from promptcache.model_runtime.attention.backends import matmul_attend
-from promptcache.model_runtime.attention.dispatch import CAUSAL_FUSED_MIN_WORK, choose
+from promptcache.model_runtime.attention.dispatch import CAUSAL_FUSED_MIN_WORK, choose, decode_in_place
 from promptcache.model_runtime.attention.segments import SharedSegment
 
 
@@ -62,9 +62,14 @@ def shared_module_attention(
         merge(rows, *_unfold(out, lse, len(rows), num_kv_heads, group))
 
     decode = [i for i, n in enumerate(query_lens) if n == 1 and own_keys[i].shape[1] > 0]
-    if decode:
-        out, lse = _own_decode(queries, starts, decode, own_keys, own_values, num_kv_heads, group, scale)
-        merge(torch.tensor([starts[i] for i in decode], device=queries.device), out, lse)
+    in_place = [i for i in decode if decode_in_place(backend, queries, own_keys[i].shape[1])]
+    padded = [i for i in decode if i not in set(in_place)]
+    if padded:
+        out, lse = _own_decode(queries, starts, padded, own_keys, own_values, num_kv_heads, group, scale)
+        merge(torch.tensor([starts[i] for i in padded], device=queries.device), out, lse)
+    if in_place:
+        out, lse = _own_decode_in_place(queries, starts, in_place, own_keys, own_values, num_kv_heads, scale)
+        merge(torch.tensor([starts[i] for i in in_place], device=queries.device), out, lse)
     for i, n in enumerate(query_lens):
         if n == 1 or own_keys[i].shape[1] == 0:
             continue
@@ -98,8 +103,22 @@ def _causal_square(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gr
     return _unfold(out, lse, n, num_kv_heads, group)
 
 
+def _own_decode_in_place(queries, starts, seqs, own_keys, own_values, num_kv_heads, scale):
+    """One fused call per single-token sequence, reading its own KV where it lies (a strided view of its
+    buffer, no copy): for long own KV, copying it into a padded batch costs more than the calls."""
+    head_dim = queries.shape[-1]
+    outs, lses = [], []
+    for i in seqs:
+        q = queries[starts[i]].view(1, num_kv_heads, -1, head_dim)                           # [1, H_kv, G, D]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, own_keys[i].unsqueeze(0), own_values[i].unsqueeze(0), 0.0, False, scale=scale)[:2]
+        outs.append(out.reshape(-1, head_dim))                                                # [H, D]
+        lses.append(lse.reshape(-1))                                                          # [H]
+    return torch.stack(outs), torch.stack(lses)                                               # [B, H, D], [B, H]
+
+
 def _own_decode(queries, starts, seqs, own_keys, own_values, num_kv_heads, group, scale):
-    """One batched call for all single-token sequences: own KV padded to the longest, masked."""
+    """One batched call for single-token sequences with short own KV: padded to the longest, masked."""
     lengths = torch.tensor([own_keys[i].shape[1] for i in seqs], device=queries.device)
     longest = int(lengths.max())
     head_dim = queries.shape[-1]
