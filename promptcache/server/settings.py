@@ -52,6 +52,8 @@ class ServerSettings(BaseSettings):
     prefix_caching: bool = True
     prefix_block_size: int = Field(32, ge=1, le=4096, description="tokens per automatic prefix block")
     prefix_ttl_s: float | None = Field(None, gt=0, description="unused prefix blocks expire after this")
+    logits_cache_bytes: int = Field(32 << 20, ge=0, description="last-token logits kept so an exact repeat runs "
+                                                               "no forward pass; 0: off")
     fidelity: Literal["fast", "balanced", "exact"] = Field(  # the evaluation's pick: docs/fidelity.md
         "exact", description="default fidelity mode of requests that name none (docs/fidelity.md)")
     fidelity_head_tokens: int = Field(16, ge=0, le=4096,

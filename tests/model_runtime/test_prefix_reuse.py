@@ -14,6 +14,7 @@ import torch
 from promptcache.cache_store import BlockIndexConfig, StoreConfig, build_store
 from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.engine import Engine, EngineConfig
+from promptcache.model_runtime.engine.prefix import PrefixReuse
 from promptcache.model_runtime.engine.request import Request
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.engine.scheduler import Scheduler
@@ -75,18 +76,24 @@ def harness():
         h.engine.stop()
 
 
+@pytest.mark.parametrize("logits_cache", [True, False])
 @pytest.mark.parametrize("length", [7, 8, 9, 16, 17, 61])
-def test_exact_repeat_reuses_all_but_the_last_token(harness, length):
-    h = harness(block_size=8)
+def test_exact_repeat_reuses_every_token(harness, length, logits_cache):
+    """With the last token's logits cached, an exact repeat computes nothing before its first token;
+    without, it reuses all but the last token (computed for its logits). Same tokens as the oracle."""
+    h = harness(block_size=8, logits_cache_bytes=(1 << 20) if logits_cache else 0)
     ids = h.ids(TEXT)[:length]
     plan = token_plan(h.plain, ids)
     want = h.oracle(plan, _greedy())
     first, first_final = h.run_sync(plan, _greedy())
+    steps = h.engine.num_steps
     again, final = h.run_sync(plan, _greedy())
     assert first[0] == want and again[0] == want
     assert first_final.usage.cached_tokens == 0 and first_final.prefix is None
-    assert final.usage.cached_tokens == length - 1 and final.usage.computed_tokens == 1
-    assert final.prefix.num_tokens == length - 1 and dict(final.prefix.tiers) == {"device": length - 1}
+    reused = length if logits_cache else length - 1
+    assert final.usage.cached_tokens == reused and final.usage.computed_tokens == length - reused
+    assert final.prefix.num_tokens == reused and dict(final.prefix.tiers) == {"device": reused}
+    assert h.engine.num_steps - steps == (7 if logits_cache else 8)  # 8 tokens: the first needs no pass
     assert final.is_exact
 
 
@@ -127,7 +134,7 @@ def test_n_samples_and_concurrent_identical_prompts(harness):
     (multi, _), (single, _) = asyncio.run(both())
     assert [multi[i] for i in range(3)] == [want] * 3 and single[0] == want
     again, final = h.run_sync(plan, _greedy(n=2))
-    assert [again[0], again[1]] == [want, want] and final.usage.cached_tokens == 49
+    assert [again[0], again[1]] == [want, want] and final.usage.cached_tokens == 50  # logits cached
     assert h.engine.scheduler.memory.used_bytes == 0
 
 
@@ -140,7 +147,7 @@ def test_pml_new_text_is_reused_after_the_same_modules_only(harness):
     h.run_sync(plan, _greedy())
     tokens, final = h.run_sync(h.runtime.plan(prompt), _greedy())
     assert tokens[0] == want
-    assert final.usage.cached_tokens == plan.num_cached_tokens + plan.num_new_tokens - 1
+    assert final.usage.cached_tokens == plan.num_cached_tokens + plan.num_new_tokens  # logits cached
     other = h.runtime.plan(prompt.replace("<d2/>", "<d3/>"))
     tokens, final = h.run_sync(other, _greedy())
     assert tokens[0] == h.oracle(other, _greedy())
@@ -155,7 +162,7 @@ def test_salt_isolates_prefix_blocks(harness):
     _, unsalted = h.run_sync(plan, _greedy())
     _, same = h.run_sync(plan, _greedy(), salt="tenant-a")
     assert other.prefix is None and unsalted.prefix is None
-    assert same.usage.cached_tokens == 39
+    assert same.usage.cached_tokens == 40  # every token, the last one's logits cached under tenant-a
 
 
 def test_prefix_reuse_off_computes_everything(harness):
@@ -189,8 +196,12 @@ def test_logits_with_reuse_equal_full_prefill(harness):
     model = h.runtime.loaded.model
     with torch.inference_mode():
         full = model(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits[0, -1]
-    # The engine's own components, driven step by step on this thread (no engine thread involved).
-    scheduler = Scheduler(h.engine.config, h.runtime.module_encoder, h.engine.prefix)
+    # The engine's own components, driven step by step on this thread (no engine thread involved),
+    # without the logits cache so the last token is computed over the reused KV.
+    cached = h.engine.prefix.logits.get(h.engine.prefix._terminal_key(
+        h.engine.prefix.open([], list(ids), list(range(len(ids))), salt=None), None))
+    assert cached is not None and torch.allclose(cached, full.float(), atol=1e-4)  # cached logits: exact too
+    scheduler = Scheduler(h.engine.config, h.runtime.module_encoder, PrefixReuse(h.engine.prefix.index))
     runner = ModelRunner(h.runtime.loaded)
     scheduler.add(Request("probe", token_plan(h.plain, ids), SamplingParams(max_tokens=1, temperature=0), None))
     batch, _, _ = scheduler.schedule()

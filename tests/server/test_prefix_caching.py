@@ -28,12 +28,22 @@ def test_repeat_and_shared_prefix_hit_with_identical_answers(live_server):
     again = api.completions.create(model="m", prompt=DOCUMENT + "Who sleeps?", max_tokens=6, temperature=0)
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert again.choices[0].text == cold.choices[0].text
-    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
-    assert again.model_extra["promptcache"]["prefix"]["tiers"] == {"device": again.usage.prompt_tokens - 1}
+    # Every token: the stored blocks cover the prompt and its last token's logits are cached, so the
+    # repeat runs no forward pass before its first token.
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+    assert again.model_extra["promptcache"]["prefix"]["tiers"] == {"device": again.usage.prompt_tokens}
     assert again.model_extra["promptcache"]["exact"] is True
     other = api.completions.create(model="m", prompt=DOCUMENT + "Where does the river flow?", max_tokens=6,
                                    temperature=0)
     assert other.usage.prompt_tokens_details.cached_tokens >= _prompt_tokens(DOCUMENT) - 1
+
+
+def test_without_the_logits_cache_a_repeat_computes_its_last_token(live_server):
+    api = _api(live_server(prefix_block_size=16, logits_cache_bytes=0))
+    cold = api.completions.create(model="m", prompt=DOCUMENT + "Who sleeps?", max_tokens=6, temperature=0)
+    again = api.completions.create(model="m", prompt=DOCUMENT + "Who sleeps?", max_tokens=6, temperature=0)
+    assert again.choices[0].text == cold.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
 
 
 def test_multi_turn_chat_reuses_history_including_replies(live_server):
@@ -59,7 +69,7 @@ def test_streamed_usage_and_n_samples_report_reuse(live_server):
     chunks = list(api.completions.create(model="m", prompt=DOCUMENT, max_tokens=4, temperature=0, n=2, stream=True,
                                          stream_options={"include_usage": True}))
     usage = chunks[-1].usage
-    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens
     texts = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)}
     assert texts[0] == texts[1]  # greedy samples of one prompt agree
 
@@ -95,9 +105,10 @@ def test_pml_question_reused_and_explained(live_server):
     second = httpx.post(server.url + "/v1/generate", json=body, timeout=60).json()
     assert first["cache"]["prefix"] is None and second["choices"] == first["choices"]
     new_tokens = first["usage"]["computed_tokens"]
-    assert second["cache"]["prefix"]["num_tokens"] == new_tokens - 1
-    assert second["usage"]["cached_tokens"] == first["usage"]["cached_tokens"] + new_tokens - 1
-    assert explained["prefix"]["num_tokens"] == new_tokens - 1 and explained["tokens_to_compute"] == 1
+    assert second["cache"]["prefix"]["num_tokens"] == new_tokens
+    assert second["usage"]["cached_tokens"] == first["usage"]["cached_tokens"] + new_tokens
+    assert second["usage"]["computed_tokens"] == 0
+    assert explained["prefix"]["num_tokens"] == new_tokens and explained["tokens_to_compute"] == 0
     metrics = httpx.get(server.url + "/metrics").text
     assert 'promptcache:reused_prompt_tokens_total{kind="prefix",model_name="tiny-llama",tenant="_default",tier="device"}' in metrics
 

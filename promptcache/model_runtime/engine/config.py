@@ -20,6 +20,8 @@ class EngineConfig:
     as many as keep a step within `max_step_slowdown` times a decode-only step (learned from step
     times, engine/step_budget.py), between `min_prefill_tokens` (capped at `max_prefill_tokens`) and
     `max_prefill_tokens`. With `max_step_slowdown` None, always `max_prefill_tokens`.
+    `logits_cache_bytes` keeps the last-token logits of recent prompts so an exact repeat whose KV is all
+    stored runs no forward pass before its first token (engine/prefix.py); 0 turns that off.
     """
 
     max_num_seqs: int = 64
@@ -32,6 +34,7 @@ class EngineConfig:
     max_prefill_tokens_alone: int = 4096
     min_prefill_tokens: int = 8
     max_step_slowdown: float | None = 1.6
+    logits_cache_bytes: int = 32 << 20  # ~170 prompts of a 49K-token vocabulary
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

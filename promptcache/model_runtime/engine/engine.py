@@ -43,7 +43,7 @@ class Engine:
         index = None if self.config.prefix is None else BlockIndex(
             encoder.store, self.config.prefix, model_fingerprint=loaded.model_fingerprint,
             tokenizer_fingerprint=loaded.tokenizer_fingerprint, bytes_per_token=loaded.kv_bytes_per_token)
-        self.prefix = PrefixReuse(index)
+        self.prefix = PrefixReuse(index, self.config.logits_cache_bytes)
         self.scheduler = Scheduler(self.config, encoder, self.prefix)
         self.encodes = EncodeQueue(encoder)
         self._awaiting: dict[str, tuple[Request, list[concurrent.futures.Future]]] = {}  # head request's encodes

@@ -6,11 +6,16 @@ generates. The stream hangs off a chain root naming the module links it attends 
 after different modules never shares KV. Lookup happens at admission; the prompt's blocks are stored
 once its prefill step ran (so a concurrent repeat can hit them), and each finished sample stores the
 blocks of its generated text (so the next chat turn reuses the reply it was sent).
+
+A prompt's last token is computed for its logits, unless the same stream (tokens, positions, chain root,
+salt) was prefilled before and its logits are still in the `LogitsCache`: then, if the stored blocks cover
+every token, an exact repeat runs no forward pass before its first token at all. Logits are a
+deterministic function of what the key covers, so this is exact, like the KV itself.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -32,39 +37,87 @@ class Stream:
     match: Match = field(default_factory=Match)
     prompt_pieces: list[KVPiece] = field(default_factory=list)  # KV of every prompt token, after prefill
     stored_upto: int = 0  # stream tokens covered by full blocks already in the store
+    logits: torch.Tensor | None = None  # [vocab]: cached logits of the last token when every token is reused
 
     @property
     def num_reused(self) -> int:
         return self.match.num_tokens
 
 
-class PrefixReuse:
-    """The engine's view of the block index. `index=None` turns automatic prefix reuse off."""
+class LogitsCache:
+    """The last-token logits of recently prefilled streams, by stream key, LRU under a byte budget.
+    In process only (engine thread); a miss just computes the last token."""
 
-    def __init__(self, index: BlockIndex | None) -> None:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, key: str) -> torch.Tensor | None:
+        logits = self._entries.get(key)
+        if logits is not None:
+            self._entries.move_to_end(key)
+        return logits
+
+    def contains(self, key: str) -> bool:
+        return key in self._entries
+
+    def put(self, key: str, logits: torch.Tensor) -> None:
+        nbytes = logits.numel() * logits.element_size()
+        if nbytes > self.max_bytes or key in self._entries:
+            return
+        self._entries[key] = logits
+        self._bytes += nbytes
+        while self._bytes > self.max_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self._bytes -= dropped.numel() * dropped.element_size()
+
+
+class PrefixReuse:
+    """The engine's view of the block index. `index=None` turns automatic prefix reuse off;
+    `logits_cache_bytes` 0 turns off skipping the last token of exact repeats."""
+
+    def __init__(self, index: BlockIndex | None, logits_cache_bytes: int = 0) -> None:
         self.index = index
+        self.logits = LogitsCache(logits_cache_bytes) if index is not None and logits_cache_bytes > 0 else None
 
     def open(self, module_keys: list[str], token_ids: list[int], position_ids: list[int], *,
              salt: str | None, variant: str = "", match: bool = True) -> Stream:
         """A stream for these tokens with its longest stored prefix fetched (none unless `match`: a
         request that needs every token's logits computes them all). At least the last token is left to
-        compute: its logits are the first sample's input."""
+        compute (its logits are the first sample's input) unless its logits are cached and the stored
+        blocks cover every token: then `stream.logits` is set and nothing is left."""
         stream = Stream(chain_root(module_keys, variant=variant), list(token_ids), list(position_ids))
         if self.index is not None and token_ids and match:
-            stream.match = self.index.match(stream.root, token_ids, position_ids, salt=salt,
-                                            max_tokens=len(token_ids) - 1)
+            logits = self.logits.get(self._terminal_key(stream, salt)) if self.logits is not None else None
+            limit = len(token_ids) if logits is not None else len(token_ids) - 1
+            stream.match = self.index.match(stream.root, token_ids, position_ids, salt=salt, max_tokens=limit)
+            if stream.match.num_tokens == len(token_ids):
+                stream.logits = logits
             size = self.index.config.block_size
             stream.stored_upto = sum(1 for link in stream.match.links if link.num_tokens == size) * size
         return stream
+
+    def remember_logits(self, stream: Stream, logits: torch.Tensor, *, salt: str | None) -> None:
+        """Keep the logits of the stream's last prompt token (`logits` [vocab], after its prefill)."""
+        if self.logits is not None and stream.token_ids:
+            self.logits.put(self._terminal_key(stream, salt), logits.detach().float().cpu().clone())
+
+    def _terminal_key(self, stream: Stream, salt: str | None) -> str:
+        assert self.index is not None
+        return self.index.key(stream.root, stream.token_ids, stream.position_ids, salt)
 
     def peek(self, module_keys: list[str], token_ids: list[int], position_ids: list[int], *,
              salt: str | None, variant: str = "") -> list[tuple[str, int]]:
         """(tier, tokens) of the blocks `open` would reuse, without fetching them."""
         if self.index is None or not token_ids:
             return []
-        found = self.index.peek(chain_root(module_keys, variant=variant), token_ids, position_ids, salt=salt)
-        limit, result = len(token_ids) - 1, []
-        for tier, count in found:  # `open` leaves the last token to compute
+        root = chain_root(module_keys, variant=variant)
+        found = self.index.peek(root, token_ids, position_ids, salt=salt)
+        whole = self.logits is not None and self.logits.contains(
+            self._terminal_key(Stream(root, list(token_ids), list(position_ids)), salt))
+        limit, result = len(token_ids) - (0 if whole else 1), []
+        for tier, count in found:  # `open` leaves the last token to compute (unless its logits are cached)
             count = min(count, limit)
             if count > 0:
                 result.append((tier, count))

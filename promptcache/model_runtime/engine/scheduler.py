@@ -115,16 +115,22 @@ class Scheduler:
                 return  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             try:
-                own, shared = self._start(request)
+                own, shared, seq = self._start(request)
             except Exception as exc:  # one request's failure never touches another
                 events.append(self.fail(request, exc))
                 continue
             self.memory.reserve(own, shared)
             self._reservations[request.request_id] = (own, shared)
+            logits = request.stream.logits if request.stream is not None else None
+            if logits is not None and not seq.pending_ids:  # an exact repeat: its first token needs no pass
+                try:
+                    self._advance(seq, logits, 0.0, events)
+                except Exception as exc:
+                    events.append(self.fail(request, exc))
 
-    def _start(self, request: Request) -> tuple[int, dict[str, int]]:
+    def _start(self, request: Request) -> tuple[int, dict[str, int], Sequence]:
         """Assemble the request's reused KV and create its first sequence. Returns the own and shared
-        KV bytes it holds."""
+        KV bytes it holds, and the sequence."""
         params, reuse = request.params, request.reuse
         assert reuse is not None
         if params.prompt_logprobs is not None:
@@ -151,7 +157,7 @@ class Scheduler:
         for item in shared:
             key = item.key.partition("#")[0]
             held[key] = max(held.get(key, 0), item.block.num_tokens * self.bytes_per_token)
-        return own, held
+        return own, held, seq
 
     def _new_sequence(self, request: Request, index: int, shared: list[SharedKV], capacity: int) -> Sequence:
         loaded = self.loaded
@@ -185,6 +191,7 @@ class Scheduler:
     def _advance(self, seq: Sequence, row: torch.Tensor, step_ms: float, events: list[TokenEvent]) -> None:
         if seq.status == SeqStatus.PREFILL:
             seq.request.prefill_ms += step_ms
+            self._remember_logits(seq, row)
             if seq.index != PROMPT_SEQ:
                 self._store_prompt(seq)
         if seq.index == PROMPT_SEQ:
@@ -248,6 +255,14 @@ class Scheduler:
         computed = (stream.num_reused, seq.own_keys[:, :, :n], seq.own_values[:, :, :n])
         salt = seq.request.cache_salt
         self.pending_stores.append(lambda: self.prefix.store_prompt(stream, computed, salt=salt))
+
+    def _remember_logits(self, seq: Sequence, row: torch.Tensor) -> None:
+        """After a prefill that computed the last prompt token: queue keeping its logits `row` [vocab]."""
+        stream = seq.request.stream
+        if stream is None or stream.logits is not None:
+            return
+        logits, salt = row.clone(), seq.request.cache_salt
+        self.pending_stores.append(lambda: self.prefix.remember_logits(stream, logits, salt=salt))
 
     def _store_sample(self, seq: Sequence) -> None:
         """After a sample finished: queue storing its generated text's blocks."""
