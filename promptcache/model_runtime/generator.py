@@ -27,7 +27,7 @@ def generate(encoder: ModuleEncoder, plan: PromptPlan, params: SamplingParams,
     ttft_ms = 0.0
     for index in range(params.n):
         sample_prompt = prompt if index == params.n - 1 else _copy_prompt(prompt)
-        completion, first_token_s = _decode(encoder, sample_prompt, params, index, started)
+        completion, first_token_s = _decode(encoder, sample_prompt, params, index, started, plan.token_ids())
         completions.append(completion)
         if index == 0:
             ttft_ms = first_token_s * 1e3
@@ -42,9 +42,9 @@ def generate(encoder: ModuleEncoder, plan: PromptPlan, params: SamplingParams,
 
 
 def _decode(encoder: ModuleEncoder, prompt: PrefilledPrompt, params: SamplingParams, index: int,
-            started: float) -> tuple[Completion, float]:
+            started: float, prompt_ids: list[int]) -> tuple[Completion, float]:
     loaded = encoder.loaded
-    sampler = Sampler(params, seed_offset=index)
+    sampler = Sampler(params, seed_offset=index, prompt_ids=prompt_ids)
     detok = Detokenizer(loaded.tokenizer, params.stop)
     eos = set() if params.ignore_eos else set(loaded.eos_token_ids)
     logits, position = prompt.logits, prompt.next_position

@@ -37,8 +37,11 @@ def sampling_params(fields: SamplingFields, max_tokens_limit: int, logprobs: int
         raise UnsupportedParameterError(f"max_tokens is {fields.max_tokens}; this server allows at most "
                                         f"{max_tokens_limit}")
     stop = [fields.stop] if isinstance(fields.stop, str) else list(fields.stop or [])
+    bias = tuple((int(token), value) for token, value in (fields.logit_bias or {}).items())
     return SamplingParams(max_tokens=max(fields.max_tokens, 1), temperature=fields.temperature, top_p=fields.top_p,
-                          top_k=fields.top_k, n=fields.n, seed=fields.seed, stop=tuple(stop), logprobs=logprobs,
+                          top_k=fields.top_k, min_p=fields.min_p, presence_penalty=fields.presence_penalty,
+                          frequency_penalty=fields.frequency_penalty, repetition_penalty=fields.repetition_penalty,
+                          logit_bias=bias, n=fields.n, seed=fields.seed, stop=tuple(stop), logprobs=logprobs,
                           ignore_eos=fields.ignore_eos, prompt_logprobs=prompt_logprobs)
 
 

@@ -26,9 +26,6 @@ class _OpenAIFields(SamplingFields):
     max_tokens: int = Field(16, ge=1)
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="informational (end-user id); logged, changes nothing")
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_OpenAIFields):
@@ -116,9 +113,6 @@ def _no(value: Any) -> bool:
 
 # field -> (the values that ask for nothing this server does not do, why other values are refused)
 NEUTRAL: dict[str, tuple[Any, str]] = {
-    "presence_penalty": (_no, "presence_penalty is not supported"),
-    "frequency_penalty": (_no, "frequency_penalty is not supported"),
-    "logit_bias": (_no, "logit_bias is not supported"),
     "best_of": (lambda v: v in (None, 1), "best_of > 1 is not supported"),
     "suffix": (_no, "suffix (insertion) is not supported"),
     "tools": (_no, "tools are not supported"),

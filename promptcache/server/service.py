@@ -287,6 +287,11 @@ class PromptService:
 
     def submit(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None, request_id: str,
                fidelity: Fidelity, tenant: str | None = None) -> AsyncIterator[TokenEvent]:
+        """Raises ValueError for a logit_bias token outside the vocabulary."""
+        try:
+            self.runtime.check_token_ids([token for token, _ in params.logit_bias])
+        except ValueError as exc:
+            raise ValueError(f"logit_bias: {exc}") from None
         return self.engine.submit(plan, params, cache_salt=self.salt(tenant, cache_salt), request_id=request_id,
                                   fidelity=fidelity)
 

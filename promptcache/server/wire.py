@@ -48,6 +48,11 @@ class SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 = greedy; otherwise at least 0.001")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top token's probability")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="HF's: over prompt and generated tokens")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
@@ -62,6 +67,18 @@ class SamplingFields(BaseModel):
     def _temperature_floor(cls, value: float) -> float:
         if 0 < value < MIN_TEMPERATURE:
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, value):
+        for key, bias in (value or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        if value is not None and len(value) > 1024:
+            raise ValueError("at most 1024 entries")
         return value
 
     @field_validator("stop")

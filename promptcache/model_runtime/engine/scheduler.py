@@ -166,7 +166,8 @@ class Scheduler:
                        own_keys=torch.empty(shape, dtype=loaded.model.dtype, device=loaded.model.device),
                        own_values=torch.empty(shape, dtype=loaded.model.dtype, device=loaded.model.device))
         if index != PROMPT_SEQ:
-            seq.sampler = Sampler(request.params, seed_offset=index)
+            prompt_ids = request.plan.token_ids() if request.params.uses_prompt_tokens else ()
+            seq.sampler = Sampler(request.params, seed_offset=index, prompt_ids=prompt_ids)
             seq.detokenizer = Detokenizer(loaded.tokenizer, request.params.stop)
             request.sequences.append(seq)
         self.running.append(seq)
