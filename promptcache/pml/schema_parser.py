@@ -46,9 +46,11 @@ class _SchemaBuilder:
         self.modules: dict[str, Module] = {}
         self.sections: dict[int, RoleSection] = {}
         self.scaffold_elements: list[etree._Element] = []
+        self.start = 0  # set by build: the first position after BOS
 
     def build(self, element: etree._Element, name: str, text: str, *, placeholders: bool) -> Schema:
         bos = self.encoder.bos_token_ids
+        self.start = len(bos)  # the first position after BOS: text there starts the sequence
         head: tuple[Node, ...] = (TextRun(bos, 0, element.sourceline),) if bos else ()
         root = self._module(element, name=name, path="", cursor=len(bos), is_cached=True,
                             lead=head, is_root=True)
@@ -85,7 +87,7 @@ class _SchemaBuilder:
         children: list[Node] = []
         for item in iter_content(element):
             if isinstance(item, TextItem):
-                run = TextRun(self.encoder.encode(item.text), cursor, item.line)
+                run = TextRun(self.encoder.encode(item.text, at_start=cursor == self.start), cursor, item.line)
                 if run.token_ids:
                     children.append(run)
                     cursor = run.end
@@ -190,7 +192,7 @@ class _SchemaBuilder:
         section_id = len(self.sections)
         start = cursor
         children: list[Node] = []
-        prefix = TextRun(self.encoder.encode(fmt.prefixes[role]), cursor, line)
+        prefix = TextRun(self.encoder.encode(fmt.prefixes[role], at_start=cursor == self.start), cursor, line)
         if prefix.token_ids:
             children.append(prefix)
             cursor = prefix.end

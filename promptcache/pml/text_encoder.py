@@ -11,6 +11,8 @@ from typing import Any
 from promptcache.pml.chat_format import PLAIN_CHAT_FORMAT, ChatFormat, chat_format_from_tokenizer
 from promptcache.pml.errors import ChatTemplateError
 
+CONTINUATION_SENTINEL = "\n"  # kept by every tokenizer's normalizer, merges with nothing after it
+
 
 @dataclass(frozen=True, slots=True)
 class TextEncoder:
@@ -18,6 +20,12 @@ class TextEncoder:
 
     `bos_token_ids` are the tokens the tokenizer puts at the start of every sequence (Llama's `<s>`;
     none for GPT-2/ChatML models); a schema's layout starts with them.
+
+    PML tokenizes each text piece on its own (its positions are fixed). Byte-level BPE tokenizes a piece
+    the same wherever it stands; SentencePiece tokenizers (Llama-2, Mistral) prepend a "▁" to every
+    encoded text (the dummy prefix), which would insert a space at every piece boundary. For those,
+    `continuation_ids` holds the ids of a sentinel ("\n"): a piece not at the start of the sequence is
+    encoded after the sentinel, which is then cut off, so it tokenizes as it does inside the full text.
     """
 
     encode_fn: Callable[[str], list[int]]
@@ -25,6 +33,7 @@ class TextEncoder:
     bos_token_ids: tuple[int, ...] = ()
     placeholder_id: int = 0  # fills parameter slots while modules are encoded (the paper's <unk>)
     chat_format_error: str | None = None  # why role tags cannot be used (a template not split per role)
+    continuation_ids: tuple[int, ...] | None = None  # sentinel ids; None: pieces tokenize alike anywhere
     _cache: _EncodeCache = field(default_factory=lambda: _EncodeCache(), repr=False, compare=False)
 
     def role_format(self, line: int | None = None) -> ChatFormat:
@@ -36,8 +45,18 @@ class TextEncoder:
                                     line=line)
         return self.chat_format
 
-    def encode(self, text: str) -> tuple[int, ...]:
-        """Token ids of `text` with no special tokens added (special-token text is still recognised)."""
+    def encode(self, text: str, *, at_start: bool = False) -> tuple[int, ...]:
+        """Token ids of `text` with no special tokens added (special-token text is still recognised), as
+        it tokenizes inside a longer text (or at the sequence start, `at_start`)."""
+        sentinel = self.continuation_ids
+        if sentinel is None or at_start or not text:
+            return self._encode(text)
+        ids = self._encode(CONTINUATION_SENTINEL + text)
+        if ids[:len(sentinel)] == sentinel:
+            return ids[len(sentinel):]
+        return self._encode(text)  # the sentinel merged with the text: no clean cut, encode it alone
+
+    def _encode(self, text: str) -> tuple[int, ...]:
         cached = self._cache.get(text)
         if cached is None:
             cached = tuple(self.encode_fn(text))
@@ -65,12 +84,16 @@ class TextEncoder:
             bos = tuple(with_special[: len(with_special) - len(plain)])
         unk = getattr(tokenizer, "unk_token_id", None)
         placeholder = unk if isinstance(unk, int) else (encode_fn(" ") or [0])[0]
+        sentinel = tuple(encode_fn(CONTINUATION_SENTINEL))
+        joined = tuple(encode_fn(CONTINUATION_SENTINEL + "a"))
+        continuation = sentinel if joined[:len(sentinel)] == sentinel and \
+            joined[len(sentinel):] != tuple(encode_fn("a")) else None
         try:
             chat_format, error = chat_format_from_tokenizer(tokenizer, adds_bos=bool(bos)), None
         except ChatTemplateError as exc:  # e.g. Llama-2-chat: the server still starts; role tags get a 4xx
             chat_format, error = PLAIN_CHAT_FORMAT, str(exc)
         return cls(encode_fn=encode_fn, chat_format=chat_format, bos_token_ids=bos, placeholder_id=placeholder,
-                   chat_format_error=error)
+                   chat_format_error=error, continuation_ids=continuation)
 
 
 class _EncodeCache:
