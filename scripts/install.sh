@@ -7,12 +7,16 @@ set -euo pipefail
 extras="${1:-server}"
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1; then
+apt_install() {  # Debian packages: redis-server always; chromium for the test extras (playground tests)
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
   else
-    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
   fi
+}
+command -v redis-server >/dev/null 2>&1 || apt_install redis-server
+if [ "$extras" = test ] && ! command -v chromium >/dev/null 2>&1; then
+  apt_install chromium || echo "chromium could not be installed: the browser tests will be skipped" >&2
 fi
 
 pip_q() { python3 -m pip install -q --disable-pip-version-check "$@"; }

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from promptcache.model_runtime import LoadedModel, ModelConfig, load_model
-from promptcache.server import api_native, api_openai, api_system, api_tokenizer
+from promptcache.server import api_native, api_openai, api_playground, api_system, api_tokenizer
 from promptcache.server.errors import install_error_handlers
 from promptcache.server.guard import RequestGuard
 from promptcache.server.service import PromptService
@@ -61,6 +61,8 @@ def create_app(settings: ServerSettings | None = None, *,
     app.include_router(api_native.router)
     app.include_router(api_openai.router)
     app.include_router(api_tokenizer.router)
+    app.include_router(api_playground.router)
+    app.mount(api_playground.PLAYGROUND_PATH + "/static", api_playground.static_files(), name="playground")
     return app
 
 

@@ -20,6 +20,7 @@ from promptcache.server.tenants import RequestRateLimiter, TenantDirectory
 
 METRICS_PATH = "/metrics"
 OPEN_PATHS = frozenset({"/health", METRICS_PATH})
+PLAYGROUND_PREFIX = "/playground"  # static page and assets: no data; the page sends the key on its own calls
 
 
 class RequestGuard:
@@ -36,7 +37,7 @@ class RequestGuard:
             return
         headers = Headers(scope=scope)
         try:
-            if scope["path"] not in OPEN_PATHS:
+            if scope["path"] not in OPEN_PATHS and not scope["path"].startswith(PLAYGROUND_PREFIX):
                 tenant = self.tenants.authenticate(headers.get("authorization", ""))
                 self.rates.check(tenant)
                 scope.setdefault("state", {})["tenant"] = tenant
