@@ -78,9 +78,11 @@ class Schema:
         return self.num_positions
 
     def module_table(self) -> list[dict[str, object]]:
-        """One row per module: name, dotted path, start, end (exclusive), positions spanned."""
+        """One row per module: name, dotted path, start, end (exclusive), positions spanned, and its own
+        parameter slots (name, start, length)."""
         return [
-            {"name": m.name, "path": m.path, "start": m.start, "end": m.end, "num_tokens": m.num_positions}
+            {"name": m.name, "path": m.path, "start": m.start, "end": m.end, "num_tokens": m.num_positions,
+             "params": [{"name": p.name, "start": p.start, "length": p.length} for p in m.params.values()]}
             for path, m in self.modules.items() if path
         ]
 

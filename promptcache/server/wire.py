@@ -19,12 +19,19 @@ class SchemaCreate(_Strict):
     pml: str = Field(..., description="the <schema> document")
 
 
+class ParamInfo(BaseModel):
+    name: str
+    start: int
+    length: int
+
+
 class ModuleInfo(BaseModel):
     name: str
     path: str
     start: int
     end: int
     num_tokens: int
+    params: list[ParamInfo] = Field(default_factory=list, description="the module's own parameter slots")
 
 
 class SchemaInfo(BaseModel):

@@ -73,6 +73,17 @@ def test_playground_in_a_real_browser(live_server, browser_page, tmp_path):
     assert "TTFT" in page.inner_text("#stats")
     page.screenshot(path=str(tmp_path / "prompt.png"), full_page=True)
 
+    # A schema with a parameter: its slot is drawn, and the composer passes the argument.
+    page.fill("#pml-editor", '<schema name="trip"><module name="plan">Plan a trip of <param name="days" len="3"/> days.'
+                             '</module></schema>')
+    page.click("#upload")
+    page.wait_for_selector('.block.param[data-param="plan.days"]')
+    page.fill('.param-value[data-param="days"]', "5")
+    assert page.input_value("#pml-prompt").startswith('<prompt schema="trip"><plan days="5"/>')
+    page.click("#run")
+    page.wait_for_function("document.querySelector('#stats').textContent.includes('TTFT')")
+    assert "trip" in page.inner_text("#layout-name")
+
     # Two chat turns: the second reports reused tokens.
     page.click("nav button[data-tab=chat]")
     for text in ("Hello there, tell me about cats and their long naps.", "And dogs?"):

@@ -99,6 +99,7 @@ async function selectSchema(info) {
     (rows[row] = rows[row] || []).push(module);
     const block = document.createElement("div");
     const tier = await tierOf(info.name, module.path).catch(() => null);
+    if (current !== info) return;  // another schema was selected meanwhile: it draws the layout
     block.className = "block tier-" + (tier || "none");
     block.dataset.path = module.path;
     block.title = `${module.path}: positions ${module.start}-${module.end}, KV in ${tier || "no tier"}`;
@@ -107,6 +108,17 @@ async function selectSchema(info) {
     block.style.top = (row * 1.7) + "rem";
     block.textContent = module.path;
     layout.append(block);
+    for (const param of module.params || []) {  // parameter slots: hatched, inside their module's row
+      const slot = document.createElement("div");
+      slot.className = "block param";
+      slot.dataset.param = module.path + "." + param.name;
+      slot.title = "param " + param.name + ": " + param.length + " positions from " + param.start;
+      slot.style.left = (100 * param.start / info.num_tokens) + "%";
+      slot.style.width = Math.max(0.5, 100 * param.length / info.num_tokens) + "%";
+      slot.style.top = (row * 1.7 + 0.9) + "rem";
+      slot.style.height = "0.7rem";
+      layout.append(slot);
+    }
   }
   const picks = $("module-picks");
   picks.textContent = "";
@@ -116,6 +128,13 @@ async function selectSchema(info) {
     box.type = "checkbox"; box.checked = true; box.value = module.path; box.style.width = "auto";
     box.addEventListener("change", compose);
     label.append(box, " " + module.path + " ");
+    for (const param of module.params || []) {  // an argument for each of the module's parameters
+      const value = document.createElement("input");
+      value.className = "param-value"; value.dataset.module = module.path; value.dataset.param = param.name;
+      value.placeholder = param.name + " (<= " + param.length + " tokens)"; value.style.width = "10rem";
+      value.addEventListener("input", compose);
+      label.append(value, " ");
+    }
     picks.append(label);
   }
   compose();
@@ -123,7 +142,11 @@ async function selectSchema(info) {
 
 function compose() {
   if (!current) return;
-  const imports = [...document.querySelectorAll("#module-picks input:checked")].map((b) => `<${b.value}/>`).join("");
+  const argument = (path) => [...document.querySelectorAll('#module-picks .param-value[data-module="' + path + '"]')]
+    .filter((input) => input.value)
+    .map((input) => " " + input.dataset.param + '="' + escapeXml(input.value).replace(/"/g, "&quot;") + '"').join("");
+  const imports = [...document.querySelectorAll("#module-picks input:checked")]
+    .map((b) => "<" + b.value + argument(b.value) + "/>").join("");
   $("pml-prompt").value = `<prompt schema="${current.name}">${imports}${escapeXml($("free-text").value)}</prompt>`;
 }
 $("free-text").addEventListener("input", compose);
@@ -133,7 +156,7 @@ $("upload").addEventListener("click", async () => {
   error.hidden = true;
   try {
     const info = await api("/v1/schemas", { method: "POST", body: JSON.stringify({ pml: $("pml-editor").value }) });
-    current = null;
+    current = info;  // so the list reload does not select another schema meanwhile
     await loadSchemas();
     await selectSchema(info);
   } catch (exc) {
