@@ -14,7 +14,7 @@ from promptcache.model_runtime.detokenizer import Detokenizer
 from promptcache.model_runtime.forward import logits_of, run_tokens
 from promptcache.model_runtime.module_encoder import ModuleEncoder, check_positions
 from promptcache.model_runtime.results import Completion, GenerationResult, Timings, Usage
-from promptcache.model_runtime.sampling import Sampler, SamplingParams
+from promptcache.model_runtime.sampling import PromptTokens, Sampler, SamplingParams
 from promptcache.pml import PromptPlan
 
 
@@ -25,9 +25,10 @@ def generate(encoder: ModuleEncoder, plan: PromptPlan, params: SamplingParams,
     prompt = prefill(encoder, plan, cache_salt=cache_salt, extra_capacity=params.max_tokens)
     completions = []
     ttft_ms = 0.0
+    prompt_tokens = PromptTokens(plan.token_ids()) if params.uses_prompt_tokens else None
     for index in range(params.n):
         sample_prompt = prompt if index == params.n - 1 else _copy_prompt(prompt)
-        completion, first_token_s = _decode(encoder, sample_prompt, params, index, started, plan.token_ids())
+        completion, first_token_s = _decode(encoder, sample_prompt, params, index, started, prompt_tokens)
         completions.append(completion)
         if index == 0:
             ttft_ms = first_token_s * 1e3
@@ -42,9 +43,9 @@ def generate(encoder: ModuleEncoder, plan: PromptPlan, params: SamplingParams,
 
 
 def _decode(encoder: ModuleEncoder, prompt: PrefilledPrompt, params: SamplingParams, index: int,
-            started: float, prompt_ids: list[int]) -> tuple[Completion, float]:
+            started: float, prompt_tokens: PromptTokens | None) -> tuple[Completion, float]:
     loaded = encoder.loaded
-    sampler = Sampler(params, seed_offset=index, prompt_ids=prompt_ids)
+    sampler = Sampler(params, seed_offset=index, prompt=prompt_tokens)
     detok = Detokenizer(loaded.tokenizer, params.stop)
     eos = set() if params.ignore_eos else set(loaded.eos_token_ids)
     logits, position = prompt.logits, prompt.next_position

@@ -76,10 +76,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 < self.repetition_penalty <= 10:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
-        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
-            raise ValueError("logit_bias values must be in [-100, 100]")
-        if any(token < 0 for token, _ in self.logit_bias):
-            raise ValueError("logit_bias token ids must be >= 0")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if any(not s for s in self.stop):
@@ -98,37 +99,67 @@ class SamplingParams:
         """Whether sampling depends on the prompt's token ids (HF's repetition penalty covers them)."""
         return self.repetition_penalty != 1.0
 
+    @property
+    def uses_history(self) -> bool:
+        """Whether sampling depends on the tokens generated so far (any penalty)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+class PromptTokens:
+    """A prompt's token ids as `repetition_penalty` reads them: a [vocab] mask built once, on first use,
+    and shared by every sample of the request (n > 1 samples never copy the prompt)."""
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self._token_ids = torch.tensor(list(token_ids), dtype=torch.long)  # [num_prompt_tokens]
+        self._mask: torch.Tensor | None = None
+
+    def mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """[vocab_size] bool: True at every id that occurs in the prompt (reused or computed)."""
+        if self._mask is None:
+            mask = torch.zeros(vocab_size, dtype=torch.bool)  # [vocab]
+            mask[self._token_ids] = True
+            self._mask = mask.to(device)
+        return self._mask
+
 
 class Sampler:
-    """Picks the next token from logits; one instance per sequence (it owns the RNG state and the token
-    history the penalties need: a seen-mask over prompt + generated tokens, counts of generated ones)."""
+    """Picks the next token from logits; one instance per sequence. It owns the RNG state and the
+    generated-token counts the penalties read; the prompt's tokens come as a shared `PromptTokens`
+    (without one, `repetition_penalty` covers the generated tokens only)."""
 
-    def __init__(self, params: SamplingParams, *, seed_offset: int = 0, prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(self, params: SamplingParams, *, seed_offset: int = 0, prompt: PromptTokens | None = None) -> None:
         self.params = params
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + seed_offset)
-        self._prompt_ids = list(prompt_ids) if params.uses_prompt_tokens else []
-        self._seen: torch.Tensor | None = None    # [vocab] bool: prompt and generated tokens
-        self._counts: torch.Tensor | None = None  # [vocab] float: generated tokens
+        self.prompt = prompt if params.uses_prompt_tokens else None
+        self._counts: torch.Tensor | None = None  # [vocab] float32: times each token was generated
+        self._unseen: list[int] = []  # recorded tokens not yet added to _counts
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        if params.logit_bias:
+            self._bias = (torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long),      # [num_biased]
+                          torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32))  # [num_biased]
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [vocab] -> processed scores [vocab] float (-inf: excluded): processors, then (unless
-        greedy) the warpers. softmax of the result is the distribution `sample` draws from."""
+        """`logits` [vocab] -> processed scores [vocab] float32 (-inf: excluded). HF's order: logits
+        processors (`logit_bias`, `repetition_penalty`), then OpenAI's presence/frequency penalties, then
+        (unless temperature is 0) the warpers: temperature, top-k, top-p, min-p. `sample` draws from the
+        softmax of the result (or takes its argmax when greedy). Records nothing."""
         params = self.params
         scores = logits.float().clone()  # [vocab]
-        if params.logit_bias:
-            ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
-            scores[ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
-        if params.repetition_penalty != 1.0:
-            seen = self._history(scores)[0]
-            picked = scores[seen]
-            scores[seen] = torch.where(picked < 0, picked * params.repetition_penalty,
-                                       picked / params.repetition_penalty)
-        if params.presence_penalty or params.frequency_penalty:
-            counts = self._history(scores)[1]
-            scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
-        if params.is_greedy:
+        if self._bias is not None:
+            ids, values = self._bias
+            scores.index_add_(0, ids.to(scores.device), values.to(scores.device))
+        if params.repetition_penalty != 1.0:  # HF: every id anywhere in prompt + generated, once
+            seen = self._generated_counts(scores) > 0  # [vocab] bool
+            if self.prompt is not None:
+                seen = seen | self.prompt.mask(scores.numel(), scores.device)
+            penalty = params.repetition_penalty
+            scores = torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+        if params.presence_penalty or params.frequency_penalty:  # OpenAI: generated tokens only
+            counts = self._generated_counts(scores)
+            scores = scores - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+        if params.temperature == 0:
             return scores
         scores = scores / params.temperature
         if params.top_k > 0:
@@ -145,7 +176,7 @@ class Sampler:
         return scores
 
     def sample(self, logits: torch.Tensor) -> int:
-        """`logits`: [vocab] float. Returns a token id (and records it in the history)."""
+        """`logits`: [vocab] float. Returns a token id and records it in the history."""
         scores = self.scores(logits)
         if self.params.is_greedy:
             token = int(torch.argmax(scores))
@@ -154,19 +185,20 @@ class Sampler:
             if not bool(torch.isfinite(probs).all()):
                 raise FloatingPointError("the sampling distribution is not finite (non-finite logits)")
             token = int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
-        if self._seen is not None:
-            self._seen[token] = True
-        if self._counts is not None:
-            self._counts[token] += 1
+        self.record(token)
         return token
 
-    def _history(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._seen is None:
-            vocab = scores.numel()
-            self._seen = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
-            prompt = [t for t in self._prompt_ids if 0 <= t < vocab]
-            if prompt:
-                self._seen[torch.tensor(prompt, dtype=torch.long, device=scores.device)] = True
-            self._counts = torch.zeros(vocab, dtype=torch.float32, device=scores.device)
-        assert self._counts is not None
-        return self._seen, self._counts
+    def record(self, token_id: int) -> None:
+        """Add a generated token to the history the penalties read (`sample` records its own picks)."""
+        if self.params.uses_history:
+            self._unseen.append(token_id)
+
+    def _generated_counts(self, scores: torch.Tensor) -> torch.Tensor:
+        """[vocab] float32 counts of the generated tokens, brought up to date with what was recorded."""
+        if self._counts is None:
+            self._counts = torch.zeros(scores.numel(), dtype=torch.float32, device=scores.device)  # [vocab]
+        if self._unseen:
+            ids = torch.tensor(self._unseen, dtype=torch.long, device=self._counts.device)  # [num_unseen]
+            self._counts.index_add_(0, ids, torch.ones(len(self._unseen), device=self._counts.device))
+            self._unseen.clear()
+        return self._counts

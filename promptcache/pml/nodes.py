@@ -9,12 +9,17 @@ from typing import TypeAlias
 
 @dataclass(frozen=True, slots=True)
 class TextRun:
-    """Literal schema text (or compiled role markup) at positions [start, end)."""
+    """Literal schema text (or compiled role markup) at positions [start, end).
+
+    `is_continuation`: the text was tokenized as following the text laid out before it, and at the
+    start of a sequence it tokenizes differently (SentencePiece's dummy "▁" prefix, TextEncoder).
+    """
 
     token_ids: tuple[int, ...]
     start: int
     line: int
     role_suffix_of: int | None = None  # section_id when this run closes a role section
+    is_continuation: bool = False
 
     @property
     def end(self) -> int:

@@ -41,7 +41,8 @@ class PromptPlan:
     """A prompt resolved against its schema. Cached segments and new runs are in position order.
 
     `is_exact` is true when serving the plan from cache gives the same result as a full prefill of
-    `token_ids()` at `position_ids()`; otherwise `approximations` says which attention is missing.
+    `token_ids()` at `position_ids()`; otherwise `approximations` says which attention is missing, or
+    that a schema piece starting the prompt was tokenized as a continuation (prompt_parser).
     """
 
     schema: Schema

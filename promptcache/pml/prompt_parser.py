@@ -8,13 +8,24 @@ Placement rules:
 - Text after the last import starts after the highest position used so far.
 - The tail of a `<user>` (etc.) that imports modules of a schema section goes right after its last
   import, followed by the section's closing markup.
+
+Sequence start: with a tokenizer that writes a piece differently at the start of a sequence
+(SentencePiece's "▁", TextEncoder), new text or an argument positioned first after BOS is encoded as a
+sequence start; a schema piece there that was encoded as a continuation is reported in `approximations`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
-from promptcache.pml.errors import EmptyPromptError, PositionConflictError, PromptError, UnknownSchemaError
+from promptcache.pml.errors import (
+    ArgumentTooLongError,
+    EmptyPromptError,
+    PositionConflictError,
+    PromptError,
+    UnknownSchemaError,
+)
 from promptcache.pml.limits import PmlLimits
 from promptcache.pml.occupancy import Occupancy
 from promptcache.pml.plan import CachedSegment, NewRun, PromptPlan, find_approximations
@@ -49,10 +60,28 @@ def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
         raise UnknownSchemaError(f"<prompt> names unknown schema {name!r} (loaded: {sorted(schemas)})",
                                  line=root.sourceline, schema_name=name)
     items = PromptReader(schema, encoder).read(root)
-    return _build_plan(schema, items, isolated=isolated)
+    plan, first = _build_plan(schema, items, encoder, isolated=isolated)
+    if isinstance(first, NewRun) and first.kind == "argument":
+        # The argument starts the sequence: encode it as a sequence start and place everything again
+        # (only its length can change, and nothing is placed before a position it starts).
+        length, value = items.argument_values[first.source]
+        token_ids = encoder.encode(value, at_start=True)
+        if token_ids != first.token_ids:
+            if len(token_ids) > length:
+                raise ArgumentTooLongError(
+                    f"argument {first.source!r} starts the prompt, where it is {len(token_ids)} tokens; the "
+                    f"limit is {length} tokens (<param len>)", line=first.line)
+            for item in [*items.items, items.implicit]:
+                if isinstance(item, ImportItem):
+                    item.arguments = [replace(r, token_ids=token_ids) if r is first else r for r in item.arguments]
+            plan, _ = _build_plan(schema, items, encoder, isolated=isolated)
+    return plan
 
 
-def _build_plan(schema: Schema, items: PromptItems, *, isolated: bool) -> PromptPlan:
+def _build_plan(schema: Schema, items: PromptItems, encoder: TextEncoder, *,
+                isolated: bool) -> tuple[PromptPlan, Segment | NewRun | None]:
+    """The plan, and the segment or run that comes first after BOS in it (None: nothing does)."""
+    first_position = len(encoder.bos_token_ids)
     imported = set(items.imported)
     included = [s for s in schema.segments
                 if (s.owner == "" or s.owner in imported) and not s.is_placeholder
@@ -67,7 +96,7 @@ def _build_plan(schema: Schema, items: PromptItems, *, isolated: bool) -> Prompt
     for run in new_runs:
         if run.kind == "argument":
             used.add(run.start, run.end)
-    new_runs.extend(_place_text(schema, items, included, used))
+    new_runs.extend(_place_text(schema, items, included, used, encoder, first_position))
     cached = tuple(_cached_segment(schema, s, imported, isolated) for s in included if s.is_cached)
     runs = tuple(sorted(new_runs, key=lambda r: r.start))
     if not cached and not any(run.token_ids for run in runs):
@@ -75,8 +104,22 @@ def _build_plan(schema: Schema, items: PromptItems, *, isolated: bool) -> Prompt
     positions = [p for c in cached for p in c.segment.position_ids] + [p for r in runs for p in range(r.start, r.end)]
     assert len(positions) == len(set(positions)), "two tokens of a plan share a position"
     module_paths = tuple(sorted(imported, key=lambda p: (schema.modules[p].start, p)))
-    return PromptPlan(schema, tuple(sorted(cached, key=lambda c: c.segment.start)), runs, module_paths,
-                      find_approximations(cached, runs))
+    # Module runs are in `included` as their segments; BOS (with any text merged into its segment) is not.
+    items_after_bos = [s for s in included if s.end > first_position]
+    items_after_bos += [r for r in runs if r.kind != "module" and r.token_ids]
+    first = min(items_after_bos, key=lambda x: x.start, default=None)
+    plan = PromptPlan(schema, tuple(sorted(cached, key=lambda c: c.segment.start)), runs, module_paths,
+                      find_approximations(cached, runs) + _start_notes(first))
+    return plan, first
+
+
+def _start_notes(first: Segment | NewRun | None) -> tuple[str, ...]:
+    if not isinstance(first, Segment) or not first.is_continuation:
+        return ()
+    owner = f"module {first.owner!r}" if first.owner else "the schema's always-included text"
+    return (f"{owner} starts this prompt (position {first.start}) but was tokenized as continuing the schema "
+            "text laid out before it; the tokenizer starts a sequence differently (SentencePiece's '▁'), so "
+            "these token ids differ from the tokenization of the prompt's text",)
 
 
 def _cached_segment(schema: Schema, segment: Segment, imported: set[str], isolated: bool) -> CachedSegment:
@@ -93,7 +136,8 @@ def _cached_segment(schema: Schema, segment: Segment, imported: set[str], isolat
     return CachedSegment(segment, segment.context_ids, "default")
 
 
-def _place_text(schema: Schema, items: PromptItems, included: list[Segment], used: Occupancy) -> list[NewRun]:
+def _place_text(schema: Schema, items: PromptItems, included: list[Segment], used: Occupancy,
+                encoder: TextEncoder, first_position: int) -> list[NewRun]:
     spans = {id(item): _span(schema, item) for item in items.items if isinstance(item, ImportItem)}
     # The span of the first import after each item (None after the last), in one backward pass.
     next_span: list[tuple[int, int] | None] = [None] * len(items.items)
@@ -124,6 +168,8 @@ def _place_text(schema: Schema, items: PromptItems, included: list[Segment], use
         else:
             highest = used.highest()
             start = highest + 1 if highest is not None else 0
+        if start == first_position and item.after_section is None:
+            item = replace(item, token_ids=encoder.encode(item.text, at_start=True))  # it starts the sequence
         _check_free(item, start, used, included)
         run = NewRun(item.token_ids, start, item.kind, "text", item.line)
         runs.append(run)

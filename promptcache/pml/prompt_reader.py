@@ -37,13 +37,15 @@ class ImportItem:
 
 @dataclass(slots=True)
 class TextPiece:
-    """New text to place. `after_section` is set for the tail of a bound role element."""
+    """New text to place. `after_section` is set for the tail of a bound role element; `text` is what
+    `token_ids` encode (re-encoded if the piece turns out to start the sequence)."""
 
     token_ids: tuple[int, ...]
     kind: str  # "text" | "role"
     line: int
     snippet: str
     after_section: int | None = None
+    text: str = ""
 
 
 @dataclass(slots=True)
@@ -53,6 +55,8 @@ class PromptItems:
     displaced_sections: set[int] = field(default_factory=set)
     # Default members of root-level unions the prompt did not choose: included, but not a placement anchor.
     implicit: ImportItem = field(default_factory=lambda: ImportItem([], [], 0))
+    # Argument source ("module.param") -> (the param's length, the value): for re-encoding.
+    argument_values: dict[str, tuple[int, str]] = field(default_factory=dict)
 
 
 class PromptReader:
@@ -79,7 +83,7 @@ class PromptReader:
         return self.out
 
     def _text(self, text: str, line: int, kind: str = "text") -> None:
-        self.out.items.append(TextPiece(self.encoder.encode(text), kind, line, text[:40]))
+        self.out.items.append(TextPiece(self.encoder.encode(text), kind, line, text[:40], text=text))
 
     def _role(self, element: etree._Element, *, is_last: bool) -> None:
         role, line = element.tag, element.sourceline
@@ -192,8 +196,9 @@ class PromptReader:
                     f"argument {name!r} of module {module.path!r} is {len(tokens)} tokens; the limit is "
                     f"{param.length} tokens (<param len>)", line=element.sourceline)
             if tokens:
-                item.arguments.append(NewRun(tokens, param.start, "argument", f"{module.path}.{name}",
-                                             element.sourceline))
+                source = f"{module.path}.{name}"
+                item.arguments.append(NewRun(tokens, param.start, "argument", source, element.sourceline))
+                self.out.argument_values[source] = (param.length, value)
 
     def _apply_union_defaults(self, module: Module, item: ImportItem) -> None:
         for union in module.unions:

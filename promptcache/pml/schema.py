@@ -16,6 +16,8 @@ class Segment:
     Segments are the units whose KV is encoded and cached. `owner` is the owning module's path
     ("" for always-included text). `context_ids` lists the segments guaranteed to precede this one
     in every prompt that includes it — the context its default KV is encoded after.
+    `is_continuation` says that its tokens differ from its text's tokenization at the start of a
+    sequence (its first run's flag, see TextRun): a plan that begins with it reports so.
     """
 
     segment_id: int
@@ -27,6 +29,7 @@ class Segment:
     role_suffix_of: int | None
     digest: str
     is_placeholder: bool = False  # a parameter slot's placeholder tokens: context only, never in a plan
+    is_continuation: bool = False
 
     @property
     def end(self) -> int:

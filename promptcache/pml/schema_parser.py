@@ -87,7 +87,7 @@ class _SchemaBuilder:
         children: list[Node] = []
         for item in iter_content(element):
             if isinstance(item, TextItem):
-                run = TextRun(self.encoder.encode(item.text, at_start=cursor == self.start), cursor, item.line)
+                run = self._text_run(item.text, cursor, item.line)
                 if run.token_ids:
                     children.append(run)
                     cursor = run.end
@@ -123,6 +123,14 @@ class _SchemaBuilder:
                 raise SchemaError(f"unknown element <{tag}>; expected one of <module>, <union>, <param>, "
                                   "<system>, <user>, <assistant>, <scaffold>, or text", line=line)
         return tuple(children), cursor
+
+    def _text_run(self, text: str, cursor: int, line: int, role_suffix_of: int | None = None) -> TextRun:
+        # Text at the first position after BOS starts every sequence that includes it; any other text
+        # is tokenized as it tokenizes after the text laid out before it (TextEncoder.encode).
+        is_first = cursor == self.start
+        token_ids = self.encoder.encode(text, at_start=is_first)
+        is_continuation = not is_first and self.encoder.encode(text, at_start=True) != token_ids
+        return TextRun(token_ids, cursor, line, role_suffix_of, is_continuation)
 
     def _child_module(self, element: etree._Element, *, parent: str, cursor: int, is_cached: bool,
                       scope: dict[str, Module], params: dict[str, Param]) -> Module:
@@ -192,14 +200,14 @@ class _SchemaBuilder:
         section_id = len(self.sections)
         start = cursor
         children: list[Node] = []
-        prefix = TextRun(self.encoder.encode(fmt.prefixes[role], at_start=cursor == self.start), cursor, line)
+        prefix = self._text_run(fmt.prefixes[role], cursor, line)
         if prefix.token_ids:
             children.append(prefix)
             cursor = prefix.end
         inner, cursor = self._content(element, path=path, cursor=cursor, is_cached=is_cached, scope=scope,
                                       params=params, unions=unions, role=role, is_root=is_root)
         children.extend(inner)
-        suffix = TextRun(self.encoder.encode(fmt.suffixes[role]), cursor, line, role_suffix_of=section_id)
+        suffix = self._text_run(fmt.suffixes[role], cursor, line, role_suffix_of=section_id)
         if suffix.token_ids:
             children.append(suffix)
             cursor = suffix.end

@@ -64,7 +64,7 @@ def build_segments(root: Module, placeholder_id: int | None = None) -> tuple[Seg
         segments.append(Segment(
             segment_id=len(segments), token_ids=token_ids, start=start, owner=owner, context_ids=context,
             is_cached=group[0].is_cached, role_suffix_of=group[0].run.role_suffix_of,
-            is_placeholder=group[0].is_placeholder,
+            is_placeholder=group[0].is_placeholder, is_continuation=group[0].run.is_continuation,
             digest=segment_digest(start, token_ids)))
     return tuple(segments)
 

@@ -26,6 +26,8 @@ class TextEncoder:
     encoded text (the dummy prefix), which would insert a space at every piece boundary. For those,
     `continuation_ids` holds the ids of a sentinel ("\n"): a piece not at the start of the sequence is
     encoded after the sentinel, which is then cut off, so it tokenizes as it does inside the full text.
+    Callers say which pieces start the sequence (`at_start`): schema text at the first position after
+    BOS, and new text or an argument a prompt puts there (docs/pml.md).
     """
 
     encode_fn: Callable[[str], list[int]]

@@ -80,7 +80,7 @@ class SamplingFields(BaseModel):
     @classmethod
     def _bias_by_token_id(cls, value):
         for key, bias in (value or {}).items():
-            if not key.strip().isdigit():
+            if not key.strip().isdecimal():  # isdigit() would pass '²', which int() refuses
                 raise ValueError(f"keys must be token ids, got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")

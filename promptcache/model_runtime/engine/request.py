@@ -13,7 +13,7 @@ from promptcache.model_runtime.detokenizer import Detokenizer
 from promptcache.model_runtime.engine.prefix import Stream
 from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan
 from promptcache.model_runtime.results import ModuleUse, PrefixUse, Timings, Usage
-from promptcache.model_runtime.sampling import Sampler, SamplingParams, TokenLogprobs
+from promptcache.model_runtime.sampling import PromptTokens, Sampler, SamplingParams, TokenLogprobs
 from promptcache.pml import PromptPlan
 
 
@@ -105,6 +105,7 @@ class Request:
     reuse: ReusePlan | None = None  # resolved at admission
     stream: Stream | None = None  # the tokens computed for this request and the prefix reused for them
     held_keys: tuple[str, ...] = ()  # store keys acquired while the request runs
+    prompt_tokens: PromptTokens | None = None  # set at admission when sampling reads the prompt's ids
     num_computed_tokens: int = 0
     assembly_ms: float = 0.0
     encode_ms: float = 0.0

@@ -21,7 +21,7 @@ from promptcache.model_runtime.engine.reuse_plan import resolve
 from promptcache.model_runtime.engine.step_budget import StepBudget
 from promptcache.model_runtime.errors import InvalidRequestError
 from promptcache.model_runtime.module_encoder import ModuleEncoder
-from promptcache.model_runtime.sampling import Sampler, token_logprobs
+from promptcache.model_runtime.sampling import PromptTokens, Sampler, token_logprobs
 
 PROMPT_SEQ = -1  # index of the sequence that prefills a prompt shared by n > 1 samples
 
@@ -145,6 +145,8 @@ class Scheduler:
         request.held_keys = tuple(dict.fromkeys(s.key.partition("#")[0] for s in shared))
         self.encoder.store.acquire(request.held_keys)
         request.num_computed_tokens = len(token_ids)
+        if params.uses_prompt_tokens:  # the whole prompt, reused tokens included; shared by the n samples
+            request.prompt_tokens = PromptTokens(request.plan.token_ids())
         index = PROMPT_SEQ if params.n > 1 else 0
         capacity = len(token_ids) + (0 if params.n > 1 else params.max_tokens)
         seq = self._new_sequence(request, index, shared, capacity)
@@ -166,8 +168,7 @@ class Scheduler:
                        own_keys=torch.empty(shape, dtype=loaded.model.dtype, device=loaded.model.device),
                        own_values=torch.empty(shape, dtype=loaded.model.dtype, device=loaded.model.device))
         if index != PROMPT_SEQ:
-            prompt_ids = request.plan.token_ids() if request.params.uses_prompt_tokens else ()
-            seq.sampler = Sampler(request.params, seed_offset=index, prompt_ids=prompt_ids)
+            seq.sampler = Sampler(request.params, seed_offset=index, prompt=request.prompt_tokens)
             seq.detokenizer = Detokenizer(loaded.tokenizer, request.params.stop)
             request.sequences.append(seq)
         self.running.append(seq)
