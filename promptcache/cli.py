@@ -43,6 +43,15 @@ def main(argv: list[str] | None = None) -> int:
                        help="prompt/encoding tokens per step when nothing decodes (default 4096)")
     serve.add_argument("--fidelity", choices=["fast", "balanced", "exact"],
                        help="default fidelity mode for reused module KV (docs/fidelity.md)")
+    serve.add_argument("--replicas", type=int,
+                       help="run N replicas on a local Ray cluster behind a cache-affinity router (needs "
+                            "--redis-url when N > 1; pip install 'promptcache[cluster]'; docs/scaling.md)")
+    serve.add_argument("--max-replicas", type=int,
+                       help="with --replicas: let Ray autoscale between --replicas and this many on queue length")
+    serve.add_argument("--router", choices=["affinity", "default"], default="affinity",
+                       help="with --replicas: cache-affinity routing (default) or Ray's power-of-two-choices")
+    serve.add_argument("--replica-cpus", type=float, default=1.0, help="with --replicas: CPUs per replica (default 1)")
+    serve.add_argument("--replica-gpus", type=float, default=0.0, help="with --replicas: GPUs per replica (default 0)")
     serve.add_argument("--log-level", default="info")
 
     encode = commands.add_parser("encode", help="encode a schema's modules into the store (e.g. a shared Redis)")
@@ -64,8 +73,12 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace):
     from promptcache.server.settings import ServerSettings
 
-    # Flags win over PROMPTCACHE_* environment variables: only flags actually given are passed.
-    overrides = {k: v for k, v in {
+    return ServerSettings(**_overrides(args))
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    """The settings given as flags; they win over PROMPTCACHE_* environment variables."""
+    return {k: v for k, v in {
         "model": args.model, "dtype": args.dtype, "device": args.device, "redis_url": args.redis_url,
         "host": getattr(args, "host", None), "port": getattr(args, "port", None),
         "api_keys": getattr(args, "api_keys", None),
@@ -84,7 +97,6 @@ def _settings(args: argparse.Namespace):
         "min_prefill_tokens": getattr(args, "min_prefill_tokens", None),
         "max_step_slowdown": getattr(args, "max_step_slowdown", None),
     }.items() if v is not None}
-    return ServerSettings(**overrides)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -93,6 +105,8 @@ def _serve(args: argparse.Namespace) -> int:
     from promptcache.server import create_app
 
     settings = _settings(args)
+    if args.replicas is not None:
+        return _serve_cluster(args, settings)
     from promptcache.model_runtime import ModelConfig
 
     dtype = str(ModelConfig(settings.model, dtype=settings.dtype, device=settings.device).torch_dtype)
@@ -100,6 +114,28 @@ def _serve(args: argparse.Namespace) -> int:
           f"on http://{settings.host}:{settings.port} (GET /health turns 200 when the model is loaded)", flush=True)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
     return 0
+
+
+def _serve_cluster(args: argparse.Namespace, settings) -> int:
+    if args.replicas > 1 and not settings.redis_url:
+        print("promptcache: --replicas > 1 needs --redis-url (or PROMPTCACHE_REDIS_URL): the replicas share "
+              "schemas and KV through one Redis", file=sys.stderr)
+        return 2
+    try:
+        import ray.serve  # noqa: F401  (the optional extra)
+
+        from promptcache.cluster.launcher import serve_cluster
+        from promptcache.cluster.options import ClusterOptions
+    except ImportError as exc:
+        print(f"promptcache: --replicas needs Ray Serve (pip install 'promptcache[cluster]'): {exc}", file=sys.stderr)
+        return 2
+    try:
+        options = ClusterOptions(num_replicas=args.replicas, max_replicas=args.max_replicas, router=args.router,
+                                 num_cpus_per_replica=args.replica_cpus, num_gpus_per_replica=args.replica_gpus)
+    except ValueError as exc:
+        print(f"promptcache: {exc}", file=sys.stderr)
+        return 2
+    return serve_cluster(_overrides(args), options, host=settings.host, port=settings.port, log_level=args.log_level)
 
 
 def _encode(args: argparse.Namespace) -> int:

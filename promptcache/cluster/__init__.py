@@ -1,0 +1,14 @@
+"""Scale-out on Ray Serve: N promptcache replicas on one Redis behind a cache-affinity request router.
+
+The names here are pure (no Ray import) so the routing simulator and tests use the same policy code.
+The Ray side lives in `promptcache.cluster.app` (the application), `.router` (the request router),
+`.replica`, `.gateway` and `.launcher`; they need the `cluster` extra (`pip install 'promptcache[cluster]'`).
+"""
+
+from promptcache.cluster.affinity import AffinityConfig, AffinityKey, affinity_key
+from promptcache.cluster.forwarded import ForwardedRequest
+from promptcache.cluster.options import ClusterOptions
+from promptcache.cluster.policy import Choice, LoadGuard, RoutingPolicy
+
+__all__ = ["AffinityConfig", "AffinityKey", "Choice", "ClusterOptions", "ForwardedRequest", "LoadGuard",
+           "RoutingPolicy", "affinity_key"]

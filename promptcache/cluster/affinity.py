@@ -1,0 +1,154 @@
+"""Affinity keys: what a request's reusable KV depends on, read from the HTTP request without tokenizing.
+
+Two requests with the same key would reuse the same cached KV, so sending them to the same replica finds
+it in that replica's device tier:
+
+- a PML prompt (`/v1/generate`, `/v1/prompts/explain`, a completion prompt starting with `<prompt`, a chat
+  with `schema`): (tenant, schema, the sorted set of module names it imports);
+- a plain completion or chat: (tenant, cache_salt, the first `prefix_chars` characters of its text — for a
+  chat, of its messages up to and including the first user message, which every later turn of the same
+  conversation repeats); a prompt given as token ids: its first `prefix_chars // 4` ids;
+- a schema upload: (tenant, schema name).
+
+Everything else (schema listing, deletes, tokenize, health, metrics) has no key. The tenant comes from the
+API key through the same TenantDirectory the replicas use, never from the body; an unknown key gets no key
+(the replica answers 401). Keys are digests: nothing of the prompt is kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from promptcache.cluster.forwarded import ForwardedRequest
+from promptcache.pml.names import RESERVED_NAMES
+
+if TYPE_CHECKING:  # the server package imports the model runtime: the simulator does without it
+    from promptcache.server.tenants import TenantDirectory
+
+KeyKind = Literal["pml", "prefix", "schema"]
+PML_ROUTES = frozenset({"/v1/generate", "/v1/prompts/explain"})
+SCHEMA_ATTRIBUTE = re.compile(r"""<prompt\b[^>]*?\bschema\s*=\s*(?:"([^"]*)"|'([^']*)')""")
+SCHEMA_NAME = re.compile(r"""<schema\b[^>]*?\bname\s*=\s*(?:"([^"]*)"|'([^']*)')""")
+OPEN_TAG = re.compile(r"<([A-Za-z_][A-Za-z0-9_.-]*)")  # closing tags, comments, CDATA never match
+
+
+@dataclass(frozen=True, slots=True)
+class AffinityConfig:
+    """How much of a request the key looks at."""
+
+    prefix_chars: int = 256  # plain/chat text hashed: about two prefix blocks of 32 tokens
+    max_scan_chars: int = 256 << 10  # module tags are looked for in at most this much PML
+
+    def __post_init__(self) -> None:
+        if self.prefix_chars < 1:
+            raise ValueError(f"prefix_chars must be at least 1, got {self.prefix_chars}")
+        if self.max_scan_chars < 1:
+            raise ValueError(f"max_scan_chars must be at least 1, got {self.max_scan_chars}")
+
+
+@dataclass(frozen=True, slots=True)
+class AffinityKey:
+    kind: KeyKind
+    digest: bytes  # 16 bytes
+
+
+def affinity_key(request: ForwardedRequest, tenants: TenantDirectory,
+                 config: AffinityConfig = AffinityConfig()) -> AffinityKey | None:
+    """The request's affinity key, or None when it has none (any replica serves it as well as another)."""
+    from promptcache.server.errors import UnauthorizedError
+
+    if request.method != "POST":
+        return None
+    try:
+        tenant = tenants.authenticate(request.header("authorization"))
+    except UnauthorizedError:
+        return None
+    body = _json_object(request.body)
+    if body is None:
+        return None
+    owner = "" if tenant is None else tenant
+    salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else ""
+    if request.path == "/v1/schemas":
+        name = _first_group(SCHEMA_NAME, body.get("pml"))
+        return None if name is None else _key("schema", owner, name)
+    if request.path in PML_ROUTES:
+        return _pml_key(owner, body.get("prompt"), config)
+    if request.path == "/v1/completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # several prompts: the first one decides
+        if isinstance(prompt, str) and prompt.lstrip().startswith("<prompt"):
+            return _pml_key(owner, prompt, config)
+        if isinstance(prompt, str) and prompt:
+            return _key("prefix", owner, salt, "text", prompt[:config.prefix_chars])
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return _key("prefix", owner, salt, "ids", ",".join(map(str, prompt[:config.prefix_chars // 4])))
+        return None
+    if request.path == "/v1/chat/completions":
+        return _chat_key(owner, salt, body, config)
+    return None
+
+
+def _pml_key(owner: str, prompt: Any, config: AffinityConfig) -> AffinityKey | None:
+    if not isinstance(prompt, str):
+        return None
+    schema = _first_group(SCHEMA_ATTRIBUTE, prompt[:config.max_scan_chars])
+    if schema is None:
+        return None
+    return _key("pml", owner, schema, *_module_names(prompt[:config.max_scan_chars]))
+
+
+def _chat_key(owner: str, salt: str, body: dict[str, Any], config: AffinityConfig) -> AffinityKey | None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    schema = body.get("schema")
+    if isinstance(schema, str):  # message content is PML: its tags import the schema's modules
+        text = "".join(_content_text(m.get("content")) for m in messages if isinstance(m, dict))
+        return _key("pml", owner, schema, *_module_names(text[:config.max_scan_chars]))
+    head = []
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        head.append(f"{message.get('role')}\0{_content_text(message.get('content'))}\0")
+        if message.get("role") == "user":
+            break
+    return _key("prefix", owner, salt, "chat", "".join(head)[:config.prefix_chars])
+
+
+def _module_names(pml: str) -> list[str]:
+    """Names of the elements a prompt imports: every tag that is not PML's own, sorted, once each."""
+    return sorted({name for name in OPEN_TAG.findall(pml) if name not in RESERVED_NAMES})
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def _first_group(pattern: re.Pattern[str], text: Any) -> str | None:
+    match = pattern.search(text) if isinstance(text, str) else None
+    return None if match is None else (match.group(1) if match.group(1) is not None else match.group(2))
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _key(kind: KeyKind, *parts: str) -> AffinityKey:
+    digest = hashlib.blake2b(kind.encode(), digest_size=16)
+    for part in parts:  # length-prefixed: no two part lists hash the same bytes
+        data = part.encode("utf-8", "surrogatepass")
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return AffinityKey(kind, digest.digest())

@@ -1,0 +1,61 @@
+"""The Ray Serve application: a gateway in front of N promptcache replicas sharing one Redis.
+
+`build_application` is what `promptcache serve --replicas N` deploys; `build` is the same as an
+application builder for `serve run` / `serve deploy` config files (deploy/ray/serve_config.yaml).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+from promptcache.cluster.gateway import Gateway
+from promptcache.cluster.options import ClusterOptions
+from promptcache.cluster.replica import PromptCacheReplica
+from promptcache.cluster.router import CacheAffinityRouter
+from promptcache.server.settings import ServerSettings
+
+REPLICA_DEPLOYMENT = "PromptCacheReplica"
+GATEWAY_DEPLOYMENT = "Gateway"
+
+
+def build_application(settings: dict[str, Any], options: ClusterOptions | None = None) -> Application:
+    """The application for `settings` (ServerSettings fields given explicitly; the replicas read the rest
+    from their PROMPTCACHE_* environment). Raises ValueError for invalid settings."""
+    options = options or ClusterOptions()
+    resolved = ServerSettings(**settings)  # validate here, before Ray starts anything
+    replica_options: dict[str, Any] = {
+        "name": REPLICA_DEPLOYMENT,
+        "max_ongoing_requests": options.max_ongoing_requests,
+        "ray_actor_options": {"num_cpus": options.num_cpus_per_replica, "num_gpus": options.num_gpus_per_replica},
+        "health_check_period_s": options.health_check_period_s,
+        "graceful_shutdown_timeout_s": 5,
+    }
+    if options.max_replicas is not None and options.max_replicas > options.num_replicas:
+        replica_options["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=options.num_replicas, initial_replicas=options.num_replicas,
+            max_replicas=options.max_replicas, target_ongoing_requests=options.target_ongoing_requests)
+    else:
+        replica_options["num_replicas"] = options.num_replicas
+    if options.router == "affinity":
+        replica_options["request_router_config"] = RequestRouterConfig(
+            request_router_class=CacheAffinityRouter,
+            request_router_kwargs={"settings": settings, "prefix_chars": options.prefix_chars,
+                                   "abs_threshold": options.abs_threshold,
+                                   "rel_threshold": options.rel_threshold})
+    replicas = serve.deployment(PromptCacheReplica, **replica_options).bind(settings, options.num_threads)
+    gateway = serve.deployment(Gateway, name=GATEWAY_DEPLOYMENT, num_replicas=options.num_gateways,
+                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+    return gateway.bind(replicas, max_request_bytes=resolved.max_request_bytes)
+
+
+def build(args: dict[str, Any]) -> Application:
+    """Application builder for Serve config files: `args` has `settings` (ServerSettings fields) and
+    `cluster` (ClusterOptions fields), both optional."""
+    unknown = sorted(set(args) - {"settings", "cluster"})
+    if unknown:
+        raise ValueError(f"unknown application args {unknown}; expected 'settings' and/or 'cluster'")
+    return build_application(dict(args.get("settings") or {}), ClusterOptions.from_dict(dict(args.get("cluster") or {})))

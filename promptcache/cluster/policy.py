@@ -1,0 +1,91 @@
+"""RoutingPolicy: which replica serves a request, from its affinity key and the replicas' loads.
+
+Pure (no Ray): the Ray request router (router.py), the routing simulator and the unit tests all call it.
+
+- A request with a key goes to the replica that ranks highest for that key by rendezvous hashing
+  (highest-random-weight): every router computes the same owner with no shared state, and when a replica
+  joins or leaves only the keys it owned move.
+- Load guard (SGLang's cache-aware router uses the same two-threshold test on its workers' loads, with
+  defaults abs 64 / rel 1.5 sized for big GPU batches): the owner is skipped for the least-loaded replica
+  when it is busier than that one by more than `abs_threshold` requests AND more than `rel_threshold`
+  times as busy. Ties between equally loaded replicas go to the one ranking higher for the key, so a hot
+  key spills onto a consistent second replica, whose cache then warms up too.
+- A request without a key goes to the least-loaded replica (ties: random).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Reason = Literal["affinity", "load_guard", "least_loaded"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadGuard:
+    """When the key's owner is too busy. Loads are requests in flight on a replica."""
+
+    abs_threshold: int = 4
+    rel_threshold: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.abs_threshold < 0:
+            raise ValueError(f"abs_threshold must be >= 0 requests, got {self.abs_threshold}")
+        if self.rel_threshold < 1:
+            raise ValueError(f"rel_threshold must be >= 1, got {self.rel_threshold}")
+
+    def is_overloaded(self, owner_load: int, min_load: int) -> bool:
+        return owner_load - min_load > self.abs_threshold and owner_load > self.rel_threshold * min_load
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    replica_id: str
+    reason: Reason
+    owner_id: str | None  # the key's rendezvous owner (None: no key)
+
+
+class RoutingPolicy:
+    def __init__(self, guard: LoadGuard = LoadGuard(), rng: random.Random | None = None) -> None:
+        self.guard = guard
+        self._rng = rng or random.Random()
+
+    @staticmethod
+    def rank(key: bytes, replica_ids: Sequence[str]) -> list[str]:
+        """Replicas in rendezvous order for `key`: its owner first."""
+        return list(_rank(key, tuple(replica_ids)))
+
+    def choose(self, key: bytes | None, loads: Mapping[str, int]) -> Choice:
+        """The replica for a request with `key` given each candidate's load (requests in flight).
+        Raises ValueError when there is no candidate."""
+        return self.order(key, loads)[0]
+
+    def order(self, key: bytes | None, loads: Mapping[str, int]) -> list[Choice]:
+        """Every candidate, best first: the choice, then the fallbacks a caller tries if it cannot take
+        the request (Ray skips a replica whose queue is full)."""
+        if not loads:
+            raise ValueError("no replica to route to")
+        min_load = min(loads.values())
+        if key is None:
+            ids = list(loads)
+            self._rng.shuffle(ids)
+            ids.sort(key=loads.__getitem__)
+            return [Choice(i, "least_loaded", None) for i in ids]
+        ranked = self.rank(key, list(loads))
+        owner = ranked[0]
+        if not self.guard.is_overloaded(loads[owner], min_load):
+            return [Choice(i, "affinity" if i == owner else "least_loaded", owner) for i in ranked]
+        spill = sorted(ranked, key=loads.__getitem__)  # stable: equal loads keep rendezvous order
+        return [Choice(i, "load_guard", owner) for i in spill]
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _rank(key: bytes, replica_ids: tuple[str, ...]) -> tuple[str, ...]:
+    def weight(replica_id: str) -> bytes:
+        return hashlib.blake2b(key + b"\0" + replica_id.encode(), digest_size=8).digest()
+
+    return tuple(sorted(replica_ids, key=weight, reverse=True))

@@ -1,0 +1,119 @@
+"""PromptCacheReplica: one Ray Serve replica running the promptcache FastAPI app with its model and engine.
+
+The app is `promptcache.server.create_app(settings)` unchanged (Serve's FastAPI ingress, built at replica
+start), plus ReplicaHeader, which names the replica on every response. The model loads in the constructor,
+so Ray routes nothing to a replica (a new one, or the replacement of a dead one) before its model is
+in memory. The gateway calls `forward` with the whole request; the replica replays it into the app and
+streams the ASGI messages back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from promptcache.cluster.forwarded import ForwardedRequest
+
+logger = logging.getLogger(__name__)
+REPLICA_HEADER = b"x-promptcache-replica"
+READY_TIMEOUT_S = 600.0
+READY_POLL_S = 0.02
+UNGATED_PATHS = frozenset({"/health", "/metrics"})  # answered while the engine starts (503 "loading")
+
+
+class ReplicaHeader:
+    """ASGI middleware: adds `x-promptcache-replica: <replica id>` to every response."""
+
+    def __init__(self, app: ASGIApp, replica_id: str) -> None:
+        self.app = app
+        self.value = replica_id.encode("latin-1")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER, self.value)]}
+            await send(message)
+
+        await self.app(scope, receive, named)
+
+
+@serve.ingress()
+class PromptCacheReplica:
+    async def __init__(self, settings: dict[str, Any], num_threads: int = 1) -> None:
+        """`settings`: ServerSettings fields given explicitly (the rest come from PROMPTCACHE_* variables
+        of the replica's environment, as for `promptcache serve`)."""
+        import torch
+
+        from promptcache.model_runtime import ModelConfig, load_model
+        from promptcache.server.settings import ServerSettings
+
+        torch.set_num_threads(max(1, num_threads))
+        self.settings = ServerSettings(**settings)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        config = ModelConfig(self.settings.model, dtype=self.settings.dtype, device=self.settings.device,
+                             cache_dir=self.settings.model_cache_dir)
+        self.loaded = await asyncio.to_thread(load_model, config)
+        self.fastapi = None
+
+    def __serve_build_asgi_app__(self):
+        from promptcache.server import create_app
+
+        self.fastapi = create_app(self.settings, model_loader=lambda: self.loaded)
+        self.fastapi.add_middleware(ReplicaHeader, replica_id=self.replica_id)  # outermost: 401s are named too
+        return self.fastapi
+
+    async def check_health(self) -> None:
+        """Ray's periodic health check: a replica whose engine failed to start is replaced."""
+        error = getattr(self.fastapi.state, "load_error", None) if self.fastapi is not None else None
+        if error:
+            raise RuntimeError(f"replica {self.replica_id} failed to start: {error}")
+
+    async def forward(self, request: ForwardedRequest) -> AsyncIterator[Message]:
+        """Serve `request` with the app; yields its ASGI response messages as they are sent."""
+        if request.path not in UNGATED_PATHS:
+            await self._wait_ready()
+        messages: asyncio.Queue[Message | None] = asyncio.Queue()
+        body: list[Message] = [{"type": "http.request", "body": request.body, "more_body": False}]
+
+        async def receive() -> Message:
+            if body:
+                return body.pop()
+            await asyncio.Future()  # a client disconnect reaches us as a cancellation instead
+            raise AssertionError("unreachable")
+
+        async def send(message: Message) -> None:
+            messages.put_nowait(message)
+
+        async def run() -> None:
+            try:
+                await self.fastapi(request.asgi_scope(), receive, send)
+            except Exception:  # Starlette has answered 500 already and re-raises; it is in the log
+                logger.exception("%s %s failed on replica %s", request.method, request.path, self.replica_id)
+            finally:
+                messages.put_nowait(None)
+
+        task = asyncio.create_task(run())
+        try:
+            while (message := await messages.get()) is not None:
+                yield message
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        state = self.fastapi.state
+        while time.monotonic() < deadline:
+            if getattr(state, "service", None) is not None or getattr(state, "load_error", None):
+                return
+            await asyncio.sleep(READY_POLL_S)

@@ -1,0 +1,85 @@
+"""CacheAffinityRouter: Ray Serve's request-router extension point around the pure RoutingPolicy.
+
+Ray builds one per caller of the replicas' deployment handle (the gateway) and calls `choose_replicas`
+for each request; the request's first argument is the ForwardedRequest, body included. Loads are Ray's
+own per-replica counts of requests in flight (its queue-length cache, updated on every send and
+completion, probed when stale). The replica this returns first gets the request unless its queue is full
+(`max_ongoing_requests`), in which case Ray takes the least loaded of the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from promptcache.cluster.affinity import AffinityConfig, AffinityKey, affinity_key
+from promptcache.cluster.forwarded import ForwardedRequest
+from promptcache.cluster.policy import LoadGuard, RoutingPolicy
+from promptcache.server.settings import ServerSettings
+from promptcache.server.tenants import Quota, TenantDirectory
+
+logger = logging.getLogger(__name__)
+DEFAULT_AFFINITY = AffinityConfig()
+DEFAULT_GUARD = LoadGuard()
+MAX_REMEMBERED_KEYS = 4096  # keys of requests still being routed (a request may take several attempts)
+
+
+class CacheAffinityRouter(RequestRouter):
+    def initialize_state(self, settings: dict[str, Any] | None = None,
+                         prefix_chars: int = DEFAULT_AFFINITY.prefix_chars,
+                         abs_threshold: int = DEFAULT_GUARD.abs_threshold,
+                         rel_threshold: float = DEFAULT_GUARD.rel_threshold) -> None:
+        """Called by Ray with the deployment's `request_router_kwargs`. `settings` are the replicas'
+        explicit ServerSettings fields: the API keys resolve to tenants here exactly as in the replicas."""
+        resolved = ServerSettings(**(settings or {}))
+        self.tenants = TenantDirectory.load(resolved.api_keys_file, resolved.api_keys, Quota())
+        self.affinity = AffinityConfig(prefix_chars=prefix_chars)
+        self.policy = RoutingPolicy(LoadGuard(abs_threshold=abs_threshold, rel_threshold=rel_threshold))
+        self._keys: OrderedDict[str, AffinityKey | None] = OrderedDict()
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        key = self._key(pending_request)
+        loads = await self._loads(candidate_replicas)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        order = self.policy.order(None if key is None else key.digest, loads)
+        return [[by_id[order[0].replica_id]], [by_id[c.replica_id] for c in order[1:]]]
+
+    def _key(self, pending_request: PendingRequest | None) -> AffinityKey | None:
+        if pending_request is None or not pending_request.args:
+            return None
+        request = pending_request.args[0]
+        if not isinstance(request, ForwardedRequest):
+            return None
+        request_id = pending_request.metadata.internal_request_id
+        if request_id in self._keys:
+            return self._keys[request_id]
+        try:
+            key = affinity_key(request, self.tenants, self.affinity)
+        except Exception:  # a request we cannot read is routed by load; the replica judges it
+            logger.exception("computing the affinity key failed")
+            key = None
+        self._keys[request_id] = key
+        while len(self._keys) > MAX_REMEMBERED_KEYS:
+            self._keys.popitem(last=False)
+        return key
+
+    async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
+        """Requests in flight per replica: Ray's cached counts, probing the replicas that have none."""
+        loads: dict[str, int] = {}
+        missing = []
+        for replica in replicas:
+            queue_len = self.replica_queue_len_cache.get(replica.replica_id)
+            if queue_len is None:
+                missing.append(replica)
+            else:
+                loads[replica.replica_id.unique_id] = queue_len
+        if missing:
+            for replica, queue_len in await self._probe_queue_lens(missing, 0):
+                loads[replica.replica_id.unique_id] = queue_len if queue_len is not None else 0
+        return loads
