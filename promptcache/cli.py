@@ -67,6 +67,8 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto (default for serve): bf16 where the hardware computes it natively, else fp32")
     parser.add_argument("--device", help="cpu | cuda | cuda:N")
+    parser.add_argument("--no-weight-packing", action="store_true",
+                        help="plain torch.nn.Linear instead of weights prepacked for oneDNN on CPU")
     parser.add_argument("--redis-url", help="redis://host:port/db for the shared KV tier and schema registry")
 
 
@@ -90,6 +92,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "tenant_cache_share": getattr(args, "tenant_cache_share", None),
         "preload_examples": False if getattr(args, "no_examples", False) else None,
         "prefix_caching": False if getattr(args, "no_prefix_caching", False) else None,
+        "pack_weights": False if args.no_weight_packing else None,
         "prefix_block_size": getattr(args, "prefix_block_size", None),
         "fidelity": getattr(args, "fidelity", None),
         "max_prefill_tokens": getattr(args, "max_prefill_tokens", None),
@@ -107,9 +110,8 @@ def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if args.replicas is not None:
         return _serve_cluster(args, settings)
-    from promptcache.model_runtime import ModelConfig
 
-    dtype = str(ModelConfig(settings.model, dtype=settings.dtype, device=settings.device).torch_dtype)
+    dtype = str(settings.load_config().torch_dtype)
     print(f"promptcache: serving {settings.model or 'SmolLM2-135M-Instruct (built-in)'} ({dtype.removeprefix('torch.')}) "
           f"on http://{settings.host}:{settings.port} (GET /health turns 200 when the model is loaded)", flush=True)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
@@ -142,10 +144,10 @@ def _encode(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from promptcache.cache_store import StoreConfig, build_store
-    from promptcache.model_runtime import ModelConfig, ModelRuntime, load_model
+    from promptcache.model_runtime import ModelRuntime, load_model
 
     settings = _settings(args)
-    loaded = load_model(ModelConfig(settings.model, dtype=settings.dtype, device=settings.device))
+    loaded = load_model(settings.load_config())
     store = build_store(StoreConfig(redis_url=settings.redis_url, redis_namespace=settings.namespace),
                         device=settings.device)
     runtime = ModelRuntime(loaded, store)

@@ -54,15 +54,13 @@ class PromptCacheReplica:
         of the replica's environment, as for `promptcache serve`)."""
         import torch
 
-        from promptcache.model_runtime import ModelConfig, load_model
+        from promptcache.model_runtime import load_model
         from promptcache.server.settings import ServerSettings
 
         torch.set_num_threads(max(1, num_threads))
         self.settings = ServerSettings(**settings)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        config = ModelConfig(self.settings.model, dtype=self.settings.dtype, device=self.settings.device,
-                             cache_dir=self.settings.model_cache_dir)
-        self.loaded = await asyncio.to_thread(load_model, config)
+        self.loaded = await asyncio.to_thread(load_model, self.settings.load_config())
         self.fastapi = None
 
     def __serve_build_asgi_app__(self):

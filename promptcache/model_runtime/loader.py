@@ -20,6 +20,7 @@ import torch
 
 from promptcache.model_runtime.cpu_features import auto_dtype
 from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
+from promptcache.model_runtime.packed_linear import pack_linears
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -40,8 +41,9 @@ class ModelConfig:
 
     `name_or_path=None` is the built-in SmolLM2-135M-Instruct; `cache_dir` is where its converted
     weights are kept (None: ~/.cache/promptcache/models). `dtype="auto"` is bf16 where the hardware
-    computes it natively and fp32 elsewhere (cpu_features.auto_dtype). Raises ValueError for an unknown
-    dtype or a malformed device string.
+    computes it natively and fp32 elsewhere (cpu_features.auto_dtype). `pack_weights` keeps the linear
+    layers' weights in oneDNN's packed layout on CPUs where that runs (packed_linear.py). Raises
+    ValueError for an unknown dtype or a malformed device string.
     """
 
     name_or_path: str | None = None
@@ -49,6 +51,7 @@ class ModelConfig:
     device: str = "cpu"
     trust_remote_code: bool = False
     cache_dir: str | None = None
+    pack_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES and self.dtype != "auto":
@@ -124,14 +127,17 @@ def load_model(config: ModelConfig) -> LoadedModel:
             path, config=hf_config, dtype=config.torch_dtype, attn_implementation="sdpa", **options)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model at {path!r}: {exc}") from None
-    return wrap_model(model.to(config.device), tokenizer, name=name)
+    return wrap_model(model.to(config.device), tokenizer, name=name, pack_weights=config.pack_weights)
 
 
-def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str) -> LoadedModel:
+def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str,
+               pack_weights: bool = False) -> LoadedModel:
     """Describe an in-process model (tests, benchmarks) exactly as `load_model` would.
 
     Applies the same checks as `load_model` and puts the model in eval mode; the tokenizer is not
-    modified. Raises UnsupportedModelError or ModelLoadError (slow tokenizer, vocabulary mismatch).
+    modified. `pack_weights` replaces the model's linear layers in place (packed_linear.pack_linears)
+    after its weights were fingerprinted, so packed and plain servers share KV keys. Raises
+    UnsupportedModelError or ModelLoadError (slow tokenizer, vocabulary mismatch).
     """
     config = model.config
     check_architecture(config)
@@ -143,9 +149,12 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     dtype = str(model.dtype).removeprefix("torch.")
+    fingerprint = model_fingerprint(name, config, dtype, weights_digest(model))
+    if pack_weights:
+        pack_linears(model)
     return LoadedModel(
         model=model.eval(), tokenizer=tokenizer, architecture=config.model_type, name=name,
-        model_fingerprint=model_fingerprint(name, config, dtype, weights_digest(model)),
+        model_fingerprint=fingerprint,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         num_layers=config.num_hidden_layers, num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads, head_dim=head_dim,

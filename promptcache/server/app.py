@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from promptcache.model_runtime import LoadedModel, ModelConfig, load_model
+from promptcache.model_runtime import LoadedModel, load_model
 from promptcache.server import api_native, api_openai, api_playground, api_system, api_tokenizer
 from promptcache.server.errors import install_error_handlers
 from promptcache.server.guard import RequestGuard
@@ -34,8 +34,7 @@ def create_app(settings: ServerSettings | None = None, *,
     def load() -> LoadedModel:
         if model_loader is not None:
             return model_loader()
-        return load_model(ModelConfig(settings.model, dtype=settings.dtype, device=settings.device,
-                                      cache_dir=settings.model_cache_dir))
+        return load_model(settings.load_config())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

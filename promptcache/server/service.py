@@ -78,7 +78,7 @@ class PromptService:
             attention_backend=settings.attention_backend, prefix=prefix, fidelity=self.fidelity(None),
             max_prefill_tokens=settings.max_prefill_tokens, max_prefill_tokens_alone=settings.max_prefill_tokens_alone,
             min_prefill_tokens=settings.min_prefill_tokens, max_step_slowdown=settings.max_step_slowdown or None,
-            logits_cache_bytes=settings.logits_cache_bytes))
+            logits_cache_bytes=settings.logits_cache_bytes, max_assembled_bytes=settings.max_assembled_kv_bytes))
         self.metrics = Metrics(self.model_name)
         self.metrics.add_source(lambda: engine_families(self.engine, self.runtime.module_encoder, self.model_name))
         self.metrics.add_source(lambda: store_families(self.store))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from promptcache.model_runtime import ModelConfig
 
 
 class ServerSettings(BaseSettings):
@@ -54,6 +57,9 @@ class ServerSettings(BaseSettings):
     prefix_ttl_s: float | None = Field(None, gt=0, description="unused prefix blocks expire after this")
     logits_cache_bytes: int = Field(32 << 20, ge=0, description="last-token logits kept so an exact repeat runs "
                                                                "no forward pass; 0: off")
+    max_assembled_kv_bytes: int = Field(128 << 20, ge=0, description="concatenated shared KV (a reused document's "
+                                        "prefix blocks, a module set) kept for the next request over the same "
+                                        "blocks; 0: only while in use")
     fidelity: Literal["fast", "balanced", "exact"] = Field(  # the evaluation's pick: docs/fidelity.md
         "exact", description="default fidelity mode of requests that name none (docs/fidelity.md)")
     fidelity_head_tokens: int = Field(16, ge=0, le=4096,
@@ -64,6 +70,15 @@ class ServerSettings(BaseSettings):
                                                      "(glibc malloc_trim); 0: never")
     preload_examples: bool = True
     model_cache_dir: str | None = None
+    pack_weights: bool = Field(True, description="linear weights prepacked for oneDNN on CPU (faster, same "
+                                                 "results; off: plain torch.nn.Linear)")
+
+    def load_config(self) -> ModelConfig:
+        """The model these settings serve, as the runtime loads it."""
+        from promptcache.model_runtime import ModelConfig
+
+        return ModelConfig(self.model, dtype=self.dtype, device=self.device, cache_dir=self.model_cache_dir,
+                           pack_weights=self.pack_weights)
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -51,10 +51,13 @@ def test_wrap_describes_each_architecture(arch, kv_heads, rope):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_load_from_disk_matches_in_memory(arch, tmp_path):
     model = save_tiny(arch, tmp_path)
-    loaded = load_model(ModelConfig(str(tmp_path)))
+    loaded = load_model(ModelConfig(str(tmp_path), pack_weights=False))
     assert loaded.architecture == arch and loaded.model.dtype == torch.float32 and not loaded.model.training
+    packed = load_model(ModelConfig(str(tmp_path)))  # the default: oneDNN-packed linears where they run here
     with torch.inference_mode():
         assert torch.equal(loaded.model(IDS).logits, model(IDS).logits)
+        torch.testing.assert_close(packed.model(IDS).logits, model(IDS).logits, rtol=1e-5, atol=1e-5)
+    assert packed.model_fingerprint == loaded.model_fingerprint  # fingerprinted before packing: KV keys agree
     assert loaded.tokenizer("Plan a trip to Paris").input_ids == make_test_tokenizer()("Plan a trip to Paris").input_ids
     assert loaded.tokenizer_fingerprint == wrap_model(model, make_test_tokenizer(), name="x").tokenizer_fingerprint
 

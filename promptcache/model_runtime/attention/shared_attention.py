@@ -8,6 +8,7 @@ partial results are merged exactly with log-sum-exp rescaling in fp32.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -41,8 +42,15 @@ def shared_module_attention(
     acc_out = torch.zeros((total_q, num_heads, head_dim), dtype=torch.float32, device=queries.device)  # [Q, H, D]
     acc_lse = torch.full((total_q, num_heads), float("-inf"), dtype=torch.float32, device=queries.device)  # [Q, H]
 
+    is_empty = True  # nothing merged yet: the first result is written as it is
+
     def merge(rows: torch.Tensor | slice, out: torch.Tensor, lse: torch.Tensor) -> None:
         # out [M, H, D], lse [M, H]: fold into the running result of rows `rows` (online LSE merge).
+        nonlocal is_empty
+        if is_empty:  # every row is still empty (lse -inf): the merge would return (out, lse)
+            acc_out[rows], acc_lse[rows] = out.float(), lse.float()
+            is_empty = False
+            return
         old_lse = acc_lse[rows]
         new_lse = torch.logaddexp(old_lse, lse)
         safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
@@ -53,13 +61,13 @@ def shared_module_attention(
     for segment in segments:
         if segment.keys.shape[1] == 0:
             continue  # an empty segment contributes nothing (and would crash the fused op)
-        rows = _rows(segment.seq_indices, segment.row_offsets, starts, queries.device)
-        if rows.numel() == 0:
+        rows, num_rows = _rows(segment.seq_indices, segment.row_offsets, starts, queries.device)
+        if num_rows == 0:
             continue
         q = _fold(queries[rows], num_kv_heads, group)                    # [H_kv, M*G, D]
         kernel = choose(backend, q, segment.keys)
         out, lse = kernel(q, segment.keys, segment.values, scale)
-        merge(rows, *_unfold(out, lse, len(rows), num_kv_heads, group))
+        merge(rows, *_unfold(out, lse, num_rows, num_kv_heads, group))
 
     decode = [i for i, n in enumerate(query_lens) if n == 1 and own_keys[i].shape[1] > 0]
     in_place = [i for i in decode if decode_in_place(backend, queries, own_keys[i].shape[1])]
@@ -98,9 +106,16 @@ def _causal_square(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gr
             q.transpose(0, 1).unsqueeze(0), k, v, 0.0, True, scale=scale)  # [1, H, T, D], [1, H, T]
         return out[0].transpose(0, 1), lse[0].transpose(0, 1)
     num_kv_heads = keys.shape[0]
-    mask = torch.ones((n, n), dtype=torch.bool, device=q.device).tril().repeat_interleave(group, dim=0)  # [T*G, T]
-    out, lse = matmul_attend(_fold(q, num_kv_heads, group), keys, values, scale, mask)
+    out, lse = matmul_attend(_fold(q, num_kv_heads, group), keys, values, scale, _causal_mask(n, group, q.device))
     return _unfold(out, lse, n, num_kv_heads, group)
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_mask(n: int, group: int, device: torch.device) -> torch.Tensor:
+    """[T*G, T] bool, True = attend: row t*G+g (query t, head g of its KV group) sees keys 0..t. Built
+    once per size: every layer of every step with T new tokens asks for the same one (only small T come
+    here, see CAUSAL_FUSED_MIN_WORK)."""
+    return torch.ones((n, n), dtype=torch.bool, device=device).tril().repeat_interleave(group, dim=0)
 
 
 def _own_decode_in_place(queries, starts, seqs, own_keys, own_values, num_kv_heads, scale):
@@ -136,10 +151,18 @@ def _own_decode(queries, starts, seqs, own_keys, own_values, num_kv_heads, group
     return out.reshape(len(seqs), -1, head_dim), lse.reshape(len(seqs), -1)                 # [B, H, D], [B, H]
 
 
-def _rows(seq_indices: Sequence[int], row_offsets: Sequence[int] | None, starts: list[int], device) -> torch.Tensor:
+def _rows(seq_indices: Sequence[int], row_offsets: Sequence[int] | None, starts: list[int],
+          device) -> tuple[torch.Tensor | slice, int]:
+    """The query rows that see a segment and how many: a slice when they are one contiguous run (a
+    view, no gather and scatter copies), else an index tensor."""
     offsets = row_offsets or [0] * len(seq_indices)
-    return torch.cat([torch.arange(min(starts[i] + off, starts[i + 1]), starts[i + 1], device=device)
-                      for i, off in zip(seq_indices, offsets)])
+    spans = [(min(starts[i] + off, starts[i + 1]), starts[i + 1]) for i, off in zip(seq_indices, offsets)]
+    spans = [(first, end) for first, end in spans if first < end]
+    num_rows = sum(end - first for first, end in spans)
+    if spans and all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1)):
+        return slice(spans[0][0], spans[-1][1]), num_rows
+    return torch.cat([torch.arange(first, end, device=device) for first, end in spans]
+                     or [torch.empty(0, dtype=torch.long, device=device)]), num_rows
 
 
 def _fold(q: torch.Tensor, num_kv_heads: int, group: int) -> torch.Tensor:

@@ -35,10 +35,13 @@ class EngineConfig:
     min_prefill_tokens: int = 8
     max_step_slowdown: float | None = 1.6
     logits_cache_bytes: int = 32 << 20  # ~170 prompts of a 49K-token vocabulary
+    max_assembled_bytes: int = 128 << 20  # ~5.6K tokens of SmolLM2-135M's KV in bf16
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_assembled_bytes < 0:
+            raise ValueError(f"max_assembled_bytes must be >= 0, got {self.max_assembled_bytes}")
         if self.max_kv_bytes < 1:
             raise ValueError(f"max_kv_bytes must be >= 1, got {self.max_kv_bytes}")
         if not 1 <= self.max_prefill_tokens <= self.max_prefill_tokens_alone or self.min_prefill_tokens < 1:

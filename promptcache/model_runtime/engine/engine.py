@@ -48,7 +48,8 @@ class Engine:
         self.encodes = EncodeQueue(encoder)
         self._awaiting: dict[str, tuple[Request, list[concurrent.futures.Future]]] = {}  # head request's encodes
         self._schema_encodes: list[tuple[list[concurrent.futures.Future], concurrent.futures.Future, float, int]] = []
-        self.runner = ModelRunner(encoder.loaded, backend=self.config.attention_backend)
+        self.runner = ModelRunner(encoder.loaded, backend=self.config.attention_backend,
+                                  max_assembled_bytes=self.config.max_assembled_bytes)
         self._inbox: list[tuple[str, object]] = []
         self._wakeup = threading.Condition()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from promptcache.model_runtime.engine.kv_groups import AssembledGroups
 from promptcache.model_runtime.engine.request import SeqStatus, Sequence
 from promptcache.model_runtime.loader import LoadedModel
 from promptcache.model_runtime.packed_attention import BatchCache, BatchContext, active_batch, install
@@ -16,13 +17,14 @@ _LOGPROB_ROWS = 256  # prompt rows scored per lm_head call: bounds the [rows, vo
 
 
 class ModelRunner:
-    """Runs batch steps. Shared segments are grouped by the exact set of sequences that use them;
-    a group of several blocks is concatenated once and reused while the same blocks stay in use."""
+    """Runs batch steps. Shared segments are grouped by the exact set of sequences that use them; a
+    group of several blocks is concatenated once and kept for later steps and requests (AssembledGroups,
+    `max_assembled_bytes` once unused)."""
 
-    def __init__(self, loaded: LoadedModel, *, backend: str = "auto") -> None:
+    def __init__(self, loaded: LoadedModel, *, backend: str = "auto", max_assembled_bytes: int = 128 << 20) -> None:
         self.loaded = loaded
         self.backend = backend
-        self._groups: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.groups = AssembledGroups(max_assembled_bytes)
         install(loaded.model)
 
     @torch.inference_mode()
@@ -94,22 +96,12 @@ class ModelRunner:
         by_users: dict[tuple[tuple[int, int], ...], list[str]] = defaultdict(list)
         for key, pairs in users.items():
             by_users[tuple(pairs)].append(key)
-        segments, live = [], set()
+        segments = []
         for pairs, keys in by_users.items():
             indices = tuple(i for i, _ in pairs)
             offsets = tuple(o for _, o in pairs) if any(o for _, o in pairs) else None
-            group = tuple(sorted(keys))
-            live.add(group)
-            if len(group) == 1:
-                block = blocks[group[0]]
-                segments.append((block.keys, block.values, indices, offsets))
-                continue
-            if group not in self._groups:
-                # [num_layers, num_kv_heads, sum n, head_dim], built once per distinct block set
-                self._groups[group] = (torch.cat([blocks[k].keys for k in group], dim=2),
-                                       torch.cat([blocks[k].values for k in group], dim=2))
-            keys_cat, values_cat = self._groups[group]
-            segments.append((keys_cat, values_cat, indices, offsets))
-        for stale in set(self._groups) - live:
-            del self._groups[stale]
+            for part in self.groups.split(keys):
+                keys_cat, values_cat = self.groups.get(part, blocks)  # [num_layers, num_kv_heads, sum n, head_dim]
+                segments.append((keys_cat, values_cat, indices, offsets))
+        self.groups.trim()
         return segments
