@@ -2,7 +2,8 @@
 
     python benchmarks/decode.py --batches 1 4 16 32 64 --shared 512 2048 8192
 
-Qwen2.5-0.5B shape, random weights, fp32, 2 threads. Every sequence attends to `shared` tokens of
+Qwen2.5-0.5B shape, random weights, `--dtype` as the server picks it (auto), linear weights packed as
+the server packs them, 2 threads. Every sequence attends to `shared` tokens of
 module KV that all sequences of the batch import, plus its own `own` tokens. Modes, side by side:
 - baseline_hf: the model's default attention (SDPA) with a DynamicCache holding each sequence's
   full KV (the shared part copied per sequence), as HF generate would;
@@ -35,7 +36,7 @@ from promptcache.model_runtime.default_model import default_model_path
 from promptcache.model_runtime.engine.memory import KVMemory
 from promptcache.model_runtime.engine.request import Sequence, SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner
-from promptcache.model_runtime.loader import wrap_model
+from promptcache.model_runtime.loader import ModelConfig, wrap_model
 from promptcache.model_runtime.packed_attention import install
 
 MODES = ("baseline_hf", "baseline_sdpa", "shared", "noattention")
@@ -73,23 +74,40 @@ def _sdpa_gqa(module, query, key, value, attention_mask, scaling=None, **kwargs)
     return out.transpose(1, 2), None
 
 
-def _kv(*shape: int) -> torch.Tensor:
-    return torch.full(shape, 0.01)  # cheap to fill even at several GB; values do not change the timing
+def _kv(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.full(shape, 0.01, dtype=dtype)  # cheap to fill even at several GB; values do not change the timing
+
+
+def model_args(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --no-weight-packing, as `promptcache serve` takes them."""
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="auto: what `promptcache serve` picks on this machine")
+    parser.add_argument("--no-weight-packing", action="store_true", help="plain nn.Linear (the server packs)")
+
+
+def load_shape(args: argparse.Namespace):
+    """The Qwen2.5-0.5B shape in the server's dtype and layout, wrapped as the runtime wraps models."""
+    dtype = ModelConfig(dtype=args.dtype).torch_dtype
+    model = build_model("qwen2.5-0.5b", dtype=dtype)
+    loaded = wrap_model(model, AutoTokenizer.from_pretrained(default_model_path()), name="qwen2.5-0.5b",
+                        pack_weights=not args.no_weight_packing)
+    install(model)
+    return model, loaded
 
 
 def run_mode(mode: str, model, loaded, batch: int, shared: int, own: int, steps: int) -> dict:
-    layers, kv_heads, head_dim = loaded.num_layers, loaded.num_kv_heads, loaded.head_dim
+    layers, kv_heads, head_dim, dtype = loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, model.dtype
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1000, (batch, steps), generator=g)
     if mode == "shared":
-        block = KVBlock(_kv(layers, kv_heads, shared, head_dim),
-                        _kv(layers, kv_heads, shared, head_dim), torch.arange(shared))
+        block = KVBlock(_kv(layers, kv_heads, shared, head_dim, dtype=dtype),
+                        _kv(layers, kv_heads, shared, head_dim, dtype=dtype), torch.arange(shared))
         runner = ModelRunner(loaded)
         seqs = []
         for i in range(batch):
             seq = Sequence(seq_id=i, request=None, index=0, shared=[SharedKV("modules", block)],  # type: ignore[arg-type]
-                           own_keys=_kv(layers, kv_heads, own + steps, head_dim),
-                           own_values=_kv(layers, kv_heads, own + steps, head_dim))
+                           own_keys=_kv(layers, kv_heads, own + steps, head_dim, dtype=dtype),
+                           own_values=_kv(layers, kv_heads, own + steps, head_dim, dtype=dtype))
             seq.own_length = own
             seqs.append(seq)
 
@@ -103,11 +121,11 @@ def run_mode(mode: str, model, loaded, batch: int, shared: int, own: int, steps:
         if mode == "baseline_hf":
             cache = DynamicCache()
             for layer in range(layers):  # each sequence holds its own copy of the shared KV
-                cache.update(_kv(batch, kv_heads, total, head_dim),
-                             _kv(batch, kv_heads, total, head_dim), layer)
+                cache.update(_kv(batch, kv_heads, total, head_dim, dtype=dtype),
+                             _kv(batch, kv_heads, total, head_dim, dtype=dtype), layer)
         elif mode == "baseline_sdpa":
-            keys = [_kv(batch, kv_heads, total + steps, head_dim) for _ in range(layers)]
-            values = [_kv(batch, kv_heads, total + steps, head_dim) for _ in range(layers)]
+            keys = [_kv(batch, kv_heads, total + steps, head_dim, dtype=dtype) for _ in range(layers)]
+            values = [_kv(batch, kv_heads, total + steps, head_dim, dtype=dtype) for _ in range(layers)]
             cache = _PerSequenceBuffer(keys, values, total)
         else:
             cache = None
@@ -130,13 +148,14 @@ def run_mode(mode: str, model, loaded, batch: int, shared: int, own: int, steps:
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     model.set_attn_implementation("promptcache_shared")
     return {"mode": mode, "batch": batch, "shared_tokens": shared, "own_tokens": own,
+            "dtype": str(dtype).removeprefix("torch."), "packed": any(type(m).__name__ == "PackedLinear" for m in model.modules()),
             "tokens_per_s": round(batch * (steps - 1) / elapsed, 2), "ms_per_step": round(elapsed / (steps - 1) * 1e3, 2),
             "peak_rss_mb": round(peak_mb, 1)}
 
 
 def capacity(loaded, shared: int, own: int, budget_bytes: int) -> dict:
     """Sequences admitted under `budget_bytes` by the engine's KV accounting, per-sequence vs shared."""
-    bytes_per_token = loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * 2 * 4
+    bytes_per_token = loaded.kv_bytes_per_token
     counts = {}
     for mode in ("per_sequence", "shared"):
         memory, n = KVMemory(budget_bytes), 0
@@ -164,16 +183,15 @@ def main() -> None:
     parser.add_argument("--max-baseline-gb", type=float, default=14.0, help="skip per-sequence runs needing more KV")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS / "decode.jsonl")
+    model_args(parser)
     args = parser.parse_args()
     setup(args.threads)
     AttentionInterface.register("bench_baseline_sdpa", _sdpa_gqa)
     AttentionInterface.register("bench_noattention", _no_attention)
-    model = build_model("qwen2.5-0.5b")
-    loaded = wrap_model(model, AutoTokenizer.from_pretrained(default_model_path()), name="qwen2.5-0.5b")
-    install(model)
+    model, loaded = load_shape(args)
     for name in ("bench_baseline_sdpa", "bench_noattention"):
         AttentionMaskInterface.register(name, sdpa_mask)
-    bytes_per_token = loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * 2 * 4
+    bytes_per_token = loaded.kv_bytes_per_token
     records = []
     for shared in args.shared:
         for batch in args.batches:
@@ -190,10 +208,10 @@ def main() -> None:
                 log(f"batch {batch} shared {shared}: shared/baseline_sdpa = {row['shared'] / row['baseline_sdpa']:.2f}x"
                     + (f", shared/noattention = {row['shared'] / row['noattention']:.2f}" if "noattention" in row else ""))
     emit(capacity(loaded, 8192, 256, int(args.budget_gb * 2**30)), args.out)
-    plot(records, args.out.with_suffix(".png"))
+    plot(records, args.out.with_suffix(".png"), str(model.dtype).removeprefix("torch."))
 
 
-def plot(records: list[dict], path: Path) -> None:
+def plot(records: list[dict], path: Path, dtype: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,7 +230,7 @@ def plot(records: list[dict], path: Path) -> None:
         ax.set_xlabel("batch")
         ax.set_ylabel("decode tokens/s")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle("Decode throughput, Qwen2.5-0.5B shape, CPU fp32, 2 threads")
+    fig.suptitle(f"Decode throughput, Qwen2.5-0.5B shape, CPU {dtype}, 2 threads")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -3,7 +3,7 @@ vs reading it in place (one fused call per long sequence), side by side in one r
 
     python -m benchmarks.decode_own --own 64 1024 2048 --batch 32 --shared 512
 
-Qwen2.5-0.5B shape, random weights, fp32, 2 threads, the engine's ModelRunner (benchmarks/decode.py's
+Qwen2.5-0.5B shape, random weights, `--dtype` and weight packing as the server (decode.py), 2 threads, the engine's ModelRunner (benchmarks/decode.py's
 `shared` mode). `padded` forces every decoding sequence through the padded call (the engine before
 this change); `in_place` is the engine's dispatch (attention/dispatch.py: in place from 128 own keys);
 `noattention` is the ceiling (attention output := query). A `mix` case gives each sequence 2 of 4 shared
@@ -17,35 +17,30 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from benchmarks.decode import _kv, _no_attention, run_mode
+from benchmarks.decode import _kv, _no_attention, load_shape, model_args, run_mode
 from benchmarks.harness import RESULTS, emit, log, setup
-from benchmarks.shapes import build_model
 from promptcache.cache_store import KVBlock
 from promptcache.model_runtime.attention import dispatch
-from promptcache.model_runtime.default_model import default_model_path
 from promptcache.model_runtime.engine.request import Sequence, SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner
-from promptcache.model_runtime.loader import wrap_model
-from promptcache.model_runtime.packed_attention import install
 
 
 def run_mix(loaded, batch: int, own: int, steps: int, block_tokens: int = 512) -> dict:
     """Each sequence imports 2 of 4 shared blocks (6 distinct pairs), plus `own` tokens of its own."""
-    layers, kv_heads, head_dim = loaded.num_layers, loaded.num_kv_heads, loaded.head_dim
-    blocks = [SharedKV(f"m{j}", KVBlock(_kv(layers, kv_heads, block_tokens, head_dim),
-                                        _kv(layers, kv_heads, block_tokens, head_dim), torch.arange(block_tokens)))
+    layers, kv_heads, head_dim, dtype = loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.model.dtype
+    blocks = [SharedKV(f"m{j}", KVBlock(_kv(layers, kv_heads, block_tokens, head_dim, dtype=dtype),
+                                        _kv(layers, kv_heads, block_tokens, head_dim, dtype=dtype), torch.arange(block_tokens)))
               for j in range(4)]
     pairs = [(a, b) for a in range(4) for b in range(a + 1, 4)]
     runner, seqs = ModelRunner(loaded), []
     for i in range(batch):
         a, b = pairs[i % len(pairs)]
         seq = Sequence(seq_id=i, request=None, index=0, shared=[blocks[a], blocks[b]],  # type: ignore[arg-type]
-                       own_keys=_kv(layers, kv_heads, own + steps, head_dim),
-                       own_values=_kv(layers, kv_heads, own + steps, head_dim))
+                       own_keys=_kv(layers, kv_heads, own + steps, head_dim, dtype=dtype),
+                       own_values=_kv(layers, kv_heads, own + steps, head_dim, dtype=dtype))
         seq.own_length = own
         seqs.append(seq)
     with torch.inference_mode():
@@ -68,20 +63,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_own.jsonl")
+    model_args(parser)
     args = parser.parse_args()
     setup(args.threads)
     AttentionInterface.register("bench_noattention", _no_attention)
     AttentionMaskInterface.register("bench_noattention", sdpa_mask)
-    model = build_model("qwen2.5-0.5b")
-    loaded = wrap_model(model, AutoTokenizer.from_pretrained(default_model_path()), name="qwen2.5-0.5b")
-    install(model)
+    model, loaded = load_shape(args)
     in_place_min = dispatch.OWN_DECODE_FUSED_MIN_KEYS
     records = []
 
     def measure(mode: str, run) -> dict:
         dispatch.OWN_DECODE_FUSED_MIN_KEYS = 1 << 62 if mode.startswith("padded") else in_place_min
         try:
-            record = {"bench": "decode_own", "shape": "qwen2.5-0.5b", "mode": mode, **run()}
+            record = {"bench": "decode_own", "shape": "qwen2.5-0.5b", "mode": mode,
+                      "dtype": str(model.dtype).removeprefix("torch."), **run()}
         finally:
             dispatch.OWN_DECODE_FUSED_MIN_KEYS = in_place_min
         emit(record, args.out)
@@ -98,10 +93,10 @@ def main() -> None:
     mix = {mode: measure(mode, lambda: run_mix(loaded, args.batch, own, args.steps))["tokens_per_s"]
            for mode in ("padded_mix", "in_place_mix")}
     log(f"mix own {own}: in_place/padded = {mix['in_place_mix'] / mix['padded_mix']:.2f}x")
-    plot(records, args.out.with_suffix(".png"))
+    plot(records, args.out.with_suffix(".png"), str(model.dtype).removeprefix("torch."))
 
 
-def plot(records: list[dict], path: Path) -> None:
+def plot(records: list[dict], path: Path, dtype: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,7 +108,7 @@ def plot(records: list[dict], path: Path) -> None:
         ax.plot([r["own_tokens"] for r in rows], [r["tokens_per_s"] for r in rows], "o-", label=mode)
     ax.set_xlabel("own tokens per sequence")
     ax.set_ylabel("decode tokens/s (batch 32)")
-    ax.set_title("Decode with long own KV, Qwen2.5-0.5B shape, CPU fp32, 2 threads", fontsize=9)
+    ax.set_title(f"Decode with long own KV, Qwen2.5-0.5B shape, CPU {dtype}, 2 threads", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -6,7 +6,7 @@ The evaluation set (benchmarks/fidelity_tasks.py) is generated in-repo from fixe
 fact QA (k of M documents in random order), RULER-style key retrieval, a parameterised template.
 Reference: a plain full prefill of each prompt's tokens at contiguous positions with Hugging Face
 transformers in this process (greedy, the independent oracle). Every promptcache mode runs through a
-real `promptcache serve` (same model, fp32) with the request's `fidelity`; TTFT is measured by this
+real `promptcache serve` (same model and dtype, `--dtype`, fp32 by default) with the request's `fidelity`; TTFT is measured by this
 client (streamed first token, sequential, fresh servers), the quality runs are sent concurrently.
 Per task and mode: accuracy with a 95 % Wilson interval, % of the full-prefill accuracy, greedy
 16-token agreement with the reference (of 32 generated), first-token KL from the reference (on the mode's top-20
@@ -56,16 +56,21 @@ def parse_mode(spec: str) -> tuple[str, int | None]:
     return mode, int(k) if k else None
 
 
-def reference_answers(loaded: LoadedModel, eval_set: EvalSet, items: list[EvalItem]) -> list[Answer]:
+def reference_answers(loaded: LoadedModel, eval_set: EvalSet, items: list[EvalItem], *,
+                      at_plan_positions: bool = False) -> list[Answer]:
     """Plain full prefill of every prompt's tokens at positions 0..n-1 (no promptcache code on the path
-    but the PML parser that turns the prompt into tokens)."""
+    but the PML parser that turns the prompt into tokens). `at_plan_positions`: at the positions the PML
+    layout gives them instead (gaps where the schema has modules the prompt does not import): what module
+    reuse would give if cross-attention between modules were kept and only the position gaps remained —
+    the most that re-aligning reused keys to contiguous positions could win back."""
     runtime = ModelRuntime(loaded, build_store(StoreConfig()))
     for text in eval_set.schemas.values():
         runtime.add_schema(runtime.parse_schema(text), encode=False)
     answers = []
     for index, item in enumerate(items):
-        tokens = runtime.plan(item.prompt).token_ids()
-        positions = list(range(len(tokens)))
+        plan = runtime.plan(item.prompt)
+        tokens = plan.token_ids()
+        positions = plan.position_ids() if at_plan_positions else list(range(len(tokens)))
         generated, first_logits = full_prefill_generate(loaded.model, tokens, positions, GENERATE,
                                                         loaded.eos_token_ids)
         logprobs = torch.log_softmax(first_logits, dim=-1)
@@ -188,10 +193,18 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="of the servers and of the in-process reference alike")
+    parser.add_argument("--gapped-reference", action="store_true",
+                        help="also a full prefill at the PML layout's positions (row full_prefill_gapped)")
+    parser.add_argument("--skip-servers", action="store_true", help="in-process references only (no --modes)")
+    parser.add_argument("--compare-to", type=Path, help="an earlier run's .answers.jsonl (e.g. fp32): paired "
+                                                          "accuracy difference per task and mode, prompt by prompt")
     parser.add_argument("--out", type=Path, default=RESULTS / "fidelity.jsonl")
     args = parser.parse_args()
     setup(args.threads)
-    loaded = load_model(ModelConfig())
+    loaded = load_model(ModelConfig(dtype=args.dtype))
+    flags = ["--dtype", args.dtype]
     eos = set(loaded.eos_token_ids)
     eval_set = build_eval_set(per_task=args.per_task, seed=args.seed)
     items = eval_set.items
@@ -199,30 +212,40 @@ def main() -> None:
     timed = [i for task in tasks for i in [it for it in items if it.task == task][: args.ttft_per_task]]
     log(f"{len(items)} prompts over {tasks}; TTFT on {len(timed)}")
 
-    ttft: dict[str, list[float]] = {}
-    with promptcache_server(["--no-prefix-caching"]) as url:  # what a server without caching computes
-        upload(url, eval_set)
-        measure_ttft(url, timed[:2], "exact", None)  # warm-up
-        ttft["full_prefill"] = measure_ttft(url, timed, "exact", None)
+    ttft: dict[str, list[float]] = {"full_prefill": []}
     answers: dict[str, list[Answer]] = {}
-    with promptcache_server([]) as url:
-        upload(url, eval_set)
-        measure_ttft(url, timed[:2], "fast", None)
-        for spec in args.modes:  # timed first, on a fresh server: nothing of these prompts is stored yet
-            ttft[spec] = measure_ttft(url, timed, *parse_mode(spec))
-        for spec in args.modes:
-            log(f"quality run: {spec}")
-            answers[spec] = mode_answers(url, items, *parse_mode(spec), concurrency=args.concurrency, eos_ids=eos)
+    if not args.skip_servers:
+        with promptcache_server([*flags, "--no-prefix-caching"]) as url:  # what a server without caching computes
+            upload(url, eval_set)
+            measure_ttft(url, timed[:2], "exact", None)  # warm-up
+            ttft["full_prefill"] = measure_ttft(url, timed, "exact", None)
+        with promptcache_server(flags) as url:
+            upload(url, eval_set)
+            measure_ttft(url, timed[:2], "fast", None)
+            for spec in args.modes:  # timed first, on a fresh server: nothing of these prompts is stored yet
+                ttft[spec] = measure_ttft(url, timed, *parse_mode(spec))
+            for spec in args.modes:
+                log(f"quality run: {spec}")
+                answers[spec] = mode_answers(url, items, *parse_mode(spec), concurrency=args.concurrency,
+                                             eos_ids=eos)
+    else:
+        args.modes = []
     log("reference: full prefill in-process")
     references = reference_answers(loaded, eval_set, items)
     answers["full_prefill"] = references
+    modes = list(args.modes)
+    if args.gapped_reference:
+        log("reference at the layout's positions: full prefill in-process")
+        answers["full_prefill_gapped"] = reference_answers(loaded, eval_set, items, at_plan_positions=True)
+        ttft["full_prefill_gapped"] = []
+        modes.append("full_prefill_gapped")
 
     rows = []
     for task in tasks:
         index = [i for i, item in enumerate(items) if item.task == task]
         task_items = [items[i] for i in index]
         task_timed = {id(item) for item in timed if item.task == task}
-        for spec in ["full_prefill", *args.modes]:
+        for spec in ["full_prefill", *modes]:
             task_ttft = [t for t, item in zip(ttft[spec], timed) if id(item) in task_timed]
             row = summarize(task, spec, task_items, [answers[spec][i] for i in index],
                             [references[i] for i in index], task_ttft)
@@ -234,6 +257,39 @@ def main() -> None:
                 fh.write(json.dumps({"mode": spec, "task": item.task, "meta": item.meta, "text": answer.text,
                                      "correct": score(answer.text, item), "recomputed": answer.recomputed}) + "\n")
     plot(rows, args.out.with_suffix(".png"))
+    if args.compare_to:
+        for row in compare(items, answers, args.compare_to, args.dtype):
+            emit(row, args.out)
+
+
+def compare(items: list[EvalItem], answers: dict[str, list[Answer]], other: Path, dtype: str) -> list[dict]:
+    """Per task and mode present in both runs: accuracy here minus accuracy there on the same prompts, with
+    a 95 % interval of the paired difference (each prompt is right or wrong in both runs)."""
+    earlier: dict[str, list[dict]] = {}  # mode -> rows in item order (the eval set is built from a fixed seed)
+    for line in other.read_text().splitlines():
+        row = json.loads(line)
+        earlier.setdefault(row["mode"], []).append(row)
+    rows = []
+    for spec, mode_answers_ in answers.items():
+        before = earlier.get(spec)
+        if before is None or len(before) != len(items):
+            continue
+        for task in sorted({item.task for item in items}):
+            pairs = []
+            for item, answer, then in zip(items, mode_answers_, before):
+                assert then["meta"] == item.meta, "the runs must use the same eval set (--per-task, --seed)"
+                if item.task == task:
+                    pairs.append((score(answer.text, item), then["correct"]))
+            diffs = [int(now) - int(then) for now, then in pairs]
+            if not diffs:
+                continue
+            mean = statistics.mean(diffs)
+            half = 1.96 * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
+            rows.append({"bench": "fidelity_compare", "dtype": dtype, "against": other.name, "task": task,
+                         "mode": spec, "num_prompts": len(diffs), "accuracy_diff_points": round(100 * mean, 1),
+                         "ci95_points": [round(100 * (mean - half), 1), round(100 * (mean + half), 1)],
+                         "num_changed": sum(d != 0 for d in diffs)})
+    return rows
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -50,3 +52,46 @@ def promptcache_server(flags: list[str]):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@dataclass
+class Streamed:
+    """One streamed completion as the client saw it."""
+
+    ttft_ms: float
+    text: str
+    headers: dict[str, str]
+    chunks: list[dict] = field(default_factory=list)  # every parsed event, in order
+
+    @property
+    def final(self) -> dict:
+        """The last event carrying usage (with promptcache's cache report), or {}."""
+        return next((c for c in reversed(self.chunks) if c.get("usage")), {})
+
+
+def stream_completion(client: httpx.Client, url: str, body: dict) -> Streamed:
+    """POST `body` with stream=True (and streamed usage on the OpenAI routes) and read the server-sent
+    events; TTFT is from sending to the first text or finish (this client's clock). Raises RuntimeError
+    on an HTTP error or an error event."""
+    body = {**body, "stream": True}
+    if not url.endswith("/v1/generate"):
+        body["stream_options"] = {"include_usage": True}
+    started = time.perf_counter()
+    first, text, chunks = None, "", []
+    with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: {response.status_code} {response.read()[:300]!r}")
+        headers = dict(response.headers)
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"{url}: {chunk['error']}")
+            chunks.append(chunk)
+            for choice in chunk.get("choices") or []:
+                piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                if first is None and (piece or choice.get("finish_reason")):
+                    first = time.perf_counter()
+                text += piece
+    return Streamed(((first or time.perf_counter()) - started) * 1e3, text, headers, chunks)

@@ -10,9 +10,12 @@ a ~600-token text (each turn's history includes the replies the server sent). Se
 (fidelity exact: module KV where its context is exact, prefix blocks for the rest). Routers: `default`
 (Ray's), `affinity` (the default load guard), `affinity_eager_spill` (the guard at abs 0 / rel 1: the key's
 replica unless another is less loaded). Each gets a fresh application (empty device tiers) and a flushed
-Redis; every replica has 1 CPU (torch threads 1), a device tier that holds about 55% of the workload's KV
-and a 1 MiB host tier that no block fits (on a CPU the host tier is the same memory as the device tier):
-what a replica's device tier lacks comes from Redis or is recomputed. TTFT is the client's: from sending a
+Redis; every replica has 1 CPU (torch threads 1), a device tier that holds a given share of the workload's
+KV (`--device-shares`, computed in the replicas' dtype) and a 1 MiB host tier that no block fits (on a CPU
+the host tier is the same memory as the device tier): what a replica's device tier lacks comes from Redis
+or is recomputed. With a share s per replica, routing that ignores the cache hits about s (every replica
+sees the whole working set) and affinity about min(1, N*s) (each replica sees the 1/N it owns): the ratio
+is about N for s <= 1/N and falls towards 1 as s nears 1 (both less the first use of every key). TTFT is the client's: from sending a
 streamed request to its first token, over HTTP through Ray's proxy and the gateway. The device-tier hit
 rate is prompt tokens whose KV came from the serving replica's device tier (modules and prefix blocks, as
 each response reports) over all prompt tokens. Targets (affinity vs default): hit rate >= 1.8x, p50 TTFT
@@ -25,7 +28,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import itertools
-import json
 import random
 import statistics
 import tempfile
@@ -35,16 +37,18 @@ from pathlib import Path
 
 import httpx
 import redis
+import torch
 
 from benchmarks.fidelity_data import FACTS, make_documents
 from benchmarks.harness import RESULTS, emit, log
-from benchmarks.live_server import free_port
+from benchmarks.live_server import free_port, stream_completion
 from benchmarks.store import start_redis
 from promptcache.cluster.simulator import POLICIES, SimulationConfig, simulate
+from promptcache.model_runtime import ModelConfig
 
 OUT = RESULTS / "scaleout.jsonl"
 NUM_SCHEMAS, DOCS_PER_SCHEMA, DOCS_PER_PROMPT = 4, 4, 2
-KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M in fp32: K and V, 30 layers, 3 KV heads of 64
+KV_VALUES_PER_TOKEN = 2 * 30 * 3 * 64  # SmolLM2-135M: K and V, 30 layers, 3 KV heads of 64
 SYSTEM = "You are a helpful assistant. Answer the question with a short phrase, using only the documents."
 CHAT_SYSTEM = ("You are a friendly travel guide for a region of small towns. Keep every answer short and "
                "concrete, and mention the town by name.")
@@ -120,28 +124,8 @@ class Client:
         self.http = httpx.Client(timeout=600)
 
     def stream(self, path: str, body: dict, kind: str) -> tuple[Sample, str]:
-        body = {**body, "stream": True, "temperature": 0}
-        if kind == "chat":
-            body["stream_options"] = {"include_usage": True}
-        started = time.perf_counter()
-        first, text, final = None, "", {}
-        with self.http.stream("POST", self.url + path, json=body) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"{path}: {response.status_code} {response.read()[:300]!r}")
-            replica = response.headers.get("x-promptcache-replica", "?")
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"{path}: {chunk['error']}")
-                for choice in chunk.get("choices") or []:
-                    piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                    if first is None and (piece or choice.get("finish_reason")):
-                        first = time.perf_counter()
-                    text += piece
-                if chunk.get("usage"):
-                    final = chunk
+        streamed = stream_completion(self.http, self.url + path, {**body, "temperature": 0})
+        replica, text, final = streamed.headers.get("x-promptcache-replica", "?"), streamed.text, streamed.final
         report = final.get("cache") or final.get("promptcache") or {}
         tiers = dict.fromkeys(("device", "redis"), 0)
         for module in report.get("modules") or []:
@@ -150,7 +134,7 @@ class Client:
         for tier, num_tokens in ((report.get("prefix") or {}).get("tiers") or {}).items():
             if tier in tiers:
                 tiers[tier] += num_tokens
-        sample = Sample(kind, ((first or time.perf_counter()) - started) * 1e3, replica,
+        sample = Sample(kind, streamed.ttft_ms, replica,
                         final.get("usage", {}).get("prompt_tokens", 0), tiers["device"], tiers["redis"])
         return sample, text
 
@@ -168,7 +152,7 @@ class Client:
 
 
 def run_router(router: str, url: str, settings: dict, schemas: list[str], tasks: list, concurrency: int,
-               redis_url: str) -> dict:
+               redis_url: str, device_share: float) -> dict:
     from ray import serve
 
     from promptcache.cluster import ClusterOptions
@@ -192,7 +176,8 @@ def run_router(router: str, url: str, settings: dict, schemas: list[str], tasks:
     per_replica = {r: sum(1 for s in samples if s.replica == r) for r in sorted({s.replica for s in samples})}
     ttfts = [s.ttft_ms for s in samples]
     summary = {
-        "bench": "scaleout", "router": router, "options": ROUTERS[router], "num_requests": len(samples), "elapsed_s": round(elapsed, 1),
+        "bench": "scaleout", "router": router, "options": ROUTERS[router], "device_share": device_share,
+        "dtype": settings["dtype"], "num_requests": len(samples), "elapsed_s": round(elapsed, 1),
         "device_hit_rate": round(sum(s.device_tokens for s in samples) / sum(s.prompt_tokens for s in samples), 4),
         "p50_ttft_ms": round(statistics.median(ttfts), 1),
         "p90_ttft_ms": round(statistics.quantiles(ttfts, n=10)[8], 1),
@@ -222,26 +207,31 @@ def run_simulator() -> list[dict]:
     return records
 
 
-def draw(summaries: dict[str, dict], simulated: list[dict], out: Path) -> None:
+def draw(runs: dict[float, dict[str, dict]], simulated: list[dict], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    routers = list(summaries)
+    shares = list(runs)
+    routers = list(next(iter(runs.values())))
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
-    colors = ["#999999", "#2a7ab9", "#7fb3d9"][:len(routers)]
+    colors = dict(zip(ROUTERS, ["#999999", "#2a7ab9", "#7fb3d9"]))
+    width = 0.8 / len(routers)
     for ax, metric, title in [(axes[0], "device_hit_rate", "device-tier hit rate"),
                               (axes[1], "p50_ttft_ms", "p50 TTFT (ms, client)")]:
-        ax.bar([r.replace("_", "\n") for r in routers], [summaries[r][metric] for r in routers], color=colors)
+        for i, router in enumerate(routers):
+            ax.bar([j + i * width for j in range(len(shares))], [runs[share][router][metric] for share in shares],
+                   width, label=router, color=colors[router])
+        ax.set_xticks([j + width * (len(routers) - 1) / 2 for j in range(len(shares))],
+                      [f"device tier {share:.0%}\nof working set" for share in shares], fontsize=8)
         ax.set_title(title)
-    width = 0.8 / len(routers)
+    axes[0].legend(fontsize=8)
     for i, router in enumerate(routers):
-        counts = list(summaries[router]["requests_per_replica"].values())
-        axes[2].bar([j + i * width for j in range(len(counts))], counts, width, label=router, color=colors[i])
-    axes[2].set_title("requests per replica")
+        counts = list(runs[shares[0]][router]["requests_per_replica"].values())
+        axes[2].bar([j + i * width for j in range(len(counts))], counts, width, label=router, color=colors[router])
+    axes[2].set_title(f"requests per replica (device tier {shares[0]:.0%})")
     axes[2].set_xticks([j + width * (len(routers) - 1) / 2 for j in range(2)], ["replica 1", "replica 2"])
-    axes[2].legend()
     for policy, marker in zip(POLICIES, "o^s"):
         rows = [r for r in simulated if r["policy"] == policy]
         axes[3].plot([r["num_replicas"] for r in rows], [r["device_hit_rate"] for r in rows], marker=marker,
@@ -249,7 +239,7 @@ def draw(summaries: dict[str, dict], simulated: list[dict], out: Path) -> None:
     axes[3].set_title("simulated hit rate (Zipf schemas)")
     axes[3].set_xlabel("replicas")
     axes[3].set_xscale("log", base=2)
-    axes[3].legend()
+    axes[3].legend(fontsize=8)
     fig.suptitle("2 Ray Serve replicas of SmolLM2-135M, 1 CPU each, one Redis: affinity vs Ray's default router")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -262,8 +252,11 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--docs-per-module", type=int, default=3, help="~200-token documents joined per module")
-    parser.add_argument("--device-share", type=float, default=0.55,
-                        help="each replica's device tier, as a share of the workload's KV")
+    parser.add_argument("--device-shares", type=float, nargs="+", default=[0.4, 0.55],
+                        help="each replica's device tier, as shares of the workload's KV (one run of every "
+                             "router per share)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="the replicas' dtype (auto: what `promptcache serve` picks here); sizes the tiers")
     parser.add_argument("--routers", nargs="+", choices=list(ROUTERS), default=list(ROUTERS))
     args = parser.parse_args()
 
@@ -273,32 +266,39 @@ def main() -> None:
     simulated = run_simulator()
     schemas, tasks, working_tokens = build_workload(args.prompts_per_schema, args.sessions, args.turns,
                                                     args.docs_per_module)
-    device_bytes = int(args.device_share * working_tokens * KV_BYTES_PER_TOKEN)
-    log(f"workload: {sum(len(t) for t in tasks)} requests, ~{working_tokens} tokens of KV in use; device tier "
-        f"{device_bytes / 2**20:.0f} MiB per replica")
+    dtype = ModelConfig(dtype=args.dtype).torch_dtype
+    kv_bytes_per_token = KV_VALUES_PER_TOKEN * torch.empty((), dtype=dtype).element_size()
+    log(f"workload: {sum(len(t) for t in tasks)} requests, ~{working_tokens} tokens of KV in use "
+        f"({working_tokens * kv_bytes_per_token / 2**20:.0f} MiB in {dtype})")
+    runs: dict[float, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as directory:
         redis_process, redis_url = start_redis(directory)
         port = free_port()
-        settings = {"redis_url": redis_url, "preload_examples": False, "device_max_bytes": device_bytes,
-                    "host_max_bytes": 1 << 20, "namespace": "scaleout"}
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
-            summaries = {router: run_router(router, f"http://127.0.0.1:{port}", settings, schemas, tasks,
-                                            args.concurrency, redis_url) for router in args.routers}
+            for share in args.device_shares:
+                device_bytes = int(share * working_tokens * kv_bytes_per_token)
+                log(f"device tier {device_bytes / 2**20:.0f} MiB per replica ({share:.0%} of the working set)")
+                settings = {"redis_url": redis_url, "preload_examples": False, "device_max_bytes": device_bytes,
+                            "host_max_bytes": 1 << 20, "namespace": "scaleout", "dtype": str(dtype).removeprefix("torch.")}
+                runs[share] = {router: run_router(router, f"http://127.0.0.1:{port}", settings, schemas, tasks,
+                                                  args.concurrency, redis_url, share) for router in args.routers}
         finally:
             serve.shutdown()
             ray.shutdown()
             redis_process.kill()
-    for name in [r for r in summaries if r != "default" and "default" in summaries]:
-        base, ours = summaries["default"], summaries[name]
-        hit_ratio = ours["device_hit_rate"] / max(base["device_hit_rate"], 1e-9)
-        ttft_ratio = ours["p50_ttft_ms"] / base["p50_ttft_ms"]
-        emit({"bench": "scaleout_targets", "router": name, "hit_rate_ratio": round(hit_ratio, 2), "hit_rate_target": ">= 1.8",
-              "hit_rate_met": hit_ratio >= 1.8, "p50_ttft_ratio": round(ttft_ratio, 3), "p50_ttft_target": "<= 0.6",
-              "p50_ttft_met": ttft_ratio <= 0.6, "max_over_mean_requests": ours["max_over_mean_requests"],
-              "balance_target": "<= 1.3", "balance_met": ours["max_over_mean_requests"] <= 1.3}, OUT)
-    draw(summaries, simulated, OUT.with_suffix(".png"))
+    for share, summaries in runs.items():
+        for name in [r for r in summaries if r != "default" and "default" in summaries]:
+            base, ours = summaries["default"], summaries[name]
+            hit_ratio = ours["device_hit_rate"] / max(base["device_hit_rate"], 1e-9)
+            ttft_ratio = ours["p50_ttft_ms"] / base["p50_ttft_ms"]
+            emit({"bench": "scaleout_targets", "router": name, "device_share": share,
+                  "hit_rate_ratio": round(hit_ratio, 2), "hit_rate_target": ">= 1.8", "hit_rate_met": hit_ratio >= 1.8,
+                  "p50_ttft_ratio": round(ttft_ratio, 3), "p50_ttft_target": "<= 0.6", "p50_ttft_met": ttft_ratio <= 0.6,
+                  "max_over_mean_requests": ours["max_over_mean_requests"], "balance_target": "<= 1.3",
+                  "balance_met": ours["max_over_mean_requests"] <= 1.3}, OUT)
+    draw(runs, simulated, OUT.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -13,13 +13,15 @@ tokenization and HTTP included). Rows:
   c_plain       8 of 20 documents in random order + a question, as plain chat (prefix reuse only)
   c_pml         the same prompts as PML importing the documents as modules (promptcache only)
   d_turn1..8    an 8-turn chat over a long system message (replies of 32 tokens kept in the history)
-One JSON line per (server, row) with the median and every run; a PNG beside the JSON file.
+Several promptcache configurations can run side by side (`--server NAME=FLAGS`, e.g. fp32 against
+`--dtype auto`); every row is interleaved sample by sample across the servers, so drift of the machine
+hits all of them alike. One JSON line per (server, row) with the median and every run; a PNG beside
+the JSON file.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -27,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.harness import RESULTS, emit, log
-from benchmarks.live_server import start_promptcache
+from benchmarks.live_server import start_promptcache, stream_completion
 from benchmarks.serving_workloads import Workload, build
 
 
@@ -43,36 +45,21 @@ class Target:
     def ttft(self, path: str, body: dict) -> tuple[float, str, int | None, float | None]:
         """(TTFT ms, full text, cached prompt tokens if reported, the server's own lookup ms if reported)
         of one streamed request."""
-        body = {**body, "stream": True, "temperature": 0}
-        if path != "/v1/generate":
-            body["stream_options"] = {"include_usage": True}
-        started = time.perf_counter()
-        first, text, cached, lookup_ms = None, "", None, None
-        with self.client.stream("POST", self.url + path, json=body) as response:
-            response.raise_for_status()
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"{self.name}: {chunk['error']}")
-                for choice in chunk.get("choices") or []:
-                    piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                    if first is None and (piece or choice.get("finish_reason")):
-                        first = time.perf_counter()
-                    text += piece
-                usage = chunk.get("usage") or {}
-                details = usage.get("prompt_tokens_details") or {}
-                if "cached_tokens" in details:
-                    cached = details["cached_tokens"]
-                elif "cached_tokens" in usage:
-                    cached = usage["cached_tokens"]
-                if "timings" in chunk and isinstance(chunk["timings"], dict) and "cache_n" in chunk["timings"]:
-                    cached = chunk["timings"]["cache_n"]  # llama.cpp reports reused tokens here
-                timings = (chunk.get("promptcache") or chunk.get("cache") or {}).get("timings") or {}
-                if "lookup_ms" in timings:
-                    lookup_ms = timings["lookup_ms"]
-        return ((first or time.perf_counter()) - started) * 1e3, text, cached, lookup_ms
+        streamed = stream_completion(self.client, self.url + path, {**body, "temperature": 0})
+        cached, lookup_ms = None, None
+        for chunk in streamed.chunks:
+            usage = chunk.get("usage") or {}
+            details = usage.get("prompt_tokens_details") or {}
+            if "cached_tokens" in details:
+                cached = details["cached_tokens"]
+            elif "cached_tokens" in usage:
+                cached = usage["cached_tokens"]
+            if "timings" in chunk and isinstance(chunk["timings"], dict) and "cache_n" in chunk["timings"]:
+                cached = chunk["timings"]["cache_n"]  # llama.cpp reports reused tokens here
+            timings = (chunk.get("promptcache") or chunk.get("cache") or {}).get("timings") or {}
+            if "lookup_ms" in timings:
+                lookup_ms = timings["lookup_ms"]
+        return streamed.ttft_ms, streamed.text, cached, lookup_ms
 
 
 def record(target: Target, row: str, samples: list[tuple[float, str, int | None, float | None]], out: Path,
@@ -84,6 +71,16 @@ def record(target: Target, row: str, samples: list[tuple[float, str, int | None,
           "runs_ms": [round(t, 1) for t in times], "cached_tokens": [s[2] for s in samples],
           **({"lookup_ms": lookups,  # the server's own timer: walking the block index before prefill
               "lookup_share": round(statistics.median(lookups) / medians[row], 5)} if lookups else {})}, out)
+
+
+def record_store_bytes(target: Target, num_tokens: int, out: Path) -> None:
+    """KV bytes per schema token in the device tier right after the retrieval schema's upload into an
+    empty server (its modules' KV, nothing else)."""
+    metrics = target.client.get(target.url + "/metrics").text
+    device = next(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("promptcache:cache_usage_bytes") and 'tier="device"' in line)
+    emit({"bench": "serving_store", "server": target.name, "schema_tokens": num_tokens,
+          "device_bytes": int(device), "bytes_per_token": round(device / num_tokens, 1)}, out)
 
 
 def complete(target: Target, prompt: str) -> tuple[float, str, int | None, float | None]:
@@ -105,34 +102,46 @@ def run_cold(targets: list[Target], work: Workload, *, runs: int, out: Path) -> 
     return medians
 
 
-def run_rows(target: Target, work: Workload, *, runs: int, rows: set[str], out: Path) -> dict[str, float]:
-    """Rows b, c, d on one target."""
-    medians: dict[str, float] = {}
+def run_rows(targets: list[Target], work: Workload, *, runs: int, rows: set[str], out: Path) -> dict[str, dict[str, float]]:
+    """Rows b, c, d on every target, interleaved sample by sample (drift hits every target alike)."""
+    medians: dict[str, dict[str, float]] = {t.name: {} for t in targets}
+
+    def each(row: str, targets_: list[Target], requests: list, send) -> None:
+        samples: dict[str, list] = {t.name: [] for t in targets_}
+        for request in requests:
+            for target in targets_:
+                samples[target.name].append(send(target, request))
+        for target in targets_:
+            record(target, row, samples[target.name], out, medians[target.name])
+
     if "b" in rows:
         repeat = f"{work.document}\n\n{work.questions[0]}"
-        complete(target, repeat)
-        record(target, "b_repeat", [complete(target, repeat) for _ in range(runs)], out, medians)
-        record(target, "b_question", [complete(target, f"{work.document}\n\n{q}")
-                                      for q in work.questions[1: runs + 1]], out, medians)
+        for target in targets:
+            complete(target, repeat)
+        each("b_repeat", targets, [repeat] * runs, complete)
+        each("b_question", targets, [f"{work.document}\n\n{q}" for q in work.questions[1: runs + 1]], complete)
     if "c" in rows:
-        record(target, "c_plain", [target.ttft("/v1/chat/completions", {"model": "m", "messages": m, "max_tokens": 1})
-                                   for m in work.retrieval_chat], out, medians)
-        if target.is_promptcache:
-            target.client.post(target.url + "/v1/schemas", json={"pml": work.retrieval_schema}).raise_for_status()
-            # `fast`: modules reused as encoded, whatever the server's default (docs/fidelity.md)
-            record(target, "c_pml", [target.ttft("/v1/generate", {"prompt": p, "max_tokens": 1, "fidelity": "fast"})
-                                     for p in work.retrieval_pml], out, medians)
+        each("c_plain", targets, work.retrieval_chat, lambda t, m: t.ttft(
+            "/v1/chat/completions", {"model": "m", "messages": m, "max_tokens": 1}))
+        ours = [t for t in targets if t.is_promptcache]
+        # `fast`: modules reused as encoded, whatever the server's default (docs/fidelity.md)
+        each("c_pml", ours, work.retrieval_pml, lambda t, p: t.ttft(
+            "/v1/generate", {"prompt": p, "max_tokens": 1, "fidelity": "fast"}))
     if "d" in rows:
-        per_turn: list[list[tuple[float, str, int | None, float | None]]] = [[] for _ in work.chat_turns]
+        per_turn: dict[str, list[list]] = {t.name: [[] for _ in work.chat_turns] for t in targets}
         for session in range(max(1, runs // 2)):
-            messages = [{"role": "system", "content": f"Session {session}. {work.chat_system}"}]
+            history = {t.name: [{"role": "system", "content": f"Session {session}. {work.chat_system}"}]
+                       for t in targets}
             for turn, question in enumerate(work.chat_turns):
-                messages.append({"role": "user", "content": question})
-                sample = target.ttft("/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 32})
-                per_turn[turn].append(sample)
-                messages.append({"role": "assistant", "content": sample[1]})
-        for turn, samples in enumerate(per_turn, 1):
-            record(target, f"d_turn{turn}", samples, out, medians)
+                for target in targets:
+                    messages = history[target.name]
+                    messages.append({"role": "user", "content": question})
+                    sample = target.ttft("/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 32})
+                    per_turn[target.name][turn].append(sample)
+                    messages.append({"role": "assistant", "content": sample[1]})
+        for target in targets:
+            for turn, samples in enumerate(per_turn[target.name], 1):
+                record(target, f"d_turn{turn}", samples, out, medians[target.name])
     return medians
 
 
@@ -161,27 +170,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--rows", default="abcd", help="which rows to run (letters a-d)")
+    parser.add_argument("--server", action="append", metavar="NAME=FLAGS",
+                        help="a promptcache server to start, e.g. 'fp32=--dtype float32' (repeatable; default: "
+                             "'promptcache=' and, unless --no-baseline, 'promptcache-no-prefix=--no-prefix-caching')")
     parser.add_argument("--peer-url", help="an OpenAI-compatible server to measure on the same rows")
     parser.add_argument("--peer-name", default="peer")
     parser.add_argument("--no-baseline", action="store_true", help="skip the --no-prefix-caching server")
     parser.add_argument("--out", type=Path, default=RESULTS / "serving.jsonl")
     args = parser.parse_args()
     work, rows = build(), set(args.rows)
-    configs = [("promptcache", [])] + ([] if args.no_baseline else [("promptcache-no-prefix", ["--no-prefix-caching"])])
+    specs = args.server or ["promptcache="] + ([] if args.no_baseline else ["promptcache-no-prefix=--no-prefix-caching"])
+    configs = [(name, flags.split()) for name, _, flags in (spec.partition("=") for spec in specs)]
     processes, targets = [], []
     try:
         for name, flags in configs:
             process, url = start_promptcache(flags)
             processes.append(process)
             targets.append(Target(name, url, is_promptcache=True))
+            log(f"{name}: {url} {' '.join(flags)}")
+        for target in targets:  # first, into empty tiers: the device tier then holds the modules' KV only
+            response = target.client.post(target.url + "/v1/schemas", json={"pml": work.retrieval_schema})
+            response.raise_for_status()
+            record_store_bytes(target, response.json()["num_tokens"], args.out)
         if args.peer_url:
             targets.append(Target(args.peer_name, args.peer_url, is_promptcache=False))
         results = run_cold(targets, work, runs=args.runs, out=args.out) if "a" in rows else \
             {t.name: {} for t in targets}
-        for target in targets:
-            if target.name != "promptcache-no-prefix":
-                log(f"{target.name}: rows {sorted(rows - {'a'})}")
-                results[target.name].update(run_rows(target, work, runs=args.runs, rows=rows, out=args.out))
+        # rows b-d need prefix caching: a --no-prefix-caching server only prices the lookup in row a
+        reusing = [t for t, (_, flags) in zip(targets, [*configs, ("peer", [])]) if "--no-prefix-caching" not in flags]
+        for name, medians in run_rows(reusing, work, runs=args.runs, rows=rows, out=args.out).items():
+            results[name].update(medians)
     finally:
         for process in processes:
             process.terminate()
