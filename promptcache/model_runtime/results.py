@@ -29,6 +29,31 @@ class PrefixUse:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptSpan:
+    """Prompt tokens at consecutive layout positions [start, start + num_tokens) whose KV came from one
+    place. `origin`: "module" (a module's cached KV, from `tier`), "prefix" (an automatic prefix block,
+    from `tier`), "recomputed" (a module's tokens computed for this request instead of reused: fidelity
+    balanced / exact) or "computed" (new text, arguments, uncached modules, computed now). `module` names
+    the module the tokens belong to (None: the prompt's own text or the schema's always-included text).
+    Positions are the schema layout's (exact fidelity computes the tokens after its reused lead at
+    contiguous positions; the layout position is still reported)."""
+
+    start: int
+    token_ids: tuple[int, ...]
+    origin: str
+    module: str | None = None
+    tier: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
 class Usage:
     prompt_tokens: int
     cached_tokens: int    # prompt tokens whose KV was reused: module KV and prefix blocks

@@ -20,6 +20,7 @@ from promptcache.server.generation import (
     sse_error,
     wire_cache,
     wire_logprobs,
+    wire_spans,
     wire_timings,
     wire_usage,
 )
@@ -80,22 +81,25 @@ async def generate(body: GenerateRequest, service: Service, tenant: Tenant):
     events = service.submit(plan, params, body.cache_salt, request_id,
                             service.fidelity(body.fidelity, body.fidelity_head_tokens), tenant)
     if body.stream:
-        return StreamingResponse(_stream(service, events, request_id, plan.approximations, tenant),
-                                 media_type="text/event-stream")
+        return StreamingResponse(_stream(service, events, request_id, plan.approximations, tenant,
+                                         return_spans=body.return_spans), media_type="text/event-stream")
     outcome = await collect(events, params.n)
     record(service.metrics, outcome.final, outcome.finish_reasons, tenant)
+    spans = await asyncio.to_thread(wire_spans, outcome.final, service.detokenize) if body.return_spans else None
     return GenerateResponse(
         id=request_id, model=service.model_name,
         choices=[Choice(index=i, text=t, finish_reason=r, logprobs=wire_logprobs(e, service.token_text))
                  for i, (t, r, e) in enumerate(zip(outcome.texts, outcome.finish_reasons, outcome.events))],
-        usage=wire_usage(outcome.final), cache=wire_cache(outcome.final, plan.approximations),
+        usage=wire_usage(outcome.final), cache=wire_cache(outcome.final, plan.approximations, spans),
         timings=wire_timings(outcome.final))
 
 
-async def _stream(service: PromptService, events, request_id: str, approximations, tenant: str | None):
+async def _stream(service: PromptService, events, request_id: str, approximations, tenant: str | None, *,
+                  return_spans: bool = False):
     reasons: dict[int, str | None] = {}
     try:
         async for event in events:
+            spans = None
             raise_for_error(event)
             if event.finish_reason is not None:
                 reasons[event.index] = event.finish_reason
@@ -104,10 +108,14 @@ async def _stream(service: PromptService, events, request_id: str, approximation
                                   choices=[Choice(index=event.index, text=event.text,
                                                   finish_reason=event.finish_reason, logprobs=logprobs)])
             if event.usage is not None:
-                chunk.usage, chunk.cache = wire_usage(event), wire_cache(event, approximations)
+                spans = await asyncio.to_thread(wire_spans, event, service.detokenize) if return_spans else None
+                chunk.usage, chunk.cache = wire_usage(event), wire_cache(event, approximations, spans)
                 chunk.timings = wire_timings(event)
                 record(service.metrics, event, list(reasons.values()), tenant)
-            yield sse(chunk.model_dump(exclude_none=True))
+            payload = chunk.model_dump(exclude_none=True)
+            if spans is not None:  # a span's null module / tier is kept, as in the JSON response
+                payload["cache"]["spans"] = [span.model_dump() for span in spans]
+            yield sse(payload)
     except Exception as exc:  # headers are sent: report in-band, then end the stream
         yield sse_error(exc)
     yield DONE

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from promptcache.model_runtime import SamplingParams
@@ -22,12 +22,14 @@ from promptcache.server.wire import (
     Logprobs,
     ModuleReport,
     PrefixReport,
+    PromptSpanReport,
     SamplingFields,
     Timings,
     Usage,
 )
 
 DONE = "data: [DONE]\n\n"
+SPAN_CONTEXT_TOKENS = 8  # tokens before a span decoded with it, so its text starts as in the whole prompt's
 
 
 def sampling_params(fields: SamplingFields, max_tokens_limit: int, logprobs: int | None = None, *,
@@ -112,13 +114,42 @@ def wire_usage(final: TokenEvent) -> Usage:
                  total_tokens=u.total_tokens, computed_tokens=u.computed_tokens)
 
 
-def wire_cache(final: TokenEvent, approximations: tuple[str, ...]) -> CacheReport:
+def wire_cache(final: TokenEvent, approximations: tuple[str, ...],
+               spans: list[PromptSpanReport] | None = None) -> CacheReport:
     return CacheReport(exact=bool(final.is_exact), fidelity=final.fidelity or "fast",
                        recomputed_tokens=final.usage.recomputed_tokens,
                        approximations=[] if final.is_exact else list(approximations),
                        modules=[ModuleReport(path=m.path, num_tokens=m.num_tokens, tier=m.tier,
                                              recomputed_tokens=m.num_recomputed) for m in final.modules or ()],
-                       prefix=wire_prefix(final))
+                       prefix=wire_prefix(final), spans=spans)
+
+
+def wire_spans(final: TokenEvent, detokenize: Callable[[list[int]], str]) -> list[PromptSpanReport]:
+    """The final event's prompt spans with their text (empty if the engine reported none). Decodes
+    every prompt token: call it off the event loop."""
+    spans = final.spans or ()
+    texts = span_texts([s.token_ids for s in spans], detokenize)
+    return [PromptSpanReport(start=s.start, num_tokens=s.num_tokens, origin=s.origin, module=s.module, tier=s.tier,
+                             text=text) for s, text in zip(spans, texts)]
+
+
+def span_texts(runs: Sequence[Sequence[int]], detokenize: Callable[[list[int]], str]) -> list[str]:
+    """The text of consecutive token runs such that the texts joined are the runs' tokens decoded
+    together: each run is decoded after the last few tokens before it and keeps what they did not
+    make (a tokenizer may drop a leading space at a sequence's start, or join bytes of one character
+    across two runs: the earlier text then gives up its incomplete tail)."""
+    texts: list[str] = []
+    before: list[int] = []
+    for run in runs:
+        context = before[-SPAN_CONTEXT_TOKENS:]
+        head = detokenize(context) if context else ""
+        whole = detokenize([*context, *run])
+        keep = next((i for i, (a, b) in enumerate(zip(head, whole)) if a != b), min(len(head), len(whole)))
+        if keep < len(head) and texts:  # the context's decoded tail changed (a split character)
+            texts[-1] = texts[-1][: max(0, len(texts[-1]) - (len(head) - keep))]
+        texts.append(whole[keep:])
+        before += run
+    return texts
 
 
 def wire_prefix(final: TokenEvent) -> PrefixReport | None:

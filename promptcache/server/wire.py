@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
 
 MIN_TEMPERATURE = 1e-3  # model_runtime.sampling refuses smaller non-zero temperatures too
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
@@ -105,6 +112,8 @@ class GenerateRequest(SamplingFields):
     prompt: str
     logprobs: int | None = Field(None, ge=0, le=20, description="return each token's logprob and this many "
                                                                  "top alternatives")
+    return_spans: bool = Field(False, description="report the prompt as spans by where their KV came from "
+                                                  "(cache.spans on the final response or chunk)")
 
 
 class ExplainRequest(_Strict):
@@ -156,6 +165,19 @@ class PrefixReport(BaseModel):
     tiers: dict[str, int] = Field(default_factory=dict, description="tokens per tier")
 
 
+class PromptSpanReport(BaseModel):
+    """Prompt tokens at consecutive positions whose KV came from one place (request `return_spans`)."""
+
+    start: int = Field(..., description="position of the span's first token in the schema layout")
+    num_tokens: int
+    origin: Literal["module", "prefix", "recomputed", "computed"] = Field(
+        ..., description="module: a module's cached KV; prefix: automatic prefix blocks; recomputed: module "
+                         "tokens computed in their actual context (balanced / exact); computed: computed now")
+    module: str | None = Field(None, description="the module path the tokens belong to, if any")
+    tier: str | None = Field(None, description="where reused KV came from: device | host | redis | disk")
+    text: str = Field(..., description="the span's tokens decoded (the texts in order make the prompt text)")
+
+
 class CacheReport(BaseModel):
     exact: bool
     fidelity: str = Field("fast", description="the fidelity mode that ran: fast | balanced | exact")
@@ -163,6 +185,16 @@ class CacheReport(BaseModel):
     approximations: list[str] = Field(default_factory=list)
     modules: list[ModuleReport]
     prefix: PrefixReport | None = None
+    spans: list[PromptSpanReport] | None = Field(
+        None, description="every prompt token once, in position order; only when the request set return_spans")
+
+    # No return annotation: the response schema stays this model's. (Field(exclude_if=...) needs pydantic 2.11.)
+    @model_serializer(mode="wrap")
+    def _spans_only_when_asked(self, handler: SerializerFunctionWrapHandler):
+        data = handler(self)
+        if data.get("spans") is None:  # a request without return_spans gets the response it always got
+            data.pop("spans", None)
+        return data
 
 
 class Timings(BaseModel):

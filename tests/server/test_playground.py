@@ -1,6 +1,8 @@
 """The web playground in a real browser (headless Debian chromium driven by Playwright): load the page,
-upload a schema and see its layout, run a prompt and see streamed text and coloured spans, see a bad PML
-error at its line, run two chat turns with reuse reported; plus the page's HTTP contract."""
+upload a schema and see its layout (scaffolds drawn, nested modules coloured by tier), run a prompt and
+see streamed text and the prompt drawn as spans by origin (their text is the prompt the tokenizer
+decodes; a repeat shows prefix blocks), see a bad PML error at its line, run two chat turns with reuse
+reported; plus the page's HTTP contract. The default model's run is the README's screenshot."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.server.conftest import LiveServer, settings_for
 from tests.server.test_api import SCHEMA
 
 DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img" / "playground.png"
@@ -39,7 +42,28 @@ def browser_page():
         browser.close()
 
 
-@pytest.mark.timeout(180)
+NESTED_SCHEMA = ('<schema name="nest"><module name="outer">Cats are curious.<module name="inner"> Kittens nap a lot.'
+                 '</module></module></schema>')
+
+
+def _spans(page) -> list[tuple[str, str]]:
+    """(origin, text) of each span drawn in the run's prompt view, in order."""
+    return page.eval_on_selector_all("#spans span", "els => els.map(e => [e.dataset.origin, e.textContent])")
+
+
+def _prompt_text(server, prompt: str) -> str:
+    """The oracle: the prompt's tokens, as the server plans them, decoded by the model's tokenizer in one go."""
+    service = server.app.state.service
+    return service.runtime.loaded.tokenizer.decode(service.plan(prompt).token_ids())
+
+
+def _run(page) -> list[tuple[str, str]]:
+    page.click("#run")
+    page.wait_for_function("document.querySelector('#stats').textContent.includes('TTFT')")
+    return _spans(page)
+
+
+@pytest.mark.timeout(240)
 def test_playground_in_a_real_browser(live_server, browser_page, tmp_path):
     server = live_server(prefix_block_size=8)
     page = browser_page
@@ -53,25 +77,49 @@ def test_playground_in_a_real_browser(live_server, browser_page, tmp_path):
     assert "line 3" in page.inner_text("#upload-error")
     assert page.get_attribute("#upload-error", "data-line") == "3"
 
-    # Upload, layout drawn with one block per module, coloured by tier.
+    # Upload, layout drawn with one block per module, coloured by tier, and the scaffold under them.
     page.fill("#pml-editor", SCHEMA)
     page.click("#upload")
     page.wait_for_selector('.block[data-path="d2"]')
     classes = [page.get_attribute(f'.block[data-path="{m}"]', "class") for m in ("d1", "d2")]
     assert all("tier-device" in c for c in classes)  # just encoded: on the device tier
+    scaffold = page.locator('.block.scaffold[data-scaffold="d1 d2"]')
+    assert "d1 + d2" in scaffold.inner_text() and "tier-device" in scaffold.get_attribute("class")
+    box, d1, d2 = (page.locator(sel).bounding_box() for sel in (
+        '.block.scaffold', '.block[data-path="d1"]', '.block[data-path="d2"]'))
+    assert box["y"] > d1["y"] and abs(box["x"] - d1["x"]) < 2 and abs(box["x"] + box["width"] - d2["x"] - d2["width"]) < 2
     assert "docs" in page.inner_text("#schema-list")
 
-    # Compose, explain, run: streamed text, spans by origin, stats.
-    assert page.input_value("#pml-prompt").startswith('<prompt schema="docs"><d1/><d2/>')
+    # Compose, explain, run: streamed text, the prompt drawn as spans by origin whose text is the prompt's.
+    prompt = page.input_value("#pml-prompt")
+    assert prompt.startswith('<prompt schema="docs"><d1/><d2/>')
     page.click("#explain")
     page.wait_for_function("document.querySelector('#explanation').textContent.includes('cached')")
-    page.click("#run")
-    page.wait_for_selector("#spans .tier-computed")
+    spans = _run(page)
     assert page.inner_text("#output").strip()
-    spans = page.inner_text("#spans")
-    assert "d1" in spans and "device" in spans and "computed now" in spans
-    assert "TTFT" in page.inner_text("#stats")
+    assert "".join(text for _, text in spans) == _prompt_text(server, prompt)
+    assert {origin for origin, _ in spans} == {"module", "computed"}
+    assert page.locator('#spans span[data-module="d1"].tier-device').count() == 1
+    assert "module from device" in page.inner_text("#span-legend") and "computed now" in page.inner_text("#span-legend")
+    assert "TTFT" in page.inner_text("#stats") and "tokens/s" in page.inner_text("#stats")
+    # The same prompt again: its new text now comes from prefix blocks.
+    again = _run(page)
+    assert "".join(text for _, text in again) == _prompt_text(server, prompt)
+    assert "prefix" in {origin for origin, _ in again}
+    assert page.locator("#spans span.tier-prefix").count() >= 1
     page.screenshot(path=str(tmp_path / "prompt.png"), full_page=True)
+
+    # A nested module: coloured by its tier, imported inside its parent, its spans named by its path.
+    page.fill("#pml-editor", NESTED_SCHEMA)
+    page.click("#upload")
+    page.wait_for_selector('.block[data-path="outer.inner"]')
+    assert "tier-device" in page.get_attribute('.block[data-path="outer.inner"]', "class")
+    page.check('#module-picks input[value="outer.inner"]')
+    prompt = page.input_value("#pml-prompt")
+    assert prompt.startswith('<prompt schema="nest"><outer><inner/></outer>')
+    spans = _run(page)
+    assert "".join(text for _, text in spans) == _prompt_text(server, prompt)
+    assert page.locator('#spans span[data-module="outer.inner"][data-origin="module"]').count() == 1
 
     # A schema with a parameter: its slot is drawn, and the composer passes the argument.
     page.fill("#pml-editor", '<schema name="trip"><module name="plan">Plan a trip of <param name="days" len="3"/> days.'
@@ -80,9 +128,9 @@ def test_playground_in_a_real_browser(live_server, browser_page, tmp_path):
     page.wait_for_selector('.block.param[data-param="plan.days"]')
     page.fill('.param-value[data-param="days"]', "5")
     assert page.input_value("#pml-prompt").startswith('<prompt schema="trip"><plan days="5"/>')
-    page.click("#run")
-    page.wait_for_function("document.querySelector('#stats').textContent.includes('TTFT')")
+    spans = _run(page)
     assert "trip" in page.inner_text("#layout-name")
+    assert page.locator('#spans span[data-module="plan"][data-origin="computed"]').count() == 1  # the argument
 
     # Two chat turns: the second reports reused tokens.
     page.click("nav button[data-tab=chat]")
@@ -96,7 +144,49 @@ def test_playground_in_a_real_browser(live_server, browser_page, tmp_path):
     page.screenshot(path=str(tmp_path / "chat.png"), full_page=True)
     page.click("nav button[data-tab=schemas]")
     page.wait_for_function("document.querySelectorAll('#metrics tr').length > 2")
-    DOCS_IMG.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
-    if not DOCS_IMG.exists():
-        shutil.copy(tmp_path / "playground.png", DOCS_IMG)
+
+
+PETS_SCHEMA = """<schema name="pets">
+  <system>You answer questions about pets in one short sentence.</system>
+  <user>
+    <module name="cats">Cats sleep twelve to sixteen hours a day.<module name="kittens"> Kittens sleep even more, up to twenty hours.</module></module>
+    <module name="dogs"> Dogs sleep about twelve hours a day.</module>
+    <module name="fish"> Fish rest without closing their eyes.</module>
+  </user>
+  <scaffold modules="cats dogs"/>
+</schema>"""
+PETS_PROMPT = '<prompt schema="pets"><user><cats><kittens/></cats><dogs/>How long do kittens sleep?{}</user><assistant/></prompt>'
+
+
+@pytest.mark.timeout(600)
+def test_default_model_in_a_real_browser_for_the_readme(smollm2, browser_page, tmp_path):
+    """SmolLM2 with its own tokenizer and chat template, exact fidelity: the spans' text is the prompt it
+    decodes; a follow-up question reuses the first one's computed tokens (dogs, recomputed in context, and
+    the question) from prefix blocks. Its screenshot is the README's."""
+    server = LiveServer(settings_for(prefix_block_size=16), lambda: smollm2).start()
+    try:
+        page = browser_page
+        page.goto(server.url + "/playground/")
+        page.fill("#pml-editor", PETS_SCHEMA)
+        page.click("#upload")
+        page.wait_for_selector('.block.scaffold[data-scaffold="cats dogs"]')
+        page.wait_for_selector('.block.tier-device[data-path="cats.kittens"]')
+        page.select_option("#fidelity", "exact")  # dogs after kittens is out of context: computed, then reused
+        page.check('#module-picks input[value="cats.kittens"]')
+        page.uncheck('#module-picks input[value="fish"]')
+        page.fill("#free-text", "")
+        for question in ("", " Answer in one sentence."):
+            prompt = PETS_PROMPT.format(question)
+            page.fill("#pml-prompt", prompt)
+            spans = _run(page)
+            assert "".join(text for _, text in spans) == _prompt_text(server, prompt)
+        assert {origin for origin, _ in spans} == {"module", "prefix", "computed"}
+        assert page.locator('#spans span[data-origin="prefix"][data-module="dogs"]').count() == 1
+        page.wait_for_function("document.querySelector('#metrics').textContent.includes('%')")
+        page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
+        if not DOCS_IMG.exists():
+            DOCS_IMG.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(tmp_path / "playground.png", DOCS_IMG)
+    finally:
+        server.stop()

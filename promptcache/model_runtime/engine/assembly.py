@@ -31,13 +31,15 @@ def module_key(encoder: ModuleEncoder, request: Request, use: CachedUse) -> str:
 
 def assemble(request: Request, reuse: ReusePlan, encoder: ModuleEncoder, prefix: PrefixReuse) -> Assembled:
     """Fetch (encoding on a miss) the module KV of `reuse`, look up the stream's stored prefix, and set
-    the request's module report and timings. Raises PromptTooLongError for positions past the model."""
+    the request's module report, the tier of each use and timings. Raises PromptTooLongError for
+    positions past the model."""
     plan, loaded = request.plan, encoder.loaded
     device = loaded.model.device
     started = time.perf_counter()
     before = encoder.num_encoded_segments
     shared: list[SharedKV] = []
     tiers: dict[str, list[str]] = {}
+    use_tiers: list[str] = []
     for use in reuse.uses:
         segment = use.cached.segment
         fetched = encoder.fetch(plan.schema, segment.segment_id, use.cached.context_ids, request.cache_salt)
@@ -49,6 +51,7 @@ def assemble(request: Request, reuse: ReusePlan, encoder: ModuleEncoder, prefix:
             key = f"{key}#{use.first}:{use.last}"
         shared.append(SharedKV(key, block, use.visible_from))
         tiers.setdefault(segment.owner, []).append(fetched.tier)
+        use_tiers.append(fetched.tier)
     if encoder.num_encoded_segments != before:
         request.encode_ms = (time.perf_counter() - started) * 1e3
 
@@ -69,6 +72,7 @@ def assemble(request: Request, reuse: ReusePlan, encoder: ModuleEncoder, prefix:
     used = {}
     for use in reuse.uses:
         used[use.cached.segment.owner] = used.get(use.cached.segment.owner, 0) + use.last - use.first
+    request.use_tiers = tuple(use_tiers)
     request.modules = tuple(ModuleUse(path, used.get(path, 0), slowest_tier(tiers.get(path, ["computed"])),
                                       recomputed.get(path, 0)) for path in plan.module_paths)
     request.assembly_ms = (time.perf_counter() - started) * 1e3

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import time
 import uuid
 
+from promptcache.cache_store import Link
 from promptcache.model_runtime.engine.prefix import prefix_use
 from promptcache.model_runtime.engine.request import Request, TokenEvent
+from promptcache.model_runtime.engine.reuse_plan import ReusePlan
 from promptcache.model_runtime.errors import InvalidRequestError
-from promptcache.model_runtime.results import Timings, Usage
+from promptcache.model_runtime.results import PromptSpan, Timings, Usage
 from promptcache.model_runtime.sampling import TokenLogprobs
+from promptcache.pml import NewRun, PromptPlan
 
 logger = logging.getLogger(__name__)
 
 
 def final_event(request: Request, index: int, token: int | None, text: str, finish: str,
                 logprobs: TokenLogprobs | None = None) -> TokenEvent:
-    """The request's last event: usage, module and prefix reuse, timings, exactness, fidelity mode."""
+    """The request's last event: usage, module and prefix reuse, prompt spans, timings, exactness,
+    fidelity mode."""
     plan, reuse, stream = request.plan, request.reuse, request.stream
     now = time.perf_counter()
     reused = sum(u.last - u.first for u in reuse.uses) if reuse is not None else 0
@@ -31,10 +37,119 @@ def final_event(request: Request, index: int, token: int | None, text: str, fini
                       prefill_ms=request.prefill_ms, ttft_ms=(first - request.submitted_at) * 1e3,
                       total_ms=(now - request.submitted_at) * 1e3)
     prompt_logprobs = tuple(request.prompt_logprobs) if request.prompt_logprobs is not None else None
+    spans = prompt_spans(plan, reuse, request.use_tiers, stream.match.links) \
+        if reuse is not None and stream is not None else None
     return TokenEvent(request.request_id, index, token, text, finish, logprobs, prompt_logprobs, usage=usage,
                       modules=request.modules, prefix=prefix_use(stream.match) if stream is not None else None,
                       timings=timings, is_exact=reuse.is_exact if reuse is not None else plan.is_exact,
-                      fidelity=request.fidelity.mode)
+                      fidelity=request.fidelity.mode, spans=spans)
+
+
+def prompt_spans(plan: PromptPlan, reuse: ReusePlan, use_tiers: tuple[str, ...],
+                 links: tuple[Link, ...]) -> tuple[PromptSpan, ...] | None:
+    """Every prompt token once, in position order, as spans by where its KV came from: `reuse.uses`
+    (module KV, from `use_tiers`, one per use), the prefix `links` reused for the first stream tokens,
+    and the rest of the stream (recomputed module tokens, computed text). Works on runs, not tokens.
+    None (and a warning) if the stream does not line up with the plan, which would be a bug."""
+    # Runs of the prompt: (start position, token ids, owner, tier of reused module KV or None for the
+    # stream, is module KV). The stream is every prompt token no use covers, in position order, in every
+    # fidelity mode (exact mode renumbers its positions but keeps this order): a token's stream index is
+    # its rank among those. A cached segment leaves its head (before `first`: balanced) and its tail
+    # (from `last`: the last token recomputed for its logits) to the stream.
+    runs: list[tuple[int, tuple[int, ...], str, str | None, bool]] = []
+    reused: dict[int, tuple[int, int]] = {}  # segment id -> [first, last) of its KV reused
+    for use, tier in zip(reuse.uses, use_tiers):
+        segment = use.cached.segment
+        reused[segment.segment_id] = (use.first, use.last)
+        runs.append((segment.start + use.first, segment.token_ids[use.first: use.last], segment.owner, tier, True))
+    for cached in plan.cached:
+        segment = cached.segment
+        first, last = reused.get(segment.segment_id, (0, 0))
+        runs.append((segment.start, segment.token_ids[:first], segment.owner, None, True))
+        runs.append((segment.start + last, segment.token_ids[last:], segment.owner, None, True))
+    runs += [(run.start, run.token_ids, _run_module(plan, run), None, False) for run in plan.new_runs]
+    runs = sorted((r for r in runs if r[1]), key=lambda r: r[0])
+
+    spans = _SpanBuilder()
+    quota = dict(reuse.recomputed)  # owner -> its first tokens in the stream that were recomputed
+    reused_runs = _tier_runs(links)
+    ends = [end for _, end, _ in reused_runs]
+    at = 0  # stream index of the next stream token
+    for start, token_ids, owner, tier, is_module_kv in runs:
+        if tier is not None:
+            spans.add(start, token_ids, "module", owner or None, tier)
+            continue
+        num_recomputed = min(quota.get(owner, 0), len(token_ids)) if is_module_kv else 0
+        if num_recomputed:
+            quota[owner] -= num_recomputed
+        for offset, count, block_tier in _pieces(at, len(token_ids), num_recomputed, reused_runs, ends):
+            origin = "prefix" if block_tier is not None else "recomputed" if offset < num_recomputed else "computed"
+            spans.add(start + offset, token_ids[offset: offset + count], origin, owner or None, block_tier)
+        at += len(token_ids)
+    if at != len(reuse.token_ids):
+        logger.warning("prompt spans: %d stream tokens expected, %d found; no spans reported",
+                       len(reuse.token_ids), at)
+        return None
+    return spans.build()
+
+
+class _SpanBuilder:
+    """Pieces in position order, merged while they touch and share origin, module and tier."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[int, int, str, str | None, str | None, list[tuple[int, ...]]]] = []
+
+    def add(self, start: int, token_ids: tuple[int, ...], origin: str, module: str | None, tier: str | None) -> None:
+        if self.spans:
+            first, end, *key, chunks = self.spans[-1]
+            if end == start and key == [origin, module, tier]:
+                chunks.append(token_ids)
+                self.spans[-1] = (first, end + len(token_ids), origin, module, tier, chunks)
+                return
+        self.spans.append((start, start + len(token_ids), origin, module, tier, [token_ids]))
+
+    def build(self) -> tuple[PromptSpan, ...]:
+        return tuple(PromptSpan(start, chunks[0] if len(chunks) == 1 else tuple(itertools.chain(*chunks)), origin,
+                                module, tier) for start, _, origin, module, tier, chunks in self.spans)
+
+
+def _tier_runs(links: tuple[Link, ...]) -> list[tuple[int, int, str]]:
+    """(first stream index, end, tier) of consecutive prefix links from one tier: one piece each."""
+    runs: list[tuple[int, int, str]] = []
+    for link in links:
+        if runs and runs[-1][1] == link.start and runs[-1][2] == link.tier:
+            runs[-1] = (runs[-1][0], link.end, link.tier)
+        else:
+            runs.append((link.start, link.end, link.tier))
+    return runs
+
+
+def _pieces(at: int, num_tokens: int, num_recomputed: int, reused: list[tuple[int, int, str]], ends: list[int]):
+    """(offset, count, tier of the prefix blocks or None) pieces of stream tokens [at, at + num_tokens):
+    cut where a tier run of `reused` prefix blocks ends (`ends`: their ends) and after the first
+    `num_recomputed` tokens."""
+    if num_recomputed == 0 and (not ends or at >= ends[-1]):  # the common case: computed, in one piece
+        yield 0, num_tokens, None
+        return
+    offset = 0
+    while offset < num_tokens:
+        i = bisect.bisect_right(ends, at + offset)  # the first run ending after this token
+        if i < len(reused) and reused[i][0] <= at + offset:
+            end, tier = min(num_tokens, reused[i][1] - at), reused[i][2]
+        else:
+            end, tier = (num_recomputed if offset < num_recomputed else num_tokens), None
+        yield offset, end - offset, tier
+        offset = end
+
+
+def _run_module(plan: PromptPlan, run: NewRun) -> str | None:
+    """The module a new run belongs to: an uncached module's own tokens, or the module of an argument
+    (its source is `<module path>.<param name>`); None for the prompt's text and role markup."""
+    if run.kind == "module":
+        return run.source or None
+    if run.kind == "argument":
+        return max((p for p in plan.module_paths if run.source.startswith(p + ".")), key=len, default=None)
+    return None
 
 
 def failure_event(request: Request, exc: BaseException) -> TokenEvent:

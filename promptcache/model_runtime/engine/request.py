@@ -12,7 +12,7 @@ from promptcache.cache_store import KVBlock
 from promptcache.model_runtime.detokenizer import Detokenizer
 from promptcache.model_runtime.engine.prefix import Stream
 from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan
-from promptcache.model_runtime.results import ModuleUse, PrefixUse, Timings, Usage
+from promptcache.model_runtime.results import ModuleUse, PrefixUse, PromptSpan, Timings, Usage
 from promptcache.model_runtime.sampling import PromptTokens, Sampler, SamplingParams, TokenLogprobs
 from promptcache.pml import PromptPlan
 
@@ -22,7 +22,7 @@ class TokenEvent:
     """One step of one sample: a token (or none, on a final event) and the text it made safe to show.
 
     The last event of a sample has `finish_reason` set; the last event of the request also carries
-    `usage`, `modules` and `timings` (and `error` if the request failed).
+    `usage`, `modules`, `spans` and `timings` (and `error` if the request failed).
     """
 
     request_id: str
@@ -39,6 +39,8 @@ class TokenEvent:
     timings: Timings | None = None
     is_exact: bool | None = None
     fidelity: str | None = None  # the fidelity mode that ran
+    # On the final event of a request that was admitted: every prompt token once, by where its KV came from.
+    spans: tuple[PromptSpan, ...] | None = None
     error: str | None = None
     error_type: str | None = None  # "invalid_request" (the request cannot be served) | "internal"
 
@@ -103,6 +105,7 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     modules: tuple[ModuleUse, ...] = ()
     reuse: ReusePlan | None = None  # resolved at admission
+    use_tiers: tuple[str, ...] = ()  # the tier each of reuse.uses was fetched from, set at assembly
     stream: Stream | None = None  # the tokens computed for this request and the prefix reused for them
     held_keys: tuple[str, ...] = ()  # store keys acquired while the request runs
     prompt_tokens: PromptTokens | None = None  # set at admission when sampling reads the prompt's ids

@@ -77,55 +77,118 @@ async function loadSchemas() {
   if (data.length && !current) selectSchema(data[0]);
 }
 
-// Where a top-level module's KV is now: explain a prompt importing it alone.
-async function tierOf(schema, path) {
-  if (path.includes(".")) return null;
-  const explained = await api("/v1/prompts/explain", { method: "POST",
-    body: JSON.stringify({ prompt: `<prompt schema="${schema}"><${path}/></prompt>` }) });
-  const module = explained.modules.find((m) => m.path === path);
-  return module ? module.tier : null;
+// A module and the modules enclosing it, outermost first (a path is its names joined by dots; union
+// levels are transparent, so a union member's parent is the union's enclosing module).
+function lineage(byPath, path) {
+  const chain = [];
+  for (let module = byPath[path]; module; ) {
+    chain.unshift(module);
+    module = module.path === module.name ? null : byPath[module.path.slice(0, -(module.name.length + 1))];
+  }
+  return chain;
 }
 
-async function selectSchema(info) {
-  current = info;
-  $("layout-name").textContent = `${info.name} (${info.num_tokens} positions; scaffolds: ${
-    info.scaffolds.map((s) => s.join("+")).join(", ") || "none"})`;
+// The PML that imports `paths`, nested as in the schema: <outer><inner/></outer>. `attributes(path)`
+// returns the arguments to write on a module's tag.
+function importXml(info, paths, attributes = () => "") {
+  const byPath = Object.fromEntries(info.modules.map((m) => [m.path, m]));
+  const tree = new Map();  // name -> [path, children]
+  for (const path of paths) {
+    let level = tree;
+    for (const module of lineage(byPath, path)) {
+      if (!level.has(module.name)) level.set(module.name, [module.path, new Map()]);
+      level = level.get(module.name)[1];
+    }
+  }
+  const xml = (level) => [...level].map(([name, [path, children]]) => children.size
+    ? `<${name}${attributes(path)}>${xml(children)}</${name}>` : `<${name}${attributes(path)}/>`).join("");
+  return xml(tree);
+}
+
+const TIER_RANK = ["device", "host", "redis", "disk", "computed"];
+
+// Where the KV of these modules is now (the slowest of them; null: some would be computed), read with a
+// dry-run explain of a prompt that imports them. Importing every module of a scaffold uses its jointly
+// encoded KV, so this also answers where a scaffold's KV is.
+async function tierOf(info, paths) {
+  const explained = await api("/v1/prompts/explain", { method: "POST",
+    body: JSON.stringify({ prompt: `<prompt schema="${info.name}">${importXml(info, paths)}</prompt>` }) });
+  const tiers = paths.map((path) => (explained.modules.find((m) => m.path === path) || {}).tier || null);
+  if (tiers.includes(null)) return null;
+  return tiers.reduce((a, b) => (TIER_RANK.indexOf(a) >= TIER_RANK.indexOf(b) ? a : b));
+}
+
+// Rows of a layout: an item goes on the first row (from `first`) where it overlaps nothing.
+function placeRow(rows, item, first = 0) {
+  let row = first;
+  while ((rows[row] || []).some((m) => m.start < item.end && item.start < m.end)) row++;
+  (rows[row] = rows[row] || []).push(item);
+  return row;
+}
+
+function layoutBlock(info, className, start, end, row, label, title) {
+  const block = document.createElement("div");
+  block.className = className;
+  block.title = title;
+  block.style.left = (100 * start / info.num_tokens) + "%";
+  block.style.width = Math.max(0.5, 100 * (end - start) / info.num_tokens) + "%";
+  block.style.top = (row * 1.7) + "rem";
+  block.textContent = label;
+  return block;
+}
+
+// The schema's layout to scale, each module and scaffold coloured by where its KV is now.
+async function drawLayout(info) {
+  const byPath = Object.fromEntries(info.modules.map((m) => [m.path, m]));
+  const scaffolds = info.scaffolds.map((paths) => ({ paths, start: Math.min(...paths.map((p) => byPath[p].start)),
+    end: Math.max(...paths.map((p) => byPath[p].end)) }));
+  const [moduleTiers, scaffoldTiers] = await Promise.all([
+    Promise.all(info.modules.map((m) => tierOf(info, [m.path]).catch(() => null))),
+    Promise.all(scaffolds.map((s) => tierOf(info, s.paths).catch(() => null)))]);
+  if (current !== info) return;  // another schema was selected meanwhile: it draws the layout
   const layout = $("layout");
   layout.textContent = "";
   const rows = [];  // modules that overlap (union members, nested modules) stack on lower rows
-  for (const module of info.modules) {
-    let row = 0;
-    while ((rows[row] || []).some((m) => m.start < module.end && module.start < m.end)) row++;
-    (rows[row] = rows[row] || []).push(module);
-    const block = document.createElement("div");
-    const tier = await tierOf(info.name, module.path).catch(() => null);
-    if (current !== info) return;  // another schema was selected meanwhile: it draws the layout
-    block.className = "block tier-" + (tier || "none");
+  info.modules.forEach((module, i) => {
+    const row = placeRow(rows, module), tier = moduleTiers[i];
+    const block = layoutBlock(info, "block tier-" + (tier || "none"), module.start, module.end, row, module.path,
+      `${module.path}: positions ${module.start}-${module.end}, KV in ${tier || "no tier"}`);
     block.dataset.path = module.path;
-    block.title = `${module.path}: positions ${module.start}-${module.end}, KV in ${tier || "no tier"}`;
-    block.style.left = (100 * module.start / info.num_tokens) + "%";
-    block.style.width = Math.max(0.5, 100 * (module.end - module.start) / info.num_tokens) + "%";
-    block.style.top = (row * 1.7) + "rem";
-    block.textContent = module.path;
     layout.append(block);
     for (const param of module.params || []) {  // parameter slots: hatched, inside their module's row
-      const slot = document.createElement("div");
-      slot.className = "block param";
+      const slot = layoutBlock(info, "block param", param.start, param.start + param.length, row, "",
+        "param " + param.name + ": " + param.length + " positions from " + param.start);
       slot.dataset.param = module.path + "." + param.name;
-      slot.title = "param " + param.name + ": " + param.length + " positions from " + param.start;
-      slot.style.left = (100 * param.start / info.num_tokens) + "%";
-      slot.style.width = Math.max(0.5, 100 * param.length / info.num_tokens) + "%";
       slot.style.top = (row * 1.7 + 0.9) + "rem";
       slot.style.height = "0.7rem";
       layout.append(slot);
     }
-  }
+  });
+  const moduleRows = rows.length;
+  scaffolds.forEach((scaffold, i) => {  // a bracket under the modules it spans, on rows of their own
+    const row = placeRow(rows, scaffold, moduleRows), tier = scaffoldTiers[i];
+    const block = layoutBlock(info, "block scaffold tier-" + (tier || "none"), scaffold.start, scaffold.end, row,
+      "scaffold: " + scaffold.paths.join(" + "),
+      `scaffold ${scaffold.paths.join(" + ")}: encoded jointly, used when a prompt imports all of them; ` +
+      `positions ${scaffold.start}-${scaffold.end}, KV in ${tier || "no tier"}`);
+    block.dataset.scaffold = scaffold.paths.join(" ");
+    layout.append(block);
+  });
+  layout.style.height = Math.max(3, rows.length * 1.7 + 0.2) + "rem";
+}
+
+// One tick box per module (nested ones indented, unticked) with an argument field per parameter.
+function drawPicks(info) {
+  const byPath = Object.fromEntries(info.modules.map((m) => [m.path, m]));
   const picks = $("module-picks");
   picks.textContent = "";
-  for (const module of info.modules.filter((m) => !m.path.includes("."))) {
+  for (const module of info.modules) {
+    const depth = lineage(byPath, module.path).length - 1;
     const label = document.createElement("label");
+    label.className = "pick";
+    label.style.marginLeft = (depth * 1.2) + "rem";
     const box = document.createElement("input");
-    box.type = "checkbox"; box.checked = true; box.value = module.path; box.style.width = "auto";
+    box.type = "checkbox"; box.checked = depth === 0; box.value = module.path; box.style.width = "auto";
     box.addEventListener("change", compose);
     label.append(box, " " + module.path + " ");
     for (const param of module.params || []) {  // an argument for each of the module's parameters
@@ -137,17 +200,26 @@ async function selectSchema(info) {
     }
     picks.append(label);
   }
-  compose();
 }
 
+async function selectSchema(info) {
+  current = info;
+  $("layout-name").textContent = `${info.name} (${info.num_tokens} positions)`;
+  $("layout").textContent = "";  // never the previous schema's blocks under this name
+  drawPicks(info);
+  compose();
+  await drawLayout(info);
+}
+
+// The prompt: the ticked modules (a nested one inside its parents), their arguments, then the free text.
 function compose() {
   if (!current) return;
-  const argument = (path) => [...document.querySelectorAll('#module-picks .param-value[data-module="' + path + '"]')]
-    .filter((input) => input.value)
+  const argument = (path) => [...document.querySelectorAll("#module-picks .param-value")]
+    .filter((input) => input.dataset.module === path && input.value)
     .map((input) => " " + input.dataset.param + '="' + escapeXml(input.value).replace(/"/g, "&quot;") + '"').join("");
-  const imports = [...document.querySelectorAll("#module-picks input:checked")]
-    .map((b) => "<" + b.value + argument(b.value) + "/>").join("");
-  $("pml-prompt").value = `<prompt schema="${current.name}">${imports}${escapeXml($("free-text").value)}</prompt>`;
+  const picked = [...document.querySelectorAll("#module-picks input[type=checkbox]:checked")].map((b) => b.value);
+  $("pml-prompt").value = `<prompt schema="${current.name}">${importXml(current, picked, argument)}` +
+    `${escapeXml($("free-text").value)}</prompt>`;
 }
 $("free-text").addEventListener("input", compose);
 
@@ -175,40 +247,70 @@ $("upload").addEventListener("click", async () => {
 
 $("explain").addEventListener("click", async () => {
   try {
-    const e = await api("/v1/prompts/explain", { method: "POST", body: JSON.stringify({ prompt: $("pml-prompt").value }) });
+    const e = await api("/v1/prompts/explain", { method: "POST",
+      body: JSON.stringify({ prompt: $("pml-prompt").value, fidelity: $("fidelity").value || null }) });
     $("explanation").textContent = `${e.prompt_tokens} prompt tokens: ${e.cached_tokens} cached, ${e.tokens_to_compute} to compute; ` +
       `${e.exact ? "exact" : "approximate (" + e.approximations.join("; ") + ")"}, fidelity ${e.fidelity}`;
   } catch (exc) { $("explanation").textContent = exc.message; }
 });
 
-function drawSpans(final) {
-  const spans = $("spans");
-  spans.textContent = "";
-  const add = (label, cls) => { const s = document.createElement("span"); s.className = cls; s.textContent = label; spans.append(s); };
-  for (const m of final.cache.modules) {
-    add(`${m.path}: ${m.num_tokens} tok from ${m.tier}`, "tier-" + (m.tier === "computed" ? "computed" : m.tier));
-    if (m.recomputed_tokens) add(`${m.path}: ${m.recomputed_tokens} recomputed`, "tier-recomputed");
+const ORIGIN_LABELS = { prefix: "prefix block", recomputed: "recomputed", computed: "computed now" };
+
+// What a span's colour says: a module's KV from its tier, a prefix block, recomputed, computed now.
+function spanKind(span) {
+  if (span.origin === "module") {
+    return { cls: "tier-" + (span.tier || "none"), label: span.tier === "computed" ? "module encoded now" : "module from " + span.tier };
   }
-  if (final.cache.prefix) add(`prefix blocks: ${final.cache.prefix.num_tokens} tok`, "tier-prefix");
-  add(`computed now: ${final.usage.computed_tokens} tok`, "tier-computed");
+  return { cls: "tier-" + span.origin, label: ORIGIN_LABELS[span.origin] + (span.tier ? " (" + span.tier + ")" : "") };
+}
+
+// The prompt as its text, one coloured <span> per span of the server's report, and a legend that
+// counts tokens per origin.
+function drawSpans(spans) {
+  const box = $("spans"), legend = $("span-legend");
+  box.textContent = ""; legend.textContent = "";
+  const counts = new Map();
+  for (const span of spans) {
+    const kind = spanKind(span), element = document.createElement("span");
+    element.className = "origin-" + span.origin + " " + kind.cls;
+    element.dataset.origin = span.origin;
+    if (span.module) element.dataset.module = span.module;
+    if (span.tier) element.dataset.tier = span.tier;
+    element.textContent = span.text;
+    element.title = `${kind.label}${span.module ? ", module " + span.module : ""}: ${span.num_tokens} tokens, ` +
+      `positions ${span.start}-${span.start + span.num_tokens - 1}`;
+    box.append(element);
+    const entry = counts.get(kind.label) || { cls: kind.cls, tokens: 0 };
+    entry.tokens += span.num_tokens;
+    counts.set(kind.label, entry);
+  }
+  for (const [label, entry] of counts) {
+    const item = document.createElement("span");
+    item.className = entry.cls;
+    item.textContent = `${label}: ${entry.tokens}`;
+    legend.append(item);
+  }
 }
 
 $("run").addEventListener("click", async () => {
-  $("output").textContent = ""; $("stats").textContent = ""; $("spans").textContent = "";
+  $("output").textContent = ""; $("stats").textContent = ""; $("spans").textContent = ""; $("span-legend").textContent = "";
   const started = performance.now();
   let first = null, tokens = 0;
   try {
-    await stream("/v1/generate", { prompt: $("pml-prompt").value, stream: true, max_tokens: 32, temperature: 0 }, (chunk) => {
+    await stream("/v1/generate", { prompt: $("pml-prompt").value, stream: true, max_tokens: 32, temperature: 0,
+      fidelity: $("fidelity").value || null, return_spans: true }, (chunk) => {
       for (const choice of chunk.choices || []) {
         if (choice.text) { if (first === null) first = performance.now() - started; tokens++; $("output").textContent += choice.text; }
       }
       if (chunk.usage) {
-        drawSpans(chunk);
+        drawSpans(chunk.cache.spans || []);
         const seconds = (performance.now() - started) / 1000;
         $("stats").textContent = `TTFT ${first === null ? "-" : first.toFixed(0)} ms (server ${chunk.timings.ttft_ms.toFixed(1)} ms), ` +
           `${(chunk.usage.completion_tokens / seconds).toFixed(1)} tokens/s, ${chunk.usage.cached_tokens} of ${chunk.usage.prompt_tokens} ` +
-          `prompt tokens cached, ${chunk.cache.exact ? "exact" : "approximate: " + chunk.cache.approximations.join("; ")}`;
-        if (current) selectSchema(current);  // tiers may have changed
+          `prompt tokens cached, fidelity ${chunk.cache.fidelity}` +
+          (chunk.cache.recomputed_tokens ? ` (${chunk.cache.recomputed_tokens} tokens recomputed)` : "") +
+          `, ${chunk.cache.exact ? "exact" : "approximate: " + chunk.cache.approximations.join("; ")}`;
+        if (current) drawLayout(current);  // tiers may have changed
       }
     });
   } catch (exc) { $("output").textContent = exc.message; }
