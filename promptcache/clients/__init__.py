@@ -43,6 +43,8 @@ from promptcache.clients.types import (
     GenerationChunk,
     ModuleInfo,
     ModuleReport,
+    PrefixReport,
+    PromptSpan,
     SchemaInfo,
     Timings,
     Usage,
@@ -52,7 +54,7 @@ __all__ = [
     "APIConnectionError", "APIStatusError", "APITimeoutError", "Assistant", "AssistantTurn", "AsyncClient",
     "AsyncStream", "AuthenticationError", "BadRequestError", "CacheReport", "Choice", "Client", "ConflictError",
     "Explanation", "Generation", "GenerationChunk", "Import", "InternalServerError", "Module", "ModuleInfo",
-    "ModuleReport", "NotFoundError", "Param", "PayloadTooLargeError", "Prompt", "PromptCacheError", "PromptProgram",
+    "ModuleReport", "NotFoundError", "Param", "PayloadTooLargeError", "PrefixReport", "Prompt", "PromptSpan", "PromptCacheError", "PromptProgram",
     "RateLimitError", "Recorder", "Scaffold", "Schema", "SchemaInfo", "ServiceUnavailableError", "Stream", "System",
     "Timings", "Union", "UnprocessableEntityError", "Usage", "User", "prompt",
 ]

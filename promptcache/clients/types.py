@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -41,12 +43,36 @@ class ModuleReport(_Model):
     path: str
     num_tokens: int
     tier: str | None = None
+    recomputed_tokens: int = 0
+
+
+class PrefixReport(_Model):
+    """Prompt tokens reused from automatic prefix blocks, by tier."""
+
+    num_tokens: int
+    num_blocks: int
+    tiers: dict[str, int] = Field(default_factory=dict)
+
+
+class PromptSpan(_Model):
+    """Prompt tokens at consecutive layout positions whose KV came from one place (`return_spans=True`)."""
+
+    start: int
+    num_tokens: int
+    origin: Literal["module", "prefix", "recomputed", "computed"]
+    module: str | None = None
+    tier: str | None = None
+    text: str
 
 
 class CacheReport(_Model):
     exact: bool
     modules: list[ModuleReport]
     approximations: list[str] = Field(default_factory=list)
+    fidelity: str | None = None  # the mode that ran: fast | balanced | exact
+    recomputed_tokens: int = 0
+    prefix: PrefixReport | None = None
+    spans: list[PromptSpan] | None = None  # only when the request asked for them
 
 
 class Timings(_Model):

@@ -79,7 +79,8 @@ async def generate(body: GenerateRequest, service: Service, tenant: Tenant):
     params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs)
     request_id = f"gen-{uuid.uuid4().hex[:24]}"
     events = service.submit(plan, params, body.cache_salt, request_id,
-                            service.fidelity(body.fidelity, body.fidelity_head_tokens), tenant)
+                            service.fidelity(body.fidelity, body.fidelity_head_tokens), tenant,
+                            report_spans=body.return_spans)
     if body.stream:
         return StreamingResponse(_stream(service, events, request_id, plan.approximations, tenant,
                                          return_spans=body.return_spans), media_type="text/event-stream")

@@ -286,14 +286,15 @@ class PromptService:
         return self.runtime.detokenize(token_ids)
 
     def submit(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None, request_id: str,
-               fidelity: Fidelity, tenant: str | None = None) -> AsyncIterator[TokenEvent]:
-        """Raises ValueError for a logit_bias token outside the vocabulary."""
+               fidelity: Fidelity, tenant: str | None = None, report_spans: bool = False) -> AsyncIterator[TokenEvent]:
+        """Raises ValueError for a logit_bias token outside the vocabulary. `report_spans`: the final event
+        lists the prompt as spans by where their KV came from."""
         try:
             self.runtime.check_token_ids([token for token, _ in params.logit_bias])
         except ValueError as exc:
             raise ValueError(f"logit_bias: {exc}") from None
         return self.engine.submit(plan, params, cache_salt=self.salt(tenant, cache_salt), request_id=request_id,
-                                  fidelity=fidelity)
+                                  fidelity=fidelity, report_spans=report_spans)
 
     def locate(self, plan: PromptPlan, cache_salt: str | None, tenant: str | None = None) -> list[str | None]:
         """For each cached segment of the plan, the tier holding the tenant's KV for it (None: would be computed)."""

@@ -59,3 +59,25 @@ async def test_async_client_end_to_end(server):
         assert [c.index for c in result.choices] == [0, 1] and result.choices[0].text == result.choices[1].text
         chunks = [c async for c in await client.generate(PROMPT, max_tokens=4, temperature=0, stream=True)]
         assert chunks[-1].usage is not None and "".join(c.choices[0].text for c in chunks) == result.text
+
+
+def test_fidelity_and_spans_through_the_sdk(server):
+    # "tea" after "cats" was not encoded after "cats": out of context, so the modes differ.
+    prompt = Prompt("kb", [User([Import("cats"), Import("tea"), "What is hot?"]), AssistantTurn()]).to_pml()
+    with Client(server.url, max_retries=0) as client:
+        client.schemas.create(SCHEMA.to_pml())
+        plain = client.generate(prompt, max_tokens=3, temperature=0, fidelity="fast")
+        assert plain.cache.fidelity == "fast" and plain.cache.spans is None  # spans only when asked
+        balanced = client.generate(prompt, max_tokens=3, temperature=0, fidelity="balanced",
+                                   fidelity_head_tokens=2, return_spans=True)
+        assert balanced.cache.fidelity == "balanced" and balanced.cache.recomputed_tokens == 2
+        spans = balanced.cache.spans
+        assert sum(s.num_tokens for s in spans) == balanced.usage.prompt_tokens
+        assert sum(s.num_tokens for s in spans if s.origin == "recomputed") == 2
+        assert {s.module for s in spans if s.origin == "recomputed"} == {"tea"}
+        chunks = list(client.generate(prompt, max_tokens=3, temperature=0, fidelity="exact", return_spans=True,
+                                      stream=True))
+        final = chunks[-1].cache
+        assert final.fidelity == "exact" and final.exact
+        assert [s.start for s in final.spans] == sorted(s.start for s in final.spans)
+

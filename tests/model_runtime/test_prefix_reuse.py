@@ -64,16 +64,8 @@ class Harness:
 
 
 @pytest.fixture
-def harness():
-    made = []
-
-    def make(**kwargs) -> Harness:
-        made.append(Harness(**kwargs))
-        return made[-1]
-
-    yield make
-    for h in made:
-        h.engine.stop()
+def harness(engines):
+    return lambda **kwargs: engines(Harness, **kwargs)
 
 
 @pytest.mark.parametrize("logits_cache", [True, False])

@@ -33,10 +33,10 @@ class Harness:
         prefix = BlockIndexConfig(block_size=block_size) if block_size else None
         self.engine = Engine(self.runtime.module_encoder, EngineConfig(prefix=prefix, **engine))
 
-    def run(self, plan, fidelity: Fidelity = FAST, params: SamplingParams = GREEDY):
+    def run(self, plan, fidelity: Fidelity = FAST, params: SamplingParams = GREEDY, *, report_spans: bool = True):
         async def go():
             final = None
-            async for event in self.engine.submit(plan, params, fidelity=fidelity):
+            async for event in self.engine.submit(plan, params, fidelity=fidelity, report_spans=report_spans):
                 assert event.error is None, event.error
                 if event.usage is not None:
                     final = event
@@ -46,16 +46,8 @@ class Harness:
 
 
 @pytest.fixture
-def harness():
-    made = []
-
-    def make(**kwargs) -> Harness:
-        made.append(Harness(**kwargs))
-        return made[-1]
-
-    yield make
-    for h in made:
-        h.engine.stop()
+def harness(engines):
+    return lambda **kwargs: engines(Harness, **kwargs)
 
 
 def _tokens(spans, origin: str | None = None) -> int:
@@ -122,6 +114,13 @@ def test_first_run_modules_from_device_then_a_repeat_reuses_its_text_as_prefix(h
     assert {s.tier for s in again.spans if s.origin == "prefix"} == {"device"}
     assert [(s.start, s.module, s.tier) for s in again.spans if s.origin == "module"] == \
         [(s.start, s.module, s.tier) for s in modules]
+
+
+def test_spans_are_built_only_when_asked(harness):
+    h = harness()
+    plan = h.runtime.plan(PROMPTS[1])
+    assert h.run(plan, report_spans=False).spans is None
+    check_spans(plan, FAST, h.run(plan))
 
 
 @pytest.mark.parametrize("fidelity", [Fidelity("balanced", 3), Fidelity("exact")], ids=["balanced", "exact"])

@@ -74,14 +74,17 @@ class Engine:
             self._thread = None
 
     def submit(self, plan: PromptPlan, params: SamplingParams, *, cache_salt: str | None = None,
-               request_id: str | None = None, fidelity: Fidelity | None = None) -> AsyncIterator[TokenEvent]:
+               request_id: str | None = None, fidelity: Fidelity | None = None,
+               report_spans: bool = False) -> AsyncIterator[TokenEvent]:
         """Queue a request; iterate the result for its events (must be called on a running loop).
-        `fidelity` (default: the engine's) says how module KV reused out of context is treated."""
+        `fidelity` (default: the engine's) says how module KV reused out of context is treated;
+        `report_spans` puts the prompt's spans by KV origin on the final event."""
         request_id = request_id or f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._sinks[request_id] = (loop, queue)
-        self._post("submit", Request(request_id, plan, params, cache_salt, fidelity or self.config.fidelity))
+        self._post("submit", Request(request_id, plan, params, cache_salt, fidelity or self.config.fidelity,
+                                     report_spans=report_spans))
         self.start()
         return self._events(request_id, queue)
 

@@ -38,7 +38,7 @@ def final_event(request: Request, index: int, token: int | None, text: str, fini
                       total_ms=(now - request.submitted_at) * 1e3)
     prompt_logprobs = tuple(request.prompt_logprobs) if request.prompt_logprobs is not None else None
     spans = prompt_spans(plan, reuse, request.use_tiers, stream.match.links) \
-        if reuse is not None and stream is not None else None
+        if request.report_spans and reuse is not None and stream is not None else None
     return TokenEvent(request.request_id, index, token, text, finish, logprobs, prompt_logprobs, usage=usage,
                       modules=request.modules, prefix=prefix_use(stream.match) if stream is not None else None,
                       timings=timings, is_exact=reuse.is_exact if reuse is not None else plan.is_exact,
