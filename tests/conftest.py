@@ -19,16 +19,18 @@ os.environ.setdefault("PROMPTCACHE_DTYPE", "float32")
 
 
 @functools.cache
-def _tiny_loaded(arch: str, dtype: torch.dtype):
+def _tiny_loaded(arch: str, dtype: torch.dtype, pack_weights: bool = False):
     tokenizer = make_test_tokenizer()
     model = make_tiny_model(arch, vocab_size=len(tokenizer), dtype=dtype)
-    return wrap_model(model, tokenizer, name=f"tiny-{arch}")
+    return wrap_model(model, tokenizer, name=f"tiny-{arch}", pack_weights=pack_weights)
 
 
-def make_tiny_runtime(arch: str = "llama", *, dtype: torch.dtype = torch.float32, store=None) -> ModelRuntime:
-    """A runtime over a cached tiny model and a fresh in-memory store (unless one is given)."""
+def make_tiny_runtime(arch: str = "llama", *, dtype: torch.dtype = torch.float32, store=None,
+                      pack_weights: bool = False) -> ModelRuntime:
+    """A runtime over a cached tiny model and a fresh in-memory store (unless one is given);
+    `pack_weights` as the server loads models (packed_linear.py)."""
     store = store if store is not None else build_store(StoreConfig(), device="cpu")
-    return ModelRuntime(_tiny_loaded(arch, dtype), store)
+    return ModelRuntime(_tiny_loaded(arch, dtype, pack_weights), store)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from promptcache.cache_store import KVBlock, dumps
 from promptcache.model_runtime import ModelConfig, SamplingParams
 from promptcache.model_runtime.cpu_features import auto_dtype, cpu_flags
 from promptcache.model_runtime.engine import Engine, EngineConfig
+from promptcache.model_runtime.packed_linear import can_pack
 from promptcache.server import ServerSettings
 from tests.conftest import make_tiny_runtime
 
@@ -46,10 +47,15 @@ def test_auto_is_the_server_default_and_resolves_on_this_machine(monkeypatch):
         ModelConfig(dtype="int8")
 
 
-def test_bf16_engine_agrees_with_fp32_within_tolerance():
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_bf16_engine_agrees_with_fp32_within_tolerance(packed):
     """Same weights in bf16 and fp32, through the batched engine: the next-token distributions agree within
-    bf16's precision, and the stored KV takes half the bytes per token."""
-    fp32, bf16 = make_tiny_runtime("llama"), make_tiny_runtime("llama", dtype=torch.bfloat16)
+    bf16's precision, and the stored KV takes half the bytes per token. `packed`: both with their linear
+    weights packed for oneDNN, as the server loads them (where this CPU packs bf16)."""
+    if packed and not can_pack(torch.bfloat16):
+        pytest.skip("this CPU has no native bf16 for packed linears")
+    fp32 = make_tiny_runtime("llama", pack_weights=packed)
+    bf16 = make_tiny_runtime("llama", dtype=torch.bfloat16, pack_weights=packed)
     assert bf16.loaded.kv_bytes_per_token * 2 == fp32.loaded.kv_bytes_per_token
     schema = """<schema name="s"><module name="doc">The river flows north through the valley.</module></schema>"""
     prompts = ['<prompt schema="s"><doc/>Where does the river flow?</prompt>',
