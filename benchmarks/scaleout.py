@@ -8,8 +8,9 @@ Workload (the same requests, in the same order, for every router): 4 PML schemas
 sets per schema, ~1.3K-token prompts) and asks a new question; plus chat sessions of 5 turns opening with
 a ~600-token text (each turn's history includes the replies the server sent). Server defaults otherwise
 (fidelity exact: module KV where its context is exact, prefix blocks for the rest). Routers: `default`
-(Ray's), `affinity` (the default load guard), `affinity_eager_spill` (the guard at abs 0 / rel 1: the key's
-replica unless another is less loaded). Each gets a fresh application (empty device tiers) and a flushed
+(Ray's), `affinity` (the default load guard), `affinity_schema` (PML keyed on the schema alone: a schema's
+modules and the prefix chains built on them on one replica), `affinity_eager_spill` (the guard at abs 0 /
+rel 1: the key's replica unless another is less loaded). Each gets a fresh application (empty device tiers) and a flushed
 Redis; every replica has 1 CPU (torch threads 1), a device tier that holds a given share of the workload's
 KV (`--device-shares`, computed in the replicas' dtype) and a 1 MiB host tier that no block fits (on a CPU
 the host tier is the same memory as the device tier): what a replica's device tier lacks comes from Redis
@@ -55,6 +56,7 @@ CHAT_SYSTEM = ("You are a friendly travel guide for a region of small towns. Kee
 # Router variants: Ray's default; cache affinity with the default load guard; cache affinity whose guard
 # spills as soon as the owner is busier than another replica (abs 0, rel 1: least loaded, ties by affinity).
 ROUTERS = {"default": {"router": "default"}, "affinity": {"router": "affinity"},
+           "affinity_schema": {"router": "affinity", "pml_key": "schema"},
            "affinity_eager_spill": {"router": "affinity", "abs_threshold": 0, "rel_threshold": 1.0}}
 CHAT_TURNS = ["Which dish should I try there?", "Who could I ask about the history?", "What river is nearby?",
               "Is it worth a second day?", "Thank you. What should I pack?"]
@@ -216,7 +218,7 @@ def draw(runs: dict[float, dict[str, dict]], simulated: list[dict], out: Path) -
     shares = list(runs)
     routers = list(next(iter(runs.values())))
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
-    colors = dict(zip(ROUTERS, ["#999999", "#2a7ab9", "#7fb3d9"]))
+    colors = dict(zip(ROUTERS, ["#999999", "#2a7ab9", "#1b9e77", "#7fb3d9"]))
     width = 0.8 / len(routers)
     for ax, metric, title in [(axes[0], "device_hit_rate", "device-tier hit rate"),
                               (axes[1], "p50_ttft_ms", "p50 TTFT (ms, client)")]:

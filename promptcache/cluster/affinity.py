@@ -4,7 +4,9 @@ Two requests with the same key would reuse the same cached KV, so sending them t
 it in that replica's device tier:
 
 - a PML prompt (`/v1/generate`, `/v1/prompts/explain`, a completion prompt starting with `<prompt`, a chat
-  with `schema`): (tenant, schema, the sorted set of module names it imports);
+  with `schema`): (tenant, schema, the sorted set of module names it imports) — or, with
+  `pml_key="schema"`, (tenant, schema): every prompt of a schema on one replica, which then holds all of
+  its modules' KV and the prefix chains built on them (docs/scaling.md compares the two);
 - a plain completion or chat: (tenant, cache_salt, the first `prefix_chars` characters of its text — for a
   chat, of its messages up to and including the first user message, which every later turn of the same
   conversation repeats); a prompt given as token ids: its first `prefix_chars // 4` ids;
@@ -42,8 +44,11 @@ class AffinityConfig:
 
     prefix_chars: int = 256  # plain/chat text hashed: about two prefix blocks of 32 tokens
     max_scan_chars: int = 256 << 10  # module tags are looked for in at most this much PML
+    pml_key: Literal["modules", "schema"] = "modules"  # what of a PML prompt the key covers
 
     def __post_init__(self) -> None:
+        if self.pml_key not in ("modules", "schema"):
+            raise ValueError(f"pml_key must be 'modules' or 'schema', got {self.pml_key!r}")
         if self.prefix_chars < 1:
             raise ValueError(f"prefix_chars must be at least 1, got {self.prefix_chars}")
         if self.max_scan_chars < 1:
@@ -99,6 +104,8 @@ def _pml_key(owner: str, prompt: Any, config: AffinityConfig) -> AffinityKey | N
     schema = _first_group(SCHEMA_ATTRIBUTE, prompt[:config.max_scan_chars])
     if schema is None:
         return None
+    if config.pml_key == "schema":
+        return _key("pml", owner, schema)
     return _key("pml", owner, schema, *_module_names(prompt[:config.max_scan_chars]))
 
 
@@ -108,6 +115,8 @@ def _chat_key(owner: str, salt: str, body: dict[str, Any], config: AffinityConfi
         return None
     schema = body.get("schema")
     if isinstance(schema, str):  # message content is PML: its tags import the schema's modules
+        if config.pml_key == "schema":
+            return _key("pml", owner, schema)
         text = "".join(_content_text(m.get("content")) for m in messages if isinstance(m, dict))
         return _key("pml", owner, schema, *_module_names(text[:config.max_scan_chars]))
     head = []

@@ -44,6 +44,7 @@ def build_application(settings: dict[str, Any], options: ClusterOptions | None =
         replica_options["request_router_config"] = RequestRouterConfig(
             request_router_class=CacheAffinityRouter,
             request_router_kwargs={"settings": settings, "prefix_chars": options.prefix_chars,
+                                   "pml_key": options.pml_key,
                                    "abs_threshold": options.abs_threshold,
                                    "rel_threshold": options.rel_threshold})
     replicas = serve.deployment(PromptCacheReplica, **replica_options).bind(settings, options.num_threads)

@@ -16,6 +16,7 @@ class ClusterOptions:
     num_gpus_per_replica: float = 0.0
     router: Literal["affinity", "default"] = "affinity"  # default: Ray's power-of-two-choices router
     prefix_chars: int = 256  # affinity.AffinityConfig
+    pml_key: Literal["modules", "schema"] = "modules"  # affinity.AffinityConfig
     abs_threshold: int = 4  # policy.LoadGuard
     rel_threshold: float = 1.5  # policy.LoadGuard
     health_check_period_s: float = 2.0
@@ -30,6 +31,8 @@ class ClusterOptions:
             raise ValueError(f"max_ongoing_requests must be at least 1, got {self.max_ongoing_requests}")
         if self.num_cpus_per_replica < 0 or self.num_gpus_per_replica < 0:
             raise ValueError("num_cpus_per_replica and num_gpus_per_replica must be >= 0")
+        if self.pml_key not in ("modules", "schema"):
+            raise ValueError(f"pml_key must be 'modules' or 'schema', got {self.pml_key!r}")
         if self.router not in ("affinity", "default"):
             raise ValueError(f"router must be 'affinity' or 'default', got {self.router!r}")
         if self.num_gateways < 1:

@@ -30,13 +30,14 @@ MAX_REMEMBERED_KEYS = 4096  # keys of requests still being routed (a request may
 class CacheAffinityRouter(RequestRouter):
     def initialize_state(self, settings: dict[str, Any] | None = None,
                          prefix_chars: int = DEFAULT_AFFINITY.prefix_chars,
+                         pml_key: str = DEFAULT_AFFINITY.pml_key,
                          abs_threshold: int = DEFAULT_GUARD.abs_threshold,
                          rel_threshold: float = DEFAULT_GUARD.rel_threshold) -> None:
         """Called by Ray with the deployment's `request_router_kwargs`. `settings` are the replicas'
         explicit ServerSettings fields: the API keys resolve to tenants here exactly as in the replicas."""
         resolved = ServerSettings(**(settings or {}))
         self.tenants = TenantDirectory.load(resolved.api_keys_file, resolved.api_keys, Quota())
-        self.affinity = AffinityConfig(prefix_chars=prefix_chars)
+        self.affinity = AffinityConfig(prefix_chars=prefix_chars, pml_key=pml_key)
         self.policy = RoutingPolicy(LoadGuard(abs_threshold=abs_threshold, rel_threshold=rel_threshold))
         self._keys: OrderedDict[str, AffinityKey | None] = OrderedDict()
 

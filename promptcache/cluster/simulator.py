@@ -2,7 +2,7 @@
 
 Replicas are servers with a few parallel slots and an LRU device tier counted in modules. Requests arrive
 as a Poisson stream; each picks a schema by Zipf popularity and one of the schema's module sets (its
-affinity key), needs those modules' KV, and takes `base_s` plus `miss_s` per module its replica's device
+affinity key; `affinity_schema` keys on the schema alone, as `pml_key="schema"`), needs those modules' KV, and takes `base_s` plus `miss_s` per module its replica's device
 tier lacks (a fetch from Redis or a recompute). Loads are requests queued or running, as Ray counts them.
 `python -m promptcache.cluster.simulator --replicas 16 64` prints one JSON line per (replicas, policy).
 """
@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 from promptcache.cluster.policy import LoadGuard, RoutingPolicy
 
-POLICIES = ("affinity", "power_of_two", "random")
+POLICIES = ("affinity", "affinity_schema", "power_of_two", "random")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +91,7 @@ class _Replica:
 
 
 def simulate(config: SimulationConfig, policy_name: str) -> SimulationResult:
-    """Run one policy (`affinity`, `power_of_two` or `random`) on the workload of `config`."""
+    """Run one policy (`affinity`, `affinity_schema`, `power_of_two` or `random`) on the workload of `config`."""
     if policy_name not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy_name!r}")
     rng = random.Random(config.seed)  # same seed, same arrivals and request mix for every policy
@@ -131,9 +131,10 @@ def simulate(config: SimulationConfig, policy_name: str) -> SimulationResult:
             continue
         schema = rng.choices(range(num_schemas), weights)[0]
         modules_index = rng.randrange(config.module_sets_per_schema)
-        key = hashlib.blake2b(f"{schema}/{modules_index}".encode(), digest_size=16).digest()
+        key_text = f"{schema}" if policy_name == "affinity_schema" else f"{schema}/{modules_index}"
+        key = hashlib.blake2b(key_text.encode(), digest_size=16).digest()
         loads = {r: replicas[r].load for r in replica_ids}
-        if policy_name == "affinity":
+        if policy_name.startswith("affinity"):
             replica_id = policy.choose(key, loads).replica_id
         elif policy_name == "power_of_two":  # Ray's default: two at random, the less loaded
             a, b = choice_rng.sample(replica_ids, 2) if len(replica_ids) > 1 else (replica_ids[0],) * 2

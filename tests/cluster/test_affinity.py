@@ -38,6 +38,16 @@ def test_pml_prompts_share_a_key_by_tenant_schema_and_module_set():
     assert _key("/v1/generate", _pml("<a/><b/>"), key="sk-b") != base  # the tenant is part of it
 
 
+def test_schema_granularity_keys_every_prompt_of_a_schema_alike():
+    base = _key("/v1/generate", _pml("<a/><b/>"), pml_key="schema")
+    assert _key("/v1/generate", _pml("<c/>", "Other"), pml_key="schema") == base  # any modules
+    chat = {"model": "m", "schema": "kb", "messages": [{"role": "user", "content": "<d/>Q?"}]}
+    assert _key("/v1/chat/completions", chat, pml_key="schema") == base
+    assert _key("/v1/generate", _pml("<a/><b/>", schema="other"), pml_key="schema") != base
+    assert _key("/v1/generate", _pml("<a/><b/>"), key="sk-b", pml_key="schema") != base
+    assert _key("/v1/generate", _pml("<a/><b/>")) != base  # the default covers the modules too
+
+
 def test_nested_imports_and_role_tags():
     nested = _key("/v1/generate", {"prompt": '<prompt schema="t"><user><trip><paris/></trip>Go</user></prompt>'})
     flat = _key("/v1/generate", {"prompt": "<prompt schema='t'><system>S</system><trip/><paris/></prompt>"})
@@ -107,3 +117,5 @@ def test_open_server_keys_everyone_as_the_default_tenant():
 def test_config_is_validated():
     with pytest.raises(ValueError, match="prefix_chars"):
         AffinityConfig(prefix_chars=0)
+    with pytest.raises(ValueError, match="pml_key"):
+        AffinityConfig(pml_key="tokens")

@@ -25,7 +25,7 @@ def test_fixed_replicas_with_the_affinity_router():
     assert replicas.init_args == ({"redis_url": "redis://127.0.0.1:6379/0"}, 2)  # settings, torch threads
     router = replicas._deployment_config.request_router_config
     assert router.get_request_router_class() is CacheAffinityRouter
-    assert router.request_router_kwargs["abs_threshold"] == 1
+    assert router.request_router_kwargs["abs_threshold"] == 1 and router.request_router_kwargs["pml_key"] == "modules"
     assert router.request_router_kwargs["settings"] == {"redis_url": "redis://127.0.0.1:6379/0"}
 
 
