@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import itertools
+import json
 import random
 import statistics
 import tempfile
@@ -234,7 +235,7 @@ def draw(runs: dict[float, dict[str, dict]], simulated: list[dict], out: Path) -
         axes[2].bar([j + i * width for j in range(len(counts))], counts, width, label=router, color=colors[router])
     axes[2].set_title(f"requests per replica (device tier {shares[0]:.0%})")
     axes[2].set_xticks([j + width * (len(routers) - 1) / 2 for j in range(2)], ["replica 1", "replica 2"])
-    for policy, marker in zip(POLICIES, "o^s"):
+    for policy, marker in zip(POLICIES, "o^sd"):
         rows = [r for r in simulated if r["policy"] == policy]
         axes[3].plot([r["num_replicas"] for r in rows], [r["device_hit_rate"] for r in rows], marker=marker,
                      label=policy)
@@ -245,6 +246,19 @@ def draw(runs: dict[float, dict[str, dict]], simulated: list[dict], out: Path) -
     fig.suptitle("2 Ray Serve replicas of SmolLM2-135M, 1 CPU each, one Redis: affinity vs Ray's default router")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+
+
+def replot() -> None:
+    """Redraw from OUT: the application runs already there, the simulator run again (it is cheap)."""
+    rows = [json.loads(line) for line in OUT.read_text().splitlines()]
+    kept = [r for r in rows if r["bench"] != "scaleout_sim"]
+    OUT.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+    simulated = run_simulator()
+    runs: dict[float, dict[str, dict]] = {}
+    for row in kept:
+        if row["bench"] == "scaleout":
+            runs.setdefault(row["device_share"], {})[row["router"]] = row
+    draw(runs, simulated, OUT.with_suffix(".png"))
 
 
 def main() -> None:
@@ -260,7 +274,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="the replicas' dtype (auto: what `promptcache serve` picks here); sizes the tiers")
     parser.add_argument("--routers", nargs="+", choices=list(ROUTERS), default=list(ROUTERS))
+    parser.add_argument("--replot", action="store_true",
+                        help="only run the simulator again and redraw the PNG from the results file")
     args = parser.parse_args()
+    if args.replot:
+        replot()
+        return
 
     import ray
     from ray import serve
