@@ -141,7 +141,10 @@ def test_an_encoding_chunk_shares_the_decode_pass():
 def test_a_failed_shared_pass_reruns_the_encoding_and_the_sequences_alone():
     tokens, oracle, difference, passes, _, failed = _encode_while_decoding(fail_fused_once=True)
     assert failed and tokens == oracle and difference <= 1e-5
-    assert passes[:5] == [4, 1, 1, 1, 1]  # the failed pass, then the encoding chunk and each sequence alone
+    # Decode-only passes of the 3 sequences may run before the upload reaches the engine; from the failed
+    # pass (3 sequences + the encoding chunk) on: the encoding chunk, then each sequence alone.
+    first = passes.index(4)
+    assert set(passes[:first]) <= {3} and passes[first: first + 5] == [4, 1, 1, 1, 1], passes[:8]
 
 
 def test_prompt_logprobs_across_chunks_equal_one_full_forward():
