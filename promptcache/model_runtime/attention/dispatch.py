@@ -13,8 +13,12 @@ from promptcache.model_runtime.attention.backends import BACKENDS, fused_cpu_att
 
 # rows x keys per KV group from which the fused CPU op wins (the smallest size measured).
 FUSED_MIN_WORK = 16
-# T x T x G for a causal block of T new tokens: below it the masked matmul is cheaper than expanding KV.
-CAUSAL_FUSED_MIN_WORK = 64 * 1024
+# T x T x G for a causal block of T new tokens: below it the masked matmul instead of the fused op on KV
+# expanded to every head. On the AVX2 EPYC the masked matmul was cheaper below 64K; on the Zen 4 (AVX-512)
+# the fused op won at every size measured, 1.4-2.4x, T = 2..128 in fp32 and bf16
+# (benchmarks/attention_thresholds.py --causal, results/causal_threshold.jsonl): 9 new tokens, bf16,
+# 61 vs 107 us a layer. The fused op is used throughout; the matmul stays the reference kernel.
+CAUSAL_FUSED_MIN_WORK = 0
 # Decode: a sequence with at least this many own keys attends them in place with one fused call of its own;
 # shorter ones share one padded batch call. Measured (Qwen2.5-0.5B head shape, 2 threads, batch 32, per
 # layer): 64 own keys padded 1.06 ms vs fused per sequence 1.26 ms; 128: 2.36 vs 1.50; 1024: 24.4 vs 7.0;
