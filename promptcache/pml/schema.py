@@ -80,6 +80,18 @@ class Schema:
         """Positions the layout spans (the longest member counted for each union)."""
         return self.num_positions
 
+    def always_included(self) -> list[tuple[int, int]]:
+        """Position ranges [start, end) of the text every prompt of this schema includes (system
+        prompt, role tags, text outside modules), adjacent segments merged, in position order."""
+        ranges: list[tuple[int, int]] = []
+        for segment in sorted((s for s in self.segments if not s.owner and not s.is_placeholder),
+                              key=lambda s: s.start):
+            if ranges and ranges[-1][1] == segment.start:
+                ranges[-1] = (ranges[-1][0], segment.end)
+            else:
+                ranges.append((segment.start, segment.end))
+        return ranges
+
     def module_table(self) -> list[dict[str, object]]:
         """One row per module: name, dotted path, start, end (exclusive), positions spanned, and its own
         parameter slots (name, start, length)."""

@@ -48,7 +48,8 @@ def schema_info(service: PromptService, schema: Schema, tenant: str | None) -> S
     return SchemaInfo(name=schema.name, num_tokens=schema.num_positions,
                       modules=[ModuleInfo(**row) for row in schema.module_table()],
                       encode_ms=service.schema_encode_ms(schema.name, tenant), num_segments=len(schema.segments),
-                      scaffolds=[list(sc.module_paths) for sc in schema.scaffolds])
+                      scaffolds=[list(sc.module_paths) for sc in schema.scaffolds],
+                      always_included=schema.always_included())
 
 
 @router.post("/schemas", status_code=201, response_model=SchemaInfo)

@@ -48,6 +48,8 @@ class SchemaInfo(BaseModel):
     encode_ms: float | None = None
     num_segments: int = 0
     scaffolds: list[list[str]] = Field(default_factory=list)
+    always_included: list[tuple[int, int]] = Field(
+        default_factory=list, description="position ranges [start, end) of the text every prompt includes")
 
 
 class SchemaList(BaseModel):

@@ -16,6 +16,17 @@ def test_sequential_offsets(pml):
     assert [s.start for s in schema.segments] == [0, intro, intro + a, intro + a + b]
 
 
+def test_always_included_ranges_are_the_text_outside_modules(pml):
+    schema = pml.schema("""<schema name="s">Intro text.
+      <module name="a">Alpha module body.</module>
+      <module name="b">Beta body, a bit longer than alpha.</module>
+      Closing words.</schema>""")
+    assert schema.always_included() == [(0, schema.modules["a"].start),
+                                        (schema.modules["b"].end, schema.num_positions)]
+    nested = pml.schema("""<schema name="s"><module name="m">Only a module.</module></schema>""")
+    assert nested.always_included() == []
+
+
 def test_union_spans_longest_member_and_members_share_start(pml):
     schema = pml.schema("""<schema name="s">Head.
       <union>

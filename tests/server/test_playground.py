@@ -89,6 +89,11 @@ def test_playground_in_a_real_browser(live_server, browser_page, tmp_path):
         '.block.scaffold', '.block[data-path="d1"]', '.block[data-path="d2"]'))
     assert box["y"] > d1["y"] and abs(box["x"] - d1["x"]) < 2 and abs(box["x"] + box["width"] - d2["x"] - d2["width"]) < 2
     assert "docs" in page.inner_text("#schema-list")
+    info = httpx.get(server.url + "/v1/schemas/docs", headers={"Authorization": "Bearer unused"}).json()
+    always = page.locator(".block.always")  # the text every prompt includes, drawn to scale beside the modules
+    assert always.count() == len(info["always_included"]) >= 1
+    first = min(info["always_included"])
+    assert page.get_attribute(".block.always", "data-always") == f"{first[0]}-{first[1]}"
 
     # Compose, explain, run: streamed text, the prompt drawn as spans by origin whose text is the prompt's.
     prompt = page.input_value("#pml-prompt")

@@ -149,6 +149,12 @@ async function drawLayout(info) {
   const layout = $("layout");
   layout.textContent = "";
   const rows = [];  // modules that overlap (union members, nested modules) stack on lower rows
+  for (const [start, end] of info.always_included || []) {  // system prompt, role tags: in every prompt
+    const block = layoutBlock(info, "block always", start, end, placeRow(rows, { start, end }), "always",
+      `always included (every prompt): positions ${start}-${end}`);
+    block.dataset.always = `${start}-${end}`;
+    layout.append(block);
+  }
   info.modules.forEach((module, i) => {
     const row = placeRow(rows, module), tier = moduleTiers[i];
     const block = layoutBlock(info, "block tier-" + (tier || "none"), module.start, module.end, row, module.path,
