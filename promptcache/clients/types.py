@@ -24,6 +24,8 @@ class SchemaInfo(_Model):
     num_tokens: int
     modules: list[ModuleInfo]
     encode_ms: float | None = None
+    scaffolds: list[list[str]] = Field(default_factory=list)  # module paths encoded jointly
+    always_included: list[tuple[int, int]] = Field(default_factory=list)  # [start, end) in every prompt
 
 
 class Choice(_Model):

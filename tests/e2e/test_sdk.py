@@ -34,6 +34,9 @@ def test_sync_client_end_to_end(server):
         assert client.health()
         info = client.schemas.create(SCHEMA.to_pml())
         assert info.name == "kb" and [m.path for m in info.modules] == ["cats", "tea"]
+        # the system turn and the role tags around the modules: before the first and after the last
+        assert info.always_included[0][0] == 0 and info.always_included[0][1] == info.modules[0].start
+        assert info.always_included[-1] == (info.modules[-1].end, info.num_tokens)
         with pytest.raises(ConflictError):
             client.schemas.create(SCHEMA.to_pml())
         result = client.generate(PROMPT, max_tokens=5, temperature=0)
