@@ -9,7 +9,9 @@ prompt already), a lower attention temperature T for the query's attention to th
 factor S on that part's log-sum-exp before it is merged with the attention to everything else. Here it is
 emulated exactly in-process on the `fast` layout (fidelity_selection's block mask: every module attends to
 its encoding context and itself; new text attends to every row before it), with new-text rows and generated
-tokens attending to module rows at temperature T and weight S. T = S = 1 is `fast`.
+tokens attending to module rows at temperature T and weight S. T = S = 1 is `fast`. `--realign` adds
+position re-alignment: new text sits at contiguous positions and sees every reused row's keys rotated to
+its contiguous position (RoPE re-rotation; the reused rows themselves keep their encoding).
 
 1. Tune, without labels (KL calibration): on a held-out eval set (`--tune-seed`), the first-token KL from a
    contiguous full prefill for each (T, S) of the grid; the lowest mean KL over the tasks wins.
@@ -50,6 +52,8 @@ class Ape:
     queries: torch.Tensor | None = None  # [n] bool: prompt rows whose attention is tempered (new text)
     temperature: float = 1.0
     scale: float = 1.0
+    shift: torch.Tensor | None = None    # [n] int: how far reused rows' keys move for new text (re-alignment)
+    inv_freq: torch.Tensor | None = None  # [D/2]: the model's RoPE frequencies
 
 
 ape = Ape()
@@ -72,6 +76,13 @@ def _ape_attention(module, query, key, value, attention_mask, scaling=None, drop
     rows = ape.queries if num_q == len(ape.context) else torch.ones(num_q, dtype=torch.bool)  # prompt | decode
     if rows.any():
         tempered = scores[:, rows]                                            # [H, R, N]
+        if ape.shift is not None:  # new text sees reused keys rotated to contiguous positions
+            shift = torch.zeros(num_k, dtype=torch.long)
+            shift[: len(ape.shift)] = ape.shift
+            realigned = torch.matmul(query[0, :, rows].float(), rotate(k, shift, ape.inv_freq).transpose(-1, -2))
+            tempered = realigned * scaling
+            if attention_mask is not None:
+                tempered = tempered.masked_fill(~attention_mask[0, 0, rows], float("-inf"))
         to_context = (tempered / ape.temperature).masked_fill(~context, float("-inf"))
         to_rest = tempered.masked_fill(context, float("-inf"))
         lse_context, lse_rest = torch.logsumexp(to_context, -1), torch.logsumexp(to_rest, -1)  # [H, R]
@@ -80,6 +91,25 @@ def _ape_attention(module, query, key, value, attention_mask, scaling=None, drop
         weights = torch.softmax(torch.stack([lse_context * ape.scale, lse_rest]), dim=0)       # [2, H, R]
         out[:, rows] = weights[0, ..., None] * out_context + weights[1, ..., None] * out_rest
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None           # [1, Q, H, D]
+
+
+def rotate(keys: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Keys [H, N, D] already carrying RoPE, moved by `shift` [N] positions (HF's rotate-half layout):
+    rotations in each frequency plane compose, so this equals applying RoPE at the shifted position."""
+    angle = shift[:, None].float() * inv_freq[None, :].float()                # [N, D/2]
+    cos, sin = torch.cat([angle.cos()] * 2, dim=-1), torch.cat([angle.sin()] * 2, dim=-1)  # [N, D]
+    half = keys.shape[-1] // 2
+    rotated_half = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)  # [H, N, D]
+    return keys * cos + rotated_half * sin
+
+
+def realigned_positions(rows: Rows) -> tuple[list[int], torch.Tensor]:
+    """Pass positions (reused rows at the layout's, new text contiguous) and each row's shift to contiguous."""
+    positions = [layout if segment is not None else index
+                 for index, (layout, segment) in enumerate(zip(rows.positions, rows.segment_of))]
+    shift = torch.tensor([index - p if segment is not None else 0
+                          for index, (p, segment) in enumerate(zip(rows.positions, rows.segment_of))])
+    return positions, shift
 
 
 def ape_rows(rows: Rows, module_segments: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +135,8 @@ def main() -> None:
     parser.add_argument("--tune-seed", type=int, default=1)
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.6, 0.8, 1.0])
     parser.add_argument("--scales", nargs="+", type=float, default=[0.8, 1.0])
+    parser.add_argument("--realign", action="store_true",
+                        help="also move reused rows' keys to contiguous positions for new text (RoPE re-rotation)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS / "fidelity_ape.jsonl")
     args = parser.parse_args()
@@ -113,6 +145,7 @@ def main() -> None:
     AttentionInterface.register(ATTENTION, _ape_attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     model = loaded.model
+    ape.inv_freq = model.model.rotary_emb.inv_freq
     eos = set(loaded.eos_token_ids)
 
     def prepared(per_task: int, seed: int) -> list:
@@ -138,15 +171,17 @@ def main() -> None:
         ape.context = None
         full = first_token_logprobs(model, rows, torch.ones((n, n), dtype=torch.bool).tril()[None, None],
                                     list(range(n)))
-        ape.context, ape.queries = context, queries
+        positions, shift = realigned_positions(rows) if args.realign else (rows.positions, None)
+        ape.context, ape.queries, ape.shift = context, queries, shift
         for point in grid:
             ape.temperature, ape.scale = point
-            mine = first_token_logprobs(model, rows, mask_of(rows, set()), rows.positions)
+            mine = first_token_logprobs(model, rows, mask_of(rows, set()), positions)
             kl[point].append(float((full.exp() * (full - mine)).sum()))
         if index % 10 == 0:
             log(f"tune {index}/{len(tune)}")
     for point in grid:
-        emit({"bench": "fidelity_ape_tune", "temperature": point[0], "scale": point[1], "num_prompts": len(tune),
+        emit({"bench": "fidelity_ape_tune", "realign": args.realign, "temperature": point[0], "scale": point[1],
+              "num_prompts": len(tune),
               "seed": args.tune_seed, "mean_first_token_kl": round(statistics.mean(kl[point]), 4)}, args.out)
     best = min(grid, key=lambda point: statistics.mean(kl[point]))
     log(f"lowest KL at T={best[0]}, S={best[1]}")
@@ -160,20 +195,24 @@ def main() -> None:
     if any(len(earlier[m]) != len(evaluation) for m in ("fast", "full_prefill")):
         raise SystemExit(f"{args.against} was not run on this eval set (--per-task {args.per_task})")
     ape.temperature, ape.scale = best
+    label = f"ape:{best[0]}:{best[1]}" + (":realign" if args.realign else "")
     answers = args.out.with_suffix(".answers.jsonl").open("w")
     for task in args.tasks:
         picked = [(i, p) for i, p in enumerate(evaluation) if p[0].task == task]
         correct = []
         for count, (i, (item, rows, context, queries)) in enumerate(picked):
             assert earlier["fast"][i]["meta"] == item.meta, "the runs must use the same eval set"
-            ape.context, ape.queries = context, queries
-            text = loaded.tokenizer.decode(generate(model, rows, mask_of(rows, set()), eos=eos), skip_special_tokens=True)
+            positions, shift = realigned_positions(rows) if args.realign else (rows.positions, None)
+            ape.context, ape.queries, ape.shift = context, queries, shift
+            generated = generate(model, rows, mask_of(rows, set()), positions, eos,
+                                 len(positions) if args.realign else None)
+            text = loaded.tokenizer.decode(generated, skip_special_tokens=True)
             correct.append(score(text, item))
-            answers.write(json.dumps({"mode": f"ape:{best[0]}:{best[1]}", "task": task, "meta": item.meta,
+            answers.write(json.dumps({"mode": label, "task": task, "meta": item.meta,
                                       "text": text, "correct": correct[-1]}) + "\n")
             if count % 20 == 0:
                 log(f"{task} {count}/{len(picked)}")
-        record = {"bench": "fidelity_ape", "task": task, "temperature": best[0], "scale": best[1],
+        record = {"bench": "fidelity_ape", "task": task, "variant": label, "temperature": best[0], "scale": best[1],
                   "num_prompts": len(picked), "accuracy": round(100 * sum(correct) / len(correct), 1),
                   "ci95": [round(x, 1) for x in wilson(sum(correct), len(correct))]}
         for mode in ("fast", "full_prefill"):

@@ -136,11 +136,14 @@ def mask_of(rows: Rows, recomputed: set[int]) -> torch.Tensor:
 
 @torch.inference_mode()
 def generate(model, rows: Rows, mask: torch.Tensor, positions: list[int] | None = None,
-             eos: set[int] = frozenset()) -> list[int]:
+             eos: set[int] = frozenset(), next_position: int | None = None) -> list[int]:
+    """Greedy tokens after the prompt's rows at `positions` (default: the layout's), the first generated
+    one at `next_position` (default: after the largest prompt position)."""
     ids = torch.tensor([rows.token_ids])
     pos = torch.tensor([positions or rows.positions])
     out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True)
-    past, next_pos, logits, tokens = out.past_key_values, int(pos[0].max()) + 1, out.logits[0, -1], []
+    next_pos = int(pos[0].max()) + 1 if next_position is None else next_position
+    past, logits, tokens = out.past_key_values, out.logits[0, -1], []
     for _ in range(GENERATE):
         token = int(torch.argmax(logits))
         tokens.append(token)
