@@ -129,6 +129,13 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return 100 * (centre - half), 100 * (centre + half)
 
 
+def paired_difference(diffs: list[int]) -> tuple[float, float, float]:
+    """Mean of per-prompt differences (now - then, each -1/0/+1) in points, with its 95 % interval."""
+    mean = statistics.mean(diffs)
+    half = 1.96 * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
+    return round(100 * mean, 1), round(100 * (mean - half), 1), round(100 * (mean + half), 1)
+
+
 def summarize(task: str, mode: str, items: list[EvalItem], answers: list[Answer], references: list[Answer],
               ttft_ms: list[float]) -> dict:
     correct = [score(a.text, item) for a, item in zip(answers, items)]
@@ -283,11 +290,10 @@ def compare(items: list[EvalItem], answers: dict[str, list[Answer]], other: Path
             diffs = [int(now) - int(then) for now, then in pairs]
             if not diffs:
                 continue
-            mean = statistics.mean(diffs)
-            half = 1.96 * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
+            mean, low, high = paired_difference(diffs)
             rows.append({"bench": "fidelity_compare", "dtype": dtype, "against": other.name, "task": task,
-                         "mode": spec, "num_prompts": len(diffs), "accuracy_diff_points": round(100 * mean, 1),
-                         "ci95_points": [round(100 * (mean - half), 1), round(100 * (mean + half), 1)],
+                         "mode": spec, "num_prompts": len(diffs), "accuracy_diff_points": mean,
+                         "ci95_points": [low, high],
                          "num_changed": sum(d != 0 for d in diffs)})
     return rows
 

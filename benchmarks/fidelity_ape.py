@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from benchmarks.fidelity import wilson
+from benchmarks.fidelity import paired_difference, wilson
 from benchmarks.fidelity_selection import Rows, generate, mask_of, rows_of
 from benchmarks.fidelity_tasks import build_eval_set, score
 from benchmarks.harness import RESULTS, emit, log, setup
@@ -220,10 +219,10 @@ def main() -> None:
         for mode in ("fast", "full_prefill"):
             then = [earlier[mode][i]["correct"] for i, _ in picked]
             diffs = [int(a) - int(b) for a, b in zip(correct, then)]
-            mean, half = statistics.mean(diffs), 1.96 * statistics.stdev(diffs) / math.sqrt(len(diffs))
+            mean, low, high = paired_difference(diffs)
             record[f"{mode}_accuracy"] = round(100 * sum(then) / len(then), 1)
-            record[f"diff_vs_{mode}_points"] = round(100 * mean, 1)
-            record[f"diff_vs_{mode}_ci95"] = [round(100 * (mean - half), 1), round(100 * (mean + half), 1)]
+            record[f"diff_vs_{mode}_points"] = mean
+            record[f"diff_vs_{mode}_ci95"] = [low, high]
         record["percent_of_full_prefill"] = round(100 * record["accuracy"] / record["full_prefill_accuracy"], 1)
         emit(record, args.out)
     answers.close()

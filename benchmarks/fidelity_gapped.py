@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 from pathlib import Path
 
-from benchmarks.fidelity import reference_answers, wilson
+from benchmarks.fidelity import paired_difference, reference_answers, wilson
 from benchmarks.fidelity_tasks import build_eval_set, score
 from benchmarks.harness import RESULTS, emit, log, setup
 from promptcache.model_runtime import ModelConfig, load_model
@@ -57,14 +55,13 @@ def main() -> None:
         rows = [(item, answer, then) for item, answer, then in zip(items, gapped, contiguous) if item.task == task]
         now = [score(answer.text, item) for item, answer, _ in rows]
         diffs = [int(n) - int(then["correct"]) for n, (_, _, then) in zip(now, rows)]
-        mean, half = statistics.mean(diffs), 1.96 * statistics.stdev(diffs) / math.sqrt(len(diffs))
+        mean, diff_low, diff_high = paired_difference(diffs)
         low, high = wilson(sum(now), len(now))
         emit({"bench": "fidelity_gapped", "task": task, "dtype": args.dtype, "against": args.against.name,
               "num_prompts": len(rows), "accuracy": round(100 * sum(now) / len(now), 1),
               "ci95": [round(low, 1), round(high, 1)],
               "contiguous_accuracy": round(100 * sum(then["correct"] for *_, then in rows) / len(rows), 1),
-              "accuracy_diff_points": round(100 * mean, 1),
-              "diff_ci95_points": [round(100 * (mean - half), 1), round(100 * (mean + half), 1)],
+              "accuracy_diff_points": mean, "diff_ci95_points": [diff_low, diff_high],
               "num_changed": sum(d != 0 for d in diffs),
               "same_text": round(100 * sum(answer.text == then["text"] for _, answer, then in rows) / len(rows), 1)},
              args.out)
