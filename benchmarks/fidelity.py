@@ -1,6 +1,10 @@
 """Fidelity: what reusing module KV does to answers, per fidelity mode, over HTTP on SmolLM2-135M-Instruct.
 
     python -m benchmarks.fidelity --per-task 200 --modes fast balanced:8 balanced:16 balanced:32 exact
+    python -m benchmarks.fidelity --modes fast fast@contiguous balanced:32@contiguous --paired-against full_prefill fast
+
+A mode is "fidelity[:k][@positions]": k is `fidelity_head_tokens`, positions `fidelity_positions`
+(contiguous: reused keys re-aligned; default here: layout, the meaning of rows recorded before it existed).
 
 The evaluation set (benchmarks/fidelity_tasks.py) is generated in-repo from fixed seeds: multi-document
 fact QA (k of M documents in random order), RULER-style key retrieval, a parameterised template.
@@ -51,9 +55,16 @@ class Answer:
     reused_module_tokens: int = 0
 
 
-def parse_mode(spec: str) -> tuple[str, int | None]:
+def parse_mode(spec: str) -> tuple[str, int | None, str]:
+    """"mode[:k][@positions]" -> (mode, k, positions); positions default to the schema layout's (the
+    meaning of the recorded rows without "@", from before re-alignment existed)."""
+    spec, _, positions = spec.partition("@")
     mode, _, k = spec.partition(":")
-    return mode, int(k) if k else None
+    return mode, int(k) if k else None, positions or "layout"
+
+
+def request_fields(mode: str, k: int | None, positions: str) -> dict:
+    return {"fidelity": mode, "fidelity_positions": positions, **({"fidelity_head_tokens": k} if k is not None else {})}
 
 
 def reference_answers(loaded: LoadedModel, eval_set: EvalSet, items: list[EvalItem], *,
@@ -82,14 +93,13 @@ def reference_answers(loaded: LoadedModel, eval_set: EvalSet, items: list[EvalIt
     return answers
 
 
-def mode_answers(url: str, items: list[EvalItem], mode: str, k: int | None, *, concurrency: int,
+def mode_answers(url: str, items: list[EvalItem], mode: str, k: int | None, positions: str, *, concurrency: int,
                  eos_ids: set[int]) -> list[Answer]:
     client = httpx.Client(timeout=1800)
 
     def ask(item: EvalItem) -> Answer:
-        body = {"prompt": item.prompt, "max_tokens": GENERATE, "temperature": 0, "logprobs": TOP, "fidelity": mode}
-        if k is not None:
-            body["fidelity_head_tokens"] = k
+        body = {"prompt": item.prompt, "max_tokens": GENERATE, "temperature": 0, "logprobs": TOP,
+                **request_fields(mode, k, positions)}
         response = client.post(url + "/v1/generate", json=body)
         response.raise_for_status()
         data = response.json()
@@ -156,10 +166,10 @@ def summarize(task: str, mode: str, items: list[EvalItem], answers: list[Answer]
     }
 
 
-def measure_ttft(url: str, items: list[EvalItem], mode: str, k: int | None) -> list[float]:
+def measure_ttft(url: str, items: list[EvalItem], mode: str, k: int | None, positions: str = "layout") -> list[float]:
     """Client-side TTFT of streamed single requests, one at a time."""
     target = Target(mode, url, is_promptcache=True)
-    extra = {"fidelity": mode, **({"fidelity_head_tokens": k} if k is not None else {})}
+    extra = request_fields(mode, k, positions)
     return [target.ttft("/v1/generate", {"prompt": item.prompt, "max_tokens": 1, **extra})[0] for item in items]
 
 
@@ -207,6 +217,11 @@ def main() -> None:
     parser.add_argument("--skip-servers", action="store_true", help="in-process references only (no --modes)")
     parser.add_argument("--compare-to", type=Path, help="an earlier run's .answers.jsonl (e.g. fp32): paired "
                                                           "accuracy difference per task and mode, prompt by prompt")
+    parser.add_argument("--paired-against", nargs="*", default=["full_prefill"],
+                        help="modes every other mode is paired with, prompt by prompt (rows fidelity_paired)")
+    parser.add_argument("--reference-cache", type=Path,
+                        help="keep the in-process full-prefill answers here (a .pt file) and reuse them when the "
+                             "eval set and dtype match: the reference is most of a run's time")
     parser.add_argument("--out", type=Path, default=RESULTS / "fidelity.jsonl")
     args = parser.parse_args()
     setup(args.threads)
@@ -237,8 +252,7 @@ def main() -> None:
                                              eos_ids=eos)
     else:
         args.modes = []
-    log("reference: full prefill in-process")
-    references = reference_answers(loaded, eval_set, items)
+    references = cached_references(args.reference_cache, items, lambda: reference_answers(loaded, eval_set, items))
     answers["full_prefill"] = references
     modes = list(args.modes)
     if args.gapped_reference:
@@ -264,9 +278,49 @@ def main() -> None:
                 fh.write(json.dumps({"mode": spec, "task": item.task, "meta": item.meta, "text": answer.text,
                                      "correct": score(answer.text, item), "recomputed": answer.recomputed}) + "\n")
     plot(rows, args.out.with_suffix(".png"))
+    for row in paired(items, answers, args.paired_against, args.dtype):
+        emit(row, args.out)
     if args.compare_to:
         for row in compare(items, answers, args.compare_to, args.dtype):
             emit(row, args.out)
+
+
+def cached_references(path: Path | None, items: list[EvalItem], compute) -> list[Answer]:
+    """`compute()`'s answers, loaded from `path` when it holds answers to these very prompts."""
+    prompts = [item.prompt for item in items]
+    if path is not None and path.exists():
+        saved = torch.load(path)
+        if saved["prompts"] == prompts:
+            log(f"reference: loaded from {path}")
+            return [Answer(text, ids, dict(enumerate(logprobs.tolist())))
+                    for text, ids, logprobs in zip(saved["texts"], saved["token_ids"], saved["first_logprobs"])]
+    log("reference: full prefill in-process")
+    answers = compute()
+    if path is not None:
+        first = torch.stack([torch.tensor([a.first_top[i] for i in range(len(a.first_top))]) for a in answers])
+        torch.save({"prompts": prompts, "texts": [a.text for a in answers],
+                    "token_ids": [a.token_ids for a in answers], "first_logprobs": first}, path)
+    return answers
+
+
+def paired(items: list[EvalItem], answers: dict[str, list[Answer]], against: list[str], dtype: str) -> list[dict]:
+    """Per task: every mode minus each mode in `against`, on the same prompts, with the 95 % interval of the
+    paired difference (the rows a claim like "re-alignment wins back N points" rests on)."""
+    rows = []
+    for base in against:
+        if base not in answers:
+            continue
+        for spec, mode_list in answers.items():
+            if spec == base:
+                continue
+            for task in sorted({item.task for item in items}):
+                diffs = [int(score(a.text, item)) - int(score(b.text, item))
+                         for item, a, b in zip(items, mode_list, answers[base]) if item.task == task]
+                mean, low, high = paired_difference(diffs)
+                rows.append({"bench": "fidelity_paired", "dtype": dtype, "task": task, "mode": spec, "against": base,
+                             "num_prompts": len(diffs), "accuracy_diff_points": mean, "ci95_points": [low, high],
+                             "num_changed": sum(d != 0 for d in diffs)})
+    return rows
 
 
 def compare(items: list[EvalItem], answers: dict[str, list[Answer]], other: Path, dtype: str) -> list[dict]:

@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="prompt/encoding tokens per step when nothing decodes (default 4096)")
     serve.add_argument("--fidelity", choices=["fast", "balanced", "exact"],
                        help="default fidelity mode for reused module KV (docs/fidelity.md)")
+    serve.add_argument("--fidelity-positions", choices=["contiguous", "layout"],
+                       help="fast/balanced: re-align reused keys to contiguous positions (default) or keep the "
+                            "schema layout's (docs/fidelity.md)")
     serve.add_argument("--replicas", type=int,
                        help="run N replicas on a local Ray cluster behind a cache-affinity router (needs "
                             "--redis-url when N > 1; pip install 'promptcache[cluster]'; docs/scaling.md)")
@@ -95,6 +98,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "pack_weights": False if args.no_weight_packing else None,
         "prefix_block_size": getattr(args, "prefix_block_size", None),
         "fidelity": getattr(args, "fidelity", None),
+        "fidelity_positions": getattr(args, "fidelity_positions", None),
         "max_prefill_tokens": getattr(args, "max_prefill_tokens", None),
         "max_prefill_tokens_alone": getattr(args, "max_prefill_tokens_alone", None),
         "min_prefill_tokens": getattr(args, "min_prefill_tokens", None),

@@ -72,6 +72,7 @@ class CacheReport(_Model):
     modules: list[ModuleReport]
     approximations: list[str] = Field(default_factory=list)
     fidelity: str | None = None  # the mode that ran: fast | balanced | exact
+    positions: str | None = None  # where the tokens sat: layout | contiguous (reused keys re-aligned)
     recomputed_tokens: int = 0
     prefix: PrefixReport | None = None
     spans: list[PromptSpan] | None = None  # only when the request asked for them

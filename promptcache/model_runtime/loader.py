@@ -21,6 +21,7 @@ import torch
 from promptcache.model_runtime.cpu_features import auto_dtype
 from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
 from promptcache.model_runtime.packed_linear import pack_linears
+from promptcache.model_runtime.rope_shift import KeyShifter
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -87,6 +88,7 @@ class LoadedModel:
     uses_rope: bool
     max_positions: int
     eos_token_ids: tuple[int, ...]
+    key_shifter: KeyShifter | None = None  # moves cached keys to other positions; None: positions are not RoPE
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -159,7 +161,7 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
         num_layers=config.num_hidden_layers, num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
         uses_rope=config.model_type != "gpt2", max_positions=_max_positions(config),
-        eos_token_ids=_eos_ids(model, tokenizer))
+        eos_token_ids=_eos_ids(model, tokenizer), key_shifter=KeyShifter.of(model, head_dim))
 
 
 def check_architecture(hf_config: PretrainedConfig) -> None:

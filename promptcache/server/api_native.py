@@ -80,7 +80,7 @@ async def generate(body: GenerateRequest, service: Service, tenant: Tenant):
     params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs)
     request_id = f"gen-{uuid.uuid4().hex[:24]}"
     events = service.submit(plan, params, body.cache_salt, request_id,
-                            service.fidelity(body.fidelity, body.fidelity_head_tokens), tenant,
+                            service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions), tenant,
                             report_spans=body.return_spans)
     if body.stream:
         return StreamingResponse(_stream(service, events, request_id, plan.approximations, tenant,
@@ -132,7 +132,7 @@ async def explain(body: ExplainRequest, service: Service, tenant: Tenant) -> Exp
 
 def _explain(body: ExplainRequest, service: PromptService, tenant: str | None) -> Explanation:
     plan = service.plan(body.prompt, tenant=tenant)
-    reuse, blocks = service.explain(plan, body.cache_salt, service.fidelity(body.fidelity, body.fidelity_head_tokens),
+    reuse, blocks = service.explain(plan, body.cache_salt, service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions),
                                     tenant)
     tiers = service.locate(plan, body.cache_salt, tenant)
     tier_of = {c.segment.segment_id: t for c, t in zip(plan.cached, tiers)}
@@ -159,6 +159,7 @@ def _explain(body: ExplainRequest, service: PromptService, tenant: str | None) -
         prefix = PrefixReport(num_tokens=reused, num_blocks=len(blocks), tiers=by_tier)
     cached = sum(u.last - u.first for u in reuse.uses) - missing + reused
     return Explanation(schema_name=plan.schema.name, exact=reuse.is_exact, fidelity=reuse.mode,
+                       positions=reuse.positions,
                        recomputed_tokens=reuse.num_recomputed,
                        approximations=[] if reuse.is_exact else list(plan.approximations),
                        modules=modules, prompt_tokens=plan.num_prompt_tokens, cached_tokens=cached,

@@ -117,6 +117,7 @@ def wire_usage(final: TokenEvent) -> Usage:
 def wire_cache(final: TokenEvent, approximations: tuple[str, ...],
                spans: list[PromptSpanReport] | None = None) -> CacheReport:
     return CacheReport(exact=bool(final.is_exact), fidelity=final.fidelity or "fast",
+                       positions=final.positions or "layout",
                        recomputed_tokens=final.usage.recomputed_tokens,
                        approximations=[] if final.is_exact else list(approximations),
                        modules=[ModuleReport(path=m.path, num_tokens=m.num_tokens, tier=m.tier,

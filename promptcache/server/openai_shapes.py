@@ -18,7 +18,7 @@ def usage(final) -> dict:
 
 def extension(final, plan: PromptPlan) -> dict:
     prefix = wire_prefix(final)
-    return {"exact": bool(final.is_exact), "fidelity": final.fidelity,
+    return {"exact": bool(final.is_exact), "fidelity": final.fidelity, "positions": final.positions,
             "recomputed_tokens": final.usage.recomputed_tokens,
             "approximations": [] if final.is_exact else list(plan.approximations),
             "modules": [{"path": m.path, "num_tokens": m.num_tokens, "tier": m.tier,

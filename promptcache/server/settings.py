@@ -65,6 +65,9 @@ class ServerSettings(BaseSettings):
     fidelity_head_tokens: int = Field(16, ge=0, le=4096,
                                       description="balanced mode: tokens recomputed at the start of each "
                                                   "module reused outside its encoding context")
+    fidelity_positions: Literal["contiguous", "layout"] = Field(  # the evaluation's pick: docs/fidelity.md
+        "contiguous", description="fast/balanced: where an approximate prompt's tokens sit — contiguous (reused "
+                                  "keys re-aligned for the request) or the schema layout's, with gaps")
     registry_poll_s: float = Field(1.0, gt=0, description="how often replicas check the shared schema registry")
     heap_trim_s: float = Field(5.0, ge=0, description="how often freed heap memory is returned to the OS "
                                                      "(glibc malloc_trim); 0: never")

@@ -107,6 +107,9 @@ class SamplingFields(BaseModel):
         return value
     fidelity_head_tokens: int | None = Field(
         None, ge=0, le=4096, description="balanced: tokens recomputed at the start of each out-of-context module")
+    fidelity_positions: Literal["contiguous", "layout"] | None = Field(
+        None, description="fast/balanced: contiguous (reused keys re-aligned) or the schema layout's positions "
+                          "(default: the server's)")
 
 
 class GenerateRequest(SamplingFields):
@@ -123,6 +126,7 @@ class ExplainRequest(_Strict):
     cache_salt: str | None = Field(None, max_length=256, pattern=CACHE_SALT_PATTERN)
     fidelity: Literal["fast", "balanced", "exact"] | None = None
     fidelity_head_tokens: int | None = Field(None, ge=0, le=4096)
+    fidelity_positions: Literal["contiguous", "layout"] | None = None
 
 
 class Logprobs(BaseModel):
@@ -183,6 +187,8 @@ class PromptSpanReport(BaseModel):
 class CacheReport(BaseModel):
     exact: bool
     fidelity: str = Field("fast", description="the fidelity mode that ran: fast | balanced | exact")
+    positions: str = Field("layout", description="where the prompt's tokens sat: layout (the schema's, with "
+                                                 "gaps) | contiguous (reused keys re-aligned for this request)")
     recomputed_tokens: int = 0
     approximations: list[str] = Field(default_factory=list)
     modules: list[ModuleReport]
@@ -232,6 +238,7 @@ class Explanation(BaseModel):
     schema_name: str = Field(..., alias="schema")
     exact: bool
     fidelity: str
+    positions: str
     recomputed_tokens: int
     approximations: list[str]
     modules: list[ModuleReport]

@@ -20,16 +20,17 @@ def test_fidelity_slice(smollm2):
         for text in eval_set.schemas.values():
             httpx.post(server.url + "/v1/schemas", json={"pml": text}, timeout=600).raise_for_status()
         eos = set(smollm2.eos_token_ids)
-        answers = {mode: mode_answers(server.url, items, mode, k, concurrency=3, eos_ids=eos)
-                   for mode, k in (("fast", None), ("balanced", 8), ("exact", None))}
+        answers = {f"{mode}@{positions}": mode_answers(server.url, items, mode, k, positions, concurrency=3, eos_ids=eos)
+                   for mode, k, positions in (("fast", None, "layout"), ("fast", None, "contiguous"),
+                                              ("balanced", 8, "contiguous"), ("exact", None, "contiguous"))}
     finally:
         server.stop()
     # exact equals the plain full prefill (greedy tokens; fp32)
-    assert [a.token_ids for a in answers["exact"]] == [r.token_ids[:GENERATE] for r in references]
+    assert [a.token_ids for a in answers["exact@contiguous"]] == [r.token_ids[:GENERATE] for r in references]
     # balanced recomputes a bounded part of the reused module KV, and reports it
-    assert all(0 < a.recomputed <= 8 * 6 for a in answers["balanced"][:2])
-    assert all(a.recomputed == 0 for a in answers["fast"])
+    assert all(0 < a.recomputed <= 8 * 6 for a in answers["balanced@contiguous"][:2])
+    assert all(a.recomputed == 0 for a in answers["fast@layout"] + answers["fast@contiguous"])
     for mode, mode_list in answers.items():
         row = summarize("slice", mode, items, mode_list, references, [1.0])
         assert row["num_prompts"] == 3 and 0 <= row["accuracy"] <= 100
-        assert row["agreement"] == 100.0 or mode != "exact"
+        assert row["agreement"] == 100.0 or mode != "exact@contiguous"

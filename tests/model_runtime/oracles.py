@@ -25,6 +25,12 @@ def reuse_reference(plan: PromptPlan, reuse: ReusePlan) -> tuple[list[int], list
     to the reused cached tokens its ReusePlan makes visible: all of them in fast mode, those positioned
     before it in balanced mode (recomputed heads replace their stored versions), the leading segments
     in exact mode (whose stored KV sits at the stream's positions).
+
+    Contiguous positions (`reuse.positions`), derived here from the plan alone: every prompt token's
+    position is its rank among the plan's positions. A reused segment moved by s positions is a copy of
+    the segment and of everything it was encoded after, all at their positions + s: RoPE sees only
+    relative positions, so the copy's hidden states equal the stored ones, and its keys sit where the
+    re-aligned request attends them (negative positions included).
     """
     schema = plan.schema
     encoded = {c.segment.segment_id: tuple(c.context_ids) for c in plan.cached}
@@ -34,25 +40,52 @@ def reuse_reference(plan: PromptPlan, reuse: ReusePlan) -> tuple[list[int], list
         if sid not in encoded:
             encoded[sid] = schema.segments[sid].context_ids
             pending += [c for c in encoded[sid] if c not in encoded]
-    tokens, positions, rows_of = [], [], {}
+    shifts, stream_positions = _positions(plan, reuse)
+    tokens: list[int] = []
+    positions: list[int] = []
+    rows_of: dict[tuple[int, int], list[int]] = {}
+
+    def rows(sid: int, shift: int) -> list[int]:
+        if (sid, shift) not in rows_of:
+            segment = schema.segments[sid]
+            rows_of[(sid, shift)] = list(range(len(tokens), len(tokens) + len(segment.token_ids)))
+            tokens.extend(segment.token_ids)
+            positions.extend(p + shift for p in segment.position_ids)
+            for context in encoded[sid]:
+                rows(context, shift)
+        return rows_of[(sid, shift)]
+
     for sid in encoded:
-        segment = schema.segments[sid]
-        rows_of[sid] = list(range(len(tokens), len(tokens) + len(segment.token_ids)))
-        tokens += segment.token_ids
-        positions += list(segment.position_ids)
+        rows(sid, 0)
+    for use, shift in zip(reuse.uses, shifts):
+        rows(use.cached.segment.segment_id, shift)
     stream_rows = list(range(len(tokens), len(tokens) + len(reuse.token_ids)))
     tokens += reuse.token_ids
-    positions += reuse.position_ids
+    positions += stream_positions
     n = len(tokens)
     mask = torch.zeros((n, n), dtype=torch.bool)  # [n, n]
-    for sid, context in encoded.items():
-        context_cols = [r for c in context for r in rows_of[c]]
-        for k, row in enumerate(rows_of[sid]):
+    for (sid, shift), own in rows_of.items():
+        context_cols = [r for c in encoded[sid] for r in rows_of[(c, shift)]]
+        for k, row in enumerate(own):
             mask[row, context_cols] = True
-            mask[row, rows_of[sid][: k + 1]] = True
+            mask[row, own[: k + 1]] = True
     for k, row in enumerate(stream_rows):
-        for use in reuse.uses:
+        for use, shift in zip(reuse.uses, shifts):
             if k >= use.visible_from:
-                mask[row, rows_of[use.cached.segment.segment_id][use.first: use.last]] = True
+                mask[row, rows_of[(use.cached.segment.segment_id, shift)][use.first: use.last]] = True
         mask[row, stream_rows[: k + 1]] = True
     return tokens, positions, mask[None, None]
+
+
+def _positions(plan: PromptPlan, reuse: ReusePlan) -> tuple[list[int], list[int]]:
+    """(shift of each use, positions of the stream) for `reuse`: the engine's own stream positions and
+    no shift at the layout's positions; computed from the plan when re-aligned."""
+    if reuse.positions == "layout":
+        return [0] * len(reuse.uses), list(reuse.position_ids)
+    layout = sorted(plan.position_ids())
+    rank = {p: i for i, p in enumerate(layout)}
+    covered = {p for u in reuse.uses for p in u.cached.segment.position_ids[u.first: u.last]}
+    stream = [p for p in layout if p not in covered]
+    assert len(stream) == len(reuse.token_ids), "the stream is every prompt token no use covers"
+    starts = [u.cached.segment.position_ids[u.first] for u in reuse.uses]
+    return [rank[p] - p for p in starts], [rank[p] for p in stream]

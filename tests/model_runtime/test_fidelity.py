@@ -33,7 +33,8 @@ PROMPTS = [
     '<prompt schema="lib"><user><d0/><d1/>Who sleeps?</user><assistant/></prompt>',
     '<prompt schema="lib"><user><d3/>What orbits?</user><assistant/></prompt>',
 ]
-MODES = [Fidelity("fast"), Fidelity("balanced", 2), Fidelity("balanced", 5), Fidelity("exact")]
+MODES = [Fidelity("fast"), Fidelity("fast", positions="contiguous"), Fidelity("balanced", 2),
+         Fidelity("balanced", 5), Fidelity("balanced", 2, "contiguous"), Fidelity("exact", positions="contiguous")]
 ARCHS = ["llama", "qwen2", "gpt2"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -58,18 +59,25 @@ def _first_logits(runtime, plan, fidelity: Fidelity, *, prefix: PrefixReuse | No
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("fidelity", MODES, ids=lambda f: f"{f.mode}-{f.head_tokens}")
+@pytest.mark.parametrize("fidelity", MODES, ids=lambda f: f"{f.mode}-{f.head_tokens}-{f.positions}")
 def test_every_mode_matches_its_explicit_mask_oracle(arch, fidelity):
     runtime = _runtime(arch)
+    can_shift = runtime.loaded.key_shifter is not None
+    assert can_shift == (arch != "gpt2")  # GPT-2's learned positions cannot be moved: it keeps the layout's
+    realigned = 0
     for prompt in [*PROMPTS, *APPROX_PROMPTS]:
         plan = runtime.plan(prompt)
-        reuse = resolve(plan, fidelity)
+        reuse = resolve(plan, fidelity, can_shift=can_shift)
+        realigned += reuse.positions == "contiguous"
         logits, final = _first_logits(runtime, plan, fidelity)
         tokens, positions, mask = reuse_reference(plan, reuse)
         reference = full_prefill_logits(runtime.loaded.model, tokens, positions, mask)[-1]
         assert (logits - reference).abs().max().item() <= 1e-4, prompt
         assert final.fidelity == fidelity.mode and final.usage.recomputed_tokens == reuse.num_recomputed
         assert final.usage.cached_tokens + final.usage.computed_tokens == plan.num_prompt_tokens
+        assert final.positions == reuse.positions
+    moves = can_shift and fidelity.mode != "exact" and fidelity.positions == "contiguous"
+    assert (realigned > 0) == moves  # the prompts include approximate ones with gaps: the oracle saw shifts
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -146,3 +154,55 @@ async def _tokens(engine: Engine, plan, params: SamplingParams = GREEDY, fidelit
         if event.token_id is not None:
             tokens.append(event.token_id)
     return tokens
+
+
+def _oracle_greedy(model, plan, reuse, num_tokens: int) -> list[int]:
+    """Greedy tokens by the explicit-mask oracle: each generated token is one more stream row, at the
+    next position, seeing what the last prompt row sees and every generated row before it."""
+    tokens, positions, mask = reuse_reference(plan, reuse)
+    mask = mask[0, 0]
+    out: list[int] = []
+    for step in range(num_tokens):
+        token = int(full_prefill_logits(model, tokens, positions, mask[None, None])[-1].argmax())
+        out.append(token)
+        n = len(tokens)
+        grown = torch.zeros((n + 1, n + 1), dtype=torch.bool)
+        grown[:n, :n] = mask
+        grown[n, :n] = mask[n - 1]
+        grown[n, n] = True
+        tokens, positions, mask = [*tokens, token], [*positions, reuse.next_position + step], grown
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_contiguous_positions_decode_like_the_oracle_and_never_write_back(arch):
+    runtime = _runtime(arch)
+    encoder, store = runtime.module_encoder, runtime.module_encoder.store
+    engine = Engine(encoder, EngineConfig(prefix=None))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    try:
+        for prompt in [PROMPTS[0], *APPROX_PROMPTS]:
+            plan = runtime.plan(prompt)
+            keys = [encoder.key(plan.schema, c.segment.segment_id, c.context_ids, None) for c in plan.cached]
+            before = [store.get(k)[0].keys.clone() for k in keys]
+            for fidelity in (Fidelity("fast", positions="contiguous"), Fidelity("balanced", 2, "contiguous")):
+                reuse = resolve(plan, fidelity)
+                assert reuse.positions == "contiguous" and any(u.shift for u in reuse.uses), prompt
+                assert reuse.next_position == plan.num_prompt_tokens  # no gaps left
+                tokens = asyncio.run(_tokens(engine, plan, params, fidelity))
+                assert tokens == _oracle_greedy(runtime.loaded.model, plan, reuse, 6), (prompt, fidelity)
+                two = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=2)
+                assert asyncio.run(_samples(engine, plan, two, fidelity)) == [tokens, tokens]
+            for key, old in zip(keys, before):
+                assert torch.equal(store.get(key)[0].keys, old)  # shifted keys serve the request only
+    finally:
+        engine.stop()
+
+
+async def _samples(engine: Engine, plan, params: SamplingParams, fidelity: Fidelity) -> list[list[int]]:
+    samples: list[list[int]] = [[] for _ in range(params.n)]
+    async for event in engine.submit(plan, params, fidelity=fidelity):
+        assert event.error is None, event.error
+        if event.token_id is not None:
+            samples[event.index].append(event.token_id)
+    return samples

@@ -107,6 +107,7 @@ def test_playground_in_a_real_browser(live_server, browser_page, tmp_path):
     assert page.locator('#spans span[data-module="d1"].tier-device').count() == 1
     assert "module from device" in page.inner_text("#span-legend") and "computed now" in page.inner_text("#span-legend")
     assert "TTFT" in page.inner_text("#stats") and "tokens/s" in page.inner_text("#stats")
+    assert "layout positions" in page.inner_text("#stats")  # d1 d2 in their scaffold: exact, nothing moved
     # The same prompt again: its new text now comes from prefix blocks.
     again = _run(page)
     assert "".join(text for _, text in again) == _prompt_text(server, prompt)

@@ -24,6 +24,12 @@ class Assembled:
     stream: Stream
 
 
+def store_key(name: str) -> str:
+    """The store key of a shared block's name: names of views ("key#first:last", "key#@shift") hold and
+    count the stored block they are cut or derived from."""
+    return name.partition("#")[0]
+
+
 def module_key(encoder: ModuleEncoder, request: Request, use: CachedUse) -> str:
     cached = use.cached
     return encoder.key(request.plan.schema, cached.segment.segment_id, cached.context_ids, request.cache_salt)
@@ -49,7 +55,9 @@ def assemble(request: Request, reuse: ReusePlan, encoder: ModuleEncoder, prefix:
             block = KVBlock(block.keys[:, :, use.first: use.last], block.values[:, :, use.first: use.last],
                             block.position_ids[use.first: use.last])
             key = f"{key}#{use.first}:{use.last}"
-        shared.append(SharedKV(key, block, use.visible_from))
+        if use.shift:  # keys moved for this request only (rope_shift.py), when the runner attends them
+            key = f"{key}{'' if '#' in key else '#'}@{use.shift}"
+        shared.append(SharedKV(key, block, use.visible_from, use.shift))
         tiers.setdefault(segment.owner, []).append(fetched.tier)
         use_tiers.append(fetched.tier)
     if encoder.num_encoded_segments != before:
@@ -63,7 +71,7 @@ def assemble(request: Request, reuse: ReusePlan, encoder: ModuleEncoder, prefix:
     request.lookup_ms = (time.perf_counter() - looked_up) * 1e3
     # Reused prefix blocks precede every stream token left to compute; module KV's visibility counts
     # stream tokens, of which the first `reused` are no longer computed.
-    shared = [SharedKV(s.key, s.block, max(0, s.visible_from - reused)) for s in shared]
+    shared = [SharedKV(s.key, s.block, max(0, s.visible_from - reused), s.shift) for s in shared]
     shared += [SharedKV(shared_name(link), link.block.to(device)) for link in stream.match.links]
     token_ids, positions = list(reuse.token_ids[reused:]), list(reuse.position_ids[reused:])
     check_positions(positions, loaded.max_positions)

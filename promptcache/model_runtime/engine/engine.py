@@ -104,7 +104,7 @@ class Engine:
                 fidelity: Fidelity | None = None) -> tuple[ReusePlan, list[tuple[str, int]]]:
         """What serving `plan` now would do, without doing it: its ReusePlan and (tier, tokens) of each
         stored prefix block its stream would reuse (no fetch, no promotion; safe from any thread)."""
-        reuse = resolve(plan, fidelity or self.config.fidelity)
+        reuse = resolve(plan, fidelity or self.config.fidelity, can_shift=self.encoder.loaded.key_shifter is not None)
         module_keys = [self.encoder.key(plan.schema, u.cached.segment.segment_id, u.cached.context_ids, cache_salt)
                        for u in reuse.uses]
         return reuse, self.prefix.peek(module_keys, list(reuse.token_ids), list(reuse.position_ids),

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from promptcache.cache_store import KVBlock
+from promptcache.model_runtime.rope_shift import KeyShifter
 
 HEADROOM = 1.25  # a new buffer holds this much more than its group, so a somewhat larger group can reuse it
 
@@ -38,13 +39,18 @@ class AssembledGroups:
     `split` keeps a group's whole blocks apart from views (the partly reused last block of a chain, a
     module with its head cut off for recompute), which differ from request to request: the whole blocks
     then form a group the next request finds. Names identify contents (store keys are content hashes;
-    a view's name adds its range), so a kept group never goes stale.
+    a view's name adds its range or its shift), so a kept group never goes stale.
+
+    A block with a shift (fidelity's contiguous positions) is attended with its keys moved by that many
+    positions: the group holds the moved keys, written by `shifter` in place of the plain copy, so a
+    shifted block alone is a group too.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, shifter: KeyShifter | None = None) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
+        self.shifter = shifter
         self._groups: OrderedDict[tuple[str, ...], _Group] = OrderedDict()
         self._live: set[tuple[str, ...]] = set()
 
@@ -70,10 +76,13 @@ class AssembledGroups:
             return [whole, views]
         return [tuple(sorted(names))]
 
-    def get(self, names: tuple[str, ...], blocks: Mapping[str, KVBlock]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [L, H_kv, sum n, D] of the blocks `names` (one block: its own tensors, no copy).
-        Marks the group in use until the next `trim`."""
-        if len(names) == 1:
+    def get(self, names: tuple[str, ...], blocks: Mapping[str, KVBlock],
+            shifts: Mapping[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [L, H_kv, sum n, D] of the blocks `names` (one unshifted block: its own
+        tensors, no copy), each block's keys moved by its `shifts` entry (default 0). Marks the group in
+        use until the next `trim`."""
+        shifts = shifts or {}
+        if len(names) == 1 and not shifts.get(names[0]):
             block = blocks[names[0]]
             return block.keys, block.values
         self._live.add(names)
@@ -89,7 +98,19 @@ class AssembledGroups:
         buffer = self._buffer(numel, first.dtype, first.device)
         keys = buffer[0, :numel].view(num_layers, num_heads, num_tokens, head_dim)  # contiguous views
         values = buffer[1, :numel].view(num_layers, num_heads, num_tokens, head_dim)
-        torch.cat([p.keys for p in parts], dim=2, out=keys)
+        if any(shifts.get(n) for n in names):
+            assert self.shifter is not None, "shifted blocks need a model whose positions are RoPE"
+            offset = 0
+            for name, part in zip(names, parts):
+                n, shift = part.keys.shape[2], shifts.get(name, 0)
+                target = keys[:, :, offset: offset + n]
+                if shift:
+                    self.shifter.shift_into(target, part.keys, torch.full((n,), shift, device=target.device))
+                else:
+                    target.copy_(part.keys)
+                offset += n
+        else:
+            torch.cat([p.keys for p in parts], dim=2, out=keys)
         torch.cat([p.values for p in parts], dim=2, out=values)
         self._groups[names] = _Group(keys, values, buffer)
         return keys, values

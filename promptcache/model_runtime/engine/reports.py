@@ -42,7 +42,8 @@ def final_event(request: Request, index: int, token: int | None, text: str, fini
     return TokenEvent(request.request_id, index, token, text, finish, logprobs, prompt_logprobs, usage=usage,
                       modules=request.modules, prefix=prefix_use(stream.match) if stream is not None else None,
                       timings=timings, is_exact=reuse.is_exact if reuse is not None else plan.is_exact,
-                      fidelity=request.fidelity.mode, spans=spans)
+                      fidelity=request.fidelity.mode, positions=reuse.positions if reuse is not None else "layout",
+                      spans=spans)
 
 
 def prompt_spans(plan: PromptPlan, reuse: ReusePlan, use_tiers: tuple[str, ...],

@@ -39,6 +39,7 @@ class TokenEvent:
     timings: Timings | None = None
     is_exact: bool | None = None
     fidelity: str | None = None  # the fidelity mode that ran
+    positions: str | None = None  # where its tokens sat: "layout" or "contiguous" (re-aligned, reuse_plan.py)
     # On the final event of a request that was admitted: every prompt token once, by where its KV came from.
     spans: tuple[PromptSpan, ...] | None = None
     error: str | None = None
@@ -61,6 +62,7 @@ class SharedKV:
     # In the prefill step, only the pending tokens from this index on attend to it (they are positioned
     # after it); every later step sees it in full.
     visible_from: int = 0
+    shift: int = 0  # positions its keys move by when attended (rope_shift.py); the block itself is never changed
 
 
 @dataclass(eq=False)

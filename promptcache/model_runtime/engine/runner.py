@@ -24,7 +24,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, *, backend: str = "auto", max_assembled_bytes: int = 128 << 20) -> None:
         self.loaded = loaded
         self.backend = backend
-        self.groups = AssembledGroups(max_assembled_bytes)
+        self.groups = AssembledGroups(max_assembled_bytes, loaded.key_shifter)
         install(loaded.model)
 
     @torch.inference_mode()
@@ -81,7 +81,7 @@ class ModelRunner:
 
     def _segments(self, seqs: Seq[Sequence]):
         users: dict[str, list[tuple[int, int]]] = defaultdict(list)
-        blocks = {}
+        blocks, shifts = {}, {}
         for index, seq in enumerate(seqs):
             for shared in seq.shared:
                 # Row offsets only matter in a prefill step (tokens positioned before the block),
@@ -91,6 +91,7 @@ class ModelRunner:
                 if offset < (seq.step_len or len(seq.pending_ids)):
                     users[shared.key].append((index, offset))
                     blocks[shared.key] = shared.block
+                    shifts[shared.key] = shared.shift
         # Attention over shared KV is permutation-invariant, so every block used by the same set of
         # (sequence, offset) pairs joins one segment, wherever its positions are.
         by_users: dict[tuple[tuple[int, int], ...], list[str]] = defaultdict(list)
@@ -101,7 +102,7 @@ class ModelRunner:
             indices = tuple(i for i, _ in pairs)
             offsets = tuple(o for _, o in pairs) if any(o for _, o in pairs) else None
             for part in self.groups.split(keys):
-                keys_cat, values_cat = self.groups.get(part, blocks)  # [num_layers, num_kv_heads, sum n, head_dim]
+                keys_cat, values_cat = self.groups.get(part, blocks, shifts)  # [num_layers, num_kv_heads, sum n, head_dim]
                 segments.append((keys_cat, values_cat, indices, offsets))
         self.groups.trim()
         return segments

@@ -11,7 +11,7 @@ import torch
 
 from promptcache.cache_store import KVBlock
 from promptcache.model_runtime.detokenizer import Detokenizer
-from promptcache.model_runtime.engine.assembly import assemble, module_key
+from promptcache.model_runtime.engine.assembly import assemble, module_key, store_key
 from promptcache.model_runtime.engine.config import EngineConfig
 from promptcache.model_runtime.engine.memory import KVMemory
 from promptcache.model_runtime.engine.prefix import PrefixReuse
@@ -96,7 +96,8 @@ class Scheduler:
                 return
             params = request.params
             if request.reuse is None:
-                request.reuse = resolve(request.plan, request.fidelity)
+                request.reuse = resolve(request.plan, request.fidelity,
+                                        can_shift=self.loaded.key_shifter is not None)
             reuse = request.reuse
             missing = self.missing_modules(request)
             if missing:  # encoded in chunks by the engine first; FCFS: the head waits for it
@@ -141,8 +142,8 @@ class Scheduler:
         assembled = assemble(request, reuse, self.encoder, self.prefix)
         request.stream = assembled.stream
         token_ids, shared = assembled.token_ids, assembled.shared
-        # A view ("key#...") shares its block's storage: hold and count the block under its store key.
-        request.held_keys = tuple(dict.fromkeys(s.key.partition("#")[0] for s in shared))
+        # A view ("key#...", a range or shifted keys) shares its block's storage: hold and count the block under its store key.
+        request.held_keys = tuple(dict.fromkeys(store_key(s.key) for s in shared))
         self.encoder.store.acquire(request.held_keys)
         request.num_computed_tokens = len(token_ids)
         if params.uses_prompt_tokens:  # the whole prompt, reused tokens included; shared by the n samples
@@ -157,7 +158,7 @@ class Scheduler:
         own = (len(token_ids) + 1 + params.n * params.max_tokens) * self.bytes_per_token
         held: dict[str, int] = {}
         for item in shared:
-            key = item.key.partition("#")[0]
+            key = store_key(item.key)
             held[key] = max(held.get(key, 0), item.block.num_tokens * self.bytes_per_token)
         return own, held, seq
 

@@ -256,7 +256,8 @@ $("explain").addEventListener("click", async () => {
     const e = await api("/v1/prompts/explain", { method: "POST",
       body: JSON.stringify({ prompt: $("pml-prompt").value, fidelity: $("fidelity").value || null }) });
     $("explanation").textContent = `${e.prompt_tokens} prompt tokens: ${e.cached_tokens} cached, ${e.tokens_to_compute} to compute; ` +
-      `${e.exact ? "exact" : "approximate (" + e.approximations.join("; ") + ")"}, fidelity ${e.fidelity}`;
+      `${e.exact ? "exact" : "approximate (" + e.approximations.join("; ") + ")"}, fidelity ${e.fidelity}, ` +
+      `${e.positions} positions`;
   } catch (exc) { $("explanation").textContent = exc.message; }
 });
 
@@ -313,7 +314,7 @@ $("run").addEventListener("click", async () => {
         const seconds = (performance.now() - started) / 1000;
         $("stats").textContent = `TTFT ${first === null ? "-" : first.toFixed(0)} ms (server ${chunk.timings.ttft_ms.toFixed(1)} ms), ` +
           `${(chunk.usage.completion_tokens / seconds).toFixed(1)} tokens/s, ${chunk.usage.cached_tokens} of ${chunk.usage.prompt_tokens} ` +
-          `prompt tokens cached, fidelity ${chunk.cache.fidelity}` +
+          `prompt tokens cached, fidelity ${chunk.cache.fidelity} (${chunk.cache.positions} positions)` +
           (chunk.cache.recomputed_tokens ? ` (${chunk.cache.recomputed_tokens} tokens recomputed)` : "") +
           `, ${chunk.cache.exact ? "exact" : "approximate: " + chunk.cache.approximations.join("; ")}`;
         if (current) drawLayout(current);  // tiers may have changed

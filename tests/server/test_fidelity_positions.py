@@ -1,0 +1,60 @@
+"""Fidelity positions over HTTP: fast mode re-aligns reused keys to contiguous positions by default and
+keeps the layout's on request, each answering like its explicit-mask oracle (tests/model_runtime/oracles.py)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from promptcache.model_runtime.baseline import full_prefill_logits
+from promptcache.model_runtime.engine import Fidelity, resolve
+from tests.conftest import make_tiny_runtime
+from tests.model_runtime.oracles import reuse_reference
+from tests.server.test_api import SCHEMA
+
+APPROXIMATE = '<prompt schema="docs"><d2/>Who sleeps?</prompt>'  # d2 without the modules before it: a gap
+
+
+@pytest.fixture
+def server(live_server):
+    return live_server()  # fidelity fast, positions the server default
+
+
+def test_fast_is_contiguous_by_default_and_layout_on_request(server):
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    runtime = make_tiny_runtime("llama")
+    runtime.add_schema(runtime.parse_schema(SCHEMA))
+    plan = runtime.plan(APPROXIMATE)
+    firsts = {}
+    for asked, expected in [(None, "contiguous"), ("layout", "layout"), ("contiguous", "contiguous")]:
+        body = httpx.post(server.url + "/v1/generate", timeout=60, json={
+            "prompt": APPROXIMATE, "max_tokens": 1, "temperature": 0, "logprobs": 1, "fidelity": "fast",
+            "fidelity_positions": asked}).json()
+        assert body["cache"]["positions"] == expected and body["cache"]["exact"] is False
+        reuse = resolve(plan, Fidelity("fast", positions=expected))
+        assert reuse.positions == expected  # the prompt has a gap: re-aligning moves it
+        tokens, positions, mask = reuse_reference(plan, reuse)
+        reference = torch.log_softmax(full_prefill_logits(runtime.loaded.model, tokens, positions, mask)[-1], -1)
+        logprobs = body["choices"][0]["logprobs"]
+        first = logprobs["token_ids"][0]
+        assert first == int(reference.argmax())
+        assert abs(logprobs["token_logprobs"][0] - reference[first].item()) < 1e-4
+        firsts[expected] = logprobs["token_logprobs"][0]
+    assert firsts["contiguous"] != firsts["layout"]  # the two really differ
+    explained = [httpx.post(server.url + "/v1/prompts/explain", json={
+        "prompt": APPROXIMATE, "fidelity": "fast", "fidelity_positions": p}).json()["positions"]
+        for p in (None, "layout")]
+    assert explained == ["contiguous", "layout"]
+    bad = httpx.post(server.url + "/v1/generate", json={"prompt": APPROXIMATE, "fidelity_positions": "packed"})
+    assert bad.status_code == 422 and "fidelity_positions" in bad.text
+
+
+def test_an_exact_prompt_keeps_its_layout(server):
+    """Re-aligning applies to approximate prompts only: an in-context module keeps its positions (the
+    answer a full prefill at the layout's positions gives)."""
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    prompt = '<prompt schema="docs"><user><d1/>Who sleeps?</user><assistant/></prompt>'
+    cache = httpx.post(server.url + "/v1/generate", timeout=60, json={
+        "prompt": prompt, "max_tokens": 1, "fidelity": "fast"}).json()["cache"]
+    assert cache["exact"] is True and cache["positions"] == "layout"
