@@ -83,4 +83,12 @@ def test_fidelity_and_spans_through_the_sdk(server):
         final = chunks[-1].cache
         assert final.fidelity == "exact" and final.exact
         assert [s.start for s in final.spans] == sorted(s.start for s in final.spans)
+        # a and c without b between them: c sits after a gap, re-aligned unless the layout is asked for
+        gap = Schema("gap", [System("Answer briefly."), User([Module("a", "Cats sleep a lot."),
+                                                              Module("b", "Dogs bark."), Module("c", "Tea is hot.")])])
+        client.schemas.create(gap.to_pml())
+        skip_b = Prompt("gap", [User([Import("a"), Import("c"), "What is hot?"]), AssistantTurn()]).to_pml()
+        moved = client.generate(skip_b, max_tokens=3, temperature=0, fidelity="fast")
+        kept = client.generate(skip_b, max_tokens=3, temperature=0, fidelity="fast", fidelity_positions="layout")
+        assert (moved.cache.positions, kept.cache.positions) == ("contiguous", "layout")
 

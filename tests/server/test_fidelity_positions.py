@@ -58,3 +58,14 @@ def test_an_exact_prompt_keeps_its_layout(server):
     cache = httpx.post(server.url + "/v1/generate", timeout=60, json={
         "prompt": prompt, "max_tokens": 1, "fidelity": "fast"}).json()["cache"]
     assert cache["exact"] is True and cache["positions"] == "layout"
+
+
+def test_openai_routes_take_fidelity_positions_as_an_extra_body_field(server):
+    import openai
+
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    reports = [api.completions.create(model="tiny-llama", prompt=APPROXIMATE, max_tokens=1, temperature=0,
+                                      extra_body={"fidelity": "fast", "fidelity_positions": p}
+                                      ).model_extra["promptcache"]["positions"] for p in ("layout", "contiguous")]
+    assert reports == ["layout", "contiguous"]
