@@ -124,7 +124,7 @@ def run_rows(targets: list[Target], work: Workload, *, runs: int, rows: set[str]
         each("c_plain", targets, work.retrieval_chat, lambda t, m: t.ttft(
             "/v1/chat/completions", {"model": "m", "messages": m, "max_tokens": 1}))
         ours = [t for t in targets if t.is_promptcache]
-        # `fast`: modules reused as encoded, whatever the server's default (docs/fidelity.md)
+        # `fast`: modules reused as encoded (at the server's `--fidelity-positions`), whatever its default mode
         each("c_pml", ours, work.retrieval_pml, lambda t, p: t.ttft(
             "/v1/generate", {"prompt": p, "max_tokens": 1, "fidelity": "fast"}))
     if "d" in rows:

@@ -31,3 +31,25 @@ def build_model(shape: str, *, min_vocab: int = 0, dtype: torch.dtype = torch.fl
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+def save_model(shape: str, directory: str) -> None:
+    """Write a random-weight `shape` model with SmolLM2's tokenizer to `directory`, for `promptcache serve
+    --model DIR` (timing over HTTP at a larger shape than the built-in model)."""
+    from transformers import AutoTokenizer
+
+    from promptcache.model_runtime.default_model import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    build_model(shape, min_vocab=len(tokenizer)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="python -m benchmarks.shapes SHAPE DIR: save a random-weight model")
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("directory")
+    args = parser.parse_args()
+    save_model(args.shape, args.directory)
