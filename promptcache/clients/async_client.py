@@ -60,7 +60,8 @@ class AsyncClient(BaseClient):
                  return_spans: bool = False, stream: bool = False) -> Generation | AsyncStream[GenerationChunk]:
         """Generate from a PML prompt (`<prompt schema="...">`). With `stream=True`, iterate chunks. `fidelity`
         (and k, `fidelity_head_tokens`; `fidelity_positions`: re-aligned or layout positions) says how module KV
-        reused out of context is treated (server default when None); `return_spans=True` adds `cache.spans`: the prompt by where each token's KV came from."""
+        reused out of context is treated (server default when None); `return_spans=True` adds `cache.spans`:
+        the prompt by where each token's KV came from."""
         body = self.generate_body(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   n=n, stop=stop, seed=seed, cache_salt=cache_salt, stream=stream,
                                   fidelity=fidelity, fidelity_head_tokens=fidelity_head_tokens,
