@@ -22,6 +22,12 @@ in their encoding context can be picked):
 Rows also for `fast` (nothing recomputed), `all` (every module token recomputed at the layout's positions)
 and `full_prefill` (the evaluation's reference: contiguous positions). Accuracy with a 95 % Wilson
 interval, % of full prefill, greedy 16-token agreement with full prefill. fp32.
+
+`--reference-answers benchmarks/results/fidelity.answers.jsonl` takes `full_prefill` and `fast` from the
+fidelity evaluation's stored answers to the same prompts (same seed, fp32; its reruns reproduced them
+exactly) instead of generating them and skips `all`: a run then costs two forward passes and one greedy
+decode per strategy and prompt; agreement is not reported, and every strategy is paired with `fast`, with
+the first strategy at its budget, and with full prefill (accuracy points, 95 % interval).
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from benchmarks.fidelity import GENERATE, _until_eos, wilson
+import json
+
+from benchmarks.fidelity import GENERATE, _until_eos, paired_difference, wilson
 from benchmarks.fidelity_tasks import build_eval_set, score
 from benchmarks.harness import RESULTS, emit, log, setup
 from promptcache.cache_store import StoreConfig, build_store
@@ -205,8 +213,13 @@ def main() -> None:
     parser.add_argument("--deviation-layer", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reference-answers", type=Path,
+                        help="a fidelity .answers.jsonl: full_prefill and fast from it (module docstring)")
     parser.add_argument("--out", type=Path, default=RESULTS / "fidelity_selection.jsonl")
     args = parser.parse_args()
+    if args.reference_answers:
+        stored_run(args)
+        return
     setup(args.threads)
     loaded = load_model(ModelConfig(dtype="float32"))
     runtime = ModelRuntime(loaded, build_store(StoreConfig()))  # the PML planner (and its attention)
@@ -255,6 +268,68 @@ def main() -> None:
                   "agreement": round(100 * statistics.mean(a[:16] == r[:16] for a, r in zip(answers[variant], reference)), 1),
                   "recomputed_fraction": round(statistics.mean(recomputed[variant]), 3) if recomputed[variant] else 0.0},
                  args.out)
+
+
+def stored_correctness(path: Path, task: str, mode: str, items: list) -> list[bool]:
+    """Per prompt, in item order: whether `mode`'s stored answer was correct (the stored rows must be
+    the same prompts: their metadata is compared)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = [r for r in rows if r["task"] == task and r["mode"] == mode][: len(items)]
+    if len(rows) < len(items) or any(r["meta"] != item.meta for r, item in zip(rows, items)):
+        raise SystemExit(f"{path} does not hold {mode} answers to these {len(items)} {task} prompts")
+    return [r["correct"] for r in rows]
+
+
+def stored_run(args) -> None:
+    """The strategies only, paired with stored full-prefill and fast answers (module docstring)."""
+    setup(args.threads)
+    loaded = load_model(ModelConfig(dtype="float32"))
+    runtime = ModelRuntime(loaded, build_store(StoreConfig()))
+    AttentionInterface.register(CAPTURE, _capturing_attention)
+    AttentionMaskInterface.register(CAPTURE, sdpa_mask)
+    model = loaded.model
+    model.set_attn_implementation(CAPTURE)
+    eos = set(loaded.eos_token_ids)
+    eval_set = build_eval_set(per_task=args.per_task, seed=args.seed)
+    for text in eval_set.schemas.values():
+        runtime.add_schema(runtime.parse_schema(text), encode=False)
+    variants = [f"{s}@{b:g}" for b in args.budgets for s in args.strategies]
+    for task in args.tasks:
+        items = [item for item in eval_set.items if item.task == task]
+        correct = {mode: stored_correctness(args.reference_answers, task, mode, items)
+                   for mode in ("full_prefill", "fast")}
+        correct.update({v: [] for v in variants})
+        recomputed: dict[str, list[float]] = {v: [] for v in variants}
+        for index, item in enumerate(items):
+            rows = rows_of(runtime.plan(item.prompt))
+            attention, deviation = signals(model, rows, args.deviation_layer)
+            for budget in args.budgets:
+                for strategy in args.strategies:
+                    chosen = select(strategy, rows, int(budget * rows.reused()), attention, deviation)
+                    tokens = generate(model, rows, mask_of(rows, chosen), eos=eos)
+                    correct[f"{strategy}@{budget:g}"].append(
+                        score(loaded.tokenizer.decode(tokens, skip_special_tokens=True), item))
+                    recomputed[f"{strategy}@{budget:g}"].append(len(chosen) / max(1, rows.reused()))
+            if index % 10 == 0:
+                log(f"{task} {index}/{len(items)}")
+        full_accuracy = 100 * sum(correct["full_prefill"]) / len(items)
+        for variant in ["full_prefill", "fast", *variants]:
+            low, high = wilson(sum(correct[variant]), len(items))
+            accuracy = 100 * sum(correct[variant]) / len(items)
+            emit({"bench": "fidelity_selection", "task": task, "variant": variant, "num_prompts": len(items),
+                  "accuracy": round(accuracy, 1), "ci95": [round(low, 1), round(high, 1)],
+                  "percent_of_full_prefill": round(100 * accuracy / full_accuracy, 1) if full_accuracy else None,
+                  "recomputed_fraction": round(statistics.mean(recomputed[variant]), 3) if variant in recomputed
+                  else 0.0, "reference": str(args.reference_answers)}, args.out)
+        for budget in args.budgets:
+            first = f"{args.strategies[0]}@{budget:g}"
+            for variant in [f"{s}@{budget:g}" for s in args.strategies]:
+                for against in ["fast", "full_prefill", *([first] if variant != first else [])]:
+                    diffs = [int(a) - int(b) for a, b in zip(correct[variant], correct[against])]
+                    mean, low, high = paired_difference(diffs)
+                    emit({"bench": "fidelity_selection_paired", "task": task, "variant": variant, "against": against,
+                          "difference_points": mean, "ci95": [low, high],
+                          "changed": sum(1 for d in diffs if d)}, args.out)
 
 
 if __name__ == "__main__":

@@ -155,7 +155,7 @@ class Client:
 
 
 def run_router(router: str, url: str, settings: dict, schemas: list[str], tasks: list, concurrency: int,
-               redis_url: str, device_share: float) -> dict:
+               redis_url: str, device_share: float, out: Path = OUT) -> dict:
     from ray import serve
 
     from promptcache.cluster import ClusterOptions
@@ -180,7 +180,8 @@ def run_router(router: str, url: str, settings: dict, schemas: list[str], tasks:
     ttfts = [s.ttft_ms for s in samples]
     summary = {
         "bench": "scaleout", "router": router, "options": ROUTERS[router], "device_share": device_share,
-        "dtype": settings["dtype"], "num_requests": len(samples), "elapsed_s": round(elapsed, 1),
+        "dtype": settings["dtype"], "concurrency": concurrency, "num_requests": len(samples),
+        "elapsed_s": round(elapsed, 1),
         "device_hit_rate": round(sum(s.device_tokens for s in samples) / sum(s.prompt_tokens for s in samples), 4),
         "p50_ttft_ms": round(statistics.median(ttfts), 1),
         "p90_ttft_ms": round(statistics.quantiles(ttfts, n=10)[8], 1),
@@ -195,17 +196,17 @@ def run_router(router: str, url: str, settings: dict, schemas: list[str], tasks:
                       for source in ("device", "redis", "computed")
                       for group in [[s for s in samples if s.source == source]] if group},
     }
-    emit(summary, OUT)
+    emit(summary, out)
     return summary
 
 
-def run_simulator() -> list[dict]:
+def run_simulator(out: Path = OUT) -> list[dict]:
     records = []
     for num_replicas in (16, 64):
         config = SimulationConfig(num_replicas=num_replicas)
         for policy in POLICIES:
             record = {"bench": "scaleout_sim", **asdict(simulate(config, policy)), "config": asdict(config)}
-            emit(record, OUT)
+            emit(record, out)
             records.append(record)
     return records
 
@@ -248,17 +249,17 @@ def draw(runs: dict[float, dict[str, dict]], simulated: list[dict], out: Path) -
     fig.savefig(out, dpi=110)
 
 
-def replot() -> None:
-    """Redraw from OUT: the application runs already there, the simulator run again (it is cheap)."""
-    rows = [json.loads(line) for line in OUT.read_text().splitlines()]
+def replot(out: Path) -> None:
+    """Redraw from `out`: the application runs already there, the simulator run again (it is cheap)."""
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
     kept = [r for r in rows if r["bench"] != "scaleout_sim"]
-    OUT.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
-    simulated = run_simulator()
+    out.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+    simulated = run_simulator(out)
     runs: dict[float, dict[str, dict]] = {}
     for row in kept:
         if row["bench"] == "scaleout":
             runs.setdefault(row["device_share"], {})[row["router"]] = row
-    draw(runs, simulated, OUT.with_suffix(".png"))
+    draw(runs, simulated, out.with_suffix(".png"))
 
 
 def main() -> None:
@@ -274,17 +275,18 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="the replicas' dtype (auto: what `promptcache serve` picks here); sizes the tiers")
     parser.add_argument("--routers", nargs="+", choices=list(ROUTERS), default=list(ROUTERS))
+    parser.add_argument("--out", type=Path, default=OUT, help="JSON lines (and the PNG beside them)")
     parser.add_argument("--replot", action="store_true",
                         help="only run the simulator again and redraw the PNG from the results file")
     args = parser.parse_args()
     if args.replot:
-        replot()
+        replot(args.out)
         return
 
     import ray
     from ray import serve
 
-    simulated = run_simulator()
+    simulated = run_simulator(args.out)
     schemas, tasks, working_tokens = build_workload(args.prompts_per_schema, args.sessions, args.turns,
                                                     args.docs_per_module)
     dtype = ModelConfig(dtype=args.dtype).torch_dtype
@@ -304,7 +306,8 @@ def main() -> None:
                 settings = {"redis_url": redis_url, "preload_examples": False, "device_max_bytes": device_bytes,
                             "host_max_bytes": 1 << 20, "namespace": "scaleout", "dtype": str(dtype).removeprefix("torch.")}
                 runs[share] = {router: run_router(router, f"http://127.0.0.1:{port}", settings, schemas, tasks,
-                                                  args.concurrency, redis_url, share) for router in args.routers}
+                                                  args.concurrency, redis_url, share, args.out)
+                               for router in args.routers}
         finally:
             serve.shutdown()
             ray.shutdown()
@@ -318,8 +321,8 @@ def main() -> None:
                   "hit_rate_ratio": round(hit_ratio, 2), "hit_rate_target": ">= 1.8", "hit_rate_met": hit_ratio >= 1.8,
                   "p50_ttft_ratio": round(ttft_ratio, 3), "p50_ttft_target": "<= 0.6", "p50_ttft_met": ttft_ratio <= 0.6,
                   "max_over_mean_requests": ours["max_over_mean_requests"], "balance_target": "<= 1.3",
-                  "balance_met": ours["max_over_mean_requests"] <= 1.3}, OUT)
-    draw(runs, simulated, OUT.with_suffix(".png"))
+                  "balance_met": ours["max_over_mean_requests"] <= 1.3, "concurrency": args.concurrency}, args.out)
+    draw(runs, simulated, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
