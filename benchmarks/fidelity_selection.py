@@ -33,6 +33,7 @@ the first strategy at its budget, and with full prefill (accuracy points, 95 % i
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +42,6 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
-
-import json
 
 from benchmarks.fidelity import GENERATE, _until_eos, paired_difference, wilson
 from benchmarks.fidelity_tasks import build_eval_set, score
@@ -204,6 +203,21 @@ def select(strategy: str, rows: Rows, budget: int, attention: torch.Tensor, devi
     return chosen
 
 
+def prepare(args):
+    """The fp32 model with the capturing attention, the PML planner, and the evaluation set's schemas
+    registered (not encoded: every variant is a masked forward pass)."""
+    setup(args.threads)
+    loaded = load_model(ModelConfig(dtype="float32"))
+    runtime = ModelRuntime(loaded, build_store(StoreConfig()))  # the PML planner (and its attention)
+    AttentionInterface.register(CAPTURE, _capturing_attention)
+    AttentionMaskInterface.register(CAPTURE, sdpa_mask)
+    loaded.model.set_attn_implementation(CAPTURE)
+    eval_set = build_eval_set(per_task=args.per_task, seed=args.seed)
+    for text in eval_set.schemas.values():
+        runtime.add_schema(runtime.parse_schema(text), encode=False)
+    return loaded, runtime, eval_set
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--per-task", type=int, default=200)
@@ -220,17 +234,8 @@ def main() -> None:
     if args.reference_answers:
         stored_run(args)
         return
-    setup(args.threads)
-    loaded = load_model(ModelConfig(dtype="float32"))
-    runtime = ModelRuntime(loaded, build_store(StoreConfig()))  # the PML planner (and its attention)
-    AttentionInterface.register(CAPTURE, _capturing_attention)
-    AttentionMaskInterface.register(CAPTURE, sdpa_mask)
-    model = loaded.model
-    model.set_attn_implementation(CAPTURE)
-    eos = set(loaded.eos_token_ids)
-    eval_set = build_eval_set(per_task=args.per_task, seed=args.seed)
-    for text in eval_set.schemas.values():
-        runtime.add_schema(runtime.parse_schema(text), encode=False)
+    loaded, runtime, eval_set = prepare(args)
+    model, eos = loaded.model, set(loaded.eos_token_ids)
     variants = ["full_prefill", "fast", "all"] + [f"{s}@{b:g}" for b in args.budgets for s in args.strategies]
     for task in args.tasks:
         items = [item for item in eval_set.items if item.task == task]
@@ -282,17 +287,8 @@ def stored_correctness(path: Path, task: str, mode: str, items: list) -> list[bo
 
 def stored_run(args) -> None:
     """The strategies only, paired with stored full-prefill and fast answers (module docstring)."""
-    setup(args.threads)
-    loaded = load_model(ModelConfig(dtype="float32"))
-    runtime = ModelRuntime(loaded, build_store(StoreConfig()))
-    AttentionInterface.register(CAPTURE, _capturing_attention)
-    AttentionMaskInterface.register(CAPTURE, sdpa_mask)
-    model = loaded.model
-    model.set_attn_implementation(CAPTURE)
-    eos = set(loaded.eos_token_ids)
-    eval_set = build_eval_set(per_task=args.per_task, seed=args.seed)
-    for text in eval_set.schemas.values():
-        runtime.add_schema(runtime.parse_schema(text), encode=False)
+    loaded, runtime, eval_set = prepare(args)
+    model, eos = loaded.model, set(loaded.eos_token_ids)
     variants = [f"{s}@{b:g}" for b in args.budgets for s in args.strategies]
     for task in args.tasks:
         items = [item for item in eval_set.items if item.task == task]
