@@ -158,7 +158,7 @@ def test_tenant_salts_hold_across_replicas(cluster):
 
 
 def test_load_guard_spreads_a_hot_schema(cluster):
-    body = {**_prompt("d4", "Tell me everything."), "max_tokens": 256, "ignore_eos": True}
+    body = {**_prompt("d4", "Tell me everything."), "max_tokens": 1024, "ignore_eos": True}
     owner = cluster.owner("/v1/generate", body, ALPHA)
     with concurrent.futures.ThreadPoolExecutor(16) as pool:  # long generations, all at once
         responses = list(pool.map(lambda _: cluster.post("/v1/generate", body), range(16)))
