@@ -158,9 +158,16 @@ def test_long_prompt_placement_and_health_stay_fast(live_server):
     assert latencies[int(0.95 * len(latencies))] < 0.1 and latencies[-1] < 0.5
 
 
-def test_a_client_that_disconnects_frees_its_sequence(live_server):
+def test_a_client_that_disconnects_frees_its_sequence(live_server, monkeypatch):
     server = live_server()
     engine = server.app.state.service.engine
+    run = engine.runner.run
+
+    def paced_run(*args, **kwargs):  # the tiny model could finish all 2,000 tokens before the client reads 6 lines
+        time.sleep(0.005)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "run", paced_run)
     body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
         for count, _ in enumerate(response.iter_lines()):
