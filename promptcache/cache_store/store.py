@@ -103,9 +103,11 @@ class TieredStore:
     def _shared(self) -> list[Tier]:
         return self.tiers[self._num_local:]
 
-    def get(self, key: str, *, num_tokens: int | None = None, nbytes: int | None = None) -> tuple[KVBlock, str] | None:
+    def get(self, key: str, *, num_tokens: int | None = None, nbytes: int | None = None,
+            promote: bool = True) -> tuple[KVBlock, str] | None:
         """`num_tokens`/`nbytes` (optional) let the fetch policy skip a shared tier that would be slower
-        than recomputing the block."""
+        than recomputing the block. `promote=False` reads a block from a slower tier without copying it
+        into the faster ones (a block read for others: see `put`'s `local`)."""
         with self._lock:
             self._counters.gets += 1
         for index, tier in enumerate(self.tiers):
@@ -125,7 +127,7 @@ class TieredStore:
                     counters.misses += 1
                     continue
                 counters.hits += 1
-                if index == 0:
+                if index == 0 or not promote:
                     return hit.block, tier.name
                 counters.promotions += 1
                 placed = self._place(0, key, hit.block, kind=hit.kind, ttl_s=hit.ttl_s, stop=index, owner=hit.owner)
@@ -133,18 +135,21 @@ class TieredStore:
         return None
 
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
-            kind: BlockKind = "module", owner: str | None = None) -> None:
+            kind: BlockKind = "module", owner: str | None = None, local: bool = True) -> None:
         """Store `block` under `key`: synchronously in the first tier that takes it, and queued for the
         shared tiers. A re-put keeps an existing pin, refcount and "module" kind. `owner` (a tenant) is
-        whose byte share the entry counts against in tiers that have shares."""
+        whose byte share the entry counts against in tiers that have shares. `local=False` is for a block
+        this process computed for others (a replica encoding an uploaded schema): it goes to the shared
+        tiers only, unless there are none."""
         kind = check_kind(kind)
+        local = local or not self._shared
         with self._lock:
             self._counters.puts += 1
-            placed = self._place(0, key, block, pinned=pinned, ttl_s=ttl_s, kind=kind, owner=owner)
+            placed = self._place(0, key, block, pinned=pinned, ttl_s=ttl_s, kind=kind, owner=owner) if local else None
         if not self._shared:
             return
         deadline = None if ttl_s is None else time.monotonic() + ttl_s
-        if self.write_through_shared:
+        if self.write_through_shared or not local:
             self._writer.submit(key, block.nbytes,
                                 lambda: self._write_through(key, block, pinned, kind, deadline, owner))
         elif placed is None:

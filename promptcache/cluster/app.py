@@ -26,6 +26,9 @@ def build_application(settings: dict[str, Any], options: ClusterOptions | None =
     """The application for `settings` (ServerSettings fields given explicitly; the replicas read the rest
     from their PROMPTCACHE_* environment). Raises ValueError for invalid settings."""
     options = options or ClusterOptions()
+    # An upload is routed by its schema name, the schema's prompts by their module sets: the replica that
+    # encodes it keeps it only in Redis, so its device tier holds the KV of the requests it serves.
+    settings = {"upload_kv_local": False, **settings}
     resolved = ServerSettings(**settings)  # validate here, before Ray starts anything
     replica_options: dict[str, Any] = {
         "name": REPLICA_DEPLOYMENT,

@@ -99,16 +99,18 @@ class ModuleEncoder:
         return FetchedKV(self.store_tail(work, keys, values), "computed")
 
     def plan(self, schema: Schema, segment_id: int, context_ids: Sequence[int], cache_salt: str | None = None, *,
-             assume_missing: bool = False) -> ChainWork | None:
+             assume_missing: bool = False, local: bool = True) -> ChainWork | None:
         """What encoding `segment_id` after `context_ids` needs: the stored links of its context chain
-        and the tokens of the missing tail. None when the target is stored already."""
+        and the tokens of the missing tail. None when the target is stored already. `local=False`: the
+        links are read without promoting them into this process's tiers (an encoding for others)."""
         target = self.key(schema, segment_id, context_ids, cache_salt)
         if not assume_missing and self.store.contains(target) is not None:
             return None
         chain = [*sorted(context_ids, key=lambda i: schema.segments[i].start), segment_id]
         found: list[KVBlock] = []
         for index, link in enumerate(chain[:-1]):
-            hit = self.store.get(self.key(schema, link, chain[:index], cache_salt), **self._cost(schema, link))
+            hit = self.store.get(self.key(schema, link, chain[:index], cache_salt), promote=local,
+                                 **self._cost(schema, link))
             if hit is None:
                 break
             found.append(hit[0])
@@ -121,15 +123,15 @@ class ModuleEncoder:
         return ChainWork(target, tuple(found), tuple(segments), tuple(keys), token_ids, position_ids,
                          salt_owner(cache_salt))
 
-    def store_tail(self, work: ChainWork, keys: torch.Tensor, values: torch.Tensor) -> KVBlock:
+    def store_tail(self, work: ChainWork, keys: torch.Tensor, values: torch.Tensor, *, local: bool = True) -> KVBlock:
         """Store the computed tail (`keys`/`values` [L, H_kv, tail tokens, D]) segment by segment;
-        returns the target segment's block."""
+        returns the target segment's block. `local=False`: in the shared tiers only (store.put)."""
         offset, block = 0, None
         for segment, key in zip(work.segments, work.keys):
             n = len(segment.token_ids)
             positions = torch.tensor(list(segment.position_ids), dtype=torch.long)  # [n]
             block = KVBlock(keys[:, :, offset: offset + n].clone(), values[:, :, offset: offset + n].clone(), positions)
-            self.store.put(key, block, owner=work.owner)
+            self.store.put(key, block, owner=work.owner, local=local)
             offset += n
         assert block is not None
         return block

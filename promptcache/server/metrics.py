@@ -93,9 +93,14 @@ def store_families(store) -> Iterator:
     hits = CounterMetricFamily("promptcache:cache_hits", "KV lookups answered by a tier.", labels=["tier"])
     evictions = CounterMetricFamily("promptcache:cache_evictions", "Blocks evicted from a tier.", labels=["tier"])
     used = GaugeMetricFamily("promptcache:cache_usage_bytes", "Bytes held by a tier.", labels=["tier"])
+    by_kind = GaugeMetricFamily("promptcache:cache_usage_by_kind_bytes",
+                                "Bytes held by a tier, by kind (module KV | automatic prefix blocks).",
+                                labels=["tier", "kind"])
     for tier in stats.tiers:
         queries.add_metric([tier.name], tier.hits + tier.misses)
         hits.add_metric([tier.name], tier.hits)
         evictions.add_metric([tier.name], tier.evictions)
         used.add_metric([tier.name], tier.used_bytes)
-    yield from (queries, hits, evictions, used)
+        by_kind.add_metric([tier.name, "module"], tier.module_bytes)
+        by_kind.add_metric([tier.name, "prefix"], tier.prefix_bytes)
+    yield from (queries, hits, evictions, used, by_kind)

@@ -126,7 +126,8 @@ class PromptService:
             raise SchemaExistsError(f"schema {schema.name!r} already exists; DELETE it first to replace it")
         await asyncio.to_thread(self._check_quota, schema, tenant)
         # In chunks between decode steps; salted with the tenant like every later lookup of it.
-        report = await asyncio.wrap_future(self.engine.encode_schema(schema, self.salt(tenant, None)))
+        report = await asyncio.wrap_future(self.engine.encode_schema(schema, self.salt(tenant, None),
+                                                                     keep_local=self.settings.upload_kv_local))
         # Shared-tier writes are write-behind: let them land so another replica finds the KV at once.
         await asyncio.to_thread(self.store.flush, self.settings.redis_timeout_s * 60)
         qualified = registry_name(tenant, schema.name)

@@ -68,6 +68,9 @@ class ServerSettings(BaseSettings):
     fidelity_positions: Literal["contiguous", "layout"] = Field(  # the evaluation's pick: docs/fidelity.md
         "contiguous", description="fast/balanced: where an approximate prompt's tokens sit — contiguous (reused "
                                   "keys re-aligned for the request) or the schema layout's, with gaps")
+    upload_kv_local: bool = Field(True, description="a schema upload keeps the module KV it encodes in this "
+                                  "process's tiers as well as the shared ones; False: shared tiers only (the "
+                                  "cluster's default: the replica taking an upload is rarely the one serving it)")
     registry_poll_s: float = Field(1.0, gt=0, description="how often replicas check the shared schema registry")
     heap_trim_s: float = Field(5.0, ge=0, description="how often freed heap memory is returned to the OS "
                                                      "(glibc malloc_trim); 0: never")

@@ -147,3 +147,21 @@ def test_fetch_policy_skips_a_tier_slower_than_recompute():
     shared.put("k", blk(1))
     assert store.get("k", num_tokens=1, nbytes=10**6) is None  # skipped: recompute is cheaper
     assert store.get("k", num_tokens=1000, nbytes=10**3) is not None
+
+
+def test_a_put_for_others_goes_to_the_shared_tiers_only(tmp_path):
+    from promptcache.cache_store import DiskTier
+
+    device = MemoryTier("device", 10 * SIZE)
+    store = TieredStore([device, DiskTier(tmp_path, max_bytes=1 << 20)])
+    store.put("mine", blk(1, 1.0))
+    store.put("theirs", blk(1, 2.0), local=False)
+    assert store.flush(10)
+    assert device.keys() == ["mine"] and store.contains("theirs") == "disk"
+    block, tier = store.get("theirs", promote=False)  # read for others again: still not kept here
+    assert tier == "disk" and torch.equal(block.keys, blk(1, 2.0).keys) and not device.contains("theirs")
+    block, tier = store.get("theirs")  # a use here fetches it and promotes it like any other block
+    assert tier == "disk" and torch.equal(block.keys, blk(1, 2.0).keys) and device.contains("theirs")
+    alone = TieredStore([MemoryTier("device", 10 * SIZE)])  # no shared tier: kept here, never lost
+    alone.put("theirs", blk(1), local=False)
+    assert alone.contains("theirs") == "device"

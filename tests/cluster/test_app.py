@@ -22,11 +22,12 @@ def test_fixed_replicas_with_the_affinity_router():
     assert (gateway.name, replicas.name) == (GATEWAY_DEPLOYMENT, REPLICA_DEPLOYMENT)
     assert replicas.num_replicas == 3 and replicas._deployment_config.autoscaling_config is None
     assert replicas.ray_actor_options["num_cpus"] == 2 and gateway.ray_actor_options["num_cpus"] == 0
-    assert replicas.init_args == ({"redis_url": "redis://127.0.0.1:6379/0"}, 2)  # settings, torch threads
+    # settings (an upload's KV goes to Redis only unless the settings say otherwise), torch threads
+    assert replicas.init_args == ({"upload_kv_local": False, "redis_url": "redis://127.0.0.1:6379/0"}, 2)
     router = replicas._deployment_config.request_router_config
     assert router.get_request_router_class() is CacheAffinityRouter
     assert router.request_router_kwargs["abs_threshold"] == 1 and router.request_router_kwargs["pml_key"] == "modules"
-    assert router.request_router_kwargs["settings"] == {"redis_url": "redis://127.0.0.1:6379/0"}
+    assert router.request_router_kwargs["settings"]["redis_url"] == "redis://127.0.0.1:6379/0"
 
 
 def test_autoscaling_on_queue_length_and_the_default_router():
@@ -35,6 +36,11 @@ def test_autoscaling_on_queue_length_and_the_default_router():
     autoscaling = replicas._deployment_config.autoscaling_config
     assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.target_ongoing_requests) == (2, 6, 3)
     assert "PowerOfTwoChoices" in str(replicas._deployment_config.request_router_config.request_router_class)
+
+
+def test_settings_can_keep_an_uploads_kv_local():
+    _, replicas = _deployments(ClusterOptions(), {"redis_url": "redis://127.0.0.1:6379/0", "upload_kv_local": True})
+    assert replicas.init_args[0]["upload_kv_local"] is True
 
 
 def test_invalid_settings_fail_before_ray_starts():

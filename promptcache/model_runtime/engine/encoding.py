@@ -23,12 +23,15 @@ from promptcache.pml import Schema
 
 @dataclass(eq=False)
 class EncodeJob:
-    """Encode (segment, context) of a schema unless stored; `done` resolves when it is stored."""
+    """Encode (segment, context) of a schema unless stored; `done` resolves when it is stored.
+    `keep_local`: stored in this process's tiers too, not only the shared ones (False only while
+    nobody here needs it: a schema upload's encoding on a cluster replica)."""
 
     schema: Schema
     segment_id: int
     context_ids: tuple[int, ...]
     salt: str | None
+    keep_local: bool = True
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -55,14 +58,16 @@ class EncodeQueue:
         return bool(self._jobs or self._active)
 
     def submit(self, schema: Schema, segment_id: int, context_ids: tuple[int, ...],
-               salt: str | None) -> concurrent.futures.Future:
-        """Queue an encoding (once per target: a job already queued is shared)."""
+               salt: str | None, *, keep_local: bool = True) -> concurrent.futures.Future:
+        """Queue an encoding (once per target: a job already queued is shared, and kept locally if any
+        of its submitters asks for that)."""
         target = self.encoder.key(schema, segment_id, context_ids, salt)
         job = self._by_target.get(target)
         if job is None:
-            job = EncodeJob(schema, segment_id, tuple(context_ids), salt)
+            job = EncodeJob(schema, segment_id, tuple(context_ids), salt, keep_local)
             self._by_target[target] = job
             self._jobs.append(job)
+        job.keep_local = job.keep_local or keep_local
         return job.done
 
     def next_chunk(self, budget: int) -> Sequence | None:
@@ -90,7 +95,7 @@ class EncodeQueue:
         seq, work = active.seq, active.work
         self.encoder.record(work, active.compute_s)
         n = len(work.token_ids)
-        self.encoder.store_tail(work, seq.own_keys[:, :, :n], seq.own_values[:, :, :n])
+        self.encoder.store_tail(work, seq.own_keys[:, :, :n], seq.own_values[:, :, :n], local=active.job.keep_local)
         active.job.done.set_result(n)
 
     def fail_active(self, exc: BaseException) -> None:
@@ -102,7 +107,7 @@ class EncodeQueue:
 
     def _activate(self, job: EncodeJob) -> None:
         try:
-            work = self.encoder.plan(job.schema, job.segment_id, job.context_ids, job.salt)
+            work = self.encoder.plan(job.schema, job.segment_id, job.context_ids, job.salt, local=job.keep_local)
         except Exception as exc:  # e.g. positions past the model: this job fails, the queue goes on
             self._by_target.pop(self.encoder.key(job.schema, job.segment_id, job.context_ids, job.salt), None)
             job.done.set_exception(exc)

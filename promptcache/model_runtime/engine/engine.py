@@ -88,11 +88,14 @@ class Engine:
         self.start()
         return self._events(request_id, queue)
 
-    def encode_schema(self, schema: Schema, cache_salt: str | None = None) -> concurrent.futures.Future[EncodeReport]:
+    def encode_schema(self, schema: Schema, cache_salt: str | None = None, *,
+                      keep_local: bool = True) -> concurrent.futures.Future[EncodeReport]:
         """Encode every module KV of `schema` that no tier holds, in chunks between decode steps (no
-        stream stalls for it). Await the result with `asyncio.wrap_future`; it raises what failed."""
+        stream stalls for it). Await the result with `asyncio.wrap_future`; it raises what failed.
+        `keep_local=False` stores it in the shared tiers only (if there are any) unless a request here
+        needs it meanwhile: for a replica whose uploads other replicas serve."""
         future: concurrent.futures.Future[EncodeReport] = concurrent.futures.Future()
-        self._post("encode", (schema, cache_salt, future))
+        self._post("encode", (schema, cache_salt, future, keep_local))
         self.start()
         return future
 
@@ -157,9 +160,10 @@ class Engine:
                 logger.exception("engine step failed")
                 self._fail_all("internal engine error")
 
-    def _queue_schema(self, schema: Schema, salt: str | None, future: concurrent.futures.Future) -> None:
+    def _queue_schema(self, schema: Schema, salt: str | None, future: concurrent.futures.Future,
+                      keep_local: bool) -> None:
         jobs = self.encoder.schema_jobs(schema)
-        futures = [self.encodes.submit(schema, sid, ctx, salt) for sid, ctx in jobs]
+        futures = [self.encodes.submit(schema, sid, ctx, salt, keep_local=keep_local) for sid, ctx in jobs]
         self._schema_encodes.append((futures, future, time.perf_counter(), self.encoder.num_encoded_segments))
 
     def _step(self) -> None:
