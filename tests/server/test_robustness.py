@@ -55,11 +55,11 @@ def test_failed_upload_leaves_nothing_and_a_retry_succeeds(live_server, monkeypa
     real = service.engine.encode_schema
     calls = {"n": 0}
 
-    def flaky(schema, salt=None):
+    def flaky(schema, salt=None, **options):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("encoding blew up")
-        return real(schema, salt)
+        return real(schema, salt, **options)
 
     monkeypatch.setattr(service.engine, "encode_schema", flaky)
     assert httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).status_code == 500
