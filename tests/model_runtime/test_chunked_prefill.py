@@ -4,6 +4,7 @@ give the same tokens and KV as doing them in one pass (the single-sequence path 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -172,3 +173,46 @@ def test_prompt_logprobs_across_chunks_equal_one_full_forward():
     assert [f.logprob for f in found] == pytest.approx([float(expected[i, ids[i + 1]]) for i in range(len(ids) - 1)],
                                                        abs=1e-4)
     assert [f.top[0][0] for f in found] == [int(expected[i].argmax()) for i in range(len(ids) - 1)]
+
+
+def test_an_upload_for_others_is_kept_here_only_where_a_request_here_needs_it(tmp_path):
+    """encode_schema(keep_local=False) writes the shared tier only, except the KV a request on this engine
+    asked for while the upload was encoding: that job is kept locally too (the request reads no disk)."""
+    loaded = _tiny_loaded("llama", torch.float32)
+    reference = ModelRuntime(loaded, build_store(StoreConfig()))
+    reference.add_schema(reference.parse_schema(SCHEMA))
+    runtime = ModelRuntime(loaded, build_store(StoreConfig(disk_dir=str(tmp_path))))
+    schema = runtime.parse_schema(SCHEMA)
+    runtime.add_schema(schema, encode=False)
+    plan = runtime.plan(PROMPTS[2])  # imports d3 only
+    engine = Engine(runtime.module_encoder, EngineConfig(prefix=None, max_prefill_tokens=2,
+                                                         max_prefill_tokens_alone=2))
+    run = engine.runner.run
+
+    def paced(seqs):  # d0..d2 take dozens of 2-token steps: even a descheduled test thread submits before d3
+        time.sleep(0.005)
+        return run(seqs)
+
+    engine.runner.run = paced
+
+    async def main():
+        upload = engine.encode_schema(schema, keep_local=False)  # 2 tokens a step: d3 is still queued below
+        tokens, final = [], None
+        async for event in engine.submit(plan, GREEDY, fidelity=Fidelity("fast")):
+            assert event.error is None, event.error
+            tokens += [event.token_id] if event.token_id is not None else []
+            final = event
+        return tokens, final.modules, await asyncio.wrap_future(upload)
+
+    try:
+        tokens, modules, report = asyncio.run(main())
+    finally:
+        engine.stop()
+    store, encoder = runtime.module_encoder.store, runtime.module_encoder
+    assert store.flush(10) and report.num_encoded > 0
+    assert tokens == list(reference.generate(reference.plan(PROMPTS[2]), GREEDY).token_ids)  # fast, layout positions
+    assert [(m.path, m.tier) for m in modules] == [("d3", "device")]
+    used = {encoder.key(schema, c.segment.segment_id, c.context_ids, None) for c in plan.cached}
+    for segment_id, context_ids in encoder.schema_jobs(schema):
+        key = encoder.key(schema, segment_id, context_ids, None)
+        assert store.contains(key) == ("device" if key in used else "disk"), schema.segments[segment_id].owner
