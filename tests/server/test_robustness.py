@@ -3,6 +3,7 @@ schema uploads are atomic and replicas follow deletes, the event loop keeps answ
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -142,15 +143,23 @@ def test_long_prompt_placement_and_health_stay_fast(live_server):
         plan = server.app.state.service.plan(prompt)
         seconds.append(time.perf_counter() - started)
     assert min(seconds) < 1.0 and len(plan.new_runs) > 8000
-    poller = subprocess.Popen([sys.executable, "-m", "tests.server.health_poller", server.url],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert poller.stdout.readline().strip() == "ready"
+    # The server shares this process with everything the suite left behind; a full garbage collection over
+    # it (stop-the-world) once stalled /health for 0.53 s late in a CI run. Freeze those objects so the
+    # bound measures the server, not the suite's heap.
+    gc.collect()
+    gc.freeze()
     try:
-        httpx.post(server.url + "/v1/generate",
-                   json={"prompt": prompt, "max_tokens": 1}, timeout=60)
-        httpx.post(server.url + "/v1/completions", json={"prompt": "word " * 1500, "max_tokens": 2}, timeout=60)
+        poller = subprocess.Popen([sys.executable, "-m", "tests.server.health_poller", server.url],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert poller.stdout.readline().strip() == "ready"
+        try:
+            httpx.post(server.url + "/v1/generate",
+                       json={"prompt": prompt, "max_tokens": 1}, timeout=60)
+            httpx.post(server.url + "/v1/completions", json={"prompt": "word " * 1500, "max_tokens": 2}, timeout=60)
+        finally:
+            out, _ = poller.communicate("stop\n", timeout=30)
     finally:
-        out, _ = poller.communicate("stop\n", timeout=30)
+        gc.unfreeze()
     latencies = json.loads(out)
     # Target < 100 ms at p95; on a shared 2-core CI runner one scheduler hiccup is tolerated, not a stall.
     latencies.sort()
