@@ -47,6 +47,12 @@ def test_serve_replicas_runs_a_local_ray_cluster(tmp_path, redis_server):
             time.sleep(0.5)
         else:
             raise AssertionError("the cluster did not become ready in 180 s")
+        # /health has no affinity key (least loaded, ties at random): once it has come from both replicas,
+        # the gateway's router knows both, and the owner of a key no longer changes under us.
+        seen: set[str] = set()
+        while len(seen) < 2 and time.monotonic() < deadline + 30:
+            seen.add(httpx.get(url + "/health", timeout=10).headers["x-promptcache-replica"])
+        assert len(seen) == 2, "the router never reached the second replica"
         assert httpx.post(url + "/v1/schemas", json={"pml": SCHEMA}, timeout=60).status_code == 201
         body = {"prompt": '<prompt schema="cli"><user><doc/>Who?</user><assistant/></prompt>', "max_tokens": 3}
         replicas = {httpx.post(url + "/v1/generate", json=body, timeout=60).headers["x-promptcache-replica"]
