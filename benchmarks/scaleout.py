@@ -1,16 +1,18 @@
 """Scale-out benchmark: 2 local Ray Serve replicas of the default model on one Redis, cache-affinity
 routing against Ray's default (power-of-two-choices) router, in the same run.
 
-    python -m benchmarks.scaleout [--prompts-per-schema 48] [--sessions 8] [--concurrency 2]
+    python -m benchmarks.scaleout [--prompts-per-schema 48] [--sessions 8] [--concurrency 2] [--fidelity fast]
 
 Workload (the same requests, in the same order, for every router): 4 PML schemas of 4 modules each
 (~600 tokens a module: 3 generated documents); each prompt imports 2 of its schema's modules (6 module
 sets per schema, ~1.3K-token prompts) and asks a new question; plus chat sessions of 5 turns opening with
-a ~600-token text (each turn's history includes the replies the server sent). Server defaults otherwise
-(fidelity exact: module KV where its context is exact, prefix blocks for the rest). Routers: `default`
-(Ray's), `affinity` (the default load guard), `affinity_schema` (PML keyed on the schema alone: a schema's
-modules and the prefix chains built on them on one replica), `affinity_eager_spill` (the guard at abs 0 /
-rel 1: the key's replica unless another is less loaded). Each gets a fresh application (empty device tiers) and a flushed
+a ~600-token text (each turn's history includes the replies the server sent). Server defaults otherwise:
+fidelity `exact` (module KV where its context is exact, i.e. a prompt's first module; prefix blocks for the
+rest) unless `--fidelity` sends another with every PML prompt (`fast`: every module reused as encoded, the
+module-caching workload). Routers: `default` (Ray's), `affinity` (the default load guard and balance
+bound), `affinity_schema` (PML keyed on the schema alone: a schema's modules and the prefix chains built
+on them on one replica), `affinity_eager_spill` (the guard at abs 0 / rel 1: the key's replica unless
+another is less loaded). Each gets a fresh application (empty device tiers) and a flushed
 Redis; every replica has 1 CPU (torch threads 1), a device tier that holds a given share of the workload's
 KV (`--device-shares`, computed in the replicas' dtype) and a 1 MiB host tier that no block fits (on a CPU
 the host tier is the same memory as the device tier): what a replica's device tier lacks comes from Redis
@@ -88,11 +90,13 @@ class Sample:
 
 
 def build_workload(prompts_per_schema: int, num_sessions: int, num_turns: int, docs_per_module: int,
-                   seed: int = 0) -> tuple[list[str], list[list[Call]], int]:
+                   seed: int = 0, fidelity: str | None = None) -> tuple[list[str], list[list[Call]], int]:
     """(schemas, tasks, estimated working-set tokens). A task is a list of calls one client runs in order
-    (a chat session's turns depend on the replies before them). The working set is the prompt tokens of
-    every distinct module set and every session's history (~5 characters a token), what a replica serving
-    everything would keep."""
+    (a chat session's turns depend on the replies before them); PML calls carry `fidelity` when given. The
+    working set (~5 characters a token) is what a replica serving everything would keep: every session's
+    history, plus for PML under `exact` (the server default) the prompt tokens of every distinct module
+    set (a prompt's first module as encoded, the rest as prefix blocks after it), under `fast`/`balanced`
+    every module once (each reused as encoded wherever it sits)."""
     rng = random.Random(seed)
     docs = make_documents((NUM_SCHEMAS * DOCS_PER_SCHEMA + num_sessions) * docs_per_module, seed)
     texts = [" ".join(d.text for d in docs[i:i + docs_per_module]) for i in range(0, len(docs), docs_per_module)]
@@ -103,14 +107,18 @@ def build_workload(prompts_per_schema: int, num_sessions: int, num_turns: int, d
         modules = "".join(f'<module name="doc{i}">{texts[i]}</module>' for i in mine)
         schemas.append(f'<schema name="kb{s}"><system>{SYSTEM}</system><user>{modules}</user></schema>')
         pairs = list(itertools.combinations(mine, DOCS_PER_PROMPT))
-        working_chars += sum(len(SYSTEM) + sum(len(texts[i]) for i in pair) for pair in pairs)
+        if fidelity in (None, "exact"):
+            working_chars += sum(len(SYSTEM) + sum(len(texts[i]) for i in pair) for pair in pairs)
+        else:
+            working_chars += len(SYSTEM) + sum(len(texts[i]) for i in mine)
         for n in range(prompts_per_schema):
             chosen = pairs[n % len(pairs)]
             _, _, question = rng.choice(FACTS)
             imports = "".join(f"<doc{i}/>" for i in chosen)
             prompt = (f'<prompt schema="kb{s}"><user>{imports}{question.format(town=towns[rng.choice(chosen)])} '
                       f"(case {rng.randrange(10**6)})</user><assistant/></prompt>")
-            tasks.append([Call("/v1/generate", {"prompt": prompt, "max_tokens": 8}, "pml")])
+            body = {"prompt": prompt, "max_tokens": 8} | ({"fidelity": fidelity} if fidelity else {})
+            tasks.append([Call("/v1/generate", body, "pml")])
     for k in range(num_sessions):
         index = NUM_SCHEMAS * DOCS_PER_SCHEMA + k
         opening = f"I am planning a visit to {towns[index]}. Here is what I know: {texts[index]}"
@@ -155,7 +163,7 @@ class Client:
 
 
 def run_router(router: str, url: str, settings: dict, schemas: list[str], tasks: list, concurrency: int,
-               redis_url: str, device_share: float, out: Path = OUT) -> dict:
+               redis_url: str, device_share: float, out: Path = OUT, fidelity: str | None = None) -> dict:
     from ray import serve
 
     from promptcache.cluster import ClusterOptions
@@ -180,7 +188,7 @@ def run_router(router: str, url: str, settings: dict, schemas: list[str], tasks:
     ttfts = [s.ttft_ms for s in samples]
     summary = {
         "bench": "scaleout", "router": router, "options": ROUTERS[router], "device_share": device_share,
-        "dtype": settings["dtype"], "concurrency": concurrency, "num_requests": len(samples),
+        "dtype": settings["dtype"], "concurrency": concurrency, "pml_fidelity": fidelity or "server default", "num_requests": len(samples),
         "elapsed_s": round(elapsed, 1),
         "device_hit_rate": round(sum(s.device_tokens for s in samples) / sum(s.prompt_tokens for s in samples), 4),
         "p50_ttft_ms": round(statistics.median(ttfts), 1),
@@ -274,6 +282,8 @@ def main() -> None:
                              "router per share)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="the replicas' dtype (auto: what `promptcache serve` picks here); sizes the tiers")
+    parser.add_argument("--fidelity", choices=["fast", "balanced", "exact"],
+                        help="sent with every PML prompt (default: none, the server's `exact`); sizes the working set")
     parser.add_argument("--routers", nargs="+", choices=list(ROUTERS), default=list(ROUTERS))
     parser.add_argument("--out", type=Path, default=OUT, help="JSON lines (and the PNG beside them)")
     parser.add_argument("--replot", action="store_true",
@@ -288,7 +298,7 @@ def main() -> None:
 
     simulated = run_simulator(args.out)
     schemas, tasks, working_tokens = build_workload(args.prompts_per_schema, args.sessions, args.turns,
-                                                    args.docs_per_module)
+                                                    args.docs_per_module, fidelity=args.fidelity)
     dtype = ModelConfig(dtype=args.dtype).torch_dtype
     kv_bytes_per_token = KV_VALUES_PER_TOKEN * torch.empty((), dtype=dtype).element_size()
     log(f"workload: {sum(len(t) for t in tasks)} requests, ~{working_tokens} tokens of KV in use "
@@ -306,7 +316,7 @@ def main() -> None:
                 settings = {"redis_url": redis_url, "preload_examples": False, "device_max_bytes": device_bytes,
                             "host_max_bytes": 1 << 20, "namespace": "scaleout", "dtype": str(dtype).removeprefix("torch.")}
                 runs[share] = {router: run_router(router, f"http://127.0.0.1:{port}", settings, schemas, tasks,
-                                                  args.concurrency, redis_url, share, args.out)
+                                                  args.concurrency, redis_url, share, args.out, args.fidelity)
                                for router in args.routers}
         finally:
             serve.shutdown()
@@ -321,7 +331,8 @@ def main() -> None:
                   "hit_rate_ratio": round(hit_ratio, 2), "hit_rate_target": ">= 1.8", "hit_rate_met": hit_ratio >= 1.8,
                   "p50_ttft_ratio": round(ttft_ratio, 3), "p50_ttft_target": "<= 0.6", "p50_ttft_met": ttft_ratio <= 0.6,
                   "max_over_mean_requests": ours["max_over_mean_requests"], "balance_target": "<= 1.3",
-                  "balance_met": ours["max_over_mean_requests"] <= 1.3, "concurrency": args.concurrency}, args.out)
+                  "balance_met": ours["max_over_mean_requests"] <= 1.3, "concurrency": args.concurrency,
+                  "pml_fidelity": args.fidelity or "server default"}, args.out)
     draw(runs, simulated, args.out.with_suffix(".png"))
 
 

@@ -49,7 +49,8 @@ def build_application(settings: dict[str, Any], options: ClusterOptions | None =
             request_router_kwargs={"settings": settings, "prefix_chars": options.prefix_chars,
                                    "pml_key": options.pml_key,
                                    "abs_threshold": options.abs_threshold,
-                                   "rel_threshold": options.rel_threshold})
+                                   "rel_threshold": options.rel_threshold,
+                                   "balance_factor": options.balance_factor})
     replicas = serve.deployment(PromptCacheReplica, **replica_options).bind(settings, options.num_threads)
     gateway = serve.deployment(Gateway, name=GATEWAY_DEPLOYMENT, num_replicas=options.num_gateways,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)

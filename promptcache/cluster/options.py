@@ -19,6 +19,7 @@ class ClusterOptions:
     pml_key: Literal["modules", "schema"] = "modules"  # affinity.AffinityConfig
     abs_threshold: int = 4  # policy.LoadGuard
     rel_threshold: float = 1.5  # policy.LoadGuard
+    balance_factor: float | None = 1.2  # placement.BalanceBound: a replica's share of recent requests
     health_check_period_s: float = 2.0
     num_gateways: int = 1
 
@@ -35,6 +36,8 @@ class ClusterOptions:
             raise ValueError(f"pml_key must be 'modules' or 'schema', got {self.pml_key!r}")
         if self.router not in ("affinity", "default"):
             raise ValueError(f"router must be 'affinity' or 'default', got {self.router!r}")
+        if self.balance_factor is not None and self.balance_factor < 1:
+            raise ValueError(f"balance_factor must be >= 1 (or null: no bound), got {self.balance_factor}")
         if self.num_gateways < 1:
             raise ValueError(f"num_gateways must be at least 1, got {self.num_gateways}")
 

@@ -2,9 +2,11 @@
 
 Pure (no Ray): the Ray request router (router.py), the routing simulator and the unit tests all call it.
 
-- A request with a key goes to the replica that ranks highest for that key by rendezvous hashing
-  (highest-random-weight): every router computes the same owner with no shared state, and when a replica
-  joins or leaves only the keys it owned move.
+- A request with a key goes to the key's owner: the replica that ranks highest for that key by rendezvous
+  hashing (highest-random-weight), so every router computes the same owner with no shared state and when
+  a replica joins or leaves only the keys it owned move — unless that replica carries more than its share
+  of recent traffic, in which case the key moves to the next replica in its order that has room
+  (placement.KeyPlacement: consistent hashing with bounded loads; `balance=None` turns it off).
 - Load guard (SGLang's cache-aware router uses the same two-threshold test on its workers' loads, with
   defaults abs 64 / rel 1.5 sized for big GPU batches): the owner is skipped for the least-loaded replica
   when it is busier than that one by more than `abs_threshold` requests AND more than `rel_threshold`
@@ -21,6 +23,8 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from promptcache.cluster.placement import BalanceBound, KeyPlacement
 
 Reason = Literal["affinity", "load_guard", "least_loaded"]
 
@@ -50,13 +54,15 @@ class Choice:
 
 
 class RoutingPolicy:
-    def __init__(self, guard: LoadGuard = LoadGuard(), rng: random.Random | None = None) -> None:
+    def __init__(self, guard: LoadGuard = LoadGuard(), balance: BalanceBound | None = BalanceBound(),
+                 rng: random.Random | None = None) -> None:
         self.guard = guard
+        self._placement = None if balance is None else KeyPlacement(balance)
         self._rng = rng or random.Random()
 
     @staticmethod
     def rank(key: bytes, replica_ids: Sequence[str]) -> list[str]:
-        """Replicas in rendezvous order for `key`: its owner first."""
+        """Replicas in rendezvous order for `key`: the hash's choice first."""
         return list(_rank(key, tuple(replica_ids)))
 
     def choose(self, key: bytes | None, loads: Mapping[str, int]) -> Choice:
@@ -76,11 +82,19 @@ class RoutingPolicy:
             ids.sort(key=loads.__getitem__)
             return [Choice(i, "least_loaded", None) for i in ids]
         ranked = self.rank(key, list(loads))
-        owner = ranked[0]
+        owner = ranked[0] if self._placement is None else self._placement.owner(key, ranked)
+        if owner != ranked[0]:
+            ranked = [owner, *(r for r in ranked if r != owner)]
         if not self.guard.is_overloaded(loads[owner], min_load):
             return [Choice(i, "affinity" if i == owner else "least_loaded", owner) for i in ranked]
         spill = sorted(ranked, key=loads.__getitem__)  # stable: equal loads keep rendezvous order
         return [Choice(i, "load_guard", owner) for i in spill]
+
+    def record(self, key: bytes | None, replica_id: str) -> None:
+        """Count one request (with `key`, None: without) as sent to `replica_id`: the recent traffic that
+        bounds each replica's share. Call once per request, with the replica it was given to."""
+        if self._placement is not None:
+            self._placement.record(key, replica_id)
 
 
 @functools.lru_cache(maxsize=1 << 14)

@@ -17,6 +17,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from promptcache.cluster.affinity import AffinityConfig, AffinityKey, affinity_key
 from promptcache.cluster.forwarded import ForwardedRequest
+from promptcache.cluster.placement import BalanceBound
 from promptcache.cluster.policy import LoadGuard, RoutingPolicy
 from promptcache.server.settings import ServerSettings
 from promptcache.server.tenants import Quota, TenantDirectory
@@ -24,6 +25,7 @@ from promptcache.server.tenants import Quota, TenantDirectory
 logger = logging.getLogger(__name__)
 DEFAULT_AFFINITY = AffinityConfig()
 DEFAULT_GUARD = LoadGuard()
+DEFAULT_BALANCE = BalanceBound()
 MAX_REMEMBERED_KEYS = 4096  # keys of requests still being routed (a request may take several attempts)
 
 
@@ -32,34 +34,42 @@ class CacheAffinityRouter(RequestRouter):
                          prefix_chars: int = DEFAULT_AFFINITY.prefix_chars,
                          pml_key: str = DEFAULT_AFFINITY.pml_key,
                          abs_threshold: int = DEFAULT_GUARD.abs_threshold,
-                         rel_threshold: float = DEFAULT_GUARD.rel_threshold) -> None:
+                         rel_threshold: float = DEFAULT_GUARD.rel_threshold,
+                         balance_factor: float | None = DEFAULT_BALANCE.factor) -> None:
         """Called by Ray with the deployment's `request_router_kwargs`. `settings` are the replicas'
-        explicit ServerSettings fields: the API keys resolve to tenants here exactly as in the replicas."""
+        explicit ServerSettings fields: the API keys resolve to tenants here exactly as in the replicas.
+        `balance_factor` bounds a replica's share of recent requests (placement.BalanceBound; None: keys
+        stay where rendezvous hashing puts them)."""
         resolved = ServerSettings(**(settings or {}))
         self.tenants = TenantDirectory.load(resolved.api_keys_file, resolved.api_keys, Quota())
         self.affinity = AffinityConfig(prefix_chars=prefix_chars, pml_key=pml_key)
-        self.policy = RoutingPolicy(LoadGuard(abs_threshold=abs_threshold, rel_threshold=rel_threshold))
+        balance = None if balance_factor is None else BalanceBound(factor=balance_factor)
+        self.policy = RoutingPolicy(LoadGuard(abs_threshold=abs_threshold, rel_threshold=rel_threshold), balance)
         self._keys: OrderedDict[str, AffinityKey | None] = OrderedDict()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        key = self._key(pending_request)
+        key, first_attempt = self._key(pending_request)
         loads = await self._loads(candidate_replicas)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        order = self.policy.order(None if key is None else key.digest, loads)
+        digest = None if key is None else key.digest
+        order = self.policy.order(digest, loads)
+        if first_attempt:  # a retry (the first choice's queue was full) is not a second request
+            self.policy.record(digest, order[0].replica_id)
         return [[by_id[order[0].replica_id]], [by_id[c.replica_id] for c in order[1:]]]
 
-    def _key(self, pending_request: PendingRequest | None) -> AffinityKey | None:
+    def _key(self, pending_request: PendingRequest | None) -> tuple[AffinityKey | None, bool]:
+        """The request's affinity key, and whether this is the first time the request is routed."""
         if pending_request is None or not pending_request.args:
-            return None
+            return None, True
         request = pending_request.args[0]
         if not isinstance(request, ForwardedRequest):
-            return None
+            return None, True
         request_id = pending_request.metadata.internal_request_id
         if request_id in self._keys:
-            return self._keys[request_id]
+            return self._keys[request_id], False
         try:
             key = affinity_key(request, self.tenants, self.affinity)
         except Exception:  # a request we cannot read is routed by load; the replica judges it
@@ -68,7 +78,7 @@ class CacheAffinityRouter(RequestRouter):
         self._keys[request_id] = key
         while len(self._keys) > MAX_REMEMBERED_KEYS:
             self._keys.popitem(last=False)
-        return key
+        return key, True
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Requests in flight per replica: Ray's cached counts, probing the replicas that have none."""

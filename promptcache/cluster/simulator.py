@@ -20,6 +20,7 @@ import sys
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
+from promptcache.cluster.placement import BalanceBound
 from promptcache.cluster.policy import LoadGuard, RoutingPolicy
 
 POLICIES = ("affinity", "affinity_schema", "power_of_two", "random")
@@ -41,6 +42,7 @@ class SimulationConfig:
     num_requests_per_replica: int = 400
     abs_threshold: int = 4
     rel_threshold: float = 1.5
+    balance_factor: float | None = 1.2  # placement.BalanceBound (None: keys stay where the hash puts them)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -96,7 +98,9 @@ def simulate(config: SimulationConfig, policy_name: str) -> SimulationResult:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy_name!r}")
     rng = random.Random(config.seed)  # same seed, same arrivals and request mix for every policy
     choice_rng = random.Random(config.seed + 1)
-    policy = RoutingPolicy(LoadGuard(config.abs_threshold, config.rel_threshold), rng=random.Random(config.seed + 2))
+    balance = None if config.balance_factor is None else BalanceBound(factor=config.balance_factor)
+    policy = RoutingPolicy(LoadGuard(config.abs_threshold, config.rel_threshold), balance,
+                           rng=random.Random(config.seed + 2))
     replica_ids = [f"replica-{i}" for i in range(config.num_replicas)]
     replicas = {r: _Replica(config.device_modules_per_replica, config.slots_per_replica) for r in replica_ids}
     num_schemas = config.num_schemas_per_replica * config.num_replicas
@@ -136,6 +140,7 @@ def simulate(config: SimulationConfig, policy_name: str) -> SimulationResult:
         loads = {r: replicas[r].load for r in replica_ids}
         if policy_name.startswith("affinity"):
             replica_id = policy.choose(key, loads).replica_id
+            policy.record(key, replica_id)
         elif policy_name == "power_of_two":  # Ray's default: two at random, the less loaded
             a, b = choice_rng.sample(replica_ids, 2) if len(replica_ids) > 1 else (replica_ids[0],) * 2
             replica_id = a if loads[a] <= loads[b] else b

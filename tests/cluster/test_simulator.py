@@ -25,3 +25,12 @@ def test_runs_are_reproducible_and_policies_checked(capsys):
         simulate(CONFIG, "round_robin")
     assert main(["--replicas", "2", "--requests-per-replica", "20"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == len(POLICIES)
+
+
+def test_the_balance_bound_evens_out_requests_per_replica():
+    skewed = SimulationConfig(num_replicas=16, num_requests_per_replica=200)
+    unbounded = simulate(SimulationConfig(num_replicas=16, num_requests_per_replica=200, balance_factor=None),
+                         "affinity")
+    bounded = simulate(skewed, "affinity")
+    assert bounded.max_over_mean_requests < unbounded.max_over_mean_requests - 0.1, (bounded, unbounded)
+    assert bounded.device_hit_rate > unbounded.device_hit_rate - 0.05, (bounded, unbounded)

@@ -1,0 +1,103 @@
+"""KeyPlacement: which replica owns an affinity key, rendezvous order first, within a bound on recent load.
+
+Rendezvous hashing alone spreads keys evenly only when there are many of them: with the handful of hot keys
+real PML traffic has (one per schema), the hash can give one replica three of four schemas, and the in-flight
+load guard (policy.LoadGuard) never fires below saturation, so that replica serves three times the other's
+requests for good. This is consistent hashing with bounded loads (Mirrokni, Thorup & Zadimoghaddam, 2018),
+weighted by traffic instead of key counts:
+
+- every request counts towards the replica that served it and towards its key, exponentially decayed
+  (`half_life` requests), so loads are each replica's share of recent traffic and a key's weight its own;
+- a replica has room for a key while its recent load stays within `factor` times the mean (plus `slack`
+  requests, so the first requests are not judged on counts of 1 or 2) — counting the key's weight if the
+  key is not already there;
+- a key belongs to the first replica in its rendezvous order that has room for it. With even traffic that
+  is the hash's choice, as without a bound; when its owner carries more than its share, the key moves, with
+  its weight, to the next replica in its order that has room (a consistent second choice, and moving the
+  weight stops further moves at once: no cascade); it returns only once its first choice has room for it
+  again (a replica that joins, or traffic that cooled). If no replica has room (a key hotter than the
+  bound allows anywhere) it stays: splitting one hot key is the load guard's job.
+
+State is per router: two routers (two gateways) place independently from what each sees.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+RESCALE_AT = 2.0 ** 512  # increments grow as 2^(t / half_life): rescale everything before floats overflow
+
+
+@dataclass(frozen=True, slots=True)
+class BalanceBound:
+    """How far a replica's recent traffic may exceed the mean before one of its keys moves."""
+
+    factor: float = 1.2  # a replica may carry up to factor x the mean of recent requests
+    slack: float = 4.0  # ... plus this many requests
+    half_life: float = 512.0  # requests after which a request counts half
+
+    def __post_init__(self) -> None:
+        if self.factor < 1:
+            raise ValueError(f"balance factor must be >= 1, got {self.factor}")
+        if self.slack < 1:
+            raise ValueError(f"balance slack must be >= 1 request, got {self.slack}")
+        if self.half_life <= 0:
+            raise ValueError(f"balance half_life must be > 0 requests, got {self.half_life}")
+
+
+class KeyPlacement:
+    def __init__(self, bound: BalanceBound = BalanceBound(), max_keys: int = 1 << 16) -> None:
+        self.bound = bound
+        self._max_keys = max_keys
+        self._owners: OrderedDict[bytes, str] = OrderedDict()  # key -> replica, least recently used first
+        self._key_load: dict[bytes, float] = {}
+        self._load: dict[str, float] = {}
+        self._increment = 1.0  # what one request adds now: 2^(requests so far / half_life)
+        self._growth = math.pow(2.0, 1.0 / bound.half_life)
+
+    def owner(self, key: bytes, ranked: Sequence[str]) -> str:
+        """The replica that owns `key` among `ranked` (the candidates in the key's rendezvous order): the
+        first that has room for it, placing or moving the key when that changed."""
+        current = self._owners.get(key)
+        limit = self._limit(ranked)
+        # A known key's weight is its recent traffic (a new one's: this request); it moves with the key.
+        weight = self._key_load.get(key, self._increment)
+        target = next((r for r in ranked if self._has_room(r, r == current, weight, limit)), None)
+        if target is None:  # nowhere has room for this key: it stays, or goes where its hash says
+            target = current if current in ranked else ranked[0]
+        if target != current and key in self._key_load:
+            if current is not None:
+                self._load[current] = max(0.0, self._load.get(current, 0.0) - weight)
+            self._load[target] = self._load.get(target, 0.0) + weight
+        self._owners[key] = target
+        self._owners.move_to_end(key)
+        while len(self._owners) > self._max_keys:
+            forgotten, _ = self._owners.popitem(last=False)
+            self._key_load.pop(forgotten, None)
+        return target
+
+    def record(self, key: bytes | None, replica_id: str) -> None:
+        """One request with `key` (None: no key) was sent to `replica_id`."""
+        self._load[replica_id] = self._load.get(replica_id, 0.0) + self._increment
+        if key is not None and key in self._owners:
+            self._key_load[key] = self._key_load.get(key, 0.0) + self._increment
+        self._increment *= self._growth
+        if self._increment > RESCALE_AT:
+            self._rescale()
+
+    def _has_room(self, replica_id: str, owns_key: bool, weight: float, limit: float) -> bool:
+        load = self._load.get(replica_id, 0.0)
+        return load <= limit if owns_key else load + weight <= limit  # the owner's load includes the key
+
+    def _limit(self, ranked: Sequence[str]) -> float:
+        mean = sum(self._load.get(r, 0.0) for r in ranked) / len(ranked)
+        return self.bound.factor * mean + self.bound.slack * self._increment
+
+    def _rescale(self) -> None:
+        scale = 1.0 / self._increment
+        self._load = {r: v * scale for r, v in self._load.items()}
+        self._key_load = {k: v * scale for k, v in self._key_load.items()}
+        self._increment = 1.0
