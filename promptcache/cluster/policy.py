@@ -27,6 +27,7 @@ from typing import Literal
 from promptcache.cluster.placement import BalanceBound, KeyPlacement
 
 Reason = Literal["affinity", "load_guard", "least_loaded"]
+DEFAULT_BALANCE = BalanceBound()
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,7 @@ class Choice:
 
 
 class RoutingPolicy:
-    def __init__(self, guard: LoadGuard = LoadGuard(), balance: BalanceBound | None = BalanceBound(),
+    def __init__(self, guard: LoadGuard = LoadGuard(), balance: BalanceBound | None = DEFAULT_BALANCE,
                  rng: random.Random | None = None) -> None:
         self.guard = guard
         self._placement = None if balance is None else KeyPlacement(balance)

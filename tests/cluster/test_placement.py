@@ -4,6 +4,7 @@ replica carries more than its share of recent requests, then whole keys move (pu
 from __future__ import annotations
 
 import collections
+import itertools
 import random
 
 import pytest
@@ -45,7 +46,7 @@ def test_keys_the_hash_piles_on_one_replica_are_spread_within_the_bound():
     by_key = collections.defaultdict(list)
     for key, replica in zip(sequence, served):
         by_key[key].append(replica)
-    moves = {k: sum(x != y for x, y in zip(r, r[1:])) for k, r in by_key.items()}
+    moves = {k: sum(x != y for x, y in itertools.pairwise(r)) for k, r in by_key.items()}
     assert sorted(moves.values()) == [0, 0, 1, 1], moves  # two whole keys moved, once each
     assert all(r[-1] == "b" for k, r in by_key.items() if moves[k])  # ... and stayed there
 
