@@ -83,10 +83,13 @@ class Sample:
 
     @property
     def source(self) -> str:
-        """Where most of the prompt's KV came from: device, redis, or computed."""
+        """Where the prompt's KV came from: device or redis (at least half of it), mixed (from both, neither
+        half), computed (most of it)."""
         if self.device_tokens >= 0.5 * self.prompt_tokens:
             return "device"
-        return "redis" if self.redis_tokens >= 0.5 * self.prompt_tokens else "computed"
+        if self.redis_tokens >= 0.5 * self.prompt_tokens:
+            return "redis"
+        return "mixed" if self.device_tokens + self.redis_tokens >= 0.5 * self.prompt_tokens else "computed"
 
 
 def build_workload(prompts_per_schema: int, num_sessions: int, num_turns: int, docs_per_module: int,
@@ -201,7 +204,7 @@ def run_router(router: str, url: str, settings: dict, schemas: list[str], tasks:
                     for kind in ("pml", "chat") for group in [[s for s in samples if s.kind == kind]] if group},
         # Requests by where most of their prompt's KV came from: what a device miss costs here.
         "by_source": {source: {"n": len(group), "p50_ttft_ms": round(statistics.median(s.ttft_ms for s in group), 1)}
-                      for source in ("device", "redis", "computed")
+                      for source in ("device", "redis", "mixed", "computed")
                       for group in [[s for s in samples if s.source == source]] if group},
     }
     emit(summary, out)

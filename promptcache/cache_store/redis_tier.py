@@ -3,8 +3,8 @@
 Keys live under `promptcache:<namespace>:`. The byte budget is enforced by an LRU index kept in Redis:
 a sorted set ranking entries by last use, a hash of sizes, byte counters (all, and prefix entries), a set
 of pinned keys, a use counter, and per owner (tenant) a sorted set and a byte count. Writes, reads and
-deletes each run as one Lua script (redis_scripts.py), so replicas sharing the server see one consistent
-index.
+deletes each run as one Lua script (redis_scripts.py; a read: the script and a GET of the blob in one
+MULTI), so replicas sharing the server see one consistent index.
 
 Scores are a shared use counter (not wall-clock time, so replicas with skewed clocks still agree), plus
 `MODULE_SCORE_OFFSET` for "module" entries: every "prefix" entry ranks below every "module" entry, so
@@ -21,7 +21,7 @@ import redis
 from promptcache.cache_store.block import KVBlock
 from promptcache.cache_store.errors import CacheStoreError
 from promptcache.cache_store.redis_guard import RedisGuard, logger
-from promptcache.cache_store.redis_scripts import DELETE, GET, PUT
+from promptcache.cache_store.redis_scripts import DELETE, PUT, TOUCH
 from promptcache.cache_store.serialization import dumps, loads
 from promptcache.cache_store.signing import BlobSigner
 from promptcache.cache_store.tier import BlockKind, OwnerShares, Tier, TierHit, TierUsage
@@ -60,7 +60,7 @@ class RedisTier(Tier):
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.guard = RedisGuard(f"Redis tier at {redacted(url)}", retry_interval_s)
         self._put = self.client.register_script(PUT)
-        self._get = self.client.register_script(GET)
+        self._touch = self.client.register_script(TOUCH)
         self._delete = self.client.register_script(DELETE)
         self._lru, self._sizes, self._pins, self._total, self._prefix_total, self._seq = (
             self.prefix + s for s in ("lru", "size", "pins", "bytes", "prefix_bytes", "seq"))
@@ -75,11 +75,17 @@ class RedisTier(Tier):
         return None if hit is None else hit.block
 
     def lookup(self, key: str) -> TierHit | None:
-        reply = self.guard.call(lambda: self._get(keys=[self._blob_key(key), self._lru, self._seq, self._owners],
-                                                  args=[key, self._own_prefix]), None)
-        if reply is None:
+        def read() -> list:
+            pipe = self.client.pipeline(transaction=True)  # one MULTI: the touch and the read see one state
+            self._touch(keys=[self._blob_key(key), self._lru, self._seq, self._owners], args=[key, self._own_prefix],
+                        client=pipe)
+            pipe.get(self._blob_key(key))
+            return pipe.execute()
+
+        reply = self.guard.call(read, None)
+        if reply is None or reply[0] is None or reply[1] is None:
             return None
-        sealed, kind, ttl_ms, owner = reply
+        (kind, ttl_ms, owner), sealed = reply
         data = self.signer.open(self._blob_key(key), sealed)
         if data is None:  # forged or altered (logged): a miss; a rightful put overwrites it
             return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import struct
 
 import pytest
 import torch
@@ -39,6 +40,33 @@ def test_damage_is_detected():
         loads(b"tiny")
     with pytest.raises(BlockMismatchError, match="belongs to key"):
         loads(bytes(blob), expect_key="z" * 64)
+
+
+def _version1_blob(original: KVBlock, key: str) -> bytes:
+    """A blob as the previous build wrote it, from the documented layout: version 1, blake2b-256 checksum."""
+    payload = (original.position_ids.to(torch.int64).numpy().tobytes() + original.keys.numpy().tobytes()
+               + original.values.numpy().tobytes())
+    header = struct.pack("<4sHBB64s4IQ32s", b"PCKV", 1, 1, 0, key.encode().ljust(64, b"\0"), *original.keys.shape,
+                         len(payload), hashlib.blake2b(payload, digest_size=32).digest())
+    return header + payload
+
+
+def test_blobs_of_the_previous_format_are_still_read_and_checked():
+    original = block()
+    old = _version1_blob(original, "v" * 64)
+    copy = loads(old, expect_key="v" * 64)
+    assert torch.equal(copy.keys, original.keys) and torch.equal(copy.values, original.values)
+    assert torch.equal(copy.position_ids, original.position_ids)
+    damaged = bytearray(old)
+    damaged[-1] ^= 0x01
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        loads(bytes(damaged))
+    new = dumps(original, "v" * 64)
+    assert struct.unpack_from("<H", new, 4)[0] == 2 and new[128:] == old[128:]  # same payload after the header
+    future = bytearray(new)
+    future[4:6] = struct.pack("<H", 3)
+    with pytest.raises(CorruptBlockError, match="version 3"):
+        loads(bytes(future))
 
 
 def test_block_validation():
