@@ -14,9 +14,10 @@ weighted by traffic instead of key counts:
 - a key belongs to the first replica in its rendezvous order that has room for it. With even traffic that
   is the hash's choice, as without a bound; when its owner carries more than its share, the key moves, with
   its weight, to the next replica in its order that has room (a consistent second choice, and moving the
-  weight stops further moves at once: no cascade); it returns only once its first choice has room for it
-  again (a replica that joins, or traffic that cooled). If no replica has room (a key hotter than the
-  bound allows anywhere) it stays: splitting one hot key is the load guard's job.
+  weight stops further moves at once: no cascade); it returns only once its first choice would stay
+  within the mean (plus `slack`) with it again — a replica that joins, or traffic that cooled — a stricter
+  test than the bound, so a moved key does not flap back and forth. If no replica has room (a key hotter
+  than the bound allows anywhere) it stays: splitting one hot key is the load guard's job.
 
 State is per router: two routers (two gateways) place independently from what each sees.
 """
@@ -62,10 +63,26 @@ class KeyPlacement:
         """The replica that owns `key` among `ranked` (the candidates in the key's rendezvous order): the
         first that has room for it, placing or moving the key when that changed."""
         current = self._owners.get(key)
-        limit = self._limit(ranked)
+        mean = sum(self._load.get(r, 0.0) for r in ranked) / len(ranked)
+        slack = self.bound.slack * self._increment
+        limit = self.bound.factor * mean + slack
         # A known key's weight is its recent traffic (a new one's: this request); it moves with the key.
         weight = self._key_load.get(key, self._increment)
-        target = next((r for r in ranked if self._has_room(r, r == current, weight, limit)), None)
+        before_owner = current in ranked
+        target = None
+        for replica in ranked:
+            load = self._load.get(replica, 0.0)
+            if replica == current:
+                before_owner = False
+                if load <= limit:  # the owner's load includes the key
+                    target = replica
+                    break
+            elif load + weight <= (mean + slack if before_owner else limit):
+                # Taking a key back from a later choice needs room below the mean, not just the bound:
+                # otherwise a key moved off a busy replica returns as soon as that one dips under the
+                # bound, and pushes another key out (flapping, each move a cache miss).
+                target = replica
+                break
         if target is None:  # nowhere has room for this key: it stays, or goes where its hash says
             target = current if current in ranked else ranked[0]
         if target != current and key in self._key_load:
@@ -87,14 +104,6 @@ class KeyPlacement:
         self._increment *= self._growth
         if self._increment > RESCALE_AT:
             self._rescale()
-
-    def _has_room(self, replica_id: str, owns_key: bool, weight: float, limit: float) -> bool:
-        load = self._load.get(replica_id, 0.0)
-        return load <= limit if owns_key else load + weight <= limit  # the owner's load includes the key
-
-    def _limit(self, ranked: Sequence[str]) -> float:
-        mean = sum(self._load.get(r, 0.0) for r in ranked) / len(ranked)
-        return self.bound.factor * mean + self.bound.slack * self._increment
 
     def _rescale(self) -> None:
         scale = 1.0 / self._increment
