@@ -18,14 +18,13 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from promptcache.cluster.affinity import AffinityConfig, AffinityKey, affinity_key
 from promptcache.cluster.forwarded import ForwardedRequest
 from promptcache.cluster.placement import BalanceBound
-from promptcache.cluster.policy import LoadGuard, RoutingPolicy
+from promptcache.cluster.policy import DEFAULT_BALANCE, LoadGuard, RoutingPolicy
 from promptcache.server.settings import ServerSettings
 from promptcache.server.tenants import Quota, TenantDirectory
 
 logger = logging.getLogger(__name__)
 DEFAULT_AFFINITY = AffinityConfig()
 DEFAULT_GUARD = LoadGuard()
-DEFAULT_BALANCE = BalanceBound()
 MAX_REMEMBERED_KEYS = 4096  # keys of requests still being routed (a request may take several attempts)
 
 
