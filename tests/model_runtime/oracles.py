@@ -15,6 +15,13 @@ def approximation_reference(plan: PromptPlan) -> tuple[list[int], list[int], tor
 
 
 def reuse_reference(plan: PromptPlan, reuse: ReusePlan) -> tuple[list[int], list[int], torch.Tensor]:
+    """Tokens, positions and mask of `reuse_reference_rows`."""
+    tokens, positions, mask, _ = reuse_reference_rows(plan, reuse)
+    return tokens, positions, mask
+
+
+def reuse_reference_rows(plan: PromptPlan, reuse: ReusePlan
+                         ) -> tuple[list[int], list[int], torch.Tensor, list[list[int]]]:
     """Tokens, positions and a [1, 1, n, n] mask such that one forward pass computes what the engine
     computes for `reuse` (any fidelity mode) — its last row is the first sampled token's input.
 
@@ -31,6 +38,8 @@ def reuse_reference(plan: PromptPlan, reuse: ReusePlan) -> tuple[list[int], list
     the segment and of everything it was encoded after, all at their positions + s: RoPE sees only
     relative positions, so the copy's hidden states equal the stored ones, and its keys sit where the
     re-aligned request attends them (negative positions included).
+
+    Also returns, per use of `reuse`, the rows of its tokens [first, last).
     """
     schema = plan.schema
     encoded = {c.segment.segment_id: tuple(c.context_ids) for c in plan.cached}
@@ -74,7 +83,9 @@ def reuse_reference(plan: PromptPlan, reuse: ReusePlan) -> tuple[list[int], list
             if k >= use.visible_from:
                 mask[row, rows_of[(use.cached.segment.segment_id, shift)][use.first: use.last]] = True
         mask[row, stream_rows[: k + 1]] = True
-    return tokens, positions, mask[None, None]
+    use_rows = [rows_of[(use.cached.segment.segment_id, shift)][use.first: use.last]
+                for use, shift in zip(reuse.uses, shifts)]
+    return tokens, positions, mask[None, None], use_rows
 
 
 def _positions(plan: PromptPlan, reuse: ReusePlan) -> tuple[list[int], list[int]]:

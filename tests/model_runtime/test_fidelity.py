@@ -13,7 +13,7 @@ from promptcache.model_runtime.baseline import full_prefill_greedy, full_prefill
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, resolve
 from promptcache.model_runtime.engine.prefix import PrefixReuse
 from promptcache.model_runtime.engine.request import Request
-from promptcache.model_runtime.engine.reuse_plan import in_context
+from promptcache.model_runtime.engine.reuse_plan import in_context, realigned, recompute_selected
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.engine.scheduler import Scheduler
 from tests.conftest import make_tiny_runtime
@@ -46,10 +46,12 @@ def _runtime(arch: str):
     return runtime
 
 
-def _first_logits(runtime, plan, fidelity: Fidelity, *, prefix: PrefixReuse | None = None) -> tuple:
-    """The engine's own scheduler and runner, one prefill step on this thread."""
+def _first_logits(runtime, plan, fidelity: Fidelity, *, prefix: PrefixReuse | None = None, reuse=None) -> tuple:
+    """The engine's own scheduler and runner, one prefill step on this thread (`reuse`: a ReusePlan
+    given instead of the fidelity's own)."""
     scheduler = Scheduler(EngineConfig(prefix=None), runtime.module_encoder, prefix or PrefixReuse(None))
     request = Request("probe", plan, SamplingParams(max_tokens=1, temperature=0), None, fidelity)
+    request.reuse = reuse
     scheduler.add(request)
     batch, events, _ = scheduler.schedule()
     assert not events, events
@@ -116,6 +118,34 @@ def test_balanced_recomputes_what_it_reports_and_never_writes_back():
     assert not final.is_exact
     for key, old in zip(keys, before):
         assert torch.equal(store.get(key)[0].keys, old)  # the module's stored KV is never overwritten
+
+
+@pytest.mark.parametrize("contiguous", [False, True], ids=["layout", "contiguous"])
+def test_any_selection_of_recomputed_tokens_matches_its_oracle(contiguous):
+    """Recomputing tokens anywhere in a module (CacheBlend's or a query-aware selection, not only the
+    head) splits its stored KV into runs the stream attends around: the engine computes the oracle's
+    logits, reports exactly those tokens, and the head selection is `balanced` itself."""
+    runtime = _runtime("llama")
+    plan = runtime.plan(PROMPTS[0])  # d2 then d0: d2 was encoded without d0 before it
+    heads = {i: range(3) for i, c in enumerate(plan.cached) if not in_context(plan, c)}
+    assert recompute_selected(plan, heads, "balanced:3") == resolve(plan, Fidelity("balanced", 3))
+    lengths = [len(c.segment.token_ids) for c in plan.cached]
+    chosen = {i: [1, 2, lengths[i] // 2, lengths[i] - 1] for i in heads}  # a middle token and the last
+    selected = recompute_selected(plan, chosen, "selected")
+    assert len(selected.uses) == len(plan.cached) + 2 * len(chosen)  # each chosen module reused in 3 runs
+    reused = [u.cached.segment.position_ids[j] for u in selected.uses for j in range(u.first, u.last)]
+    assert sorted(reused + list(selected.position_ids)) == sorted(plan.position_ids())  # each token once
+    assert selected.num_recomputed == 4 * len(chosen)
+    for use in selected.uses:  # a run is visible to exactly the stream tokens positioned after it
+        last = use.cached.segment.position_ids[use.last - 1]
+        assert all((k >= use.visible_from) == (p > last) for k, p in enumerate(selected.position_ids))
+    reuse = realigned(selected) if contiguous else selected
+    logits, final = _first_logits(runtime, plan, Fidelity("balanced"), reuse=reuse)
+    tokens, positions, mask = reuse_reference(plan, reuse)
+    reference = full_prefill_logits(runtime.loaded.model, tokens, positions, mask)[-1]
+    assert (logits - reference).abs().max().item() <= 1e-4
+    assert final.usage.recomputed_tokens == 4 * len(chosen)
+    assert final.usage.cached_tokens + final.usage.computed_tokens == plan.num_prompt_tokens
 
 
 def test_in_context_prompt_is_identical_in_every_mode():

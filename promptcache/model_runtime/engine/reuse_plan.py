@@ -21,6 +21,8 @@ measured 32.5 % -> 54.5 % (full prefill 61.0 %) with it on SmolLM2-135M (docs/fi
 from __future__ import annotations
 
 import bisect
+import itertools
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -97,10 +99,10 @@ def resolve(plan: PromptPlan, fidelity: Fidelity, *, can_shift: bool = True) -> 
                           plan.is_exact)
     reuse = reuse if reuse.token_ids else _recompute_last(reuse)
     realign = can_shift and fidelity.positions == "contiguous" and not reuse.is_exact
-    return _realigned(reuse) if realign else reuse
+    return realigned(reuse) if realign else reuse
 
 
-def _realigned(reuse: ReusePlan) -> ReusePlan:
+def realigned(reuse: ReusePlan) -> ReusePlan:
     """`reuse` with every token at its rank among the prompt's positions: gaps closed, order kept (so
     `visible_from` still holds). Unchanged when nothing moves."""
     starts = [u.cached.segment.start + u.first for u in reuse.uses]
@@ -132,22 +134,37 @@ def in_context(plan: PromptPlan, cached: CachedSegment) -> bool:
 
 
 def _balanced(plan: PromptPlan, k: int) -> ReusePlan:
+    heads = {i: range(min(k, len(c.segment.token_ids))) for i, c in enumerate(plan.cached) if not in_context(plan, c)}
+    return recompute_selected(plan, heads, f"balanced:{k}")
+
+
+def recompute_selected(plan: PromptPlan, chosen: Mapping[int, Iterable[int]], variant: str) -> ReusePlan:
+    """A balanced ReusePlan recomputing, of each cached segment `plan.cached[i]`, the token indices
+    `chosen[i]` at their positions; the rest of the segment is reused as stored, in runs between them.
+    The first k of every out-of-context segment is `balanced`; any other selection (CacheBlend's, a
+    query-aware one) is expressed the same way."""
     pieces = [(p, t) for run in plan.new_runs for p, t in zip(range(run.start, run.end), run.token_ids)]
-    heads: list[tuple[CachedSegment, int]] = []
+    picked: list[tuple[CachedSegment, list[int]]] = []
     recomputed: dict[str, int] = {}
-    for cached in plan.cached:
+    for index, cached in enumerate(plan.cached):
         segment = cached.segment
-        head = 0 if in_context(plan, cached) else min(k, len(segment.token_ids))
-        heads.append((cached, head))
-        pieces += list(zip(segment.position_ids[:head], segment.token_ids[:head]))
-        if head:
-            recomputed[segment.owner] = recomputed.get(segment.owner, 0) + head
+        tokens = sorted(set(chosen.get(index, ())))
+        assert all(0 <= j < len(segment.token_ids) for j in tokens), "a chosen token outside its segment"
+        picked.append((cached, tokens))
+        pieces += [(segment.position_ids[j], segment.token_ids[j]) for j in tokens]
+        if tokens:
+            recomputed[segment.owner] = recomputed.get(segment.owner, 0) + len(tokens)
     pieces.sort()
     positions = [p for p, _ in pieces]
-    uses = tuple(CachedUse(c, head, len(c.segment.token_ids), bisect.bisect_left(positions, c.segment.end))
-                 for c, head in heads if head < len(c.segment.token_ids))
-    return ReusePlan("balanced", uses, tuple(t for _, t in pieces), tuple(positions), _after(plan),
-                     tuple(recomputed.items()), f"balanced:{k}", not recomputed and plan.is_exact)
+    uses: list[CachedUse] = []
+    for cached, tokens in picked:
+        bounds = [-1, *tokens, len(cached.segment.token_ids)]
+        for before, after in itertools.pairwise(bounds):
+            if after > before + 1:  # a run [before + 1, after); a segment's positions are start + index
+                visible_from = bisect.bisect_left(positions, cached.segment.start + after)
+                uses.append(CachedUse(cached, before + 1, after, visible_from))
+    return ReusePlan("balanced", tuple(uses), tuple(t for _, t in pieces), tuple(positions), _after(plan),
+                     tuple(recomputed.items()), variant, not recomputed and plan.is_exact)
 
 
 def _exact(plan: PromptPlan) -> ReusePlan:
