@@ -103,8 +103,10 @@ class Scheduler:
             if missing:  # encoded in chunks by the engine first; FCFS: the head waits for it
                 self.encodes_needed.extend((request, segment_id, context) for segment_id, context in missing)
                 return
-            shared = {module_key(self.encoder, request, use): (use.last - use.first) * self.bytes_per_token
-                      for use in reuse.uses}
+            shared: dict[str, int] = {}
+            for use in reuse.uses:  # runs of one module (tokens recomputed between) share its block: as _start
+                key = module_key(self.encoder, request, use)
+                shared[key] = max(shared.get(key, 0), (use.last - use.first) * self.bytes_per_token)
             # Upper bound: reused prefix tokens move from own KV to shared blocks, never adding bytes.
             own = (len(reuse.token_ids) + 1 + params.n * params.max_tokens) * self.bytes_per_token
             if self.memory.cost(own, shared) > self.memory.max_bytes:
