@@ -1,4 +1,5 @@
-"""Attention kernels returning (out, lse): plain matmul, the fused CPU op, and flash-attn on GPU.
+"""Attention kernels returning (out, lse): plain matmul, the fused CPU op, our bf16 CPU kernel, and
+flash-attn on GPU.
 
 All take q [G_kv, M, D] (query rows folded per KV head), k/v [G_kv, N, D] with N > 0, and an optional
 boolean mask [M, N] (True = attend). They return out [G_kv, M, D] and lse [G_kv, M] (fp32).
@@ -7,6 +8,8 @@ boolean mask [M, N] (True = attend). They return out [G_kv, M, D] and lse [G_kv,
 from __future__ import annotations
 
 import torch
+
+from promptcache.model_runtime.attention import bf16_kernel
 
 
 def matmul_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -29,6 +32,16 @@ def fused_cpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, False, scale=scale)  # [1, G_kv, M, D], [1, G_kv, M]
     return out[0], lse[0]
+
+
+def bf16_cpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The AVX512-BF16 kernel (bf16_kernel.py) where it can run this call, torch's fused op otherwise."""
+    kernel = None if mask is not None else bf16_kernel.eligible(q, k, v)
+    if kernel is None:
+        return fused_cpu_attend(q, k, v, scale, mask)
+    out, lse = kernel(q, k, v, scale, False)  # [G_kv, M, D], [G_kv, M]
+    return out, lse
 
 
 def flash_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

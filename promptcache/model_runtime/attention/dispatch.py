@@ -1,7 +1,9 @@
 """Pick a kernel per call. Thresholds measured by benchmarks/attention_thresholds.py (2 threads, fp32,
 head_dim 64): the fused CPU op beat the plain matmul at every measured size, from 1 query row x 16 keys
 (24 us vs 54 us) to 256 rows x 4096 keys (4.1 ms vs 26.9 ms) — see docs/benchmarks.md. The matmul path
-stays for masked calls, for work below the smallest size measured, and as the reference kernel."""
+stays for masked calls, for work below the smallest size measured, and as the reference kernel. In bf16
+on a CPU with AVX512-BF16, `auto` uses our kernel (bf16_kernel.py) wherever the fused op would run: it was
+faster at every shape measured, from 8 causal tokens to 224 rows x 8K keys (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,13 @@ from collections.abc import Callable
 
 import torch
 
-from promptcache.model_runtime.attention.backends import BACKENDS, fused_cpu_attend, matmul_attend
+from promptcache.model_runtime.attention import bf16_kernel
+from promptcache.model_runtime.attention.backends import (
+    BACKENDS,
+    bf16_cpu_attend,
+    fused_cpu_attend,
+    matmul_attend,
+)
 
 # rows x keys per KV group from which the fused CPU op wins (the smallest size measured).
 FUSED_MIN_WORK = 16
@@ -38,4 +46,6 @@ def choose(backend: str, q: torch.Tensor, k: torch.Tensor) -> Callable:
         return BACKENDS[backend]
     if q.is_cuda:
         return BACKENDS["flash"]
-    return fused_cpu_attend if q.shape[1] * k.shape[1] >= FUSED_MIN_WORK else matmul_attend
+    if q.shape[1] * k.shape[1] < FUSED_MIN_WORK:
+        return matmul_attend
+    return bf16_cpu_attend if bf16_kernel.eligible(q, k, k) is not None else fused_cpu_attend

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.attention.backends import matmul_attend
 from promptcache.model_runtime.attention.dispatch import CAUSAL_FUSED_MIN_WORK, choose, decode_in_place
 from promptcache.model_runtime.attention.segments import SharedSegment
@@ -76,7 +77,8 @@ def shared_module_attention(
         out, lse = _own_decode(queries, starts, padded, own_keys, own_values, num_kv_heads, group, scale)
         merge(torch.tensor([starts[i] for i in padded], device=queries.device), out, lse)
     if in_place:
-        out, lse = _own_decode_in_place(queries, starts, in_place, own_keys, own_values, num_kv_heads, scale)
+        out, lse = _own_decode_in_place(queries, starts, in_place, own_keys, own_values, num_kv_heads, scale,
+                                        backend)
         merge(torch.tensor([starts[i] for i in in_place], device=queries.device), out, lse)
     for i, n in enumerate(query_lens):
         if n == 1 or own_keys[i].shape[1] == 0:
@@ -98,6 +100,10 @@ def _causal_square(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gr
                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D] attends causally to keys/values [H_kv, T, D]; returns out [T, H, D], lse [T, H]."""
     n = q.shape[0]
+    kernel = bf16_kernel.eligible(q, keys, values) if backend == "auto" else None
+    if kernel is not None:  # GQA natively: no expanded KV
+        out, lse = kernel(q.transpose(0, 1), keys, values, scale, True)  # [H, T, D] (q's memory), [H, T]
+        return out.transpose(0, 1), lse.transpose(0, 1)
     if backend != "matmul" and not q.is_cuda and n * n * group >= CAUSAL_FUSED_MIN_WORK:
         # The fused op needs equal head counts: expand the T own tokens' KV (small next to the shared KV).
         k = keys.repeat_interleave(group, dim=0).unsqueeze(0)        # [1, H, T, D]
@@ -118,15 +124,19 @@ def _causal_mask(n: int, group: int, device: torch.device) -> torch.Tensor:
     return torch.ones((n, n), dtype=torch.bool, device=device).tril().repeat_interleave(group, dim=0)
 
 
-def _own_decode_in_place(queries, starts, seqs, own_keys, own_values, num_kv_heads, scale):
+def _own_decode_in_place(queries, starts, seqs, own_keys, own_values, num_kv_heads, scale, backend):
     """One fused call per single-token sequence, reading its own KV where it lies (a strided view of its
     buffer, no copy): for long own KV, copying it into a padded batch costs more than the calls."""
     head_dim = queries.shape[-1]
     outs, lses = [], []
     for i in seqs:
         q = queries[starts[i]].view(1, num_kv_heads, -1, head_dim)                           # [1, H_kv, G, D]
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, own_keys[i].unsqueeze(0), own_values[i].unsqueeze(0), 0.0, False, scale=scale)[:2]
+        kernel = bf16_kernel.eligible(q, own_keys[i], own_values[i]) if backend == "auto" else None
+        if kernel is not None:
+            out, lse = kernel(q[0], own_keys[i], own_values[i], scale, False)                 # [H_kv, G, D]
+        else:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, own_keys[i].unsqueeze(0), own_values[i].unsqueeze(0), 0.0, False, scale=scale)[:2]
         outs.append(out.reshape(-1, head_dim))                                                # [H, D]
         lses.append(lse.reshape(-1))                                                          # [H]
     return torch.stack(outs), torch.stack(lses)                                               # [B, H, D], [B, H]

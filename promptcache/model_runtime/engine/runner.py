@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.engine.kv_groups import AssembledGroups
 from promptcache.model_runtime.engine.request import SeqStatus, Sequence
 from promptcache.model_runtime.loader import LoadedModel
@@ -26,6 +27,8 @@ class ModelRunner:
         self.backend = backend
         self.groups = AssembledGroups(max_assembled_bytes, loaded.key_shifter)
         install(loaded.model)
+        if backend == "auto" and loaded.model.dtype == torch.bfloat16 and loaded.model.device.type == "cpu":
+            bf16_kernel.prepare()  # built here, at startup, never inside a request
 
     @torch.inference_mode()
     def run(self, seqs: Seq[Sequence]) -> torch.Tensor:

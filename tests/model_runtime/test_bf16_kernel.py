@@ -1,0 +1,186 @@
+"""The AVX512-BF16 attention kernel against plain fp32 attention over the same bf16 inputs.
+
+Skipped on CPUs without the instructions; on a CPU that has them and a C++ compiler, a failed build fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from promptcache.cache_store import StoreConfig, build_store
+from promptcache.model_runtime import ModelRuntime, SamplingParams, wrap_model
+from promptcache.model_runtime.attention import (
+    SharedSegment,
+    backends,
+    bf16_kernel,
+    dispatch,
+    shared_module_attention,
+)
+from promptcache.model_runtime.attention.backends import matmul_attend
+from promptcache.model_runtime.engine import Engine, EngineConfig
+from tests.model_factories import make_test_tokenizer
+from tests.model_runtime.test_dtype import _first
+from tests.model_runtime.test_shared_attention import make_case, reference
+
+OUT_TOLERANCE = 3e-2  # bf16 output (8 significant bits) and bf16 probabilities in PV
+LSE_TOLERANCE = 1e-3  # fp32 softmax statistics over bf16 products
+
+pytestmark = pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not bf16_kernel.prepare():
+        if shutil.which("c++") is None and shutil.which("g++") is None:
+            pytest.skip("no C++ compiler to build the kernel")
+        pytest.fail("the bf16 kernel did not build on a CPU that supports it (see the log)")
+    return bf16_kernel.loaded()
+
+
+def oracle(q, k, v, scale, causal):
+    """Plain fp32 attention, KV expanded per head, bottom-right causal mask."""
+    heads, m, _ = q.shape
+    group = heads // k.shape[0]
+    n = k.shape[1]
+    mask = torch.ones(m, n, dtype=torch.bool).tril(n - m) if causal else None
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    return matmul_attend(q, k, v, scale, None if mask is None else mask.expand(heads, m, n))
+
+
+SHAPES = [  # (heads, kv heads, rows M, keys N, head dim, causal)
+    (9, 3, 100, 100, 64, True), (9, 3, 37, 200, 64, True), (2, 1, 130, 130, 64, True), (4, 4, 1, 1, 64, True),
+    (4, 4, 77, 333, 64, False), (14, 2, 1, 65, 64, False), (3, 3, 96, 2048, 64, False), (7, 1, 33, 15, 64, False),
+    (4, 2, 70, 129, 128, True), (2, 2, 5, 300, 128, False),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"h{h}kv{g}m{m}n{n}d{d}{'c' if c else ''}" for h, g, m, n, d, c in SHAPES])
+def test_kernel_matches_plain_attention(kernel, shape):
+    heads, kv_heads, m, n, d, causal = shape
+    g = torch.Generator().manual_seed(m * 131 + n)
+    q, k, v = (torch.randn(h, length, d, generator=g).bfloat16() for h, length in ((heads, m), (kv_heads, n), (kv_heads, n)))
+    out, lse = kernel(q, k, v, d ** -0.5, causal)
+    want_out, want_lse = oracle(q, k, v, d ** -0.5, causal)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (heads, m)
+    assert (out.float() - want_out).abs().max().item() <= OUT_TOLERANCE
+    assert (lse - want_lse).abs().max().item() <= LSE_TOLERANCE
+
+
+def test_kernel_reads_strided_queries_and_writes_their_layout(kernel):
+    """The prefill passes q as a [H, T, D] view of [T, H, D] rows; the output keeps that memory layout."""
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(50, 6, 64, generator=g).bfloat16()        # [T, H, D]
+    k, v = torch.randn(2, 50, 64, generator=g).bfloat16(), torch.randn(2, 50, 64, generator=g).bfloat16()
+    out, lse = kernel(rows.transpose(0, 1), k, v, 0.125, True)
+    want_out, want_lse = oracle(rows.transpose(0, 1).contiguous(), k, v, 0.125, True)
+    assert out.transpose(0, 1).is_contiguous()
+    assert (out.float() - want_out).abs().max().item() <= OUT_TOLERANCE
+    assert (lse - want_lse).abs().max().item() <= LSE_TOLERANCE
+
+
+def test_kernel_rejects_what_it_cannot_compute(kernel):
+    q = torch.randn(2, 4, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel(q.float(), q.float(), q.float(), 0.125, False)
+    with pytest.raises(RuntimeError, match="head dim"):
+        kernel(torch.randn(2, 4, 32).bfloat16(), torch.randn(2, 4, 32).bfloat16(), torch.randn(2, 4, 32).bfloat16(), 1.0, False)
+    with pytest.raises(RuntimeError, match="N >= M"):
+        kernel(q, q[:, :2], q[:, :2], 0.125, True)
+
+
+class Counting:
+    """Wraps the loaded kernel and counts calls by causality."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, {True: 0, False: 0}
+
+    def __call__(self, q, k, v, scale, causal):
+        self.calls[causal] += 1
+        return self.kernel(q, k, v, scale, causal)
+
+
+def test_shared_module_attention_runs_every_path_through_the_kernel(kernel, monkeypatch):
+    """Segments, causal prefill squares and in-place decode (own KV >= 128) at head dim 64, bf16."""
+    counting = Counting(kernel)
+    monkeypatch.setitem(bf16_kernel._state, "kernel", counting)
+    case = _make_case_d64(5, num_heads=6, num_kv_heads=2, query_lens=[1, 40, 1, 3],
+                                  own_lens=[200, 40, 150, 9], segment_specs=[(300, [0, 1, 2, 3]), (70, [1, 3])],
+                                  dtype=torch.bfloat16)
+    got = shared_module_attention(*case).float()
+    assert (got - reference(*case)).abs().max().item() <= OUT_TOLERANCE
+    assert counting.calls[True] == 2 and counting.calls[False] >= 2 + 2  # 2 squares; 2 segments + 2 decodes
+    fused = shared_module_attention(*case, backend="fused_cpu")  # the named backend is torch's op: no calls
+    assert counting.calls[True] == 2
+    assert (fused.float() - reference(*case)).abs().max().item() <= OUT_TOLERANCE
+
+
+def _make_case_d64(seed, **kwargs):
+    """make_case at head dim 64 (the kernel's), by scaling up its d = 16 tensors' last dim."""
+    queries, query_lens, own_k, own_v, segments = make_case(seed, **kwargs)
+    widen = lambda t: t.repeat_interleave(4, dim=-1) * 0.5  # noqa: E731 - [.., 16] -> [.., 64], same logits scale
+    return (widen(queries), query_lens, [widen(k) for k in own_k], [widen(v) for v in own_v],
+            [SharedSegment(widen(s.keys), widen(s.values), s.seq_indices) for s in segments])
+
+
+def test_auto_dispatch_picks_the_kernel_for_bf16_only(kernel):
+    q16, k16 = torch.randn(2, 8, 64).bfloat16(), torch.randn(2, 40, 64).bfloat16()
+    assert dispatch.choose("auto", q16, k16) is backends.bf16_cpu_attend
+    assert dispatch.choose("auto", q16.float(), k16.float()) is backends.fused_cpu_attend
+    assert dispatch.choose("fused_cpu", q16, k16) is backends.fused_cpu_attend
+    assert bf16_kernel.eligible(torch.randn(2, 8, 32).bfloat16(), k16[..., :32], k16[..., :32]) is None
+
+
+def test_unsupported_cpu_never_builds(monkeypatch):
+    monkeypatch.setattr(bf16_kernel, "_state", {})
+    monkeypatch.setattr(bf16_kernel, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(bf16_kernel, "_build", lambda: pytest.fail("built on a CPU without AVX512-BF16"))
+    assert not bf16_kernel.prepare()
+    assert bf16_kernel.loaded() is None
+    assert bf16_kernel.eligible(torch.randn(2, 4, 64).bfloat16(), torch.randn(2, 4, 64).bfloat16(),
+                                torch.randn(2, 4, 64).bfloat16()) is None
+
+
+def _runtime_d64() -> ModelRuntime:
+    """A small Llama with head dim 64 (hidden 256, 4 heads, 2 KV heads), bf16, over the test tokenizer."""
+    tokenizer = make_test_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         initializer_range=0.1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    return ModelRuntime(wrap_model(model, tokenizer, name="d64"), build_store(StoreConfig(), device="cpu"))
+
+
+def test_engine_with_the_kernel_agrees_with_torchs_fused_op(kernel, monkeypatch):
+    """The batched engine in bf16, `auto` (the kernel) vs `fused_cpu` (torch's op), same prompts reusing a
+    module: first-token distributions agree within bf16 precision, and the kernel ran."""
+    counting = Counting(kernel)
+    monkeypatch.setitem(bf16_kernel._state, "kernel", counting)
+    runtime = _runtime_d64()
+    doc = " ".join(f"The river {i} flows north through the valley of stone." for i in range(20))
+    runtime.add_schema(runtime.parse_schema(f'<schema name="s"><module name="doc">{doc}</module></schema>'))
+    prompts = ['<prompt schema="s"><doc/>Where does the river flow? Tell me in one word.</prompt>',
+               '<prompt schema="s"><doc/>What is north of the valley?</prompt>']
+    probs = {}
+    for backend in ("fused_cpu", "auto"):
+        engine = Engine(runtime.module_encoder, EngineConfig(max_num_seqs=4, attention_backend=backend))
+        params = SamplingParams(max_tokens=1, temperature=0, logprobs=20)
+
+        async def run(engine=engine, params=params):
+            return await asyncio.gather(*(_first(engine.submit(runtime.plan(p), params)) for p in prompts))
+
+        try:
+            probs[backend] = asyncio.run(run())
+        finally:
+            engine.stop()
+    assert counting.calls[True] >= 2 and counting.calls[False] >= 2  # new text causally; the module as a segment
+    for want, got in zip(probs["fused_cpu"], probs["auto"]):
+        shared = set(want) & set(got)
+        assert len(shared) >= 15
+        assert max(abs(want[t] - got[t]) for t in shared) <= 0.02
