@@ -11,7 +11,8 @@ targets back:
 - prefill: the causal square of 2,048 new tokens, SmolLM2-135M's 9 heads (KV expanded, as the engine does);
 - decode: one shared 8K-token segment attended by 32 sequences (Qwen2.5-0.5B: 2 KV heads, 7 query heads
   each, folded into 224 rows per KV head).
-`--flex` adds torch.compile'd flex_attention (its compile time reported; on CPU it cannot return the lse, which
+`promptcache_bf16` is the engine's own kernel (model_runtime/attention/bf16_kernel.py; timed when this CPU
+can build it). `--flex` adds torch.compile'd flex_attention (its compile time reported; on CPU it cannot return the lse, which
 the engine's merge needs, so it is timed without). Error: max |out - fp32 fused| and max |lse - fp32 fused|. Median ms of 7 runs, one JSON line per kernel and shape.
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import RESULTS, emit, log, median_ms, setup
+from promptcache.model_runtime.attention import bf16_kernel
 
 FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -67,6 +69,8 @@ def run_shape(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
         "fused_bf16": lambda: FUSED(q16[None], k16[None], v16[None], 0.0, causal, scale=scale),
         "gemm_bf16": lambda: gemm_attention((q * scale).bfloat16(), k16, v16, causal, block),
     }
+    if bf16_kernel.prepare():  # promptcache's own kernel (csrc/flash_bf16.cpp), what `auto` now uses
+        kernels["promptcache_bf16"] = lambda: bf16_kernel.loaded()(q16, k16, v16, scale, causal)
     compile_s = None
     if flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -81,7 +85,7 @@ def run_shape(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     for kernel, fn in kernels.items():
         ms, _ = median_ms(fn, runs=7)
         result = fn()
-        out, lse = result if isinstance(result, tuple) else (result, None)
+        out, lse = result if isinstance(result, (tuple, list)) else (result, None)
         out, lse = (out[0], None if lse is None else lse[0]) if out.dim() == 4 else (out, lse)
         emit({"bench": "attention_bf16", "shape": name, "kernel": kernel, "median_ms": round(ms, 2),
               "max_abs_err_out": round(float((out.float() - ref_out).abs().max()), 5),

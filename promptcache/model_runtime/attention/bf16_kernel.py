@@ -52,9 +52,11 @@ def loaded() -> Kernel | None:
     return _state.get("kernel")
 
 
-def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Kernel | None:
-    """The kernel when it can run this call (bf16 on CPU, head dim 64 or 128, last dims contiguous)."""
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> Kernel | None:
+    """The kernel when it can run this call (bf16 on CPU, head dim 64 or 128, last dims contiguous);
+    v defaults to k's layout (a dispatcher that only sees q and k)."""
     kernel = loaded()
+    v = k if v is None else v
     if kernel is None or q.is_cuda or q.shape[-1] not in HEAD_DIMS or k.shape[1] == 0:
         return None
     if not (q.dtype == k.dtype == v.dtype == torch.bfloat16):

@@ -48,4 +48,4 @@ def choose(backend: str, q: torch.Tensor, k: torch.Tensor) -> Callable:
         return BACKENDS["flash"]
     if q.shape[1] * k.shape[1] < FUSED_MIN_WORK:
         return matmul_attend
-    return bf16_cpu_attend if bf16_kernel.eligible(q, k, k) is not None else fused_cpu_attend
+    return bf16_cpu_attend if bf16_kernel.eligible(q, k) is not None else fused_cpu_attend
