@@ -39,22 +39,20 @@ inline __m512 exp2_ps(__m512 x) {
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 inline __m512bh bcast_pair(const at::BFloat16* p) { return as_bh(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p))); }
 
-// K of one KV head packed per 16-key block and d pair: [N/16][D/2][16][2] (zero padded past N).
-void pack_keys(const at::BFloat16* k, int64_t stride_n, int64_t n, int d, at::BFloat16* out) {
-  int64_t blocks = (n + 15) / 16;
+// K of one KV head packed per 16-key block and d pair: [blocks][D/2][16][2], keys past n zero.
+void pack_keys(const at::BFloat16* k, int64_t stride_n, int64_t n, int64_t blocks, int d, at::BFloat16* out) {
   for (int64_t b = 0; b < blocks; ++b)
     for (int j = 0; j < d / 2; ++j)
       for (int c = 0; c < 16; ++c) {
         int64_t key = b * 16 + c;
         at::BFloat16* dst = out + ((b * (d / 2) + j) * 16 + c) * 2;
-        if (key < n) { dst[0] = k[key * stride_n + 2 * j]; dst[1] = k[key * stride_n + 2 * j + 1]; }
-        else { dst[0] = 0; dst[1] = 0; }
+        dst[0] = key < n ? k[key * stride_n + 2 * j] : at::BFloat16(0.0f);
+        dst[1] = key < n ? k[key * stride_n + 2 * j + 1] : at::BFloat16(0.0f);
       }
 }
 
-// V of one KV head packed per key pair: [N/2][D][2] (zero padded past N).
-void pack_values(const at::BFloat16* v, int64_t stride_n, int64_t n, int d, at::BFloat16* out) {
-  int64_t pairs = (n + 1) / 2;
+// V of one KV head packed per key pair: [pairs][D][2], keys past n zero.
+void pack_values(const at::BFloat16* v, int64_t stride_n, int64_t n, int64_t pairs, int d, at::BFloat16* out) {
   for (int64_t i = 0; i < pairs; ++i)
     for (int c = 0; c < d; ++c)
       for (int t = 0; t < 2; ++t) {
@@ -143,6 +141,10 @@ void attend_block(const at::BFloat16* q, int64_t q_stride, at::BFloat16* o, int6
     // Online softmax per row; P in bf16.
     for (int r = 0; r < rows; ++r) {
       int64_t visible = causal ? std::min<int64_t>(kn, row0 + r + visible_offset + 1 - k0) : kn;
+      if (visible <= 0) {  // nothing visible in this block for this row
+        for (int b = 0; b < 4; ++b) _mm256_storeu_si256((__m256i*)&p[r][b * 16], _mm256_setzero_si256());
+        continue;
+      }
       __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       __mmask16 masks[4];
       for (int b = 0; b < 4; ++b) {
@@ -151,10 +153,6 @@ void attend_block(const at::BFloat16* q, int64_t q_stride, at::BFloat16* o, int6
         mx = _mm512_mask_max_ps(mx, masks[b], mx, _mm512_load_ps(&s[r][b * 16]));
       }
       float block_max = _mm512_reduce_max_ps(mx);
-      if (visible <= 0) {  // nothing visible in this block for this row
-        for (int b = 0; b < 4; ++b) _mm256_storeu_si256((__m256i*)&p[r][b * 16], _mm256_setzero_si256());
-        continue;
-      }
       float m_new = std::max(m[r], block_max);
       float correction = std::exp2(m[r] - m_new);
       __m512 mv = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
@@ -210,12 +208,10 @@ std::vector<torch::Tensor> flash_bf16(torch::Tensor q, torch::Tensor k, torch::T
   auto vp = torch::empty({kv_heads, key_blocks * 16 * d}, v.options());
   at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h) {
-      pack_keys(k.data_ptr<at::BFloat16>() + h * k.stride(0), k.stride(1), n, d, kp.data_ptr<at::BFloat16>() + h * kp.stride(0));
-      pack_values(v.data_ptr<at::BFloat16>() + h * v.stride(0), v.stride(1), n, d, vp.data_ptr<at::BFloat16>() + h * vp.stride(0));
-      // zero the padding past the packed keys/values (pack_* cover only ceil(n/16) blocks / ceil(n/2) pairs)
-      int64_t packed_k = (n + 15) / 16 * 16 * d, packed_v = (n + 1) / 2 * 2 * d;
-      std::fill(kp.data_ptr<at::BFloat16>() + h * kp.stride(0) + packed_k, kp.data_ptr<at::BFloat16>() + (h + 1) * kp.stride(0), at::BFloat16(0.0f));
-      std::fill(vp.data_ptr<at::BFloat16>() + h * vp.stride(0) + packed_v, vp.data_ptr<at::BFloat16>() + (h + 1) * vp.stride(0), at::BFloat16(0.0f));
+      pack_keys(k.data_ptr<at::BFloat16>() + h * k.stride(0), k.stride(1), n, key_blocks, d,
+                kp.data_ptr<at::BFloat16>() + h * kp.stride(0));
+      pack_values(v.data_ptr<at::BFloat16>() + h * v.stride(0), v.stride(1), n, key_blocks * 8, d,
+                  vp.data_ptr<at::BFloat16>() + h * vp.stride(0));
     }
   });
   const int64_t row_blocks = (m + kBlockM - 1) / kBlockM, group = heads / kv_heads;
