@@ -79,10 +79,12 @@ def _kv(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 
 def model_args(parser: argparse.ArgumentParser) -> None:
-    """--dtype and --no-weight-packing, as `promptcache serve` takes them."""
+    """--dtype, --no-weight-packing and --no-layer-fusion, as `promptcache serve` takes them."""
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="auto: what `promptcache serve` picks on this machine")
     parser.add_argument("--no-weight-packing", action="store_true", help="plain nn.Linear (the server packs)")
+    parser.add_argument("--no-layer-fusion", action="store_true", help="HF's decoder modules (the server fuses "
+                        "them in bf16 where the CPU has AVX512-BF16)")
 
 
 def load_shape(args: argparse.Namespace):
@@ -90,7 +92,7 @@ def load_shape(args: argparse.Namespace):
     dtype = ModelConfig(dtype=args.dtype).torch_dtype
     model = build_model("qwen2.5-0.5b", dtype=dtype)
     loaded = wrap_model(model, AutoTokenizer.from_pretrained(default_model_path()), name="qwen2.5-0.5b",
-                        pack_weights=not args.no_weight_packing)
+                        pack_weights=not args.no_weight_packing, fuse_layers=not args.no_layer_fusion)
     install(model)
     return model, loaded
 

@@ -225,7 +225,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "fidelity.jsonl")
     args = parser.parse_args()
     setup(args.threads)
-    loaded = load_model(ModelConfig(dtype=args.dtype))
+    loaded = load_model(ModelConfig(dtype=args.dtype, fuse_layers=False))  # the reference: HF's own modules
     flags = ["--dtype", args.dtype]
     eos = set(loaded.eos_token_ids)
     eval_set = build_eval_set(per_task=args.per_task, seed=args.seed)

@@ -43,7 +43,7 @@ def main() -> None:
     items = eval_set.items
     if len(contiguous) != len(items) or any(r["meta"] != i.meta for r, i in zip(contiguous, items)):
         raise SystemExit(f"{args.against} was not run on this eval set (--per-task {args.per_task}, --seed {args.seed})")
-    loaded = load_model(ModelConfig(dtype=args.dtype))
+    loaded = load_model(ModelConfig(dtype=args.dtype, fuse_layers=False))  # HF's own modules
     log(f"{len(items)} prompts: full prefill at the layout's positions")
     gapped = reference_answers(loaded, eval_set, items, at_plan_positions=True)
 

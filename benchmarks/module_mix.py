@@ -90,7 +90,7 @@ class Setup:
 
 def build_setup(shape: str, dtype: str, tokenizer, docs: list[str], system: str) -> Setup:
     model = build_model(shape, min_vocab=len(tokenizer), dtype=DTYPES[dtype])
-    runtime = ModelRuntime(wrap_model(model, tokenizer, name=shape, pack_weights=True),
+    runtime = ModelRuntime(wrap_model(model, tokenizer, name=shape, pack_weights=True, fuse_layers=True),
                            build_store(StoreConfig(device_max_bytes=8 << 30), device="cpu"))
     modules = "".join(f'<module name="doc{i}">{text}</module>' for i, text in enumerate(docs))
     report = runtime.add_schema(runtime.parse_schema(

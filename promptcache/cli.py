@@ -72,6 +72,8 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu | cuda | cuda:N")
     parser.add_argument("--no-weight-packing", action="store_true",
                         help="plain torch.nn.Linear instead of weights prepacked for oneDNN on CPU")
+    parser.add_argument("--no-layer-fusion", action="store_true",
+                        help="the Hugging Face decoder modules instead of the fused bf16 CPU kernels")
     parser.add_argument("--redis-url", help="redis://host:port/db for the shared KV tier and schema registry")
 
 
@@ -96,6 +98,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "preload_examples": False if getattr(args, "no_examples", False) else None,
         "prefix_caching": False if getattr(args, "no_prefix_caching", False) else None,
         "pack_weights": False if args.no_weight_packing else None,
+        "fuse_layers": False if args.no_layer_fusion else None,
         "prefix_block_size": getattr(args, "prefix_block_size", None),
         "fidelity": getattr(args, "fidelity", None),
         "fidelity_positions": getattr(args, "fidelity_positions", None),

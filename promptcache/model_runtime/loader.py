@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from promptcache.model_runtime import fused_layers
 from promptcache.model_runtime.cpu_features import auto_dtype
 from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
 from promptcache.model_runtime.packed_linear import pack_linears
@@ -44,7 +45,9 @@ class ModelConfig:
     weights are kept (None: ~/.cache/promptcache/models). `dtype="auto"` is bf16 where the hardware
     computes it natively and fp32 elsewhere (cpu_features.auto_dtype). `pack_weights` keeps the linear
     layers' weights in oneDNN's packed layout on CPUs where that runs (packed_linear.py). Raises
-    ValueError for an unknown dtype or a malformed device string.
+    `fuse_layers` runs bf16 Llama/Mistral/Qwen2 models on CPUs with AVX512-BF16 through fused
+    decoder-layer kernels (fused_layers.py; same outputs). Raises ValueError for an unknown dtype or a
+    malformed device string.
     """
 
     name_or_path: str | None = None
@@ -53,6 +56,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     cache_dir: str | None = None
     pack_weights: bool = True
+    fuse_layers: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES and self.dtype != "auto":
@@ -129,16 +133,18 @@ def load_model(config: ModelConfig) -> LoadedModel:
             path, config=hf_config, dtype=config.torch_dtype, attn_implementation="sdpa", **options)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model at {path!r}: {exc}") from None
-    return wrap_model(model.to(config.device), tokenizer, name=name, pack_weights=config.pack_weights)
+    return wrap_model(model.to(config.device), tokenizer, name=name, pack_weights=config.pack_weights,
+                      fuse_layers=config.fuse_layers)
 
 
 def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str,
-               pack_weights: bool = False) -> LoadedModel:
+               pack_weights: bool = False, fuse_layers: bool = False) -> LoadedModel:
     """Describe an in-process model (tests, benchmarks) exactly as `load_model` would.
 
     Applies the same checks as `load_model` and puts the model in eval mode; the tokenizer is not
     modified. `pack_weights` replaces the model's linear layers in place (packed_linear.pack_linears)
-    after its weights were fingerprinted, so packed and plain servers share KV keys. Raises
+    after its weights were fingerprinted, so packed and plain servers share KV keys; `fuse_layers`
+    likewise swaps in fused decoder modules where they apply (fused_layers.fuse_layers). Raises
     UnsupportedModelError or ModelLoadError (slow tokenizer, vocabulary mismatch).
     """
     config = model.config
@@ -152,6 +158,8 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     dtype = str(model.dtype).removeprefix("torch.")
     fingerprint = model_fingerprint(name, config, dtype, weights_digest(model))
+    if fuse_layers:
+        fused_layers.fuse_layers(model)  # before packing: packing then picks up the fused projections
     if pack_weights:
         pack_linears(model)
     return LoadedModel(

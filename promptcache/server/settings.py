@@ -78,13 +78,15 @@ class ServerSettings(BaseSettings):
     model_cache_dir: str | None = None
     pack_weights: bool = Field(True, description="linear weights prepacked for oneDNN on CPU (faster, same "
                                                  "results; off: plain torch.nn.Linear)")
+    fuse_layers: bool = Field(True, description="bf16 on CPUs with AVX512-BF16: fused decoder-layer kernels "
+                                                "(norms, RoPE, gated MLP; same outputs; off: the HF modules)")
 
     def load_config(self) -> ModelConfig:
         """The model these settings serve, as the runtime loads it."""
         from promptcache.model_runtime import ModelConfig
 
         return ModelConfig(self.model, dtype=self.dtype, device=self.device, cache_dir=self.model_cache_dir,
-                           pack_weights=self.pack_weights)
+                           pack_weights=self.pack_weights, fuse_layers=self.fuse_layers)
 
     @field_validator("api_keys", mode="before")
     @classmethod

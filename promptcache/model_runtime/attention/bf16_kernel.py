@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,12 +27,26 @@ log = logging.getLogger(__name__)
 
 REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
 HEAD_DIMS = (64, 128)
-SOURCE = Path(__file__).parent / "csrc" / "flash_bf16.cpp"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("flash_bf16.cpp", "fused_bf16.cpp"))
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
 
 # (q [H, M, D], k [H_kv, N, D], v [H_kv, N, D], scale, causal) -> [out [H, M, D], lse [H, M] fp32]
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, bool], list[torch.Tensor]]
-_state: dict[str, Kernel | None] = {}  # "kernel" once prepare() has run: the kernel, or None if unavailable
+
+
+
+@dataclass(frozen=True, slots=True)
+class FusedOps:
+    """The decoder layer's element-wise ops built with the kernel (csrc/fused_bf16.cpp), bf16 only:
+    `rms_norm(x [N, H], weight [H], eps)`, `silu_mul(gate_up [N, 2I]) -> [N, I]` and
+    `rope_qk(qkv [N, (H + 2 H_kv) D], cos [N, D], sin [N, D], H, H_kv) -> [q [N, H, D], k [N, H_kv, D]]`."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    rope_qk: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], list[torch.Tensor]]
+
+
+_state: dict[str, Any] = {}  # "kernel" and "ops" once prepare() has run: each None if unavailable
 
 
 def supported(flags: frozenset[str] | None = None) -> bool:
@@ -41,7 +57,9 @@ def supported(flags: frozenset[str] | None = None) -> bool:
 def prepare() -> bool:
     """Build (first time on this machine) and load the kernel; True when attention can use it."""
     if "kernel" not in _state:
-        _state["kernel"] = _build() if supported() else None
+        module = _build() if supported() else None
+        _state["kernel"] = None if module is None else module.flash_bf16
+        _state["ops"] = None if module is None else FusedOps(module.rms_norm, module.silu_mul, module.rope_qk)
         if _state["kernel"] is None and not supported():
             log.info("bf16 attention kernel not used: the CPU lacks %s", sorted(REQUIRED_FLAGS - cpu_flags()))
     return _state["kernel"] is not None
@@ -50,6 +68,11 @@ def prepare() -> bool:
 def loaded() -> Kernel | None:
     """The kernel if `prepare()` loaded it in this process, else None (never builds)."""
     return _state.get("kernel")
+
+
+def fused_ops() -> FusedOps | None:
+    """The fused element-wise ops if `prepare()` loaded the kernel in this process, else None."""
+    return _state.get("ops")
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> Kernel | None:
@@ -64,13 +87,13 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) ->
     return kernel if q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 else None
 
 
-def _build() -> Kernel | None:
+def _build() -> Any:
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name="promptcache_flash_bf16", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        module = load(name="promptcache_bf16", sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS,
                       extra_ldflags=["-fopenmp"], verbose=False)
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, a failed build
         log.warning("bf16 attention kernel not built (%s); using PyTorch's fused attention", error)
         return None
-    return module.flash_bf16
+    return module

@@ -234,6 +234,15 @@ std::vector<torch::Tensor> flash_bf16(torch::Tensor q, torch::Tensor k, torch::T
   return {out, lse};
 }
 
+// fused_bf16.cpp, built into the same extension
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+                                   int64_t kv_heads);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flash_bf16", &flash_bf16, "bf16 flash attention on AVX512-BF16: (q, k, v, scale, causal) -> [out, lse]");
+  m.def("rms_norm", &rms_norm, "(x [N, H], weight [H], eps) -> LlamaRMSNorm in bf16");
+  m.def("silu_mul", &silu_mul, "(gate_up [N, 2I]) -> silu(gate) * up in bf16");
+  m.def("rope_qk", &rope_qk, "(qkv [N, (H + 2 H_kv) D], cos [N, D], sin [N, D], H, H_kv) -> [q, k] rotated");
 }

@@ -1,0 +1,159 @@
+"""Fused decoder layers for bf16 on CPUs with AVX512-BF16: one projection for q|k|v and one for gate|up,
+RMSNorm, RoPE and the SiLU-gated product as single-pass kernels (attention/csrc/fused_bf16.cpp).
+
+Why: once attention ran on the bf16 kernel, the ops bf16 did not speed up were a quarter of SmolLM2's
+2K-token prefill: PyTorch runs RMSNorm as seven passes over the activations, RoPE as six (slices, a
+concatenation, a negation, products, a sum) and the gated MLP's SiLU and product as two, each upcasting
+bf16 to fp32 on the way. The kernels do each in one pass and round to bf16 where the Hugging Face modules
+do, so a fused model's outputs equal the unfused model's (RoPE bit for bit; RMSNorm and SiLU where fp32
+sums and exponentials round alike, i.e. all but rare last-bit ties; tests/model_runtime/test_fused_layers.py).
+Concatenating the q, k and v (and gate and up) weights gives the same products as the separate layers
+(oneDNN sums each output over the same inputs in the same order; measured bit-identical) in fewer calls.
+
+Applied by `fuse_layers(model)` at load, for Llama, Mistral and Qwen2 models in bf16 on the CPU where the
+kernel is built (bf16_kernel.prepare); any other model, dtype or device keeps the Hugging Face modules.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    eager_attention_forward,  # Mistral's and Qwen2's are the same function
+)
+from transformers.models.mistral.modeling_mistral import MistralAttention, MistralMLP, MistralRMSNorm
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm
+
+from promptcache.model_runtime.attention import bf16_kernel
+from promptcache.model_runtime.attention.bf16_kernel import FusedOps
+
+log = logging.getLogger(__name__)
+
+_NORMS = (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm)
+_MLPS = (LlamaMLP, MistralMLP, Qwen2MLP)
+_ATTENTIONS = (LlamaAttention, MistralAttention, Qwen2Attention)
+_LANES = 16  # the kernels' vector width in elements: feature sizes must be multiples of it
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """LlamaRMSNorm (and its Mistral/Qwen2 twins) in one pass: `weight * bf16(x * rsqrt(mean(x^2) + eps))`."""
+
+    def __init__(self, norm: torch.nn.Module, ops: FusedOps) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = float(norm.variance_epsilon)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [..., H] -> [..., H]
+        return self.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+
+
+class FusedGatedMLP(torch.nn.Module):
+    """`down(silu(gate(x)) * up(x))` with gate and up as one projection and SiLU-times-up in one pass."""
+
+    def __init__(self, mlp: torch.nn.Module, ops: FusedOps) -> None:
+        super().__init__()
+        self.gate_up_proj = _concatenated(mlp.gate_proj, mlp.up_proj)
+        self.down_proj = mlp.down_proj
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [..., hidden] -> gate|up [rows, 2 * inter] -> [rows, inter] -> [..., hidden]
+        gate_up = self.gate_up_proj(x.reshape(-1, x.shape[-1]))
+        return self.down_proj(self.ops.silu_mul(gate_up)).view(*x.shape[:-1], -1)
+
+
+class FusedAttention(torch.nn.Module):
+    """The attention block of a Llama/Mistral/Qwen2 layer with q|k|v as one projection and RoPE applied to
+    q and k in one pass; the cache update and the attention function are the model's, called as the
+    Hugging Face module calls them (so the engine's shared-module attention sees the same tensors)."""
+
+    def __init__(self, attention: torch.nn.Module, ops: FusedOps) -> None:
+        super().__init__()
+        config = attention.config
+        self.config, self.layer_idx, self.ops = config, attention.layer_idx, ops
+        self.head_dim, self.scaling = attention.head_dim, attention.scaling
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = attention.num_key_value_groups
+        self.is_causal = True
+        self.qkv_proj = _concatenated(attention.q_proj, attention.k_proj, attention.v_proj)
+        self.o_proj = attention.o_proj
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None = None, cache=None, **kwargs) -> tuple[torch.Tensor, None]:
+        batch, length, _ = hidden_states.shape
+        rows, dim = batch * length, self.head_dim
+        qkv = self.qkv_proj(hidden_states.reshape(rows, -1))       # [rows, (H + 2 H_kv) D]
+        # cos, sin: [B or 1, T, D] -> [rows, D]
+        cos, sin = (t.expand(batch, length, dim).reshape(rows, dim).contiguous() for t in position_embeddings)
+        query, key = self.ops.rope_qk(qkv, cos, sin, self.num_heads, self.num_key_value_heads)  # [rows, H|H_kv, D]
+        value = qkv[:, (self.num_heads + self.num_key_value_heads) * dim:].view(rows, -1, dim)
+        # [rows, heads, D] -> [B, heads, T, D] views, the layout the HF module hands to cache and attention
+        query, key, value = (t.view(batch, length, -1, dim).transpose(1, 2) for t in (query, key, value))
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        out, _ = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        return self.o_proj(out.reshape(batch, length, -1).contiguous()), None
+
+
+def fuse_layers(model: torch.nn.Module) -> int:
+    """Swap the norms, attention blocks and gated MLPs of a bf16 CPU Llama/Mistral/Qwen2 model for their
+    fused versions, in place; returns how many modules were swapped (0 where the kernel is unavailable,
+    the model is not bf16 on the CPU, or its shapes are not the kernels'). Call before packing weights:
+    the fused projections are plain `nn.Linear` layers that packing then picks up."""
+    parameter = next(model.parameters())
+    if parameter.dtype != torch.bfloat16 or parameter.device.type != "cpu" or not _fusable(model.config):
+        return 0
+    if not bf16_kernel.prepare():
+        return 0
+    ops = bf16_kernel.fused_ops()
+    assert ops is not None  # prepare() loads the ops with the attention kernel
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            fused = _fused(child, ops)
+            if fused is not None:
+                setattr(parent, name, fused)
+                swapped += 1
+    log.info("fused %d decoder modules (bf16 CPU kernels)", swapped)
+    return swapped
+
+
+def _fused(module: torch.nn.Module, ops: FusedOps) -> torch.nn.Module | None:
+    if isinstance(module, _NORMS):
+        return FusedRMSNorm(module, ops)
+    if isinstance(module, _MLPS):
+        return FusedGatedMLP(module, ops)
+    if isinstance(module, _ATTENTIONS):
+        return FusedAttention(module, ops)
+    return None
+
+
+def _fusable(config) -> bool:
+    """Shapes and options the kernels implement: SiLU gating, RoPE over the whole head, head dim a multiple
+    of 32, hidden and intermediate sizes multiples of 16 (sliding windows are refused at load)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return (config.model_type in ("llama", "mistral", "qwen2") and config.hidden_act == "silu"
+            and head_dim % (2 * _LANES) == 0 and config.hidden_size % _LANES == 0
+            and config.intermediate_size % _LANES == 0 and getattr(config, "partial_rotary_factor", 1.0) == 1.0)
+
+
+def _concatenated(*linears: torch.nn.Linear) -> torch.nn.Linear:
+    """One Linear whose output is the given layers' outputs side by side (weights and biases stacked)."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum(out), in]
+    has_bias = linears[0].bias is not None
+    joined = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, dtype=weight.dtype,
+                             device=weight.device)
+    with torch.no_grad():
+        joined.weight.copy_(weight)
+        if has_bias:
+            joined.bias.copy_(torch.cat([linear.bias.detach() for linear in linears]))
+    return joined.requires_grad_(False)

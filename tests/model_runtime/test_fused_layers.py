@@ -1,0 +1,166 @@
+"""Fused bf16 decoder layers (fused_layers.py, csrc/fused_bf16.cpp) against the Hugging Face modules.
+
+Oracle: the same bf16 inputs through transformers' LlamaRMSNorm, apply_rotary_pos_emb, SiLU-gated MLP and
+whole models. RoPE must match bit for bit; RMSNorm and SiLU round to bf16 where the modules do but sum
+and exponentiate in their own order, so they must match on all but rare elements, and there by one bf16
+step. Skipped on CPUs without AVX512-BF16; a CPU that has them and a compiler must build the kernels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
+
+from promptcache.cache_store import StoreConfig, build_store
+from promptcache.model_runtime import ModelRuntime, SamplingParams, wrap_model
+from promptcache.model_runtime.attention import bf16_kernel
+from promptcache.model_runtime.engine import Engine, EngineConfig
+from promptcache.model_runtime.fused_layers import FusedAttention, FusedGatedMLP, FusedRMSNorm, fuse_layers
+from tests.model_factories import make_test_tokenizer, make_tiny_model
+
+pytestmark = pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if not bf16_kernel.prepare():
+        if shutil.which("c++") is None and shutil.which("g++") is None:
+            pytest.skip("no C++ compiler to build the kernels")
+        pytest.fail("the bf16 kernels did not build on a CPU that supports them (see the log)")
+    return bf16_kernel.fused_ops()
+
+
+def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal on ≥ 99.9 % of elements; elsewhere within one bf16 step (8 significant bits)."""
+    assert got.shape == want.shape and got.dtype == want.dtype == torch.bfloat16
+    equal = (got == want).float().mean().item()
+    assert equal >= 0.999, f"only {equal:.4%} of elements equal"
+    step = want.float().abs() * 2.0 ** -7 + 1e-30
+    assert ((got.float() - want.float()).abs() <= step).all()
+
+
+@pytest.mark.parametrize("width", [576, 896])
+def test_rms_norm_matches_llama_rms_norm(ops, width):
+    generator = torch.Generator().manual_seed(width)
+    norm = LlamaRMSNorm(width, eps=1e-5).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width, generator=generator))
+    x = (torch.randn(2, 301, width, generator=generator) * 3).bfloat16()
+    with torch.inference_mode():
+        assert_bf16_close(FusedRMSNorm(norm, ops)(x), norm(x))
+
+
+def test_gated_mlp_matches_llama_mlp(ops):
+    config = LlamaConfig(hidden_size=128, intermediate_size=352)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        mlp = LlamaMLP(config).bfloat16()
+    x = torch.randn(3, 57, 128).bfloat16()
+    with torch.inference_mode():
+        assert_bf16_close(FusedGatedMLP(copy.deepcopy(mlp), ops)(x), mlp(x))
+        gate_up = (torch.randn(200, 2 * 352) * 6).bfloat16()  # SiLU over a wide range, both tails
+        want = torch.nn.functional.silu(gate_up[:, :352]) * gate_up[:, 352:]
+        assert_bf16_close(ops.silu_mul(gate_up), want)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (14, 2, 64), (4, 4, 128)])
+def test_rope_matches_apply_rotary_pos_emb_bit_for_bit(ops, heads, kv_heads, dim):
+    generator = torch.Generator().manual_seed(dim + heads)
+    rows = 133
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator).bfloat16()
+    angles = torch.arange(rows)[:, None] * torch.rand(dim // 2, generator=generator)[None] * 3  # [rows, D/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1).bfloat16()
+    sin = torch.cat([angles.sin(), angles.sin()], -1).bfloat16()
+    q = qkv[:, : heads * dim].view(1, rows, heads, dim).transpose(1, 2)
+    k = qkv[:, heads * dim: (heads + kv_heads) * dim].view(1, rows, kv_heads, dim).transpose(1, 2)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+    got_q, got_k = ops.rope_qk(qkv, cos, sin, heads, kv_heads)
+    assert torch.equal(got_q.view(1, rows, heads, dim).transpose(1, 2), want_q)
+    assert torch.equal(got_k.view(1, rows, kv_heads, dim).transpose(1, 2), want_k)
+
+
+def _model(arch: str, vocab_size: int) -> torch.nn.Module:
+    """Llama or Qwen2 (q/k/v biases) with head dim 64 and GQA, random weights, bf16."""
+    common = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.1)
+    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common, use_sliding_window=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_model_matches_the_hf_model(ops, arch):
+    """Whole forward passes (prefill, then decode over the cache): every module swapped, logits as the
+    unfused model's within what one differently rounded bf16 element can move them over two layers."""
+    plain = _model(arch, 512)
+    fused = copy.deepcopy(plain)
+    assert fuse_layers(fused) == 2 * 4 + 1  # per layer two norms, attention, MLP; the final norm
+    layer = fused.model.layers[0]
+    assert isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedGatedMLP)
+    ids = torch.randint(0, 512, (2, 77), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want, got = plain(ids, use_cache=True), fused(ids, use_cache=True)
+        assert (got.logits.float() - want.logits.float()).abs().max() <= 0.05
+        step = ids[:, -1:]
+        want_next = plain(step, cache=want.past_key_values).logits
+        got_next = fused(step, cache=got.past_key_values).logits
+        assert (got_next.float() - want_next.float()).abs().max() <= 0.05
+
+
+def test_engine_with_fused_layers_generates_the_unfused_tokens(ops):
+    """The batched engine (module reuse, packed prefill, decode), fused vs the HF modules, both bf16 with
+    packed weights as the server loads them: the same greedy tokens."""
+    tokenizer = make_test_tokenizer()
+    runtimes = [ModelRuntime(wrap_model(_model("llama", len(tokenizer)), tokenizer, name="d64", pack_weights=True,
+                                        fuse_layers=fuse), build_store(StoreConfig(), device="cpu"))
+                for fuse in (False, True)]
+    assert isinstance(runtimes[1].loaded.model.model.layers[0].mlp, FusedGatedMLP)
+    doc = " ".join(f"The river {i} flows north through the valley of stone." for i in range(12))
+    prompts = ['<prompt schema="s"><doc/>Where does the river flow?</prompt>',
+               '<prompt schema="s"><doc/>What is north of the valley? Answer briefly.</prompt>']
+    tokens = []
+    for runtime in runtimes:
+        runtime.add_schema(runtime.parse_schema(f'<schema name="s"><module name="doc">{doc}</module></schema>'))
+        engine = Engine(runtime.module_encoder, EngineConfig(max_num_seqs=4))
+
+        async def run(engine=engine, runtime=runtime):
+            params = SamplingParams(max_tokens=12, temperature=0)
+            return await asyncio.gather(*(_tokens(engine.submit(runtime.plan(p), params)) for p in prompts))
+
+        try:
+            tokens.append(asyncio.run(run()))
+        finally:
+            engine.stop()
+    assert tokens[0] == tokens[1] and all(len(t) == 12 for t in tokens[0])
+
+
+async def _tokens(stream) -> list[int]:
+    out = []
+    async for event in stream:
+        assert event.error is None, event.error
+        if event.token_id is not None:
+            out.append(event.token_id)
+    return out
+
+
+def test_fuse_layers_leaves_other_models_alone(ops):
+    tokenizer = make_test_tokenizer()
+    assert fuse_layers(make_tiny_model("llama", vocab_size=len(tokenizer))) == 0  # fp32
+    assert fuse_layers(make_tiny_model("llama", vocab_size=len(tokenizer), dtype=torch.bfloat16)) == 0  # head dim 16
+    assert fuse_layers(make_tiny_model("gpt2", vocab_size=len(tokenizer), dtype=torch.bfloat16)) == 0
+
+
+def test_no_fusion_or_build_without_the_instructions(monkeypatch):
+    monkeypatch.setattr(bf16_kernel, "_state", {})
+    monkeypatch.setattr(bf16_kernel, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(bf16_kernel, "_build", lambda: pytest.fail("built on a CPU without AVX512-BF16"))
+    model = _model("llama", 512)
+    assert fuse_layers(model) == 0
+    assert isinstance(model.model.layers[0].input_layernorm, LlamaRMSNorm)
