@@ -6,7 +6,6 @@ Skipped on CPUs without the instructions; on a CPU that has them and a C++ compi
 from __future__ import annotations
 
 import asyncio
-import shutil
 
 import pytest
 import torch
@@ -34,11 +33,7 @@ pytestmark = pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU la
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    if not bf16_kernel.prepare():
-        if shutil.which("c++") is None and shutil.which("g++") is None:
-            pytest.skip("no C++ compiler to build the kernel")
-        pytest.fail("the bf16 kernel did not build on a CPU that supports it (see the log)")
+def kernel(bf16_kernels):
     return bf16_kernel.loaded()
 
 

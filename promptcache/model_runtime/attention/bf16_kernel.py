@@ -4,9 +4,11 @@ PyTorch's fused CPU attention runs bf16 on bf16 tiles only with AMX; on AVX512-B
 (AMD Zen 4, Intel Cooper Lake) it computes at fp32 speed, which held `--dtype auto` to 1.4-1.9x over fp32
 on a 2K-token prefill (issue 16). This kernel does QK^T and PV on `vdpbf16ps`: 2.6-2.8x faster than the
 fused op on a 2K-token causal prefill, 2x on decode rows over 8K shared keys (docs/benchmarks.md).
+The same extension carries the decoder layers' fused element-wise ops (csrc/fused_bf16.cpp, `fused_ops()`,
+used by model_runtime/fused_layers.py): one build, one set of CPU requirements.
 
-`prepare()` compiles it once per machine (about 25 s; then torch's extension cache loads it in about a
-second) and is called where a runner is built for bf16 on a CPU that has the instructions; attention
+`prepare()` compiles it once per machine (about 25-60 s; then torch's extension cache loads it in about a
+second) and is called where a model is loaded or a runner built for bf16 on a CPU that has the instructions; attention
 code asks `loaded()`, which never compiles, so no request waits for a build. Without a C++ compiler,
 ninja or the CPU flags, `prepare()` logs why and returns False, and attention keeps PyTorch's fused op.
 """
