@@ -44,10 +44,10 @@ class ModelConfig:
     `name_or_path=None` is the built-in SmolLM2-135M-Instruct; `cache_dir` is where its converted
     weights are kept (None: ~/.cache/promptcache/models). `dtype="auto"` is bf16 where the hardware
     computes it natively and fp32 elsewhere (cpu_features.auto_dtype). `pack_weights` keeps the linear
-    layers' weights in oneDNN's packed layout on CPUs where that runs (packed_linear.py). Raises
+    layers' weights in oneDNN's packed layout on CPUs where that runs (packed_linear.py);
     `fuse_layers` runs bf16 Llama/Mistral/Qwen2 models on CPUs with AVX512-BF16 through fused
-    decoder-layer kernels (fused_layers.py; same outputs). Raises ValueError for an unknown dtype or a
-    malformed device string.
+    decoder-layer kernels (fused_layers.py; the HF modules' outputs up to rare last-bit roundings). Raises
+    ValueError for an unknown dtype or a malformed device string.
     """
 
     name_or_path: str | None = None
