@@ -8,9 +8,10 @@ The same extension carries the decoder layers' fused element-wise ops (csrc/fuse
 used by model_runtime/fused_layers.py): one build, one set of CPU requirements.
 
 `prepare()` compiles it once per machine (about 25-60 s; then torch's extension cache loads it in about a
-second) and is called where a model is loaded or a runner built for bf16 on a CPU that has the instructions; attention
-code asks `loaded()`, which never compiles, so no request waits for a build. Without a C++ compiler,
-ninja or the CPU flags, `prepare()` logs why and returns False, and attention keeps PyTorch's fused op.
+second) and is called where a model is loaded or a runner built for bf16 on a CPU that has the
+instructions; attention code asks `loaded()`, which never compiles, so no request waits for a build.
+Without a C++ compiler, ninja or the CPU flags, `prepare()` logs why and returns False, attention keeps
+PyTorch's fused op and models keep the Hugging Face modules.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx51
 
 # (q [H, M, D], k [H_kv, N, D], v [H_kv, N, D], scale, causal) -> [out [H, M, D], lse [H, M] fp32]
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, bool], list[torch.Tensor]]
-
 
 
 @dataclass(frozen=True, slots=True)
