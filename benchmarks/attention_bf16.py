@@ -70,7 +70,7 @@ def run_shape(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
         "gemm_bf16": lambda: gemm_attention((q * scale).bfloat16(), k16, v16, causal, block),
     }
     if bf16_kernel.prepare():  # promptcache's own kernel (csrc/flash_bf16.cpp), what `auto` now uses
-        kernels["promptcache_bf16"] = lambda: bf16_kernel.loaded()(q16, k16, v16, scale, causal)
+        kernels["promptcache_bf16"] = lambda: bf16_kernel.loaded()(q16, [k16], [v16], scale, causal)
     compile_s = None
     if flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention

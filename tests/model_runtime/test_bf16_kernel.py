@@ -59,7 +59,7 @@ def test_kernel_matches_plain_attention(kernel, shape):
     heads, kv_heads, m, n, d, causal = shape
     g = torch.Generator().manual_seed(m * 131 + n)
     q, k, v = (torch.randn(h, length, d, generator=g).bfloat16() for h, length in ((heads, m), (kv_heads, n), (kv_heads, n)))
-    out, lse = kernel(q, k, v, d ** -0.5, causal)
+    out, lse = kernel(q, [k], [v], d ** -0.5, causal)
     want_out, want_lse = oracle(q, k, v, d ** -0.5, causal)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (heads, m)
     assert (out.float() - want_out).abs().max().item() <= OUT_TOLERANCE
@@ -71,7 +71,7 @@ def test_kernel_reads_strided_queries_and_writes_their_layout(kernel):
     g = torch.Generator().manual_seed(1)
     rows = torch.randn(50, 6, 64, generator=g).bfloat16()        # [T, H, D]
     k, v = torch.randn(2, 50, 64, generator=g).bfloat16(), torch.randn(2, 50, 64, generator=g).bfloat16()
-    out, lse = kernel(rows.transpose(0, 1), k, v, 0.125, True)
+    out, lse = kernel(rows.transpose(0, 1), [k], [v], 0.125, True)
     want_out, want_lse = oracle(rows.transpose(0, 1).contiguous(), k, v, 0.125, True)
     assert out.transpose(0, 1).is_contiguous()
     assert (out.float() - want_out).abs().max().item() <= OUT_TOLERANCE
@@ -81,21 +81,46 @@ def test_kernel_reads_strided_queries_and_writes_their_layout(kernel):
 def test_kernel_rejects_what_it_cannot_compute(kernel):
     q = torch.randn(2, 4, 64).bfloat16()
     with pytest.raises(RuntimeError, match="bfloat16"):
-        kernel(q.float(), q.float(), q.float(), 0.125, False)
+        kernel(q.float(), [q.float()], [q.float()], 0.125, False)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel(q, [q, q.float()], [q, q], 0.125, False)
     with pytest.raises(RuntimeError, match="head dim"):
-        kernel(torch.randn(2, 4, 32).bfloat16(), torch.randn(2, 4, 32).bfloat16(), torch.randn(2, 4, 32).bfloat16(), 1.0, False)
+        kernel(torch.randn(2, 4, 32).bfloat16(), [torch.randn(2, 4, 32).bfloat16()], [torch.randn(2, 4, 32).bfloat16()], 1.0, False)
     with pytest.raises(RuntimeError, match="N >= M"):
-        kernel(q, q[:, :2], q[:, :2], 0.125, True)
+        kernel(q, [q[:, :1], q[:, :1]], [q[:, :1], q[:, :1]], 0.125, True)
+    with pytest.raises(RuntimeError, match="segment 1"):
+        kernel(q, [q, q], [q, q[:, :3]], 0.125, False)
+    with pytest.raises(RuntimeError, match="at least one"):
+        kernel(q, [], [], 0.125, False)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_segments_are_attended_as_their_concatenation(kernel, d):
+    """Keys and values given as segments (strided views of larger buffers, lengths not multiples of 16)
+    give bit for bit what one call over their concatenation gives, causal or not."""
+    g = torch.Generator().manual_seed(d)
+    lengths = [5, 37, 1, 64, 19]
+    buffers = [torch.randn(2, n + 7, d + 32, generator=g).bfloat16() for n in lengths]  # padded rows and columns
+    keys = [b[:, 3: 3 + n, :d] for b, n in zip(buffers, lengths)]
+    values = [b[:, 3: 3 + n, 32:] for b, n in zip(buffers, lengths)]
+    for m, causal in ((1, False), (40, False), (19, True), (126, True)):
+        q = torch.randn(6, m, d, generator=g).bfloat16()
+        got_out, got_lse = kernel(q, keys, values, d ** -0.5, causal)
+        want_out, want_lse = kernel(q, [torch.cat(keys, 1)], [torch.cat(values, 1)], d ** -0.5, causal)
+        assert torch.equal(got_out, want_out) and torch.equal(got_lse, want_lse)
+        oracle_out, _ = oracle(q, torch.cat(keys, 1), torch.cat(values, 1), d ** -0.5, causal)
+        assert (got_out.float() - oracle_out).abs().max().item() <= OUT_TOLERANCE
 
 
 class Counting:
-    """Wraps the loaded kernel and counts calls by causality."""
+    """Wraps the loaded kernel and counts calls by causality, and the KV segments they were given."""
 
     def __init__(self, kernel):
-        self.kernel, self.calls = kernel, {True: 0, False: 0}
+        self.kernel, self.calls, self.segments = kernel, {True: 0, False: 0}, 0
 
     def __call__(self, q, k, v, scale, causal):
         self.calls[causal] += 1
+        self.segments += len(k)
         return self.kernel(q, k, v, scale, causal)
 
 
@@ -108,10 +133,30 @@ def test_shared_module_attention_runs_every_path_through_the_kernel(kernel, monk
                                   dtype=torch.bfloat16)
     got = shared_module_attention(*case).float()
     assert (got - reference(*case)).abs().max().item() <= OUT_TOLERANCE
-    assert counting.calls[True] == 2 and counting.calls[False] >= 2 + 2  # 2 squares; 2 segments + 2 decodes
+    # 2 prefills (own KV, causal); 2 segments seen by several sequences + 2 decodes with long own KV
+    assert counting.calls == {True: 2, False: 4}
     fused = shared_module_attention(*case, backend="fused_cpu")  # the named backend is torch's op: no calls
-    assert counting.calls[True] == 2
+    assert counting.calls == {True: 2, False: 4}
     assert (fused.float() - reference(*case)).abs().max().item() <= OUT_TOLERANCE
+
+
+def test_segments_of_one_sequence_join_its_own_call(kernel, monkeypatch):
+    """Segments only one sequence sees are attended in that sequence's own call: a lone prefill over three
+    modules is ONE kernel call with four KV segments; in a batch, a decoding sequence with short own KV
+    but a module of its own gets one call too, and shared segments keep theirs. Both against the oracle."""
+    counting = Counting(kernel)
+    monkeypatch.setitem(bf16_kernel._state, "kernel", counting)
+    lone = _make_case_d64(11, num_heads=6, num_kv_heads=2, query_lens=[23], own_lens=[30],
+                          segment_specs=[(100, [0]), (37, [0]), (250, [0])], dtype=torch.bfloat16)
+    assert (shared_module_attention(*lone).float() - reference(*lone)).abs().max().item() <= OUT_TOLERANCE
+    assert counting.calls == {True: 1, False: 0} and counting.segments == 4
+    batch = _make_case_d64(12, num_heads=6, num_kv_heads=2, query_lens=[1, 17, 1], own_lens=[20, 17, 30],
+                           segment_specs=[(90, [0]), (60, [0, 1, 2]), (45, [1])], dtype=torch.bfloat16)
+    counting.calls, counting.segments = {True: 0, False: 0}, 0
+    assert (shared_module_attention(*batch).float() - reference(*batch)).abs().max().item() <= OUT_TOLERANCE
+    # seq 1's prefill with its module (2 segments); seq 0's decode with its module (2); the shared one (1);
+    # seq 2 (short own KV, nothing of its own) in the padded batch call, not the kernel
+    assert counting.calls == {True: 1, False: 2} and counting.segments == 5
 
 
 def _make_case_d64(seed, **kwargs):
@@ -174,7 +219,8 @@ def test_engine_with_the_kernel_agrees_with_torchs_fused_op(kernel, monkeypatch)
             probs[backend] = asyncio.run(run())
         finally:
             engine.stop()
-    assert counting.calls[True] >= 2 and counting.calls[False] >= 2  # new text causally; the module as a segment
+    # new text causally, the module's KV in the same call or (seen by both prompts in one step) its own
+    assert counting.calls[True] >= 2 and counting.segments >= 4
     for want, got in zip(probs["fused_cpu"], probs["auto"]):
         shared = set(want) & set(got)
         assert len(shared) >= 15

@@ -3,11 +3,14 @@ equals the key RoPE-rotated at p + s."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, apply_rotary_pos_emb
 
+from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.rope_shift import KeyShifter
 from tests.model_factories import make_tiny_model
 
@@ -57,3 +60,25 @@ def test_models_without_static_rope_have_no_shifter():
                           num_attention_heads=4, num_key_value_heads=2,
                           rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     assert KeyShifter.of(LlamaForCausalLM(dynamic), HEAD_DIM) is None  # frequencies change with the length
+
+
+@pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
+@pytest.mark.parametrize("rotated_dims", [64, 32])  # full and partial rotary
+def test_the_bf16_kernel_shifts_keys_bit_for_bit_as_the_torch_ops(bf16_kernels, monkeypatch, rotated_dims):
+    """In bf16 with the kernels loaded, shift_into runs one fused pass; it writes exactly what the torch ops
+    write, into a view of a larger buffer, and nothing outside it."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotated_dims, 2).float() / rotated_dims))
+    shifter = KeyShifter(inv_freq, 64)
+    generator = torch.Generator().manual_seed(3)
+    keys = torch.randn(3, 2, 45, 64, generator=generator).bfloat16()      # [L, H, n, D]
+    shift = torch.tensor([-700] * 20 + [33] * 25)
+    calls = []
+    ops = bf16_kernel.fused_ops()
+    counted = dataclasses.replace(ops, shift_keys=lambda *args: calls.append(1) or ops.shift_keys(*args))
+    monkeypatch.setitem(bf16_kernel._state, "ops", counted)
+    buffer = torch.zeros(3, 2, 60, 64, dtype=torch.bfloat16)
+    shifter.shift_into(buffer[:, :, 10:55], keys, shift)
+    assert calls == [1]
+    monkeypatch.setitem(bf16_kernel._state, "ops", None)  # the torch ops
+    assert torch.equal(buffer[:, :, 10:55], shifter.shifted(keys, shift))
+    assert not buffer[:, :, :10].any() and not buffer[:, :, 55:].any()

@@ -40,7 +40,7 @@ def bf16_cpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     kernel = None if mask is not None else bf16_kernel.eligible(q, k, v)
     if kernel is None:
         return fused_cpu_attend(q, k, v, scale, mask)
-    out, lse = kernel(q, k, v, scale, False)  # [G_kv, M, D], [G_kv, M]
+    out, lse = kernel(q, [k], [v], scale, False)  # [G_kv, M, D], [G_kv, M]
     return out, lse
 
 

@@ -33,19 +33,23 @@ HEAD_DIMS = (64, 128)
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("flash_bf16.cpp", "fused_bf16.cpp"))
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
 
-# (q [H, M, D], k [H_kv, N, D], v [H_kv, N, D], scale, causal) -> [out [H, M, D], lse [H, M] fp32]
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, bool], list[torch.Tensor]]
+# (q [H, M, D], keys [[H_kv, N_i, D], ...], values (the same shapes), scale, causal)
+#   -> [out [H, M, D], lse [H, M] fp32]: attention over the segments' concatenation (N = sum N_i), each
+#   segment read where it lies; a causal mask is bottom-right aligned on the concatenation.
+Kernel = Callable[[torch.Tensor, list[torch.Tensor], list[torch.Tensor], float, bool], list[torch.Tensor]]
 
 
 @dataclass(frozen=True, slots=True)
 class FusedOps:
     """The decoder layer's element-wise ops built with the kernel (csrc/fused_bf16.cpp), bf16 only:
     `rms_norm(x [N, H], weight [H], eps)`, `silu_mul(gate_up [N, 2I]) -> [N, I]` and
-    `rope_qk(qkv [N, (H + 2 H_kv) D], cos [N, D], sin [N, D], H, H_kv) -> [q [N, H, D], k [N, H_kv, D]]`."""
+    `rope_qk(qkv [N, (H + 2 H_kv) D], cos [N, D], sin [N, D], H, H_kv) -> [q [N, H, D], k [N, H_kv, D]]`;
+    and KeyShifter's rotation, `shift_keys(out [B, n, D], keys [B, n, D], cos [n, R/2], sin [n, R/2])`."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     rope_qk: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], list[torch.Tensor]]
+    shift_keys: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 _state: dict[str, Any] = {}  # "kernel" and "ops" once prepare() has run: each None if unavailable
@@ -61,7 +65,7 @@ def prepare() -> bool:
     if "kernel" not in _state:
         module = _build() if supported() else None
         _state["kernel"] = None if module is None else module.flash_bf16
-        _state["ops"] = None if module is None else FusedOps(module.rms_norm, module.silu_mul, module.rope_qk)
+        _state["ops"] = None if module is None else FusedOps(module.rms_norm, module.silu_mul, module.rope_qk, module.shift_keys)
         if _state["kernel"] is None and not supported():
             log.info("bf16 attention kernel not used: the CPU lacks %s", sorted(REQUIRED_FLAGS - cpu_flags()))
     return _state["kernel"] is not None

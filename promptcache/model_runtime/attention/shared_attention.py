@@ -3,7 +3,9 @@
 Per call (one layer): each shared segment is attended ONCE by the queries of every sequence that
 includes it, with sequences and the GQA group folded into the query axis (matrix-matrix, not
 matrix-vector); each sequence's own KV (new text + generated tokens) is attended causally; the
-partial results are merged exactly with log-sum-exp rescaling in fp32.
+partial results are merged exactly with log-sum-exp rescaling in fp32. With the bf16 kernel, the
+segments only one sequence sees (every segment of a lone request) join that sequence's own call: the
+kernel takes KV as a list of segments, so one call and one softmax replace a call and a merge each.
 """
 
 from __future__ import annotations
@@ -40,6 +42,28 @@ def shared_module_attention(
     for n in query_lens:
         starts.append(starts[-1] + n)
 
+    # bf16 kernel: a sequence attends the segments only it sees (all of them for a lone request) and its
+    # own KV in ONE call, the segments read where they lie: no per-segment calls, no merges. A decoding
+    # sequence with short own KV and no segment of its own stays in the padded batch call (dispatch.py).
+    kernel = bf16_kernel.loaded() if backend == "auto" else None
+    joinable = {i for i in range(len(query_lens))
+                if kernel is not None and bf16_kernel.eligible(queries, own_keys[i], own_values[i]) is not None}
+    private: dict[int, list[SharedSegment]] = {}
+    shared = []
+    for segment in segments:
+        if segment.keys.shape[1] == 0:
+            continue  # an empty segment contributes nothing (and would crash the fused op)
+        if (len(segment.seq_indices) == 1 and segment.seq_indices[0] in joinable and not any(segment.row_offsets or ())
+                and bf16_kernel.eligible(queries, segment.keys, segment.values) is not None):
+            private.setdefault(segment.seq_indices[0], []).append(segment)
+        else:
+            shared.append(segment)
+    for i in joinable:
+        if query_lens[i] > 1 or decode_in_place(backend, queries, own_keys[i].shape[1]):
+            private.setdefault(i, [])
+    if len(query_lens) == 1 and private and not shared:  # a lone sequence, everything in one call
+        return _attend_together(kernel, queries, private[0], own_keys[0], own_values[0], num_kv_heads, scale)
+
     acc_out = torch.zeros((total_q, num_heads, head_dim), dtype=torch.float32, device=queries.device)  # [Q, H, D]
     acc_lse = torch.full((total_q, num_heads), float("-inf"), dtype=torch.float32, device=queries.device)  # [Q, H]
 
@@ -59,51 +83,64 @@ def shared_module_attention(
                          + out.float() * torch.exp(lse - safe).unsqueeze(-1))
         acc_lse[rows] = new_lse
 
-    for segment in segments:
-        if segment.keys.shape[1] == 0:
-            continue  # an empty segment contributes nothing (and would crash the fused op)
+    for segment in shared:
         rows, num_rows = _rows(segment.seq_indices, segment.row_offsets, starts, queries.device)
         if num_rows == 0:
             continue
         q = _fold(queries[rows], num_kv_heads, group)                    # [H_kv, M*G, D]
-        kernel = choose(backend, q, segment.keys)
-        out, lse = kernel(q, segment.keys, segment.values, scale)
+        out, lse = choose(backend, q, segment.keys)(q, segment.keys, segment.values, scale)
         merge(rows, *_unfold(out, lse, num_rows, num_kv_heads, group))
 
-    decode = [i for i, n in enumerate(query_lens) if n == 1 and own_keys[i].shape[1] > 0]
+    for i, segs in private.items():
+        rows = slice(starts[i], starts[i + 1])
+        merge(rows, *_attend_together(kernel, queries[rows], segs, own_keys[i], own_values[i], num_kv_heads, scale,
+                                      with_lse=True))
+    decode = [i for i, n in enumerate(query_lens) if n == 1 and own_keys[i].shape[1] > 0 and i not in private]
     in_place = [i for i in decode if decode_in_place(backend, queries, own_keys[i].shape[1])]
     padded = [i for i in decode if i not in set(in_place)]
     if padded:
         out, lse = _own_decode(queries, starts, padded, own_keys, own_values, num_kv_heads, group, scale)
         merge(torch.tensor([starts[i] for i in padded], device=queries.device), out, lse)
     if in_place:
-        out, lse = _own_decode_in_place(queries, starts, in_place, own_keys, own_values, num_kv_heads, scale,
-                                        backend)
+        out, lse = _own_decode_in_place(queries, starts, in_place, own_keys, own_values, num_kv_heads, scale)
         merge(torch.tensor([starts[i] for i in in_place], device=queries.device), out, lse)
     for i, n in enumerate(query_lens):
-        if n == 1 or own_keys[i].shape[1] == 0:
+        if n == 1 or i in private:
             continue
         rows = slice(starts[i], starts[i + 1])
         keys, values = own_keys[i], own_values[i]
         prefix = keys.shape[1] - n
         q = _fold(queries[rows], num_kv_heads, group)                       # [H_kv, T*G, D]
         if prefix > 0:  # own keys before the queries' own tokens: attended in full
-            kernel = choose(backend, q, keys[:, :prefix])
-            merge(rows, *_unfold(*kernel(q, keys[:, :prefix], values[:, :prefix], scale), n, num_kv_heads, group))
+            attend = choose(backend, q, keys[:, :prefix])
+            merge(rows, *_unfold(*attend(q, keys[:, :prefix], values[:, :prefix], scale), n, num_kv_heads, group))
         # The queries' own tokens: a square causal block (top-left == bottom-right alignment).
         out, lse = _causal_square(queries[rows], keys[:, prefix:], values[:, prefix:], group, scale, backend)
         merge(rows, out, lse)
     return acc_out.to(queries.dtype)
 
 
+def _attend_together(kernel, q: torch.Tensor, segments: Sequence[SharedSegment], keys: torch.Tensor,
+                     values: torch.Tensor, num_kv_heads: int, scale: float, *, with_lse: bool = False):
+    """q [T, H, D] (one sequence) attends `segments` in full and its own keys/values [H_kv, S, D], whose
+    last T are its own tokens (causal), in one bf16-kernel call. Returns out [T, H, D] (q's dtype), and
+    lse [T, H] with `with_lse`."""
+    n, num_heads, head_dim = q.shape
+    all_keys, all_values = [*(s.keys for s in segments), keys], [*(s.values for s in segments), values]
+    if n == 1:  # decode: the GQA group as rows of one KV head, each head's KV read once
+        out, lse = kernel(q.view(num_kv_heads, -1, head_dim), all_keys, all_values, scale, False)  # [H_kv, G, D]
+        out, lse = out.reshape(1, num_heads, head_dim), lse.reshape(1, num_heads)
+    else:  # bottom-right causal over the concatenation: every segment and the own prefix in full
+        out, lse = kernel(q.transpose(0, 1), all_keys, all_values, scale, True)  # [H, T, D] (q's memory), [H, T]
+        out, lse = out.transpose(0, 1), lse.transpose(0, 1)
+    return (out, lse) if with_lse else out
+
+
 def _causal_square(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: int, scale: float,
                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D] attends causally to keys/values [H_kv, T, D]; returns out [T, H, D], lse [T, H]."""
+    """q [T, H, D] attends causally to keys/values [H_kv, T, D]; returns out [T, H, D], lse [T, H]. (With
+    the bf16 kernel, a sequence's new tokens go through `_attend_together` instead.)"""
     n = q.shape[0]
-    kernel = bf16_kernel.eligible(q, keys, values) if backend == "auto" else None
-    if kernel is not None:  # GQA natively: no expanded KV
-        out, lse = kernel(q.transpose(0, 1), keys, values, scale, True)  # [H, T, D] (q's memory), [H, T]
-        return out.transpose(0, 1), lse.transpose(0, 1)
     if backend != "matmul" and not q.is_cuda and n * n * group >= CAUSAL_FUSED_MIN_WORK:
         # The fused op needs equal head counts: expand the T own tokens' KV (small next to the shared KV).
         k = keys.repeat_interleave(group, dim=0).unsqueeze(0)        # [1, H, T, D]
@@ -124,19 +161,16 @@ def _causal_mask(n: int, group: int, device: torch.device) -> torch.Tensor:
     return torch.ones((n, n), dtype=torch.bool, device=device).tril().repeat_interleave(group, dim=0)
 
 
-def _own_decode_in_place(queries, starts, seqs, own_keys, own_values, num_kv_heads, scale, backend):
+def _own_decode_in_place(queries, starts, seqs, own_keys, own_values, num_kv_heads, scale):
     """One fused call per single-token sequence, reading its own KV where it lies (a strided view of its
-    buffer, no copy): for long own KV, copying it into a padded batch costs more than the calls."""
+    buffer, no copy): for long own KV, copying it into a padded batch costs more than the calls. (With
+    the bf16 kernel these sequences go through `_attend_together` instead.)"""
     head_dim = queries.shape[-1]
     outs, lses = [], []
     for i in seqs:
         q = queries[starts[i]].view(1, num_kv_heads, -1, head_dim)                           # [1, H_kv, G, D]
-        kernel = bf16_kernel.eligible(q, own_keys[i], own_values[i]) if backend == "auto" else None
-        if kernel is not None:
-            out, lse = kernel(q[0], own_keys[i], own_values[i], scale, False)                 # [H_kv, G, D]
-        else:
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, own_keys[i].unsqueeze(0), own_values[i].unsqueeze(0), 0.0, False, scale=scale)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, own_keys[i].unsqueeze(0), own_values[i].unsqueeze(0), 0.0, False, scale=scale)[:2]
         outs.append(out.reshape(-1, head_dim))                                                # [H, D]
         lses.append(lse.reshape(-1))                                                          # [H]
     return torch.stack(outs), torch.stack(lses)                                               # [B, H, D], [B, H]

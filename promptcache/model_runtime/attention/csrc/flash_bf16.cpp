@@ -3,10 +3,12 @@
 // uses bf16 tiles only with AMX; without AMX it runs bf16 at fp32 speed (docs/benchmarks.md), which is
 // what this kernel is for. Built on first use by promptcache/model_runtime/attention/bf16_kernel.py.
 //
-// q [H, M, D] (any strides, last dim contiguous), k/v [H_kv, N, D], H a multiple of H_kv (GQA: query head
-// h reads KV head h / (H / H_kv)); D = 64 or 128. Returns out (q's layout, bf16) and lse [H, M] fp32: the
-// natural log of sum_j exp(scale * q.k_j). Causal masks are bottom-right aligned: query row r sees keys
-// 0 .. r + N - M (the new tokens are the last M of the N keys).
+// q [H, M, D] (any strides, last dim contiguous); k and v as lists of segments [H_kv, N_i, D], attended
+// as their concatenation (N = sum N_i) without copying them together: module KV, a sequence's earlier
+// tokens and its new ones in one call, one online softmax, no merges. H a multiple of H_kv (GQA: query
+// head h reads KV head h / (H / H_kv)); D = 64 or 128. Returns out (q's layout, bf16) and lse [H, M]
+// fp32: the natural log of sum_j exp(scale * q.k_j). Causal masks are bottom-right aligned: query row r
+// sees keys 0 .. r + N - M (the new tokens are the last M of the N keys).
 #include <immintrin.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -39,26 +41,95 @@ inline __m512 exp2_ps(__m512 x) {
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 inline __m512bh bcast_pair(const at::BFloat16* p) { return as_bh(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p))); }
 
-// K of one KV head packed per 16-key block and d pair: [blocks][D/2][16][2], keys past n zero.
-void pack_keys(const at::BFloat16* k, int64_t stride_n, int64_t n, int64_t blocks, int d, at::BFloat16* out) {
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int j = 0; j < d / 2; ++j)
-      for (int c = 0; c < 16; ++c) {
-        int64_t key = b * 16 + c;
-        at::BFloat16* dst = out + ((b * (d / 2) + j) * 16 + c) * 2;
-        dst[0] = key < n ? k[key * stride_n + 2 * j] : at::BFloat16(0.0f);
-        dst[1] = key < n ? k[key * stride_n + 2 * j + 1] : at::BFloat16(0.0f);
-      }
+// The keys (or values) of one KV head as the concatenation of several segments, read where they lie.
+struct Rows {
+  std::vector<const at::BFloat16*> base;  // per segment: its first row of this head
+  std::vector<int64_t> stride, start;     // per segment: row stride; first key index (start.back() = N)
+
+  Rows(const std::vector<torch::Tensor>& parts, int64_t head) {
+    int64_t n = 0;
+    for (const auto& t : parts) {
+      base.push_back(t.data_ptr<at::BFloat16>() + head * t.stride(0));
+      stride.push_back(t.stride(1));
+      start.push_back(n);
+      n += t.size(1);
+    }
+    start.push_back(n);
+  }
+  int64_t size() const { return start.back(); }
+  // Row `key` (< size()); `hint` is the segment of the previous lookup: keys are read in order.
+  const at::BFloat16* row(int64_t key, size_t& hint) const {
+    while (key >= start[hint + 1]) ++hint;
+    while (key < start[hint]) --hint;
+    return base[hint] + (key - start[hint]) * stride[hint];
+  }
+};
+
+// In-register transpose of a 16 x 16 matrix of 32-bit elements: r[i] = row i in, column i out.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {  // 32-bit interleave of row pairs
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // 64-bit interleave: r[4i + m] lane L = column 4L + m of rows 4i..4i+3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes, then again across the two halves
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
 }
 
-// V of one KV head packed per key pair: [pairs][D][2], keys past n zero.
-void pack_values(const at::BFloat16* v, int64_t stride_n, int64_t n, int64_t pairs, int d, at::BFloat16* out) {
-  for (int64_t i = 0; i < pairs; ++i)
-    for (int c = 0; c < d; ++c)
-      for (int t = 0; t < 2; ++t) {
-        int64_t key = 2 * i + t;
-        out[(i * d + c) * 2 + t] = key < n ? v[key * stride_n + c] : at::BFloat16(0.0f);
+// K packed per 16-key block and d pair: [blocks][D/2][16][2], keys past N zero. Blocks [begin, end):
+// 16 keys' d pairs are 32-bit elements, transposed 16 x 16 in registers (scalar copies cost more than
+// the attention itself when a few queries read many cached keys).
+void pack_keys(const Rows& k, int64_t begin, int64_t end, int d, at::BFloat16* out) {
+  __m512i r[16];
+  size_t hint = 0;
+  for (int64_t b = begin; b < end; ++b) {
+    int32_t* dst = reinterpret_cast<int32_t*>(out + b * (d / 2) * 32);
+    for (int j0 = 0; j0 < d / 2; j0 += 16) {  // 16 d pairs (32 values) of each key at a time
+      for (int c = 0; c < 16; ++c) {
+        const int64_t key = b * 16 + c;
+        r[c] = key < k.size() ? _mm512_loadu_si512(k.row(key, hint) + 2 * j0) : _mm512_setzero_si512();
       }
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (j0 + j) * 16, r[j]);
+    }
+  }
+}
+
+// V packed per key pair: [pairs][D][2], keys past N zero. Pairs [begin, end): two rows interleaved 32
+// values at a time by one two-source permute.
+void pack_values(const Rows& v, int64_t begin, int64_t end, int d, at::BFloat16* out) {
+  alignas(64) int16_t low[32], high[32];
+  for (int e = 0; e < 32; ++e) {  // even lanes from the first key, odd from the second (index + 32)
+    low[e] = static_cast<int16_t>((e % 2) * 32 + e / 2);
+    high[e] = static_cast<int16_t>((e % 2) * 32 + 16 + e / 2);
+  }
+  const __m512i lo = _mm512_load_si512(low), hi = _mm512_load_si512(high);
+  size_t hint = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t key = 2 * i;
+    const at::BFloat16* first = key < v.size() ? v.row(key, hint) : nullptr;
+    const at::BFloat16* second = key + 1 < v.size() ? v.row(key + 1, hint) : nullptr;
+    at::BFloat16* dst = out + i * d * 2;
+    for (int c = 0; c < d; c += 32) {
+      __m512i a = first ? _mm512_loadu_si512(first + c) : _mm512_setzero_si512();
+      __m512i b = second ? _mm512_loadu_si512(second + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
 }
 
 // S[NR][64] = scale_log2 * Q[NR] . K[64 keys]^T, K packed [4][D/2][16][2].
@@ -191,27 +262,39 @@ void attend_block(const at::BFloat16* q, int64_t q_stride, at::BFloat16* o, int6
 
 }  // namespace
 
-std::vector<torch::Tensor> flash_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, bool causal) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
-              "flash_bf16: q, k, v must be bfloat16");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "flash_bf16: q [H, M, D], k/v [H_kv, N, D]");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "flash_bf16: last dim must be contiguous");
-  const int64_t heads = q.size(0), m = q.size(1), d = q.size(2), kv_heads = k.size(0), n = k.size(1);
+std::vector<torch::Tensor> flash_bf16(torch::Tensor q, std::vector<torch::Tensor> k, std::vector<torch::Tensor> v,
+                                      double scale, bool causal) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.stride(2) == 1,
+              "flash_bf16: q must be bfloat16 [H, M, D] with a contiguous last dim");
+  TORCH_CHECK(!k.empty() && k.size() == v.size(), "flash_bf16: as many key as value segments, at least one");
+  const int64_t heads = q.size(0), m = q.size(1), d = q.size(2), kv_heads = k[0].size(0);
   TORCH_CHECK(d == 64 || d == 128, "flash_bf16: head dim must be 64 or 128, got ", d);
-  TORCH_CHECK(heads % kv_heads == 0 && v.size(0) == kv_heads && v.size(1) == n && k.size(2) == d && v.size(2) == d,
-              "flash_bf16: shape mismatch");
+  TORCH_CHECK(heads % kv_heads == 0, "flash_bf16: ", heads, " query heads for ", kv_heads, " KV heads");
+  int64_t n = 0;
+  for (size_t i = 0; i < k.size(); ++i) {
+    const auto &ki = k[i], &vi = v[i];
+    TORCH_CHECK(ki.scalar_type() == at::kBFloat16 && vi.scalar_type() == at::kBFloat16, "flash_bf16: k, v must be bfloat16");
+    TORCH_CHECK(ki.dim() == 3 && vi.dim() == 3 && ki.stride(2) == 1 && vi.stride(2) == 1,
+                "flash_bf16: k/v segments [H_kv, N_i, D] with a contiguous last dim");
+    TORCH_CHECK(ki.size(0) == kv_heads && vi.size(0) == kv_heads && ki.size(2) == d && vi.size(2) == d &&
+                vi.size(1) == ki.size(1), "flash_bf16: shape mismatch in segment ", i);
+    n += ki.size(1);
+  }
   TORCH_CHECK(n > 0 && (!causal || n >= m), "flash_bf16: need N > 0 and, when causal, N >= M");
   auto out = torch::empty_like(q);
   auto lse = torch::empty({heads, m}, q.options().dtype(at::kFloat));
   const int64_t key_blocks = (n + 63) / 64 * 4;  // 16-key blocks, padded to whole 64-key steps
-  auto kp = torch::empty({kv_heads, key_blocks * 16 * d}, k.options());
-  auto vp = torch::empty({kv_heads, key_blocks * 16 * d}, v.options());
-  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h) {
-      pack_keys(k.data_ptr<at::BFloat16>() + h * k.stride(0), k.stride(1), n, key_blocks, d,
-                kp.data_ptr<at::BFloat16>() + h * kp.stride(0));
-      pack_values(v.data_ptr<at::BFloat16>() + h * v.stride(0), v.stride(1), n, key_blocks * 8, d,
-                  vp.data_ptr<at::BFloat16>() + h * vp.stride(0));
+  auto kp = torch::empty({kv_heads, key_blocks * 16 * d}, q.options());
+  auto vp = torch::empty({kv_heads, key_blocks * 16 * d}, q.options());
+  std::vector<Rows> k_rows, v_rows;
+  for (int64_t h = 0; h < kv_heads; ++h) k_rows.emplace_back(k, h), v_rows.emplace_back(v, h);
+  // Packed per KV head and 64-key step, both threads sharing even a single head's keys.
+  const int64_t steps = key_blocks / 4;
+  at::parallel_for(0, kv_heads * steps, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / steps, s = item % steps;
+      pack_keys(k_rows[h], 4 * s, 4 * s + 4, d, kp.data_ptr<at::BFloat16>() + h * kp.stride(0));
+      pack_values(v_rows[h], 32 * s, 32 * s + 32, d, vp.data_ptr<at::BFloat16>() + h * vp.stride(0));
     }
   });
   const int64_t row_blocks = (m + kBlockM - 1) / kBlockM, group = heads / kv_heads;
@@ -239,10 +322,12 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads,
                                    int64_t kv_heads);
+void shift_keys(torch::Tensor out, torch::Tensor keys, torch::Tensor cos, torch::Tensor sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("flash_bf16", &flash_bf16, "bf16 flash attention on AVX512-BF16: (q, k, v, scale, causal) -> [out, lse]");
+  m.def("flash_bf16", &flash_bf16, "bf16 flash attention on AVX512-BF16: (q, [k...], [v...], scale, causal) -> [out, lse]");
   m.def("rms_norm", &rms_norm, "(x [N, H], weight [H], eps) -> LlamaRMSNorm in bf16");
   m.def("silu_mul", &silu_mul, "(gate_up [N, 2I]) -> silu(gate) * up in bf16");
+  m.def("shift_keys", &shift_keys, "(out [B, n, D], keys [B, n, D], cos [n, R/2], sin [n, R/2]): KeyShifter in bf16");
   m.def("rope_qk", &rope_qk, "(qkv [N, (H + 2 H_kv) D], cos [N, D], sin [N, D], H, H_kv) -> [q, k] rotated");
 }

@@ -150,3 +150,37 @@ std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::
   });
   return {q, k};
 }
+
+// KeyShifter.shift_into in one pass: keys [B, n, D] (rotate-half RoPE layout) moved by per-token angles
+// whose cos and sin (bf16, [n, R/2]) are given, written into out (same shape, may be a strided view):
+// round(round(x1 cos) - x2 sin), round(round(x2 cos) + x1 sin), as its mul and addcmul_ round in bf16;
+// dimensions past R (partial rotary) copied.
+void shift_keys(torch::Tensor out, torch::Tensor keys, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(keys.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && keys.dim() == 3 &&
+              out.sizes() == keys.sizes() && keys.stride(2) == 1 && out.stride(2) == 1,
+              "keys and out must be bf16 [B, n, D] with a contiguous last dim");
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  const int64_t batch = keys.size(0), n = keys.size(1), dim = keys.size(2), half = cos.size(1);
+  TORCH_CHECK(half % kLanes == 0 && 2 * half <= dim && cos.size(0) == n && sin.sizes() == cos.sizes(),
+              "cos/sin [n, R/2] with R/2 a multiple of 16 and R <= D");
+  const auto* kp = keys.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  const auto* cp = cos.data_ptr<at::BFloat16>();
+  const auto* sp = sin.data_ptr<at::BFloat16>();
+  at::parallel_for(0, batch * n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / n, t = item % n;
+      const at::BFloat16* x = kp + b * keys.stride(0) + t * keys.stride(1);
+      at::BFloat16* o = op + b * out.stride(0) + t * out.stride(1);
+      const at::BFloat16* c = cp + t * cos.stride(0);
+      const at::BFloat16* s = sp + t * sin.stride(0);
+      for (int64_t j = 0; j < half; j += kLanes) {
+        __m512 x1 = load_bf16(x + j), x2 = load_bf16(x + half + j), cj = load_bf16(c + j), sj = load_bf16(s + j);
+        store_bf16(o + j, _mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, cj)), _mm512_mul_ps(x2, sj)));
+        store_bf16(o + half + j, _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, cj)), _mm512_mul_ps(x1, sj)));
+      }
+      for (int64_t j = 2 * half; j < dim; ++j) o[j] = x[j];
+    }
+  });
+}
