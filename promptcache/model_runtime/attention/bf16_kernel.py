@@ -3,7 +3,9 @@
 PyTorch's fused CPU attention runs bf16 on bf16 tiles only with AMX; on AVX512-BF16 CPUs without AMX
 (AMD Zen 4, Intel Cooper Lake) it computes at fp32 speed, which held `--dtype auto` to 1.4-1.9x over fp32
 on a 2K-token prefill (issue 16). This kernel does QK^T and PV on `vdpbf16ps`: 2.6-2.8x faster than the
-fused op on a 2K-token causal prefill, 2x on decode rows over 8K shared keys (docs/benchmarks.md).
+fused op on a 2K-token causal prefill, 2x on decode rows over 8K shared keys (docs/benchmarks.md). It takes
+K and V as lists of segments (csrc/pack_bf16.cpp reads each where it lies), so a request's modules, its
+earlier tokens and its new ones are one call with one softmax instead of a call and a merge each.
 The same extension carries the decoder layers' fused element-wise ops (csrc/fused_bf16.cpp, `fused_ops()`,
 used by model_runtime/fused_layers.py): one build, one set of CPU requirements.
 
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 
 REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
 HEAD_DIMS = (64, 128)
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("flash_bf16.cpp", "fused_bf16.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("flash_bf16.cpp", "pack_bf16.cpp", "fused_bf16.cpp"))
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
 
 # (q [H, M, D], keys [[H_kv, N_i, D], ...], values (the same shapes), scale, causal)
