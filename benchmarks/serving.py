@@ -11,7 +11,8 @@ tokenization and HTTP included). Rows:
   b_repeat      the exact same prompt again
   b_question    the same ~2K-token document with a new question
   c_plain       8 of 20 documents in random order + a question, as plain chat (prefix reuse only)
-  c_pml         the same prompts as PML importing the documents as modules (promptcache only)
+  c_pml         the same prompts as PML importing the documents as modules (promptcache only), `fast`;
+                c_pml_<mode> the same in another fidelity mode (--pml-fidelity)
   d_turn1..8    an 8-turn chat over a long system message (replies of 32 tokens kept in the history)
 Several promptcache configurations can run side by side (`--server NAME=FLAGS`, e.g. fp32 against
 `--dtype auto`); every row is interleaved sample by sample across the servers, so drift of the machine
@@ -102,7 +103,8 @@ def run_cold(targets: list[Target], work: Workload, *, runs: int, out: Path) -> 
     return medians
 
 
-def run_rows(targets: list[Target], work: Workload, *, runs: int, rows: set[str], out: Path) -> dict[str, dict[str, float]]:
+def run_rows(targets: list[Target], work: Workload, *, runs: int, rows: set[str], out: Path,
+             pml_fidelity: tuple[str, ...] = ("fast",)) -> dict[str, dict[str, float]]:
     """Rows b, c, d on every target, interleaved sample by sample (drift hits every target alike)."""
     medians: dict[str, dict[str, float]] = {t.name: {} for t in targets}
 
@@ -124,9 +126,11 @@ def run_rows(targets: list[Target], work: Workload, *, runs: int, rows: set[str]
         each("c_plain", targets, work.retrieval_chat, lambda t, m: t.ttft(
             "/v1/chat/completions", {"model": "m", "messages": m, "max_tokens": 1}))
         ours = [t for t in targets if t.is_promptcache]
-        # `fast`: modules reused as encoded (at the server's `--fidelity-positions`), whatever its default mode
-        each("c_pml", ours, work.retrieval_pml, lambda t, p: t.ttft(
-            "/v1/generate", {"prompt": p, "max_tokens": 1, "fidelity": "fast"}))
+        # `fast`: modules reused as encoded (at the server's `--fidelity-positions`), whatever its default
+        # mode; other modes (--pml-fidelity) as rows of their own
+        for mode in pml_fidelity:
+            each("c_pml" if mode == "fast" else f"c_pml_{mode}", ours, work.retrieval_pml, lambda t, p, mode=mode:
+                 t.ttft("/v1/generate", {"prompt": p, "max_tokens": 1, "fidelity": mode}))
     if "d" in rows:
         per_turn: dict[str, list[list]] = {t.name: [[] for _ in work.chat_turns] for t in targets}
         for session in range(max(1, runs // 2)):
@@ -176,6 +180,8 @@ def main() -> None:
     parser.add_argument("--peer-url", help="an OpenAI-compatible server to measure on the same rows")
     parser.add_argument("--peer-name", default="peer")
     parser.add_argument("--no-baseline", action="store_true", help="skip the --no-prefix-caching server")
+    parser.add_argument("--pml-fidelity", nargs="+", default=["fast"], metavar="MODE",
+                        help="fidelity modes of row c's PML prompts, one row each (e.g. fast balanced exact)")
     parser.add_argument("--out", type=Path, default=RESULTS / "serving.jsonl")
     args = parser.parse_args()
     work, rows = build(), set(args.rows)
@@ -198,7 +204,8 @@ def main() -> None:
             {t.name: {} for t in targets}
         # rows b-d need prefix caching: a --no-prefix-caching server only prices the lookup in row a
         reusing = [t for t, (_, flags) in zip(targets, [*configs, ("peer", [])]) if "--no-prefix-caching" not in flags]
-        for name, medians in run_rows(reusing, work, runs=args.runs, rows=rows, out=args.out).items():
+        for name, medians in run_rows(reusing, work, runs=args.runs, rows=rows, out=args.out,
+                                      pml_fidelity=tuple(args.pml_fidelity)).items():
             results[name].update(medians)
     finally:
         for process in processes:

@@ -112,16 +112,41 @@ def test_segments_are_attended_as_their_concatenation(kernel, d):
         assert (got_out.float() - oracle_out).abs().max().item() <= OUT_TOLERANCE
 
 
+def test_rows_before_a_segments_first_row_do_not_see_it(kernel):
+    """`first_rows` hides a segment from the query rows before it (a module's cached tail positioned after
+    some recomputed tokens); the own tokens stay causal. Against plain fp32 attention with that mask; all
+    zeros is the same call as none, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    lengths, first_rows, m = [40, 23, 70, 55], [0, 9, 30, 0], 50  # three segments, then 5 + 50 own keys
+    keys = [torch.randn(2, n, 64, generator=g).bfloat16() for n in lengths]
+    values = [torch.randn(2, n, 64, generator=g).bfloat16() for n in lengths]
+    q = torch.randn(6, m, 64, generator=g).bfloat16()
+    out, lse = kernel(q, keys, values, 0.125, True, first_rows)
+    k, v, n = torch.cat(keys, 1), torch.cat(values, 1), sum(lengths)
+    key_first_row = torch.repeat_interleave(torch.tensor(first_rows), torch.tensor(lengths))
+    mask = torch.ones(m, n, dtype=torch.bool).tril(n - m) & (key_first_row[None, :] <= torch.arange(m)[:, None])
+    want_out, want_lse = matmul_attend(q, k.repeat_interleave(3, 0), v.repeat_interleave(3, 0), 0.125,
+                                       mask.expand(6, m, n))
+    assert (out.float() - want_out).abs().max().item() <= OUT_TOLERANCE
+    assert (lse - want_lse).abs().max().item() <= LSE_TOLERANCE
+    plain = kernel(q, keys, values, 0.125, True)
+    zeros = kernel(q, keys, values, 0.125, True, [0, 0, 0, 0])
+    assert all(torch.equal(a, b) for a, b in zip(plain, zeros))
+    with pytest.raises(RuntimeError, match="one first row per segment"):
+        kernel(q, keys, values, 0.125, True, [0, 1])
+
+
 class Counting:
     """Wraps the loaded kernel and counts calls by causality, and the KV segments they were given."""
 
     def __init__(self, kernel):
-        self.kernel, self.calls, self.segments = kernel, {True: 0, False: 0}, 0
+        self.kernel, self.calls, self.segments, self.hidden = kernel, {True: 0, False: 0}, 0, 0
 
-    def __call__(self, q, k, v, scale, causal):
+    def __call__(self, q, k, v, scale, causal, first_rows=()):
         self.calls[causal] += 1
         self.segments += len(k)
-        return self.kernel(q, k, v, scale, causal)
+        self.hidden += sum(r > 0 for r in first_rows)  # segments hidden from the first rows
+        return self.kernel(q, k, v, scale, causal, list(first_rows))
 
 
 def test_shared_module_attention_runs_every_path_through_the_kernel(kernel, monkeypatch):
@@ -157,6 +182,27 @@ def test_segments_of_one_sequence_join_its_own_call(kernel, monkeypatch):
     # seq 1's prefill with its module (2 segments); seq 0's decode with its module (2); the shared one (1);
     # seq 2 (short own KV, nothing of its own) in the padded batch call, not the kernel
     assert counting.calls == {True: 1, False: 2} and counting.segments == 5
+
+
+def test_segments_positioned_after_some_new_tokens_join_the_call_too(kernel, monkeypatch):
+    """A prefill that recomputes tokens among cached ones (`balanced`): segments with row offsets join the
+    sequence's one call, hidden from the rows before them; one beyond the last row is dropped. Against the
+    per-segment path (torch's op, bf16) and plain fp32 attention (matmul backend)."""
+    counting = Counting(kernel)
+    monkeypatch.setitem(bf16_kernel._state, "kernel", counting)
+    queries, lens, own_k, own_v, segments = _make_case_d64(
+        13, num_heads=6, num_kv_heads=2, query_lens=[30], own_lens=[34],
+        segment_specs=[(50, [0]), (40, [0]), (25, [0]), (33, [0])], dtype=torch.bfloat16)
+    segments = [SharedSegment(s.keys, s.values, s.seq_indices, (offset,))
+                for s, offset in zip(segments, (0, 12, 29, 35))]
+    got = shared_module_attention(queries, lens, own_k, own_v, segments).float()
+    assert counting.calls == {True: 1, False: 0} and counting.segments == 4 and counting.hidden == 2
+    per_segment = shared_module_attention(queries, lens, own_k, own_v, segments, backend="fused_cpu").float()
+    plain = shared_module_attention(queries.float(), lens, [k.float() for k in own_k], [v.float() for v in own_v],
+                                    [SharedSegment(s.keys.float(), s.values.float(), s.seq_indices, s.row_offsets)
+                                     for s in segments], backend="matmul")
+    assert (got - per_segment).abs().max().item() <= OUT_TOLERANCE
+    assert (got - plain).abs().max().item() <= OUT_TOLERANCE
 
 
 def _make_case_d64(seed, **kwargs):

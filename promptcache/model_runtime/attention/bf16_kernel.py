@@ -35,11 +35,11 @@ HEAD_DIMS = (64, 128)
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("flash_bf16.cpp", "pack_bf16.cpp", "fused_bf16.cpp"))
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
 
-# (q [H, M, D], keys [[H_kv, N_i, D], ...], values (the same shapes), scale, causal)
+# (q [H, M, D], keys [[H_kv, N_i, D], ...], values (the same shapes), scale, causal[, first_rows])
 #   -> [out [H, M, D], lse [H, M] fp32]: attention over the segments' concatenation (N = sum N_i), each
-#   segment read where it lies; a causal mask is bottom-right aligned on the concatenation.
-Kernel = Callable[[torch.Tensor, list[torch.Tensor], list[torch.Tensor], float, bool], list[torch.Tensor]]
-
+#   segment read where it lies; a causal mask is bottom-right aligned on the concatenation; query rows
+#   before a segment's entry of `first_rows` (default all 0) do not see it.
+Kernel = Callable[..., list[torch.Tensor]]
 
 @dataclass(frozen=True, slots=True)
 class FusedOps:

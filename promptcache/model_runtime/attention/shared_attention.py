@@ -53,9 +53,10 @@ def shared_module_attention(
     for segment in segments:
         if segment.keys.shape[1] == 0:
             continue  # an empty segment contributes nothing (and would crash the fused op)
-        if (len(segment.seq_indices) == 1 and segment.seq_indices[0] in joinable and not any(segment.row_offsets or ())
+        if (len(segment.seq_indices) == 1 and segment.seq_indices[0] in joinable
                 and bf16_kernel.eligible(queries, segment.keys, segment.values) is not None):
-            private.setdefault(segment.seq_indices[0], []).append(segment)
+            if _first_row(segment) < query_lens[segment.seq_indices[0]]:  # else no query of this step sees it
+                private.setdefault(segment.seq_indices[0], []).append(segment)
         else:
             shared.append(segment)
     for i in joinable:
@@ -122,18 +123,24 @@ def shared_module_attention(
 
 def _attend_together(kernel, q: torch.Tensor, segments: Sequence[SharedSegment], keys: torch.Tensor,
                      values: torch.Tensor, num_kv_heads: int, scale: float, *, with_lse: bool = False):
-    """q [T, H, D] (one sequence) attends `segments` in full and its own keys/values [H_kv, S, D], whose
-    last T are its own tokens (causal), in one bf16-kernel call. Returns out [T, H, D] (q's dtype), and
-    lse [T, H] with `with_lse`."""
+    """q [T, H, D] (one sequence) attends `segments` (each from its row offset on) and its own keys/values
+    [H_kv, S, D], whose last T are its own tokens (causal), in one bf16-kernel call. Returns out [T, H, D]
+    (q's dtype), and lse [T, H] with `with_lse`."""
     n, num_heads, head_dim = q.shape
     all_keys, all_values = [*(s.keys for s in segments), keys], [*(s.values for s in segments), values]
-    if n == 1:  # decode: the GQA group as rows of one KV head, each head's KV read once
+    first_rows = [*(_first_row(s) for s in segments), 0]
+    if n == 1:  # decode: the GQA group as rows of one KV head, each head's KV read once (no offsets here)
         out, lse = kernel(q.view(num_kv_heads, -1, head_dim), all_keys, all_values, scale, False)  # [H_kv, G, D]
         out, lse = out.reshape(1, num_heads, head_dim), lse.reshape(1, num_heads)
-    else:  # bottom-right causal over the concatenation: every segment and the own prefix in full
-        out, lse = kernel(q.transpose(0, 1), all_keys, all_values, scale, True)  # [H, T, D] (q's memory), [H, T]
+    else:  # bottom-right causal over the concatenation: the own prefix in full, segments from their rows
+        out, lse = kernel(q.transpose(0, 1), all_keys, all_values, scale, True, first_rows)  # [H, T, D], [H, T]
         out, lse = out.transpose(0, 1), lse.transpose(0, 1)
     return (out, lse) if with_lse else out
+
+
+def _first_row(segment: SharedSegment) -> int:
+    """The first query row of its one sequence that sees `segment` (its row offset)."""
+    return segment.row_offsets[0] if segment.row_offsets else 0
 
 
 def _causal_square(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: int, scale: float,

@@ -8,11 +8,14 @@
 // tokens and its new ones in one call, one online softmax, no merges. H a multiple of H_kv (GQA: query
 // head h reads KV head h / (H / H_kv)); D = 64 or 128. Returns out (q's layout, bf16) and lse [H, M]
 // fp32: the natural log of sum_j exp(scale * q.k_j). Causal masks are bottom-right aligned: query row r
-// sees keys 0 .. r + N - M (the new tokens are the last M of the N keys).
+// sees keys 0 .. r + N - M (the new tokens are the last M of the N keys). `first_rows` (optional, one per
+// segment) hides a segment from the query rows before it: a prefill that recomputes tokens among cached
+// ones, where a module's cached tail is positioned after some of the new tokens.
 #include <immintrin.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -102,7 +105,7 @@ inline void pv_tile(const at::BFloat16* p, const at::BFloat16* vb, int64_t pairs
 template <int D>
 void attend_block(const at::BFloat16* q, int64_t q_stride, at::BFloat16* o, int64_t o_stride, float* lse,
                   int64_t rows, int64_t row0, const at::BFloat16* kp, const at::BFloat16* vp, int64_t n,
-                  int64_t visible_offset, bool causal, float scale_log2) {
+                  int64_t visible_offset, bool causal, const int32_t* first_row, float scale_log2) {
   // Per row state: running max (base-2 domain), running sum, fp32 output accumulator.
   alignas(64) float acc[kBlockM][D];
   alignas(64) float s[kBlockM][kBlockN];
@@ -131,13 +134,21 @@ void attend_block(const at::BFloat16* q, int64_t q_stride, at::BFloat16* o, int6
         for (int b = 0; b < 4; ++b) _mm256_storeu_si256((__m256i*)&p[r][b * 16], _mm256_setzero_si256());
         continue;
       }
-      __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      __mmask16 masks[4];
+      __mmask16 masks[4], any = 0;
       for (int b = 0; b < 4; ++b) {
         int64_t left = visible - b * 16;
         masks[b] = left >= 16 ? (__mmask16)0xFFFF : (left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1));
-        mx = _mm512_mask_max_ps(mx, masks[b], mx, _mm512_load_ps(&s[r][b * 16]));
+        if (first_row != nullptr)  // keys of segments positioned after this row's token
+          masks[b] &= _mm512_cmple_epi32_mask(_mm512_loadu_si512(first_row + k0 + b * 16),
+                                              _mm512_set1_epi32(static_cast<int32_t>(row0 + r)));
+        any |= masks[b];
       }
+      if (!any) {
+        for (int b = 0; b < 4; ++b) _mm256_storeu_si256((__m256i*)&p[r][b * 16], _mm256_setzero_si256());
+        continue;
+      }
+      __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int b = 0; b < 4; ++b) mx = _mm512_mask_max_ps(mx, masks[b], mx, _mm512_load_ps(&s[r][b * 16]));
       float block_max = _mm512_reduce_max_ps(mx);
       float m_new = std::max(m[r], block_max);
       float correction = std::exp2(m[r] - m_new);
@@ -178,7 +189,7 @@ void attend_block(const at::BFloat16* q, int64_t q_stride, at::BFloat16* o, int6
 }  // namespace
 
 std::vector<torch::Tensor> flash_bf16(torch::Tensor q, std::vector<torch::Tensor> k, std::vector<torch::Tensor> v,
-                                      double scale, bool causal) {
+                                      double scale, bool causal, std::vector<int64_t> first_rows) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.stride(2) == 1,
               "flash_bf16: q must be bfloat16 [H, M, D] with a contiguous last dim");
   TORCH_CHECK(!k.empty() && k.size() == v.size(), "flash_bf16: as many key as value segments, at least one");
@@ -199,6 +210,18 @@ std::vector<torch::Tensor> flash_bf16(torch::Tensor q, std::vector<torch::Tensor
   auto out = torch::empty_like(q);
   auto lse = torch::empty({heads, m}, q.options().dtype(at::kFloat));
   auto [kp, vp] = pack_kv(k, v, d);  // [H_kv, whole 64-key steps x 16 x D] each, zero past N
+  // Per key, the first query row that sees it (its segment's entry of first_rows), when any is > 0.
+  TORCH_CHECK(first_rows.empty() || first_rows.size() == k.size(), "flash_bf16: one first row per segment");
+  std::vector<int32_t> key_first_row;
+  if (std::any_of(first_rows.begin(), first_rows.end(), [](int64_t r) { return r > 0; })) {
+    key_first_row.assign((n + 63) / 64 * 64, 0);
+    int64_t start = 0;
+    for (size_t i = 0; i < k.size(); ++i) {
+      std::fill_n(key_first_row.begin() + start, k[i].size(1), static_cast<int32_t>(std::max<int64_t>(0, first_rows[i])));
+      start += k[i].size(1);
+    }
+  }
+  const int32_t* first_row = key_first_row.empty() ? nullptr : key_first_row.data();
   const int64_t row_blocks = (m + kBlockM - 1) / kBlockM, group = heads / kv_heads;
   const float scale_log2 = static_cast<float>(scale) * 1.4426950408889634f;
   at::parallel_for(0, heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -211,9 +234,11 @@ std::vector<torch::Tensor> flash_bf16(torch::Tensor q, std::vector<torch::Tensor
       const at::BFloat16* kh = kp.data_ptr<at::BFloat16>() + g * kp.stride(0);
       const at::BFloat16* vh = vp.data_ptr<at::BFloat16>() + g * vp.stride(0);
       if (d == 64)
-        attend_block<64>(qh, q.stride(1), oh, out.stride(1), lh, rows, row0, kh, vh, n, n - m, causal, scale_log2);
+        attend_block<64>(qh, q.stride(1), oh, out.stride(1), lh, rows, row0, kh, vh, n, n - m, causal, first_row,
+                         scale_log2);
       else
-        attend_block<128>(qh, q.stride(1), oh, out.stride(1), lh, rows, row0, kh, vh, n, n - m, causal, scale_log2);
+        attend_block<128>(qh, q.stride(1), oh, out.stride(1), lh, rows, row0, kh, vh, n, n - m, causal, first_row,
+                          scale_log2);
     }
   });
   return {out, lse};
@@ -227,7 +252,9 @@ std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::
 void shift_keys(torch::Tensor out, torch::Tensor keys, torch::Tensor cos, torch::Tensor sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("flash_bf16", &flash_bf16, "bf16 flash attention on AVX512-BF16: (q, [k...], [v...], scale, causal) -> [out, lse]");
+  m.def("flash_bf16", &flash_bf16, "bf16 flash attention on AVX512-BF16: (q, [k...], [v...], scale, causal, first_rows) -> [out, lse]",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("scale"), pybind11::arg("causal"),
+        pybind11::arg("first_rows") = std::vector<int64_t>{});
   m.def("rms_norm", &rms_norm, "(x [N, H], weight [H], eps) -> LlamaRMSNorm in bf16");
   m.def("silu_mul", &silu_mul, "(gate_up [N, 2I]) -> silu(gate) * up in bf16");
   m.def("shift_keys", &shift_keys, "(out [B, n, D], keys [B, n, D], cos [n, R/2], sin [n, R/2]): KeyShifter in bf16");
