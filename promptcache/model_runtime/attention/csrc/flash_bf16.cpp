@@ -209,9 +209,9 @@ std::vector<torch::Tensor> flash_bf16(torch::Tensor q, std::vector<torch::Tensor
   TORCH_CHECK(n > 0 && (!causal || n >= m), "flash_bf16: need N > 0 and, when causal, N >= M");
   auto out = torch::empty_like(q);
   auto lse = torch::empty({heads, m}, q.options().dtype(at::kFloat));
+  TORCH_CHECK(first_rows.empty() || first_rows.size() == k.size(), "flash_bf16: one first row per segment");
   auto [kp, vp] = pack_kv(k, v, d);  // [H_kv, whole 64-key steps x 16 x D] each, zero past N
   // Per key, the first query row that sees it (its segment's entry of first_rows), when any is > 0.
-  TORCH_CHECK(first_rows.empty() || first_rows.size() == k.size(), "flash_bf16: one first row per segment");
   std::vector<int32_t> key_first_row;
   if (std::any_of(first_rows.begin(), first_rows.end(), [](int64_t r) { return r > 0; })) {
     key_first_row.assign((n + 63) / 64 * 64, 0);
