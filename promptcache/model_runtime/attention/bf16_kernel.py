@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
 HEAD_DIMS = (64, 128)
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("flash_bf16.cpp", "pack_bf16.cpp", "fused_bf16.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                for name in ("flash_bf16.cpp", "pack_bf16.cpp", "fused_bf16.cpp"))
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
 
 # (q [H, M, D], keys [[H_kv, N_i, D], ...], values (the same shapes), scale, causal[, first_rows])
@@ -40,6 +41,7 @@ CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx51
 #   segment read where it lies; a causal mask is bottom-right aligned on the concatenation; query rows
 #   before a segment's entry of `first_rows` (default all 0) do not see it.
 Kernel = Callable[..., list[torch.Tensor]]
+
 
 @dataclass(frozen=True, slots=True)
 class FusedOps:
@@ -67,7 +69,8 @@ def prepare() -> bool:
     if "kernel" not in _state:
         module = _build() if supported() else None
         _state["kernel"] = None if module is None else module.flash_bf16
-        _state["ops"] = None if module is None else FusedOps(module.rms_norm, module.silu_mul, module.rope_qk, module.shift_keys)
+        _state["ops"] = None if module is None else FusedOps(module.rms_norm, module.silu_mul, module.rope_qk,
+                                                              module.shift_keys)
         if _state["kernel"] is None and not supported():
             log.info("bf16 attention kernel not used: the CPU lacks %s", sorted(REQUIRED_FLAGS - cpu_flags()))
     return _state["kernel"] is not None

@@ -42,26 +42,8 @@ def shared_module_attention(
     for n in query_lens:
         starts.append(starts[-1] + n)
 
-    # bf16 kernel: a sequence attends the segments only it sees (all of them for a lone request) and its
-    # own KV in ONE call, the segments read where they lie: no per-segment calls, no merges. A decoding
-    # sequence with short own KV and no segment of its own stays in the padded batch call (dispatch.py).
     kernel = bf16_kernel.loaded() if backend == "auto" else None
-    joinable = {i for i in range(len(query_lens))
-                if kernel is not None and bf16_kernel.eligible(queries, own_keys[i], own_values[i]) is not None}
-    private: dict[int, list[SharedSegment]] = {}
-    shared = []
-    for segment in segments:
-        if segment.keys.shape[1] == 0:
-            continue  # an empty segment contributes nothing (and would crash the fused op)
-        if (len(segment.seq_indices) == 1 and segment.seq_indices[0] in joinable
-                and bf16_kernel.eligible(queries, segment.keys, segment.values) is not None):
-            if _first_row(segment) < query_lens[segment.seq_indices[0]]:  # else no query of this step sees it
-                private.setdefault(segment.seq_indices[0], []).append(segment)
-        else:
-            shared.append(segment)
-    for i in joinable:
-        if query_lens[i] > 1 or decode_in_place(backend, queries, own_keys[i].shape[1]):
-            private.setdefault(i, [])
+    private, shared = _split(kernel, queries, query_lens, own_keys, own_values, segments, backend)
     if len(query_lens) == 1 and private and not shared:  # a lone sequence, everything in one call
         return _attend_together(kernel, queries, private[0], own_keys[0], own_values[0], num_kv_heads, scale)
 
@@ -119,6 +101,31 @@ def shared_module_attention(
         out, lse = _causal_square(queries[rows], keys[:, prefix:], values[:, prefix:], group, scale, backend)
         merge(rows, out, lse)
     return acc_out.to(queries.dtype)
+
+
+def _split(kernel, queries, query_lens, own_keys, own_values, segments, backend):
+    """(private, shared): with the bf16 kernel, a sequence attends the segments only it sees (all of them
+    for a lone request, each from its row offset on) and its own KV in ONE call, the segments read where
+    they lie: no per-segment calls, no merges. `private` maps each such sequence to its segments; a
+    decoding sequence with short own KV and no segment of its own stays in the padded batch call
+    (dispatch.py). `shared` holds every other non-empty segment, attended once per segment and merged."""
+    joinable = {i for i in range(len(query_lens))
+                if kernel is not None and bf16_kernel.eligible(queries, own_keys[i], own_values[i]) is not None}
+    private: dict[int, list[SharedSegment]] = {}
+    shared = []
+    for segment in segments:
+        if segment.keys.shape[1] == 0:
+            continue  # an empty segment contributes nothing (and would crash the fused op)
+        if (len(segment.seq_indices) == 1 and segment.seq_indices[0] in joinable
+                and bf16_kernel.eligible(queries, segment.keys, segment.values) is not None):
+            if _first_row(segment) < query_lens[segment.seq_indices[0]]:  # else no query of this step sees it
+                private.setdefault(segment.seq_indices[0], []).append(segment)
+        else:
+            shared.append(segment)
+    for i in joinable:
+        if query_lens[i] > 1 or decode_in_place(backend, queries, own_keys[i].shape[1]):
+            private.setdefault(i, [])
+    return private, shared
 
 
 def _attend_together(kernel, q: torch.Tensor, segments: Sequence[SharedSegment], keys: torch.Tensor,
