@@ -3,8 +3,10 @@
     python -m benchmarks.fidelity --per-task 200 --modes fast balanced:8 balanced:16 balanced:32 exact
     python -m benchmarks.fidelity --modes fast fast@contiguous balanced:32@contiguous --paired-against full_prefill fast
 
-A mode is "fidelity[:k][@positions]": k is `fidelity_head_tokens`, positions `fidelity_positions`
-(contiguous: reused keys re-aligned; default here: layout, the meaning of rows recorded before it existed).
+A mode is "fidelity[:k][@positions][/context]": k is `fidelity_head_tokens`, positions `fidelity_positions`
+(contiguous: reused keys re-aligned; default here: layout, the meaning of rows recorded before it existed),
+context `fidelity_context` (predecessor: modules' second encoding, after the module before them; default
+schema).
 
 The evaluation set (benchmarks/fidelity_tasks.py) is generated in-repo from fixed seeds: multi-document
 fact QA (k of M documents in random order), RULER-style key retrieval, a parameterised template.
@@ -55,16 +57,19 @@ class Answer:
     reused_module_tokens: int = 0
 
 
-def parse_mode(spec: str) -> tuple[str, int | None, str]:
-    """"mode[:k][@positions]" -> (mode, k, positions); positions default to the schema layout's (the
-    meaning of the recorded rows without "@", from before re-alignment existed)."""
+def parse_mode(spec: str) -> tuple[str, int | None, str, str]:
+    """"mode[:k][@positions][/context]" -> (mode, k, positions, context); positions default to the schema
+    layout's (the meaning of the recorded rows without "@", from before re-alignment existed), the
+    context to the schema's (`fidelity_context`)."""
+    spec, _, context = spec.partition("/")
     spec, _, positions = spec.partition("@")
     mode, _, k = spec.partition(":")
-    return mode, int(k) if k else None, positions or "layout"
+    return mode, int(k) if k else None, positions or "layout", context or "schema"
 
 
-def request_fields(mode: str, k: int | None, positions: str) -> dict:
-    return {"fidelity": mode, "fidelity_positions": positions, **({"fidelity_head_tokens": k} if k is not None else {})}
+def request_fields(mode: str, k: int | None, positions: str, context: str = "schema") -> dict:
+    return {"fidelity": mode, "fidelity_positions": positions, "fidelity_context": context,
+            **({"fidelity_head_tokens": k} if k is not None else {})}
 
 
 def reference_answers(loaded: LoadedModel, eval_set: EvalSet, items: list[EvalItem], *,
@@ -93,13 +98,13 @@ def reference_answers(loaded: LoadedModel, eval_set: EvalSet, items: list[EvalIt
     return answers
 
 
-def mode_answers(url: str, items: list[EvalItem], mode: str, k: int | None, positions: str, *, concurrency: int,
-                 eos_ids: set[int]) -> list[Answer]:
+def mode_answers(url: str, items: list[EvalItem], mode: str, k: int | None, positions: str, context: str = "schema", *,
+                 concurrency: int, eos_ids: set[int]) -> list[Answer]:
     client = httpx.Client(timeout=1800)
 
     def ask(item: EvalItem) -> Answer:
         body = {"prompt": item.prompt, "max_tokens": GENERATE, "temperature": 0, "logprobs": TOP,
-                **request_fields(mode, k, positions)}
+                **request_fields(mode, k, positions, context)}
         response = client.post(url + "/v1/generate", json=body)
         response.raise_for_status()
         data = response.json()
@@ -166,10 +171,11 @@ def summarize(task: str, mode: str, items: list[EvalItem], answers: list[Answer]
     }
 
 
-def measure_ttft(url: str, items: list[EvalItem], mode: str, k: int | None, positions: str = "layout") -> list[float]:
+def measure_ttft(url: str, items: list[EvalItem], mode: str, k: int | None, positions: str = "layout",
+                 context: str = "schema") -> list[float]:
     """Client-side TTFT of streamed single requests, one at a time."""
     target = Target(mode, url, is_promptcache=True)
-    extra = request_fields(mode, k, positions)
+    extra = request_fields(mode, k, positions, context)
     return [target.ttft("/v1/generate", {"prompt": item.prompt, "max_tokens": 1, **extra})[0] for item in items]
 
 
@@ -241,7 +247,9 @@ def main() -> None:
             upload(url, eval_set)
             measure_ttft(url, timed[:2], "exact", None)  # warm-up
             ttft["full_prefill"] = measure_ttft(url, timed, "exact", None)
-        with promptcache_server(flags) as url:
+        # A mode reusing second encodings: the server encodes them at upload, as such a server would.
+        preceded = any(parse_mode(spec)[3] == "predecessor" for spec in args.modes)
+        with promptcache_server([*flags, *(["--fidelity-context", "predecessor"] if preceded else [])]) as url:
             upload(url, eval_set)
             measure_ttft(url, timed[:2], "fast", None)
             for spec in args.modes:  # timed first, on a fresh server: nothing of these prompts is stored yet

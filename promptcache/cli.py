@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--fidelity-positions", choices=["contiguous", "layout"],
                        help="fast/balanced: re-align reused keys to contiguous positions (default) or keep the "
                             "schema layout's (docs/fidelity.md)")
+    serve.add_argument("--fidelity-context", choices=["schema", "predecessor"],
+                       help="fast/balanced: reuse out-of-context modules as encoded after their schema context "
+                            "(default) or after the module before them too (docs/fidelity.md)")
     serve.add_argument("--replicas", type=int,
                        help="run N replicas on a local Ray cluster behind a cache-affinity router (needs "
                             "--redis-url when N > 1; pip install 'promptcache[cluster]'; docs/scaling.md)")
@@ -102,6 +105,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "prefix_block_size": getattr(args, "prefix_block_size", None),
         "fidelity": getattr(args, "fidelity", None),
         "fidelity_positions": getattr(args, "fidelity_positions", None),
+        "fidelity_context": getattr(args, "fidelity_context", None),
         "max_prefill_tokens": getattr(args, "max_prefill_tokens", None),
         "max_prefill_tokens_alone": getattr(args, "max_prefill_tokens_alone", None),
         "min_prefill_tokens": getattr(args, "min_prefill_tokens", None),

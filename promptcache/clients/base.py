@@ -86,11 +86,11 @@ class BaseClient:
                       top_k: int | None, n: int | None, stop: str | list[str] | None, seed: int | None,
                       cache_salt: str | None, stream: bool, fidelity: str | None = None,
                       fidelity_head_tokens: int | None = None, fidelity_positions: str | None = None,
-                      return_spans: bool = False) -> dict[str, Any]:
+                      fidelity_context: str | None = None, return_spans: bool = False) -> dict[str, Any]:
         return BaseClient.body(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                top_k=top_k, n=n, stop=stop, seed=seed, cache_salt=cache_salt,
                                fidelity=fidelity, fidelity_head_tokens=fidelity_head_tokens,
-                               fidelity_positions=fidelity_positions,
+                               fidelity_positions=fidelity_positions, fidelity_context=fidelity_context,
                                return_spans=True if return_spans else None, stream=True if stream else None)
 
     @staticmethod

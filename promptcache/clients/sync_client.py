@@ -57,15 +57,17 @@ class Client(BaseClient):
                  stop: str | list[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
                  fidelity: Literal["fast", "balanced", "exact"] | None = None, fidelity_head_tokens: int | None = None,
                  fidelity_positions: Literal["contiguous", "layout"] | None = None,
+                 fidelity_context: Literal["schema", "predecessor"] | None = None,
                  return_spans: bool = False, stream: bool = False) -> Generation | Stream[GenerationChunk]:
         """Generate from a PML prompt (`<prompt schema="...">`). With `stream=True`, iterate chunks. `fidelity`
-        (and k, `fidelity_head_tokens`; `fidelity_positions`: re-aligned or layout positions) says how module KV
+        (and k, `fidelity_head_tokens`; `fidelity_positions`: re-aligned or layout positions; `fidelity_context`:
+        which encoding of a module to reuse) says how module KV
         reused out of context is treated (server default when None); `return_spans=True` adds `cache.spans`:
         the prompt by where each token's KV came from."""
         body = self.generate_body(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   n=n, stop=stop, seed=seed, cache_salt=cache_salt, stream=stream,
                                   fidelity=fidelity, fidelity_head_tokens=fidelity_head_tokens,
-                                  fidelity_positions=fidelity_positions,
+                                  fidelity_positions=fidelity_positions, fidelity_context=fidelity_context,
                                   return_spans=return_spans)
         response = self._send(RequestSpec("POST", "/v1/generate", body, stream=stream))
         return Stream(response, GenerationChunk) if stream else self.parse(response, Generation)

@@ -46,6 +46,7 @@ class ModuleReport(_Model):
     num_tokens: int
     tier: str | None = None
     recomputed_tokens: int = 0
+    encoded_after: str | None = None  # the module its reused KV was encoded after (fidelity context predecessor)
 
 
 class PrefixReport(_Model):
@@ -73,6 +74,7 @@ class CacheReport(_Model):
     approximations: list[str] = Field(default_factory=list)
     fidelity: str | None = None  # the mode that ran: fast | balanced | exact
     positions: str | None = None  # where the tokens sat: layout | contiguous (reused keys re-aligned)
+    context: str | None = None  # which encoding out-of-context modules reused: schema | predecessor
     recomputed_tokens: int = 0
     prefix: PrefixReport | None = None
     spans: list[PromptSpan] | None = None  # only when the request asked for them

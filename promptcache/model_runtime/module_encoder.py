@@ -149,9 +149,14 @@ class ModuleEncoder:
         per_token = loaded.kv_bytes_per_token + 8  # + the int64 position id
         return {"num_tokens": num_tokens, "nbytes": num_tokens * per_token}
 
-    def schema_jobs(self, schema: Schema) -> list[tuple[int, tuple[int, ...]]]:
-        """(segment, context) of every cached segment's default KV and each scaffold's joint KV."""
+    def schema_jobs(self, schema: Schema, *, predecessors: bool = False) -> list[tuple[int, tuple[int, ...]]]:
+        """(segment, context) of every cached segment's default KV and each scaffold's joint KV;
+        `predecessors`: also every module segment's KV encoded after the module before it (fidelity
+        context "predecessor", engine/reuse_plan.py)."""
         jobs = [(s.segment_id, s.context_ids) for s in schema.segments if s.is_cached and not s.is_placeholder]
+        if predecessors:
+            preceded = [(sid, schema.predecessor_context(sid, ctx)) for sid, ctx in jobs]
+            jobs += [(sid, ctx) for sid, ctx in preceded if ctx is not None]
         for scaffold in schema.scaffolds:
             jobs += [(sid, ctx) for sid, ctx in scaffold.contexts.items()
                      if ctx != schema.segments[sid].context_ids and not schema.segments[sid].is_placeholder]

@@ -11,12 +11,14 @@ TIER_ORDER = ("device", "host", "redis", "disk", "computed")
 @dataclass(frozen=True, slots=True)
 class ModuleUse:
     """A module the prompt used: its path, the tokens of its KV reused, where that KV came from, and
-    how many of its tokens were recomputed in their actual context (fidelity modes)."""
+    how many of its tokens were recomputed in their actual context (fidelity modes); `encoded_after`
+    names the predecessor module whose second encoding was reused (fidelity context "predecessor")."""
 
     path: str
     num_tokens: int
     tier: str
     num_recomputed: int = 0
+    encoded_after: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

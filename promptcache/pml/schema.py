@@ -75,6 +75,22 @@ class Schema:
             h.update(self.segments[segment_id].digest.encode())
         return h.hexdigest()
 
+    def predecessor_context(self, segment_id: int, context_ids: Iterable[int]) -> tuple[int, ...] | None:
+        """The context of a module segment's second encoding (fidelity context "predecessor"): its
+        `context_ids` and the last segment of another module (not a parameter placeholder) that ends
+        before it starts, in position order. None for text outside modules, with no such segment, or
+        when that segment's own context is not what this context has before it (then its KV in the
+        chain would not be its stored encoding)."""
+        segment, context = self.segments[segment_id], set(context_ids)
+        before = [s for s in self.segments if s.owner not in ("", segment.owner) and s.is_cached
+                  and not s.is_placeholder and s.end <= segment.start and s.segment_id not in context]
+        if not segment.owner or not before:
+            return None
+        previous = max(before, key=lambda s: s.end)
+        if set(previous.context_ids) != {i for i in context if self.segments[i].start < previous.start}:
+            return None
+        return tuple(sorted({*context, previous.segment_id}, key=lambda i: (self.segments[i].start, i)))
+
     @property
     def num_tokens(self) -> int:
         """Positions the layout spans (the longest member counted for each union)."""

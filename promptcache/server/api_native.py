@@ -80,7 +80,8 @@ async def generate(body: GenerateRequest, service: Service, tenant: Tenant):
     params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs)
     request_id = f"gen-{uuid.uuid4().hex[:24]}"
     events = service.submit(plan, params, body.cache_salt, request_id,
-                            service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions), tenant,
+                            service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions,
+                                             body.fidelity_context), tenant,
                             report_spans=body.return_spans)
     if body.stream:
         return StreamingResponse(_stream(service, events, request_id, plan.approximations, tenant,
@@ -132,7 +133,8 @@ async def explain(body: ExplainRequest, service: Service, tenant: Tenant) -> Exp
 
 def _explain(body: ExplainRequest, service: PromptService, tenant: str | None) -> Explanation:
     plan = service.plan(body.prompt, tenant=tenant)
-    reuse, blocks = service.explain(plan, body.cache_salt, service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions),
+    reuse, blocks = service.explain(plan, body.cache_salt, service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions,
+                                                                    body.fidelity_context),
                                     tenant)
     tiers = service.locate(plan, body.cache_salt, tenant)
     tier_of = {c.segment.segment_id: t for c, t in zip(plan.cached, tiers)}
@@ -143,12 +145,13 @@ def _explain(body: ExplainRequest, service: PromptService, tenant: str | None) -
         used[owner] = used.get(owner, 0) + use.last - use.first
         found.setdefault(owner, []).append(tier_of[use.cached.segment.segment_id])
     recomputed = dict(reuse.recomputed)
+    after = reuse.encoded_after(plan.schema)
     modules = []
     for path in plan.module_paths:
         tiers_here = found.get(path, [])
         tier = None if not tiers_here or None in tiers_here else slowest_tier(tiers_here)
         modules.append(ModuleReport(path=path, num_tokens=used.get(path, 0), tier=tier,
-                                    recomputed_tokens=recomputed.get(path, 0)))
+                                    recomputed_tokens=recomputed.get(path, 0), encoded_after=after.get(path)))
     missing = sum(u.last - u.first for u in reuse.uses if tier_of[u.cached.segment.segment_id] is None)
     reused = sum(count for _, count in blocks)
     prefix = None
@@ -159,7 +162,7 @@ def _explain(body: ExplainRequest, service: PromptService, tenant: str | None) -
         prefix = PrefixReport(num_tokens=reused, num_blocks=len(blocks), tiers=by_tier)
     cached = sum(u.last - u.first for u in reuse.uses) - missing + reused
     return Explanation(schema_name=plan.schema.name, exact=reuse.is_exact, fidelity=reuse.mode,
-                       positions=reuse.positions,
+                       positions=reuse.positions, context=reuse.context,
                        recomputed_tokens=reuse.num_recomputed,
                        approximations=[] if reuse.is_exact else list(plan.approximations),
                        modules=modules, prompt_tokens=plan.num_prompt_tokens, cached_tokens=cached,

@@ -121,7 +121,8 @@ async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, pr
     request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     events = service.submit(plan, params, body.cache_salt, request_id,
-                            service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions), tenant)
+                            service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions,
+                                             body.fidelity_context), tenant)
     head = {"id": request_id, "object": obj, "created": created, "model": service.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

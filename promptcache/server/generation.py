@@ -117,11 +117,12 @@ def wire_usage(final: TokenEvent) -> Usage:
 def wire_cache(final: TokenEvent, approximations: tuple[str, ...],
                spans: list[PromptSpanReport] | None = None) -> CacheReport:
     return CacheReport(exact=bool(final.is_exact), fidelity=final.fidelity or "fast",
-                       positions=final.positions or "layout",
+                       positions=final.positions or "layout", context=final.context or "schema",
                        recomputed_tokens=final.usage.recomputed_tokens,
                        approximations=[] if final.is_exact else list(approximations),
                        modules=[ModuleReport(path=m.path, num_tokens=m.num_tokens, tier=m.tier,
-                                             recomputed_tokens=m.num_recomputed) for m in final.modules or ()],
+                                             recomputed_tokens=m.num_recomputed, encoded_after=m.encoded_after)
+                                for m in final.modules or ()],
                        prefix=wire_prefix(final), spans=spans)
 
 

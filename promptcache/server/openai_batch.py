@@ -28,7 +28,8 @@ async def run_completions(service: PromptService, body: CompletionRequest, plans
     if body.max_tokens > 0 or prompt_ids is not None:
         params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs,
                                  prompt_logprobs=body.logprobs if prompt_ids is not None else None)
-        fidelity = service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions)
+        fidelity = service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions,
+                                    body.fidelity_context)
         outcomes = list(await asyncio.gather(*(
             collect(service.submit(plan, params, body.cache_salt, f"{request_id}-{i}", fidelity, tenant), params.n)
             for i, plan in enumerate(plans))))

@@ -265,11 +265,12 @@ class PromptService:
         """A plain chat rendered by the model's chat template (no PML), reused through prefix blocks."""
         return token_plan(self.runtime.get_schema(PLAIN_SCHEMA), self.runtime.tokenize_chat(messages))
 
-    def fidelity(self, mode: str | None, head_tokens: int | None = None, positions: str | None = None) -> Fidelity:
-        """The request's fidelity: its mode, k and positions, or the server's defaults."""
+    def fidelity(self, mode: str | None, head_tokens: int | None = None, positions: str | None = None,
+                 context: str | None = None) -> Fidelity:
+        """The request's fidelity: its mode, k, positions and module context, or the server's defaults."""
         return Fidelity(mode or self.settings.fidelity,
                         self.settings.fidelity_head_tokens if head_tokens is None else head_tokens,
-                        positions or self.settings.fidelity_positions)
+                        positions or self.settings.fidelity_positions, context or self.settings.fidelity_context)
 
     def token_text(self, token_id: int) -> str:
         """One token's text as the tokenizer decodes it alone (logprobs report tokens this way)."""

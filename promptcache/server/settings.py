@@ -68,6 +68,10 @@ class ServerSettings(BaseSettings):
     fidelity_positions: Literal["contiguous", "layout"] = Field(  # the evaluation's pick: docs/fidelity.md
         "contiguous", description="fast/balanced: where an approximate prompt's tokens sit — contiguous (reused "
                                   "keys re-aligned for the request) or the schema layout's, with gaps")
+    fidelity_context: Literal["schema", "predecessor"] = Field(
+        "schema", description="fast/balanced: reuse an out-of-context module's KV encoded after its schema "
+                              "context, or after that and the module before it (predecessor: encoded at upload "
+                              "as a second KV per module)")
     upload_kv_local: bool = Field(True, description="a schema upload keeps the module KV it encodes in this "
                                   "process's tiers as well as the shared ones; False: shared tiers only (the "
                                   "cluster's default: the replica taking an upload is rarely the one serving it)")

@@ -110,6 +110,10 @@ class SamplingFields(BaseModel):
     fidelity_positions: Literal["contiguous", "layout"] | None = Field(
         None, description="fast/balanced: contiguous (reused keys re-aligned) or the schema layout's positions "
                           "(default: the server's)")
+    fidelity_context: Literal["schema", "predecessor"] | None = Field(
+        None, description="fast/balanced: reuse an out-of-context module's KV encoded after its schema context "
+                          "(schema) or after that and the module before it in the schema (predecessor; "
+                          "default: the server's)")
 
 
 class GenerateRequest(SamplingFields):
@@ -127,6 +131,7 @@ class ExplainRequest(_Strict):
     fidelity: Literal["fast", "balanced", "exact"] | None = None
     fidelity_head_tokens: int | None = Field(None, ge=0, le=4096)
     fidelity_positions: Literal["contiguous", "layout"] | None = None
+    fidelity_context: Literal["schema", "predecessor"] | None = None
 
 
 class Logprobs(BaseModel):
@@ -161,6 +166,8 @@ class ModuleReport(BaseModel):
     num_tokens: int = Field(..., description="tokens of the module's cached KV reused")
     tier: str | None
     recomputed_tokens: int = Field(0, description="tokens of its KV recomputed in their actual context")
+    encoded_after: str | None = Field(None, description="the module after which the reused KV was encoded "
+                                                        "(fidelity context predecessor); null: its schema context")
 
 
 class PrefixReport(BaseModel):
@@ -189,6 +196,8 @@ class CacheReport(BaseModel):
     fidelity: str = Field("fast", description="the fidelity mode that ran: fast | balanced | exact")
     positions: str = Field("layout", description="where the prompt's tokens sat: layout (the schema's, with "
                                                  "gaps) | contiguous (reused keys re-aligned for this request)")
+    context: str = Field("schema", description="which encoding of out-of-context modules was reused: schema | "
+                                               "predecessor (each module's `encoded_after`)")
     recomputed_tokens: int = 0
     approximations: list[str] = Field(default_factory=list)
     modules: list[ModuleReport]
@@ -239,6 +248,7 @@ class Explanation(BaseModel):
     exact: bool
     fidelity: str
     positions: str
+    context: str
     recomputed_tokens: int
     approximations: list[str]
     modules: list[ModuleReport]

@@ -26,8 +26,9 @@ def reuse_reference_rows(plan: PromptPlan, reuse: ReusePlan
     computes for `reuse` (any fidelity mode) — its last row is the first sampled token's input.
 
     Rows: every cached segment's stored tokens with the mask they were encoded under (the tokens of
-    the segments it was encoded after, causally within itself; context segments outside the plan —
-    placeholder tokens of parameter slots — join as extra rows seen only by those), then the stream (the
+    the segments it was encoded after, as its use in `reuse` names them, causally within itself;
+    context segments outside the plan — placeholder tokens of parameter slots, predecessor modules —
+    join as extra rows seen only by those), then the stream (the
     tokens the engine computes, in position order). A stream token attends causally to the stream and
     to the reused cached tokens its ReusePlan makes visible: all of them in fast mode, those positioned
     before it in balanced mode (recomputed heads replace their stored versions), the leading segments
@@ -43,6 +44,7 @@ def reuse_reference_rows(plan: PromptPlan, reuse: ReusePlan
     """
     schema = plan.schema
     encoded = {c.segment.segment_id: tuple(c.context_ids) for c in plan.cached}
+    encoded |= {u.cached.segment.segment_id: tuple(u.cached.context_ids) for u in reuse.uses}  # as reused
     pending = [sid for ctx in encoded.values() for sid in ctx if sid not in encoded]
     while pending:
         sid = pending.pop()

@@ -34,7 +34,9 @@ PROMPTS = [
     '<prompt schema="lib"><user><d3/>What orbits?</user><assistant/></prompt>',
 ]
 MODES = [Fidelity("fast"), Fidelity("fast", positions="contiguous"), Fidelity("balanced", 2),
-         Fidelity("balanced", 5), Fidelity("balanced", 2, "contiguous"), Fidelity("exact", positions="contiguous")]
+         Fidelity("balanced", 5), Fidelity("balanced", 2, "contiguous"), Fidelity("exact", positions="contiguous"),
+         Fidelity("fast", positions="contiguous", context="predecessor"),
+         Fidelity("balanced", 2, "contiguous", "predecessor")]
 ARCHS = ["llama", "qwen2", "gpt2"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -48,7 +50,9 @@ def _runtime(arch: str):
 
 def _first_logits(runtime, plan, fidelity: Fidelity, *, prefix: PrefixReuse | None = None, reuse=None) -> tuple:
     """The engine's own scheduler and runner, one prefill step on this thread (`reuse`: a ReusePlan
-    given instead of the fidelity's own)."""
+    given instead of the fidelity's own). Module KV it lacks (a second encoding) is encoded first."""
+    for use in (reuse or resolve(plan, fidelity)).uses:
+        runtime.module_encoder.fetch(plan.schema, use.cached.segment.segment_id, use.cached.context_ids)
     scheduler = Scheduler(EngineConfig(prefix=None), runtime.module_encoder, prefix or PrefixReuse(None))
     request = Request("probe", plan, SamplingParams(max_tokens=1, temperature=0), None, fidelity)
     request.reuse = reuse
@@ -61,7 +65,7 @@ def _first_logits(runtime, plan, fidelity: Fidelity, *, prefix: PrefixReuse | No
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("fidelity", MODES, ids=lambda f: f"{f.mode}-{f.head_tokens}-{f.positions}")
+@pytest.mark.parametrize("fidelity", MODES, ids=lambda f: f"{f.mode}-{f.head_tokens}-{f.positions}-{f.context}")
 def test_every_mode_matches_its_explicit_mask_oracle(arch, fidelity):
     runtime = _runtime(arch)
     can_shift = runtime.loaded.key_shifter is not None
@@ -77,7 +81,7 @@ def test_every_mode_matches_its_explicit_mask_oracle(arch, fidelity):
         assert (logits - reference).abs().max().item() <= 1e-4, prompt
         assert final.fidelity == fidelity.mode and final.usage.recomputed_tokens == reuse.num_recomputed
         assert final.usage.cached_tokens + final.usage.computed_tokens == plan.num_prompt_tokens
-        assert final.positions == reuse.positions
+        assert final.positions == reuse.positions and final.context == reuse.context
     moves = can_shift and fidelity.mode != "exact" and fidelity.positions == "contiguous"
     assert (realigned > 0) == moves  # the prompts include approximate ones with gaps: the oracle saw shifts
 

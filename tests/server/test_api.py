@@ -80,8 +80,8 @@ def test_explain_reports_tiers_without_generating(server):
                       json={"prompt": '<prompt schema="docs"><d2/>Q</prompt>'}).json()
     assert body["schema"] == "docs" and body["exact"] is False and body["approximations"]
     assert body["modules"] == [{"path": "d2", "num_tokens": body["modules"][0]["num_tokens"], "tier": "device",
-                                "recomputed_tokens": 0}]
-    assert body["fidelity"] == "fast" and body["recomputed_tokens"] == 0
+                                "recomputed_tokens": 0, "encoded_after": None}]
+    assert body["fidelity"] == "fast" and body["recomputed_tokens"] == 0 and body["context"] == "schema"
     assert body["tokens_to_compute"] > 0 and body["cached_tokens"] > 0
     salted = httpx.post(server.url + "/v1/prompts/explain", json={"prompt": PROMPT, "cache_salt": "tenant-a"}).json()
     assert all(m["tier"] is None for m in salted["modules"])  # another tenant's KV is never shared

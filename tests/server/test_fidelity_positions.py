@@ -14,6 +14,7 @@ from tests.model_runtime.oracles import reuse_reference
 from tests.server.test_api import SCHEMA
 
 APPROXIMATE = '<prompt schema="docs"><d2/>Who sleeps?</prompt>'  # d2 without the modules before it: a gap
+OUT_OF_CONTEXT = '<prompt schema="docs"><user>Read: <d2/>Who sleeps?</user><assistant/></prompt>'  # text first
 
 
 @pytest.fixture
@@ -69,3 +70,39 @@ def test_openai_routes_take_fidelity_positions_as_an_extra_body_field(server):
                                       extra_body={"fidelity": "fast", "fidelity_positions": p}
                                       ).model_extra["promptcache"]["positions"] for p in ("layout", "contiguous")]
     assert reports == ["layout", "contiguous"]
+
+
+def test_fidelity_context_predecessor_over_http_sdk_and_explain(server):
+    """`fidelity_context: predecessor` reuses d2's second encoding (after d1, the module before it): the
+    answer is its oracle's, the response and explain name it, the SDK passes it, a bad value is a 422."""
+    from promptcache.clients import Client
+
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    runtime = make_tiny_runtime("llama")
+    runtime.add_schema(runtime.parse_schema(SCHEMA))
+    plan = runtime.plan(OUT_OF_CONTEXT)
+    fidelity = Fidelity("fast", positions="contiguous", context="predecessor")
+    reuse = resolve(plan, fidelity)
+    assert reuse.encoded_after(plan.schema) == {"d2": "d1"}
+    tokens, positions, mask = reuse_reference(plan, reuse)
+    reference = torch.log_softmax(full_prefill_logits(runtime.loaded.model, tokens, positions, mask)[-1], -1)
+    body = httpx.post(server.url + "/v1/generate", timeout=60, json={
+        "prompt": OUT_OF_CONTEXT, "max_tokens": 1, "temperature": 0, "logprobs": 1, "fidelity": "fast",
+        "fidelity_context": "predecessor"}).json()
+    assert body["cache"]["context"] == "predecessor"
+    assert [(m["path"], m["encoded_after"]) for m in body["cache"]["modules"]] == [("d2", "d1")]
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs["token_ids"][0] == int(reference.argmax())
+    assert abs(logprobs["token_logprobs"][0] - reference[logprobs["token_ids"][0]].item()) < 1e-4
+    plain = httpx.post(server.url + "/v1/generate", timeout=60, json={
+        "prompt": OUT_OF_CONTEXT, "max_tokens": 1, "temperature": 0, "logprobs": 1, "fidelity": "fast"}).json()
+    assert plain["cache"]["context"] == "schema" and plain["cache"]["modules"][0]["encoded_after"] is None
+    assert plain["choices"][0]["logprobs"]["token_logprobs"][0] != logprobs["token_logprobs"][0]
+    explained = httpx.post(server.url + "/v1/prompts/explain", json={
+        "prompt": OUT_OF_CONTEXT, "fidelity": "fast", "fidelity_context": "predecessor"}).json()
+    assert explained["context"] == "predecessor" and explained["modules"][0]["encoded_after"] == "d1"
+    with Client(server.url, max_retries=0) as client:
+        generation = client.generate(OUT_OF_CONTEXT, max_tokens=1, fidelity="fast", fidelity_context="predecessor")
+    assert generation.cache.context == "predecessor" and generation.cache.modules[0].encoded_after == "d1"
+    bad = httpx.post(server.url + "/v1/generate", json={"prompt": OUT_OF_CONTEXT, "fidelity_context": "neighbour"})
+    assert bad.status_code == 422 and "fidelity_context" in bad.text

@@ -81,7 +81,8 @@ def assemble(request: Request, reuse: ReusePlan, encoder: ModuleEncoder, prefix:
     for use in reuse.uses:
         used[use.cached.segment.owner] = used.get(use.cached.segment.owner, 0) + use.last - use.first
     request.use_tiers = tuple(use_tiers)
+    after = reuse.encoded_after(plan.schema)
     request.modules = tuple(ModuleUse(path, used.get(path, 0), slowest_tier(tiers.get(path, ["computed"])),
-                                      recomputed.get(path, 0)) for path in plan.module_paths)
+                                      recomputed.get(path, 0), after.get(path)) for path in plan.module_paths)
     request.assembly_ms = (time.perf_counter() - started) * 1e3
     return Assembled(shared, token_ids, positions, stream)

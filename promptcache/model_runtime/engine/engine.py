@@ -162,7 +162,7 @@ class Engine:
 
     def _queue_schema(self, schema: Schema, salt: str | None, future: concurrent.futures.Future,
                       keep_local: bool) -> None:
-        jobs = self.encoder.schema_jobs(schema)
+        jobs = self.encoder.schema_jobs(schema, predecessors=self.config.fidelity.context == "predecessor")
         futures = [self.encodes.submit(schema, sid, ctx, salt, keep_local=keep_local) for sid, ctx in jobs]
         self._schema_encodes.append((futures, future, time.perf_counter(), self.encoder.num_encoded_segments))
 

@@ -43,6 +43,7 @@ def final_event(request: Request, index: int, token: int | None, text: str, fini
                       modules=request.modules, prefix=prefix_use(stream.match) if stream is not None else None,
                       timings=timings, is_exact=reuse.is_exact if reuse is not None else plan.is_exact,
                       fidelity=request.fidelity.mode, positions=reuse.positions if reuse is not None else "layout",
+                      context=reuse.context if reuse is not None else "schema",
                       spans=spans)
 
 

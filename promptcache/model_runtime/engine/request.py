@@ -40,6 +40,7 @@ class TokenEvent:
     is_exact: bool | None = None
     fidelity: str | None = None  # the fidelity mode that ran
     positions: str | None = None  # where its tokens sat: "layout" or "contiguous" (re-aligned, reuse_plan.py)
+    context: str | None = None  # which encoding out-of-context modules reused: "schema" or "predecessor"
     # On the final event of a request that was admitted: every prompt token once, by where its KV came from.
     spans: tuple[PromptSpan, ...] | None = None
     error: str | None = None

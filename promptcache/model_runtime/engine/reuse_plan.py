@@ -16,6 +16,13 @@ paper; the default here). "contiguous" (the server's default) moves every token 
 full prefill has them: the stream is computed there, and each reused segment's keys are rotated by
 its `shift` for this request (rope_shift.py; the stored KV is never changed). Retrieval accuracy
 measured 32.5 % -> 54.5 % (full prefill 61.0 %) with it on SmolLM2-135M (docs/fidelity.md).
+
+Context (fast and balanced, when a module is out of its encoding context anyway): "schema" reuses the
+KV encoded after what the schema guarantees precedes the module (the paper); "predecessor" reuses the
+KV encoded after that and the module positioned just before it in the schema, so the module's KV was
+computed as a document among documents rather than as the first one after the system prompt — a
+second encoding per module, stored under its own key (encoded at upload or on first use), never
+written over the first. Used as is, in its own context, it stays exact.
 """
 
 from __future__ import annotations
@@ -26,22 +33,26 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from promptcache.pml import CachedSegment, PromptPlan
+from promptcache.pml import CachedSegment, PromptPlan, Schema
 
 FidelityMode = Literal["fast", "balanced", "exact"]
 FIDELITY_MODES: tuple[str, ...] = ("fast", "balanced", "exact")
 PositionMode = Literal["contiguous", "layout"]
 POSITION_MODES: tuple[str, ...] = ("contiguous", "layout")
+ContextMode = Literal["schema", "predecessor"]
+CONTEXT_MODES: tuple[str, ...] = ("schema", "predecessor")
 
 
 @dataclass(frozen=True, slots=True)
 class Fidelity:
     """A request's fidelity mode; `head_tokens` is k, the tokens recomputed per out-of-context segment;
-    `positions` where an approximate prompt's tokens sit (module docstring)."""
+    `positions` where an approximate prompt's tokens sit; `context` which encoding of an out-of-context
+    module is reused (module docstring)."""
 
     mode: FidelityMode = "fast"
     head_tokens: int = 16
     positions: PositionMode = "layout"
+    context: ContextMode = "schema"
 
     def __post_init__(self) -> None:
         if self.mode not in FIDELITY_MODES:
@@ -50,6 +61,8 @@ class Fidelity:
             raise ValueError(f"head_tokens must be in [0, 4096], got {self.head_tokens}")
         if self.positions not in POSITION_MODES:
             raise ValueError(f"positions must be one of {', '.join(POSITION_MODES)}, got {self.positions!r}")
+        if self.context not in CONTEXT_MODES:
+            raise ValueError(f"context must be one of {', '.join(CONTEXT_MODES)}, got {self.context!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,16 +92,30 @@ class ReusePlan:
     variant: str                                # names what the stream attends to beyond the module keys
     is_exact: bool
     positions: PositionMode = "layout"          # "contiguous": re-aligned (module docstring)
+    context: ContextMode = "schema"             # "predecessor": out-of-context modules' second encoding
 
     @property
     def num_recomputed(self) -> int:
         return sum(count for _, count in self.recomputed)
+
+    def encoded_after(self, schema: Schema) -> dict[str, str]:
+        """Module path -> the module after which the KV it reuses was encoded, for the uses of a
+        "predecessor" encoding: the owner of the context segment its schema does not name."""
+        after = {}
+        for use in self.uses:
+            extra = [i for i in use.cached.context_ids if i not in use.cached.segment.context_ids]
+            if extra and use.cached.variant == "default":
+                after[use.cached.segment.owner] = schema.segments[extra[-1]].owner
+        return after
 
 
 def resolve(plan: PromptPlan, fidelity: Fidelity, *, can_shift: bool = True) -> ReusePlan:
     """The ReusePlan of `plan` under `fidelity` (pure: no KV is touched). The stream is never empty:
     a prompt made only of cached tokens recomputes its last one, whose logits start generation.
     `can_shift=False` (a model whose positions are not RoPE) keeps the layout's positions."""
+    preceded = fidelity.mode != "exact" and fidelity.context == "predecessor" and not plan.is_exact
+    if preceded:
+        plan = with_predecessors(plan)
     if fidelity.mode == "exact":
         reuse = _exact(plan)
     elif fidelity.mode == "balanced" and not plan.is_exact:
@@ -98,6 +125,7 @@ def resolve(plan: PromptPlan, fidelity: Fidelity, *, can_shift: bool = True) -> 
                           tuple(plan.new_token_ids()), tuple(plan.new_position_ids()), _after(plan), (), "",
                           plan.is_exact)
     reuse = reuse if reuse.token_ids else _recompute_last(reuse)
+    reuse = replace(reuse, context="predecessor") if preceded else reuse
     realign = can_shift and fidelity.positions == "contiguous" and not reuse.is_exact
     return realigned(reuse) if realign else reuse
 
@@ -131,6 +159,19 @@ def in_context(plan: PromptPlan, cached: CachedSegment) -> bool:
     start = cached.segment.start
     before = {c.segment.segment_id for c in plan.cached if c.segment.end <= start}
     return set(cached.context_ids) == before and not any(run.start < start for run in plan.new_runs)
+
+
+def with_predecessors(plan: PromptPlan) -> PromptPlan:
+    """`plan` reusing, for every module segment out of its encoding context, the encoding after its
+    schema context and its predecessor (`Schema.predecessor_context`); segments in context,
+    always-included text and scaffold variants keep theirs."""
+    cached = []
+    for c in plan.cached:
+        if c.variant == "default" and not in_context(plan, c):
+            context = plan.schema.predecessor_context(c.segment.segment_id, c.context_ids)
+            c = c if context is None else replace(c, context_ids=context)
+        cached.append(c)
+    return replace(plan, cached=tuple(cached))
 
 
 def _balanced(plan: PromptPlan, k: int) -> ReusePlan:
