@@ -133,11 +133,11 @@ async def explain(body: ExplainRequest, service: Service, tenant: Tenant) -> Exp
 
 def _explain(body: ExplainRequest, service: PromptService, tenant: str | None) -> Explanation:
     plan = service.plan(body.prompt, tenant=tenant)
-    reuse, blocks = service.explain(plan, body.cache_salt, service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions,
-                                                                    body.fidelity_context),
-                                    tenant)
-    tiers = service.locate(plan, body.cache_salt, tenant)
-    tier_of = {c.segment.segment_id: t for c, t in zip(plan.cached, tiers)}
+    fidelity = service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions,
+                                body.fidelity_context)
+    reuse, blocks = service.explain(plan, body.cache_salt, fidelity, tenant)
+    tiers = service.locate(reuse, plan.schema, body.cache_salt, tenant)
+    tier_of = {u.cached.segment.segment_id: t for u, t in zip(reuse.uses, tiers)}
     used: dict[str, int] = {}
     found: dict[str, list[str | None]] = {}
     for use in reuse.uses:

@@ -299,11 +299,13 @@ class PromptService:
         return self.engine.submit(plan, params, cache_salt=self.salt(tenant, cache_salt), request_id=request_id,
                                   fidelity=fidelity, report_spans=report_spans)
 
-    def locate(self, plan: PromptPlan, cache_salt: str | None, tenant: str | None = None) -> list[str | None]:
-        """For each cached segment of the plan, the tier holding the tenant's KV for it (None: would be computed)."""
+    def locate(self, reuse: ReusePlan, schema: Schema, cache_salt: str | None,
+               tenant: str | None = None) -> list[str | None]:
+        """For each use of `reuse`, the tier holding the tenant's KV it reads — the encoding it names, a
+        second one included (None: would be computed)."""
         encoder, salt = self.runtime.module_encoder, self.salt(tenant, cache_salt)
-        return [self.store.contains(encoder.key(plan.schema, c.segment.segment_id, c.context_ids, salt))
-                for c in plan.cached]
+        return [self.store.contains(encoder.key(schema, u.cached.segment.segment_id, u.cached.context_ids, salt))
+                for u in reuse.uses]
 
     def explain(self, plan: PromptPlan, cache_salt: str | None, fidelity: Fidelity,
                 tenant: str | None = None) -> tuple[ReusePlan, list[tuple[str, int]]]:

@@ -86,6 +86,13 @@ def test_fidelity_context_predecessor_over_http_sdk_and_explain(server):
     assert reuse.encoded_after(plan.schema) == {"d2": "d1"}
     tokens, positions, mask = reuse_reference(plan, reuse)
     reference = torch.log_softmax(full_prefill_logits(runtime.loaded.model, tokens, positions, mask)[-1], -1)
+    def explain() -> dict:
+        return httpx.post(server.url + "/v1/prompts/explain", json={
+            "prompt": OUT_OF_CONTEXT, "fidelity": "fast", "fidelity_context": "predecessor"}).json()
+
+    # The schema's scaffold "d1 d2" encoded d2 after d1 at upload: the same context, so the same stored KV.
+    before = explain()
+    assert before["modules"][0]["tier"] == "device" and before["modules"][0]["encoded_after"] == "d1"
     body = httpx.post(server.url + "/v1/generate", timeout=60, json={
         "prompt": OUT_OF_CONTEXT, "max_tokens": 1, "temperature": 0, "logprobs": 1, "fidelity": "fast",
         "fidelity_context": "predecessor"}).json()
@@ -98,8 +105,7 @@ def test_fidelity_context_predecessor_over_http_sdk_and_explain(server):
         "prompt": OUT_OF_CONTEXT, "max_tokens": 1, "temperature": 0, "logprobs": 1, "fidelity": "fast"}).json()
     assert plain["cache"]["context"] == "schema" and plain["cache"]["modules"][0]["encoded_after"] is None
     assert plain["choices"][0]["logprobs"]["token_logprobs"][0] != logprobs["token_logprobs"][0]
-    explained = httpx.post(server.url + "/v1/prompts/explain", json={
-        "prompt": OUT_OF_CONTEXT, "fidelity": "fast", "fidelity_context": "predecessor"}).json()
+    explained = explain()
     assert explained["context"] == "predecessor" and explained["modules"][0]["encoded_after"] == "d1"
     with Client(server.url, max_retries=0) as client:
         generation = client.generate(OUT_OF_CONTEXT, max_tokens=1, fidelity="fast", fidelity_context="predecessor")
