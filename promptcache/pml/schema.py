@@ -82,9 +82,11 @@ class Schema:
         when that segment's own context is not what this context has before it (then its KV in the
         chain would not be its stored encoding)."""
         segment, context = self.segments[segment_id], set(context_ids)
+        if not segment.owner:
+            return None
         before = [s for s in self.segments if s.owner not in ("", segment.owner) and s.is_cached
                   and not s.is_placeholder and s.end <= segment.start and s.segment_id not in context]
-        if not segment.owner or not before:
+        if not before:
             return None
         previous = max(before, key=lambda s: s.end)
         if set(previous.context_ids) != {i for i in context if self.segments[i].start < previous.start}:

@@ -28,8 +28,8 @@ def reuse_reference_rows(plan: PromptPlan, reuse: ReusePlan
     Rows: every cached segment's stored tokens with the mask they were encoded under (the tokens of
     the segments it was encoded after, as its use in `reuse` names them, causally within itself;
     context segments outside the plan — placeholder tokens of parameter slots, predecessor modules —
-    join as extra rows seen only by those), then the stream (the
-    tokens the engine computes, in position order). A stream token attends causally to the stream and
+    join as extra rows seen only by those), then the stream (the tokens the engine computes, in
+    position order). A stream token attends causally to the stream and
     to the reused cached tokens its ReusePlan makes visible: all of them in fast mode, those positioned
     before it in balanced mode (recomputed heads replace their stored versions), the leading segments
     in exact mode (whose stored KV sits at the stream's positions).
