@@ -163,7 +163,7 @@ def main() -> None:
         head, rule, placement = parse_variant(variant)
         groups = defaultdict(list)
         same_as_engine = []
-        server_name = f"{'balanced:%d' % head if head else 'fast'}/{rule}"
+        server_name = f"{f'balanced:{head}' if head else 'fast'}/{rule}"
         for number, (item, reference) in enumerate(zip(items, references)):
             tokens = _until_eos(answer(loaded.model, runtime.plan(item.prompt), head, rule, placement, eos), eos)
             text = loaded.tokenizer.decode(tokens, skip_special_tokens=True)
