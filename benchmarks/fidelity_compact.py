@@ -25,20 +25,19 @@ Agreement is the first 16 generated tokens equal to the full prefill's (the refe
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-from benchmarks.fidelity import AGREE, GENERATE, _until_eos, cached_references, reference_answers
-from benchmarks.fidelity_tasks import build_eval_set, score
-from benchmarks.harness import RESULTS, emit, log, setup
+from benchmarks.fidelity import AGREE, GENERATE, _until_eos
+from benchmarks.fidelity_context_depth import load_subset, percent, subset_parser
+from benchmarks.fidelity_tasks import score
+from benchmarks.harness import RESULTS, emit, log
 from promptcache.cache_store import StoreConfig, build_store
-from promptcache.model_runtime import ModelConfig, ModelRuntime, load_model
+from promptcache.model_runtime import ModelRuntime
 from promptcache.model_runtime.engine.reuse_plan import in_context
 from promptcache.pml import CachedSegment, PromptPlan
 
@@ -133,23 +132,10 @@ def answer(model, plan: PromptPlan, head: int, rule: str, placement: str, eos: s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--per-task", type=int, default=200)
-    parser.add_argument("--limit", type=int, default=100, help="the first N prompts of each task")
-    parser.add_argument("--tasks", nargs="+", default=["fact_qa", "ruler"])
-    parser.add_argument("--variants", nargs="+", default=["predecessor@layout", "predecessor@compact"])
-    parser.add_argument("--reference-cache", type=Path)
+    parser = subset_parser(__doc__, ["predecessor@layout", "predecessor@compact"], RESULTS / "fidelity_compact.jsonl")
     parser.add_argument("--engine-answers", type=Path, help="fidelity_context_depth answers to check against")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / "fidelity_compact.jsonl")
     args = parser.parse_args()
-    setup(args.threads)
-    loaded = load_model(ModelConfig(dtype="float32", fuse_layers=False))
-    eval_set = build_eval_set(per_task=args.per_task, seed=args.seed)
-    chosen = [i for task in args.tasks for i in [j for j, it in enumerate(eval_set.items) if it.task == task][: args.limit]]
-    items = [eval_set.items[i] for i in chosen]
-    references = cached_references(args.reference_cache, items, lambda: reference_answers(loaded, eval_set, items))
+    loaded, eval_set, items, references = load_subset(args)
     runtime = ModelRuntime(loaded, build_store(StoreConfig()))
     for text in eval_set.schemas.values():
         runtime.add_schema(runtime.parse_schema(text), encode=False)
@@ -173,16 +159,11 @@ def main() -> None:
                 same_as_engine.append(text == engine_texts[server_name][number])
         for task, rows in groups.items():
             emit({"bench": "fidelity_compact", "variant": variant, "task": task, "seed": args.seed,
-                  "num_prompts": len(rows), "accuracy": _percent(r[0] for r in rows),
-                  "full_prefill_accuracy": _percent(r[1] for r in rows), "agreement": _percent(r[2] for r in rows),
-                  "agreement_by_k": {k: _percent(r[2] for r in rows if r[3] == k) for k in sorted({r[3] for r in rows})},
-                  **({"same_text_as_engine": _percent(same_as_engine)} if same_as_engine else {})}, args.out)
+                  "num_prompts": len(rows), "accuracy": percent(r[0] for r in rows),
+                  "full_prefill_accuracy": percent(r[1] for r in rows), "agreement": percent(r[2] for r in rows),
+                  "agreement_by_k": {k: percent(r[2] for r in rows if r[3] == k) for k in sorted({r[3] for r in rows})},
+                  **({"same_text_as_engine": percent(same_as_engine)} if same_as_engine else {})}, args.out)
         log(f"{variant} done")
-
-
-def _percent(flags) -> float:
-    values = list(flags)
-    return round(100 * statistics.mean(values), 1) if values else 0.0
 
 
 if __name__ == "__main__":

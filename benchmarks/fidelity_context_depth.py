@@ -29,11 +29,11 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.fidelity import AGREE, GENERATE, _until_eos, cached_references, reference_answers
-from benchmarks.fidelity_tasks import build_eval_set, score
+from benchmarks.fidelity import AGREE, GENERATE, Answer, _until_eos, cached_references, reference_answers
+from benchmarks.fidelity_tasks import EvalItem, EvalSet, build_eval_set, score
 from benchmarks.harness import RESULTS, emit, log, setup
 from promptcache.cache_store import StoreConfig, build_store
-from promptcache.model_runtime import ModelConfig, ModelRuntime, SamplingParams, load_model
+from promptcache.model_runtime import LoadedModel, ModelConfig, ModelRuntime, SamplingParams, load_model
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity
 from promptcache.pml.schema import Schema
 
@@ -96,23 +96,36 @@ async def _answers(engine: Engine, runtime: ModelRuntime, prompts: list[str], fi
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def subset_parser(description: str, variants: list[str], out: Path) -> argparse.ArgumentParser:
+    """The arguments the in-process fidelity experiments share (this one and fidelity_compact)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--per-task", type=int, default=200, help="the evaluation set's size")
     parser.add_argument("--limit", type=int, default=100, help="the first N prompts of each task")
     parser.add_argument("--tasks", nargs="+", default=["fact_qa", "ruler"])
-    parser.add_argument("--variants", nargs="+", default=["fast/predecessor", "fast/window:2", "fast/chain"])
-    parser.add_argument("--reference-cache", type=Path, help="keep the chosen prompts' full-prefill answers here")
+    parser.add_argument("--variants", nargs="+", default=variants)
+    parser.add_argument("--reference-cache", type=Path, help="keep the chosen prompts' full-prefill answers here "
+                                                             "(a file per --limit/--tasks/--seed: it is rewritten)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / "fidelity_context_depth.jsonl")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=out)
+    return parser
+
+
+def load_subset(args) -> tuple[LoadedModel, EvalSet, list[EvalItem], list[Answer]]:
+    """The fp32 model, the evaluation set, its first `--limit` prompts of each task and their full-prefill
+    answers (computed in process, or loaded from --reference-cache)."""
     setup(args.threads)
     loaded = load_model(ModelConfig(dtype="float32", fuse_layers=False))
     eval_set = build_eval_set(per_task=args.per_task, seed=args.seed)
-    chosen = [i for task in args.tasks for i in [j for j, it in enumerate(eval_set.items) if it.task == task][: args.limit]]
-    items = [eval_set.items[i] for i in chosen]
+    items = [item for task in args.tasks for item in eval_set.by_task(task)[: args.limit]]
     references = cached_references(args.reference_cache, items, lambda: reference_answers(loaded, eval_set, items))
+    return loaded, eval_set, items, references
+
+
+def main() -> None:
+    args = subset_parser(__doc__, ["fast/predecessor", "fast/window:2", "fast/chain"],
+                         RESULTS / "fidelity_context_depth.jsonl").parse_args()
+    loaded, eval_set, items, references = load_subset(args)
     runtime = ModelRuntime(loaded, build_store(StoreConfig()))
     for text in eval_set.schemas.values():
         runtime.add_schema(runtime.parse_schema(text))
@@ -140,10 +153,10 @@ def main() -> None:
                 rows = [r for (t, _), values in groups.items() if t == task for r in values]
                 by_k = {k: values for (t, k), values in sorted(groups.items()) if t == task}
                 emit({"bench": "fidelity_context_depth", "variant": variant, "task": task, "seed": args.seed,
-                      "num_prompts": len(rows), "accuracy": _percent(r[0] for r in rows),
-                      "full_prefill_accuracy": _percent(r[1] for r in rows),
-                      "agreement": _percent(r[2] for r in rows),
-                      "agreement_by_k": {k: _percent(r[2] for r in v) for k, v in by_k.items()},
+                      "num_prompts": len(rows), "accuracy": percent(r[0] for r in rows),
+                      "full_prefill_accuracy": percent(r[1] for r in rows),
+                      "agreement": percent(r[2] for r in rows),
+                      "agreement_by_k": {k: percent(r[2] for r in v) for k, v in by_k.items()},
                       "recomputed_fraction": round(sum(r[3] for r in rows) / max(1, sum(r[3] + r[4] for r in rows)), 4)},
                      args.out)
             log(f"{variant} done")
@@ -151,8 +164,10 @@ def main() -> None:
         engine.stop()
 
 
-def _percent(flags) -> float:
-    return round(100 * statistics.mean(flags), 1)
+def percent(flags) -> float:
+    """Percentage of true flags, one decimal (0 for none)."""
+    values = list(flags)
+    return round(100 * statistics.mean(values), 1) if values else 0.0
 
 
 if __name__ == "__main__":
