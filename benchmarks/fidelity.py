@@ -189,6 +189,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     tasks = sorted({r["task"] for r in rows})
     fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
@@ -200,6 +201,10 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.annotate(row["mode"], (row["median_ttft_ms"], row["accuracy"]), textcoords="offset points",
                         xytext=(4, 4), fontsize=7)
         ax.set_xscale("log")
+        # plain numbers at 1-1.5-2-3-5-7 steps: a narrow log range (the template task's) gets readable labels
+        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("median TTFT over HTTP (ms, log)")
         ax.set_ylabel("accuracy (%, 95 % CI)")
         ax.set_title(task)
