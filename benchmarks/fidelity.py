@@ -223,6 +223,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="of the servers and of the in-process reference alike")
+    parser.add_argument("--model", help="HF model path or hub id for the servers and the reference alike "
+                                        "(default: the built-in SmolLM2-135M-Instruct)")
     parser.add_argument("--gapped-reference", action="store_true",
                         help="also a full prefill at the PML layout's positions (row full_prefill_gapped)")
     parser.add_argument("--skip-servers", action="store_true", help="in-process references only (no --modes)")
@@ -236,8 +238,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "fidelity.jsonl")
     args = parser.parse_args()
     setup(args.threads)
-    loaded = load_model(ModelConfig(dtype=args.dtype, fuse_layers=False))  # the reference: HF's own modules
-    flags = ["--dtype", args.dtype]
+    loaded = load_model(ModelConfig(name_or_path=args.model, dtype=args.dtype, fuse_layers=False))  # HF's modules
+    flags = ["--dtype", args.dtype, *(["--model", args.model] if args.model else [])]
     eos = set(loaded.eos_token_ids)
     eval_set = build_eval_set(per_task=args.per_task, seed=args.seed)
     items = eval_set.items
