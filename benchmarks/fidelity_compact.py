@@ -62,9 +62,10 @@ def encoding_context(plan: PromptPlan, index: int, rule: str) -> tuple[int, ...]
     before = [c for c in plan.cached[:index] if c.segment.owner and c.segment.owner != cached.segment.owner]
     if not before:
         return tuple(cached.context_ids)
-    previous = before[-1]
-    return (*previous.context_ids, previous.segment.segment_id) if previous.segment.segment_id not in \
-        cached.context_ids else tuple(cached.context_ids)
+    previous = before[-1]  # its own context is what precedes it in the schema: the chain stays prefix-closed
+    if previous.segment.segment_id in cached.context_ids:
+        return tuple(cached.context_ids)
+    return (*previous.context_ids, previous.segment.segment_id)
 
 
 @torch.inference_mode()
@@ -140,23 +141,24 @@ def main() -> None:
     for text in eval_set.schemas.values():
         runtime.add_schema(runtime.parse_schema(text), encode=False)
     eos = set(loaded.eos_token_ids)
-    engine_texts = defaultdict(list)
+    engine_texts: dict[tuple[str, str], str] = {}  # (variant, prompt) -> the engine's answer text
     if args.engine_answers:
         for line in args.engine_answers.read_text().splitlines():
             row = json.loads(line)
-            engine_texts[row["variant"]].append(row["text"])
+            engine_texts[(row["variant"], row["prompt"])] = row["text"]
     for variant in args.variants:
         head, rule, placement = parse_variant(variant)
         groups = defaultdict(list)
         same_as_engine = []
         server_name = f"{f'balanced:{head}' if head else 'fast'}/{rule}"
-        for number, (item, reference) in enumerate(zip(items, references)):
+        for item, reference in zip(items, references):
             tokens = _until_eos(answer(loaded.model, runtime.plan(item.prompt), head, rule, placement, eos), eos)
             text = loaded.tokenizer.decode(tokens, skip_special_tokens=True)
             agree = tokens[:AGREE] == list(reference.token_ids)[:AGREE]
             groups[item.task].append((score(text, item), score(reference.text, item), agree, item.meta.get("k", 0)))
-            if placement == "layout" and number < len(engine_texts.get(server_name, [])):
-                same_as_engine.append(text == engine_texts[server_name][number])
+            engine_text = engine_texts.get((server_name, item.prompt))
+            if placement == "layout" and engine_text is not None:
+                same_as_engine.append(text == engine_text)
         for task, rows in groups.items():
             emit({"bench": "fidelity_compact", "variant": variant, "task": task, "seed": args.seed,
                   "num_prompts": len(rows), "accuracy": percent(r[0] for r in rows),

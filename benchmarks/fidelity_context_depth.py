@@ -148,7 +148,7 @@ def main() -> None:
                     groups[(item.task, item.meta.get("k", 0))].append(
                         (score(text, item), score(reference.text, item), agree, recomputed, reused))
                     fh.write(json.dumps({"variant": variant, "task": item.task, "meta": item.meta, "text": text,
-                                         "correct": score(text, item), "agree": agree}) + "\n")
+                                         "correct": score(text, item), "agree": agree, "prompt": item.prompt}) + "\n")
             for task in args.tasks:
                 rows = [r for (t, _), values in groups.items() if t == task for r in values]
                 by_k = {k: values for (t, k), values in sorted(groups.items()) if t == task}
