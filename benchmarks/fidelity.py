@@ -105,6 +105,11 @@ def mode_answers(url: str, items: list[EvalItem], mode: str, k: int | None, posi
     def ask(item: EvalItem) -> Answer:
         body = {"prompt": item.prompt, "max_tokens": GENERATE, "temperature": 0, "logprobs": TOP,
                 **request_fields(mode, k, positions, context)}
+        # The mode's recompute, from explain: the response counts only what the request recomputed itself,
+        # and prompts sharing a prefix (the TTFT phase's, or each other's) reuse recomputed blocks.
+        explained = client.post(url + "/v1/prompts/explain", json={"prompt": item.prompt,
+                                                                   **request_fields(mode, k, positions, context)})
+        explained.raise_for_status()
         response = client.post(url + "/v1/generate", json=body)
         response.raise_for_status()
         data = response.json()
@@ -112,7 +117,7 @@ def mode_answers(url: str, items: list[EvalItem], mode: str, k: int | None, posi
         token_ids = _until_eos(logprobs["token_ids"], eos_ids)
         first = dict(zip(logprobs["top_token_ids"][0], logprobs["top_token_logprobs"][0]))
         reused = sum(m["num_tokens"] for m in data["cache"]["modules"])
-        return Answer(data["choices"][0]["text"], token_ids, first, data["cache"]["recomputed_tokens"], reused)
+        return Answer(data["choices"][0]["text"], token_ids, first, explained.json()["recomputed_tokens"], reused)
 
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(ask, items))

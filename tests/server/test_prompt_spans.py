@@ -52,7 +52,9 @@ def _check(cache: dict, usage: dict, prompt: str) -> list[dict]:
     assert "".join(s["text"] for s in spans) == text
     assert sum(s["num_tokens"] for s in spans) == usage["prompt_tokens"] == num_tokens
     assert sum(s["num_tokens"] for s in spans if s["origin"] in ("module", "prefix")) == usage["cached_tokens"]
-    assert sum(s["num_tokens"] for s in spans if s["origin"] == "recomputed") <= cache["recomputed_tokens"]
+    # Recomputed tokens are the ones this request computed itself: a repeat's come from prefix blocks.
+    assert sum(s["num_tokens"] for s in spans if s["origin"] == "recomputed") == cache["recomputed_tokens"]
+    assert sum(m["recomputed_tokens"] for m in cache["modules"]) == cache["recomputed_tokens"]
     starts = [s["start"] for s in spans]
     assert starts == sorted(starts) and len(set(starts)) == len(starts)
     for span in spans:
@@ -103,6 +105,22 @@ def test_recomputed_spans_sum_to_the_reported_recomputed_tokens(server, fidelity
     assert sum(s["num_tokens"] for s in spans if s["origin"] == "recomputed") == body["cache"]["recomputed_tokens"]
     assert {s["module"] for s in spans if s["origin"] == "recomputed"} == {
         m["path"] for m in body["cache"]["modules"] if m["recomputed_tokens"]} >= {"d2"}
+
+
+@pytest.mark.parametrize("fidelity", ["balanced", "exact"])
+def test_a_repeat_reports_its_recomputed_tokens_as_reused_prefix_not_recomputed(server, fidelity):
+    prompt = LIB_PROMPTS[0]
+    first = _generate(server, prompt=prompt, return_spans=True, fidelity=fidelity)
+    again = _generate(server, prompt=prompt, return_spans=True, fidelity=fidelity)
+    _check(again["cache"], again["usage"], prompt)
+    recomputed = first["cache"]["recomputed_tokens"]
+    assert recomputed > 0
+    # The repeat reuses the first one's stream (its recomputed tokens included) up to the last token,
+    # computed for its logits (no logits cache on this server): it recomputes nothing itself.
+    assert again["usage"]["computed_tokens"] == 1 and again["cache"]["recomputed_tokens"] == 0
+    assert all(m["recomputed_tokens"] == 0 for m in again["cache"]["modules"])
+    assert again["usage"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
 
 
 def test_span_texts_join_to_the_whole_decode():

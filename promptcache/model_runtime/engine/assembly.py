@@ -76,7 +76,7 @@ def assemble(request: Request, reuse: ReusePlan, encoder: ModuleEncoder, prefix:
     token_ids, positions = list(reuse.token_ids[reused:]), list(reuse.position_ids[reused:])
     check_positions(positions, loaded.max_positions)
 
-    recomputed = dict(reuse.recomputed)
+    recomputed = dict(reuse.recomputed_from(reused))  # what this request recomputes itself
     used = {}
     for use in reuse.uses:
         used[use.cached.segment.owner] = used.get(use.cached.segment.owner, 0) + use.last - use.first

@@ -26,12 +26,15 @@ def final_event(request: Request, index: int, token: int | None, text: str, fini
     fidelity mode."""
     plan, reuse, stream = request.plan, request.reuse, request.stream
     now = time.perf_counter()
-    reused = sum(u.last - u.first for u in reuse.uses) if reuse is not None else 0
-    reused += stream.num_reused if stream is not None else 0
+    from_prefix = stream.num_reused if stream is not None else 0
+    reused = sum(u.last - u.first for u in reuse.uses) + from_prefix if reuse is not None else from_prefix
+    # Recomputed by this request: stream tokens reused from the prefix index were recomputed by the one
+    # that stored them, and count as cached here.
+    recomputed = sum(n for _, n in reuse.recomputed_from(from_prefix)) if reuse is not None else 0
     usage = Usage(prompt_tokens=plan.num_prompt_tokens, cached_tokens=reused,
                   computed_tokens=request.num_computed_tokens,
                   completion_tokens=sum(len(s.output_ids) for s in request.sequences),
-                  recomputed_tokens=reuse.num_recomputed if reuse is not None else 0)
+                  recomputed_tokens=recomputed)
     first = request.first_token_at or now
     timings = Timings(encode_ms=request.encode_ms, assembly_ms=request.assembly_ms, lookup_ms=request.lookup_ms,
                       prefill_ms=request.prefill_ms, ttft_ms=(first - request.submitted_at) * 1e3,
@@ -73,7 +76,6 @@ def prompt_spans(plan: PromptPlan, reuse: ReusePlan, use_tiers: tuple[str, ...],
     runs = sorted((r for r in runs if r[1]), key=lambda r: r[0])
 
     spans = _SpanBuilder()
-    quota = dict(reuse.recomputed)  # owner -> its first tokens in the stream that were recomputed
     reused_runs = _tier_runs(links)
     ends = [end for _, end, _ in reused_runs]
     at = 0  # stream index of the next stream token
@@ -81,9 +83,8 @@ def prompt_spans(plan: PromptPlan, reuse: ReusePlan, use_tiers: tuple[str, ...],
         if tier is not None:
             spans.add(start, token_ids, "module", owner or None, tier)
             continue
-        num_recomputed = min(quota.get(owner, 0), len(token_ids)) if is_module_kv else 0
-        if num_recomputed:
-            quota[owner] -= num_recomputed
+        # A module's stream run recomputes its first tokens (its head), or none (text, the last token).
+        num_recomputed = sum(o is not None for o in reuse.recomputes[at: at + len(token_ids)]) if is_module_kv else 0
         for offset, count, block_tier in _pieces(at, len(token_ids), num_recomputed, reused_runs, ends):
             origin = "prefix" if block_tier is not None else "recomputed" if offset < num_recomputed else "computed"
             spans.add(start + offset, token_ids[offset: offset + count], origin, owner or None, block_tier)

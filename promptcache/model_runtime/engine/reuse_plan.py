@@ -88,15 +88,33 @@ class ReusePlan:
     token_ids: tuple[int, ...]
     position_ids: tuple[int, ...]
     next_position: int                          # position of the first generated token
-    recomputed: tuple[tuple[str, int], ...]     # (module path, tokens of its cached KV recomputed)
+    recomputes: tuple[str | None, ...]          # per stream token: the module whose cached KV it recomputes
     variant: str                                # names what the stream attends to beyond the module keys
     is_exact: bool
     positions: PositionMode = "layout"          # "contiguous": re-aligned (module docstring)
     context: ContextMode = "schema"             # "predecessor": out-of-context modules' second encoding
 
+    def __post_init__(self) -> None:
+        assert len(self.recomputes) == len(self.token_ids), "one entry per stream token"
+
+    @property
+    def recomputed(self) -> tuple[tuple[str, int], ...]:
+        """(module path, tokens of its cached KV the stream recomputes), in stream order."""
+        return self.recomputed_from(0)
+
     @property
     def num_recomputed(self) -> int:
         return sum(count for _, count in self.recomputed)
+
+    def recomputed_from(self, index: int) -> tuple[tuple[str, int], ...]:
+        """What the stream tokens from `index` on recompute, per module: the request's own recompute when
+        its first `index` stream tokens come from the prefix index (stored by an earlier request that
+        recomputed them in the same context, same mode)."""
+        counts: dict[str, int] = {}
+        for owner in self.recomputes[index:]:
+            if owner is not None:
+                counts[owner] = counts.get(owner, 0) + 1
+        return tuple(counts.items())
 
     def encoded_after(self, schema: Schema) -> dict[str, str]:
         """Module path -> the module after which the KV it reuses was encoded, for the uses of a
@@ -121,8 +139,9 @@ def resolve(plan: PromptPlan, fidelity: Fidelity, *, can_shift: bool = True) -> 
     elif fidelity.mode == "balanced" and not plan.is_exact:
         reuse = _balanced(plan, fidelity.head_tokens)
     else:
+        token_ids = tuple(plan.new_token_ids())
         reuse = ReusePlan(fidelity.mode, tuple(CachedUse(c, 0, len(c.segment.token_ids)) for c in plan.cached),
-                          tuple(plan.new_token_ids()), tuple(plan.new_position_ids()), _after(plan), (), "",
+                          token_ids, tuple(plan.new_position_ids()), _after(plan), (None,) * len(token_ids), "",
                           plan.is_exact)
     reuse = reuse if reuse.token_ids else _recompute_last(reuse)
     reuse = replace(reuse, context="predecessor") if preceded else reuse
@@ -149,8 +168,9 @@ def _recompute_last(reuse: ReusePlan) -> ReusePlan:
     segment = last.cached.segment
     shrunk = CachedUse(last.cached, last.first, last.last - 1, last.visible_from)
     uses = tuple(shrunk if u is last else u for u in reuse.uses if u is not last or shrunk.last > shrunk.first)
+    # Recomputed for its logits only: the same KV as stored (the stream attends nothing the segment did not).
     return ReusePlan(reuse.mode, uses, (segment.token_ids[last.last - 1],), (segment.start + last.last - 1,),
-                     reuse.next_position, reuse.recomputed, reuse.variant, reuse.is_exact)
+                     reuse.next_position, (None,), reuse.variant, reuse.is_exact)
 
 
 def in_context(plan: PromptPlan, cached: CachedSegment) -> bool:
@@ -184,19 +204,18 @@ def recompute_selected(plan: PromptPlan, chosen: Mapping[int, Iterable[int]], va
     `chosen[i]` at their positions; the rest of the segment is reused as stored, in runs between them.
     The first k of every out-of-context segment is `balanced`; any other selection (CacheBlend's, a
     query-aware one) is expressed the same way."""
-    pieces = [(p, t) for run in plan.new_runs for p, t in zip(range(run.start, run.end), run.token_ids)]
+    # (position, token, the module whose KV it recomputes or None: new text)
+    pieces: list[tuple[int, int, str | None]] = [
+        (p, t, None) for run in plan.new_runs for p, t in zip(range(run.start, run.end), run.token_ids)]
     picked: list[tuple[CachedSegment, list[int]]] = []
-    recomputed: dict[str, int] = {}
     for index, cached in enumerate(plan.cached):
         segment = cached.segment
         tokens = sorted(set(chosen.get(index, ())))
         assert all(0 <= j < len(segment.token_ids) for j in tokens), "a chosen token outside its segment"
         picked.append((cached, tokens))
-        pieces += [(segment.position_ids[j], segment.token_ids[j]) for j in tokens]
-        if tokens:
-            recomputed[segment.owner] = recomputed.get(segment.owner, 0) + len(tokens)
-    pieces.sort()
-    positions = [p for p, _ in pieces]
+        pieces += [(segment.position_ids[j], segment.token_ids[j], segment.owner) for j in tokens]
+    pieces.sort(key=lambda piece: piece[0])
+    positions = [p for p, _, _ in pieces]
     uses: list[CachedUse] = []
     for cached, tokens in picked:
         bounds = [-1, *tokens, len(cached.segment.token_ids)]
@@ -204,8 +223,9 @@ def recompute_selected(plan: PromptPlan, chosen: Mapping[int, Iterable[int]], va
             if after > before + 1:  # a run [before + 1, after); a segment's positions are start + index
                 visible_from = bisect.bisect_left(positions, cached.segment.start + after)
                 uses.append(CachedUse(cached, before + 1, after, visible_from))
-    return ReusePlan("balanced", tuple(uses), tuple(t for _, t in pieces), tuple(positions), _after(plan),
-                     tuple(recomputed.items()), variant, not recomputed and plan.is_exact)
+    recomputes = tuple(owner for _, _, owner in pieces)
+    return ReusePlan("balanced", tuple(uses), tuple(t for _, t, _ in pieces), tuple(positions), _after(plan),
+                     recomputes, variant, all(o is None for o in recomputes) and plan.is_exact)
 
 
 def _exact(plan: PromptPlan) -> ReusePlan:
@@ -218,17 +238,16 @@ def _exact(plan: PromptPlan) -> ReusePlan:
             break
         leading.append(cached)
     reused = sum(len(c.segment.token_ids) for c in leading)
-    rest = [(p, t) for c in plan.cached[len(leading):] for p, t in zip(c.segment.position_ids, c.segment.token_ids)]
-    rest += [(p, t) for run in plan.new_runs for p, t in zip(range(run.start, run.end), run.token_ids)]
-    rest.sort()
-    token_ids = tuple(t for _, t in rest)
+    rest: list[tuple[int, int, str | None]] = [
+        (p, t, c.segment.owner) for c in plan.cached[len(leading):]
+        for p, t in zip(c.segment.position_ids, c.segment.token_ids)]
+    rest += [(p, t, None) for run in plan.new_runs for p, t in zip(range(run.start, run.end), run.token_ids)]
+    rest.sort(key=lambda piece: piece[0])
+    token_ids = tuple(t for _, t, _ in rest)
     positions = tuple(range(reused, reused + len(token_ids)))
     uses = tuple(CachedUse(c, 0, len(c.segment.token_ids)) for c in leading)
-    recomputed: dict[str, int] = {}
-    for cached in plan.cached[len(leading):]:
-        recomputed[cached.segment.owner] = recomputed.get(cached.segment.owner, 0) + len(cached.segment.token_ids)
-    return ReusePlan("exact", uses, token_ids, positions, reused + len(token_ids), tuple(recomputed.items()), "",
-                     True)
+    return ReusePlan("exact", uses, token_ids, positions, reused + len(token_ids),
+                     tuple(owner for _, _, owner in rest), "", True)
 
 
 def _after(plan: PromptPlan) -> int:
