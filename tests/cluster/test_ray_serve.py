@@ -29,6 +29,8 @@ BETA = {"Authorization": "Bearer sk-beta"}
 DOCS = ["The quick brown fox jumps over the lazy dog.", "Cats sleep most of the day.",
         "Tea is brewed with hot water.", "The river flows north through the valley.",
         "Bees make honey.", "Rome was not built in a day."]
+# Affinity keys to spread over replicas (a PML prompt's key is its module set): each module, then each pair.
+MODULE_SETS = [f"d{i}" for i in range(len(DOCS))] + [f"d{i} d{j}" for i in range(len(DOCS)) for j in range(i)]
 SCHEMA = ('<schema name="kb"><system>Answer the question using only the documents.</system><user>'
           + "".join(f'<module name="d{i}">{doc}</module>' for i, doc in enumerate(DOCS)) + "</user></schema>")
 
@@ -100,9 +102,8 @@ def test_schema_uploaded_through_one_replica_is_served_by_all(cluster):
     assert uploader in cluster.replica_ids()
     # Module sets (the affinity key) until both replicas own one: replica ids are random, so six single
     # modules alone all hash to one replica once in 32 runs.
-    candidates = [f"d{i}" for i in range(len(DOCS))] + [f"d{i} d{j}" for i in range(len(DOCS)) for j in range(i)]
     owners: dict[str, str] = {}
-    for modules in candidates:
+    for modules in MODULE_SETS:
         owners[modules] = cluster.owner("/v1/generate", _prompt(modules), ALPHA)
         if len(owners) >= len(DOCS) and set(owners.values()) == set(cluster.replica_ids()):
             break
@@ -182,9 +183,11 @@ def test_killed_replica_is_replaced_and_requests_keep_succeeding(cluster):
     before = cluster.replica_ids()
     victim = before[0]
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#{REPLICA_DEPLOYMENT}#{victim}", namespace="serve"), no_restart=True)
+    # Module sets cycled as keys: with 21 of them, all owned by the survivor has odds 2^-21 (six single
+    # modules: 1 in 64), so the replacement owns some as soon as it is routable.
     statuses, served, deadline = [], set(), time.monotonic() + 90
     while time.monotonic() < deadline:
-        response = cluster.post("/v1/generate", _prompt(f"d{len(statuses) % len(DOCS)}"))
+        response = cluster.post("/v1/generate", _prompt(MODULE_SETS[len(statuses) % len(MODULE_SETS)]))
         statuses.append(response.status_code)
         served.add(response.headers.get("x-promptcache-replica"))
         ids = cluster.replica_ids()
