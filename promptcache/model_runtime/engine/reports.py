@@ -27,7 +27,7 @@ def final_event(request: Request, index: int, token: int | None, text: str, fini
     plan, reuse, stream = request.plan, request.reuse, request.stream
     now = time.perf_counter()
     from_prefix = stream.num_reused if stream is not None else 0
-    reused = sum(u.last - u.first for u in reuse.uses) + from_prefix if reuse is not None else from_prefix
+    reused = from_prefix + (sum(u.last - u.first for u in reuse.uses) if reuse is not None else 0)
     # Recomputed by this request: stream tokens reused from the prefix index were recomputed by the one
     # that stored them, and count as cached here.
     recomputed = sum(n for _, n in reuse.recomputed_from(from_prefix)) if reuse is not None else 0
