@@ -19,6 +19,7 @@ batch x steps / decode time. Peak RSS is sampled per run. Also reports how many 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import resource
 import time
@@ -74,8 +75,17 @@ def _sdpa_gqa(module, query, key, value, attention_mask, scaling=None, **kwargs)
     return out.transpose(1, 2), None
 
 
-def _kv(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.full(shape, 0.01, dtype=dtype)  # cheap to fill even at several GB; values do not change the timing
+def _kv(*shape: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    # cheap to fill even at several GB; values do not change the timing
+    return torch.full(shape, 0.01, dtype=dtype, device=device)
+
+
+def register_modes() -> None:
+    """The baseline and ceiling attention functions `run_mode` switches the model to."""
+    AttentionInterface.register("bench_baseline_sdpa", _sdpa_gqa)
+    AttentionInterface.register("bench_noattention", _no_attention)
+    for name in ("bench_baseline_sdpa", "bench_noattention"):
+        AttentionMaskInterface.register(name, sdpa_mask)
 
 
 def model_args(parser: argparse.ArgumentParser) -> None:
@@ -98,18 +108,21 @@ def load_shape(args: argparse.Namespace):
 
 
 def run_mode(mode: str, model, loaded, batch: int, shared: int, own: int, steps: int) -> dict:
+    """Time `steps - 1` decode steps (after one warm-up step) of `mode` on the model's device."""
     layers, kv_heads, head_dim, dtype = loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, model.dtype
+    device = model.device
+    kv = functools.partial(_kv, dtype=dtype, device=device)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1000, (batch, steps), generator=g)
     if mode == "shared":
-        block = KVBlock(_kv(layers, kv_heads, shared, head_dim, dtype=dtype),
-                        _kv(layers, kv_heads, shared, head_dim, dtype=dtype), torch.arange(shared))
+        block = KVBlock(kv(layers, kv_heads, shared, head_dim), kv(layers, kv_heads, shared, head_dim),
+                        torch.arange(shared))
         runner = ModelRunner(loaded)
         seqs = []
         for i in range(batch):
             seq = Sequence(seq_id=i, request=None, index=0, shared=[SharedKV("modules", block)],  # type: ignore[arg-type]
-                           own_keys=_kv(layers, kv_heads, own + steps, head_dim, dtype=dtype),
-                           own_values=_kv(layers, kv_heads, own + steps, head_dim, dtype=dtype))
+                           own_keys=kv(layers, kv_heads, own + steps, head_dim),
+                           own_values=kv(layers, kv_heads, own + steps, head_dim))
             seq.own_length = own
             seqs.append(seq)
 
@@ -123,19 +136,18 @@ def run_mode(mode: str, model, loaded, batch: int, shared: int, own: int, steps:
         if mode == "baseline_hf":
             cache = DynamicCache()
             for layer in range(layers):  # each sequence holds its own copy of the shared KV
-                cache.update(_kv(batch, kv_heads, total, head_dim, dtype=dtype),
-                             _kv(batch, kv_heads, total, head_dim, dtype=dtype), layer)
+                cache.update(kv(batch, kv_heads, total, head_dim), kv(batch, kv_heads, total, head_dim), layer)
         elif mode == "baseline_sdpa":
-            keys = [_kv(batch, kv_heads, total + steps, head_dim, dtype=dtype) for _ in range(layers)]
-            values = [_kv(batch, kv_heads, total + steps, head_dim, dtype=dtype) for _ in range(layers)]
+            keys = [kv(batch, kv_heads, total + steps, head_dim) for _ in range(layers)]
+            values = [kv(batch, kv_heads, total + steps, head_dim) for _ in range(layers)]
             cache = _PerSequenceBuffer(keys, values, total)
         else:
             cache = None
 
         def step(t: int) -> None:
             nonlocal cache
-            ids = tokens[:, t: t + 1]                                  # [B, 1]
-            positions = torch.full((batch, 1), total + t)              # [B, 1]
+            ids = tokens[:, t: t + 1].to(device)                       # [B, 1]
+            positions = torch.full((batch, 1), total + t, device=device)  # [B, 1]
             out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=cache is not None,
                         logits_to_keep=1)
             if mode == "baseline_hf":
@@ -143,9 +155,11 @@ def run_mode(mode: str, model, loaded, batch: int, shared: int, own: int, steps:
 
     with torch.inference_mode():
         step(0)  # warm-up step (not timed)
+        _synchronize(device)
         started = time.perf_counter()
         for t in range(1, steps):
             step(t)
+        _synchronize(device)
         elapsed = time.perf_counter() - started
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     model.set_attn_implementation("promptcache_shared")
@@ -153,6 +167,11 @@ def run_mode(mode: str, model, loaded, batch: int, shared: int, own: int, steps:
             "dtype": str(dtype).removeprefix("torch."), "packed": any(type(m).__name__ == "PackedLinear" for m in model.modules()),
             "tokens_per_s": round(batch * (steps - 1) / elapsed, 2), "ms_per_step": round(elapsed / (steps - 1) * 1e3, 2),
             "peak_rss_mb": round(peak_mb, 1)}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def capacity(loaded, shared: int, own: int, budget_bytes: int) -> dict:
@@ -188,11 +207,8 @@ def main() -> None:
     model_args(parser)
     args = parser.parse_args()
     setup(args.threads)
-    AttentionInterface.register("bench_baseline_sdpa", _sdpa_gqa)
-    AttentionInterface.register("bench_noattention", _no_attention)
+    register_modes()
     model, loaded = load_shape(args)
-    for name in ("bench_baseline_sdpa", "bench_noattention"):
-        AttentionMaskInterface.register(name, sdpa_mask)
     bytes_per_token = loaded.kv_bytes_per_token
     records = []
     for shared in args.shared:

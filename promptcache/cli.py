@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--tenant-max-schemas", type=int, help="schemas each tenant may hold (default: unlimited)")
     serve.add_argument("--tenant-max-schema-tokens", type=int,
                        help="schema tokens (positions) each tenant may hold, summed (default: unlimited)")
-    serve.add_argument("--tenant-rate-limit", help="requests per tenant, e.g. 10/second (default: unlimited)")
+    serve.add_argument("--tenant-rate-limit", help="samples (prompts x n) per tenant, e.g. 10/second "
+                       "(default: unlimited)")
     serve.add_argument("--tenant-cache-share", type=float,
                        help="most of each KV tier's bytes (device, host, Redis) one tenant may hold, e.g. 0.25; a "
                             "tenant at its share evicts only its own entries (default: no limit)")
@@ -154,13 +155,13 @@ def _serve_cluster(args: argparse.Namespace, settings) -> int:
 def _encode(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from promptcache.cache_store import StoreConfig, build_store
+    from promptcache.cache_store import build_store
     from promptcache.model_runtime import ModelRuntime, load_model
 
     settings = _settings(args)
     loaded = load_model(settings.load_config())
-    store = build_store(StoreConfig(redis_url=settings.redis_url, redis_namespace=settings.namespace),
-                        device=settings.device)
+    # The server's own store settings (namespace, blob key, ...): a server configured alike reads what this writes.
+    store = build_store(settings.store_config(), device=settings.device)
     runtime = ModelRuntime(loaded, store)
     schema = runtime.parse_schema(args.schema.read_text())
     with tqdm(total=len(schema.segments), desc=f"encoding {schema.name}", unit="segment") as bar:
@@ -170,11 +171,15 @@ def _encode(args: argparse.Namespace) -> int:
             bar.refresh()
 
         report = runtime.add_schema(schema, progress=progress)
+    is_written = store.close(timeout_s=max(60.0, settings.redis_timeout_s * 60))  # shared writes are write-behind
     print(json.dumps({"schema": schema.name, "num_tokens": schema.num_positions, "segments": report.num_segments,
                       "encoded": report.num_encoded, "encode_ms": round(report.encode_ms, 1),
                       "stored_in": [t.name for t in store.tiers]}))
     if not settings.redis_url:
         print("note: without --redis-url the encoded KV lives only in this process", file=sys.stderr)
+    if not is_written:
+        print("promptcache: some encoded KV was not written to the shared tiers in time", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -17,20 +17,24 @@ from tests.model_factories import make_test_tokenizer, make_tiny_model
 # has its own tolerance-based tests (tests/model_runtime/test_dtype.py).
 os.environ.setdefault("PROMPTCACHE_DTYPE", "float32")
 
+# The device of the tiny-model runtimes and their stores: `PROMPTCACHE_TEST_DEVICE=cuda` runs the
+# model-runtime, engine and store tests that build them on a GPU (scripts/gpu_check.sh does).
+TEST_DEVICE = os.environ.get("PROMPTCACHE_TEST_DEVICE", "cpu")
+
 
 @functools.cache
-def _tiny_loaded(arch: str, dtype: torch.dtype, pack_weights: bool = False):
+def _tiny_loaded(arch: str, dtype: torch.dtype, pack_weights: bool = False, device: str = TEST_DEVICE):
     tokenizer = make_test_tokenizer()
-    model = make_tiny_model(arch, vocab_size=len(tokenizer), dtype=dtype)
+    model = make_tiny_model(arch, vocab_size=len(tokenizer), dtype=dtype).to(device)
     return wrap_model(model, tokenizer, name=f"tiny-{arch}", pack_weights=pack_weights)
 
 
 def make_tiny_runtime(arch: str = "llama", *, dtype: torch.dtype = torch.float32, store=None,
-                      pack_weights: bool = False) -> ModelRuntime:
-    """A runtime over a cached tiny model and a fresh in-memory store (unless one is given);
-    `pack_weights` as the server loads models (packed_linear.py)."""
-    store = store if store is not None else build_store(StoreConfig(), device="cpu")
-    return ModelRuntime(_tiny_loaded(arch, dtype, pack_weights), store)
+                      pack_weights: bool = False, device: str = TEST_DEVICE) -> ModelRuntime:
+    """A runtime over a cached tiny model on `device` and a fresh in-memory store (unless one is
+    given); `pack_weights` as the server loads models (packed_linear.py, CPU only)."""
+    store = store if store is not None else build_store(StoreConfig(), device=device)
+    return ModelRuntime(_tiny_loaded(arch, dtype, pack_weights and device == "cpu", device), store)
 
 
 @pytest.fixture

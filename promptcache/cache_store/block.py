@@ -46,10 +46,17 @@ class KVBlock:
         return self.keys.device
 
     def to(self, device: torch.device | str, *, pin_memory: bool = False) -> KVBlock:
-        """This block on `device` (self if already there); `pin_memory` for host copies of GPU data."""
+        """This block on `device` (self if already there); `pin_memory` for host copies of GPU data: one
+        asynchronous copy straight into pinned memory, waited for on an event (the copy to pageable
+        memory and then into pinned memory took two)."""
         if torch.device(device) == self.keys.device and not pin_memory:
             return self
-        keys, values = self.keys.to(device), self.values.to(device)
-        if pin_memory:
-            keys, values = keys.pin_memory(), values.pin_memory()
+        if not pin_memory:
+            return KVBlock(self.keys.to(device), self.values.to(device), self.position_ids.to("cpu"))
+        keys, values = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                        for t in (self.keys, self.values))
+        if self.keys.is_cuda:  # the host reads these (serialization, later copies): wait for the copies
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.keys.device))
+            done.synchronize()
         return KVBlock(keys, values, self.position_ids.to("cpu"))

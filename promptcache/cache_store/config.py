@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from promptcache.cache_store.disk_tier import DiskTier
 from promptcache.cache_store.memory_tier import MemoryTier
 from promptcache.cache_store.redis_tier import RedisTier
@@ -15,9 +17,11 @@ from promptcache.cache_store.tier import OwnerShares, Tier
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     """Budgets and backends. The device tier holds blocks on the model's device; the host tier in CPU
-    memory (pinned when the device is a GPU); Redis and disk tiers are shared and persistent."""
+    memory (pinned when the device is a GPU); Redis and disk tiers are shared and persistent.
+    `device_max_bytes` None: DEFAULT_DEVICE_MAX_BYTES on a CPU, on a GPU DEVICE_FREE_FRACTION of the memory
+    free when the store is built (after the model is loaded)."""
 
-    device_max_bytes: int = 1 << 30
+    device_max_bytes: int | None = None
     host_max_bytes: int = 4 << 30
     redis_url: str | None = None
     redis_max_bytes: int = 8 << 30
@@ -34,17 +38,33 @@ class StoreConfig:
     def __post_init__(self) -> None:
         for name in ("device_max_bytes", "host_max_bytes", "redis_max_bytes", "disk_max_bytes",
                      "write_behind_max_bytes"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"StoreConfig.{name} must be > 0")
         if self.redis_timeout_s <= 0:
             raise ValueError("StoreConfig.redis_timeout_s must be > 0")
+
+
+DEFAULT_DEVICE_MAX_BYTES = 1 << 30
+# The device tier's share of a GPU's free memory when no budget is set: the rest stays for the engine's
+# own KV (`max_kv_bytes`) and activations.
+DEVICE_FREE_FRACTION = 0.25
+
+
+def device_budget(max_bytes: int | None, device: str) -> int:
+    """The device tier's byte budget: `max_bytes` when set, else see StoreConfig."""
+    if max_bytes is not None:
+        return max_bytes
+    if torch.device(device).type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(torch.device(device))
+        return max(1, int(free_bytes * DEVICE_FREE_FRACTION))
+    return DEFAULT_DEVICE_MAX_BYTES
 
 
 def build_store(config: StoreConfig, device: str = "cpu") -> TieredStore:
     """device -> host -> [redis] -> [disk]."""
     shares = OwnerShares(dict(config.owner_shares))
     tiers: list[Tier] = [
-        MemoryTier("device", config.device_max_bytes, device, shares=shares),
+        MemoryTier("device", device_budget(config.device_max_bytes, device), device, shares=shares),
         MemoryTier("host", config.host_max_bytes, "cpu", pin_memory=device != "cpu", shares=shares),
     ]
     if config.redis_url:

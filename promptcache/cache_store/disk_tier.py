@@ -3,6 +3,11 @@
 `<key>.kv` holds a "module" entry, `<key>.pkv` a "prefix" entry (so eviction can rank files by kind
 from a directory listing alone). A file with a TTL starts with `PCEX` and its expiry (wall-clock
 seconds, f64) before the blob; expired files are removed when read or evicted like any other.
+
+A file that fails verification (damaged: checksum, length, key, decoding) is a miss and is removed — unless
+a write replaced it meanwhile (files are replaced whole, by rename, so a path still naming the inode that
+was read still holds the bytes that failed). It is never marked as used, and `contains` counts only
+verified files (verified_heads.py).
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ from pathlib import Path
 from promptcache.cache_store.block import KVBlock
 from promptcache.cache_store.errors import CacheStoreError
 from promptcache.cache_store.redis_guard import logger
-from promptcache.cache_store.serialization import dumps, loads
+from promptcache.cache_store.serialization import HEADER_BYTES, dumps, loads
 from promptcache.cache_store.tier import BlockKind, Tier, TierHit, TierUsage
+from promptcache.cache_store.verified_heads import VerifiedHeads, fingerprint
 
 _SUFFIXES: dict[BlockKind, str] = {"module": ".kv", "prefix": ".pkv"}
 _KINDS = {suffix: kind for kind, suffix in _SUFFIXES.items()}
 _EXPIRY = struct.Struct("<4sd")
 _EXPIRY_MAGIC = b"PCEX"
+_HEAD_BYTES = _EXPIRY.size + HEADER_BYTES  # the expiry (if any) and the block header with its checksum
 
 
 class DiskTier(Tier):
@@ -40,6 +47,7 @@ class DiskTier(Tier):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self._heads = VerifiedHeads()
 
     def _path(self, key: str, kind: BlockKind = "module") -> Path:
         if not key.isalnum():
@@ -54,24 +62,38 @@ class DiskTier(Tier):
         for kind in ("module", "prefix"):
             path = self._path(key, kind)
             try:
-                data = path.read_bytes()
-                _touch(path)
+                with path.open("rb") as file:
+                    stat, data = os.fstat(file.fileno()), file.read()
             except OSError:
                 continue
-            ttl_s = None
+            hit = self._verify(key, kind, path, stat, data)
+            if hit is not None:
+                _touch(path)  # only a verified file counts as used
+            return hit
+        return None
+
+    def _verify(self, key: str, kind: BlockKind, path: Path, stat: os.stat_result, data: bytes) -> TierHit | None:
+        """The entry in `data` (all of the file at `path`, whose stat is `stat`), or None: then it was
+        expired or failed verification (logged), and is removed unless replaced meanwhile."""
+        ttl_s = None
+        blob = memoryview(data)
+        try:
             if data[:4] == _EXPIRY_MAGIC:
+                if len(data) < _EXPIRY.size:
+                    raise CacheStoreError(f"a {len(data)}-byte file is shorter than its expiry header")
                 ttl_s = _EXPIRY.unpack_from(data)[1] - time.time()
                 if ttl_s <= 0:
-                    path.unlink(missing_ok=True)
+                    _unlink_if_unchanged(path, stat)
                     return None
-                data = memoryview(data)[_EXPIRY.size:]
-            try:
-                return TierHit(loads(data, expect_key=key), kind, ttl_s)
-            except CacheStoreError as exc:
-                logger.warning("dropping corrupted KV file %s: %s", path.name, exc)
-                path.unlink(missing_ok=True)
-                return None
-        return None
+                blob = blob[_EXPIRY.size:]
+            block = loads(blob, expect_key=key)
+        except CacheStoreError as exc:
+            logger.warning("dropping corrupted KV file %s: %s", path.name, exc)
+            self._heads.forget(key)
+            _unlink_if_unchanged(path, stat)
+            return None
+        self._heads.remember(key, fingerprint(len(data), data[:_HEAD_BYTES]))
+        return TierHit(block, kind, ttl_s)
 
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
             kind: BlockKind = "module", owner: str | None = None) -> list[tuple[str, KVBlock]]:
@@ -88,6 +110,7 @@ class DiskTier(Tier):
             tmp = self.directory / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"  # unique per writer
             tmp.write_bytes(blob)
             os.replace(tmp, path)
+            self._heads.remember(key, fingerprint(len(blob), blob[:_HEAD_BYTES]))  # what we write, we trust
             _touch(path)
             if kind == "module":
                 self._path(key, "prefix").unlink(missing_ok=True)
@@ -121,19 +144,24 @@ class DiskTier(Tier):
         return found
 
     def contains(self, key: str) -> bool:
+        """True if `key` has an unexpired file that passes verification: its first bytes for a file
+        verified here before, all of it (removed if it fails) otherwise. Never marks it as used."""
         for kind in ("module", "prefix"):
             path = self._path(key, kind)
             try:
                 with path.open("rb") as file:
-                    head = file.read(_EXPIRY.size)
+                    stat = os.fstat(file.fileno())
+                    head = file.read(_HEAD_BYTES)
+                    if self._heads.vouches(key, fingerprint(stat.st_size, head)):
+                        return head[:4] != _EXPIRY_MAGIC or _EXPIRY.unpack_from(head)[1] > time.time()
+                    data = head + file.read()
             except OSError:
                 continue
-            if head[:4] != _EXPIRY_MAGIC or len(head) < _EXPIRY.size:
-                return True
-            return _EXPIRY.unpack(head)[1] > time.time()
+            return self._verify(key, kind, path, stat, data) is not None
         return False
 
     def delete(self, key: str) -> bool:
+        self._heads.forget(key)
         existed = False
         for kind in ("module", "prefix"):
             path = self._path(key, kind)
@@ -164,3 +192,14 @@ def _touch(path: Path) -> None:
     coarse (a few ms), which would tie entries written in a burst."""
     now = time.time_ns()
     os.utime(path, ns=(now, now))
+
+
+def _unlink_if_unchanged(path: Path, stat: os.stat_result) -> None:
+    """Remove `path` if it still is the file `stat` describes. Writers replace files whole (rename), so a
+    rightful write that landed since names another inode and stays."""
+    try:
+        now = os.stat(path)
+    except OSError:
+        return
+    if (now.st_dev, now.st_ino) == (stat.st_dev, stat.st_ino):
+        path.unlink(missing_ok=True)

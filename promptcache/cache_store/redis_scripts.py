@@ -1,5 +1,6 @@
-"""The Redis tier's Lua scripts: each write, read and delete runs as one script, so replicas sharing the
-server see one consistent LRU index (redis_tier.py has the layout).
+"""The Redis tier's Lua scripts: each write, touch and delete runs as one script, so replicas sharing the
+server see one consistent LRU index (redis_tier.py has the layout); and the compare-and-set that replaces a
+schema registry entry failing verification.
 
 Scores are a shared use counter plus `MODULE_SCORE_OFFSET` for "module" entries, so every "prefix" entry
 ranks below every "module" entry and eviction (lowest first) takes prefix entries first, each kind in LRU
@@ -21,6 +22,19 @@ local function drop_owner(owners, owner_bytes, own_prefix, k, size)
     redis.call('ZREM', own_prefix .. o, k)
     redis.call('HDEL', owners, k)
   end
+end
+-- Remove `member` (its blob and index entries); KEYS as DELETE's. Returns 1 if the blob existed.
+local function drop(member, own_prefix)
+  local existed = redis.call('DEL', KEYS[1])
+  local size = tonumber(redis.call('HGET', KEYS[3], member) or '0')
+  local score = redis.call('ZSCORE', KEYS[2], member)
+  if score and tonumber(score) < OFFSET then redis.call('DECRBY', KEYS[6], size) end
+  drop_owner(KEYS[8], KEYS[9], own_prefix, member, size)
+  redis.call('HDEL', KEYS[3], member)
+  redis.call('ZREM', KEYS[2], member)
+  redis.call('SREM', KEYS[4], member)
+  redis.call('DECRBY', KEYS[5], size)
+  return existed
 end
 """
 
@@ -93,35 +107,44 @@ redis.call('SET', KEYS[6], string.format('%.0f', prefix_total))
 return evicted
 """
 
-# KEYS: blob, lru, seq, owners. ARGV: member, own_prefix. Returns {kind, pttl_ms, owner or ''} and marks the
-# entry as just used (keeping its kind), or nil. The blob itself is read by a GET in the same MULTI: passed
-# through Lua, a multi-MB value is copied twice more (GET into a Lua string, then into the reply), which
-# made the script 2.5x slower than a plain GET of a 14 MB module.
+# KEYS: blob, lru, seq, owners. ARGV: member, own_prefix, length, head. Marks the entry as just used (keeping
+# its kind) if its value is still the one the caller verified — same length, same first bytes (its HMAC tag
+# and checksum) — so a value that failed verification, or replaced meanwhile, is never made hot. Returns 1 if
+# touched. The reader GETs the blob first (plain GET: passed through Lua, a multi-MB value is copied twice
+# more, which made a read script 2.5x slower than a plain GET of a 14 MB module), verifies, then touches.
 TOUCH = _PRELUDE + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-local kind, score = 'module', redis.call('ZSCORE', KEYS[2], ARGV[1])
-local owner = redis.call('HGET', KEYS[4], ARGV[1])
+local head = ARGV[4]
+if redis.call('STRLEN', KEYS[1]) ~= tonumber(ARGV[3])
+    or redis.call('GETRANGE', KEYS[1], 0, string.len(head) - 1) ~= head then return 0 end
+local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if score then
   local seq = redis.call('INCR', KEYS[3])
-  if tonumber(score) < OFFSET then kind = 'prefix' else seq = seq + OFFSET end
+  if tonumber(score) >= OFFSET then seq = seq + OFFSET end
   local scored = string.format('%.0f', seq)
   redis.call('ZADD', KEYS[2], scored, ARGV[1])
+  local owner = redis.call('HGET', KEYS[4], ARGV[1])
   if owner then redis.call('ZADD', ARGV[2] .. owner, scored, ARGV[1]) end
 end
-return {kind, redis.call('PTTL', KEYS[1]), owner or ''}
+return 1
 """
 
 # KEYS: blob, lru, sizes, pins, total, prefix_total, (unused), owners, owner_bytes. ARGV: member, own_prefix.
 # Returns 1 if the blob existed.
 DELETE = _PRELUDE + """
-local existed = redis.call('DEL', KEYS[1])
-local size = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
-local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
-if score and tonumber(score) < OFFSET then redis.call('DECRBY', KEYS[6], size) end
-drop_owner(KEYS[8], KEYS[9], ARGV[2], ARGV[1], size)
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('SREM', KEYS[4], ARGV[1])
-redis.call('DECRBY', KEYS[5], size)
-return existed
+return drop(ARGV[1], ARGV[2])
+"""
+
+# KEYS as DELETE's. ARGV: member, own_prefix, value. Deletes the entry only if its blob is still exactly
+# `value` (one that failed verification): a rightful write that landed since is kept. Returns 1 if deleted.
+DROP_IF_UNCHANGED = _PRELUDE + """
+if redis.call('GET', KEYS[1]) ~= ARGV[3] then return 0 end
+return drop(ARGV[1], ARGV[2])
+"""
+
+# KEYS: entry. ARGV: expected value, new value. Sets the entry only if it still holds exactly the expected
+# value (a registry entry that failed verification). Returns 1 if set.
+REPLACE_IF_UNCHANGED = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
+return 1
 """

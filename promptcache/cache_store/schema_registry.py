@@ -13,6 +13,7 @@ import redis
 
 from promptcache.cache_store.errors import RegistryUnavailableError, SchemaExistsError
 from promptcache.cache_store.redis_guard import logger
+from promptcache.cache_store.redis_scripts import REPLACE_IF_UNCHANGED
 from promptcache.cache_store.signing import BlobSigner
 
 
@@ -33,7 +34,11 @@ class SchemaRegistry:
     `state` (one Redis round trip) lets replicas notice deletes and replacements made elsewhere. A delete
     leaves a tombstone for `tombstone_s`, so a follower can tell a schema someone deleted from one Redis
     lost (a restart without persistence, a flush): only the first is dropped; the second is `restore`d.
-    With a keyed `signer`, entries carry an HMAC; one that fails the check reads as absent (signing.py).
+    With a keyed `signer`, entries carry an HMAC (signing.py). An entry that fails verification — its
+    HMAC (a forgery, or an entry sealed under a previous key) or its decoding — reads as absent, is not
+    listed, and does not hold its name: a `save` or `restore` replaces it (unless a rightful write lands
+    first). It is not deleted on read: a schema document is not cache, and an operator who rotated the key
+    by mistake gets the entries back by restoring the old key.
     Names are opaque strings here (the server qualifies them by tenant).
     """
 
@@ -49,6 +54,7 @@ class SchemaRegistry:
         self._client = None
         if redis_url:
             self._client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            self._replace_if_unchanged = self._client.register_script(REPLACE_IF_UNCHANGED)
 
     def save(self, name: str, pml_text: str, metadata: dict[str, Any] | None = None, *,
              overwrite: bool = False) -> StoredSchema:
@@ -56,7 +62,7 @@ class SchemaRegistry:
         if self._client is not None:
             value = self._signer.seal(self._prefix + name, _encode(stored))
             try:
-                if not self._client.set(self._prefix + name, value, nx=not overwrite):
+                if not (self._client.set(self._prefix + name, value) if overwrite else self._claim(name, value)):
                     raise SchemaExistsError(f"schema {name!r} already exists")
                 pipe = self._client.pipeline(transaction=True)
                 pipe.hset(self._index, name, stored.version)
@@ -77,12 +83,11 @@ class SchemaRegistry:
             except redis.RedisError as exc:
                 logger.warning("schema registry unavailable (%s); using this process's copy", exc)
             else:
-                value = None if raw is None else self._signer.open(self._prefix + name, raw)
-                if value is None:  # absent, or forged/altered (logged): never adopt it
+                stored = None if raw is None else self._verified(name, raw)
+                if stored is None:  # absent, or failed verification (logged): never adopt it
                     with self._lock:
                         self._local.pop(name, None)
                     return None
-                stored = _decode(value)
                 with self._lock:
                     self._local[name] = stored
                 return stored
@@ -124,7 +129,7 @@ class SchemaRegistry:
             return False
         value = self._signer.seal(self._prefix + stored.name, _encode(stored))
         try:
-            if not self._client.set(self._prefix + stored.name, value, nx=True):
+            if not self._claim(stored.name, value):
                 return False
             self._client.hset(self._index, stored.name, stored.version)
         except redis.RedisError as exc:
@@ -133,6 +138,36 @@ class SchemaRegistry:
         with self._lock:
             self._local[stored.name] = stored
         return True
+
+    def _claim(self, name: str, value: bytes) -> bool:
+        """Write `value` under `name` unless it holds an entry that passes verification. An entry that
+        fails is replaced only if it is still exactly the bytes checked, so a rightful write that lands
+        meanwhile wins (and is checked in turn). Raises redis.RedisError."""
+        key = self._prefix + name
+        for _ in range(8):  # each round, someone else wrote the name; give up (taken) after a few
+            if self._client.set(key, value, nx=True):
+                return True
+            current = self._client.get(key)
+            if current is None:
+                continue  # deleted meanwhile: try to take it again
+            if self._verified(name, current) is not None:
+                return False
+            if self._replace_if_unchanged(keys=[key], args=[current, value]):
+                logger.warning("schema registry entry %r failed verification; replaced it", name)
+                return True
+        return False
+
+    def _verified(self, name: str, raw: bytes) -> StoredSchema | None:
+        """The entry in `raw` (read under `name`) if it passes verification, else None (logged)."""
+        value = self._signer.open(self._prefix + name, raw)
+        if value is None:
+            return None
+        try:
+            return _decode(value)
+        except (ValueError, KeyError, TypeError) as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+            logger.warning("schema registry entry %r cannot be decoded (%s: %s); treating it as absent", name,
+                           type(exc).__name__, exc)
+            return None
 
     def state(self) -> RegistryState | None:
         """Versions and recent deletes of the shared registry, or None when there is none (or it cannot be

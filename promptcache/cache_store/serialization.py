@@ -29,6 +29,7 @@ _CHECKSUMS = {  # version -> digest of the payload, as stored in the 32-byte fie
     2: lambda payload: xxhash.xxh3_128(payload).digest().ljust(32, b"\0"),
 }
 _HEADER = struct.Struct("<4sHBB64s4IQ32s")
+HEADER_BYTES = _HEADER.size
 _DTYPES = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}
 _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 

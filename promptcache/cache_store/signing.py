@@ -2,9 +2,11 @@
 Redis, checked on read (design.md §4; docs/security.md).
 
 Anyone who can write to Redis could otherwise plant KV that a server serves as a cache hit, or a schema
-it adopts. With a blob key configured, a value without a valid tag — forged, altered, or copied from
-another key — reads as absent (a miss) and is logged. Binding the storage key into the tag stops a valid
-blob from being replayed under another key (e.g. one tenant's KV under another tenant's key).
+it adopts. With a blob key configured, a value without a valid tag — forged, altered, copied from
+another key, or sealed under a previous key — reads as absent (a miss) and is logged; the tiers drop it
+and the registry lets the next rightful write replace it (docs/security.md, "Rotating the blob key").
+Binding the storage key into the tag stops a valid blob from being replayed under another key (e.g. one
+tenant's KV under another tenant's key).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ logger = logging.getLogger("promptcache.cache_store")
 
 MAGIC = b"PCMAC1"  # marks a sealed value (and its format version)
 TAG_BYTES = hashlib.sha256().digest_size
+SEAL_BYTES = len(MAGIC) + TAG_BYTES  # what sealing puts in front of a value
 
 
 class BlobSigner:
@@ -43,18 +46,19 @@ class BlobSigner:
         with a warning: the caller treats it as a miss."""
         if self._key is None:
             if sealed.startswith(MAGIC):
-                logger.warning("value at %s is signed but no blob key is set (PROMPTCACHE_BLOB_KEY); ignoring it",
+                logger.warning("value at %s is signed but no blob key is set (PROMPTCACHE_BLOB_KEY); treating it as absent",
                                storage_key)
                 return None
             return sealed
-        header = len(MAGIC) + TAG_BYTES
+        header = SEAL_BYTES
         if len(sealed) < header or not sealed.startswith(MAGIC):
             logger.warning("unsigned value at %s ignored (a blob key is set: every value must carry a tag)",
                            storage_key)
             return None
         tag, value = sealed[len(MAGIC):header], sealed[header:]
         if not hmac.compare_digest(tag, self._tag(storage_key, value)):
-            logger.warning("value at %s failed its HMAC check (forged, altered or moved); ignoring it", storage_key)
+            logger.warning("value at %s failed its HMAC check (forged, altered, moved or sealed under "
+                           "another key); treating it as absent", storage_key)
             return None
         return value
 

@@ -94,7 +94,9 @@ class Tier(ABC):
             kind: BlockKind = "module", owner: str | None = None) -> list[tuple[str, KVBlock]]: ...
 
     @abstractmethod
-    def contains(self, key: str) -> bool: ...
+    def contains(self, key: str) -> bool:
+        """True if `key` holds a value `get` would serve — in shared tiers, one that passes verification
+        (a failing one is dropped). Never marks the entry as used."""
 
     @abstractmethod
     def delete(self, key: str) -> bool: ...

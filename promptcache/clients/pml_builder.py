@@ -7,13 +7,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from xml.sax.saxutils import escape, quoteattr
 
-NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")  # fullmatch: `$` lets a final "\n" through
 RESERVED = frozenset({"schema", "prompt", "module", "union", "param", "parameter", "scaffold", "system", "user",
                       "assistant"})
 
 
 def check_name(name: str) -> str:
-    if not NAME.match(name) or name in RESERVED:
+    if not NAME.fullmatch(name) or name in RESERVED:
         raise ValueError(f"invalid PML name {name!r}: letters, digits, '_', '.', '-', not a PML tag name")
     return name
 

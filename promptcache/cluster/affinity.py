@@ -33,9 +33,11 @@ if TYPE_CHECKING:  # the server package imports the model runtime: the simulator
 
 KeyKind = Literal["pml", "prefix", "schema"]
 PML_ROUTES = frozenset({"/v1/generate", "/v1/prompts/explain"})
-SCHEMA_ATTRIBUTE = re.compile(r"""<prompt\b[^>]*?\bschema\s*=\s*(?:"([^"]*)"|'([^']*)')""")
-SCHEMA_NAME = re.compile(r"""<schema\b[^>]*?\bname\s*=\s*(?:"([^"]*)"|'([^']*)')""")
+# Linear in the text: OPEN_TAG's matches start at a literal `<` and never overlap; ATTRIBUTE is only
+# matched anchored, one attribute after the other. A search like r"<prompt\b[^>]*?\bschema=" is not:
+# each of many `<prompt` openings without a `>` rescans the rest of the text (_start_tag_attribute).
 OPEN_TAG = re.compile(r"<([A-Za-z_][A-Za-z0-9_.-]*)")  # closing tags, comments, CDATA never match
+ATTRIBUTE = re.compile(r"""\s+([^\s=/>"']+)\s*=\s*(?:"([^"]*)"|'([^']*)')""")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +45,7 @@ class AffinityConfig:
     """How much of a request the key looks at."""
 
     prefix_chars: int = 256  # plain/chat text hashed: about two prefix blocks of 32 tokens
-    max_scan_chars: int = 256 << 10  # module tags are looked for in at most this much PML
+    max_scan_chars: int = 256 << 10  # tags and their names are looked for in at most this much PML
     pml_key: Literal["modules", "schema"] = "modules"  # what of a PML prompt the key covers
 
     def __post_init__(self) -> None:
@@ -78,7 +80,7 @@ def affinity_key(request: ForwardedRequest, tenants: TenantDirectory,
     owner = "" if tenant is None else tenant
     salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else ""
     if request.path == "/v1/schemas":
-        name = _first_group(SCHEMA_NAME, body.get("pml"))
+        name = _start_tag_attribute(body.get("pml"), "schema", "name", config)
         return None if name is None else _key("schema", owner, name)
     if request.path in PML_ROUTES:
         return _pml_key(owner, body.get("prompt"), config)
@@ -101,7 +103,7 @@ def affinity_key(request: ForwardedRequest, tenants: TenantDirectory,
 def _pml_key(owner: str, prompt: Any, config: AffinityConfig) -> AffinityKey | None:
     if not isinstance(prompt, str):
         return None
-    schema = _first_group(SCHEMA_ATTRIBUTE, prompt[:config.max_scan_chars])
+    schema = _start_tag_attribute(prompt, "prompt", "schema", config)
     if schema is None:
         return None
     if config.pml_key == "schema":
@@ -142,9 +144,27 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def _first_group(pattern: re.Pattern[str], text: Any) -> str | None:
-    match = pattern.search(text) if isinstance(text, str) else None
-    return None if match is None else (match.group(1) if match.group(1) is not None else match.group(2))
+def _start_tag_attribute(text: Any, tag: str, attribute: str, config: AffinityConfig) -> str | None:
+    """The value of `attribute` on the first `<tag ...>` start tag within the first `max_scan_chars`
+    characters of `text` (None if there is none). One forward pass: `str.find` for the tag, then its
+    attributes one anchored match at a time, stopping at the first thing that is not an attribute."""
+    if not isinstance(text, str):
+        return None
+    text, opening = text[:config.max_scan_chars], "<" + tag
+    at = text.find(opening)
+    while at >= 0:
+        after = at + len(opening)
+        if after == len(text) or text[after] in "/>" or text[after].isspace():
+            break
+        at = text.find(opening, after)  # `<prompts`: another tag
+    if at < 0:
+        return None
+    position = at + len(opening)
+    while (match := ATTRIBUTE.match(text, position)) is not None:
+        if match.group(1) == attribute:
+            return match.group(2) if match.group(2) is not None else match.group(3)
+        position = match.end()
+    return None
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:

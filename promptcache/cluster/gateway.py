@@ -5,8 +5,9 @@ A plain deployment, not a FastAPI ingress: Serve allows one of those per applica
 are it; the gateway relays the replica's ASGI messages as they come (streams included).
 
 No model and no state: several gateways can run side by side. A request whose replica died before it
-answered anything is sent again (Ray has stopped routing to the dead replica by then); a request that
-was already streaming when its replica died ends there.
+answered anything is sent again (Ray has stopped routing to the dead replica by then); a stream whose
+replica died mid-way ends with an error event and `[DONE]`, never silently cut. /health answers 503 until
+Ray runs every replica the deployment targets (readiness.py), then the replica's own /health.
 """
 
 from __future__ import annotations
@@ -17,14 +18,19 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from promptcache.cluster.forwarded import ForwardedRequest
+from promptcache.cluster.readiness import ReplicaReadiness
 from promptcache.server.errors import PayloadTooLargeError, error_response, response_for
+from promptcache.server.generation import DONE, sse
 
 logger = logging.getLogger(__name__)
 REPLICA_LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
+HEALTH_PATH = "/health"
+LOST_MID_STREAM = {"type": "replica_lost", "status": 503,
+                   "message": "the replica serving this stream stopped; the output is incomplete, retry the request"}
 
 
 class Gateway:
@@ -32,6 +38,7 @@ class Gateway:
         self.replicas = replicas.options(stream=True)
         self.max_request_bytes = max_request_bytes
         self.max_attempts = max_attempts
+        self.readiness = ReplicaReadiness(replicas.app_name, replicas.deployment_name)
 
     async def __call__(self, request: Request) -> Response:
         """Serve calls this for every HTTP request; the response it returns runs `relay`."""
@@ -45,21 +52,26 @@ class Gateway:
             await response_for(exc)(scope, receive, send)
             return
         request = ForwardedRequest.from_scope(scope, body)
+        if request.path == HEALTH_PATH and not (health := await self.readiness.health()).is_ready:
+            await JSONResponse({"status": "not_ready", "deployment_status": health.status,
+                                "replicas": health.replicas}, status_code=503)(scope, receive, send)
+            return
         for attempt in range(1, self.max_attempts + 1):
-            started = False
+            relayed = _Relayed()
             try:
                 async for message in self.replicas.forward.remote(request):
-                    started = True
+                    relayed.note(message)
                     await send(message)
                 return
             except REPLICA_LOST as exc:
-                if started:
-                    logger.warning("replica lost while streaming %s %s: %s", request.method, request.path, exc)
+                if relayed.is_started:
+                    logger.warning("replica lost while answering %s %s: %s", request.method, request.path, exc)
+                    await relayed.end_cut_short(send)
                     return
                 logger.warning("replica lost before answering %s %s (attempt %d of %d): %s", request.method,
                                request.path, attempt, self.max_attempts, exc)
-            except BackPressureError as exc:
-                await error_response(503, "service_unavailable", f"every replica is busy: {exc}",
+            except BackPressureError:
+                await error_response(503, "service_unavailable", "every replica is busy; retry shortly",
                                      {"Retry-After": "1"})(scope, receive, send)
                 return
         await error_response(503, "service_unavailable", "no replica could serve the request; retry shortly",
@@ -79,6 +91,32 @@ class Gateway:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+class _Relayed:
+    """What of a replica's response reached the client: whether it started, is an event stream, ended."""
+
+    def __init__(self) -> None:
+        self.is_started = self.is_event_stream = self.is_complete = False
+
+    def note(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.is_started = True
+            content_type = dict(message.get("headers", ())).get(b"content-type", b"")
+            self.is_event_stream = content_type.startswith(b"text/event-stream")
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.is_complete = True
+
+    async def end_cut_short(self, send: Send) -> None:
+        """End a response whose replica died after it started: a stream gets an error event and [DONE]; any
+        other body cannot say so in-band, so the connection is dropped (a truncated body is never ended as
+        if whole)."""
+        if self.is_complete:
+            return
+        if not self.is_event_stream:
+            raise ConnectionAbortedError("the replica was lost mid-response")
+        tail = sse({"error": LOST_MID_STREAM}) + DONE
+        await send({"type": "http.response.body", "body": tail.encode(), "more_body": False})
 
 
 class _AsgiResponse(Response):

@@ -1,9 +1,9 @@
 """PromptCacheReplica: one Ray Serve replica running the promptcache FastAPI app with its model and engine.
 
 The app is `promptcache.server.create_app(settings)` unchanged (Serve's FastAPI ingress, built at replica
-start), plus ReplicaHeader, which names the replica on every response. The model loads in the constructor,
-so Ray routes nothing to a replica (a new one, or the replacement of a dead one) before its model is
-in memory. The gateway calls `forward` with the whole request; the replica replays it into the app and
+start), plus ReplicaHeader, which names the replica on every response. The model loads in the constructor
+and Ray's first health check waits for the engine to start, so Ray routes nothing to a replica (a new one,
+or the replacement of a dead one) before it can serve. The gateway calls `forward` with the whole request; the replica replays it into the app and
 streams the ASGI messages back.
 """
 
@@ -71,8 +71,14 @@ class PromptCacheReplica:
         return self.fastapi
 
     async def check_health(self) -> None:
-        """Ray's periodic health check: a replica whose engine failed to start is replaced."""
-        error = getattr(self.fastapi.state, "load_error", None) if self.fastapi is not None else None
+        """Ray's health check. The first one runs before the replica is routable: it waits until the app's
+        engine has started, so the replica takes requests (and counts as running) only then. A replica
+        whose engine failed to start, or did not start in READY_TIMEOUT_S, is replaced."""
+        if self.fastapi is None:
+            return
+        if not await self._wait_ready():
+            raise RuntimeError(f"replica {self.replica_id} did not start within {READY_TIMEOUT_S:.0f} s")
+        error = getattr(self.fastapi.state, "load_error", None)
         if error:
             raise RuntimeError(f"replica {self.replica_id} failed to start: {error}")
 
@@ -108,10 +114,12 @@ class PromptCacheReplica:
             if not task.done():
                 task.cancel()
 
-    async def _wait_ready(self) -> None:
+    async def _wait_ready(self) -> bool:
+        """Wait until the app's service started or failed to; False if neither happened in time."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         state = self.fastapi.state
         while time.monotonic() < deadline:
             if getattr(state, "service", None) is not None or getattr(state, "load_error", None):
-                return
+                return True
             await asyncio.sleep(READY_POLL_S)
+        return False

@@ -8,6 +8,7 @@ from promptcache.model_runtime.errors import (
     EngineError,
     ModelLoadError,
     PromptTooLongError,
+    QueueFullError,
     UnsupportedModelError,
 )
 from promptcache.model_runtime.loader import (
@@ -32,5 +33,5 @@ from promptcache.model_runtime.sampling import SamplingParams
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "ChatRenderError", "Completion", "EncodeReport", "EngineError", "GenerationResult", "LoadedModel",
     "ModelConfig", "ModelLoadError", "ModelRuntime", "ModuleEncoder", "ModuleUse", "PrefixUse", "PromptTooLongError",
-    "SamplingParams", "Timings", "UnsupportedModelError", "Usage", "load_model", "wrap_model",
+    "QueueFullError", "SamplingParams", "Timings", "UnsupportedModelError", "Usage", "load_model", "wrap_model",
 ]

@@ -25,3 +25,12 @@ class PromptTooLongError(InvalidRequestError):
 
 class ChatRenderError(InvalidRequestError):
     """The model's chat template cannot render the given messages (bad input, a 4xx)."""
+
+
+class QueueFullError(EngineError):
+    """The caller's tenant has as many requests waiting as the engine queues for one tenant: retry after
+    `retry_after_s` seconds (overload, a 429, never a fault of the request)."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

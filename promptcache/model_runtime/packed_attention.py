@@ -11,7 +11,7 @@ batch step (no active context) the function is plain SDPA, so the single-sequenc
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache
@@ -19,7 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from promptcache.model_runtime.attention import SharedSegment, shared_module_attention
+from promptcache.model_runtime.attention import SharedSegment, StepIndices, shared_module_attention
 
 ATTENTION_NAME = "promptcache_shared"
 _active = threading.local()
@@ -36,6 +36,8 @@ class BatchContext:
     # ([L, H_kv, n, D] x2, sequences, per-sequence row offsets or None: see SharedSegment)
     segments: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...] | None]]
     backend: str = "auto"
+    # The pass's index tensors, made on the host by the first layer and reused by the others.
+    indices: StepIndices | None = field(default=None, repr=False)
 
 
 class BatchCache(Cache):
@@ -82,13 +84,15 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     layer = module.layer_idx
+    if ctx.indices is None:
+        ctx.indices = StepIndices(query.device)
     queries = query[0].transpose(0, 1)  # [1, H, total_q, D] -> [total_q, H, D]
     own_keys = [k[layer, :, : s + n] for k, s, n in zip(ctx.own_keys, ctx.own_starts, ctx.query_lens)]
     own_values = [v[layer, :, : s + n] for v, s, n in zip(ctx.own_values, ctx.own_starts, ctx.query_lens)]
     segments = [SharedSegment(keys=k[layer], values=v[layer], seq_indices=seqs, row_offsets=offsets)
                 for k, v, seqs, offsets in ctx.segments]
     out = shared_module_attention(queries, ctx.query_lens, own_keys, own_values, segments, scale=scaling,
-                                  backend=ctx.backend)
+                                  backend=ctx.backend, indices=ctx.indices)
     return out.unsqueeze(0), None  # [1, total_q, H, D]
 
 

@@ -107,7 +107,9 @@ class SamplingParams:
 
 class PromptTokens:
     """A prompt's token ids as `repetition_penalty` reads them: a [vocab] mask built once, on first use,
-    and shared by every sample of the request (n > 1 samples never copy the prompt)."""
+    and shared by every sample of the request (n > 1 samples never copy the prompt). The mask follows
+    the device it is asked for (an exact repeat's first token is sampled from cached CPU logits, the
+    next ones from the model's device)."""
 
     def __init__(self, token_ids: Sequence[int]) -> None:
         self._token_ids = torch.tensor(list(token_ids), dtype=torch.long)  # [num_prompt_tokens]
@@ -118,14 +120,17 @@ class PromptTokens:
         if self._mask is None:
             mask = torch.zeros(vocab_size, dtype=torch.bool)  # [vocab]
             mask[self._token_ids] = True
-            self._mask = mask.to(device)
+            self._mask = mask
+        if self._mask.device != torch.device(device):
+            self._mask = self._mask.to(device)
         return self._mask
 
 
 class Sampler:
     """Picks the next token from logits; one instance per sequence. It owns the RNG state and the
     generated-token counts the penalties read; the prompt's tokens come as a shared `PromptTokens`
-    (without one, `repetition_penalty` covers the generated tokens only)."""
+    (without one, `repetition_penalty` covers the generated tokens only). Its state follows the device
+    of the logits it is given, which may change between calls (cached CPU logits, then GPU ones)."""
 
     def __init__(self, params: SamplingParams, *, seed_offset: int = 0, prompt: PromptTokens | None = None) -> None:
         self.params = params
@@ -197,6 +202,8 @@ class Sampler:
         """[vocab] float32 counts of the generated tokens, brought up to date with what was recorded."""
         if self._counts is None:
             self._counts = torch.zeros(scores.numel(), dtype=torch.float32, device=scores.device)  # [vocab]
+        elif self._counts.device != scores.device:
+            self._counts = self._counts.to(scores.device)
         if self._unseen:
             ids = torch.tensor(self._unseen, dtype=torch.long, device=self._counts.device)  # [num_unseen]
             self._counts.index_add_(0, ids, torch.ones(len(self._unseen), device=self._counts.device))

@@ -25,6 +25,7 @@ from promptcache.pml.errors import (
     UnknownSchemaError,
 )
 from promptcache.pml.limits import PmlLimits
+from promptcache.pml.names import is_valid_name
 from promptcache.pml.nodes import Module, Param, RoleSection, TextRun, Union
 from promptcache.pml.plan import CachedSegment, NewRun, PromptPlan, token_plan
 from promptcache.pml.prompt_parser import parse_prompt
@@ -38,5 +39,6 @@ __all__ = [
     "Param", "PmlError", "PmlLimitError", "PmlLimits", "PmlSecurityError", "PmlSyntaxError",
     "PositionConflictError", "PromptError", "PromptPlan", "RoleSection", "Scaffold", "ScaffoldError", "Schema",
     "SchemaError", "Segment", "TextEncoder", "TextRun", "Union", "UnknownModuleError", "UnknownParamError",
-    "UnknownSchemaError", "chat_format_from_tokenizer", "parse_prompt", "parse_schema", "token_plan",
+    "UnknownSchemaError", "chat_format_from_tokenizer", "is_valid_name", "parse_prompt", "parse_schema",
+    "token_plan",
 ]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
+from itertools import accumulate
 
 from promptcache.pml.errors import EmptyPromptError
 from promptcache.pml.schema import Schema, Segment
@@ -94,16 +96,22 @@ def find_approximations(cached: tuple[CachedSegment, ...], new_runs: tuple[NewRu
     is positioned before a cached token (a full prefill would not let them see later tokens).
     """
     reasons: list[str] = []
-    for item in cached:
+    # The first run (in `new_runs` order) starting below p is the first whose running minimum start is.
+    lowest = list(accumulate((run.start for run in new_runs), min))
+    # A plan's cached segments never share a position: in start order, the ones ending before a
+    # segment are exactly the ones listed before it.
+    before: set[int] = set()
+    for item in sorted(cached, key=lambda c: c.segment.start):
         segment = item.segment
-        before = {c.segment.segment_id for c in cached if c.segment.end <= segment.start}
-        if set(item.context_ids) != before:
+        if len(item.context_ids) != len(before) or not before.issuperset(item.context_ids):
             owner = segment.owner or "the schema's always-included text"
             reasons.append(f"{owner} at [{segment.start}, {segment.end}) was encoded without attending "
                            "to every module before it in this prompt, or with one this prompt leaves out")
-        early = [run for run in new_runs if run.start < segment.start]
-        if early:
-            reasons.append(f"new {early[0].kind} at position {early[0].start} precedes cached tokens at "
+        before.add(segment.segment_id)
+        first = bisect.bisect_left(lowest, True, key=lambda start: start < segment.start)
+        if first < len(new_runs):
+            early = new_runs[first]
+            reasons.append(f"new {early.kind} at position {early.start} precedes cached tokens at "
                            f"[{segment.start}, {segment.end}), which were encoded without it")
     last_cached = max((c.segment.end for c in cached), default=0)
     late = [run for run in new_runs if run.start < last_cached]

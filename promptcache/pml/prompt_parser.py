@@ -30,7 +30,7 @@ from promptcache.pml.limits import PmlLimits
 from promptcache.pml.occupancy import Occupancy
 from promptcache.pml.plan import CachedSegment, NewRun, PromptPlan, find_approximations
 from promptcache.pml.prompt_reader import ImportItem, PromptItems, PromptReader, TextPiece
-from promptcache.pml.schema import Schema, Segment
+from promptcache.pml.schema import Scaffold, Schema, Segment
 from promptcache.pml.text_encoder import TextEncoder
 from promptcache.pml.xml_reader import parse_xml
 
@@ -46,7 +46,8 @@ def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
     itself) instead of guaranteed-context encoding. Raises a PmlError subclass for invalid prompts.
     """
     limits = limits or PmlLimits()
-    root = parse_xml(text, max_bytes=limits.max_prompt_bytes, max_depth=limits.max_depth, what="prompt")
+    root = parse_xml(text, max_bytes=limits.max_prompt_bytes, max_depth=limits.max_depth,
+                     max_elements=limits.max_elements, what="prompt")
     if root.tag != "prompt":
         raise PromptError(f"the root element is <{root.tag}>; expected <prompt schema=...>", line=root.sourceline)
     for attribute in root.attrib:
@@ -96,8 +97,13 @@ def _build_plan(schema: Schema, items: PromptItems, encoder: TextEncoder, *,
     for run in new_runs:
         if run.kind == "argument":
             used.add(run.start, run.end)
-    new_runs.extend(_place_text(schema, items, included, used, encoder, first_position))
-    cached = tuple(_cached_segment(schema, s, imported, isolated) for s in included if s.is_cached)
+    # Looked up per import and per segment: indexed once, so a prompt importing many modules stays linear.
+    owned: dict[str, list[Segment]] = {}
+    for segment in schema.segments:
+        owned.setdefault(segment.owner, []).append(segment)
+    new_runs.extend(_place_text(schema, items, included, used, encoder, first_position, owned))
+    scaffolds = _best_scaffolds(schema, imported)
+    cached = tuple(_cached_segment(s, owned, scaffolds, isolated) for s in included if s.is_cached)
     runs = tuple(sorted(new_runs, key=lambda r: r.start))
     if not cached and not any(run.token_ids for run in runs):
         raise EmptyPromptError("the prompt includes no tokens: import a module or add text")
@@ -122,14 +128,27 @@ def _start_notes(first: Segment | NewRun | None) -> tuple[str, ...]:
             "these token ids differ from the tokenization of the prompt's text",)
 
 
-def _cached_segment(schema: Schema, segment: Segment, imported: set[str], isolated: bool) -> CachedSegment:
+def _best_scaffolds(schema: Schema, imported: set[str]) -> dict[int, Scaffold]:
+    """Segment id -> the scaffold its KV is encoded in: of those whose modules are all imported, the one
+    with the most modules (the first declared on a tie)."""
+    best: dict[int, Scaffold] = {}
+    for scaffold in schema.scaffolds:
+        if not imported.issuperset(scaffold.module_paths):
+            continue
+        for segment_id in scaffold.contexts:
+            current = best.get(segment_id)
+            if current is None or len(scaffold.module_paths) > len(current.module_paths):
+                best[segment_id] = scaffold
+    return best
+
+
+def _cached_segment(segment: Segment, owned: dict[str, list[Segment]], scaffolds: dict[int, Scaffold],
+                    isolated: bool) -> CachedSegment:
     if isolated:
-        own = tuple(s.segment_id for s in schema.segments if s.owner == segment.owner and s.end <= segment.start)
+        own = tuple(s.segment_id for s in owned[segment.owner] if s.end <= segment.start)
         return CachedSegment(segment, own, "isolated")
-    applicable = [sc for sc in schema.scaffolds
-                  if segment.segment_id in sc.contexts and set(sc.module_paths) <= imported]
-    if applicable:
-        best = max(applicable, key=lambda sc: (len(sc.module_paths), -schema.scaffolds.index(sc)))
+    best = scaffolds.get(segment.segment_id)
+    if best is not None:
         context = best.contexts[segment.segment_id]
         if context != segment.context_ids:
             return CachedSegment(segment, context, f"scaffold:{best.name}")
@@ -137,8 +156,8 @@ def _cached_segment(schema: Schema, segment: Segment, imported: set[str], isolat
 
 
 def _place_text(schema: Schema, items: PromptItems, included: list[Segment], used: Occupancy,
-                encoder: TextEncoder, first_position: int) -> list[NewRun]:
-    spans = {id(item): _span(schema, item) for item in items.items if isinstance(item, ImportItem)}
+                encoder: TextEncoder, first_position: int, owned: dict[str, list[Segment]]) -> list[NewRun]:
+    spans = {id(item): _span(schema, item, owned) for item in items.items if isinstance(item, ImportItem)}
     # The span of the first import after each item (None after the last), in one backward pass.
     next_span: list[tuple[int, int] | None] = [None] * len(items.items)
     upcoming = None
@@ -178,15 +197,14 @@ def _place_text(schema: Schema, items: PromptItems, included: list[Segment], use
     return runs
 
 
-def _span(schema: Schema, item: ImportItem) -> tuple[int, int]:
+def _span(schema: Schema, item: ImportItem, owned: dict[str, list[Segment]]) -> tuple[int, int]:
     """First and one-past-last position of the tokens an import includes."""
-    positions = [p for s in schema.segments if s.owner in item.module_paths and not s.is_placeholder
-                 for p in s.position_ids]
-    positions += [p for run in item.arguments for p in range(run.start, run.end)]
-    if not positions:
+    ranges = [(s.start, s.end) for path in item.module_paths for s in owned.get(path, ()) if not s.is_placeholder]
+    ranges += [(run.start, run.end) for run in item.arguments if run.end > run.start]
+    if not ranges:
         start = min(schema.modules[p].start for p in item.module_paths)
         return start, start
-    return min(positions), max(positions) + 1
+    return min(start for start, _ in ranges), max(end for _, end in ranges)
 
 
 def _check_free(piece: TextPiece, start: int, used: Occupancy, included: list[Segment]) -> None:

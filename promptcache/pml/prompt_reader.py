@@ -68,6 +68,11 @@ class PromptReader:
         self.out = PromptItems()
         self.union_choice: dict[int, str] = {}  # id(Union) -> chosen member path
         self.section_of = _sections_by_module(schema)
+        # Looked up once per import or role element: a scan of the schema for each would make a prompt
+        # importing many modules quadratic.
+        self.union_of = {id(member): union for module in schema.modules.values() for union in module.unions
+                         for member in union.members}
+        self.suffix_of = {s.role_suffix_of: s.segment_id for s in schema.segments if s.role_suffix_of is not None}
 
     def read(self, root: etree._Element) -> PromptItems:
         content = list(iter_content(root))
@@ -138,10 +143,8 @@ class PromptReader:
         return section
 
     def _suffix_segment(self, section: RoleSection) -> int:
-        for segment in self.schema.segments:
-            if segment.role_suffix_of == section.section_id:
-                return segment.segment_id
-        raise AssertionError("role sections always end with a suffix segment")
+        assert section.section_id in self.suffix_of, "role sections always end with a suffix segment"
+        return self.suffix_of[section.section_id]
 
     def _import_top(self, element: etree._Element) -> ImportItem:
         item = ImportItem([], [], element.sourceline)
@@ -154,7 +157,7 @@ class PromptReader:
         if module.path in self.out.imported:
             raise DuplicateImportError(f"module {module.path!r} is imported twice (first at line "
                                        f"{self.out.imported[module.path]})", line=line)
-        union = _union_of(scope, module)
+        union = self.union_of.get(id(module))
         if union is not None:
             chosen = self.union_choice.get(id(union))
             if chosen is not None:
@@ -209,13 +212,6 @@ class PromptReader:
             self.out.imported[member.path] = union.line
             item.module_paths.append(member.path)
             self._apply_union_defaults(member, item)
-
-
-def _union_of(scope: Module, module: Module) -> Union | None:
-    for union in scope.unions:
-        if any(member is module for member in union.members):
-            return union
-    return None
 
 
 def _sections_by_module(schema: Schema) -> dict[str, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -124,6 +125,5 @@ def segment_digest(start: int, token_ids: tuple[int, ...]) -> str:
     h = hashlib.sha256(b"pml-segment-v1")
     h.update(start.to_bytes(8, "little"))
     h.update(len(token_ids).to_bytes(8, "little"))
-    for token_id in token_ids:
-        h.update(token_id.to_bytes(8, "little", signed=True))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))  # each id as 8 little-endian signed bytes
     return h.hexdigest()

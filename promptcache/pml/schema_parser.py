@@ -11,7 +11,7 @@ from promptcache.pml.limits import PmlLimits
 from promptcache.pml.names import ROLE_TAGS, check_name
 from promptcache.pml.nodes import Module, Node, Param, RoleSection, TextRun, Union
 from promptcache.pml.schema import Schema
-from promptcache.pml.segments import build_scaffolds, build_segments
+from promptcache.pml.segments import ContextBudget, build_scaffolds, build_segments
 from promptcache.pml.text_encoder import TextEncoder
 from promptcache.pml.xml_reader import TextItem, iter_content, parse_xml
 
@@ -26,7 +26,8 @@ def parse_schema(text: str, encoder: TextEncoder, limits: PmlLimits | None = Non
     Raises a PmlError subclass naming the element and line for any invalid input.
     """
     limits = limits or PmlLimits()
-    root = parse_xml(text, max_bytes=limits.max_schema_bytes, max_depth=limits.max_depth, what="schema")
+    root = parse_xml(text, max_bytes=limits.max_schema_bytes, max_depth=limits.max_depth,
+                     max_elements=limits.max_elements, what="schema")
     if root.tag != "schema":
         raise SchemaError(f"the root element is <{root.tag}>; expected <schema name=...>", line=root.sourceline)
     _check_attributes(root, {"name", "params"})
@@ -58,8 +59,12 @@ class _SchemaBuilder:
             raise PmlLimitError(f"schema {name!r} spans {root.end} token positions; the limit is "
                                 f"{self.limits.max_schema_tokens}")
         modules = MappingProxyType(dict(sorted(self.modules.items(), key=lambda kv: (kv[1].start, kv[0]))))
-        segments = build_segments(root, self.encoder.placeholder_id if placeholders else None)
-        scaffolds = build_scaffolds(self.scaffold_elements, modules, segments)
+        budget = ContextBudget(self.limits.max_context_ids)
+        segments = build_segments(root, self.encoder.placeholder_id if placeholders else None, budget)
+        if len(self.scaffold_elements) > self.limits.max_scaffolds:
+            raise PmlLimitError(f"the schema declares {len(self.scaffold_elements)} scaffolds; the limit is "
+                                f"{self.limits.max_scaffolds}", line=self.scaffold_elements[-1].sourceline)
+        scaffolds = build_scaffolds(self.scaffold_elements, modules, segments, budget)
         return Schema(name=name, pml=text, root=root, modules=modules, segments=segments, scaffolds=scaffolds,
                       role_sections=MappingProxyType(dict(self.sections)), num_positions=root.end)
 
@@ -129,7 +134,7 @@ class _SchemaBuilder:
         # is tokenized as it tokenizes after the text laid out before it (TextEncoder.encode).
         is_first = cursor == self.start
         token_ids = self.encoder.encode(text, at_start=is_first)
-        is_continuation = not is_first and self.encoder.encode(text, at_start=True) != token_ids
+        is_continuation = not is_first and not self.encoder.starts_alike(text, token_ids)
         return TextRun(token_ids, cursor, line, role_suffix_of, is_continuation)
 
     def _child_module(self, element: etree._Element, *, parent: str, cursor: int, is_cached: bool,

@@ -5,18 +5,23 @@ always-included text before it and the text of its enclosing modules before it â
 siblings, union members or parameter slots. Contexts are prefix-closed (a context segment's own
 context is the part of this context before it), so encoding a segment after the concatenated KV of
 its context equals a full prefill of context + segment.
+
+Contexts are listed in full on every segment, so their total length can grow with the square of the
+number of segments (text between many role sections): `ContextBudget` bounds it, and each context is
+built from per-owner prefixes rather than by rescanning every segment.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import chain, pairwise
 from types import MappingProxyType
 
 from lxml import etree
 
-from promptcache.pml.errors import ScaffoldError
+from promptcache.pml.errors import PmlLimitError, ScaffoldError
 from promptcache.pml.nodes import Module, Node, Param, RoleSection, TextRun, Union
 from promptcache.pml.schema import Scaffold, Segment, segment_digest
 
@@ -29,13 +34,61 @@ class _Leaf:
     is_placeholder: bool = False
 
 
-def build_segments(root: Module, placeholder_id: int | None = None) -> tuple[Segment, ...]:
+class ContextBudget:
+    """How many segment ids the contexts of one schema (default and scaffold) may list in all."""
+
+    def __init__(self, max_context_ids: int) -> None:
+        self.max_context_ids = max_context_ids
+        self.num_context_ids = 0
+
+    def spend(self, num_ids: int, line: int | None = None) -> None:
+        """Count `num_ids` more; raises PmlLimitError past the budget."""
+        self.num_context_ids += num_ids
+        if self.num_context_ids > self.max_context_ids:
+            raise PmlLimitError(f"the schema's encoding contexts list more than {self.max_context_ids} segments in "
+                                "all (every text piece's context lists the always-included and enclosing text "
+                                "before it); use fewer text pieces between modules or role sections", line=line)
+
+
+class _PrefixIndex:
+    """Segments by owner, each owner's in position order (an owner's own text pieces never overlap),
+    so "the owner's segments ending by position p" is a prefix found by bisection."""
+
+    def __init__(self) -> None:
+        self._ends: dict[str, list[int]] = {}
+        self._ids: dict[str, list[int]] = {}
+
+    def add(self, segment: Segment) -> None:
+        ends = self._ends.setdefault(segment.owner, [])
+        assert not ends or ends[-1] <= segment.start, "an owner's segments are laid out in order"
+        ends.append(segment.end)
+        self._ids.setdefault(segment.owner, []).append(segment.segment_id)
+
+    def ending_by(self, owners: Iterable[str], position: int) -> list[list[int]]:
+        """For each owner, the ids of its segments that end at or before `position`."""
+        found = []
+        for owner in owners:
+            ends = self._ends.get(owner)
+            if ends:
+                found.append(self._ids[owner][:bisect.bisect_right(ends, position)])
+        return found
+
+
+def _context(prefixes: list[list[int]], budget: ContextBudget, line: int | None) -> tuple[int, ...]:
+    budget.spend(sum(map(len, prefixes)), line)
+    return tuple(sorted(chain.from_iterable(prefixes)))  # ascending ids: the segments in layout order
+
+
+def build_segments(root: Module, placeholder_id: int | None = None,
+                   budget: ContextBudget | None = None) -> tuple[Segment, ...]:
     """Merge adjacent text runs of one owner into segments; compute default contexts.
 
     With `placeholder_id`, every parameter slot becomes a placeholder segment (that token repeated):
     the module text after a slot is encoded after the placeholders, as in the paper; plans never
     include placeholder segments (arguments take their positions). Without it, slots are skipped.
+    Raises PmlLimitError when the contexts exceed `budget`.
     """
+    budget = budget or ContextBudget(1 << 62)
     leaves: list[_Leaf | None] = []  # None marks a skipped parameter slot, which ends a segment
     ancestry: dict[str, tuple[str, ...]] = {}
     _flatten(root, root, (), leaves, ancestry, placeholder_id)
@@ -56,16 +109,18 @@ def build_segments(root: Module, placeholder_id: int | None = None) -> tuple[Seg
             groups.append([leaf])
 
     segments: list[Segment] = []
+    index = _PrefixIndex()
     for group in filter(None, groups):
-        token_ids = tuple(t for leaf in group for t in leaf.run.token_ids)
-        start, owner = group[0].run.start, group[0].owner
-        guaranteed = set(ancestry[owner])
-        context = tuple(s.segment_id for s in segments if s.owner in guaranteed and s.end <= start)
-        segments.append(Segment(
+        token_ids = tuple(chain.from_iterable(leaf.run.token_ids for leaf in group))
+        start, owner, line = group[0].run.start, group[0].owner, group[0].run.line
+        context = _context(index.ending_by(ancestry[owner], start), budget, line)
+        segment = Segment(
             segment_id=len(segments), token_ids=token_ids, start=start, owner=owner, context_ids=context,
             is_cached=group[0].is_cached, role_suffix_of=group[0].run.role_suffix_of,
             is_placeholder=group[0].is_placeholder, is_continuation=group[0].run.is_continuation,
-            digest=segment_digest(start, token_ids)))
+            digest=segment_digest(start, token_ids))
+        segments.append(segment)
+        index.add(segment)
     return tuple(segments)
 
 
@@ -101,9 +156,15 @@ def ancestors_of(modules: Mapping[str, Module], path: str) -> tuple[str, ...]:
 
 
 def build_scaffolds(elements: Sequence[etree._Element], modules: Mapping[str, Module],
-                    segments: tuple[Segment, ...]) -> tuple[Scaffold, ...]:
-    """Validate `<scaffold modules="a b.c"/>` declarations and compute their joint contexts."""
+                    segments: tuple[Segment, ...], budget: ContextBudget | None = None) -> tuple[Scaffold, ...]:
+    """Validate `<scaffold modules="a b.c"/>` declarations and compute their joint contexts. Raises
+    ScaffoldError, or PmlLimitError when the contexts exceed `budget`."""
+    budget = budget or ContextBudget(1 << 62)
+    owned: dict[str, list[Segment]] = {}
+    for segment in segments:
+        owned.setdefault(segment.owner, []).append(segment)
     scaffolds: list[Scaffold] = []
+    names: set[str] = set()
     for element in elements:
         line = element.sourceline
         for attribute in element.attrib:
@@ -122,16 +183,18 @@ def build_scaffolds(elements: Sequence[etree._Element], modules: Mapping[str, Mo
             if not modules[path].is_cached:
                 raise ScaffoldError(f"<scaffold> names module {path!r}, which has cache=\"false\"", line=line)
         group = {a for path in paths for a in ancestors_of(modules, path)}
-        _check_no_overlap([s for s in segments if s.owner in group and s.owner], line)
+        members = sorted((s for owner in group for s in owned.get(owner, ())), key=lambda s: s.start)
+        _check_no_overlap([s for s in members if s.owner], line)
         name = element.get("name") or "+".join(paths)
-        if any(s.name == name for s in scaffolds):
+        if name in names:
             raise ScaffoldError(f"<scaffold> name {name!r} is declared twice", line=line)
+        names.add(name)
         # Every segment of the group (scaffold modules, their ancestors, the root) gets its joint
-        # context: root text between two scaffold modules is encoded after the first one too.
-        contexts = {
-            s.segment_id: tuple(c.segment_id for c in segments if c.owner in group and c.end <= s.start)
-            for s in segments if s.owner in group
-        }
+        # context: root text between two scaffold modules is encoded after the first one too. The
+        # members do not overlap, so in start order the ones ending by a segment's start are a prefix.
+        ends, ids = [s.end for s in members], [s.segment_id for s in members]
+        contexts = {s.segment_id: _context([ids[:bisect.bisect_right(ends, s.start)]], budget, line)
+                    for s in sorted(members, key=lambda s: s.segment_id)}
         scaffolds.append(Scaffold(name, paths, MappingProxyType(contexts), line))
     return tuple(scaffolds)
 

@@ -58,6 +58,11 @@ class TextEncoder:
             return ids[len(sentinel):]
         return self._encode(text)  # the sentinel merged with the text: no clean cut, encode it alone
 
+    def starts_alike(self, text: str, token_ids: tuple[int, ...]) -> bool:
+        """Whether `token_ids`, `text` encoded inside a longer text, are also its encoding at the
+        sequence start (always, with no continuation sentinel: then nothing is encoded again)."""
+        return self.continuation_ids is None or self.encode(text, at_start=True) == token_ids
+
     def _encode(self, text: str) -> tuple[int, ...]:
         cached = self._cache.get(text)
         if cached is None:

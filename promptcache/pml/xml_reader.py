@@ -14,8 +14,6 @@ _XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
 # Any DTD can declare entities (billion laughs, XXE); PML never needs one, so it is refused before
 # lxml sees the document.
 _FORBIDDEN = re.compile(rb"<!DOCTYPE|<!ENTITY|<!ELEMENT|<!ATTLIST", re.IGNORECASE)
-_LEADING_WS = re.compile(r"^\s*")
-_TRAILING_WS = re.compile(r"\s*$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +24,9 @@ class TextItem:
     line: int
 
 
-def parse_xml(text: str | bytes, *, max_bytes: int, max_depth: int, what: str) -> etree._Element:
+def parse_xml(text: str | bytes, *, max_bytes: int, max_depth: int, max_elements: int, what: str) -> etree._Element:
     """Parse `text` strictly (no recovery, DTD, entities, network, or processing instructions).
+    libxml2 parses in linear time; the element count is checked (in C) before any Python walks the tree.
 
     Raises PmlLimitError, PmlSecurityError or PmlSyntaxError (with the line) on bad input.
     """
@@ -46,23 +45,22 @@ def parse_xml(text: str | bytes, *, max_bytes: int, max_depth: int, what: str) -
         root = etree.fromstring(data, parser)
     except etree.XMLSyntaxError as exc:
         raise PmlSyntaxError(f"{what} is not well-formed XML: {exc.msg}", line=exc.lineno) from None
+    num_elements = int(root.xpath("count(//*)"))
+    if num_elements > max_elements:
+        raise PmlLimitError(f"{what} has {num_elements} elements; the limit is {max_elements}")
     _check_tree(root, max_depth=max_depth, what=what)
     return root
 
 
 def _check_tree(root: etree._Element, *, max_depth: int, what: str) -> None:
-    stack = [(root, 1)]
-    while stack:
-        element, depth = stack.pop()
-        if depth > max_depth:
-            raise PmlLimitError(f"{what} nests deeper than {max_depth} elements", line=element.sourceline)
-        for child in element:
-            if isinstance(child, etree._ProcessingInstruction):
-                raise PmlSecurityError(f"{what} contains a processing instruction; PML forbids them",
-                                       line=child.sourceline)
-            if isinstance(child, etree._Entity):
-                raise PmlSecurityError(f"{what} contains an entity reference", line=child.sourceline)
-            stack.append((child, depth + 1))
+    # Both searches run in libxml2: no Python object per element (a walk here cost more than the parse).
+    too_deep = root.xpath("/" + "/".join(["*"] * (max_depth + 1)))  # the elements at depth max_depth + 1
+    if too_deep:
+        raise PmlLimitError(f"{what} nests deeper than {max_depth} elements", line=too_deep[0].sourceline)
+    for node in root.iter(etree.ProcessingInstruction, etree.Entity):
+        if isinstance(node, etree._ProcessingInstruction):
+            raise PmlSecurityError(f"{what} contains a processing instruction; PML forbids them", line=node.sourceline)
+        raise PmlSecurityError(f"{what} contains an entity reference", line=node.sourceline)
 
 
 def iter_content(element: etree._Element) -> Iterator[TextItem | etree._Element]:
@@ -99,10 +97,12 @@ def normalize_whitespace(raw: str) -> str:
     """Drop layout whitespace: a leading or trailing whitespace run that spans a line break goes,
     and the common indentation of the remaining lines after the first is removed. Spaces that do
     not span a line break are content and stay ("of <param/> days")."""
-    leading = _LEADING_WS.match(raw).group(0)  # type: ignore[union-attr]
-    start = len(leading) if "\n" in leading else 0
-    trailing = _TRAILING_WS.search(raw).group(0)  # type: ignore[union-attr]
-    end = len(raw) - len(trailing) if "\n" in trailing else len(raw)
+    # str.strip's whitespace is re's \s; a regex anchored at the end (r"\s*$" with search) retries at
+    # every position of a long whitespace run, quadratic in its length.
+    leading_end = len(raw) - len(raw.lstrip())
+    trailing_start = len(raw.rstrip())
+    start = leading_end if "\n" in raw[:leading_end] else 0
+    end = trailing_start if "\n" in raw[trailing_start:] else len(raw)
     text = raw[start:end] if start < end else ""
     if "\n" not in text:
         return text

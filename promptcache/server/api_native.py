@@ -24,8 +24,9 @@ from promptcache.server.generation import (
     wire_timings,
     wire_usage,
 )
+from promptcache.server.json_body import json_off_loop
 from promptcache.server.service import PromptService
-from promptcache.server.state import Service, Tenant
+from promptcache.server.state import Rates, Service, Tenant
 from promptcache.server.wire import (
     Choice,
     ExplainRequest,
@@ -75,7 +76,8 @@ async def delete_schema(name: str, service: Service, tenant: Tenant) -> Response
 
 
 @router.post("/generate", response_model=GenerateResponse)
-async def generate(body: GenerateRequest, service: Service, tenant: Tenant):
+async def generate(body: GenerateRequest, service: Service, tenant: Tenant, rates: Rates):
+    rates.check(tenant, body.n, already_counted=1)
     plan = await asyncio.to_thread(lambda: service.plan(body.prompt, tenant=tenant))  # parsing stays off the loop
     params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs)
     request_id = f"gen-{uuid.uuid4().hex[:24]}"
@@ -83,18 +85,24 @@ async def generate(body: GenerateRequest, service: Service, tenant: Tenant):
                             service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions,
                                              body.fidelity_context), tenant,
                             report_spans=body.return_spans)
+    if params.logprobs is not None:  # streamed tokens are looked up on the event loop: the table must be there
+        await service.token_strings.ready()
     if body.stream:
         return StreamingResponse(_stream(service, events, request_id, plan.approximations, tenant,
                                          return_spans=body.return_spans), media_type="text/event-stream")
     outcome = await collect(events, params.n)
     record(service.metrics, outcome.final, outcome.finish_reasons, tenant)
-    spans = await asyncio.to_thread(wire_spans, outcome.final, service.detokenize) if body.return_spans else None
-    return GenerateResponse(
-        id=request_id, model=service.model_name,
-        choices=[Choice(index=i, text=t, finish_reason=r, logprobs=wire_logprobs(e, service.token_text))
-                 for i, (t, r, e) in enumerate(zip(outcome.texts, outcome.finish_reasons, outcome.events))],
-        usage=wire_usage(outcome.final), cache=wire_cache(outcome.final, plan.approximations, spans),
-        timings=wire_timings(outcome.final))
+
+    def answer() -> GenerateResponse:  # decodes span texts and looks up every token's logprobs: off the loop
+        spans = wire_spans(outcome.final, service.detokenize) if body.return_spans else None
+        return GenerateResponse(
+            id=request_id, model=service.model_name,
+            choices=[Choice(index=i, text=t, finish_reason=r, logprobs=wire_logprobs(e, service.token_text))
+                     for i, (t, r, e) in enumerate(zip(outcome.texts, outcome.finish_reasons, outcome.events))],
+            usage=wire_usage(outcome.final), cache=wire_cache(outcome.final, plan.approximations, spans),
+            timings=wire_timings(outcome.final))
+
+    return await json_off_loop(answer)
 
 
 async def _stream(service: PromptService, events, request_id: str, approximations, tenant: str | None, *,
@@ -116,8 +124,8 @@ async def _stream(service: PromptService, events, request_id: str, approximation
                 chunk.timings = wire_timings(event)
                 record(service.metrics, event, list(reasons.values()), tenant)
             payload = chunk.model_dump(exclude_none=True)
-            if spans is not None:  # a span's null module / tier is kept, as in the JSON response
-                payload["cache"]["spans"] = [span.model_dump() for span in spans]
+            if chunk.cache is not None:  # the report whole (null encoded_after, module, tier), as in the JSON response
+                payload["cache"] = chunk.cache.model_dump()
             yield sse(payload)
     except Exception as exc:  # headers are sent: report in-band, then end the stream
         yield sse_error(exc)

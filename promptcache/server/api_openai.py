@@ -21,6 +21,7 @@ from promptcache.server.generation import (
     sse,
     sse_error,
 )
+from promptcache.server.json_body import json_off_loop
 from promptcache.server.openai_batch import run_completions
 from promptcache.server.openai_logprobs import chat_logprobs, completion_logprobs
 from promptcache.server.openai_shapes import extension, finish_reason, usage
@@ -33,7 +34,7 @@ from promptcache.server.openai_wire import (
     refused_fields,
 )
 from promptcache.server.service import PromptService
-from promptcache.server.state import Service, Tenant
+from promptcache.server.state import Rates, Service, Tenant
 
 router = APIRouter(prefix="/v1")
 
@@ -45,21 +46,33 @@ async def models(service: Service) -> dict:
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, service: Service, tenant: Tenant):
+async def completions(body: CompletionRequest, service: Service, tenant: Tenant, rates: Rates):
     _refuse_unsupported(body)
     prompts = body.prompts()
     if not prompts or any(not p for p in prompts):
         raise UnsupportedParameterError("prompt: expected a non-empty text, list of texts, token ids or list of "
                                         "token-id lists")
-    # Parsing and tokenizing run off the event loop (a long prompt must not stall other clients).
-    plans = [await asyncio.to_thread(_completion_plan, service, p, tenant) for p in prompts]
+    cap = service.settings.max_prompts_per_request
+    if len(prompts) > cap:
+        raise UnsupportedParameterError(f"prompt: {len(prompts)} prompts in one request; this server takes at most "
+                                        f"{cap} (max_prompts_per_request)")
+    rates.check(tenant, len(prompts) * body.n, already_counted=1)
+    # Parsing, tokenizing and detokenizing run off the event loop (a long prompt must not stall other clients).
+    plans, echoes, prompt_ids = await asyncio.to_thread(_prepare, service, body, prompts, tenant)
     if len(plans) == 1 and not body.echo:
         return await _run(service, body, plans[0], "cmpl", "text_completion", chat=False, tenant=tenant)
+    return await run_completions(service, body, plans, echoes, prompt_ids, tenant)
+
+
+def _prepare(service: PromptService, body: CompletionRequest, prompts: list[str | list[int]],
+             tenant: str | None) -> tuple[list[PromptPlan], list[str] | None, list[list[int]] | None]:
+    """Each prompt's plan; with echo its text; with echo and logprobs its token ids (they get logprobs too)."""
+    plans = [_completion_plan(service, p, tenant) for p in prompts]
     echoes = [p if isinstance(p, str) else service.detokenize(p) for p in prompts] if body.echo else None
     prompt_ids = None
-    if body.echo and body.logprobs is not None:  # the echoed tokens get logprobs too
+    if body.echo and body.logprobs is not None:
         prompt_ids = [list(p) if not isinstance(p, str) else list(service.tokenize(p)) for p in prompts]
-    return await run_completions(service, body, plans, echoes, prompt_ids, tenant)
+    return plans, echoes, prompt_ids
 
 
 def _completion_plan(service: PromptService, prompt: str | list[int], tenant: str | None) -> PromptPlan:
@@ -71,8 +84,9 @@ def _completion_plan(service: PromptService, prompt: str | list[int], tenant: st
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, service: Service, tenant: Tenant):
+async def chat_completions(body: ChatCompletionRequest, service: Service, tenant: Tenant, rates: Rates):
     _refuse_unsupported(body)
+    rates.check(tenant, body.n, already_counted=1)
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
     elif "max_tokens" not in body.model_fields_set:
@@ -124,20 +138,28 @@ async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, pr
                             service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions,
                                              body.fidelity_context), tenant)
     head = {"id": request_id, "object": obj, "created": created, "model": service.model_name}
+    if params.logprobs is not None:  # streamed tokens are looked up on the event loop: the table must be there
+        await service.token_strings.ready()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(service, events, head, chat, include_usage, plan, tenant),
                                  media_type="text/event-stream")
     outcome = await collect(events, params.n)
     record(service.metrics, outcome.final, outcome.finish_reasons, tenant)
-    choices = []
-    for index, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons)):
-        choice = {"index": index, "finish_reason": finish_reason(reason),
-                  "logprobs": _logprobs(outcome.events[index], service, chat) if params.logprobs is not None else None}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-        choices.append(choice)
-    return {**head, "choices": choices, "usage": usage(outcome.final),
-            "promptcache": extension(outcome.final, plan)}
+
+    def answer() -> dict:
+        choices = []
+        for index, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons)):
+            choice = {"index": index, "finish_reason": finish_reason(reason),
+                      "logprobs": _logprobs(outcome.events[index], service, chat) if params.logprobs is not None
+                      else None}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            choices.append(choice)
+        return {**head, "choices": choices, "usage": usage(outcome.final),
+                "promptcache": extension(outcome.final, plan)}
+
+    # Every token's logprobs (n samples, 20 alternatives each) are assembled off the event loop.
+    return await json_off_loop(answer) if params.logprobs is not None else answer()
 
 
 async def _stream(service, events, head: dict, chat: bool, include_usage: bool, plan: PromptPlan, tenant: str | None):

@@ -7,7 +7,9 @@ import asyncio
 from fastapi import APIRouter
 
 from promptcache.server.errors import UnsupportedParameterError
+from promptcache.server.json_body import json_off_loop
 from promptcache.server.openai_wire import DetokenizeRequest, TokenizeRequest, chat_messages
+from promptcache.server.service import PromptService
 from promptcache.server.state import Service
 
 router = APIRouter()
@@ -24,7 +26,12 @@ async def tokenize(body: TokenizeRequest, service: Service) -> dict:
         raise UnsupportedParameterError("add_generation_prompt=false is not supported: chats are rendered as "
                                         "/v1/chat/completions renders them")
     messages = chat_messages(body.messages) if body.messages is not None else None
-    tokens = await asyncio.to_thread(service.tokenize, body.prompt, messages)  # off the event loop
+    return await json_off_loop(lambda: _tokenize(service, body, messages))
+
+
+def _tokenize(service: PromptService, body: TokenizeRequest, messages: list[dict[str, str]] | None) -> dict:
+    """Tokenizing and each token's string: per-token work, run in a worker thread."""
+    tokens = service.tokenize(body.prompt, messages)
     reply: dict = {"count": len(tokens), "max_model_len": service.max_model_len, "tokens": list(tokens)}
     if body.return_token_strs:
         reply["token_strs"] = [service.token_text(t) for t in tokens]

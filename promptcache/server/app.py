@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
@@ -16,7 +17,7 @@ from promptcache.server.errors import install_error_handlers
 from promptcache.server.guard import RequestGuard
 from promptcache.server.service import PromptService
 from promptcache.server.settings import ServerSettings
-from promptcache.server.tenants import Quota, TenantDirectory
+from promptcache.server.tenants import Quota, RequestRateLimiter, TenantDirectory
 
 logger = logging.getLogger("promptcache.server")
 GIL_SWITCH_INTERVAL_S = 0.001
@@ -54,8 +55,9 @@ def create_app(settings: ServerSettings | None = None, *,
     app = FastAPI(title="promptcache", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.tenants = tenants
+    app.state.rates = RequestRateLimiter(tenants)
     install_error_handlers(app)
-    app.add_middleware(RequestGuard, settings=settings, tenants=tenants)
+    app.add_middleware(RequestGuard, settings=settings, tenants=tenants, rates=app.state.rates)
     app.include_router(api_system.router)
     app.include_router(api_native.router)
     app.include_router(api_openai.router)
@@ -71,9 +73,10 @@ async def _start(app: FastAPI, settings: ServerSettings, tenants: TenantDirector
         loaded = await asyncio.to_thread(load)
         service = await asyncio.to_thread(PromptService, settings, loaded, tenants)
         await service.start()
-    except Exception as exc:  # surfaced by /health and 503s, and logged
-        logger.exception("startup failed")
-        app.state.load_error = f"{type(exc).__name__}: {exc}"
+    except Exception:  # logged; /health and 503s name only the error id (no paths or addresses)
+        error_id = uuid.uuid4().hex[:12]
+        logger.exception("startup failed (error id %s)", error_id)
+        app.state.load_error = f"startup failed (id {error_id}; the server log says why)"
         return
     app.state.service = service
     logger.info("promptcache ready: model %s", loaded.name)

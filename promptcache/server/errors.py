@@ -12,14 +12,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from promptcache.cache_store import CacheStoreError
 from promptcache.cache_store import SchemaExistsError as StoreSchemaExistsError
-from promptcache.model_runtime.errors import ChatRenderError, EngineError, ModelLoadError, PromptTooLongError
+from promptcache.model_runtime.errors import (
+    ChatRenderError,
+    EngineError,
+    InvalidRequestError,
+    ModelLoadError,
+    PromptTooLongError,
+    QueueFullError,
+)
 from promptcache.pml import PmlError, PmlLimitError, UnknownSchemaError
 
 logger = logging.getLogger("promptcache.server")
 
 
 class ServerError(Exception):
-    """Root of the server's own errors. `headers` go on the HTTP response (e.g. Retry-After)."""
+    """Root of the server's own errors. `headers` go on the HTTP response (e.g. Retry-After). A 5xx's
+    message reaches the caller only when `is_public` (written for the caller, no internals in it)."""
+
+    is_public = False
 
     def __init__(self, message: str = "", *, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
@@ -27,7 +37,9 @@ class ServerError(Exception):
 
 
 class NotReadyError(ServerError):
-    """The model is still loading."""
+    """The model is still loading (or failed to: the log says why)."""
+
+    is_public = True
 
 
 class UnauthorizedError(ServerError):
@@ -70,7 +82,10 @@ class RequestRejectedError(ServerError):
 
 
 class EngineFailureError(ServerError):
-    """The engine failed while serving the request."""
+    """The engine failed while serving the request; the message is the engine's, with the error id under
+    which it logged the failure."""
+
+    is_public = True
 
 
 # Most specific first: the first matching row wins.
@@ -92,11 +107,22 @@ ERROR_TABLE: list[tuple[type[Exception], int, str]] = [
     (PmlError, 400, "invalid_pml"),
     (PromptTooLongError, 400, "prompt_too_long"),
     (ChatRenderError, 400, "invalid_messages"),
+    (InvalidRequestError, 400, "invalid_request"),
+    (QueueFullError, 429, "queue_full"),
     (ModelLoadError, 503, "model_unavailable"),
     (EngineError, 500, "engine_error"),
     (CacheStoreError, 503, "cache_unavailable"),
     (ValueError, 400, "invalid_request"),
 ]
+
+
+def headers_for(exc: Exception) -> dict[str, str] | None:
+    """The headers an error response carries: a ServerError's own, Retry-After for a full queue."""
+    if isinstance(exc, ServerError):
+        return exc.headers
+    if isinstance(exc, QueueFullError):
+        return {"Retry-After": str(exc.retry_after_s)}
+    return None
 
 
 def status_for(exc: Exception) -> tuple[int, str]:
@@ -106,14 +132,29 @@ def status_for(exc: Exception) -> tuple[int, str]:
     return 500, "internal_error"
 
 
+def public_error(exc: Exception, where: str) -> tuple[int, str, str]:
+    """(status, type, message) the caller sees for `exc`, raised while serving `where`. A 4xx says what is
+    wrong; a 5xx says only what failed and an error id, and the exception goes to the log under that id
+    (Redis addresses, paths and tracebacks stay server-side). Bodies and SSE error events both use it."""
+    status, kind = status_for(exc)
+    if status < 500 or (isinstance(exc, ServerError) and exc.is_public):
+        return status, kind, str(exc)
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("%s failed (error id %s)", where, error_id, exc_info=exc)
+    what = ("internal server error" if status == 500 else
+            "a cache tier or the schema registry is unavailable; retry shortly" if kind == "cache_unavailable" else
+            "service unavailable; retry shortly")
+    return status, kind, f"{what} (id {error_id})"
+
+
 def error_response(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status, headers=headers)
 
 
-def response_for(exc: Exception) -> JSONResponse:
+def response_for(exc: Exception, where: str = "a request") -> JSONResponse:
     """The error response of a domain exception raised before any route ran (auth, limits)."""
-    status, kind = status_for(exc)
-    response = error_response(status, kind, str(exc), exc.headers if isinstance(exc, ServerError) else None)
+    status, kind, message = public_error(exc, where)
+    response = error_response(status, kind, message, headers_for(exc))
     if status == 401:
         response.headers["WWW-Authenticate"] = "Bearer"
     return response
@@ -123,15 +164,10 @@ def install_error_handlers(app: FastAPI) -> None:
     """Route every exception through ERROR_TABLE; the body is always {"error": {"type", "message"}}."""
 
     async def domain(request: Request, exc: Exception) -> JSONResponse:
-        status, kind = status_for(exc)
+        status, kind, message = public_error(exc, f"{request.method} {request.url.path}")
         if status < 500:
-            return error_response(status, kind, f"{type(exc).__name__}: {exc}",
-                                  exc.headers if isinstance(exc, ServerError) else None)
-        if status == 503 or isinstance(exc, EngineFailureError):  # messages written for the caller
-            return error_response(status, kind, str(exc))
-        error_id = uuid.uuid4().hex[:12]  # internals go to the log only, under an id the caller gets
-        logger.error("%s %s failed (error id %s)", request.method, request.url.path, error_id, exc_info=exc)
-        return error_response(status, kind, f"internal server error (id {error_id})")
+            message = f"{type(exc).__name__}: {message}"
+        return error_response(status, kind, message, headers_for(exc))
 
     async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         parts, unknown = [], []

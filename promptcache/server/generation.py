@@ -13,7 +13,7 @@ from promptcache.server.errors import (
     EngineFailureError,
     RequestRejectedError,
     UnsupportedParameterError,
-    status_for,
+    public_error,
 )
 from promptcache.server.metrics import Metrics
 from promptcache.server.tenants import tenant_label
@@ -39,12 +39,25 @@ def sampling_params(fields: SamplingFields, max_tokens_limit: int, logprobs: int
         raise UnsupportedParameterError(f"max_tokens is {fields.max_tokens}; this server allows at most "
                                         f"{max_tokens_limit}")
     stop = [fields.stop] if isinstance(fields.stop, str) else list(fields.stop or [])
-    bias = tuple((int(token), value) for token, value in (fields.logit_bias or {}).items())
+    bias = _bias_by_token_id(fields.logit_bias or {})
     return SamplingParams(max_tokens=max(fields.max_tokens, 1), temperature=fields.temperature, top_p=fields.top_p,
                           top_k=fields.top_k, min_p=fields.min_p, presence_penalty=fields.presence_penalty,
                           frequency_penalty=fields.frequency_penalty, repetition_penalty=fields.repetition_penalty,
                           logit_bias=bias, n=fields.n, seed=fields.seed, stop=tuple(stop), logprobs=logprobs,
                           ignore_eos=fields.ignore_eos, prompt_logprobs=prompt_logprobs)
+
+
+def _bias_by_token_id(logit_bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs. Raises ValueError (a 400) when two keys name one token ("5" and "05"):
+    which bias was meant is unknowable, and adding both would exceed the per-token bound."""
+    keys: dict[int, str] = {}
+    for key in logit_bias:
+        token = int(key)
+        if token in keys:
+            raise ValueError(f"logit_bias: keys {keys[token]!r} and {key!r} both name token {token}; give each "
+                             "token id once")
+        keys[token] = key
+    return tuple((int(key), bias) for key, bias in logit_bias.items())
 
 
 def raise_for_error(event: TokenEvent) -> None:
@@ -173,5 +186,6 @@ def sse(payload: dict) -> str:
 
 
 def sse_error(exc: Exception) -> str:
-    status, kind = status_for(exc)
-    return sse({"error": {"type": kind, "message": str(exc), "status": status}})
+    """The in-band error event of a stream whose headers are sent: a 5xx carries an error id, not internals."""
+    status, kind, message = public_error(exc, "a stream")
+    return sse({"error": {"type": kind, "message": message, "status": status}})

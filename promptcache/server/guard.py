@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections import deque
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -24,12 +25,14 @@ PLAYGROUND_PREFIX = "/playground"  # static page and assets: no data; the page s
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, settings: ServerSettings, tenants: TenantDirectory) -> None:
+    def __init__(self, app: ASGIApp, settings: ServerSettings, tenants: TenantDirectory,
+                 rates: RequestRateLimiter | None = None) -> None:
         self.app = app
         self.max_bytes = settings.max_request_bytes
         self.tenants = tenants
-        self.rates = RequestRateLimiter(tenants)
+        self.rates = rates or RequestRateLimiter(tenants)  # shared with the routes, which count samples past one
         self.metrics_digest = hashlib.sha256(settings.metrics_key.encode()).digest() if settings.metrics_key else None
+        self.is_metrics_closed = bool(settings.api_keys_file) and self.metrics_digest is None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -52,13 +55,14 @@ class RequestGuard:
             return
 
         async def replay() -> Message:
-            return messages.pop(0) if messages else await receive()
+            return messages.popleft() if messages else await receive()
 
         await self.app(scope, replay, send)
 
-    async def _read_body(self, receive: Receive) -> list[Message]:
-        """The request's body messages, counted as they arrive; stops at the limit."""
-        messages: list[Message] = []
+    async def _read_body(self, receive: Receive) -> deque[Message]:
+        """The request's body messages, counted as they arrive; stops at the limit. A deque: a body sent
+        in many small chunks is replayed in linear time (list.pop(0) moves every later chunk)."""
+        messages: deque[Message] = deque()
         received = 0
         while True:
             message = await receive()
@@ -72,8 +76,12 @@ class RequestGuard:
                 return messages
 
     def _check_metrics_key(self, headers: Headers) -> None:
-        """/metrics is open unless a metrics key is set (it is never behind the tenants' keys)."""
+        """/metrics needs the metrics key when one is set (it is never behind the tenants' keys). Without one it
+        is open, unless a keys file names tenants: its series name every tenant, so it is then closed."""
         if self.metrics_digest is None:
+            if self.is_metrics_closed:
+                raise UnauthorizedError("/metrics names every tenant, so with an API keys file it needs a metrics "
+                                        "key and this server has none (set PROMPTCACHE_METRICS_KEY)")
             return
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if not (hmac.compare_digest(hashlib.sha256(token.encode()).digest(), self.metrics_digest)

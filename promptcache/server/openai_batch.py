@@ -1,6 +1,7 @@
 """/v1/completions with several prompts or with echo (not streamed): each prompt is one group of n
 choices (choice index = prompt index x n + sample), all submitted to the engine at once, so prompts that
-share text share its KV through the block index; one answer with every choice and the summed usage."""
+share text share its KV through the block index; one answer with every choice and the summed usage.
+The prompt count is capped by the route (`max_prompts_per_request`), so "all at once" is bounded."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import asyncio
 import time
 import uuid
 
+from fastapi.responses import Response
+
 from promptcache.pml import PromptPlan
 from promptcache.server.generation import Outcome, collect, record, sampling_params
-from promptcache.server.openai_logprobs import completion_logprobs, echoed_logprobs
+from promptcache.server.json_body import json_off_loop
+from promptcache.server.openai_logprobs import completion_logprobs, echoed_logprobs, prompt_logprobs
 from promptcache.server.openai_shapes import extension, finish_reason
 from promptcache.server.openai_wire import CompletionRequest
 from promptcache.server.service import PromptService
@@ -18,10 +22,11 @@ from promptcache.server.service import PromptService
 
 async def run_completions(service: PromptService, body: CompletionRequest, plans: list[PromptPlan],
                           echoes: list[str] | None, prompt_ids: list[list[int]] | None = None,
-                          tenant: str | None = None) -> dict:
+                          tenant: str | None = None) -> Response:
     """Run every plan (none when `max_tokens` is 0 and no logprobs are asked: echo only). `echoes` are the
     prompts' texts to prepend; with `prompt_ids` (echo with logprobs) the prompts' tokens get logprobs
-    too, the first one None (nothing precedes it), as OpenAI reports them."""
+    too, the first one None (nothing precedes it), as OpenAI reports them. The answer is assembled and
+    rendered off the event loop."""
     request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     outcomes: list[Outcome | None] = [None] * len(plans)
@@ -30,9 +35,21 @@ async def run_completions(service: PromptService, body: CompletionRequest, plans
                                  prompt_logprobs=body.logprobs if prompt_ids is not None else None)
         fidelity = service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions,
                                     body.fidelity_context)
-        outcomes = list(await asyncio.gather(*(
-            collect(service.submit(plan, params, body.cache_salt, f"{request_id}-{i}", fidelity, tenant), params.n)
-            for i, plan in enumerate(plans))))
+        streams = service.submit_many(plans, params, body.cache_salt,  # all queued, or a 429 and none
+                                      [f"{request_id}-{i}" for i in range(len(plans))], fidelity, tenant)
+        outcomes = list(await asyncio.gather(*(collect(events, params.n) for events in streams)))
+    for outcome in outcomes:
+        if outcome is not None:
+            record(service.metrics, outcome.final, outcome.finish_reasons, tenant)
+    head = {"id": request_id, "object": "text_completion", "created": created, "model": service.model_name}
+    return await json_off_loop(lambda: {**head, **_answer(service, body, plans, outcomes, echoes, prompt_ids)})
+
+
+def _answer(service: PromptService, body: CompletionRequest, plans: list[PromptPlan],
+            outcomes: list[Outcome | None], echoes: list[str] | None,
+            prompt_ids: list[list[int]] | None) -> dict:
+    """Choices, usage and reports of finished prompts. Per-token work (each token's text and its top
+    alternatives') reads the token-string table; an echoed prompt's part is built once for its n samples."""
     choices, reports = [], []
     totals = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
     for p, (plan, outcome) in enumerate(zip(plans, outcomes)):
@@ -42,26 +59,26 @@ async def run_completions(service: PromptService, body: CompletionRequest, plans
             choices += [{"index": p * body.n + i, "text": echo, "finish_reason": "length", "logprobs": None}
                         for i in range(body.n)]
             continue
-        record(service.metrics, outcome.final, outcome.finish_reasons, tenant)
         used = outcome.final.usage
         generated = body.max_tokens > 0  # else the engine ran one token for the prompt's logprobs: dropped
         totals["prompt_tokens"] += used.prompt_tokens
         totals["completion_tokens"] += used.completion_tokens if generated else 0
         totals["cached_tokens"] += used.cached_tokens
         reports.append(extension(outcome.final, plan))
+        echoed = None
+        if body.logprobs is not None and prompt_ids is not None:
+            echoed = prompt_logprobs(prompt_ids[p], outcome.final.prompt_logprobs or (), service.token_text)
         for i, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons)):
             events = outcome.events[i] if generated else []
             logprobs = None
             if body.logprobs is not None:
                 logprobs = completion_logprobs(events, service.token_text)
-                if prompt_ids is not None:
-                    logprobs = echoed_logprobs(prompt_ids[p], outcome.final.prompt_logprobs or (), logprobs,
-                                               service.token_text)
+                if echoed is not None:
+                    logprobs = echoed_logprobs(echoed, logprobs)
             choices.append({"index": p * body.n + i, "text": echo + (text if generated else ""),
                             "finish_reason": finish_reason(reason) if generated else "length",
                             "logprobs": logprobs})
     usage = {"prompt_tokens": totals["prompt_tokens"], "completion_tokens": totals["completion_tokens"],
              "total_tokens": totals["prompt_tokens"] + totals["completion_tokens"],
              "prompt_tokens_details": {"cached_tokens": totals["cached_tokens"]}}
-    return {"id": request_id, "object": "text_completion", "created": created, "model": service.model_name,
-            "choices": choices, "usage": usage, "promptcache": {"prompts": reports}}
+    return {"choices": choices, "usage": usage, "promptcache": {"prompts": reports}}

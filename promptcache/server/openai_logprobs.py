@@ -32,20 +32,27 @@ def completion_logprobs(events: list[TokenEvent], token_text: TokenText, *, text
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
-def echoed_logprobs(prompt_ids: list[int], prompt_logprobs: tuple[TokenLogprobs, ...] | list[TokenLogprobs],
-                    generated: dict, token_text: TokenText) -> dict:
-    """Legacy shape over the prompt's tokens then the generated ones (`generated`, from
-    `completion_logprobs`): the first prompt token has no logprob (None), as OpenAI reports it."""
+def prompt_logprobs(prompt_ids: list[int], prompt_logprobs: tuple[TokenLogprobs, ...] | list[TokenLogprobs],
+                    token_text: TokenText) -> dict:
+    """Legacy shape over an echoed prompt's tokens: the first has no logprob (None), as OpenAI reports it.
+    Built once per prompt; each of its samples appends its own tokens (`echoed_logprobs`)."""
     assert len(prompt_logprobs) == len(prompt_ids) - 1, "one logprob per prompt token after the first"
     tokens = [token_text(t) for t in prompt_ids]
     token_logprobs: list[float | None] = [None] + [lp.logprob for lp in prompt_logprobs]
     top_logprobs: list[dict | None] = [None, *(_legacy_top(text, lp, token_text)
                                                for text, lp in zip(tokens[1:], prompt_logprobs))]
-    ends = list(itertools.accumulate(len(t) for t in tokens))
-    offsets, shift = [0, *ends[:-1]], ends[-1]
-    return {"tokens": tokens + generated["tokens"], "token_logprobs": token_logprobs + generated["token_logprobs"],
-            "top_logprobs": top_logprobs + generated["top_logprobs"],
-            "text_offset": offsets + [shift + o for o in generated["text_offset"]]}
+    offsets = [0, *itertools.accumulate(len(t) for t in tokens[:-1])]
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def echoed_logprobs(prompt: dict, generated: dict) -> dict:
+    """The prompt's tokens (`prompt_logprobs`) then one sample's generated ones (`completion_logprobs`),
+    the generated offsets shifted past the prompt's text."""
+    shift = prompt["text_offset"][-1] + len(prompt["tokens"][-1])
+    return {"tokens": prompt["tokens"] + generated["tokens"],
+            "token_logprobs": prompt["token_logprobs"] + generated["token_logprobs"],
+            "top_logprobs": prompt["top_logprobs"] + generated["top_logprobs"],
+            "text_offset": prompt["text_offset"] + [shift + o for o in generated["text_offset"]]}
 
 
 def _legacy_top(text: str, logprobs: TokenLogprobs, token_text: TokenText) -> dict[str, float]:

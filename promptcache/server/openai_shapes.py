@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from promptcache.pml import PromptPlan
-from promptcache.server.generation import wire_prefix
+from promptcache.server.generation import wire_cache
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -17,12 +17,9 @@ def usage(final) -> dict:
 
 
 def extension(final, plan: PromptPlan) -> dict:
-    prefix = wire_prefix(final)
-    return {"exact": bool(final.is_exact), "fidelity": final.fidelity, "positions": final.positions,
-            "recomputed_tokens": final.usage.recomputed_tokens,
-            "approximations": [] if final.is_exact else list(plan.approximations),
-            "modules": [{"path": m.path, "num_tokens": m.num_tokens, "tier": m.tier,
-                         "recomputed_tokens": m.num_recomputed} for m in final.modules or ()],
-            "prefix": prefix.model_dump() if prefix is not None else None,
-            "timings": {"ttft_ms": round(final.timings.ttft_ms, 3), "total_ms": round(final.timings.total_ms, 3),
-                        "lookup_ms": round(final.timings.lookup_ms, 3)}}
+    """The `promptcache` object of OpenAI-shaped responses: /v1/generate's `cache` report (exact, fidelity,
+    positions, context, recomputed tokens, modules with `encoded_after`, prefix) plus the timings."""
+    report = wire_cache(final, plan.approximations).model_dump()
+    report["timings"] = {"ttft_ms": round(final.timings.ttft_ms, 3), "total_ms": round(final.timings.total_ms, 3),
+                         "lookup_ms": round(final.timings.lookup_ms, 3)}
+    return report

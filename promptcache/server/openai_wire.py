@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from promptcache.server.errors import UnsupportedParameterError
 from promptcache.server.wire import SamplingFields
 
+MAX_CHAT_MESSAGES = 1024  # a chat's turns; its tokens are bounded by the model's positions after rendering
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -76,7 +78,10 @@ class ChatCompletionRequest(_OpenAIFields):
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Role/content dicts for the chat template: text parts joined, `developer` as `system`. Raises
-    UnsupportedParameterError for non-text content parts."""
+    UnsupportedParameterError for non-text content parts and past MAX_CHAT_MESSAGES messages."""
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise UnsupportedParameterError(f"messages: {len(messages)} messages in one request; this server takes at "
+                                        f"most {MAX_CHAT_MESSAGES}")
     rendered = []
     for index, message in enumerate(messages):
         if not isinstance(message.content, (str, type(None))) and any(

@@ -21,21 +21,20 @@ from promptcache.cache_store import (
     BlockIndexConfig,
     RegistryState,
     SchemaRegistry,
-    StoreConfig,
     StoredSchema,
     build_store,
 )
 from promptcache.model_runtime import LoadedModel, ModelRuntime, SamplingParams
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, ReusePlan, TokenEvent
-from promptcache.pml import PmlLimits, PromptPlan, Schema, UnknownSchemaError, token_plan
+from promptcache.pml import PmlLimits, PromptPlan, Schema, UnknownSchemaError, is_valid_name, token_plan
 from promptcache.server.errors import (
-    QuotaExceededError,
     SchemaExistsError,
     SchemaNotFoundError,
     SchemaTooLongError,
 )
 from promptcache.server.heap import trim_heap_every
 from promptcache.server.metrics import Metrics, engine_families, store_families
+from promptcache.server.quota import QuotaLedger
 from promptcache.server.settings import ServerSettings
 from promptcache.server.tenants import (
     TenantDirectory,
@@ -44,6 +43,7 @@ from promptcache.server.tenants import (
     split_registry_name,
     tenant_salt,
 )
+from promptcache.server.token_strings import TokenStrings
 
 logger = logging.getLogger(__name__)
 PLAIN_SCHEMA = "__plain__"  # the empty schema that plain-text and chat prompts are resolved against
@@ -55,22 +55,19 @@ class PromptService:
     def __init__(self, settings: ServerSettings, loaded: LoadedModel, tenants: TenantDirectory | None = None) -> None:
         self.settings = settings
         self.tenants = tenants or TenantDirectory({})
-        signer = BlobSigner(settings.blob_key.encode() if settings.blob_key else None)
+        store_config = settings.store_config(self.tenants.cache_shares())  # the same mapping as `promptcache encode`
+        signer = BlobSigner(store_config.blob_key)
         self.model_name = loaded.name
-        self.store = build_store(StoreConfig(
-            device_max_bytes=settings.device_max_bytes, host_max_bytes=settings.host_max_bytes,
-            redis_url=settings.redis_url, redis_max_bytes=settings.redis_max_bytes,
-            redis_namespace=settings.namespace, redis_timeout_s=settings.redis_timeout_s,
-            disk_dir=settings.disk_dir, disk_max_bytes=settings.disk_max_bytes,
-            blob_key=settings.blob_key.encode() if settings.blob_key else None,
-            owner_shares=tuple(self.tenants.cache_shares().items())), device=settings.device)
+        self.store = build_store(store_config, device=settings.device)
         self.registry = SchemaRegistry(settings.redis_url, namespace=settings.namespace,
                                        timeout_s=settings.redis_timeout_s, signer=signer)
+        self.quotas = QuotaLedger(settings.redis_url, namespace=settings.namespace, timeout_s=settings.redis_timeout_s)
         if settings.redis_url and not signer.enabled:
             logger.warning("Redis is shared storage and no blob key is set (PROMPTCACHE_BLOB_KEY): anyone who can "
                            "write to it can plant KV or schemas this server will serve (docs/security.md)")
         limits = PmlLimits(max_schema_bytes=settings.max_schema_bytes, max_prompt_bytes=settings.max_request_bytes)
         self.runtime = ModelRuntime(loaded, self.store, limits)
+        self.token_strings = TokenStrings.of(loaded.tokenizer)  # built on first use, off the event loop
         prefix = BlockIndexConfig(block_size=settings.prefix_block_size, ttl_s=settings.prefix_ttl_s) \
             if settings.prefix_caching else None
         self.engine = Engine(self.runtime.module_encoder, EngineConfig(
@@ -78,7 +75,8 @@ class PromptService:
             attention_backend=settings.attention_backend, prefix=prefix, fidelity=self.fidelity(None),
             max_prefill_tokens=settings.max_prefill_tokens, max_prefill_tokens_alone=settings.max_prefill_tokens_alone,
             min_prefill_tokens=settings.min_prefill_tokens, max_step_slowdown=settings.max_step_slowdown or None,
-            logits_cache_bytes=settings.logits_cache_bytes, max_assembled_bytes=settings.max_assembled_kv_bytes))
+            logits_cache_bytes=settings.logits_cache_bytes, max_assembled_bytes=settings.max_assembled_kv_bytes,
+            max_waiting_per_tenant=settings.max_waiting_per_tenant))
         self.metrics = Metrics(self.model_name)
         self.metrics.add_source(lambda: engine_families(self.engine, self.runtime.module_encoder, self.model_name))
         self.metrics.add_source(lambda: store_families(self.store))
@@ -90,8 +88,13 @@ class PromptService:
     async def start(self) -> None:
         """Start the engine, adopt schemas persisted in the registry, preload the bundled examples."""
         self.engine.start()
+        known: dict[str | None, dict[str, tuple[int, str]]] = {}
         for stored in self.registry.list():
-            self._adopt(stored)
+            if (schema := self._adopt(stored)) is not None:
+                tenant, name = split_registry_name(stored.name)
+                known.setdefault(tenant, {})[name] = (schema.num_positions, stored.version)
+        for tenant, schemas in known.items():  # schemas stored before the quota ledger counted them
+            self.quotas.record(tenant, schemas)
         self._tasks.append(asyncio.create_task(self._follow_registry()))
         if self.settings.heap_trim_s > 0:
             self._tasks.append(asyncio.create_task(trim_heap_every(self.settings.heap_trim_s)))
@@ -115,50 +118,57 @@ class PromptService:
         return tenant_salt(tenant, cache_salt)
 
     async def create_schema(self, pml: str, tenant: str | None = None) -> Schema:
-        """Validate, check the tenant's quota, encode, then register: a failed upload leaves nothing behind
-        (its encoded KV is only cache). Raises PmlError, SchemaTooLongError, SchemaExistsError,
-        QuotaExceededError."""
+        """Validate, reserve the schema in the tenant's quota, encode, then register: a failed upload leaves
+        nothing behind (its encoded KV is only cache; its reservation is released). Raises PmlError,
+        SchemaTooLongError, SchemaExistsError, QuotaExceededError."""
         schema = await asyncio.to_thread(self.runtime.parse_schema, pml)
         if schema.num_positions > self.runtime.loaded.max_positions:
             raise SchemaTooLongError(f"schema {schema.name!r} spans {schema.num_positions} positions; the model "
                                      f"supports {self.runtime.loaded.max_positions}")
         if schema.name == PLAIN_SCHEMA or await asyncio.to_thread(self.ensure_schema, schema.name, tenant) is not None:
             raise SchemaExistsError(f"schema {schema.name!r} already exists; DELETE it first to replace it")
-        await asyncio.to_thread(self._check_quota, schema, tenant)
-        # In chunks between decode steps; salted with the tenant like every later lookup of it.
-        report = await asyncio.wrap_future(self.engine.encode_schema(schema, self.salt(tenant, None),
-                                                                     keep_local=self.settings.upload_kv_local))
-        # Shared-tier writes are write-behind: let them land so another replica finds the KV at once.
-        await asyncio.to_thread(self.store.flush, self.settings.redis_timeout_s * 60)
         qualified = registry_name(tenant, schema.name)
-        stored = self.registry.save(qualified, pml, {"num_tokens": schema.num_positions})
+        async with self.quotas.hold(tenant, schema.name, schema.num_positions, self.tenants.quota(tenant),
+                                    lambda: self._stored_versions(tenant)) as hold:
+            # In chunks between decode steps; salted with the tenant like every later lookup of it.
+            report = await asyncio.wrap_future(self.engine.encode_schema(schema, self.salt(tenant, None),
+                                                                         keep_local=self.settings.upload_kv_local))
+            # Shared-tier writes are write-behind: let them land so another replica finds the KV at once.
+            await asyncio.to_thread(self.store.flush, self.settings.redis_timeout_s * 60)
+            stored = await asyncio.to_thread(self.registry.save, qualified, pml, {"num_tokens": schema.num_positions})
+            hold.commit(stored.version)
         self.runtime.add_schema(schema, encode=False, namespace=namespace(tenant))
         self._versions[qualified] = stored.version
         self.encode_ms[qualified] = report.encode_ms
         return schema
 
-    def _check_quota(self, schema: Schema, tenant: str | None) -> None:
-        quota = self.tenants.quota(tenant)
-        if quota.max_schemas is None and quota.max_schema_tokens is None:
-            return
-        owned = self.list_schemas(tenant)
-        if quota.max_schemas is not None and len(owned) + 1 > quota.max_schemas:
-            raise QuotaExceededError(f"this tenant has {len(owned)} schemas; its quota is {quota.max_schemas} "
-                                     "(delete one first)")
-        tokens = sum(s.num_positions for s in owned) + schema.num_positions
-        if quota.max_schema_tokens is not None and tokens > quota.max_schema_tokens:
-            raise QuotaExceededError(f"schema {schema.name!r} would bring this tenant's schemas to {tokens} tokens; "
-                                     f"its quota is {quota.max_schema_tokens}")
-
     def list_schemas(self, tenant: str | None = None) -> list[Schema]:
-        """The tenant's schemas (adopting ones another replica uploaded)."""
+        """The tenant's schemas (adopting ones another replica uploaded: only the tenant's documents are read)."""
         ns = namespace(tenant)
-        for stored in self.registry.list():
-            owner, name = split_registry_name(stored.name)
-            if owner == tenant and self.runtime.get_schema(name, ns) is None:
+        for name in self._registered(tenant) or ():
+            if self.runtime.get_schema(name, ns) is None and (stored := self.registry.load(registry_name(tenant, name))):
                 self._adopt(stored)
         return [s for n in self.runtime.schema_names(ns) if n != PLAIN_SCHEMA
                 for s in [self.runtime.get_schema(n, ns)] if s is not None]
+
+    def _registered(self, tenant: str | None) -> dict[str, str] | None:
+        """Name -> version of the tenant's schemas in the shared registry, from its index (no document is
+        read); None without one (or when it cannot be reached)."""
+        state = self.registry.state()
+        if state is None:
+            return None
+        return {name: version for qualified, version in state.versions.items()
+                for owner, name in [split_registry_name(qualified)] if owner == tenant}
+
+    def _stored_versions(self, tenant: str | None) -> dict[str, str] | None:
+        """Name -> version of the tenant's schemas whose stored document passes the registry's check (reads
+        the tenant's documents, no one else's); None without a shared registry. What quota shares are
+        judged by when they would refuse an upload: a schema lost or failing (a rotated blob key) frees its."""
+        names = self._registered(tenant)
+        if names is None:
+            return None
+        return {name: stored.version for name in names
+                if (stored := self.registry.load(registry_name(tenant, name))) is not None}
 
     def get_schema(self, name: str, tenant: str | None = None) -> Schema:
         schema = self.ensure_schema(name, tenant) if name != PLAIN_SCHEMA else None
@@ -177,6 +187,7 @@ class PromptService:
         qualified = registry_name(tenant, name)
         self.runtime.remove_schema(name, namespace(tenant))
         self.registry.delete(qualified)
+        self.quotas.forget(tenant, name)
         self.encode_ms.pop(qualified, None)
         self._versions.pop(qualified, None)
         encoder, salt = self.runtime.module_encoder, self.salt(tenant, None)
@@ -186,7 +197,10 @@ class PromptService:
             self.store.delete(encoder.key(schema, segment_id, context_ids, salt))
 
     def ensure_schema(self, name: str, tenant: str | None = None) -> Schema | None:
-        """The tenant's schema, from this process or from the shared registry (uploaded by another replica)."""
+        """The tenant's schema, from this process or from the shared registry (uploaded by another replica).
+        A string that is no schema name (`alpha/kb` spells a registry name of tenant alpha's) names none."""
+        if not is_valid_name(name):
+            return None
         schema = self.runtime.get_schema(name, namespace(tenant))
         if schema is not None:
             return schema
@@ -240,6 +254,7 @@ class PromptService:
                 if schema is not None and self.registry.restore(StoredSchema(
                         qualified, schema.pml, {"num_tokens": schema.num_positions}, version=version)):
                     logger.warning("schema %r was missing from the shared registry; restored it", qualified)
+                    self.quotas.record(tenant, {name: (schema.num_positions, version)})
 
     # -- prompts -----------------------------------------------------------------------------------
     def plan(self, prompt: str, *, tenant: str | None = None, isolated: bool = False) -> PromptPlan:
@@ -273,8 +288,9 @@ class PromptService:
                         positions or self.settings.fidelity_positions, context or self.settings.fidelity_context)
 
     def token_text(self, token_id: int) -> str:
-        """One token's text as the tokenizer decodes it alone (logprobs report tokens this way)."""
-        return self.runtime.token_text(token_id)
+        """One token's text as the tokenizer decodes it alone (logprobs report tokens this way), from the
+        table of token strings: builds it on first use, so event-loop code awaits `token_strings.ready()`."""
+        return self.token_strings.text(token_id)
 
     @property
     def max_model_len(self) -> int:
@@ -290,14 +306,23 @@ class PromptService:
 
     def submit(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None, request_id: str,
                fidelity: Fidelity, tenant: str | None = None, report_spans: bool = False) -> AsyncIterator[TokenEvent]:
-        """Raises ValueError for a logit_bias token outside the vocabulary. `report_spans`: the final event
-        lists the prompt as spans by where their KV came from."""
+        """Raises ValueError for a logit_bias token outside the vocabulary, QueueFullError when the
+        tenant's waiting queue is full. `report_spans`: the final event lists the prompt as spans by
+        where their KV came from."""
+        [events] = self.submit_many([plan], params, cache_salt, [request_id], fidelity, tenant, report_spans)
+        return events
+
+    def submit_many(self, plans: list[PromptPlan], params: SamplingParams, cache_salt: str | None,
+                    request_ids: list[str], fidelity: Fidelity, tenant: str | None = None,
+                    report_spans: bool = False) -> list[AsyncIterator[TokenEvent]]:
+        """`submit` every plan, all or none (the tenant's queue has room for them all, or none is queued)."""
         try:
             self.runtime.check_token_ids([token for token, _ in params.logit_bias])
         except ValueError as exc:
             raise ValueError(f"logit_bias: {exc}") from None
-        return self.engine.submit(plan, params, cache_salt=self.salt(tenant, cache_salt), request_id=request_id,
-                                  fidelity=fidelity, report_spans=report_spans)
+        return self.engine.submit_many(plans, params, cache_salt=self.salt(tenant, cache_salt),
+                                       request_ids=list(request_ids), fidelity=fidelity, report_spans=report_spans,
+                                       tenant=tenant)
 
     def locate(self, reuse: ReusePlan, schema: Schema, cache_salt: str | None,
                tenant: str | None = None) -> list[str | None]:

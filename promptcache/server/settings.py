@@ -8,6 +8,9 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from promptcache.cache_store import StoreConfig
     from promptcache.model_runtime import ModelConfig
 
 
@@ -25,17 +28,20 @@ class ServerSettings(BaseSettings):
     port: int = 8000
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="accepted Bearer keys; empty = no auth")
     api_keys_file: str | None = Field(None, description="JSON mapping API keys to tenant names (docs/security.md)")
-    metrics_key: str | None = Field(None, description="Bearer key /metrics asks for; None: /metrics is open")
+    metrics_key: str | None = Field(None, description="Bearer key /metrics asks for; None: /metrics is "
+                                   "open, or closed when an API keys file is set (its series name tenants)")
     tenant_max_schemas: int | None = Field(None, ge=0, description="schemas per tenant; None: unlimited")
     tenant_max_schema_tokens: int | None = Field(None, ge=0, description="schema positions summed per tenant")
-    tenant_rate_limit: str | None = Field(None, description="requests per tenant, e.g. '10/second'; None: unlimited")
+    tenant_rate_limit: str | None = Field(None, description="samples (prompts x n) per tenant, e.g. '10/second'; "
+                                                            "None: unlimited")
     tenant_cache_share: float | None = Field(None, gt=0, le=1, description="most of each KV tier's bytes one "
                                                                        "tenant may hold; None: no limit")
     redis_url: str | None = Field(None, description="redis:// or rediss:// (TLS), optionally user:password@")
     blob_key: str | None = Field(None, min_length=16, repr=False,
                                  description="HMAC key for everything written to Redis (docs/security.md)")
     namespace: str = "default"
-    device_max_bytes: int = 1 << 30
+    device_max_bytes: int | None = Field(None, gt=0, description="device KV tier budget; None: 1 GiB on a CPU, "
+                                                                  "a quarter of a GPU's free memory at startup")
     host_max_bytes: int = 4 << 30
     redis_max_bytes: int = 8 << 30
     redis_timeout_s: float = 0.5
@@ -43,6 +49,8 @@ class ServerSettings(BaseSettings):
     disk_max_bytes: int = 16 << 30
     max_num_seqs: int = 64
     max_kv_bytes: int = 2 << 30
+    max_waiting_per_tenant: int = Field(1024, ge=1, description="requests one tenant may have waiting for "
+                                        "admission (prompts of a list count one each); more get 429 + Retry-After")
     max_prefill_tokens: int = Field(256, ge=1, description="most prompt/encoding tokens a step while others decode")
     min_prefill_tokens: int = Field(8, ge=1, description="least prompt/encoding tokens a step while others decode")
     max_step_slowdown: float = Field(1.6, ge=0, description="a step with prompt tokens costs at most this many "
@@ -52,6 +60,8 @@ class ServerSettings(BaseSettings):
     max_request_bytes: int = 2 << 20
     max_schema_bytes: int = 4 << 20
     max_tokens_limit: int = 4096
+    max_prompts_per_request: int = Field(256, ge=1, description="prompts one /v1/completions request may list; "
+                                         "a longer list is a 400")
     prefix_caching: bool = True
     prefix_block_size: int = Field(32, ge=1, le=4096, description="tokens per automatic prefix block")
     prefix_ttl_s: float | None = Field(None, gt=0, description="unused prefix blocks expire after this")
@@ -91,6 +101,19 @@ class ServerSettings(BaseSettings):
 
         return ModelConfig(self.model, dtype=self.dtype, device=self.device, cache_dir=self.model_cache_dir,
                            pack_weights=self.pack_weights, fuse_layers=self.fuse_layers)
+
+    def store_config(self, owner_shares: Mapping[str, float] | None = None) -> StoreConfig:
+        """The KV store these settings describe — the server's and `promptcache encode`'s alike, so what
+        the CLI writes (signed with the blob key) a server with the same settings reads. `owner_shares`:
+        each tenant's byte share of every tier (the server's tenant directory)."""
+        from promptcache.cache_store import StoreConfig
+
+        return StoreConfig(
+            device_max_bytes=self.device_max_bytes, host_max_bytes=self.host_max_bytes, redis_url=self.redis_url,
+            redis_max_bytes=self.redis_max_bytes, redis_namespace=self.namespace, redis_timeout_s=self.redis_timeout_s,
+            disk_dir=self.disk_dir, disk_max_bytes=self.disk_max_bytes,
+            blob_key=self.blob_key.encode() if self.blob_key else None,
+            owner_shares=tuple((owner_shares or {}).items()))
 
     @field_validator("api_keys", mode="before")
     @classmethod

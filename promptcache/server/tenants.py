@@ -26,9 +26,9 @@ from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
 
 from promptcache.cache_store import owned_salt
-from promptcache.server.errors import RateLimitedError, UnauthorizedError
+from promptcache.server.errors import RateLimitedError, RequestRejectedError, UnauthorizedError
 
-TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: `$` lets a final "\n" through
 DEFAULT_TENANT_LABEL = "_default"  # how the default tenant appears in metrics (no tenant name starts with '_')
 
 
@@ -38,7 +38,7 @@ class Quota:
 
     max_schemas: int | None = None
     max_schema_tokens: int | None = None  # positions summed over the tenant's schemas
-    rate_limit: str | None = None  # requests, in the `limits` library's notation: "10/second", "600/minute"
+    rate_limit: str | None = None  # samples (prompts x n), in the `limits` library's notation: "10/second"
     cache_share: float | None = None  # most of each KV tier's bytes (device, host, Redis) the tenant may hold
 
     def __post_init__(self) -> None:
@@ -91,7 +91,7 @@ class TenantDirectory:
     def __init__(self, keys: Mapping[str, str | None], default_quota: Quota = Quota(),
                  quotas: Mapping[str, Quota] | None = None) -> None:
         for tenant in {t for t in keys.values() if t is not None} | set(quotas or {}):
-            if not TENANT_NAME.match(tenant):
+            if not TENANT_NAME.fullmatch(tenant):
                 raise ValueError(f"tenant name {tenant!r} is invalid: expected 1-64 letters, digits, '_', '.' or "
                                  "'-', starting with a letter or digit")
         if any(not key for key in keys):
@@ -154,19 +154,29 @@ class TenantDirectory:
 
 
 class RequestRateLimiter:
-    """Per-tenant request rates (moving window, the `limits` library), in this process's memory."""
+    """Per-tenant request rates (moving window, the `limits` library), in this process's memory.
+
+    A request costs one hit per sample it asks for: prompts × n on /v1/completions, n on the chat and
+    generate routes, one elsewhere. The guard counts one hit as a request arrives (before its body is
+    read); the generating routes count the rest once the body says how many samples it asks for."""
 
     def __init__(self, directory: TenantDirectory) -> None:
         self.directory = directory
         self._limiter = MovingWindowRateLimiter(MemoryStorage())
 
-    def check(self, tenant: str | None) -> None:
-        """Count one request; raises RateLimitedError (with the seconds to wait) past the tenant's rate."""
+    def check(self, tenant: str | None, cost: int = 1, *, already_counted: int = 0) -> None:
+        """Count a request of `cost` hits, `already_counted` of them counted before. Raises
+        RequestRejectedError when `cost` exceeds the tenant's whole window (no wait would admit it) and
+        RateLimitedError (with the seconds to wait) past the tenant's rate."""
         rate = self.directory.quota(tenant).rate_limit
-        if rate is None:
+        if rate is None or cost <= already_counted:
             return
         item, key = parse_rate(rate), tenant_label(tenant)
-        if not self._limiter.hit(item, key):
+        if cost > item.amount:
+            raise RequestRejectedError(f"this request asks for {cost} samples (prompts x n), more than the tenant's "
+                                       f"whole rate limit of {rate} admits: send fewer prompts or a smaller n")
+        if not self._limiter.hit(item, key, cost=cost - already_counted):
             reset_at = self._limiter.get_window_stats(item, key).reset_time
             wait = max(1, math.ceil(reset_at - time.time()))
-            raise RateLimitedError(f"rate limit of {rate} requests exceeded; retry in {wait} s", retry_after_s=wait)
+            raise RateLimitedError(f"rate limit of {rate} exceeded (a request counts prompts x n, this one {cost}); "
+                                   f"retry in {wait} s", retry_after_s=wait)

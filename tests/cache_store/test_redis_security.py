@@ -48,9 +48,11 @@ def test_signed_blob_roundtrips_and_any_alteration_is_a_logged_miss(redis_server
     unsigned = RedisTier(redis_server.url, max_bytes=1 << 20, namespace="s")  # a writer without the key
     unsigned.put("c", blk(3, 7.0))
     assert unsigned.get("c") is not None  # what it wrote, it reads (no key: no checks)
-    assert tier.get("c") is None  # a keyed reader refuses the unsigned (forgeable) value
-    assert RedisTier(redis_server.url, max_bytes=1 << 20, namespace="s", signer=BlobSigner(b"x" * 32)).get("b") is None
+    assert tier.get("c") is None  # a keyed reader refuses the unsigned (forgeable) value, and drops it
+    assert not client.exists("promptcache:s:kv:c")
     assert tier.get("b") is not None  # the untouched entry still reads
+    assert RedisTier(redis_server.url, max_bytes=1 << 20, namespace="s", signer=BlobSigner(b"x" * 32)).get("b") is None
+    assert not client.exists("promptcache:s:kv:b")  # for a reader with another key, it failed: dropped
 
 
 def test_signed_registry_refuses_altered_entries(redis_server):

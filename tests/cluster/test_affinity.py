@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -84,6 +85,38 @@ def test_every_turn_of_a_chat_keeps_the_first_turns_key():
     assert _key("/v1/chat/completions", {"model": "m", "messages": other}) != key
     parts = [{"role": "user", "content": [{"type": "text", "text": "Plan a trip to Paris."}]}]
     assert _key("/v1/chat/completions", {"model": "m", "messages": [system, *parts]}) == key
+
+
+def test_the_schema_attribute_is_read_from_the_prompt_start_tag_alone():
+    base = _key("/v1/generate", _pml("<a/>"))
+    for start_tag in ('<prompt xml:space="preserve" schema=\'kb\'>', '<prompt\n  schema = "kb"  >'):
+        assert _key("/v1/generate", {"prompt": f"{start_tag}<user><a/>Q?</user><assistant/></prompt>"}) == base
+    other = {"prompt": '<prompts schema="x"/><prompt schema="kb"><a/></prompt>'}  # <prompts> is another tag
+    assert _key("/v1/generate", other, pml_key="schema") == _key("/v1/generate", _pml("<a/>"), pml_key="schema")
+    assert _key("/v1/generate", {"prompt": '<prompt lang="en"><a/></prompt>'}) is None  # no schema: no key
+
+
+SIZE = 2 << 20
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/generate", {"prompt": "<prompt " * (SIZE // 8)}),
+    ("/v1/completions", {"prompt": '<prompt schema="' * (SIZE // 16)}),
+    ("/v1/schemas", {"pml": "<schema " * (SIZE // 8)}),
+    ("/v1/schemas", {"pml": "<schema name='kb' " + "a='1' " * (SIZE // 6)}),
+    ("/v1/generate", {"prompt": '<prompt schema="kb">' + "<a" * (SIZE // 2)}),
+    ("/v1/chat/completions", {"schema": "kb", "messages": [{"role": "user", "content": "<a" * (SIZE // 2)}]}),
+], ids=["prompt-openings", "unclosed-quotes", "schema-openings", "many-attributes", "tag-openings", "chat"])
+def test_adversarial_bodies_are_keyed_in_linear_time(path, body):
+    """The router keys every request on the gateway's event loop, so a slow key stalls routing for every
+    client. The old patterns (r"<prompt\b[^>]*?\bschema=...", r"<schema\b[^>]*?\bname=...") rescanned the
+    rest of the text from each opening without a `>`: 0.5 s at 16 KiB, 2.1 s at 32 KiB, 7 s at 64 KiB
+    (x4 per doubling); prompts were scanned to 256 KiB (minutes), schema uploads whole (2 MiB: hours). The
+    openings cases were those; the others aim at this scanner's own loops (quotes, attributes, tags)."""
+    request = _request(path, body)
+    started = time.perf_counter()
+    affinity_key(request, TENANTS)
+    assert time.perf_counter() - started < 1
 
 
 def test_schema_uploads_are_keyed_by_tenant_and_name():

@@ -95,6 +95,18 @@ def cluster(tmp_path_factory):
         redis_server.stop()
 
 
+def _replica_states() -> dict[str, int]:
+    deployment = serve.status().applications[APP].deployments[REPLICA_DEPLOYMENT]
+    return {str(getattr(state, "value", state)): count for state, count in deployment.replica_states.items()}
+
+
+def test_health_is_the_replicas_once_every_replica_runs(cluster):
+    response = httpx.get(cluster.url + "/health", timeout=30)
+    assert response.status_code == 200 and response.json()["status"] == "ok"  # a replica's own answer
+    assert response.headers["x-promptcache-replica"] in cluster.replica_ids()
+    assert _replica_states() == {"RUNNING": 2}
+
+
 def test_schema_uploaded_through_one_replica_is_served_by_all(cluster):
     upload = cluster.post("/v1/schemas", {"pml": SCHEMA})
     assert upload.status_code == 201, upload.text
@@ -185,11 +197,12 @@ def test_killed_replica_is_replaced_and_requests_keep_succeeding(cluster):
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#{REPLICA_DEPLOYMENT}#{victim}", namespace="serve"), no_restart=True)
     # Module sets cycled as keys: with 21 of them, all owned by the survivor has odds 2^-21 (six single
     # modules: 1 in 64), so the replacement owns some as soon as it is routable.
-    statuses, served, deadline = [], set(), time.monotonic() + 90
+    statuses, served, health, deadline = [], set(), [], time.monotonic() + 90
     while time.monotonic() < deadline:
         response = cluster.post("/v1/generate", _prompt(MODULE_SETS[len(statuses) % len(MODULE_SETS)]))
         statuses.append(response.status_code)
         served.add(response.headers.get("x-promptcache-replica"))
+        health.append(httpx.get(cluster.url + "/health", timeout=30).status_code)
         ids = cluster.replica_ids()
         if len(ids) == 2 and victim not in ids and len(served - set(before)) > 0:
             break
@@ -197,3 +210,9 @@ def test_killed_replica_is_replaced_and_requests_keep_succeeding(cluster):
     ids = cluster.replica_ids()
     assert len(ids) == 2 and victim not in ids, ids  # Ray started a replacement
     assert served - set(before), "the replacement replica serves requests"
+    # The gateway said "not ready" while the replacement started, and is ready again once Ray runs both.
+    assert 503 in health, health
+    while httpx.get(cluster.url + "/health", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline + 30, "the gateway never reported ready again"
+        time.sleep(0.2)
+    assert _replica_states().get("RUNNING") == 2  # (the dead one may still be listed as stopping)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -26,6 +27,15 @@ def test_dockerfiles_are_hadolint_clean(name):
     assert result.returncode == 0, result.stdout + result.stderr
     text = (DOCKER / name).read_text()
     assert "USER 10001" in text and "HEALTHCHECK" in text and "--start-period=" in text
+
+
+def test_cuda_image_torch_wheel_matches_the_base_image_cuda_major():
+    text = (DOCKER / "Dockerfile.cuda").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, flags=re.M))
+    cuda_major = args["CUDA_VERSION"].split(".")[0]
+    wheel_tag = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d+)", args["TORCH_INDEX_URL"]).group(1)
+    assert wheel_tag[:-1] == cuda_major  # cu128 -> CUDA 12
+    assert args["FLASH_ATTN"] == "0" and 'if [ "$FLASH_ATTN" = 1 ]' in text  # flash-attn only when asked for
 
 
 def test_compose_runs_server_with_redis():

@@ -29,6 +29,16 @@ def test_page_and_assets_load_without_a_key_and_api_calls_still_need_one(live_se
     assert httpx.get(server.url + "/v1/schemas").status_code == 401
 
 
+def test_every_playground_file_is_sent_with_csp_nosniff_and_no_framing(live_server):
+    server = live_server()
+    for path in ("/playground/", "/playground/static/app.js", "/playground/static/style.css"):
+        headers = httpx.get(server.url + path, timeout=30).headers
+        policy = dict(part.strip().split(" ", 1) for part in headers["content-security-policy"].split(";"))
+        assert policy["frame-ancestors"] == "'none'" and policy["script-src"] == "'self'", policy
+        assert policy["default-src"] == "'none'" and policy["connect-src"] == "'self'"
+        assert headers["x-content-type-options"] == "nosniff" and headers["x-frame-options"] == "DENY"
+
+
 @pytest.fixture
 def browser_page():
     playwright_api = pytest.importorskip("playwright.sync_api")
@@ -38,8 +48,12 @@ def browser_page():
     with playwright_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1400, "height": 900})
+        refused: list[str] = []  # the browser reports what the page's CSP blocked on the console
+        page.on("console", lambda message: refused.append(message.text)
+                if "Content Security Policy" in message.text else None)
         yield page
         browser.close()
+        assert not refused, refused
 
 
 NESTED_SCHEMA = ('<schema name="nest"><module name="outer">Cats are curious.<module name="inner"> Kittens nap a lot.'
@@ -59,7 +73,7 @@ def _prompt_text(server, prompt: str) -> str:
 
 def _run(page) -> list[tuple[str, str]]:
     page.click("#run")
-    page.wait_for_function("document.querySelector('#stats').textContent.includes('TTFT')")
+    page.wait_for_function("() => document.querySelector('#stats').textContent.includes('TTFT')")
     return _spans(page)
 
 
@@ -99,7 +113,7 @@ def test_playground_in_a_real_browser(live_server, browser_page, tmp_path):
     prompt = page.input_value("#pml-prompt")
     assert prompt.startswith('<prompt schema="docs"><d1/><d2/>')
     page.click("#explain")
-    page.wait_for_function("document.querySelector('#explanation').textContent.includes('cached')")
+    page.wait_for_function("() => document.querySelector('#explanation').textContent.includes('cached')")
     spans = _run(page)
     assert page.inner_text("#output").strip()
     assert "".join(text for _, text in spans) == _prompt_text(server, prompt)
@@ -144,12 +158,12 @@ def test_playground_in_a_real_browser(live_server, browser_page, tmp_path):
         before = page.locator("#chat-log .reuse").count()
         page.fill("#chat-input", text)
         page.click("#chat-send")
-        page.wait_for_function(f"document.querySelectorAll('#chat-log .reuse').length > {before}")
+        page.wait_for_function(f"() => document.querySelectorAll('#chat-log .reuse').length > {before}")
     notes = page.locator("#chat-log .reuse").all_inner_texts()
     assert notes[0].startswith("turn 1: 0 of") and not notes[1].startswith("turn 2: 0 of")
     page.screenshot(path=str(tmp_path / "chat.png"), full_page=True)
     page.click("nav button[data-tab=schemas]")
-    page.wait_for_function("document.querySelectorAll('#metrics tr').length > 2")
+    page.wait_for_function("() => document.querySelectorAll('#metrics tr').length > 2")
     page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
 
 
@@ -189,7 +203,7 @@ def test_default_model_in_a_real_browser_for_the_readme(smollm2, browser_page, t
             assert "".join(text for _, text in spans) == _prompt_text(server, prompt)
         assert {origin for origin, _ in spans} == {"module", "prefix", "computed"}
         assert page.locator('#spans span[data-origin="prefix"][data-module="dogs"]').count() == 1
-        page.wait_for_function("document.querySelector('#metrics').textContent.includes('%')")
+        page.wait_for_function("() => document.querySelector('#metrics').textContent.includes('%')")
         page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
         if not DOCS_IMG.exists():
             DOCS_IMG.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
-"""Attention kernels returning (out, lse): plain matmul, the fused CPU op, our bf16 CPU kernel, and
-flash-attn on GPU.
+"""CPU attention kernels returning (out, lse): plain matmul (also the reference kernel on any device),
+the fused CPU op and our bf16 CPU kernel. The GPU kernels are in gpu_backends.py.
 
 All take q [G_kv, M, D] (query rows folded per KV head), k/v [G_kv, N, D] with N > 0, and an optional
 boolean mask [M, N] (True = attend). They return out [G_kv, M, D] and lse [G_kv, M] (fp32).
@@ -42,20 +42,3 @@ def bf16_cpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         return fused_cpu_attend(q, k, v, scale, mask)
     out, lse = kernel(q, [k], [v], scale, False)  # [G_kv, M, D], [G_kv, M]
     return out, lse
-
-
-def flash_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash-attn on CUDA (optional dependency); returns its softmax_lse."""
-    if mask is not None or not q.is_cuda:
-        return matmul_attend(q, k, v, scale, mask)
-    from flash_attn import flash_attn_func
-
-    # flash-attn layout: [batch, seqlen, heads, dim]; one "head" per KV group keeps the folding.
-    out, lse, _ = flash_attn_func(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                  v.transpose(0, 1).unsqueeze(0), softmax_scale=scale, causal=False,
-                                  return_attn_probs=True)
-    return out[0].transpose(0, 1), lse[0].float()
-
-
-BACKENDS = {"matmul": matmul_attend, "fused_cpu": fused_cpu_attend, "flash": flash_attend}

@@ -91,7 +91,7 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) ->
     v defaults to k's layout (a dispatcher that only sees q and k)."""
     kernel = loaded()
     v = k if v is None else v
-    if kernel is None or q.is_cuda or q.shape[-1] not in HEAD_DIMS or k.shape[1] == 0:
+    if kernel is None or q.device.type != "cpu" or q.shape[-1] not in HEAD_DIMS or k.shape[1] == 0:
         return None
     if not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
         return None

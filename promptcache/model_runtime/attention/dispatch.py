@@ -3,7 +3,12 @@ head_dim 64): the fused CPU op beat the plain matmul at every measured size, fro
 (24 us vs 54 us) to 256 rows x 4096 keys (4.1 ms vs 26.9 ms) — see docs/benchmarks.md. The matmul path
 stays for masked calls, for work below the smallest size measured, and as the reference kernel. In bf16
 on a CPU with AVX512-BF16, `auto` uses our kernel (bf16_kernel.py) wherever the fused op would run: it was
-faster at every shape measured, from 8 causal tokens to 224 rows x 8K keys (docs/benchmarks.md)."""
+faster at every shape measured, from 8 causal tokens to 224 rows x 8K keys (docs/benchmarks.md).
+
+On a GPU (device types in GPU_DEVICE_TYPES) every backend but `matmul` runs `gpu_segment_attend`:
+gpu_backends.py's first applicable kernel, split over the keys (split_keys.py) when one call would
+launch fewer thread blocks than the GPU has SMs. Tests add "meta" to GPU_DEVICE_TYPES to run that
+branch's op calls on the meta device, where any host sync raises."""
 
 from __future__ import annotations
 
@@ -12,12 +17,12 @@ from collections.abc import Callable
 import torch
 
 from promptcache.model_runtime.attention import bf16_kernel
-from promptcache.model_runtime.attention.backends import (
-    BACKENDS,
-    bf16_cpu_attend,
-    fused_cpu_attend,
-    matmul_attend,
-)
+from promptcache.model_runtime.attention.backends import bf16_cpu_attend, fused_cpu_attend, matmul_attend
+from promptcache.model_runtime.attention.gpu_backends import gpu_attend, kernel_block_rows
+from promptcache.model_runtime.attention.split_keys import num_sms, num_splits, split_attend
+
+# Device types whose calls take the GPU kernels.
+GPU_DEVICE_TYPES = frozenset({"cuda"})
 
 # rows x keys per KV group from which the fused CPU op wins (the smallest size measured).
 FUSED_MIN_WORK = 16
@@ -34,18 +39,45 @@ CAUSAL_FUSED_MIN_WORK = 0
 OWN_DECODE_FUSED_MIN_KEYS = 128
 
 
+def on_gpu(t: torch.Tensor) -> bool:
+    """Whether `t`'s device takes the GPU kernels."""
+    return t.device.type in GPU_DEVICE_TYPES
+
+
 def decode_in_place(backend: str, q: torch.Tensor, num_own_keys: int) -> bool:
-    """Whether a decoding sequence's own KV is attended in place by a fused call of its own."""
-    return backend in ("auto", "fused_cpu") and not q.is_cuda and num_own_keys >= OWN_DECODE_FUSED_MIN_KEYS
+    """Whether a decoding sequence's own KV is attended in place by a fused call of its own (CPU only)."""
+    return (backend in ("auto", "fused_cpu") and q.device.type == "cpu"
+            and num_own_keys >= OWN_DECODE_FUSED_MIN_KEYS)
+
+
+def gpu_segment_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [H_kv, M, D] attends k/v [H_kv, N, D] on a GPU: out [H_kv, M, D], lse [H_kv, M] (fp32). Split
+    over the keys when one call would leave SMs idle; masked calls take the matmul."""
+    if mask is not None:
+        return matmul_attend(q, k, v, scale, mask)
+    num_blocks = q.shape[0] * -(-q.shape[1] // kernel_block_rows(q))
+    splits = num_splits(num_blocks, k.shape[1], num_sms(q.device))
+    if splits > 1:
+        return split_attend(gpu_attend, q, k, v, scale, splits)
+    out, lse = gpu_attend(q[None], k[None], v[None], scale)  # [1, H_kv, M, D], [1, H_kv, M]
+    return out[0], lse[0]
+
+
+# Named backends on a CPU. On a GPU every name but "matmul" means gpu_segment_attend (flash-attn first
+# when importable), so a "flash" or "fused_cpu" config works on either device; "flash" on a CPU is the
+# reference kernel (its segments; causal blocks take the fused op).
+BACKENDS = {"matmul": matmul_attend, "fused_cpu": fused_cpu_attend, "flash": matmul_attend}
 
 
 def choose(backend: str, q: torch.Tensor, k: torch.Tensor) -> Callable:
+    """The kernel for one call: q [H_kv, M, D] against k [H_kv, N, D] (N > 0)."""
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected auto or one of {sorted(BACKENDS)}")
+    if on_gpu(q):
+        return matmul_attend if backend == "matmul" else gpu_segment_attend
     if backend != "auto":
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown attention backend {backend!r}; expected auto or one of {sorted(BACKENDS)}")
         return BACKENDS[backend]
-    if q.is_cuda:
-        return BACKENDS["flash"]
     if q.shape[1] * k.shape[1] < FUSED_MIN_WORK:
         return matmul_attend
     return bf16_cpu_attend if bf16_kernel.eligible(q, k) is not None else fused_cpu_attend

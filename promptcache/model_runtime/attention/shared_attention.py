@@ -6,6 +6,10 @@ matrix-vector); each sequence's own KV (new text + generated tokens) is attended
 partial results are merged exactly with log-sum-exp rescaling in fp32. With the bf16 kernel, the
 segments only one sequence sees (every segment of a lone request) join that sequence's own call: the
 kernel takes KV as a list of segments, so one call and one softmax replace a call and a merge each.
+
+Device-generic: the kernels come from dispatch.py (CPU ops, or on a GPU torch's flash/efficient ops,
+split over the keys when a call would not fill the GPU). Index tensors come from a `StepIndices` built
+on the host once per forward pass, so no layer blocks the host on a GPU.
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ from collections.abc import Sequence
 
 import torch
 
-from promptcache.model_runtime.attention import bf16_kernel
+from promptcache.model_runtime.attention import bf16_kernel, dispatch
 from promptcache.model_runtime.attention.backends import matmul_attend
 from promptcache.model_runtime.attention.dispatch import CAUSAL_FUSED_MIN_WORK, choose, decode_in_place
+from promptcache.model_runtime.attention.gpu_backends import gpu_attend
+from promptcache.model_runtime.attention.own_decode import own_decode, own_decode_in_place
 from promptcache.model_runtime.attention.segments import SharedSegment
+from promptcache.model_runtime.attention.step_indices import StepIndices
 
 
 def shared_module_attention(
@@ -31,13 +38,16 @@ def shared_module_attention(
     *,
     scale: float | None = None,
     backend: str = "auto",
+    indices: StepIndices | None = None,
 ) -> torch.Tensor:
     """queries [total_q, H, D] grouped by sequence; own_keys[i] [H_kv, S_i, D] (S_i >= T_i: the last
-    T_i own keys are the queries' own tokens, attended causally). Returns [total_q, H, D]."""
+    T_i own keys are the queries' own tokens, attended causally). Returns [total_q, H, D]. `indices`:
+    the forward pass's index tensors, shared by its layers (a fresh set when None)."""
     total_q, num_heads, head_dim = queries.shape
     num_kv_heads = _validate(queries, query_lens, own_keys, own_values, segments)
     group = num_heads // num_kv_heads
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    indices = indices if indices is not None else StepIndices(queries.device)
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
@@ -67,7 +77,7 @@ def shared_module_attention(
         acc_lse[rows] = new_lse
 
     for segment in shared:
-        rows, num_rows = _rows(segment.seq_indices, segment.row_offsets, starts, queries.device)
+        rows, num_rows = _rows(segment.seq_indices, segment.row_offsets, starts, indices)
         if num_rows == 0:
             continue
         q = _fold(queries[rows], num_kv_heads, group)                    # [H_kv, M*G, D]
@@ -82,11 +92,13 @@ def shared_module_attention(
     in_place = [i for i in decode if decode_in_place(backend, queries, own_keys[i].shape[1])]
     padded = [i for i in decode if i not in set(in_place)]
     if padded:
-        out, lse = _own_decode(queries, starts, padded, own_keys, own_values, num_kv_heads, group, scale)
-        merge(torch.tensor([starts[i] for i in padded], device=queries.device), out, lse)
+        rows = indices.positions([starts[i] for i in padded])
+        merge(rows, *own_decode(queries, rows, [own_keys[i] for i in padded], [own_values[i] for i in padded],
+                                num_kv_heads, group, scale, indices))
     if in_place:
-        out, lse = _own_decode_in_place(queries, starts, in_place, own_keys, own_values, num_kv_heads, scale)
-        merge(torch.tensor([starts[i] for i in in_place], device=queries.device), out, lse)
+        out, lse = own_decode_in_place(queries, [starts[i] for i in in_place], [own_keys[i] for i in in_place],
+                                       [own_values[i] for i in in_place], num_kv_heads, scale)
+        merge(indices.positions([starts[i] for i in in_place]), out, lse)
     for i, n in enumerate(query_lens):
         if n == 1 or i in private:
             continue
@@ -155,72 +167,48 @@ def _causal_square(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gr
     """q [T, H, D] attends causally to keys/values [H_kv, T, D]; returns out [T, H, D], lse [T, H]. (With
     the bf16 kernel, a sequence's new tokens go through `_attend_together` instead.)"""
     n = q.shape[0]
-    if backend != "matmul" and not q.is_cuda and n * n * group >= CAUSAL_FUSED_MIN_WORK:
-        # The fused op needs equal head counts: expand the T own tokens' KV (small next to the shared KV).
+    if backend != "matmul" and dispatch.on_gpu(q):
+        # The fused ops need equal head counts: expand the T own tokens' KV (small next to the shared KV).
+        k = (keys if group == 1 else keys.repeat_interleave(group, dim=0)).unsqueeze(0)      # [1, H, T, D]
+        v = (values if group == 1 else values.repeat_interleave(group, dim=0)).unsqueeze(0)
+        out, lse = gpu_attend(q.transpose(0, 1).unsqueeze(0), k, v, scale, causal=True)  # [1, H, T, D], [1, H, T]
+        return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+    if backend != "matmul" and q.device.type == "cpu" and n * n * group >= CAUSAL_FUSED_MIN_WORK:
         k = keys.repeat_interleave(group, dim=0).unsqueeze(0)        # [1, H, T, D]
         v = values.repeat_interleave(group, dim=0).unsqueeze(0)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.transpose(0, 1).unsqueeze(0), k, v, 0.0, True, scale=scale)  # [1, H, T, D], [1, H, T]
         return out[0].transpose(0, 1), lse[0].transpose(0, 1)
     num_kv_heads = keys.shape[0]
-    out, lse = matmul_attend(_fold(q, num_kv_heads, group), keys, values, scale, _causal_mask(n, group, q.device))
+    # Masks are cached for CPU tensors only: on a GPU a cache would hold [T*G, T] masks in its memory.
+    mask = _causal_mask(n, group) if q.device.type == "cpu" else _make_causal_mask(n, group, q.device)
+    out, lse = matmul_attend(_fold(q, num_kv_heads, group), keys, values, scale, mask)
     return _unfold(out, lse, n, num_kv_heads, group)
 
 
 @functools.lru_cache(maxsize=64)
-def _causal_mask(n: int, group: int, device: torch.device) -> torch.Tensor:
-    """[T*G, T] bool, True = attend: row t*G+g (query t, head g of its KV group) sees keys 0..t. Built
-    once per size: every layer of every step with T new tokens asks for the same one (only small T come
-    here, see CAUSAL_FUSED_MIN_WORK)."""
+def _causal_mask(n: int, group: int) -> torch.Tensor:
+    """`_make_causal_mask` on the CPU, built once per size: every layer of every step with T new tokens
+    asks for the same one (only the matmul backend comes here, see CAUSAL_FUSED_MIN_WORK)."""
+    return _make_causal_mask(n, group, torch.device("cpu"))
+
+
+def _make_causal_mask(n: int, group: int, device: torch.device) -> torch.Tensor:
+    """[T*G, T] bool, True = attend: row t*G+g (query t, head g of its KV group) sees keys 0..t."""
     return torch.ones((n, n), dtype=torch.bool, device=device).tril().repeat_interleave(group, dim=0)
 
 
-def _own_decode_in_place(queries, starts, seqs, own_keys, own_values, num_kv_heads, scale):
-    """One fused call per single-token sequence, reading its own KV where it lies (a strided view of its
-    buffer, no copy): for long own KV, copying it into a padded batch costs more than the calls. (With
-    the bf16 kernel these sequences go through `_attend_together` instead.)"""
-    head_dim = queries.shape[-1]
-    outs, lses = [], []
-    for i in seqs:
-        q = queries[starts[i]].view(1, num_kv_heads, -1, head_dim)                           # [1, H_kv, G, D]
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, own_keys[i].unsqueeze(0), own_values[i].unsqueeze(0), 0.0, False, scale=scale)[:2]
-        outs.append(out.reshape(-1, head_dim))                                                # [H, D]
-        lses.append(lse.reshape(-1))                                                          # [H]
-    return torch.stack(outs), torch.stack(lses)                                               # [B, H, D], [B, H]
-
-
-def _own_decode(queries, starts, seqs, own_keys, own_values, num_kv_heads, group, scale):
-    """One batched call for single-token sequences with short own KV: padded to the longest, masked."""
-    lengths = torch.tensor([own_keys[i].shape[1] for i in seqs], device=queries.device)
-    longest = int(lengths.max())
-    head_dim = queries.shape[-1]
-    keys = queries.new_zeros((len(seqs), num_kv_heads, longest, head_dim))    # [B, H_kv, S_max, D]
-    values = queries.new_zeros((len(seqs), num_kv_heads, longest, head_dim))
-    for b, i in enumerate(seqs):
-        keys[b, :, : own_keys[i].shape[1]] = own_keys[i]
-        values[b, :, : own_values[i].shape[1]] = own_values[i]
-    q = queries[[starts[i] for i in seqs]].view(len(seqs), num_kv_heads, group, head_dim)  # [B, H_kv, G, D]
-    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale               # [B, H_kv, G, S_max]
-    valid = torch.arange(longest, device=queries.device)[None, :] < lengths[:, None]       # [B, S_max]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                                                    # [B, H_kv, G]
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())               # [B, H_kv, G, D]
-    return out.reshape(len(seqs), -1, head_dim), lse.reshape(len(seqs), -1)                 # [B, H, D], [B, H]
-
-
 def _rows(seq_indices: Sequence[int], row_offsets: Sequence[int] | None, starts: list[int],
-          device) -> tuple[torch.Tensor | slice, int]:
+          indices: StepIndices) -> tuple[torch.Tensor | slice, int]:
     """The query rows that see a segment and how many: a slice when they are one contiguous run (a
-    view, no gather and scatter copies), else an index tensor."""
+    view, no gather and scatter copies), else an index tensor (built once per forward pass)."""
     offsets = row_offsets or [0] * len(seq_indices)
     spans = [(min(starts[i] + off, starts[i + 1]), starts[i + 1]) for i, off in zip(seq_indices, offsets)]
     spans = [(first, end) for first, end in spans if first < end]
     num_rows = sum(end - first for first, end in spans)
     if spans and all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1)):
         return slice(spans[0][0], spans[-1][1]), num_rows
-    return torch.cat([torch.arange(first, end, device=device) for first, end in spans]
-                     or [torch.empty(0, dtype=torch.long, device=device)]), num_rows
+    return indices.rows(spans), num_rows
 
 
 def _fold(q: torch.Tensor, num_kv_heads: int, group: int) -> torch.Tensor:

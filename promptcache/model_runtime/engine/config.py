@@ -22,6 +22,8 @@ class EngineConfig:
     `max_prefill_tokens`. With `max_step_slowdown` None, always `max_prefill_tokens`.
     `logits_cache_bytes` keeps the last-token logits of recent prompts so an exact repeat whose KV is all
     stored runs no forward pass before its first token (engine/prefix.py); 0 turns that off.
+    `max_waiting_per_tenant` bounds the requests one tenant has submitted and not yet admitted; past it,
+    `submit` raises QueueFullError (engine/waiting.py).
     """
 
     max_num_seqs: int = 64
@@ -36,10 +38,13 @@ class EngineConfig:
     max_step_slowdown: float | None = 1.6
     logits_cache_bytes: int = 32 << 20  # ~170 prompts of a 49K-token vocabulary
     max_assembled_bytes: int = 128 << 20  # ~5.6K tokens of SmolLM2-135M's KV in bf16
+    max_waiting_per_tenant: int = 1024  # 16 full batches of the default max_num_seqs
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_waiting_per_tenant < 1:
+            raise ValueError(f"max_waiting_per_tenant must be >= 1, got {self.max_waiting_per_tenant}")
         if self.max_assembled_bytes < 0:
             raise ValueError(f"max_assembled_bytes must be >= 0, got {self.max_assembled_bytes}")
         if self.max_kv_bytes < 1:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from promptcache.model_runtime.engine.request import SeqStatus, Sequence, SharedKV
+from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequence, SharedKV
 from promptcache.model_runtime.module_encoder import ChainWork, ModuleEncoder
 from promptcache.pml import Schema
 
@@ -126,3 +126,41 @@ class EncodeQueue:
                        pending_ids=list(work.token_ids), pending_positions=list(work.position_ids),
                        status=SeqStatus.PREFILL)
         self._active = _Active(job, work, seq)
+
+
+class ParkedEncodes:
+    """The module encodings of requests parked at admission (scheduler.py), queued once per request.
+    A request is settled once: when its last encoding is stored, or its first fails. Futures resolve on
+    the engine thread (EncodeQueue), so settling costs nothing per step for requests still waiting."""
+
+    def __init__(self, encodes: EncodeQueue) -> None:
+        self.encodes = encodes
+        self._settled: list[tuple[Request, BaseException | None]] = []
+
+    def submit(self, needed: list[tuple[Request, int, tuple[int, ...]]]) -> None:
+        """Queue (request, segment, context) encodings; the requests named are watched until settled."""
+        futures: dict[str, tuple[Request, list[concurrent.futures.Future]]] = {}
+        for request, segment_id, context_ids in needed:
+            future = self.encodes.submit(request.plan.schema, segment_id, context_ids, request.cache_salt)
+            futures.setdefault(request.request_id, (request, []))[1].append(future)
+        for request, pending in futures.values():
+            self._watch(request, pending)
+
+    def settled(self) -> list[tuple[Request, BaseException | None]]:
+        """Requests settled since the last call, with the error of the encoding that failed (or None)."""
+        settled, self._settled = self._settled, []
+        return settled
+
+    def _watch(self, request: Request, futures: list[concurrent.futures.Future]) -> None:
+        left, is_settled = len(futures), False
+
+        def one_done(future: concurrent.futures.Future) -> None:
+            nonlocal left, is_settled
+            left -= 1
+            error = future.exception()
+            if not is_settled and (left == 0 or error is not None):
+                is_settled = True
+                self._settled.append((request, error))
+
+        for future in futures:
+            future.add_done_callback(one_done)

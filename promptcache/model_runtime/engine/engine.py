@@ -14,7 +14,7 @@ import torch
 
 from promptcache.cache_store import BlockIndex
 from promptcache.model_runtime.engine.config import EngineConfig
-from promptcache.model_runtime.engine.encoding import EncodeQueue
+from promptcache.model_runtime.engine.encoding import EncodeQueue, ParkedEncodes
 from promptcache.model_runtime.engine.prefix import PrefixReuse
 from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequence, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan, resolve
@@ -31,8 +31,9 @@ class Engine:
     """Serves prompt plans with continuous batching and shared-module attention.
 
     `submit` is called from an asyncio loop and returns an async iterator of TokenEvents (the last one
-    has `usage`); `abort` stops a request within one step and frees its KV. All model compute runs on
-    the engine's own thread — the event loop never blocks on it. Each step is schedule -> run ->
+    has `usage`); `abort` stops a request within one step and frees its KV. Each tenant's requests wait
+    in a bounded queue of their own, admitted round-robin across tenants (engine/waiting.py). All model
+    compute runs on the engine's own thread — the event loop never blocks on it. Each step is schedule -> run ->
     postprocess, with data passed one way.
     """
 
@@ -46,7 +47,7 @@ class Engine:
         self.prefix = PrefixReuse(index, self.config.logits_cache_bytes)
         self.scheduler = Scheduler(self.config, encoder, self.prefix)
         self.encodes = EncodeQueue(encoder)
-        self._awaiting: dict[str, tuple[Request, list[concurrent.futures.Future]]] = {}  # head request's encodes
+        self.parked_encodes = ParkedEncodes(self.encodes)
         self._schema_encodes: list[tuple[list[concurrent.futures.Future], concurrent.futures.Future, float, int]] = []
         self.runner = ModelRunner(encoder.loaded, backend=self.config.attention_backend,
                                   max_assembled_bytes=self.config.max_assembled_bytes)
@@ -75,18 +76,32 @@ class Engine:
 
     def submit(self, plan: PromptPlan, params: SamplingParams, *, cache_salt: str | None = None,
                request_id: str | None = None, fidelity: Fidelity | None = None,
-               report_spans: bool = False) -> AsyncIterator[TokenEvent]:
-        """Queue a request; iterate the result for its events (must be called on a running loop).
-        `fidelity` (default: the engine's) says how module KV reused out of context is treated;
-        `report_spans` puts the prompt's spans by KV origin on the final event."""
-        request_id = request_id or f"req-{next(self._ids)}"
+               report_spans: bool = False, tenant: str | None = None) -> AsyncIterator[TokenEvent]:
+        """Queue a request in `tenant`'s queue; iterate the result for its events (must be called on a
+        running loop). `fidelity` (default: the engine's) says how module KV reused out of context is
+        treated; `report_spans` puts the prompt's spans by KV origin on the final event. Raises
+        QueueFullError when the tenant already has `max_waiting_per_tenant` requests waiting."""
+        [events] = self.submit_many([plan], params, cache_salt=cache_salt, request_ids=[request_id],
+                                    fidelity=fidelity, report_spans=report_spans, tenant=tenant)
+        return events
+
+    def submit_many(self, plans: list[PromptPlan], params: SamplingParams, *, cache_salt: str | None = None,
+                    request_ids: list[str | None] | None = None, fidelity: Fidelity | None = None,
+                    report_spans: bool = False, tenant: str | None = None) -> list[AsyncIterator[TokenEvent]]:
+        """`submit` each plan, all or none: raises QueueFullError, queueing nothing, unless the tenant's
+        queue has room for every plan now (InvalidRequestError if it never could)."""
+        request_ids = [r or f"req-{next(self._ids)}" for r in (request_ids or [None] * len(plans))]
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._sinks[request_id] = (loop, queue)
-        self._post("submit", Request(request_id, plan, params, cache_salt, fidelity or self.config.fidelity,
-                                     report_spans=report_spans))
+        self.scheduler.waiting.reserve(tenant, len(plans))
+        streams = []
+        for plan, request_id in zip(plans, request_ids):
+            queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+            self._sinks[request_id] = (loop, queue)
+            self._post("submit", Request(request_id, plan, params, cache_salt, fidelity or self.config.fidelity,
+                                         tenant=tenant, report_spans=report_spans))
+            streams.append(self._events(request_id, queue))
         self.start()
-        return self._events(request_id, queue)
+        return streams
 
     def encode_schema(self, schema: Schema, cache_salt: str | None = None, *,
                       keep_local: bool = True) -> concurrent.futures.Future[EncodeReport]:
@@ -149,7 +164,7 @@ class Engine:
                 inbox, self._inbox = self._inbox, []
             for kind, item in inbox:
                 if kind == "submit":
-                    self.scheduler.add(item)  # type: ignore[arg-type]
+                    self.scheduler.add(item, is_reserved=True)  # type: ignore[arg-type]
                 elif kind == "abort":
                     self.scheduler.abort(item)  # type: ignore[arg-type]
                 else:
@@ -168,9 +183,7 @@ class Engine:
 
     def _step(self) -> None:
         batch, events, budget = self.scheduler.schedule()
-        for request, segment_id, context_ids in self.scheduler.encodes_needed:
-            future = self.encodes.submit(request.plan.schema, segment_id, context_ids, request.cache_salt)
-            self._awaiting.setdefault(request.request_id, (request, []))[1].append(future)
+        self.parked_encodes.submit(self.scheduler.encodes_needed)
         self.scheduler.encodes_needed.clear()
         encoding = self.encodes.next_chunk(budget)
         if batch or encoding is not None:
@@ -241,12 +254,13 @@ class Engine:
                 else:
                     future.set_result(EncodeReport(len(futures), self.encoder.num_encoded_segments - before,
                                                    (time.perf_counter() - started) * 1e3))
-        for request_id, (request, futures) in list(self._awaiting.items()):
-            failed = next((f.exception() for f in futures if f.done() and f.exception() is not None), None)
-            if failed is not None and not request.is_failed:
-                events.append(self.scheduler.fail(request, failed))
-            if failed is not None or all(f.done() for f in futures):
-                del self._awaiting[request_id]
+        for request, error in self.parked_encodes.settled():
+            if request.request_id not in self.scheduler.waiting:  # aborted, failed or dropped meanwhile
+                continue
+            if error is not None:
+                events.append(self.scheduler.fail(request, error))
+            else:
+                self.scheduler.resume(request)
         return events
 
     def _store_prefixes(self) -> None:

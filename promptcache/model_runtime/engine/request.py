@@ -104,6 +104,7 @@ class Request:
     params: SamplingParams
     cache_salt: str | None
     fidelity: Fidelity = field(default_factory=Fidelity)
+    tenant: str | None = None  # whose queue it waits in (engine/waiting.py); None: the default tenant
     report_spans: bool = False  # the final event lists the prompt as spans by KV origin
     submitted_at: float = field(default_factory=time.perf_counter)
     sequences: list[Sequence] = field(default_factory=list)

@@ -8,6 +8,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from promptcache.model_runtime.attention import bf16_kernel
+from promptcache.model_runtime.attention.step_indices import to_device
 from promptcache.model_runtime.engine.kv_groups import AssembledGroups
 from promptcache.model_runtime.engine.request import SeqStatus, Sequence
 from promptcache.model_runtime.loader import LoadedModel
@@ -38,10 +39,11 @@ class ModelRunner:
         model = self.loaded.model
         device = model.device
         query_lens = [s.step_len or len(s.pending_ids) for s in seqs]
-        input_ids = torch.tensor([[t for s, n in zip(seqs, query_lens) for t in s.pending_ids[:n]]],
-                                 dtype=torch.long, device=device)  # [1, Q]
-        positions = torch.tensor([[p for s, n in zip(seqs, query_lens) for p in s.pending_positions[:n]]],
-                                 dtype=torch.long, device=device)  # [1, Q]
+        # Step inputs are built on the host and copied without blocking it (pinned, on a GPU).
+        input_ids = to_device(torch.tensor([[t for s, n in zip(seqs, query_lens) for t in s.pending_ids[:n]]],
+                                           dtype=torch.long), device)  # [1, Q]
+        positions = to_device(torch.tensor([[p for s, n in zip(seqs, query_lens) for p in s.pending_positions[:n]]],
+                                           dtype=torch.long), device)  # [1, Q]
         context = BatchContext(
             query_lens=query_lens, own_keys=[s.own_keys for s in seqs], own_values=[s.own_values for s in seqs],
             own_starts=[s.own_length for s in seqs], segments=self._segments(seqs), backend=self.backend)
@@ -49,7 +51,7 @@ class ModelRunner:
         with active_batch(context):
             hidden = model.base_model(input_ids=input_ids, position_ids=positions, past_key_values=cache,
                                       use_cache=True).last_hidden_state  # [1, Q, hidden]
-        last_rows = torch.tensor(query_lens, device=device).cumsum(0) - 1  # [num_seqs]
+        last_rows = to_device(torch.tensor(query_lens).cumsum(0) - 1, device)  # [num_seqs]
         logits = model.get_output_embeddings()(hidden[0, last_rows]).float()  # [num_seqs, vocab]
         prompt_logprobs = self._prompt_logprobs(seqs, query_lens, hidden[0])
         for seq, found in prompt_logprobs:

@@ -1,11 +1,10 @@
-"""Scheduler: FCFS admission under a sequence cap and a KV byte budget; token bookkeeping per step."""
+"""Scheduler: admission round-robin across tenants under a sequence cap and a KV byte budget; token
+bookkeeping per step."""
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
-from collections.abc import Callable
 
 import torch
 
@@ -15,10 +14,12 @@ from promptcache.model_runtime.engine.assembly import assemble, module_key, stor
 from promptcache.model_runtime.engine.config import EngineConfig
 from promptcache.model_runtime.engine.memory import KVMemory
 from promptcache.model_runtime.engine.prefix import PrefixReuse
+from promptcache.model_runtime.engine.prefix_writes import Write, logits_write, prompt_write, sample_write
 from promptcache.model_runtime.engine.reports import failure_event, final_event, rejection_event
 from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequence, SharedKV, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import resolve
 from promptcache.model_runtime.engine.step_budget import StepBudget
+from promptcache.model_runtime.engine.waiting import WaitingRequests
 from promptcache.model_runtime.errors import InvalidRequestError
 from promptcache.model_runtime.module_encoder import ModuleEncoder
 from promptcache.model_runtime.sampling import PromptTokens, Sampler, token_logprobs
@@ -28,7 +29,8 @@ PROMPT_SEQ = -1  # index of the sequence that prefills a prompt shared by n > 1 
 
 class Scheduler:
     """Owns waiting requests and running sequences. `schedule` admits and picks the step's batch;
-    `postprocess` turns the step's logits into tokens, events, finished sequences and freed memory."""
+    `postprocess` turns the step's logits into tokens, events, finished sequences and freed memory.
+    Used only on the engine thread, but for `waiting.reserve` (engine/waiting.py)."""
 
     def __init__(self, config: EngineConfig, encoder: ModuleEncoder, prefix: PrefixReuse) -> None:
         loaded = encoder.loaded
@@ -36,8 +38,10 @@ class Scheduler:
         self.encoder = encoder
         self.prefix = prefix
         self.loaded = loaded
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingRequests(config.max_waiting_per_tenant)
         self.running: list[Sequence] = []
+        self.admitted: dict[str, Request] = {}  # requests with running sequences, by id
+        self._aborted: list[Request] = []  # aborted since the last schedule: their final events are due
         self.memory = KVMemory(config.max_kv_bytes)
         self.step_budget = StepBudget(min(config.min_prefill_tokens, config.max_prefill_tokens),
                                       config.max_prefill_tokens, config.max_step_slowdown)
@@ -45,25 +49,37 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self._reservations: dict[str, tuple[int, dict[str, int]]] = {}
         # Prefix blocks to store, run by the engine after the step's events went out (off the TTFT path).
-        self.pending_stores: list[Callable[[], None]] = []
-        # Module KV the head request waits for, handed to the engine's encode queue after each schedule.
+        self.pending_stores: list[Write] = []
+        # Module KV a parked request waits for, handed to the engine's encode queue after each schedule
+        # (once per request: it is `resume`d when they are stored).
         self.encodes_needed: list[tuple[Request, int, tuple[int, ...]]] = []
 
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
+    def add(self, request: Request, *, is_reserved: bool = False) -> None:
+        """Queue `request` in its tenant's queue; `is_reserved`: its place was reserved when it was
+        submitted (`waiting.reserve`). Raises QueueFullError otherwise when the queue is full."""
+        if not is_reserved:
+            self.waiting.reserve(request.tenant)
+        self.waiting.add(request)
 
     def abort(self, request_id: str) -> None:
-        for request in [*self.waiting, *(s.request for s in self.running)]:
-            if request.request_id == request_id:
-                request.is_aborted = True
+        """Mark a waiting or running request aborted (O(1)); the next `schedule` frees it and emits
+        its final event. No-op for a request that finished or is unknown."""
+        request = self.waiting.remove(request_id) or self.admitted.get(request_id)
+        if request is not None and not request.is_aborted:
+            request.is_aborted = True
+            self._aborted.append(request)
+
+    def resume(self, request: Request) -> None:
+        """The module KV a parked request waited for is stored: it is the next its tenant admits."""
+        self.waiting.resume(request.request_id)
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> tuple[list[Sequence], list[TokenEvent], int]:
-        """Drop aborted work, admit waiting requests (FCFS), return the sequences to run now, the events
-        so far, and the prefill budget left for module encoding.
+        """Drop aborted work, admit waiting requests (round-robin across tenants), return the sequences
+        to run now, the events so far, and the prefill budget left for module encoding.
 
         Decoding sequences always run. Prefills are chunked: together they feed at most the step
         budget while anything decodes (so no stream stalls for a long prompt; `step_budget`),
@@ -89,20 +105,23 @@ class Scheduler:
 
     # -- admission ------------------------------------------------------------------------------
     def _admit(self, events: list[TokenEvent]) -> None:
-        while self.waiting:
-            request = self.waiting[0]
-            n_seqs = request.params.n + (1 if request.params.n > 1 else 0)
+        """Admit heads in turn (waiting.py) until one does not fit. The head that does not fit blocks the
+        rest (nobody overtakes a request waiting for memory or a sequence slot, so none starves), but a
+        head whose module KV no tier holds is parked while the engine encodes it, and others go on."""
+        while (request := self.waiting.head()) is not None:
+            params = request.params
+            n_seqs = params.n + (1 if params.n > 1 else 0)
             if self.running and len(self.running) + n_seqs > self.config.max_num_seqs:
                 return
-            params = request.params
             if request.reuse is None:
                 request.reuse = resolve(request.plan, request.fidelity,
                                         can_shift=self.loaded.key_shifter is not None)
             reuse = request.reuse
             missing = self.missing_modules(request)
-            if missing:  # encoded in chunks by the engine first; FCFS: the head waits for it
+            if missing:  # encoded in chunks by the engine first; `resume`d when stored
+                self.waiting.park(request)
                 self.encodes_needed.extend((request, segment_id, context) for segment_id, context in missing)
-                return
+                continue
             shared: dict[str, int] = {}
             for use in reuse.uses:  # runs of one module (tokens recomputed between) share its block: as _start
                 key = module_key(self.encoder, request, use)
@@ -110,13 +129,13 @@ class Scheduler:
             # Upper bound: reused prefix tokens move from own KV to shared blocks, never adding bytes.
             own = (len(reuse.token_ids) + 1 + params.n * params.max_tokens) * self.bytes_per_token
             if self.memory.cost(own, shared) > self.memory.max_bytes:
-                self.waiting.popleft()
+                self.waiting.pop(request)
                 events.append(rejection_event(request, f"the request needs {self.memory.cost(own, shared)} bytes of "
                                                    f"KV; the engine's budget is {self.memory.max_bytes}"))
                 continue
             if not self.memory.fits(own, shared):
-                return  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                return  # its tenant keeps the turn: admitted first when memory frees
+            self.waiting.pop(request)
             try:
                 own, shared, seq = self._start(request)
             except Exception as exc:  # one request's failure never touches another
@@ -124,6 +143,7 @@ class Scheduler:
                 continue
             self.memory.reserve(own, shared)
             self._reservations[request.request_id] = (own, shared)
+            self.admitted[request.request_id] = request
             logits = request.stream.logits if request.stream is not None else None
             if logits is not None and not seq.pending_ids:  # an exact repeat: its first token needs no pass
                 try:
@@ -196,9 +216,9 @@ class Scheduler:
     def _advance(self, seq: Sequence, row: torch.Tensor, step_ms: float, events: list[TokenEvent]) -> None:
         if seq.status == SeqStatus.PREFILL:
             seq.request.prefill_ms += step_ms
-            self._remember_logits(seq, row)
+            self._queue_write(logits_write(seq, row, self.prefix))
             if seq.index != PROMPT_SEQ:
-                self._store_prompt(seq)
+                self._queue_write(prompt_write(seq, self.prefix))
         if seq.index == PROMPT_SEQ:
             self._fork(seq, row, events)
         else:
@@ -213,7 +233,7 @@ class Scheduler:
         prompt_kv = SharedKV(f"{request.request_id}/prompt", KVBlock(
             prompt.own_keys[:, :, :n], prompt.own_values[:, :, :n],
             torch.arange(n, dtype=torch.long)))
-        self._store_prompt(prompt)
+        self._queue_write(prompt_write(prompt, self.prefix))
         for index in range(request.params.n):
             seq = self._new_sequence(request, index, [*prompt.shared, prompt_kv], request.params.max_tokens)
             seq.next_position = seq.first_position = prompt.next_position
@@ -244,7 +264,7 @@ class Scheduler:
             return
         seq.status, seq.finish_reason = SeqStatus.FINISHED, finish
         self.running.remove(seq)
-        self._store_sample(seq)
+        self._queue_write(sample_write(seq, self.prefix))
         if all(s.status == SeqStatus.FINISHED for s in request.sequences) and \
                 len(request.sequences) == params.n:
             self._release(request)
@@ -252,35 +272,12 @@ class Scheduler:
         else:
             events.append(TokenEvent(request.request_id, seq.index, token, text, finish, logprobs=logprobs))
 
-    def _store_prompt(self, seq: Sequence) -> None:
-        """After prefill: queue storing the prompt's blocks (its computed KV is seq's own [0, n))."""
-        stream, n = seq.request.stream, seq.generated_offset
-        if stream is None:
-            return
-        computed = (stream.num_reused, seq.own_keys[:, :, :n], seq.own_values[:, :, :n])
-        salt = seq.request.cache_salt
-        self.pending_stores.append(lambda: self.prefix.store_prompt(stream, computed, salt=salt))
-
-    def _remember_logits(self, seq: Sequence, row: torch.Tensor) -> None:
-        """After a prefill that computed the last prompt token: queue keeping its logits `row` [vocab]."""
-        stream = seq.request.stream
-        if stream is None or stream.logits is not None:
-            return
-        logits, salt = row.clone(), seq.request.cache_salt
-        self.pending_stores.append(lambda: self.prefix.remember_logits(stream, logits, salt=salt))
-
-    def _store_sample(self, seq: Sequence) -> None:
-        """After a sample finished: queue storing its generated text's blocks."""
-        stream = seq.request.stream
-        if stream is None:
-            return
-        start, end = seq.generated_offset, seq.own_length
-        generated = (len(stream.token_ids), seq.own_keys[:, :, start:end], seq.own_values[:, :, start:end])
-        output_ids, first, salt = list(seq.output_ids), seq.first_position, seq.request.cache_salt
-        self.pending_stores.append(
-            lambda: self.prefix.store_sample(stream, output_ids, first, generated, salt=salt))
+    def _queue_write(self, write: Write | None) -> None:
+        if write is not None:
+            self.pending_stores.append(write)
 
     def _release(self, request: Request) -> None:
+        self.admitted.pop(request.request_id, None)
         reservation = self._reservations.pop(request.request_id, None)
         if reservation is not None:
             self.memory.release(*reservation)
@@ -289,23 +286,20 @@ class Scheduler:
             request.held_keys = ()
 
     def _reap_aborted(self) -> list[TokenEvent]:
-        events = []
-        for request in [r for r in self.waiting if r.is_aborted]:
-            self.waiting.remove(request)
-            events.append(final_event(request, 0, None, "", "abort"))
-        aborted = {s.request.request_id: s.request for s in self.running if s.request.is_aborted}
-        for request_id, request in aborted.items():
-            self.running = [s for s in self.running if s.request.request_id != request_id]
+        """Free what the requests aborted since the last step hold (waiting ones left their queue at
+        `abort`); one pass over the running sequences, none over the waiting requests."""
+        aborted, self._aborted = self._aborted, []
+        if any(r.request_id in self.admitted for r in aborted):
+            self.running = [s for s in self.running if not s.request.is_aborted]
+        for request in aborted:
             self._release(request)
-            events.append(final_event(request, 0, None, "", "abort"))
-        return events
+        return [final_event(request, 0, None, "", "abort") for request in aborted]
 
     def fail(self, request: Request, exc: BaseException) -> TokenEvent:
         """Remove `request` wherever it is (waiting or running), free everything it holds, and return
         the event that fails it. Every other request is untouched."""
         request.is_failed = True
-        if request in self.waiting:
-            self.waiting.remove(request)
+        self.waiting.remove(request.request_id)
         self.running = [s for s in self.running if s.request is not request]
         self._release(request)
         return failure_event(request, exc)
@@ -313,9 +307,10 @@ class Scheduler:
     def drop_all(self) -> list[Request]:
         """Forget every request (after an internal failure); returns them so callers can be told."""
         requests = {s.request.request_id: s.request for s in self.running}
-        requests.update({r.request_id: r for r in self.waiting})
+        requests.update(self.admitted)
+        requests.update({r.request_id: r for r in self.waiting.drain()})
         self.running.clear()
-        self.waiting.clear()
+        self._aborted.clear()
         for request in requests.values():
             self._release(request)
         return list(requests.values())

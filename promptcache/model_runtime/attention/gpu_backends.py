@@ -1,0 +1,137 @@
+"""Attention kernels for GPUs returning (out, natural-log lse), like the CPU kernels in backends.py.
+
+torch alone is enough: its fused CUDA ops `_scaled_dot_product_flash_attention` (fp16/bf16, head dim
+<= 256 and a multiple of 8) and `_scaled_dot_product_efficient_attention` (fp32 too; its lse comes
+padded to a multiple of 32 rows and is sliced), then the plain matmul. flash-attn and FlashInfer are
+optional first choices, used only when importable and applicable; a library whose call fails is turned
+off for the process with a warning and the call falls through to torch's ops. FlashInfer's lse is base
+2 and is converted.
+
+All take q [B, H, M, D] and k/v [B, H, N, D] with N > 0 and equal head counts (callers fold a GQA group
+into query rows, or expand the KV), a scale, and `causal` (square blocks only, M == N). They return
+out [B, H, M, D] and lse [B, H, M] (fp32).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from promptcache.model_runtime.attention.backends import matmul_attend
+
+log = logging.getLogger(__name__)
+
+LOG_2 = math.log(2.0)
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+EFFICIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+EFFICIENT_ALIGNMENT_BYTES = 16  # the efficient op reads head_dim in 16-byte vectors
+
+Result = tuple[torch.Tensor, torch.Tensor]
+
+
+def flash_applicable(q: torch.Tensor) -> bool:
+    """Whether the flash kernels (torch's and flash-attn's) take this dtype and head dim."""
+    head_dim = q.shape[-1]
+    return q.dtype in FLASH_DTYPES and head_dim <= FLASH_MAX_HEAD_DIM and head_dim % 8 == 0
+
+
+def efficient_applicable(q: torch.Tensor) -> bool:
+    """Whether torch's memory-efficient kernel takes this dtype and head dim."""
+    return q.dtype in EFFICIENT_DTYPES and q.shape[-1] % (EFFICIENT_ALIGNMENT_BYTES // q.element_size()) == 0
+
+
+def aten_flash_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      causal: bool = False) -> Result:
+    """torch's flash-attention op (fp16/bf16): lse [B, H, M] fp32, natural log."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale)[:2]  # [B, H, M, D], [B, H, M]
+    return out, lse
+
+
+def aten_efficient_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          causal: bool = False) -> Result:
+    """torch's memory-efficient op (fp32/fp16/bf16). Its lse is [B, H, ceil(M / 32) * 32]: the rows past
+    M are padding."""
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, causal, scale=scale)[:2]  # [B, H, M, D], [B, H, M_padded]
+    return out, lse[..., : q.shape[2]]
+
+
+def matmul_gpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      causal: bool = False) -> Result:
+    """The reference kernel for what no fused op takes; a causal mask is made per call, never cached
+    (a cache would keep [M, N] masks in GPU memory)."""
+    m, n = q.shape[-2], k.shape[-2]
+    mask = torch.ones((m, n), dtype=torch.bool, device=q.device).tril(n - m) if causal else None  # [M, N]
+    return matmul_attend(q, k, v, scale, mask)
+
+
+_libraries: dict[str, Any] = {}  # module name -> module, or None when not importable or turned off
+
+
+def _library(name: str) -> Any:
+    if name not in _libraries:
+        try:
+            _libraries[name] = importlib.import_module(name)
+        except (ImportError, OSError, RuntimeError):  # absent, or built against another torch/CUDA
+            _libraries[name] = None
+    return _libraries[name]
+
+
+def flash_attn_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      causal: bool = False) -> Result | None:
+    """flash-attn's kernel when importable and applicable, else None."""
+    library = _library("flash_attn")
+    if library is None or not q.is_cuda or not flash_applicable(q):
+        return None
+    # flash-attn's layout is [B, M, H, D]: transposed views, the last dim stays contiguous.
+    out, lse, _ = library.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          softmax_scale=scale, causal=causal, return_attn_probs=True)
+    return out.transpose(1, 2), lse.float()  # [B, H, M, D], [B, H, M]
+
+
+def flashinfer_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      causal: bool = False) -> Result | None:
+    """FlashInfer's single-request prefill kernel (batch 1 only) when importable and applicable, else None."""
+    library = _library("flashinfer")
+    if library is None or not q.is_cuda or q.shape[0] != 1 or not flash_applicable(q):
+        return None
+    out, lse = library.single_prefill_with_kv_cache(
+        q[0].transpose(0, 1).contiguous(), k[0], v[0], causal=causal, kv_layout="HND", sm_scale=scale,
+        return_lse=True)  # [M, H, D], [M, H] (base-2 lse)
+    return out.transpose(0, 1).unsqueeze(0), (lse.float() * LOG_2).transpose(0, 1).unsqueeze(0)
+
+
+OPTIONAL_KERNELS: dict[str, Callable[..., Result | None]] = {
+    "flash_attn": flash_attn_attend, "flashinfer": flashinfer_attend}
+
+
+def gpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False) -> Result:
+    """The first applicable kernel: flash-attn, FlashInfer, torch's flash op, its efficient op, matmul."""
+    for name, kernel in OPTIONAL_KERNELS.items():
+        if _libraries.get(name, ...) is None:
+            continue  # known absent or turned off
+        try:
+            found = kernel(q, k, v, scale, causal)
+        except (RuntimeError, ValueError, TypeError) as error:  # an unsupported case: torch's ops take it
+            log.warning("%s failed (%s); using torch's attention ops from now on", name, error)
+            _libraries[name] = None
+            found = None
+        if found is not None:
+            return found
+    if flash_applicable(q):
+        return aten_flash_attend(q, k, v, scale, causal)
+    if efficient_applicable(q):
+        return aten_efficient_attend(q, k, v, scale, causal)
+    return matmul_gpu_attend(q, k, v, scale, causal)
+
+
+def kernel_block_rows(q: torch.Tensor) -> int:
+    """Query rows per thread block of the torch op `gpu_attend` would run (flash: 128, efficient: 64)."""
+    return 128 if flash_applicable(q) else 64

@@ -1,0 +1,50 @@
+"""Decoding sequences' own KV (the tokens after their shared segments): attended in one padded batch
+call, or, for long own KV on a CPU, in place by one fused call per sequence."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from promptcache.model_runtime.attention.step_indices import StepIndices
+
+
+def own_decode_in_place(queries: torch.Tensor, rows: Sequence[int], own_keys: Sequence[torch.Tensor],
+                        own_values: Sequence[torch.Tensor], num_kv_heads: int, scale: float):
+    """One fused CPU call per single-token sequence (query row rows[b]), reading its own KV where it lies
+    (a strided view of its buffer, no copy): for long own KV, copying it into a padded batch costs more
+    than the calls. (With the bf16 kernel these sequences go through `_attend_together` instead.)
+    Returns out [B, H, D], lse [B, H]."""
+    head_dim = queries.shape[-1]
+    outs, lses = [], []
+    for row, keys, values in zip(rows, own_keys, own_values):
+        q = queries[row].view(1, num_kv_heads, -1, head_dim)                                  # [1, H_kv, G, D]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, keys.unsqueeze(0), values.unsqueeze(0), 0.0, False, scale=scale)[:2]
+        outs.append(out.reshape(-1, head_dim))                                                # [H, D]
+        lses.append(lse.reshape(-1))                                                          # [H]
+    return torch.stack(outs), torch.stack(lses)                                               # [B, H, D], [B, H]
+
+
+def own_decode(queries: torch.Tensor, rows: torch.Tensor, own_keys: Sequence[torch.Tensor],
+               own_values: Sequence[torch.Tensor], num_kv_heads: int, group: int, scale: float,
+               indices: StepIndices):
+    """One batched call for single-token sequences (query rows `rows`) with short own KV: padded to the
+    longest, masked. Lengths are host ints and the mask is built on the host once per forward pass, so
+    nothing here waits for the device. Returns out [B, H, D], lse [B, H] (fp32)."""
+    lengths = tuple(k.shape[1] for k in own_keys)
+    longest, batch, head_dim = max(lengths), len(lengths), queries.shape[-1]
+    keys = queries.new_zeros((batch, num_kv_heads, longest, head_dim))    # [B, H_kv, S_max, D]
+    values = queries.new_zeros((batch, num_kv_heads, longest, head_dim))
+    for b, (k, v) in enumerate(zip(own_keys, own_values)):
+        keys[b, :, : k.shape[1]] = k
+        values[b, :, : v.shape[1]] = v
+    q = queries[rows].view(batch, num_kv_heads, group, head_dim)                       # [B, H_kv, G, D]
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale           # [B, H_kv, G, S_max]
+    valid = indices.get(("own_valid", lengths), lambda: torch.arange(longest)[None, :]
+                        < torch.tensor(lengths)[:, None])                               # [B, S_max] bool
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                                # [B, H_kv, G]
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())           # [B, H_kv, G, D]
+    return out.reshape(batch, -1, head_dim), lse.reshape(batch, -1)                     # [B, H, D], [B, H]

@@ -1,0 +1,49 @@
+"""Index tensors of one forward pass, built on the host once and reused by every layer.
+
+On a GPU, a tensor made from a Python list (`torch.tensor(list, device=cuda)`) or a length read back
+(`int(tensor)`) stalls the host until the device catches up: once per layer, per step, that serialises
+the step. Everything the attention layers index with is known on the host before the pass, so each
+index tensor is built there once, copied from pinned memory without blocking, and kept for the pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device` without a host sync: pinned, then copied asynchronously (stream-ordered
+    before any kernel that reads it). CPU tensors are returned as they are."""
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+class StepIndices:
+    """Device index tensors of one forward pass, by key; `get` builds each on the host at first use."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._made: dict[Hashable, torch.Tensor] = {}
+
+    def get(self, key: Hashable, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The tensor `build()` makes on the host, on this pass's device (built once per key)."""
+        found = self._made.get(key)
+        if found is None:
+            found = self._made[key] = to_device(build(), self.device)
+        return found
+
+    def rows(self, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """int64 [sum of lengths]: the rows first..end-1 of each (first, end) span, in order."""
+        spans = tuple(spans)
+        return self.get(("rows", spans), lambda: torch.cat(
+            [torch.arange(first, end) for first, end in spans] or [torch.empty(0, dtype=torch.long)]))
+
+    def positions(self, rows: Sequence[int]) -> torch.Tensor:
+        """int64 [len(rows)]: the given rows."""
+        rows = tuple(rows)
+        return self.get(("at", rows), lambda: torch.tensor(rows, dtype=torch.long))
