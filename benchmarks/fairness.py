@@ -28,7 +28,7 @@ from benchmarks.harness import RESULTS, emit, log
 from benchmarks.live_server import start_promptcache, stream_completion
 
 KEYS = {"sk-alpha": "alpha", "sk-beta": "beta"}
-B_PROMPT = "Question: what is the capital of France? Answer in one word.\nAnswer:"
+B_PROMPT = "Question {i}: what is the capital of France? Answer in one word.\nAnswer:"  # unique: no repeat hits
 A_PROMPT = "Write a long story about a robot who learns to paint, number {i}. " * 4
 
 
@@ -60,16 +60,17 @@ class RssSampler(threading.Thread):
             self.stop.wait(0.2)
 
 
-def b_requests(url: str, count: int, deadline: float) -> tuple[list[float], int]:
-    """B's streamed single-prompt completions, one after another; returns TTFTs (ms) and failures."""
+def b_requests(url: str, count: int, deadline: float, first: int = 0) -> tuple[list[float], int]:
+    """B's streamed single-prompt completions, one after another, each prompt new (numbered from
+    `first`, so no request is an exact repeat); returns TTFTs (ms) and failures."""
     ttfts, failures = [], 0
     headers = {"Authorization": "Bearer sk-beta"}
     with httpx.Client(timeout=120, headers=headers) as client:
-        for _ in range(count):
+        for i in range(first, first + count):
             if time.monotonic() > deadline:
                 break
             try:
-                body = {"model": "default", "prompt": B_PROMPT, "max_tokens": 8, "temperature": 0}
+                body = {"model": "default", "prompt": B_PROMPT.format(i=i), "max_tokens": 8, "temperature": 0}
                 ttfts.append(stream_completion(client, url + "/v1/completions", body).ttft_ms)
             except (RuntimeError, httpx.HTTPError) as exc:
                 failures += 1
@@ -172,7 +173,7 @@ def main() -> None:
             stop = threading.Event()
             rss = RssSampler(process.pid, stop)
             rss.start()
-            b_requests(url, 3, time.monotonic() + 60)  # warm-up
+            b_requests(url, 3, time.monotonic() + 60, first=10_000)  # warm-up
             alone, alone_failures = b_requests(url, args.b_requests, time.monotonic() + args.duration_s)
             log(f"B alone: {summary(alone)}")
 
@@ -185,7 +186,8 @@ def main() -> None:
                 flooder.start()
             time.sleep(5)  # let A's queue fill before B measures
             started = time.monotonic()
-            flooded, flooded_failures = b_requests(url, args.b_requests, started + args.duration_s)
+            flooded, flooded_failures = b_requests(url, args.b_requests, started + args.duration_s,
+                                                   first=args.b_requests)
             elapsed = time.monotonic() - started
             stop.set()
             for thread in [*flooders, probe, rss]:

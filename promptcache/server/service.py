@@ -76,7 +76,9 @@ class PromptService:
             max_prefill_tokens=settings.max_prefill_tokens, max_prefill_tokens_alone=settings.max_prefill_tokens_alone,
             min_prefill_tokens=settings.min_prefill_tokens, max_step_slowdown=settings.max_step_slowdown or None,
             logits_cache_bytes=settings.logits_cache_bytes, max_assembled_bytes=settings.max_assembled_kv_bytes,
-            max_waiting_per_tenant=settings.max_waiting_per_tenant))
+            max_waiting_per_tenant=settings.max_waiting_per_tenant,
+            tenant_headroom_seqs=min(settings.tenant_headroom_seqs, settings.max_num_seqs - 1)
+            if settings.api_keys_file else 0))
         self.metrics = Metrics(self.model_name)
         self.metrics.add_source(lambda: engine_families(self.engine, self.runtime.module_encoder, self.model_name))
         self.metrics.add_source(lambda: store_families(self.store))

@@ -48,6 +48,8 @@ class ServerSettings(BaseSettings):
     disk_dir: str | None = None
     disk_max_bytes: int = 16 << 30
     max_num_seqs: int = 64
+    tenant_headroom_seqs: int = Field(8, ge=0, description="with an API keys file: sequence slots one tenant "
+                                      "leaves free for the others' requests; 0: none")
     max_kv_bytes: int = 2 << 30
     max_waiting_per_tenant: int = Field(1024, ge=1, description="requests one tenant may have waiting for "
                                         "admission (prompts of a list count one each); more get 429 + Retry-After")

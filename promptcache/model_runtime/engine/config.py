@@ -23,7 +23,10 @@ class EngineConfig:
     `logits_cache_bytes` keeps the last-token logits of recent prompts so an exact repeat whose KV is all
     stored runs no forward pass before its first token (engine/prefix.py); 0 turns that off.
     `max_waiting_per_tenant` bounds the requests one tenant has submitted and not yet admitted; past it,
-    `submit` raises QueueFullError (engine/waiting.py).
+    `submit` raises QueueFullError (engine/waiting.py). `tenant_headroom_seqs` sequence slots are ones a
+    tenant cannot take while it already runs `max_num_seqs - tenant_headroom_seqs` sequences: they stay
+    free for other tenants, so one tenant's full batch does not make another's request wait for it to
+    drain (0: no headroom, as on a single-tenant server).
     """
 
     max_num_seqs: int = 64
@@ -39,10 +42,13 @@ class EngineConfig:
     logits_cache_bytes: int = 32 << 20  # ~170 prompts of a 49K-token vocabulary
     max_assembled_bytes: int = 128 << 20  # ~5.6K tokens of SmolLM2-135M's KV in bf16
     max_waiting_per_tenant: int = 1024  # 16 full batches of the default max_num_seqs
+    tenant_headroom_seqs: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not 0 <= self.tenant_headroom_seqs < self.max_num_seqs:
+            raise ValueError(f"tenant_headroom_seqs must be in [0, max_num_seqs), got {self.tenant_headroom_seqs}")
         if self.max_waiting_per_tenant < 1:
             raise ValueError(f"max_waiting_per_tenant must be >= 1, got {self.max_waiting_per_tenant}")
         if self.max_assembled_bytes < 0:

@@ -19,6 +19,7 @@ from promptcache.model_runtime.engine.reports import failure_event, final_event,
 from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequence, SharedKV, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import resolve
 from promptcache.model_runtime.engine.step_budget import StepBudget
+from promptcache.model_runtime.engine.step_plan import compose_step
 from promptcache.model_runtime.engine.waiting import WaitingRequests
 from promptcache.model_runtime.errors import InvalidRequestError
 from promptcache.model_runtime.module_encoder import ModuleEncoder
@@ -81,21 +82,19 @@ class Scheduler:
         """Drop aborted work, admit waiting requests (round-robin across tenants), return the sequences
         to run now, the events so far, and the prefill budget left for module encoding.
 
-        Decoding sequences always run. Prefills are chunked: together they feed at most the step
-        budget while anything decodes (so no stream stalls for a long prompt; `step_budget`),
-        `max_prefill_tokens_alone` otherwise; a sequence's `step_len` says how many it feeds.
+        The batch policy (decodes, chunked prefills, tenants' order) is `step_plan.compose_step`: prompt
+        tokens share the learned step budget (`step_budget`) while anything decodes, else
+        `max_prefill_tokens_alone`, or `max_prefill_tokens` while requests wait (a second-long step would
+        hold every waiting request's first token back).
         """
         events = self._reap_aborted()
         self._admit(events)
-        decoding = [s for s in self.running if s.pending_ids and s.status != SeqStatus.PREFILL]
-        budget = self.step_budget.tokens() if decoding else self.config.max_prefill_tokens_alone
-        batch = list(decoding)
-        for seq in self.running:
-            if seq.status == SeqStatus.PREFILL and seq.pending_ids and budget > 0:
-                seq.step_len = min(len(seq.pending_ids), budget)
-                budget -= seq.step_len
-                batch.append(seq)
+        alone = self.config.max_prefill_tokens if self.waiting else self.config.max_prefill_tokens_alone
+        batch, budget = compose_step(self.running, mixed_budget=self.step_budget.tokens(), alone_budget=alone)
         return batch, events, budget
+
+    def _num_running(self, tenant: str | None) -> int:
+        return sum(1 for s in self.running if s.request.tenant == tenant)
 
     def missing_modules(self, request: Request) -> list[tuple[int, tuple[int, ...]]]:
         """(segment, context) of the module KV `request` reuses that no tier holds now."""
@@ -107,12 +106,18 @@ class Scheduler:
     def _admit(self, events: list[TokenEvent]) -> None:
         """Admit heads in turn (waiting.py) until one does not fit. The head that does not fit blocks the
         rest (nobody overtakes a request waiting for memory or a sequence slot, so none starves), but a
-        head whose module KV no tier holds is parked while the engine encodes it, and others go on."""
-        while (request := self.waiting.head()) is not None:
+        head whose module KV no tier holds is parked while the engine encodes it, and others go on, and
+        a tenant that runs its share of the batch (all but `tenant_headroom_seqs`) is passed over."""
+        at_share: set[str | None] = set()  # tenants whose next request would eat the others' headroom
+        tenant_cap = self.config.max_num_seqs - self.config.tenant_headroom_seqs
+        while (request := self.waiting.head(skip=at_share)) is not None:
             params = request.params
             n_seqs = params.n + (1 if params.n > 1 else 0)
             if self.running and len(self.running) + n_seqs > self.config.max_num_seqs:
                 return
+            if self.running and self._num_running(request.tenant) + n_seqs > tenant_cap:
+                at_share.add(request.tenant)
+                continue
             if request.reuse is None:
                 request.reuse = resolve(request.plan, request.fidelity,
                                         can_shift=self.loaded.key_shifter is not None)

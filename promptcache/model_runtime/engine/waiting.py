@@ -58,12 +58,13 @@ class WaitingRequests:
         self._requests[request.request_id] = request
         self._queues.setdefault(request.tenant, OrderedDict())[request.request_id] = request
 
-    def head(self) -> Request | None:
-        """The next request to admit: the first of the tenant whose turn it is."""
-        if not self._queues:
-            return None
-        queue = next(iter(self._queues.values()))
-        return next(iter(queue.values()))
+    def head(self, skip: frozenset[str | None] | set[str | None] = frozenset()) -> Request | None:
+        """The next request to admit: the first of the tenant whose turn it is, passing over the tenants
+        in `skip` (those at their share of the running batch). O(number of tenants)."""
+        for tenant, queue in self._queues.items():
+            if tenant not in skip:
+                return next(iter(queue.values()))
+        return None
 
     def pop(self, request: Request) -> None:
         """Remove the head `request` (admitted or refused); the turn passes to the next tenant."""

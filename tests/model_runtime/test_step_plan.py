@@ -1,0 +1,108 @@
+"""The step's batch across tenants: lightly loaded tenants' prompts first, a step of their own for a
+short prompt while another tenant decodes, and sequence slots one tenant leaves free for the others."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from promptcache.model_runtime import SamplingParams
+from promptcache.model_runtime.engine import Engine, EngineConfig
+from promptcache.model_runtime.engine.request import SeqStatus
+from promptcache.model_runtime.engine.step_plan import compose_step
+from tests.model_runtime.test_scheduler import TEXTS, _run, _runtime, _text_plan
+
+
+@dataclass
+class _Req:
+    tenant: str | None
+
+
+@dataclass
+class _Seq:
+    """The fields of a running sequence the batch policy reads and writes."""
+
+    tenant: str | None
+    num_pending: int
+    status: SeqStatus
+    step_len: int = 0
+    request: _Req = field(init=False)
+    pending_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.request = _Req(self.tenant)
+        self.pending_ids = [0] * self.num_pending
+
+
+def _decoding(tenant):
+    return _Seq(tenant, 1, SeqStatus.DECODE)
+
+
+def _prefill(tenant, num_tokens):
+    return _Seq(tenant, num_tokens, SeqStatus.PREFILL)
+
+
+def test_one_tenant_shares_the_budget_in_admission_order():
+    decodes = [_decoding(None) for _ in range(3)]
+    first, second = _prefill(None, 20), _prefill(None, 20)
+    batch, left = compose_step([*decodes, first, second], mixed_budget=30, alone_budget=256)
+    assert batch == [*decodes, first, second]
+    assert (first.step_len, second.step_len, left) == (20, 10, 0)
+
+
+def test_a_light_tenants_short_prompt_gets_a_step_of_its_own():
+    busy = [_decoding("a") for _ in range(8)] + [_prefill("a", 50)]
+    light = _prefill("b", 12)
+    batch, left = compose_step([*busy, light], mixed_budget=16, alone_budget=256)
+    assert batch == [light] and light.step_len == 12 and left == 244
+
+
+def test_a_light_tenants_long_prompt_is_chunked_but_fed_first():
+    busy_decodes = [_decoding("a") for _ in range(8)]
+    busy_prefill, light = _prefill("a", 50), _prefill("b", 300)
+    batch, left = compose_step([*busy_decodes, busy_prefill, light], mixed_budget=16, alone_budget=256)
+    assert batch == [*busy_decodes, light] and light.step_len == 16 and left == 0
+
+
+def test_with_nothing_decoding_the_less_loaded_tenant_is_fed_first():
+    a_prefills = [_prefill("a", 100) for _ in range(3)]
+    b_prefill = _prefill("b", 100)
+    batch, left = compose_step([*a_prefills, b_prefill], mixed_budget=16, alone_budget=150)
+    assert batch == [b_prefill, a_prefills[0]]
+    assert (b_prefill.step_len, a_prefills[0].step_len, left) == (100, 50, 0)
+
+
+def test_headroom_lets_another_tenant_start_before_the_first_ones_batch_drains(engines):
+    """Tenant a fills every slot it may take with long generations; b's request, sent once a's run,
+    finishes long before any of a's. Without headroom b waits for a's batch to finish first."""
+    runtime = _runtime()
+    long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    short = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    a_plans = [_text_plan(runtime, TEXTS[i % len(TEXTS)]) for i in range(6)]
+    b_plan = _text_plan(runtime, TEXTS[4])
+
+    def finish_order(headroom: int) -> tuple[list[str], list[list[int]]]:
+        engine = Engine(runtime.module_encoder, EngineConfig(max_num_seqs=4, tenant_headroom_seqs=headroom,
+                                                             prefix=None))
+        log: list = []
+
+        async def main():
+            a_streams = [engine.submit(plan, long, tenant="a") for plan in a_plans]
+            tasks = [asyncio.create_task(_run(s, log, f"a{i}")) for i, s in enumerate(a_streams)]
+            while ("a0", "token") not in log:  # a's first batch runs
+                await asyncio.sleep(0.005)
+            tasks.append(asyncio.create_task(_run(engine.submit(b_plan, short, tenant="b"), log, "b")))
+            return await asyncio.gather(*tasks)
+
+        try:
+            results = asyncio.run(main())
+        finally:
+            engine.stop()
+        return [name for name, kind in log if kind == "final"], results
+
+    finished, results = finish_order(headroom=1)
+    assert finished[0] == "b", finished
+    expected = [list(runtime.generate(plan, long).token_ids) for plan in a_plans]
+    assert results == [*expected, list(runtime.generate(b_plan, short).token_ids)]
+    finished, _ = finish_order(headroom=0)
+    assert finished.index("b") >= 4, finished  # the oracle: no headroom, b waits for a's first batch
