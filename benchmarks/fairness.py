@@ -60,9 +60,10 @@ class RssSampler(threading.Thread):
             self.stop.wait(0.2)
 
 
-def b_requests(url: str, count: int, deadline: float, first: int = 0) -> tuple[list[float], int]:
+def b_requests(url: str, count: int, deadline: float, first: int = 0,
+               interval_s: float = 0.0) -> tuple[list[float], int]:
     """B's streamed single-prompt completions, one after another, each prompt new (numbered from
-    `first`, so no request is an exact repeat); returns TTFTs (ms) and failures."""
+    `first`, so no request is an exact repeat) and `interval_s` apart; returns TTFTs (ms) and failures."""
     ttfts, failures = [], 0
     headers = {"Authorization": "Bearer sk-beta"}
     with httpx.Client(timeout=120, headers=headers) as client:
@@ -75,6 +76,7 @@ def b_requests(url: str, count: int, deadline: float, first: int = 0) -> tuple[l
             except (RuntimeError, httpx.HTTPError) as exc:
                 failures += 1
                 log(f"B failed: {exc}")
+            time.sleep(interval_s)
     return ttfts, failures
 
 
@@ -157,10 +159,11 @@ def plot(record: dict, alone: list[float], flooded: list[float], out: Path) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--b-requests", type=int, default=40)
+    parser.add_argument("--b-requests", type=int, default=100)
+    parser.add_argument("--b-interval-s", type=float, default=0.25, help="B's pause between requests")
     parser.add_argument("--a-clients", type=int, default=16)
     parser.add_argument("--a-prompts", type=int, default=16, help="prompts per request of each A client")
-    parser.add_argument("--duration-s", type=float, default=120, help="most seconds the flood phase lasts")
+    parser.add_argument("--duration-s", type=float, default=90, help="most seconds the flood phase lasts")
     parser.add_argument("--out", type=Path, default=RESULTS / "fairness.jsonl")
     parser.add_argument("server_flags", nargs="*", help="extra `promptcache serve` flags (after --)")
     args = parser.parse_args()
@@ -174,7 +177,8 @@ def main() -> None:
             rss = RssSampler(process.pid, stop)
             rss.start()
             b_requests(url, 3, time.monotonic() + 60, first=10_000)  # warm-up
-            alone, alone_failures = b_requests(url, args.b_requests, time.monotonic() + args.duration_s)
+            alone, alone_failures = b_requests(url, args.b_requests, time.monotonic() + args.duration_s,
+                                               interval_s=args.b_interval_s)
             log(f"B alone: {summary(alone)}")
 
             probe = HealthProbe(url, stop)
@@ -182,16 +186,16 @@ def main() -> None:
             huge = huge_request(url)
             log(f"A's 2 MiB request: {huge}")
             flooders = [Flooder(url, i, args.a_prompts, stop) for i in range(args.a_clients)]
+            flood_started = time.monotonic()
             for flooder in flooders:
                 flooder.start()
             time.sleep(5)  # let A's queue fill before B measures
-            started = time.monotonic()
-            flooded, flooded_failures = b_requests(url, args.b_requests, started + args.duration_s,
-                                                   first=args.b_requests)
-            elapsed = time.monotonic() - started
+            flooded, flooded_failures = b_requests(url, args.b_requests, time.monotonic() + args.duration_s,
+                                                   first=args.b_requests, interval_s=args.b_interval_s)
             stop.set()
             for thread in [*flooders, probe, rss]:
                 thread.join(timeout=320)
+            elapsed = time.monotonic() - flood_started  # A's requests in flight at the stop included
         finally:
             process.terminate()
             process.wait(timeout=60)

@@ -66,7 +66,8 @@ PYTEST=(python3 -m pytest -q -p no:cacheprovider)
 DEVICE_TESTS=(tests/model_runtime/test_cuda.py tests/model_runtime/test_attention_backend.py
   tests/model_runtime/test_sampling_device.py tests/model_runtime/test_exactness.py
   tests/model_runtime/test_module_reuse.py tests/model_runtime/test_engine.py
-  tests/model_runtime/test_prefix_reuse.py tests/model_runtime/test_generation.py)
+  tests/model_runtime/test_prefix_reuse.py tests/model_runtime/test_generation.py
+  tests/model_runtime/test_kv_pool.py)
 
 step_0() {
   DEVICE="$DEVICE" python3 - "$RESULTS/env.json" <<'EOF'

@@ -21,6 +21,9 @@ command -v redis-server >/dev/null 2>&1 || apt_install redis-server
 if grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null && ! command -v c++ >/dev/null 2>&1; then
   apt_install g++ || echo "g++ could not be installed: bf16 attention falls back to PyTorch's kernel" >&2
 fi
+if [ "$extras" = test ] && ! command -v curl >/dev/null 2>&1; then
+  apt_install curl  # the docs' curl examples run in tests/e2e/test_docs_examples.py
+fi
 if [ "$extras" = test ] && ! command -v chromium >/dev/null 2>&1; then
   apt_install chromium || echo "chromium could not be installed: the browser tests will be skipped" >&2
 fi

@@ -1,4 +1,4 @@
-"""BlockIndex: automatic prefix reuse as chains of fixed-size KV blocks in the tiered store (design.md §4a).
+"""BlockIndex: automatic prefix reuse as chains of fixed-size KV blocks in the tiered store (docs/architecture.md).
 
 A token stream (a plain prompt, a chat, the new text of a PML prompt after its modules, and the text
 generated after it) is cut into blocks of `block_size` tokens. Block i's key is SHA-256 over its parent

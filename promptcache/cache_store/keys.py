@@ -1,4 +1,4 @@
-"""Cache keys: SHA-256 over everything that determines a link's KV (design.md §4, §4a).
+"""Cache keys: SHA-256 over everything that determines a link's KV (docs/architecture.md).
 
 One key function names every KV link: a module segment after its encoding context, or a prefix block
 of a token stream after its parent link (the previous block, or the chain root of the modules it
@@ -35,7 +35,7 @@ CHAIN_ROOT_VERSION = b"promptcache-chain-root-v1"
 
 
 def chain_root(link_keys: Sequence[str], *, variant: str = "") -> str:
-    """The parent key of the first prefix block of a token stream (design.md §4a).
+    """The parent key of the first prefix block of a token stream (docs/architecture.md).
 
     A stream computed after cached module links hangs off the digest of those links' keys, in the
     order they precede it; a plain prompt (no modules) hangs off the digest of the empty chain.

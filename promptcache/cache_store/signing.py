@@ -1,5 +1,5 @@
 """Authenticated values in shared storage: an HMAC-SHA256 over (storage key, value) on everything written to
-Redis, checked on read (design.md §4; docs/security.md).
+Redis, checked on read (docs/security.md).
 
 Anyone who can write to Redis could otherwise plant KV that a server serves as a cache hit, or a schema
 it adopts. With a blob key configured, a value without a valid tag — forged, altered, copied from

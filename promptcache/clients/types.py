@@ -17,6 +17,7 @@ class ModuleInfo(_Model):
     start: int
     end: int
     num_tokens: int
+    role: str | None = None  # the top-level role section holding it: system | user | assistant
 
 
 class SchemaInfo(_Model):
@@ -71,6 +72,9 @@ class PromptSpan(_Model):
 class CacheReport(_Model):
     exact: bool
     modules: list[ModuleReport]
+    # The server opened the assistant turn after the prompt's last turn (add_generation_prompt); false when
+    # the prompt ended in an open <assistant> turn.
+    generation_prompt_added: bool = False
     approximations: list[str] = Field(default_factory=list)
     fidelity: str | None = None  # the mode that ran: fast | balanced | exact
     positions: str | None = None  # where the tokens sat: layout | contiguous (reused keys re-aligned)
@@ -109,6 +113,7 @@ class GenerationChunk(_Model):
 class Explanation(_Model):
     schema_name: str = Field(alias="schema")
     exact: bool
+    generation_prompt_added: bool = False  # as in CacheReport
     approximations: list[str]
     modules: list[ModuleReport]
     prompt_tokens: int

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from promptcache.model_runtime.forward import cache_argument, past_cache
+
 
 @torch.inference_mode()
 def full_prefill_logits(model, token_ids: Sequence[int], position_ids: Sequence[int] | None = None,
@@ -44,7 +46,7 @@ def full_prefill_generate(model, token_ids: Sequence[int], position_ids: Sequenc
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)       # [1, n]
     pos = torch.tensor([list(position_ids)], dtype=torch.long, device=device)    # [1, n]
     out = model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=True)
-    past, next_pos = out.past_key_values, int(pos[0, -1]) + 1
+    past, next_pos = past_cache(out), int(pos[0, -1]) + 1
     tokens: list[int] = []
     logits = out.logits[0, -1]
     first_logits = logits.float()
@@ -55,6 +57,6 @@ def full_prefill_generate(model, token_ids: Sequence[int], position_ids: Sequenc
             break
         mask = torch.ones((1, past.get_seq_length() + 1), dtype=torch.long, device=device)  # [1, kv_len]
         out = model(input_ids=torch.tensor([[token]], device=device), position_ids=torch.tensor([[next_pos]], device=device),
-                    attention_mask=mask, past_key_values=past, use_cache=True)
-        past, next_pos, logits = out.past_key_values, next_pos + 1, out.logits[0, -1]
+                    attention_mask=mask, use_cache=True, **cache_argument(model, past))
+        past, next_pos, logits = past_cache(out), next_pos + 1, out.logits[0, -1]
     return tokens, first_logits

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -29,8 +31,8 @@ def run_tokens(model, buffer: KVBuffer, token_ids: Sequence[int], position_ids: 
     context = BatchContext(query_lens=[n], own_keys=[keys[:, :, start:]], own_values=[values[:, :, start:]],
                            own_starts=[0], segments=segments)
     with active_batch(context):
-        outputs = model.base_model(input_ids=input_ids, position_ids=positions,
-                                   past_key_values=BatchCache(context, buffer.num_layers), use_cache=True)
+        outputs = model.base_model(input_ids=input_ids, position_ids=positions, use_cache=True,
+                                   **cache_argument(model.base_model, BatchCache(context, buffer.num_layers)))
     buffer.length = start + n
     return outputs.last_hidden_state[0, -1]  # [hidden]
 
@@ -38,3 +40,21 @@ def run_tokens(model, buffer: KVBuffer, token_ids: Sequence[int], position_ids: 
 def logits_of(model, hidden: torch.Tensor) -> torch.Tensor:
     """[hidden] -> [vocab] float32 logits through the model's LM head."""
     return model.get_output_embeddings()(hidden).float()
+
+
+def cache_argument(model, cache) -> dict:
+    """The keyword argument that hands `cache` to `model`'s forward: `cache` where the model takes it
+    (transformers renamed `past_key_values`, and warns on every call that passes the old name), else
+    `past_key_values`."""
+    return {_cache_keyword(type(model)): cache}
+
+
+def past_cache(outputs):
+    """The KV cache a forward pass returned, under either name (see `cache_argument`)."""
+    found = getattr(outputs, "cache", None)
+    return found if found is not None else outputs.past_key_values
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"

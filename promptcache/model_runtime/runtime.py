@@ -60,11 +60,14 @@ class ModelRuntime:
         with self._lock:
             return sorted(self._schemas.get(namespace, {}))
 
-    def plan(self, prompt: str, *, isolated: bool = False, namespace: str = "") -> PromptPlan:
-        """Resolve a `<prompt schema=...>` against the schemas registered in `namespace` (raises PmlError)."""
+    def plan(self, prompt: str, *, isolated: bool = False, namespace: str = "",
+             add_generation_prompt: bool = False) -> PromptPlan:
+        """Resolve a `<prompt schema=...>` against the schemas registered in `namespace` (raises PmlError).
+        `add_generation_prompt`: open the assistant turn after the prompt's last turn (pml.parse_prompt)."""
         with self._lock:
             schemas = dict(self._schemas.get(namespace, {}))
-        return parse_prompt(prompt, schemas, self.text_encoder, self.limits, isolated=isolated)
+        return parse_prompt(prompt, schemas, self.text_encoder, self.limits, isolated=isolated,
+                            add_generation_prompt=add_generation_prompt)
 
     def tokenize_completion(self, text: str) -> tuple[int, ...]:
         """Token ids of a plain completion prompt (no PML: the text is used verbatim)."""

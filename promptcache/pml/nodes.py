@@ -28,13 +28,19 @@ class TextRun:
 
 @dataclass(frozen=True, slots=True)
 class Param:
-    """A slot of `length` positions for a runtime argument of module `module_path`."""
+    """A slot of `length` positions for a runtime argument of module `module_path`.
+
+    `scaffold_ids`: the tokens of its `scaffold="..."` text, which stand in the slot's first positions
+    while the module is encoded (the rest of the slot holds the placeholder token, or nothing when the
+    schema skips slots).
+    """
 
     name: str
     length: int
     start: int
     line: int
     module_path: str
+    scaffold_ids: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -43,13 +49,18 @@ class Param:
 
 @dataclass(frozen=True, slots=True)
 class Union:
-    """Mutually exclusive member modules sharing one start; spans the longest member."""
+    """Mutually exclusive member modules sharing one start; spans the longest member.
+
+    `scaffold` names the member that stands in the union's positions when the content after the union
+    is encoded (`<union scaffold="member">`, segments.py); None: nothing does.
+    """
 
     members: tuple[Module, ...]
     default: str | None
     start: int
     end: int
     line: int
+    scaffold: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

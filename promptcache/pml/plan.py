@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -24,7 +25,8 @@ class NewRun:
     """Tokens computed for this request at positions [start, start + len(token_ids)).
 
     kind: "text" (prompt text), "argument" (a param's value), "role" (role markup the prompt adds),
-    or "module" (a cache="false" module's tokens). `source` names the param or module path.
+    or "module" (a cache="false" module's tokens). `source` names the param or module path; for text and
+    role markup it is "text", or "generation_prompt" for the assistant turn the parser opened.
     """
 
     token_ids: tuple[int, ...]
@@ -45,6 +47,8 @@ class PromptPlan:
     `is_exact` is true when serving the plan from cache gives the same result as a full prefill of
     `token_ids()` at `position_ids()`; otherwise `approximations` says which attention is missing, or
     that a schema piece starting the prompt was tokenized as a continuation (prompt_parser).
+    `generation_prompt_added`: the parser opened the assistant turn after the prompt's last turn (the
+    last new run is the chat template's generation prompt), see `parse_prompt(add_generation_prompt=)`.
     """
 
     schema: Schema
@@ -52,6 +56,7 @@ class PromptPlan:
     new_runs: tuple[NewRun, ...]
     module_paths: tuple[str, ...]
     approximations: tuple[str, ...]
+    generation_prompt_added: bool = False
 
     @property
     def is_exact(self) -> bool:
@@ -88,12 +93,15 @@ class PromptPlan:
         return sorted(pairs)
 
 
-def find_approximations(cached: tuple[CachedSegment, ...], new_runs: tuple[NewRun, ...]) -> tuple[str, ...]:
+def find_approximations(cached: tuple[CachedSegment, ...], new_runs: tuple[NewRun, ...],
+                        absent_owner: Callable[[int], str | None] | None = None) -> tuple[str, ...]:
     """Why serving this plan from cache differs from a full prefill (empty tuple: it does not).
 
     A cached segment is exact when the segments it was encoded after are exactly the cached segments
     positioned before it in this plan and no new token precedes it; new tokens are exact when none
     is positioned before a cached token (a full prefill would not let them see later tokens).
+    `absent_owner(segment_id)` names the module of a context segment this plan leaves out (the content
+    of a union scaffold member, the only module a default context holds without its import), else None.
     """
     reasons: list[str] = []
     # The first run (in `new_runs` order) starting below p is the first whose running minimum start is.
@@ -105,8 +113,14 @@ def find_approximations(cached: tuple[CachedSegment, ...], new_runs: tuple[NewRu
         segment = item.segment
         if len(item.context_ids) != len(before) or not before.issuperset(item.context_ids):
             owner = segment.owner or "the schema's always-included text"
-            reasons.append(f"{owner} at [{segment.start}, {segment.end}) was encoded without attending "
-                           "to every module before it in this prompt, or with one this prompt leaves out")
+            absent = sorted({o for o in map(absent_owner, item.context_ids) if o}) if absent_owner else []
+            if absent:
+                reasons.append(f"{owner} at [{segment.start}, {segment.end}) was encoded after the union "
+                               f"scaffold member(s) {', '.join(map(repr, absent))} (<union scaffold=...>), "
+                               "which this prompt does not import")
+            else:
+                reasons.append(f"{owner} at [{segment.start}, {segment.end}) was encoded without attending "
+                               "to every module before it in this prompt, or with one this prompt leaves out")
         before.add(segment.segment_id)
         first = bisect.bisect_left(lowest, True, key=lambda start: start < segment.start)
         if first < len(new_runs):

@@ -35,15 +35,20 @@ from promptcache.pml.text_encoder import TextEncoder
 from promptcache.pml.xml_reader import parse_xml
 
 _XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
+GENERATION_PROMPT = "generation_prompt"  # the `source` of the run that opens the assistant turn
 
 
 def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
-                 limits: PmlLimits | None = None, *, isolated: bool = False) -> PromptPlan:
+                 limits: PmlLimits | None = None, *, isolated: bool = False,
+                 add_generation_prompt: bool = False) -> PromptPlan:
     """Resolve a `<prompt schema="...">` document into a PromptPlan.
 
     `schemas` maps loaded schema names to schemas; `encoder` must be the one the schema was parsed
     with. `isolated=True` asks for the paper's literal masking (each module encoded seeing only
-    itself) instead of guaranteed-context encoding. Raises a PmlError subclass for invalid prompts.
+    itself) instead of guaranteed-context encoding. `add_generation_prompt=True` (what the server
+    asks) opens the model's assistant turn after the prompt, as a chat template's
+    `add_generation_prompt` does, unless the prompt ends in an open `<assistant>` turn; the plan's
+    `generation_prompt_added` says whether it did. Raises a PmlError subclass for invalid prompts.
     """
     limits = limits or PmlLimits()
     root = parse_xml(text, max_bytes=limits.max_prompt_bytes, max_depth=limits.max_depth,
@@ -60,7 +65,7 @@ def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
     if schema is None:
         raise UnknownSchemaError(f"<prompt> names unknown schema {name!r} (loaded: {sorted(schemas)})",
                                  line=root.sourceline, schema_name=name)
-    items = PromptReader(schema, encoder).read(root)
+    items = PromptReader(schema, encoder).read(root, add_generation_prompt=add_generation_prompt)
     plan, first = _build_plan(schema, items, encoder, isolated=isolated)
     if isinstance(first, NewRun) and first.kind == "argument":
         # The argument starts the sequence: encode it as a sequence start and place everything again
@@ -105,7 +110,7 @@ def _build_plan(schema: Schema, items: PromptItems, encoder: TextEncoder, *,
     scaffolds = _best_scaffolds(schema, imported)
     cached = tuple(_cached_segment(s, owned, scaffolds, isolated) for s in included if s.is_cached)
     runs = tuple(sorted(new_runs, key=lambda r: r.start))
-    if not cached and not any(run.token_ids for run in runs):
+    if not cached and not any(run.token_ids for run in runs if run.source != GENERATION_PROMPT):
         raise EmptyPromptError("the prompt includes no tokens: import a module or add text")
     positions = [p for c in cached for p in c.segment.position_ids] + [p for r in runs for p in range(r.start, r.end)]
     assert len(positions) == len(set(positions)), "two tokens of a plan share a position"
@@ -114,8 +119,15 @@ def _build_plan(schema: Schema, items: PromptItems, encoder: TextEncoder, *,
     items_after_bos = [s for s in included if s.end > first_position]
     items_after_bos += [r for r in runs if r.kind != "module" and r.token_ids]
     first = min(items_after_bos, key=lambda x: x.start, default=None)
+    segments = schema.segments
+
+    def absent_owner(segment_id: int) -> str | None:  # a default context's module not imported: a union scaffold
+        owner = segments[segment_id].owner
+        return owner if owner and owner not in imported else None
+
     plan = PromptPlan(schema, tuple(sorted(cached, key=lambda c: c.segment.start)), runs, module_paths,
-                      find_approximations(cached, runs) + _start_notes(first))
+                      find_approximations(cached, runs, absent_owner) + _start_notes(first),
+                      generation_prompt_added=items.generation_prompt_added)
     return plan, first
 
 
@@ -190,7 +202,8 @@ def _place_text(schema: Schema, items: PromptItems, included: list[Segment], use
         if start == first_position and item.after_section is None:
             item = replace(item, token_ids=encoder.encode(item.text, at_start=True))  # it starts the sequence
         _check_free(item, start, used, included)
-        run = NewRun(item.token_ids, start, item.kind, "text", item.line)
+        run = NewRun(item.token_ids, start, item.kind, GENERATION_PROMPT if item.is_generation_prompt else "text",
+                     item.line)
         runs.append(run)
         used.add(run.start, run.end)
         cursor = run.end

@@ -46,6 +46,7 @@ class TextPiece:
     snippet: str
     after_section: int | None = None
     text: str = ""
+    is_generation_prompt: bool = False
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class PromptItems:
     implicit: ImportItem = field(default_factory=lambda: ImportItem([], [], 0))
     # Argument source ("module.param") -> (the param's length, the value): for re-encoding.
     argument_values: dict[str, tuple[int, str]] = field(default_factory=dict)
+    generation_prompt_added: bool = False  # the last item opens the assistant turn
 
 
 class PromptReader:
@@ -74,18 +76,39 @@ class PromptReader:
                          for member in union.members}
         self.suffix_of = {s.role_suffix_of: s.segment_id for s in schema.segments if s.role_suffix_of is not None}
 
-    def read(self, root: etree._Element) -> PromptItems:
+    def read(self, root: etree._Element, *, add_generation_prompt: bool = False) -> PromptItems:
+        """The prompt's items in document order. `add_generation_prompt`: unless the prompt ends in an
+        open assistant turn (a final `<assistant>` that imports nothing), a last item opens one."""
         content = list(iter_content(root))
-        for index, item in enumerate(content):
+        # Spaces after the last element (`<assistant/> </prompt>`) do not make it any less the last.
+        last = next((c for c in reversed(content) if not isinstance(c, TextItem) or c.text.strip()), None)
+        for item in content:
             if isinstance(item, TextItem):
                 self._text(item.text, item.line)
             elif item.tag in ROLE_TAGS:
-                is_last = index == len(content) - 1
-                self._role(item, is_last=is_last)
+                self._role(item, is_last=item is last)
             else:
                 self.out.items.append(self._import_top(item))
         self._apply_union_defaults(self.schema.root, self.out.implicit)
+        is_open = isinstance(last, etree._Element) and last.tag == "assistant" and not any(
+            isinstance(c, etree._Element) for c in last)
+        if add_generation_prompt and not is_open:
+            self._open_generation_prompt(root.sourceline, uses_roles=any(
+                isinstance(c, etree._Element) and c.tag in ROLE_TAGS for c in content))
         return self.out
+
+    def _open_generation_prompt(self, line: int, *, uses_roles: bool) -> None:
+        # As a chat template's add_generation_prompt does. A model without a usable template gets it only
+        # where the prompt or its schema has role turns: plain text then stays a plain continuation.
+        fmt = self.encoder.chat_format
+        if self.encoder.chat_format_error is not None or not fmt.generation_prompt:
+            return
+        if fmt.is_fallback and not uses_roles and not self.schema.role_sections:
+            return
+        tokens = self.encoder.encode(fmt.generation_prompt)
+        self.out.items.append(TextPiece(tokens, "role", line, fmt.generation_prompt[:40],
+                                        text=fmt.generation_prompt, is_generation_prompt=True))
+        self.out.generation_prompt_added = True
 
     def _text(self, text: str, line: int, kind: str = "text") -> None:
         self.out.items.append(TextPiece(self.encoder.encode(text), kind, line, text[:40], text=text))

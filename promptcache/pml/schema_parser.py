@@ -157,7 +157,7 @@ class _SchemaBuilder:
 
     def _union(self, element: etree._Element, *, parent: str, cursor: int, is_cached: bool,
                scope: dict[str, Module], params: dict[str, Param]) -> Union:
-        _check_attributes(element, {"default"})
+        _check_attributes(element, {"default", "scaffold"})
         members: list[Module] = []
         for item in iter_content(element):
             if isinstance(item, TextItem):
@@ -174,8 +174,12 @@ class _SchemaBuilder:
         if default is not None and default not in {m.name for m in members}:
             raise SchemaError(f"<union default={default!r}> names no member; members are "
                               f"{[m.name for m in members]}", line=element.sourceline)
+        scaffold = element.get("scaffold")
+        if scaffold is not None and scaffold not in {m.name for m in members}:
+            raise SchemaError(f"<union scaffold={scaffold!r}> names no member; members are "
+                              f"{[m.name for m in members]}", line=element.sourceline)
         end = max(m.end for m in members)
-        return Union(tuple(members), default, cursor, end, element.sourceline)
+        return Union(tuple(members), default, cursor, end, element.sourceline, scaffold)
 
     def _param(self, element: etree._Element, *, module_path: str, cursor: int,
                scope: dict[str, Module], params: dict[str, Param]) -> Param:
@@ -183,7 +187,7 @@ class _SchemaBuilder:
         if not module_path:
             raise InvalidParamError(f"<{tag}> must be inside a <module>", line=line)
         length_attr = "len" if tag == "param" else "length"
-        _check_attributes(element, {"name", length_attr}, InvalidParamError)
+        _check_attributes(element, {"name", length_attr, "scaffold"}, InvalidParamError)
         name = check_name(element.get("name"), element=tag, line=line)
         raw = element.get(length_attr)
         if raw is None or not raw.isdigit() or not 0 < int(raw) <= self.limits.max_param_len:
@@ -191,8 +195,12 @@ class _SchemaBuilder:
                                     f"from 1 to {self.limits.max_param_len}, got {raw!r}", line=line)
         if len(element) or (element.text or "").strip():
             raise InvalidParamError(f"<{tag} name={name!r}> must be empty", line=line)
+        # The scaffold stands in the slot only while modules are encoded (never in a prompt): one longer
+        # than the slot keeps its first tokens, as many as the slot has positions (docs/pml.md).
+        scaffold = element.get("scaffold") or ""
+        scaffold_ids = self.encoder.encode(scaffold, at_start=cursor == self.start)[:int(raw)] if scaffold else ()
         _claim(name, scope, params, element)
-        param = Param(name, int(raw), cursor, line, module_path)
+        param = Param(name, int(raw), cursor, line, module_path, scaffold_ids)
         params[name] = param
         return param
 

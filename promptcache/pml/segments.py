@@ -2,7 +2,10 @@
 
 A segment's default context is every segment guaranteed to precede it whenever it is included:
 always-included text before it and the text of its enclosing modules before it — never optional
-siblings, union members or parameter slots. Contexts are prefix-closed (a context segment's own
+siblings, union members or parameter slots — plus, for each union before it in an enclosing module
+(or at the root) with a `scaffold` member, that member's content (its own text and, recursively, the
+scaffold members of its unions): the reference implementation's rule that the scaffold member stands
+in the union's positions when what follows is encoded. Contexts are prefix-closed (a context segment's own
 context is the part of this context before it), so encoding a segment after the concatenated KV of
 its context equals a full prefill of context + segment.
 
@@ -59,10 +62,14 @@ class _PrefixIndex:
         self._ids: dict[str, list[int]] = {}
 
     def add(self, segment: Segment) -> None:
-        ends = self._ends.setdefault(segment.owner, [])
+        ends = self._ends.get(segment.owner)
         assert not ends or ends[-1] <= segment.start, "an owner's segments are laid out in order"
-        ends.append(segment.end)
-        self._ids.setdefault(segment.owner, []).append(segment.segment_id)
+        self.add_at(segment.owner, segment.end, segment.segment_id)
+
+    def add_at(self, owner: str, end: int, segment_id: int) -> None:
+        """File `segment_id` under `owner` as ending at `end` (ends added per owner never decrease)."""
+        self._ends.setdefault(owner, []).append(end)
+        self._ids.setdefault(owner, []).append(segment_id)
 
     def ending_by(self, owners: Iterable[str], position: int) -> list[list[int]]:
         """For each owner, the ids of its segments that end at or before `position`."""
@@ -91,7 +98,8 @@ def build_segments(root: Module, placeholder_id: int | None = None,
     budget = budget or ContextBudget(1 << 62)
     leaves: list[_Leaf | None] = []  # None marks a skipped parameter slot, which ends a segment
     ancestry: dict[str, tuple[str, ...]] = {}
-    _flatten(root, root, (), leaves, ancestry, placeholder_id)
+    scaffold_of: dict[str, tuple[tuple[str, int], ...]] = {}
+    _flatten(root, root, (), leaves, ancestry, scaffold_of, placeholder_id)
 
     groups: list[list[_Leaf]] = []
     for leaf in leaves:
@@ -110,10 +118,14 @@ def build_segments(root: Module, placeholder_id: int | None = None,
 
     segments: list[Segment] = []
     index = _PrefixIndex()
+    # Union scaffold content by the module the union is in, filed under the union's end: a segment
+    # sees the content of its enclosing modules' unions that end by its start.
+    scaffolds = _PrefixIndex()
     for group in filter(None, groups):
         token_ids = tuple(chain.from_iterable(leaf.run.token_ids for leaf in group))
         start, owner, line = group[0].run.start, group[0].owner, group[0].run.line
-        context = _context(index.ending_by(ancestry[owner], start), budget, line)
+        context = _context(index.ending_by(ancestry[owner], start) + scaffolds.ending_by(ancestry[owner], start),
+                           budget, line)
         segment = Segment(
             segment_id=len(segments), token_ids=token_ids, start=start, owner=owner, context_ids=context,
             is_cached=group[0].is_cached, role_suffix_of=group[0].run.role_suffix_of,
@@ -121,30 +133,41 @@ def build_segments(root: Module, placeholder_id: int | None = None,
             digest=segment_digest(start, token_ids))
         segments.append(segment)
         index.add(segment)
+        for union_owner, union_end in scaffold_of[owner]:
+            scaffolds.add_at(union_owner, union_end, segment.segment_id)
     return tuple(segments)
 
 
 def _flatten(node: Node, owner: Module, ancestors: tuple[str, ...], leaves: list[_Leaf | None],
-             ancestry: dict[str, tuple[str, ...]], placeholder_id: int | None) -> None:
+             ancestry: dict[str, tuple[str, ...]], scaffold_of: dict[str, tuple[tuple[str, int], ...]],
+             placeholder_id: int | None) -> None:
+    """Leaves in layout order. `ancestry[path]`: the module paths enclosing `path` (itself included);
+    `scaffold_of[path]`: (module a union is in, the union's end) for each union whose scaffold content
+    the module is (a scaffold member, or a scaffold member of a union inside one), innermost first."""
     if isinstance(node, TextRun):
         leaves.append(_Leaf(node, owner.path, owner.is_cached))
     elif isinstance(node, Param):
-        if placeholder_id is None:
-            leaves.append(None)
-        else:
-            run = TextRun((placeholder_id,) * node.length, node.start, node.line)
+        # The slot while its module is encoded: its scaffold text, then placeholders (none when skipped).
+        filler = () if placeholder_id is None else (placeholder_id,) * (node.length - len(node.scaffold_ids))
+        if node.scaffold_ids or filler:
+            run = TextRun(node.scaffold_ids + filler, node.start, node.line)
             leaves.append(_Leaf(run, owner.path, owner.is_cached, is_placeholder=True))
+        else:
+            leaves.append(None)
     elif isinstance(node, Module):
         chain = (*ancestors, node.path)
         ancestry[node.path] = chain
+        scaffold_of.setdefault(node.path, ())
         for child in node.children:
-            _flatten(child, node, chain, leaves, ancestry, placeholder_id)
+            _flatten(child, node, chain, leaves, ancestry, scaffold_of, placeholder_id)
     elif isinstance(node, Union):
         for member in node.members:
-            _flatten(member, owner, ancestors, leaves, ancestry, placeholder_id)
+            if member.name == node.scaffold:
+                scaffold_of[member.path] = ((owner.path, node.end), *scaffold_of[owner.path])
+            _flatten(member, owner, ancestors, leaves, ancestry, scaffold_of, placeholder_id)
     elif isinstance(node, RoleSection):
         for child in node.children:
-            _flatten(child, owner, ancestors, leaves, ancestry, placeholder_id)
+            _flatten(child, owner, ancestors, leaves, ancestry, scaffold_of, placeholder_id)
 
 
 def ancestors_of(modules: Mapping[str, Module], path: str) -> tuple[str, ...]:

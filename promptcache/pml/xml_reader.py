@@ -1,4 +1,4 @@
-"""Hardened XML reading for PML: strict lxml parsing and the whitespace rule for text."""
+"""Hardened XML reading for PML: lxml parsing (strict; bare `<` and `&` in text taken verbatim) and the whitespace rule."""
 
 from __future__ import annotations
 
@@ -41,15 +41,72 @@ def parse_xml(text: str | bytes, *, max_bytes: int, max_depth: int, max_elements
         resolve_entities=False, no_network=True, load_dtd=False, dtd_validation=False,
         recover=False, huge_tree=False, remove_comments=True, remove_pis=False, collect_ids=False,
     )
-    try:
-        root = etree.fromstring(data, parser)
-    except etree.XMLSyntaxError as exc:
-        raise PmlSyntaxError(f"{what} is not well-formed XML: {exc.msg}", line=exc.lineno) from None
+    root = _parse_lenient(data, parser, what)
     num_elements = int(root.xpath("count(//*)"))
     if num_elements > max_elements:
         raise PmlLimitError(f"{what} has {num_elements} elements; the limit is {max_elements}")
     _check_tree(root, max_depth=max_depth, what=what)
     return root
+
+
+def _parse_lenient(data: bytes, parser: etree.XMLParser, what: str) -> etree._Element:
+    """Parse strictly; a document that fails is parsed again with its bare `<` and `&` (ones that begin
+    no markup, see `escape_bare_markup`) escaped, so code such as `0 <= i < n` in module text is taken
+    verbatim. What still fails is a PmlSyntaxError naming the line, the `<` or `&` nearest before the
+    error, and the fix. Escaping inserts no line break: lxml's line numbers are the document's."""
+    try:
+        return etree.fromstring(data, parser)
+    except etree.XMLSyntaxError as exc:
+        error = exc
+    escaped = escape_bare_markup(data)
+    if escaped != data:
+        try:
+            return etree.fromstring(escaped, parser)
+        except etree.XMLSyntaxError as exc:
+            error = exc
+    raise PmlSyntaxError(_syntax_message(data, error, what), line=error.lineno) from None
+
+
+def escape_bare_markup(data: bytes) -> bytes:
+    """`data` with every `<` that begins no markup (one not followed by a name character, `/`, `!` or
+    `?`: `0 <= i`, `a < b`) written `&lt;`, and every `&` that begins no entity or character reference
+    (`Q&A`, `a && b`) written `&amp;`. CDATA sections are left as they are. Linear: the patterns look
+    ahead a bounded distance (to the end of one name) and CDATA is found with `bytes.find`."""
+    pieces: list[bytes] = []
+    at = 0
+    while (start := data.find(b"<![CDATA[", at)) >= 0:
+        end = data.find(b"]]>", start + 9)
+        if end < 0:
+            break  # unterminated: lxml reports it
+        pieces += [_escape_text(data[at:start]), data[start:end + 3]]
+        at = end + 3
+    pieces.append(_escape_text(data[at:]))
+    return b"".join(pieces)
+
+
+# Each lookahead stops at the first character that cannot continue a name or a number, and a name never
+# contains `&`, so no position is scanned by two matches: linear in the document.
+_BARE_AMPERSAND = re.compile(rb"&(?!#[0-9]+;|#x[0-9A-Fa-f]+;|[A-Za-z_:\x80-\xff][A-Za-z0-9_.:\x80-\xff-]*;)")
+_BARE_LESS_THAN = re.compile(rb"<(?![A-Za-z_:/!?\x80-\xff])")
+
+
+def _escape_text(data: bytes) -> bytes:
+    return _BARE_LESS_THAN.sub(b"&lt;", _BARE_AMPERSAND.sub(b"&amp;", data))
+
+
+def _syntax_message(data: bytes, error: etree.XMLSyntaxError, what: str) -> str:
+    message = f"{what} is not well-formed XML: {error.msg}"
+    line, column = error.position if error.position else (error.lineno, 0)
+    lines = data.split(b"\n", line)  # at most `line` splits: the lines up to the error's
+    if line and len(lines) >= line:
+        text = lines[line - 1].decode("utf-8", "replace")
+        # lxml's (1-based) column is in the escaped line and at or past the token it choked on, which may
+        # be the `<` of the markup after it: name the last `<` or `&` of the original line before it.
+        culprit = max(text.rfind("<", 0, column - 1), text.rfind("&", 0, column - 1))
+        if culprit >= 0:
+            message += f" (the {text[culprit]!r} at column {culprit + 1}: {text[culprit:culprit + 24]!r})"
+    return (message + ". Write a '<' or '&' that is text as '&lt;' or '&amp;', or wrap the text in "
+            "<![CDATA[ ... ]]>; a '<' followed by a letter, '_', ':', '/', '!' or '?' begins markup")
 
 
 def _check_tree(root: etree._Element, *, max_depth: int, what: str) -> None:
@@ -95,7 +152,8 @@ def _text_item(raw: str, line: int, preserve: bool) -> TextItem | None:
 
 def normalize_whitespace(raw: str) -> str:
     """Drop layout whitespace: a leading or trailing whitespace run that spans a line break goes,
-    and the common indentation of the remaining lines after the first is removed. Spaces that do
+    and the common indentation of the lines is removed (the first line's counts when the dropped run
+    ended it; otherwise only the lines after the first). Spaces that do
     not span a line break are content and stay ("of <param/> days")."""
     # str.strip's whitespace is re's \s; a regex anchored at the end (r"\s*$" with search) retries at
     # every position of a long whitespace run, quadratic in its length.
@@ -108,5 +166,9 @@ def normalize_whitespace(raw: str) -> str:
         return text
     first, *rest = text.split("\n")
     indents = [len(line) - len(line.lstrip(" \t")) for line in rest if line.strip()]
+    if start:
+        # The first line's own indentation ended the dropped run: it counts too, so code laid out from
+        # the margin keeps its relative indentation (`class A:` / `    def f` stays nested).
+        indents.append(start - raw.rfind("\n", 0, start) - 1)
     cut = min(indents, default=0)
     return "\n".join([first, *(line[cut:] for line in rest)])

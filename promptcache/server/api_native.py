@@ -9,7 +9,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 
 from promptcache.model_runtime.results import slowest_tier
-from promptcache.pml import Schema
+from promptcache.pml import PromptPlan, Schema
 from promptcache.server.generation import (
     DONE,
     collect,
@@ -47,10 +47,16 @@ router = APIRouter(prefix="/v1")
 
 def schema_info(service: PromptService, schema: Schema, tenant: str | None) -> SchemaInfo:
     return SchemaInfo(name=schema.name, num_tokens=schema.num_positions,
-                      modules=[ModuleInfo(**row) for row in schema.module_table()],
+                      modules=[ModuleInfo(**row, role=_role(schema, row)) for row in schema.module_table()],
                       encode_ms=service.schema_encode_ms(schema.name, tenant), num_segments=len(schema.segments),
                       scaffolds=[list(sc.module_paths) for sc in schema.scaffolds],
                       always_included=schema.always_included())
+
+
+def _role(schema: Schema, module: dict) -> str | None:
+    """The role of the top-level role section whose positions hold the module's, if any."""
+    return next((section.role for section in schema.role_sections.values() if not section.owner_path
+                 and section.start <= module["start"] and module["end"] <= section.end), None)
 
 
 @router.post("/schemas", status_code=201, response_model=SchemaInfo)
@@ -88,8 +94,8 @@ async def generate(body: GenerateRequest, service: Service, tenant: Tenant, rate
     if params.logprobs is not None:  # streamed tokens are looked up on the event loop: the table must be there
         await service.token_strings.ready()
     if body.stream:
-        return StreamingResponse(_stream(service, events, request_id, plan.approximations, tenant,
-                                         return_spans=body.return_spans), media_type="text/event-stream")
+        return StreamingResponse(_stream(service, events, request_id, plan, tenant, return_spans=body.return_spans),
+                                 media_type="text/event-stream")
     outcome = await collect(events, params.n)
     record(service.metrics, outcome.final, outcome.finish_reasons, tenant)
 
@@ -99,13 +105,15 @@ async def generate(body: GenerateRequest, service: Service, tenant: Tenant, rate
             id=request_id, model=service.model_name,
             choices=[Choice(index=i, text=t, finish_reason=r, logprobs=wire_logprobs(e, service.token_text))
                      for i, (t, r, e) in enumerate(zip(outcome.texts, outcome.finish_reasons, outcome.events))],
-            usage=wire_usage(outcome.final), cache=wire_cache(outcome.final, plan.approximations, spans),
+            usage=wire_usage(outcome.final),
+            cache=wire_cache(outcome.final, plan.approximations, spans,
+                             generation_prompt_added=plan.generation_prompt_added),
             timings=wire_timings(outcome.final))
 
     return await json_off_loop(answer)
 
 
-async def _stream(service: PromptService, events, request_id: str, approximations, tenant: str | None, *,
+async def _stream(service: PromptService, events, request_id: str, plan: PromptPlan, tenant: str | None, *,
                   return_spans: bool = False):
     reasons: dict[int, str | None] = {}
     try:
@@ -120,7 +128,9 @@ async def _stream(service: PromptService, events, request_id: str, approximation
                                                   finish_reason=event.finish_reason, logprobs=logprobs)])
             if event.usage is not None:
                 spans = await asyncio.to_thread(wire_spans, event, service.detokenize) if return_spans else None
-                chunk.usage, chunk.cache = wire_usage(event), wire_cache(event, approximations, spans)
+                chunk.usage = wire_usage(event)
+                chunk.cache = wire_cache(event, plan.approximations, spans,
+                                         generation_prompt_added=plan.generation_prompt_added)
                 chunk.timings = wire_timings(event)
                 record(service.metrics, event, list(reasons.values()), tenant)
             payload = chunk.model_dump(exclude_none=True)
@@ -169,7 +179,8 @@ def _explain(body: ExplainRequest, service: PromptService, tenant: str | None) -
             by_tier[tier_name] = by_tier.get(tier_name, 0) + count
         prefix = PrefixReport(num_tokens=reused, num_blocks=len(blocks), tiers=by_tier)
     cached = sum(u.last - u.first for u in reuse.uses) - missing + reused
-    return Explanation(schema_name=plan.schema.name, exact=reuse.is_exact, fidelity=reuse.mode,
+    return Explanation(schema_name=plan.schema.name, exact=reuse.is_exact,
+                       generation_prompt_added=plan.generation_prompt_added, fidelity=reuse.mode,
                        positions=reuse.positions, context=reuse.context,
                        recomputed_tokens=reuse.num_recomputed,
                        approximations=[] if reuse.is_exact else list(plan.approximations),

@@ -128,8 +128,9 @@ def wire_usage(final: TokenEvent) -> Usage:
 
 
 def wire_cache(final: TokenEvent, approximations: tuple[str, ...],
-               spans: list[PromptSpanReport] | None = None) -> CacheReport:
-    return CacheReport(exact=bool(final.is_exact), fidelity=final.fidelity or "fast",
+               spans: list[PromptSpanReport] | None = None, *, generation_prompt_added: bool = False) -> CacheReport:
+    return CacheReport(exact=bool(final.is_exact), generation_prompt_added=generation_prompt_added,
+                       fidelity=final.fidelity or "fast",
                        positions=final.positions or "layout", context=final.context or "schema",
                        recomputed_tokens=final.usage.recomputed_tokens,
                        approximations=[] if final.is_exact else list(approximations),

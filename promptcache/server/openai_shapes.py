@@ -19,7 +19,7 @@ def usage(final) -> dict:
 def extension(final, plan: PromptPlan) -> dict:
     """The `promptcache` object of OpenAI-shaped responses: /v1/generate's `cache` report (exact, fidelity,
     positions, context, recomputed tokens, modules with `encoded_after`, prefix) plus the timings."""
-    report = wire_cache(final, plan.approximations).model_dump()
+    report = wire_cache(final, plan.approximations, generation_prompt_added=plan.generation_prompt_added).model_dump()
     report["timings"] = {"ttft_ms": round(final.timings.ttft_ms, 3), "total_ms": round(final.timings.total_ms, 3),
                          "lookup_ms": round(final.timings.lookup_ms, 3)}
     return report

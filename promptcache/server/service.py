@@ -46,7 +46,10 @@ from promptcache.server.tenants import (
 from promptcache.server.token_strings import TokenStrings
 
 logger = logging.getLogger(__name__)
-PLAIN_SCHEMA = "__plain__"  # the empty schema that plain-text and chat prompts are resolved against
+# The empty schema that plain-text and chat prompts are resolved against, in a namespace of its own: no
+# tenant's namespace ('' or the tenant's name, which never starts with '_') lists it, so no prompt,
+# schema route or error message sees it.
+PLAIN_SCHEMA, PLAIN_NAMESPACE = "plain", "_plain"
 
 
 class PromptService:
@@ -82,7 +85,8 @@ class PromptService:
         self.metrics = Metrics(self.model_name)
         self.metrics.add_source(lambda: engine_families(self.engine, self.runtime.module_encoder, self.model_name))
         self.metrics.add_source(lambda: store_families(self.store))
-        self.runtime.add_schema(self.runtime.parse_schema(f'<schema name="{PLAIN_SCHEMA}"/>'), encode=False)
+        self.runtime.add_schema(self.runtime.parse_schema(f'<schema name="{PLAIN_SCHEMA}"/>'), encode=False,
+                                namespace=PLAIN_NAMESPACE)
         self.encode_ms: dict[str, float] = {}  # registry name -> encoding time of its upload here
         self._versions: dict[str, str] = {}  # registry name -> registry version this process serves
         self._tasks: list[asyncio.Task] = []
@@ -127,7 +131,7 @@ class PromptService:
         if schema.num_positions > self.runtime.loaded.max_positions:
             raise SchemaTooLongError(f"schema {schema.name!r} spans {schema.num_positions} positions; the model "
                                      f"supports {self.runtime.loaded.max_positions}")
-        if schema.name == PLAIN_SCHEMA or await asyncio.to_thread(self.ensure_schema, schema.name, tenant) is not None:
+        if await asyncio.to_thread(self.ensure_schema, schema.name, tenant) is not None:
             raise SchemaExistsError(f"schema {schema.name!r} already exists; DELETE it first to replace it")
         qualified = registry_name(tenant, schema.name)
         async with self.quotas.hold(tenant, schema.name, schema.num_positions, self.tenants.quota(tenant),
@@ -150,8 +154,7 @@ class PromptService:
         for name in self._registered(tenant) or ():
             if self.runtime.get_schema(name, ns) is None and (stored := self.registry.load(registry_name(tenant, name))):
                 self._adopt(stored)
-        return [s for n in self.runtime.schema_names(ns) if n != PLAIN_SCHEMA
-                for s in [self.runtime.get_schema(n, ns)] if s is not None]
+        return [s for n in self.runtime.schema_names(ns) for s in [self.runtime.get_schema(n, ns)] if s is not None]
 
     def _registered(self, tenant: str | None) -> dict[str, str] | None:
         """Name -> version of the tenant's schemas in the shared registry, from its index (no document is
@@ -173,7 +176,7 @@ class PromptService:
                 if (stored := self.registry.load(registry_name(tenant, name))) is not None}
 
     def get_schema(self, name: str, tenant: str | None = None) -> Schema:
-        schema = self.ensure_schema(name, tenant) if name != PLAIN_SCHEMA else None
+        schema = self.ensure_schema(name, tenant)
         if schema is None:  # another tenant's schema of this name is as absent as a missing one
             raise SchemaNotFoundError(f"no schema named {name!r}")
         return schema
@@ -260,27 +263,29 @@ class PromptService:
 
     # -- prompts -----------------------------------------------------------------------------------
     def plan(self, prompt: str, *, tenant: str | None = None, isolated: bool = False) -> PromptPlan:
-        """A PML prompt resolved against the tenant's schemas (an unknown name lists only those)."""
+        """A PML prompt resolved against the tenant's schemas (an unknown name lists only those). Every
+        route's prompt is answered: unless it ends in an open `<assistant>` turn, the model's generation
+        prompt follows its last turn (the plan's `generation_prompt_added`)."""
         ns = namespace(tenant)
         try:
-            return self.runtime.plan(prompt, isolated=isolated, namespace=ns)
+            return self.runtime.plan(prompt, isolated=isolated, namespace=ns, add_generation_prompt=True)
         except UnknownSchemaError as exc:
-            if exc.schema_name and exc.schema_name != PLAIN_SCHEMA and self.ensure_schema(exc.schema_name, tenant):
-                return self.runtime.plan(prompt, isolated=isolated, namespace=ns)
+            if exc.schema_name and self.ensure_schema(exc.schema_name, tenant):
+                return self.runtime.plan(prompt, isolated=isolated, namespace=ns, add_generation_prompt=True)
             raise
 
     def plan_text(self, text: str) -> PromptPlan:
         """A plain completion prompt: its tokens verbatim (no PML), reused through prefix blocks."""
-        return token_plan(self.runtime.get_schema(PLAIN_SCHEMA), self.runtime.tokenize_completion(text))
+        return token_plan(self.runtime.get_schema(PLAIN_SCHEMA, PLAIN_NAMESPACE), self.runtime.tokenize_completion(text))
 
     def plan_tokens(self, token_ids: list[int]) -> PromptPlan:
         """A prompt given as token ids, fed as they are. Raises ValueError for an id outside the vocabulary."""
         self.runtime.check_token_ids(token_ids)
-        return token_plan(self.runtime.get_schema(PLAIN_SCHEMA), tuple(token_ids))
+        return token_plan(self.runtime.get_schema(PLAIN_SCHEMA, PLAIN_NAMESPACE), tuple(token_ids))
 
     def plan_chat(self, messages: list[dict[str, str]]) -> PromptPlan:
         """A plain chat rendered by the model's chat template (no PML), reused through prefix blocks."""
-        return token_plan(self.runtime.get_schema(PLAIN_SCHEMA), self.runtime.tokenize_chat(messages))
+        return token_plan(self.runtime.get_schema(PLAIN_SCHEMA, PLAIN_NAMESPACE), self.runtime.tokenize_chat(messages))
 
     def fidelity(self, mode: str | None, head_tokens: int | None = None, positions: str | None = None,
                  context: str | None = None) -> Fidelity:

@@ -39,6 +39,9 @@ class ModuleInfo(BaseModel):
     end: int
     num_tokens: int
     params: list[ParamInfo] = Field(default_factory=list, description="the module's own parameter slots")
+    role: Literal["system", "user", "assistant"] | None = Field(
+        None, description="the role section at the schema's top level that holds the module (a prompt imports it "
+                          "inside an element of that role); null: outside any")
 
 
 class SchemaInfo(BaseModel):
@@ -193,6 +196,10 @@ class PromptSpanReport(BaseModel):
 
 class CacheReport(BaseModel):
     exact: bool
+    generation_prompt_added: bool = Field(
+        False, description="the server opened the assistant turn after the prompt's last turn, as the chat "
+                           "template's add_generation_prompt does (false: the prompt ended in an open <assistant> "
+                           "turn, or is not PML)")
     fidelity: str = Field("fast", description="the fidelity mode that ran: fast | balanced | exact")
     positions: str = Field("layout", description="where the prompt's tokens sat: layout (the schema's, with "
                                                  "gaps) | contiguous (reused keys re-aligned for this request)")
@@ -246,6 +253,7 @@ class GenerateChunk(BaseModel):
 class Explanation(BaseModel):
     schema_name: str = Field(..., alias="schema")
     exact: bool
+    generation_prompt_added: bool = Field(False, description="as in the cache report of /v1/generate")
     fidelity: str
     positions: str
     context: str

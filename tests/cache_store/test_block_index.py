@@ -1,4 +1,4 @@
-"""BlockIndex: chained prefix blocks in the tiered store (design.md §4a)."""
+"""BlockIndex: chained prefix blocks in the tiered store (docs/architecture.md)."""
 
 from __future__ import annotations
 

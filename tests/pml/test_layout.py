@@ -1,4 +1,4 @@
-"""Position layout of schemas: running sums, unions, params, nesting (design.md §3)."""
+"""Position layout of schemas: running sums, unions, params, nesting (docs/pml.md)."""
 
 from __future__ import annotations
 

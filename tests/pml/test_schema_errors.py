@@ -79,12 +79,19 @@ def test_structural_errors(pml):
         pml.schema('<schema name="s">\n<module name="a">1</module>\n<bogus/></schema>')
 
 
-def test_raw_less_than_is_a_syntax_error(pml):
-    with pytest.raises(PmlSyntaxError, match="line 1"):
-        pml.schema('<schema name="s"><module name="m">if a < b</module></schema>')
+def test_bare_less_than_and_ampersand_are_text(pml):
+    schema = pml.schema('<schema name="s"><module name="m">if a < b &amp;&amp; c<=d & Q&A: &lt;</module></schema>')
+    assert schema.segments_of("m")[0].token_ids == pml.encoder.encode("if a < b && c<=d & Q&A: <")
+    plan = pml.prompt('<prompt schema="s"><m/>a < b & c</prompt>')
+    assert plan.new_token_ids() == list(pml.encoder.encode("a < b & c"))
+
+
+def test_less_than_that_looks_like_a_tag_names_line_character_and_fix(pml):
+    with pytest.raises(PmlSyntaxError, match=r"line 2: .*the '<' at column 6: '<b: pass.*&lt;.*CDATA"):
+        pml.schema('<schema name="s"><module name="m">\nif a <b: pass</module></schema>')
     pml.schema('<schema name="ok"><module name="m">x</module></schema>')
-    with pytest.raises(PmlSyntaxError):
-        pml.prompt('<prompt schema="ok">a < b</prompt>')
+    with pytest.raises(PmlSyntaxError, match=r"the '&' at column 23: '&nbsp;"):
+        pml.prompt('<prompt schema="ok">a &nbsp; b</prompt>')
 
 
 def test_scaffold_validation(pml):

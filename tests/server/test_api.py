@@ -103,7 +103,7 @@ def test_schema_errors(server, payload, status, kind):
 @pytest.mark.parametrize(("body", "status", "needle"), [
     ({"prompt": '<prompt schema="docs"><d9/></prompt>'}, 400, "d9"),
     ({"prompt": '<prompt schema="docs"><user><d1/><d1/></user></prompt>'}, 400, "twice"),
-    ({"prompt": "<prompt schema='docs'>a < b</prompt>"}, 400, "well-formed"),
+    ({"prompt": "<prompt schema='docs'>if a<b: c</prompt>"}, 400, "&lt;"),  # a bare `<` that looks like a tag
     ({"prompt": PROMPT, "max_tokens": 0}, 422, "max_tokens"),
     ({"prompt": PROMPT, "temperature": -1}, 422, "temperature"),
     ({"prompt": PROMPT, "max_tokens": 100000}, 400, "max_tokens"),

@@ -26,7 +26,7 @@ def test_fast_is_contiguous_by_default_and_layout_on_request(server):
     httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
     runtime = make_tiny_runtime("llama")
     runtime.add_schema(runtime.parse_schema(SCHEMA))
-    plan = runtime.plan(APPROXIMATE)
+    plan = runtime.plan(APPROXIMATE, add_generation_prompt=True)  # as the server parses it
     firsts = {}
     for asked, expected in [(None, "contiguous"), ("layout", "layout"), ("contiguous", "contiguous")]:
         body = httpx.post(server.url + "/v1/generate", timeout=60, json={

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
+from tests.model_factories import make_tiny_loaded
 from tests.server.conftest import LiveServer, settings_for
 from tests.server.test_api import SCHEMA
 
@@ -110,8 +112,8 @@ def test_playground_in_a_real_browser(live_server, browser_page, tmp_path):
     assert page.get_attribute(".block.always", "data-always") == f"{first[0]}-{first[1]}"
 
     # Compose, explain, run: streamed text, the prompt drawn as spans by origin whose text is the prompt's.
-    prompt = page.input_value("#pml-prompt")
-    assert prompt.startswith('<prompt schema="docs"><d1/><d2/>')
+    prompt = page.input_value("#pml-prompt")  # a chat turn: the modules of the user section, the question, an open turn
+    assert prompt.startswith('<prompt schema="docs"><user><d1/><d2/>') and prompt.endswith("</user><assistant/></prompt>")
     page.click("#explain")
     page.wait_for_function("() => document.querySelector('#explanation').textContent.includes('cached')")
     spans = _run(page)
@@ -165,6 +167,81 @@ def test_playground_in_a_real_browser(live_server, browser_page, tmp_path):
     page.click("nav button[data-tab=schemas]")
     page.wait_for_function("() => document.querySelectorAll('#metrics tr').length > 2")
     page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
+
+
+def _always_eos(loaded):
+    """The tiny model, made to end every answer at once: its LM head puts all the mass on end-of-sequence."""
+    eos = loaded.tokenizer.eos_token_id
+
+    def only_eos(module, inputs, logits):
+        forced = torch.full_like(logits, -1e4)
+        forced[..., eos] = 0.0
+        return forced
+
+    loaded.model.get_output_embeddings().register_forward_hook(only_eos)
+    return loaded
+
+
+@pytest.mark.timeout(240)
+def test_a_run_that_generates_nothing_shows_a_hint(live_server, browser_page):
+    server = live_server(loader=lambda: _always_eos(make_tiny_loaded("llama")))
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}, timeout=60).raise_for_status()
+    page = browser_page
+    page.goto(server.url + "/playground/")
+    page.wait_for_selector('.block[data-path="d2"]')
+    _run(page)
+    assert page.inner_text("#output").strip() == ""
+    hint = page.locator("#output-hint")
+    assert hint.is_visible() and "generated no text" in hint.inner_text() and "finish reason: stop" in hint.inner_text()
+    assert "<assistant/>" not in hint.inner_text()  # the composed prompt has its open turn: no advice about it
+    # A prompt without an open assistant turn: the hint says how to ask.
+    page.fill("#pml-prompt", '<prompt schema="docs"><d1/>Who sleeps?</prompt>')
+    _run(page)
+    assert hint.is_visible() and "<user>…</user>" in hint.inner_text() and "<assistant/>" in hint.inner_text()
+
+
+@pytest.mark.timeout(240)
+def test_typing_the_api_key_reloads_the_schemas_and_clears_the_401(live_server, browser_page):
+    server = live_server(api_keys=["sk-play"])
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}, headers={"Authorization": "Bearer sk-play"},
+               timeout=60).raise_for_status()
+    page = browser_page
+    page.goto(server.url + "/playground/")
+    error = page.locator("#schema-error")
+    error.wait_for(state="visible")
+    assert "API key" in error.inner_text() and page.locator("#schema-list li").count() == 0
+    page.fill("#api-key", "sk-play")
+    page.wait_for_selector('.block[data-path="d2"]')  # the list reloaded and its first schema is drawn
+    assert "docs" in page.inner_text("#schema-list") and error.is_hidden()
+    assert page.evaluate("() => sessionStorage.getItem('promptcache-api-key')") == "sk-play"
+
+
+@pytest.mark.timeout(600)
+def test_the_first_run_on_the_preloaded_library_answers(smollm2, browser_page):
+    """A new user's first click: the default model, the preloaded examples, the composer's defaults."""
+    server = LiveServer(settings_for(preload_examples=True, fidelity="exact"), lambda: smollm2).start()
+    try:
+        page = browser_page
+        page.goto(server.url + "/playground/")
+        page.wait_for_selector('.block[data-path="doc-honey"]')
+        assert page.input_value("#pml-prompt") == (
+            '<prompt schema="library"><user><doc-amazon/><doc-everest/><doc-honey/>'
+            "Into which ocean does the Amazon flow?</user><assistant/></prompt>")
+        _run(page)
+        assert "Atlantic" in page.inner_text("#output") and page.locator("#output-hint").is_hidden()
+        # trip-planner: one member of its union ticked (two would be refused), a question for it.
+        page.click("#schema-list button.schema-open >> text=trip-planner")
+        page.wait_for_selector('.block[data-path="paris"]')
+        ticked = page.eval_on_selector_all("#module-picks input[type=checkbox]:checked", "els => els.map(e => e.value)")
+        assert ticked == ["trip-plan", "miami"]
+        page.fill('.param-value[data-param="duration"]', "3")
+        assert page.input_value("#pml-prompt") == (
+            '<prompt schema="trip-planner"><user><trip-plan duration="3"/><miami/>'
+            "Plan the days and highlight the food.</user><assistant/></prompt>")
+        _run(page)
+        assert page.inner_text("#output").strip() and page.locator("#output-hint").is_hidden()
+    finally:
+        server.stop()
 
 
 PETS_SCHEMA = """<schema name="pets">

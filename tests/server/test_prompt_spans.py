@@ -74,7 +74,8 @@ def server(live_server):
 def test_spans_only_when_asked_json_and_sse(server):
     plain = _generate(server, prompt=PROMPT)
     assert "spans" not in plain["cache"] and set(plain["cache"]) == {
-        "exact", "fidelity", "positions", "context", "recomputed_tokens", "approximations", "modules", "prefix"}
+        "exact", "generation_prompt_added", "fidelity", "positions", "context", "recomputed_tokens", "approximations",
+        "modules", "prefix"}
     final = [c for c in _stream(server, prompt=PROMPT) if "usage" in c]
     assert len(final) == 1 and "spans" not in final[0]["cache"]
 

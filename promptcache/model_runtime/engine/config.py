@@ -14,8 +14,8 @@ class EngineConfig:
 
     `max_kv_bytes` bounds the KV the running batch holds: every sequence's own KV (its computed prompt
     tokens plus room for `max_tokens`) and, once each, every shared module or prefix block it references.
-    `prefix` configures automatic prefix reuse (design.md §4a); None turns it off. `fidelity` is the
-    mode of requests that name none (design.md §4b). Prompt prefills and module encodings advance
+    `prefix` configures automatic prefix reuse (docs/architecture.md); None turns it off. `fidelity` is the
+    mode of requests that name none (docs/fidelity.md). Prompt prefills and module encodings advance
     in chunks: `max_prefill_tokens_alone` tokens a step when nothing decodes; while something decodes,
     as many as keep a step within `max_step_slowdown` times a decode-only step (learned from step
     times, engine/step_budget.py), between `min_prefill_tokens` (capped at `max_prefill_tokens`) and

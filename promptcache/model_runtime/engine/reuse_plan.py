@@ -1,6 +1,6 @@
 """ReusePlan: which cached module KV a request reuses and which tokens it computes, per fidelity mode.
 
-Reusing a module outside the context it was encoded in is approximate (design.md §4b). The mode says
+Reusing a module outside the context it was encoded in is approximate (docs/fidelity.md). The mode says
 how much of that approximation a request accepts:
 - fast:     every cached segment is reused as encoded; new text attends to all of it (the paper).
 - balanced: segments not encoded after exactly what precedes them now get their first k tokens

@@ -11,6 +11,7 @@ from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.attention.step_indices import to_device
 from promptcache.model_runtime.engine.kv_groups import AssembledGroups
 from promptcache.model_runtime.engine.request import SeqStatus, Sequence
+from promptcache.model_runtime.forward import cache_argument
 from promptcache.model_runtime.loader import LoadedModel
 from promptcache.model_runtime.packed_attention import BatchCache, BatchContext, active_batch, install
 from promptcache.model_runtime.sampling import TokenLogprobs, token_logprobs
@@ -49,8 +50,8 @@ class ModelRunner:
             own_starts=[s.own_length for s in seqs], segments=self._segments(seqs), backend=self.backend)
         cache = BatchCache(context, self.loaded.num_layers)
         with active_batch(context):
-            hidden = model.base_model(input_ids=input_ids, position_ids=positions, past_key_values=cache,
-                                      use_cache=True).last_hidden_state  # [1, Q, hidden]
+            hidden = model.base_model(input_ids=input_ids, position_ids=positions, use_cache=True,
+                                      **cache_argument(model.base_model, cache)).last_hidden_state  # [1, Q, hidden]
         last_rows = to_device(torch.tensor(query_lens).cumsum(0) - 1, device)  # [num_seqs]
         logits = model.get_output_embeddings()(hidden[0, last_rows]).float()  # [num_seqs, vocab]
         prompt_logprobs = self._prompt_logprobs(seqs, query_lens, hidden[0])

@@ -5,7 +5,13 @@ const $ = (id) => document.getElementById(id);
 const keyInput = $("api-key"), metricsKeyInput = $("metrics-key");
 keyInput.value = sessionStorage.getItem("promptcache-api-key") || "";
 metricsKeyInput.value = sessionStorage.getItem("promptcache-metrics-key") || "";
-keyInput.addEventListener("change", () => sessionStorage.setItem("promptcache-api-key", keyInput.value));
+// A new key is another tenant's view (or the first that gets in): keep it, then reload the schemas.
+let keyTimer = null;
+keyInput.addEventListener("input", () => {
+  sessionStorage.setItem("promptcache-api-key", keyInput.value);
+  clearTimeout(keyTimer);
+  keyTimer = setTimeout(reloadSchemas, 300);
+});
 metricsKeyInput.addEventListener("change", () => sessionStorage.setItem("promptcache-metrics-key", metricsKeyInput.value));
 
 function headers(key = keyInput.value) {
@@ -18,7 +24,11 @@ async function api(path, options = {}) {
   const response = await fetch(path, { ...options, headers: headers() });
   if (response.status === 204) return null;
   const body = await response.json().catch(() => ({}));
-  if (!response.ok) throw new Error((body.error && body.error.message) || response.statusText);
+  if (!response.ok) {
+    const error = new Error((body.error && body.error.message) || response.statusText);
+    error.status = response.status;
+    throw error;
+  }
   return body;
 }
 
@@ -60,8 +70,12 @@ let current = null;
 
 async function loadSchemas() {
   const list = $("schema-list");
-  list.textContent = "";
   const { data } = await api("/v1/schemas");
+  list.textContent = "";
+  if (current && !data.some((info) => info.name === current.name)) {  // another key: another tenant's schemas
+    current = null;
+    $("layout").textContent = ""; $("layout-name").textContent = ""; $("module-picks").textContent = "";
+  }
   for (const info of data) {
     const item = document.createElement("li");
     const open = document.createElement("button");
@@ -75,6 +89,18 @@ async function loadSchemas() {
     list.append(item);
   }
   if (data.length && !current) selectSchema(data[0]);
+}
+
+// The schema list again, its error (a 401 before the key was typed) cleared or shown with what to do.
+async function reloadSchemas() {
+  const error = $("schema-error");
+  try {
+    await loadSchemas();
+    error.hidden = true;
+  } catch (exc) {
+    error.hidden = false;
+    error.textContent = exc.status === 401 ? exc.message + ": type your API key above" : exc.message;
+  }
 }
 
 // A module and the modules enclosing it, outermost first (a path is its names joined by dots; union
@@ -188,13 +214,16 @@ function drawPicks(info) {
   const byPath = Object.fromEntries(info.modules.map((m) => [m.path, m]));
   const picks = $("module-picks");
   picks.textContent = "";
+  const starts = new Set();  // members of one union share their start: only the first is ticked
   for (const module of info.modules) {
     const depth = lineage(byPath, module.path).length - 1;
     const label = document.createElement("label");
     label.className = "pick";
     label.style.marginLeft = (depth * 1.2) + "rem";
     const box = document.createElement("input");
-    box.type = "checkbox"; box.checked = depth === 0; box.value = module.path; box.style.width = "auto";
+    box.type = "checkbox"; box.checked = depth === 0 && !starts.has(module.start); box.value = module.path;
+    box.style.width = "auto";
+    if (depth === 0) starts.add(module.start);
     box.addEventListener("change", compose);
     label.append(box, " " + module.path + " ");
     for (const param of module.params || []) {  // an argument for each of the module's parameters
@@ -208,7 +237,15 @@ function drawPicks(info) {
   }
 }
 
+// Questions that fit the bundled example schemas; any other schema starts with a generic one.
+const EXAMPLE_QUESTIONS = { library: "Into which ocean does the Amazon flow?",
+  "trip-planner": "Plan the days and highlight the food." };
+const GENERIC_QUESTION = "What is this about? Answer in one sentence.";
+const questionFor = (info) => EXAMPLE_QUESTIONS[info.name] || GENERIC_QUESTION;
+
 async function selectSchema(info) {
+  const question = $("free-text");
+  if (!question.value || (current && question.value === questionFor(current))) question.value = questionFor(info);
   current = info;
   $("layout-name").textContent = `${info.name} (${info.num_tokens} positions)`;
   $("layout").textContent = "";  // never the previous schema's blocks under this name
@@ -217,15 +254,28 @@ async function selectSchema(info) {
   await drawLayout(info);
 }
 
-// The prompt: the ticked modules (a nested one inside its parents), their arguments, then the free text.
+// The prompt as a chat turn: the ticked modules (a nested one inside its parents, each inside an element
+// of its schema section's role), the free text as the user's question (in the turn that holds the user
+// section's modules, or a turn of its own), then the assistant's open turn, which the model answers.
 function compose() {
   if (!current) return;
   const argument = (path) => [...document.querySelectorAll("#module-picks .param-value")]
     .filter((input) => input.dataset.module === path && input.value)
     .map((input) => " " + input.dataset.param + '="' + escapeXml(input.value).replace(/"/g, "&quot;") + '"').join("");
   const picked = [...document.querySelectorAll("#module-picks input[type=checkbox]:checked")].map((b) => b.value);
-  $("pml-prompt").value = `<prompt schema="${current.name}">${importXml(current, picked, argument)}` +
-    `${escapeXml($("free-text").value)}</prompt>`;
+  const byPath = Object.fromEntries(current.modules.map((m) => [m.path, m]));
+  const roleOf = (path) => lineage(byPath, path)[0].role || null;
+  const groups = [];  // [role, paths] in schema order, consecutive modules of one role together
+  for (const path of picked) {
+    const role = roleOf(path), last = groups[groups.length - 1];
+    if (last && last[0] === role) last[1].push(path); else groups.push([role, [path]]);
+  }
+  const question = escapeXml($("free-text").value);
+  let body = groups.map(([role, paths]) => role ? `<${role}>${importXml(current, paths, argument)}</${role}>`
+    : importXml(current, paths, argument)).join("");
+  if (groups.length && groups[groups.length - 1][0] === "user") body = body.slice(0, -"</user>".length) + question + "</user>";
+  else if (question.trim()) body += `<user>${question}</user>`;
+  $("pml-prompt").value = `<prompt schema="${current.name}">${body}<assistant/></prompt>`;
 }
 $("free-text").addEventListener("input", compose);
 
@@ -299,17 +349,32 @@ function drawSpans(spans) {
   }
 }
 
+// What to tell the user when a run generated no text: an instruct model given no open turn ends at once.
+function emptyOutputHint(finish, numTokens, prompt) {
+  const turn = /<assistant\s*\/>\s*<\/prompt>\s*$/.test(prompt) ? "" :
+    " The prompt does not end with an open assistant turn: put the question inside <user>…</user> and end it " +
+    "with <assistant/>, the turn an instruct model answers.";
+  return `The model generated no text (${numTokens} tokens, finish reason: ${finish || "none"}).${turn}` +
+    (turn ? "" : " It ended its turn at once: ask something the ticked modules answer.");
+}
+
 $("run").addEventListener("click", async () => {
   $("output").textContent = ""; $("stats").textContent = ""; $("spans").textContent = ""; $("span-legend").textContent = "";
-  const started = performance.now();
-  let first = null, tokens = 0;
+  $("output-hint").hidden = true;
+  const started = performance.now(), prompt = $("pml-prompt").value;
+  let first = null, finish = null;
   try {
-    await stream("/v1/generate", { prompt: $("pml-prompt").value, stream: true, max_tokens: 32, temperature: 0,
+    await stream("/v1/generate", { prompt, stream: true, max_tokens: 32, temperature: 0,
       fidelity: $("fidelity").value || null, return_spans: true }, (chunk) => {
       for (const choice of chunk.choices || []) {
-        if (choice.text) { if (first === null) first = performance.now() - started; tokens++; $("output").textContent += choice.text; }
+        if (choice.text) { if (first === null) first = performance.now() - started; $("output").textContent += choice.text; }
+        if (choice.finish_reason) finish = choice.finish_reason;
       }
       if (chunk.usage) {
+        if (!$("output").textContent.trim()) {
+          $("output-hint").hidden = false;
+          $("output-hint").textContent = emptyOutputHint(finish, chunk.usage.completion_tokens, prompt);
+        }
         drawSpans(chunk.cache.spans || []);
         const seconds = (performance.now() - started) / 1000;
         $("stats").textContent = `TTFT ${first === null ? "-" : first.toFixed(0)} ms (server ${chunk.timings.ttft_ms.toFixed(1)} ms), ` +
@@ -378,6 +443,6 @@ async function pollMetrics() {
   } catch (exc) { error.hidden = false; error.textContent = exc.message; }
 }
 
-loadSchemas().catch((exc) => { $("upload-error").hidden = false; $("upload-error").textContent = exc.message; });
+reloadSchemas();
 pollMetrics();
 setInterval(pollMetrics, 3000);
