@@ -9,7 +9,8 @@ module KV that all sequences of the batch import, plus its own `own` tokens. Mod
   full KV (the shared part copied per sequence), as HF generate would;
 - baseline_sdpa: per-sequence KV in one preallocated buffer, torch SDPA with native GQA;
 - shared: promptcache's engine step (ModelRunner + shared-module attention): the shared KV once,
-  attended by all queries of the batch in one matrix-matrix call, merged with each sequence's own KV;
+  attended by all queries of the batch in one matrix-matrix call, merged with each sequence's own KV
+  (slots of one KVPool, as the engine keeps it);
 - noattention: attention output := query (the ceiling: everything but attention, as in Hydragen).
 KV is filled with constant values instead of a prefill (timing does not depend on values); tokens/s =
 batch x steps / decode time. Peak RSS is sampled per run. Also reports how many sequences sharing an
@@ -37,6 +38,7 @@ from promptcache.model_runtime.default_model import default_model_path
 from promptcache.model_runtime.engine.memory import KVMemory
 from promptcache.model_runtime.engine.request import Sequence, SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner
+from promptcache.model_runtime.kv_pool import KVPool
 from promptcache.model_runtime.loader import ModelConfig, wrap_model
 from promptcache.model_runtime.packed_attention import install
 
@@ -80,6 +82,25 @@ def _kv(*shape: int, dtype: torch.dtype = torch.float32, device: torch.device | 
     return torch.full(shape, 0.01, dtype=dtype, device=device)
 
 
+def pooled_sequences(loaded, shared: list[list[SharedKV]], capacity: int, own: int) -> list[Sequence]:
+    """One sequence per entry of `shared` (the blocks it imports), its own KV `capacity` slots of one
+    KVPool as the engine keeps it, the first `own` of them filled with constant values."""
+    model = loaded.model
+    pool = KVPool(num_layers=loaded.num_layers, num_kv_heads=loaded.num_kv_heads, head_dim=loaded.head_dim,
+                  num_slots=len(shared) * capacity, dtype=model.dtype, device=model.device)
+    pool.keys.fill_(0.01)
+    pool.values.fill_(0.01)
+    seqs = []
+    for i, blocks in enumerate(shared):
+        first = pool.allocate(capacity)
+        keys, values = pool.slots(first, capacity)
+        seq = Sequence(seq_id=i, request=None, index=0, shared=blocks, own_keys=keys,  # type: ignore[arg-type]
+                       own_values=values, own_pool=pool, own_slot=first)
+        seq.own_length = own
+        seqs.append(seq)
+    return seqs
+
+
 def register_modes() -> None:
     """The baseline and ceiling attention functions `run_mode` switches the model to."""
     AttentionInterface.register("bench_baseline_sdpa", _sdpa_gqa)
@@ -118,13 +139,7 @@ def run_mode(mode: str, model, loaded, batch: int, shared: int, own: int, steps:
         block = KVBlock(kv(layers, kv_heads, shared, head_dim), kv(layers, kv_heads, shared, head_dim),
                         torch.arange(shared))
         runner = ModelRunner(loaded)
-        seqs = []
-        for i in range(batch):
-            seq = Sequence(seq_id=i, request=None, index=0, shared=[SharedKV("modules", block)],  # type: ignore[arg-type]
-                           own_keys=kv(layers, kv_heads, own + steps, head_dim),
-                           own_values=kv(layers, kv_heads, own + steps, head_dim))
-            seq.own_length = own
-            seqs.append(seq)
+        seqs = pooled_sequences(loaded, [[SharedKV("modules", block)] for _ in range(batch)], own + steps, own)
 
         def step(t: int) -> None:
             for i, seq in enumerate(seqs):

@@ -1,5 +1,5 @@
-"""Decode with long own KV: the padded batch call (copies every sequence's own KV each layer of each step)
-vs reading it in place (one fused call per long sequence), side by side in one run.
+"""Decode with long own KV: the padded batch call (gathers every sequence's own KV from the pool each layer
+of each step) vs reading it in place (one fused call per long sequence), side by side in one run.
 
     python -m benchmarks.decode_own --own 64 1024 2048 --batch 32 --shared 512
 
@@ -20,11 +20,11 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from benchmarks.decode import _kv, _no_attention, load_shape, model_args, run_mode
+from benchmarks.decode import _kv, _no_attention, load_shape, model_args, pooled_sequences, run_mode
 from benchmarks.harness import RESULTS, emit, log, setup
 from promptcache.cache_store import KVBlock
 from promptcache.model_runtime.attention import dispatch
-from promptcache.model_runtime.engine.request import Sequence, SharedKV
+from promptcache.model_runtime.engine.request import SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner
 
 
@@ -35,14 +35,9 @@ def run_mix(loaded, batch: int, own: int, steps: int, block_tokens: int = 512) -
                                         _kv(layers, kv_heads, block_tokens, head_dim, dtype=dtype), torch.arange(block_tokens)))
               for j in range(4)]
     pairs = [(a, b) for a in range(4) for b in range(a + 1, 4)]
-    runner, seqs = ModelRunner(loaded), []
-    for i in range(batch):
-        a, b = pairs[i % len(pairs)]
-        seq = Sequence(seq_id=i, request=None, index=0, shared=[blocks[a], blocks[b]],  # type: ignore[arg-type]
-                       own_keys=_kv(layers, kv_heads, own + steps, head_dim, dtype=dtype),
-                       own_values=_kv(layers, kv_heads, own + steps, head_dim, dtype=dtype))
-        seq.own_length = own
-        seqs.append(seq)
+    runner = ModelRunner(loaded)
+    seqs = pooled_sequences(loaded, [[blocks[a], blocks[b]] for a, b in (pairs[i % len(pairs)] for i in range(batch))],
+                            own + steps, own)
     with torch.inference_mode():
         for t in range(steps):
             if t == 1:

@@ -1,14 +1,15 @@
 """Fairness over HTTP: tenant B's TTFT while tenant A floods the same server.
 
-    python -m benchmarks.fairness [--b-requests 40 --a-clients 16 --a-prompts 16 --duration-s 120]
+    python -m benchmarks.fairness [--b-requests 100 --b-interval-s 0.25 --a-clients 16 --a-prompts 16]
 
 One `promptcache serve` with an API-keys file (tenants alpha and beta). First B alone: `b_requests`
-single-prompt streamed completions, one after another (client-side TTFT). Then A floods: one request
-holding ~2 MiB of prompts (the server must answer it with a 4xx or serve it without stalling anyone), and
-`a_clients` clients sending lists of `a_prompts` prompts back to back (a 429 is honoured by sleeping its
-Retry-After), while B repeats its requests and a prober reads /health every 100 ms. Reported: B's TTFT
-p50/p99 alone and under the flood and their ratio, A's completed prompts per second and 429s, /health p99,
-and the server's peak RSS. Every loop is bounded in count and in time (`duration_s`).
+single-prompt streamed completions, `b_interval_s` apart, each prompt new (client-side TTFT). Then A alone
+for `a_alone_s`: `a_clients` clients sending lists of `a_prompts` prompts back to back (a 429 is honoured
+by sleeping its Retry-After). Then A floods again, after one request holding ~2 MiB of prompts (the
+server must answer it with a 4xx or serve it without stalling anyone), while B repeats its requests and a
+prober reads /health every 100 ms. Reported: B's TTFT p50/p99 alone and under the flood and their
+ratios, A's completed prompts per second alone and beside B, 429s, /health p99, and the server's peak
+RSS. Every loop is bounded in count and in time (`duration_s`, `a_alone_s`).
 """
 
 from __future__ import annotations
@@ -142,6 +143,20 @@ class HealthProbe(threading.Thread):
                 self.stop.wait(0.1)
 
 
+def flood_alone(url: str, args: argparse.Namespace, *, stop_after_s: float) -> float:
+    """A's flood with B silent for `stop_after_s` seconds: A's completed prompts per second."""
+    stop = threading.Event()
+    flooders = [Flooder(url, 100 + i, args.a_prompts, stop) for i in range(args.a_clients)]
+    started = time.monotonic()
+    for flooder in flooders:
+        flooder.start()
+    time.sleep(stop_after_s)
+    stop.set()
+    for flooder in flooders:
+        flooder.join(timeout=320)
+    return round(sum(f.completed_prompts for f in flooders) / (time.monotonic() - started), 2)
+
+
 def plot(record: dict, alone: list[float], flooded: list[float], out: Path) -> None:
     import matplotlib
 
@@ -163,6 +178,7 @@ def main() -> None:
     parser.add_argument("--b-interval-s", type=float, default=0.25, help="B's pause between requests")
     parser.add_argument("--a-clients", type=int, default=16)
     parser.add_argument("--a-prompts", type=int, default=16, help="prompts per request of each A client")
+    parser.add_argument("--a-alone-s", type=float, default=30, help="seconds A floods with B silent")
     parser.add_argument("--duration-s", type=float, default=90, help="most seconds the flood phase lasts")
     parser.add_argument("--out", type=Path, default=RESULTS / "fairness.jsonl")
     parser.add_argument("server_flags", nargs="*", help="extra `promptcache serve` flags (after --)")
@@ -181,6 +197,8 @@ def main() -> None:
                                                interval_s=args.b_interval_s)
             log(f"B alone: {summary(alone)}")
 
+            a_alone = flood_alone(url, args, stop_after_s=args.a_alone_s)
+            log(f"A alone: {a_alone} prompts/s")
             probe = HealthProbe(url, stop)
             probe.start()
             huge = huge_request(url)
@@ -208,7 +226,7 @@ def main() -> None:
         "b_p99_ratio": round(percentile(flooded, 0.99) / percentile(alone, 0.99), 2) if flooded and alone else None,
         "b_failures": alone_failures + flooded_failures,
         "a_huge_request": huge, "a_prompts_completed": a_prompts,
-        "a_prompts_per_s": round(a_prompts / elapsed, 2), "a_429s": sum(f.rejected for f in flooders),
+        "a_prompts_per_s": round(a_prompts / elapsed, 2), "a_alone_prompts_per_s": a_alone, "a_429s": sum(f.rejected for f in flooders),
         "a_errors": sum(f.errors for f in flooders),
         "health_ms": summary(probe.latencies_ms), "health_failures": probe.failures,
         "server_peak_rss_mib": round(rss.peak_bytes / 2**20), "flood_s": round(elapsed, 1),

@@ -20,11 +20,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from benchmarks.decode import register_modes, run_mode
+from benchmarks.decode import pooled_sequences, register_modes, run_mode
 from benchmarks.harness import RESULTS, emit, log
 from benchmarks.shapes import SHAPES
 from promptcache.cache_store import KVBlock
-from promptcache.model_runtime.engine.request import Sequence, SharedKV
+from promptcache.model_runtime.engine.request import SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.loader import wrap_model
 from promptcache.model_runtime.packed_attention import install
@@ -52,10 +52,7 @@ def profile_step(loaded, batch: int, shared: int, own: int, top: int = 15) -> di
     shape = (loaded.num_layers, loaded.num_kv_heads, shared, loaded.head_dim)
     block = KVBlock(torch.full(shape, 0.01, dtype=dtype, device=device),
                     torch.full(shape, 0.01, dtype=dtype, device=device), torch.arange(shared))
-    own_shape = (loaded.num_layers, loaded.num_kv_heads, own + 2, loaded.head_dim)
-    seqs = [Sequence(seq_id=i, request=None, index=0, shared=[SharedKV("modules", block)],  # type: ignore[arg-type]
-                     own_keys=torch.full(own_shape, 0.01, dtype=dtype, device=device),
-                     own_values=torch.full(own_shape, 0.01, dtype=dtype, device=device)) for i in range(batch)]
+    seqs = pooled_sequences(loaded, [[SharedKV("modules", block)] for _ in range(batch)], own + 2, own)
     runner = ModelRunner(loaded)
 
     def step() -> None:
@@ -63,8 +60,6 @@ def profile_step(loaded, batch: int, shared: int, own: int, top: int = 15) -> di
             seq.pending_ids, seq.pending_positions = [7], [shared + seq.own_length]
         runner.run(seqs)
 
-    for seq in seqs:
-        seq.own_length = own
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.inference_mode():
         step()

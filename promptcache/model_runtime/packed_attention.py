@@ -2,7 +2,8 @@
 
 Every forward pass of the runtime (a batch step, a single request's prefill, module encoding) feeds
 its sequences' tokens as ONE packed row. `BatchCache` stands in for
-the HF cache: it writes each sequence's new keys/values into that sequence's own KV buffer. The
+the HF cache: it writes each sequence's new keys/values into that sequence's own KV, with one
+`index_copy_` per layer for all the sequences whose own KV lives in one KVPool (kv_pool.py). The
 registered attention function then attends, per layer, every shared KV segment once for all queries
 that include it, plus each sequence's own KV, merged exactly (model_runtime.attention). Outside a
 batch step (no active context) the function is plain SDPA, so the single-sequence path is unchanged.
@@ -19,7 +20,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from promptcache.model_runtime.attention import SharedSegment, StepIndices, shared_module_attention
+from promptcache.model_runtime.attention import OwnPool, SharedSegment, StepIndices, shared_module_attention
+from promptcache.model_runtime.kv_pool import KVPool, OwnWrite
 
 ATTENTION_NAME = "promptcache_shared"
 _active = threading.local()
@@ -36,8 +38,21 @@ class BatchContext:
     # ([L, H_kv, n, D] x2, sequences, per-sequence row offsets or None: see SharedSegment)
     segments: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...] | None]]
     backend: str = "auto"
-    # The pass's index tensors, made on the host by the first layer and reused by the others.
+    # The pool that holds some sequences' own KV (own_keys[i] is then a view of its slots), and per
+    # sequence its first slot there (None: own_keys[i] is a buffer of its own).
+    pool: KVPool | None = None
+    own_slots: list[int | None] | None = None
+    # The pass's index tensors and own-KV writes, made on the host by the first layer, reused by the others.
     indices: StepIndices | None = field(default=None, repr=False)
+    writes: list[OwnWrite] | None = field(default=None, repr=False)
+
+    def prepare(self, device: torch.device) -> StepIndices:
+        """The pass's index tensors and own-KV writes (built at the first call)."""
+        if self.indices is None:
+            self.indices = StepIndices(device)
+        if self.writes is None:
+            self.writes = _own_writes(self, self.indices)
+        return self.indices
 
 
 class BatchCache(Cache):
@@ -50,11 +65,9 @@ class BatchCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key_states: [1, num_kv_heads, total_q, head_dim]; rows are the sequences' tokens in order.
-        ctx, row = self.context, 0
-        for keys, values, start, n in zip(ctx.own_keys, ctx.own_values, ctx.own_starts, ctx.query_lens):
-            keys[layer_idx, :, start: start + n].copy_(key_states[0, :, row: row + n])
-            values[layer_idx, :, start: start + n].copy_(value_states[0, :, row: row + n])
-            row += n
+        self.context.prepare(key_states.device)
+        for write in self.context.writes:
+            write(layer_idx, key_states[0], value_states[0])
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -84,16 +97,43 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     layer = module.layer_idx
-    if ctx.indices is None:
-        ctx.indices = StepIndices(query.device)
+    indices = ctx.prepare(query.device)
     queries = query[0].transpose(0, 1)  # [1, H, total_q, D] -> [total_q, H, D]
     own_keys = [k[layer, :, : s + n] for k, s, n in zip(ctx.own_keys, ctx.own_starts, ctx.query_lens)]
     own_values = [v[layer, :, : s + n] for v, s, n in zip(ctx.own_values, ctx.own_starts, ctx.query_lens)]
     segments = [SharedSegment(keys=k[layer], values=v[layer], seq_indices=seqs, row_offsets=offsets)
                 for k, v, seqs, offsets in ctx.segments]
+    pool = None
+    if ctx.pool is not None and ctx.own_slots is not None:
+        pool = OwnPool(ctx.pool.keys[layer], ctx.pool.values[layer], tuple(ctx.own_slots))  # [H_kv, slots, D] x2
     out = shared_module_attention(queries, ctx.query_lens, own_keys, own_values, segments, scale=scaling,
-                                  backend=ctx.backend, indices=ctx.indices)
+                                  backend=ctx.backend, indices=indices, own_pool=pool)
     return out.unsqueeze(0), None  # [1, total_q, H, D]
+
+
+def _own_writes(ctx: BatchContext, indices: StepIndices) -> list[OwnWrite]:
+    """The writes of a pass's new KV: one for all pooled sequences (their rows and slots as index
+    tensors, or slices when contiguous), one per sequence with a buffer of its own."""
+    writes, pooled_rows, pooled_slots, row = [], [], [], 0
+    slots = ctx.own_slots or [None] * len(ctx.query_lens)
+    for keys, values, start, n, first in zip(ctx.own_keys, ctx.own_values, ctx.own_starts, ctx.query_lens, slots):
+        if first is None:
+            writes.append(OwnWrite(keys, values, slice(row, row + n), slice(start, start + n)))
+        else:  # the sequence's own KV position p is pool slot first + p
+            pooled_rows.append((row, row + n))
+            pooled_slots.append((first + start, first + start + n))
+        row += n
+    if pooled_rows:
+        writes.append(OwnWrite(ctx.pool.keys, ctx.pool.values, _span_index(pooled_rows, indices),
+                               _span_index(pooled_slots, indices)))
+    return writes
+
+
+def _span_index(spans: list[tuple[int, int]], indices: StepIndices) -> slice | torch.Tensor:
+    """(first, end) spans as one slice when they follow on from each other, else an index tensor."""
+    if all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1)):
+        return slice(spans[0][0], spans[-1][1])
+    return indices.rows(spans)
 
 
 def install(model) -> None:

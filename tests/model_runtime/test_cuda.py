@@ -19,6 +19,7 @@ from promptcache.model_runtime.attention import SharedSegment, shared_module_att
 from promptcache.model_runtime.engine import Engine, EngineConfig
 from promptcache.model_runtime.engine.request import Sequence, SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner
+from promptcache.model_runtime.kv_pool import KVPool
 from promptcache.model_runtime.loader import wrap_model
 from promptcache.model_runtime.sampling import PromptTokens, Sampler
 from tests.conftest import make_tiny_runtime
@@ -30,7 +31,8 @@ from tests.model_runtime.test_exactness import EXACT_SCHEMA, SCAFFOLD_SCHEMA, _c
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 # Host syncs one engine decode step may issue (ModelRunner.run, sampling excluded). Ours: none (step
-# inputs and index tensors go through pinned memory without blocking). Hugging Face's mask preparation
+# inputs and index tensors go through pinned memory without blocking; own KV is written and gathered
+# through index tensors, tests/model_runtime/test_kv_pool.py counts those ops). Hugging Face's mask preparation
 # checks once per forward pass whether the position ids describe packed sequences (`.all()` read back):
 # one or two syncs, never one per layer.
 MAX_SYNCS_PER_DECODE_STEP = 3
@@ -131,7 +133,8 @@ def test_sampling_state_follows_cpu_logits_to_the_gpu():
 
 
 def _decode_step_syncs(num_layers: int, batch: int = 8, shared: int = 600, own: int = 5) -> int:
-    """Host syncs of one ModelRunner decode step of `batch` sequences sharing `shared` tokens of KV."""
+    """Host syncs of one ModelRunner decode step of `batch` sequences sharing `shared` tokens of KV, their
+    own KV in a pool as the engine keeps it."""
     tokenizer = make_test_tokenizer()
     config = tiny_config("llama", vocab_size=len(tokenizer))
     config.num_hidden_layers = num_layers
@@ -140,11 +143,15 @@ def _decode_step_syncs(num_layers: int, batch: int = 8, shared: int = 600, own: 
     shape = (num_layers, loaded.num_kv_heads, shared, loaded.head_dim)
     block = KVBlock(torch.randn(shape).cuda(), torch.randn(shape).cuda(), torch.arange(shared))
     runner = ModelRunner(loaded)
+    pool = KVPool(num_layers=num_layers, num_kv_heads=loaded.num_kv_heads, head_dim=loaded.head_dim,
+                  num_slots=batch * (own + 4), dtype=torch.float32, device="cuda")
     seqs = []
     for i in range(batch):
-        own_shape = (num_layers, loaded.num_kv_heads, own + 4, loaded.head_dim)
         seq = Sequence(seq_id=i, request=None, index=0, shared=[SharedKV("modules", block)],
-                       own_keys=torch.randn(own_shape).cuda(), own_values=torch.randn(own_shape).cuda())
+                       own_pool=pool, own_slot=pool.allocate(own + 4))
+        seq.own_keys, seq.own_values = pool.slots(seq.own_slot, own + 4)
+        seq.own_keys.normal_()
+        seq.own_values.normal_()
         seq.own_length = own + i % 3  # unequal own lengths: the padded own-KV call
         seqs.append(seq)
 

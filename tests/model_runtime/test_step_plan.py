@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.engine import Engine, EngineConfig
+from promptcache.model_runtime.engine import scheduler as scheduler_module
 from promptcache.model_runtime.engine.request import SeqStatus
 from promptcache.model_runtime.engine.step_plan import compose_step
 from tests.model_runtime.test_scheduler import TEXTS, _run, _runtime, _text_plan
@@ -106,3 +107,40 @@ def test_headroom_lets_another_tenant_start_before_the_first_ones_batch_drains(e
     assert results == [*expected, list(runtime.generate(b_plan, short).token_ids)]
     finished, _ = finish_order(headroom=0)
     assert finished.index("b") >= 4, finished  # the oracle: no headroom, b waits for a's first batch
+
+
+def test_long_prefill_chunks_only_while_a_tenant_with_nothing_running_waits(engines, monkeypatch):
+    """A tenant's own backlog keeps the long chunks of a prompt fed alone (its throughput); another
+    tenant waiting with nothing running caps them, so its first token is not held behind them."""
+    runtime = _runtime()
+    budgets: list[int] = []
+
+    def recording(running, *, mixed_budget, alone_budget):
+        budgets.append(alone_budget)
+        return compose_step(running, mixed_budget=mixed_budget, alone_budget=alone_budget)
+
+    monkeypatch.setattr(scheduler_module, "compose_step", recording)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    plans = [_text_plan(runtime, text) for text in TEXTS]
+
+    def run(tenants: list[str]) -> list[list[int]]:
+        engine = Engine(runtime.module_encoder, EngineConfig(max_num_seqs=1, max_prefill_tokens=4,
+                                                             max_prefill_tokens_alone=64, prefix=None))
+
+        async def main():
+            with engine._wakeup:  # one schedule sees every submission
+                streams = [engine.submit(plans[i], params, tenant=t) for i, t in enumerate(tenants)]
+            return await asyncio.gather(*[_run(s, [], "") for s in streams])
+
+        try:
+            return asyncio.run(main())
+        finally:
+            engine.stop()
+
+    one_tenant = run(["a", "a", "a"])
+    assert budgets and set(budgets) == {64}
+    budgets.clear()
+    two_tenants = run(["a", "a", "b"])
+    assert 4 in budgets  # b waited with nothing running
+    expected = [list(runtime.generate(plan, params).token_ids) for plan in plans[:3]]
+    assert one_tenant == two_tenants == expected

@@ -24,7 +24,7 @@ from promptcache.model_runtime.attention import bf16_kernel, dispatch
 from promptcache.model_runtime.attention.backends import matmul_attend
 from promptcache.model_runtime.attention.dispatch import CAUSAL_FUSED_MIN_WORK, choose, decode_in_place
 from promptcache.model_runtime.attention.gpu_backends import gpu_attend
-from promptcache.model_runtime.attention.own_decode import own_decode, own_decode_in_place
+from promptcache.model_runtime.attention.own_decode import OwnPool, own_decode, own_decode_in_place
 from promptcache.model_runtime.attention.segments import SharedSegment
 from promptcache.model_runtime.attention.step_indices import StepIndices
 
@@ -39,12 +39,17 @@ def shared_module_attention(
     scale: float | None = None,
     backend: str = "auto",
     indices: StepIndices | None = None,
+    own_pool: OwnPool | None = None,
 ) -> torch.Tensor:
     """queries [total_q, H, D] grouped by sequence; own_keys[i] [H_kv, S_i, D] (S_i >= T_i: the last
     T_i own keys are the queries' own tokens, attended causally). Returns [total_q, H, D]. `indices`:
-    the forward pass's index tensors, shared by its layers (a fresh set when None)."""
+    the forward pass's index tensors, shared by its layers (a fresh set when None). `own_pool`: where
+    the own KV lies when (some of) own_keys are views of a pool's slots, so decoding sequences' KV is
+    gathered in one call rather than copied one by one."""
     total_q, num_heads, head_dim = queries.shape
     num_kv_heads = _validate(queries, query_lens, own_keys, own_values, segments)
+    if own_pool is not None and len(own_pool.first_slots) != len(query_lens):
+        raise ValueError(f"own_pool has {len(own_pool.first_slots)} first slots for {len(query_lens)} sequences")
     group = num_heads // num_kv_heads
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     indices = indices if indices is not None else StepIndices(queries.device)
@@ -93,8 +98,11 @@ def shared_module_attention(
     padded = [i for i in decode if i not in set(in_place)]
     if padded:
         rows = indices.positions([starts[i] for i in padded])
+        pool = None
+        if own_pool is not None and all(own_pool.first_slots[i] is not None for i in padded):
+            pool = own_pool._replace(first_slots=tuple(own_pool.first_slots[i] for i in padded))
         merge(rows, *own_decode(queries, rows, [own_keys[i] for i in padded], [own_values[i] for i in padded],
-                                num_kv_heads, group, scale, indices))
+                                num_kv_heads, group, scale, indices, pool))
     if in_place:
         out, lse = own_decode_in_place(queries, [starts[i] for i in in_place], [own_keys[i] for i in in_place],
                                        [own_values[i] for i in in_place], num_kv_heads, scale)

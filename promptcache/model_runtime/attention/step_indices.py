@@ -40,10 +40,20 @@ class StepIndices:
     def rows(self, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
         """int64 [sum of lengths]: the rows first..end-1 of each (first, end) span, in order."""
         spans = tuple(spans)
-        return self.get(("rows", spans), lambda: torch.cat(
-            [torch.arange(first, end) for first, end in spans] or [torch.empty(0, dtype=torch.long)]))
+        return self.get(("rows", spans), lambda: _span_rows(spans))
 
     def positions(self, rows: Sequence[int]) -> torch.Tensor:
         """int64 [len(rows)]: the given rows."""
         rows = tuple(rows)
         return self.get(("at", rows), lambda: torch.tensor(rows, dtype=torch.long))
+
+
+def _span_rows(spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """`StepIndices.rows` on the host in a few ops, however many spans (one per sequence in a step)."""
+    if not spans:
+        return torch.empty(0, dtype=torch.long)
+    firsts, ends = torch.tensor(spans, dtype=torch.long).unbind(1)  # [num_spans] each
+    lengths = ends - firsts
+    # Output element k lies in span s at k - (where span s starts in the output): row firsts[s] + that.
+    shifts = firsts - (torch.cumsum(lengths, 0) - lengths)
+    return torch.arange(sum(end - first for first, end in spans)) + torch.repeat_interleave(shifts, lengths)

@@ -1,6 +1,13 @@
-"""KV memory accounting for the running batch: own buffers plus shared blocks counted once."""
+"""KV memory of the running batch: accounting (own buffers plus shared blocks counted once) and the
+pool the sequences' own KV lives in."""
 
 from __future__ import annotations
+
+import torch
+
+from promptcache.model_runtime.engine.request import Sequence
+from promptcache.model_runtime.kv_pool import KVPool
+from promptcache.model_runtime.loader import LoadedModel
 
 
 class KVMemory:
@@ -37,3 +44,37 @@ class KVMemory:
             if entry[1] == 0:
                 del self.shared[key]
         assert self.own_bytes >= 0
+
+
+class OwnKV:
+    """Running requests' own KV: slots of one KVPool as large as the KV budget (the own KV admitted never
+    exceeds it), held per request until `release`. A sequence that finds no free range long enough (a
+    fragmented pool) gets buffers of its own, written by a copy of their own each layer."""
+
+    def __init__(self, loaded: LoadedModel, max_bytes: int) -> None:
+        model = loaded.model
+        self.pool = KVPool(num_layers=loaded.num_layers, num_kv_heads=loaded.num_kv_heads, head_dim=loaded.head_dim,
+                           num_slots=max(1, max_bytes // loaded.kv_bytes_per_token), dtype=model.dtype,
+                           device=model.device)
+        self._held: dict[str, list[int]] = {}  # request id -> first slot of each of its sequences' ranges
+
+    def attach(self, seq: Sequence, capacity: int) -> None:
+        """Give `seq` (of a request) own KV for `capacity` tokens (at least one)."""
+        capacity = max(capacity, 1)
+        first = self.pool.allocate(capacity)
+        if first is None:
+            num_layers, num_kv_heads, _, head_dim = self.pool.shape
+            shape = (num_layers, num_kv_heads, capacity, head_dim)
+            seq.own_keys = torch.empty(shape, dtype=self.pool.dtype, device=self.pool.device)
+            seq.own_values = torch.empty(shape, dtype=self.pool.dtype, device=self.pool.device)
+            return
+        self._held.setdefault(seq.request.request_id, []).append(first)
+        seq.own_keys, seq.own_values = self.pool.slots(first, capacity)
+        seq.own_pool, seq.own_slot = self.pool, first
+
+    def release(self, request_id: str) -> None:
+        """Free the slots of a request's sequences; they are reused from the next `attach` on. Safe when
+        called as the scheduler does: a released request's last readers are the prefix writes queued in
+        the same step, which the engine runs before the next forward pass writes any KV."""
+        for first in self._held.pop(request_id, ()):
+            self.pool.free(first)

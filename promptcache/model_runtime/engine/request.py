@@ -12,6 +12,7 @@ from promptcache.cache_store import KVBlock
 from promptcache.model_runtime.detokenizer import Detokenizer
 from promptcache.model_runtime.engine.prefix import Stream
 from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan
+from promptcache.model_runtime.kv_pool import KVPool
 from promptcache.model_runtime.results import ModuleUse, PrefixUse, PromptSpan, Timings, Usage
 from promptcache.model_runtime.sampling import PromptTokens, Sampler, SamplingParams, TokenLogprobs
 from promptcache.pml import PromptPlan
@@ -76,6 +77,9 @@ class Sequence:
     shared: list[SharedKV]
     own_keys: torch.Tensor | None = None    # [num_layers, num_kv_heads, capacity, head_dim]
     own_values: torch.Tensor | None = None  # [num_layers, num_kv_heads, capacity, head_dim]
+    # The pool own_keys/own_values are slots of, from slot `own_slot` on (None: buffers of their own).
+    own_pool: KVPool | None = None
+    own_slot: int | None = None
     own_length: int = 0
     pending_ids: list[int] = field(default_factory=list)        # tokens still to feed
     pending_positions: list[int] = field(default_factory=list)

@@ -45,9 +45,12 @@ class ModelRunner:
                                            dtype=torch.long), device)  # [1, Q]
         positions = to_device(torch.tensor([[p for s, n in zip(seqs, query_lens) for p in s.pending_positions[:n]]],
                                            dtype=torch.long), device)  # [1, Q]
+        # Sequences whose own KV lives in one pool get their new KV written with one index_copy_ per layer.
+        pool = next((s.own_pool for s in seqs if s.own_pool is not None), None)
         context = BatchContext(
             query_lens=query_lens, own_keys=[s.own_keys for s in seqs], own_values=[s.own_values for s in seqs],
-            own_starts=[s.own_length for s in seqs], segments=self._segments(seqs), backend=self.backend)
+            own_starts=[s.own_length for s in seqs], segments=self._segments(seqs), backend=self.backend,
+            pool=pool, own_slots=[s.own_slot if pool is not None and s.own_pool is pool else None for s in seqs])
         cache = BatchCache(context, self.loaded.num_layers)
         with active_batch(context):
             hidden = model.base_model(input_ids=input_ids, position_ids=positions, use_cache=True,

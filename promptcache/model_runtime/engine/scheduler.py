@@ -12,7 +12,7 @@ from promptcache.cache_store import KVBlock
 from promptcache.model_runtime.detokenizer import Detokenizer
 from promptcache.model_runtime.engine.assembly import assemble, module_key, store_key
 from promptcache.model_runtime.engine.config import EngineConfig
-from promptcache.model_runtime.engine.memory import KVMemory
+from promptcache.model_runtime.engine.memory import KVMemory, OwnKV
 from promptcache.model_runtime.engine.prefix import PrefixReuse
 from promptcache.model_runtime.engine.prefix_writes import Write, logits_write, prompt_write, sample_write
 from promptcache.model_runtime.engine.reports import failure_event, final_event, rejection_event
@@ -47,6 +47,7 @@ class Scheduler:
         self.step_budget = StepBudget(min(config.min_prefill_tokens, config.max_prefill_tokens),
                                       config.max_prefill_tokens, config.max_step_slowdown)
         self.bytes_per_token = loaded.kv_bytes_per_token
+        self.own_kv = OwnKV(loaded, config.max_kv_bytes)
         self._seq_ids = itertools.count()
         self._reservations: dict[str, tuple[int, dict[str, int]]] = {}
         # Prefix blocks to store, run by the engine after the step's events went out (off the TTFT path).
@@ -84,12 +85,14 @@ class Scheduler:
 
         The batch policy (decodes, chunked prefills, tenants' order) is `step_plan.compose_step`: prompt
         tokens share the learned step budget (`step_budget`) while anything decodes, else
-        `max_prefill_tokens_alone`, or `max_prefill_tokens` while requests wait (a second-long step would
-        hold every waiting request's first token back).
+        `max_prefill_tokens_alone`, or `max_prefill_tokens` while a tenant with nothing running waits (a
+        second-long step would hold its first token back).
         """
         events = self._reap_aborted()
         self._admit(events)
-        alone = self.config.max_prefill_tokens if self.waiting else self.config.max_prefill_tokens_alone
+        running_tenants = {s.request.tenant for s in self.running}
+        others_wait = bool(self.waiting.tenants() - running_tenants)
+        alone = self.config.max_prefill_tokens if others_wait else self.config.max_prefill_tokens_alone
         batch, budget = compose_step(self.running, mixed_budget=self.step_budget.tokens(), alone_budget=alone)
         return batch, events, budget
 
@@ -191,10 +194,8 @@ class Scheduler:
 
     def _new_sequence(self, request: Request, index: int, shared: list[SharedKV], capacity: int) -> Sequence:
         loaded = self.loaded
-        shape = (loaded.num_layers, loaded.num_kv_heads, max(capacity, 1), loaded.head_dim)
-        seq = Sequence(seq_id=next(self._seq_ids), request=request, index=index, shared=shared,
-                       own_keys=torch.empty(shape, dtype=loaded.model.dtype, device=loaded.model.device),
-                       own_values=torch.empty(shape, dtype=loaded.model.dtype, device=loaded.model.device))
+        seq = Sequence(seq_id=next(self._seq_ids), request=request, index=index, shared=shared)
+        self.own_kv.attach(seq, capacity)
         if index != PROMPT_SEQ:
             seq.sampler = Sampler(request.params, seed_offset=index, prompt=request.prompt_tokens)
             seq.detokenizer = Detokenizer(loaded.tokenizer, request.params.stop)
@@ -282,6 +283,7 @@ class Scheduler:
             self.pending_stores.append(write)
 
     def _release(self, request: Request) -> None:
+        self.own_kv.release(request.request_id)
         self.admitted.pop(request.request_id, None)
         reservation = self._reservations.pop(request.request_id, None)
         if reservation is not None:
@@ -316,6 +318,7 @@ class Scheduler:
         requests.update({r.request_id: r for r in self.waiting.drain()})
         self.running.clear()
         self._aborted.clear()
+        self.pending_stores.clear()  # they read own KV slots freed here, which the next step may rewrite
         for request in requests.values():
             self._release(request)
         return list(requests.values())

@@ -58,6 +58,10 @@ class WaitingRequests:
         self._requests[request.request_id] = request
         self._queues.setdefault(request.tenant, OrderedDict())[request.request_id] = request
 
+    def tenants(self) -> set[str | None]:
+        """Tenants with requests queued (parked ones aside). O(number of tenants)."""
+        return set(self._queues)
+
     def head(self, skip: frozenset[str | None] | set[str | None] = frozenset()) -> Request | None:
         """The next request to admit: the first of the tenant whose turn it is, passing over the tenants
         in `skip` (those at their share of the running batch). O(number of tenants)."""
