@@ -16,15 +16,14 @@ each mode reads and the bandwidth that implies.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from benchmarks.harness import RESULTS, emit, log
+from benchmarks.gpu_common import device_name, gpu_parser
+from benchmarks.harness import emit, log
 from promptcache.model_runtime.attention import SharedSegment, shared_module_attention, split_keys
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 64
@@ -92,7 +91,7 @@ def run(device: torch.device, dtype: torch.dtype, batch: int, shared: int, own: 
     records = []
     for mode, ms in times.items():
         records.append({
-            "bench": "gpu_attention", "mode": mode, "device": _device_name(device), "dtype": str(dtype)[6:],
+            "bench": "gpu_attention", "mode": mode, "device": device_name(device), "dtype": str(dtype)[6:],
             "batch": batch, "shared_tokens": shared, "own_tokens": own, "heads": HEADS, "kv_heads": KV_HEADS,
             "head_dim": HEAD_DIM, "ms": round(ms, 4), "kv_bytes": kv_bytes[mode],
             "gb_per_s": round(kv_bytes[mode] / ms / 1e6, 1) if kv_bytes[mode] else None,
@@ -101,20 +100,12 @@ def run(device: torch.device, dtype: torch.dtype, batch: int, shared: int, own: 
     return records
 
 
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser = gpu_parser(__doc__, "attention.jsonl", "tiny sizes, few iterations (checks the script)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--shared", type=int, default=8192)
     parser.add_argument("--own", type=int, default=256)
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, few iterations (checks the script)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "gpu" / "attention.jsonl")
     args = parser.parse_args()
     if args.smoke:
         args.batch, args.shared, args.own, args.iters = 4, 1024, 16, 3

@@ -13,15 +13,13 @@ took the most device time are one more JSON line.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks.decode import pooled_sequences, register_modes, run_mode
-from benchmarks.harness import RESULTS, emit, log
+from benchmarks.gpu_common import device_name, gpu_parser
+from benchmarks.harness import emit, log
 from benchmarks.shapes import SHAPES
 from promptcache.cache_store import KVBlock
 from promptcache.model_runtime.engine.request import SharedKV
@@ -83,23 +81,19 @@ def profile_step(loaded, batch: int, shared: int, own: int, top: int = 15) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser = gpu_parser(__doc__, "decode.jsonl", "a tiny model and batch (checks the script)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--shared", type=int, default=8192)
     parser.add_argument("--own", type=int, default=256)
     parser.add_argument("--steps", type=int, default=11, help="decode steps per mode (the first is a warm-up)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--smoke", action="store_true", help="a tiny model and batch (checks the script)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "gpu" / "decode.jsonl")
     args = parser.parse_args()
     if args.smoke:
         args.batch, args.shared, args.own, args.steps = 4, 512, 16, 3
     device = torch.device(args.device)
     register_modes()
     model, loaded = build(device, getattr(torch, args.dtype), args.smoke)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    name = device_name(device)
     by_mode = {}
     for mode in args.modes:
         record = run_mode(mode, model, loaded, args.batch, args.shared, args.own, args.steps)

@@ -13,14 +13,14 @@ their greedy first token back (the host waits for the GPU). Prints JSON lines.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks.engine_timer import EngineTimer
-from benchmarks.harness import RESULTS, emit, log, median_ms
+from benchmarks.gpu_common import device_name, gpu_parser
+from benchmarks.harness import emit, log, median_ms
 from benchmarks.shapes import SHAPES
 from benchmarks.ttft import document, schema_and_prompt
 from promptcache.cache_store import StoreConfig, build_store
@@ -81,7 +81,7 @@ def run(device: torch.device, dtype: torch.dtype, length: int, runs: int, smoke:
     finally:
         timer.close()
     record = {
-        "bench": "gpu_ttft", "shape": SHAPE if not smoke else "tiny-llama", "device": _device_name(device),
+        "bench": "gpu_ttft", "shape": SHAPE if not smoke else "tiny-llama", "device": device_name(device),
         "dtype": str(dtype)[6:], "prompt_tokens": plan.num_prompt_tokens, "new_tokens": plan.num_new_tokens,
         "cached_tokens": plan.num_cached_tokens, "baseline_ms": round(base_ms, 2), "cached_ms": round(cached_ms, 2),
         "ratio": round(base_ms / cached_ms, 2), "encode_ms": round(report.encode_ms, 1),
@@ -92,18 +92,10 @@ def run(device: torch.device, dtype: torch.dtype, length: int, runs: int, smoke:
     return record
 
 
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser = gpu_parser(__doc__, "ttft.jsonl", "a tiny model and prompt (checks the script)")
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--smoke", action="store_true", help="a tiny model and prompt (checks the script)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "gpu" / "ttft.jsonl")
     args = parser.parse_args()
     if args.smoke:
         args.length, args.runs = 256, 2
