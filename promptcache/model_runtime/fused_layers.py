@@ -11,7 +11,8 @@ Concatenating the q, k and v (and gate and up) weights gives the same products a
 (oneDNN sums each output over the same inputs in the same order; measured bit-identical) in fewer calls.
 
 Applied by `fuse_layers(model)` at load, for Llama, Mistral and Qwen2 models in bf16 on the CPU where the
-kernel is built (bf16_kernel.prepare); any other model, dtype or device keeps the Hugging Face modules.
+kernel library is built and loads (bf16_kernel.prepare); any other model, dtype or device keeps the Hugging
+Face modules.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ async def health(request: Request) -> JSONResponse:
         error = getattr(request.app.state, "load_error", None)
         body = {"status": "failed", "error": error} if error else {"status": "loading"}
         return JSONResponse(body, status_code=503)
-    return JSONResponse({"status": "ok", "model": service.model_name})
+    return JSONResponse({"status": "ok", "model": service.model_name, "attention": service.attention.as_dict()})
 
 
 @router.get("/metrics")

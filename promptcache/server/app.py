@@ -79,4 +79,5 @@ async def _start(app: FastAPI, settings: ServerSettings, tenants: TenantDirector
         app.state.load_error = f"startup failed (id {error_id}; the server log says why)"
         return
     app.state.service = service
-    logger.info("promptcache ready: model %s", loaded.name)
+    logger.info("promptcache ready: model %s; attention %s (%s)", loaded.name, service.attention.path.value,
+                service.attention.reason)

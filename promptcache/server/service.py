@@ -25,6 +25,7 @@ from promptcache.cache_store import (
     build_store,
 )
 from promptcache.model_runtime import LoadedModel, ModelRuntime, SamplingParams
+from promptcache.model_runtime.attention.selection import describe as describe_attention
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, ReusePlan, TokenEvent
 from promptcache.pml import PmlLimits, PromptPlan, Schema, UnknownSchemaError, is_valid_name, token_plan
 from promptcache.server.errors import (
@@ -82,6 +83,8 @@ class PromptService:
             max_waiting_per_tenant=settings.max_waiting_per_tenant,
             tenant_headroom_seqs=min(settings.tenant_headroom_seqs, settings.max_num_seqs - 1)
             if settings.api_keys_file else 0))
+        # After the engine: its runner loads the bf16 kernel where it applies.
+        self.attention = describe_attention(settings.attention_backend, loaded.model.device, loaded.model.dtype)
         self.metrics = Metrics(self.model_name)
         self.metrics.add_source(lambda: engine_families(self.engine, self.runtime.module_encoder, self.model_name))
         self.metrics.add_source(lambda: store_families(self.store))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -13,6 +14,8 @@ import httpx
 import pytest
 import yaml
 
+from promptcache.model_runtime.attention import bf16_kernel
+from promptcache.server.settings import ServerSettings
 from tests.model_factories import make_test_tokenizer, make_tiny_model
 from tests.redis_server import free_port
 
@@ -27,6 +30,31 @@ def test_dockerfiles_are_hadolint_clean(name):
     assert result.returncode == 0, result.stdout + result.stderr
     text = (DOCKER / name).read_text()
     assert "USER 10001" in text and "HEALTHCHECK" in text and "--start-period=" in text
+
+
+def stages(text: str) -> list[str]:
+    """A Dockerfile's build stages, each from its FROM line on."""
+    return re.split(r"^(?=FROM )", text, flags=re.M)[1:]
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])
+def test_kernels_are_compiled_in_the_builder_and_only_copied_to_the_runtime(name):
+    builder, runtime = stages((DOCKER / name).read_text())
+    assert " AS builder" in builder.splitlines()[0] and "g++" in builder and "promptcache build-kernels" in builder
+    assert "PROMPTCACHE_KERNEL_DIR=/opt/promptcache/kernels" in builder
+    # The runtime stage installs no toolchain: it copies the environment and the compiled kernels.
+    assert not [tool for tool in ("g++", "gcc", "clang", "build-essential", "build-kernels") if tool in runtime]
+    assert "COPY --from=builder /opt/venv /opt/venv" in runtime
+    assert "COPY --from=builder /opt/promptcache/kernels /opt/promptcache/kernels" in runtime
+    assert "PROMPTCACHE_KERNEL_DIR=/opt/promptcache/kernels" in runtime
+
+
+def test_cpu_image_takes_torch_from_the_cpu_index_or_a_wheelhouse():
+    text = (DOCKER / "Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, flags=re.M))
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert args["WHEELHOUSE"] == "docker/wheelhouse" and (DOCKER / "wheelhouse").is_dir()
+    assert 'pip install --index-url "$TORCH_INDEX_URL"' in text and "/wheels/torch-*.whl" in text
 
 
 def test_cuda_image_torch_wheel_matches_the_base_image_cuda_major():
@@ -55,13 +83,33 @@ def test_compose_runs_server_with_redis():
     assert server["build"]["dockerfile"] == "docker/Dockerfile"
 
 
+def test_compose_matches_the_image():
+    """The service's variables are server settings, and its secret, volume, port and health check are the
+    image's (scripts/docker_check.sh runs the built image with this environment)."""
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    server = compose["services"]["promptcache"]
+    dockerfile = stages((DOCKER / "Dockerfile").read_text())[-1]
+    fields = {f"PROMPTCACHE_{name.upper()}" for name in ServerSettings.model_fields}
+    assert set(server["environment"]) <= fields
+    assert server["environment"]["PROMPTCACHE_API_KEYS_FILE"] == f"/run/secrets/{server['secrets'][0]}"
+    volume = re.search(r'^VOLUME \["([^"]+)"\]$', dockerfile, flags=re.M).group(1)
+    assert [v.split(":")[1] for v in server["volumes"]] == [volume]
+    exposed = re.search(r"^EXPOSE (\d+)$", dockerfile, flags=re.M).group(1)
+    assert [p.split(":")[-1] for p in server["ports"]] == [exposed]
+    health = json.loads(re.search(r"^\s+CMD (\[.*\])$", dockerfile, flags=re.M).group(1))
+    assert server["healthcheck"]["test"] == ["CMD", *health]
+    start_period = re.search(r"--start-period=(\w+)", dockerfile).group(1)
+    assert server["healthcheck"]["start_period"] == start_period
+
+
 def test_entrypoint_serves_outside_a_container(tmp_path):
     tokenizer = make_test_tokenizer()
     make_tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     port = free_port()
     env = {**os.environ, "PROMPTCACHE_HOST": "127.0.0.1", "PROMPTCACHE_PORT": str(port),
-           "PROMPTCACHE_MODEL": str(tmp_path), "PROMPTCACHE_PRELOAD_EXAMPLES": "false"}
+           "PROMPTCACHE_MODEL": str(tmp_path), "PROMPTCACHE_PRELOAD_EXAMPLES": "false",
+           "PROMPTCACHE_DTYPE": "bfloat16", "PROMPTCACHE_KERNEL_DIR": str(tmp_path / "no-kernels")}
     process = subprocess.Popen(["sh", str(DOCKER / "entrypoint.sh"), "--log-level", "warning"], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -75,6 +123,10 @@ def test_entrypoint_serves_outside_a_container(tmp_path):
                 pass
             time.sleep(0.2)
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"] == str(tmp_path)
+        # No kernel library in its kernel folder: PyTorch's fused op, and /health says why.
+        attention = httpx.get(f"http://127.0.0.1:{port}/health").json()["attention"]
+        assert attention["path"] == "torch_fused_cpu"
+        assert ("promptcache build-kernels" if bf16_kernel.supported() else "the CPU lacks") in attention["reason"]
     finally:
         process.terminate()
         process.wait(timeout=30)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-from promptcache.model_runtime.attention import bf16_kernel
+from promptcache.model_runtime.attention import bf16_kernel, kernel_build
 
 
 @pytest.fixture
@@ -26,9 +24,16 @@ def engines():
 
 @pytest.fixture(scope="session")
 def bf16_kernels() -> None:
-    """Builds (or loads) the AVX512-BF16 kernels; skips without a C++ compiler, fails if the CPU has the
-    instructions and a compiler but the build fails (tests using it are skipped on other CPUs)."""
-    if not bf16_kernel.prepare():
-        if shutil.which("c++") is None and shutil.which("g++") is None:
-            pytest.skip("no C++ compiler to build the kernels")
-        pytest.fail("the bf16 kernels did not build on a CPU that supports them (see the log)")
+    """Builds the AVX512-BF16 kernels as `promptcache build-kernels` does (once per torch and sources) and
+    loads them; skips where they cannot be built (no compiler), fails if they can but the build or the load
+    fails (tests using it are skipped on CPUs without the instructions)."""
+    try:
+        kernel_build.build()
+    except kernel_build.KernelBuildError as error:
+        if kernel_build.compiler_missing() is not None:
+            pytest.skip(f"the bf16 kernels cannot be built here: {error}")
+        pytest.fail(f"the bf16 kernels did not build with a compiler present: {error}")
+    if bf16_kernel.loaded() is None:
+        bf16_kernel._state.clear()  # an earlier prepare() ran before the library existed
+        if not bf16_kernel.prepare():
+            pytest.fail(f"the built bf16 kernels did not load: {bf16_kernel.unavailable_reason()}")

@@ -224,7 +224,7 @@ def test_auto_dispatch_picks_the_kernel_for_bf16_only(kernel):
 def test_unsupported_cpu_never_builds(monkeypatch):
     monkeypatch.setattr(bf16_kernel, "_state", {})
     monkeypatch.setattr(bf16_kernel, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    monkeypatch.setattr(bf16_kernel, "_build", lambda: pytest.fail("built on a CPU without AVX512-BF16"))
+    monkeypatch.setattr(bf16_kernel, "_load", lambda: pytest.fail("loaded on a CPU without AVX512-BF16"))
     assert not bf16_kernel.prepare()
     assert bf16_kernel.loaded() is None
     assert bf16_kernel.eligible(torch.randn(2, 4, 64).bfloat16(), torch.randn(2, 4, 64).bfloat16(),

@@ -155,7 +155,7 @@ def test_fuse_layers_leaves_other_models_alone(ops):
 def test_no_fusion_or_build_without_the_instructions(monkeypatch):
     monkeypatch.setattr(bf16_kernel, "_state", {})
     monkeypatch.setattr(bf16_kernel, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    monkeypatch.setattr(bf16_kernel, "_build", lambda: pytest.fail("built on a CPU without AVX512-BF16"))
+    monkeypatch.setattr(bf16_kernel, "_load", lambda: pytest.fail("loaded on a CPU without AVX512-BF16"))
     model = _model("llama", 512)
     assert fuse_layers(model) == 0
     assert isinstance(model.model.layers[0].input_layernorm, LlamaRMSNorm)

@@ -1,4 +1,4 @@
-"""The bf16 flash-attention kernel for CPUs with AVX512-BF16 (csrc/flash_bf16.cpp), built on first use.
+"""The bf16 flash-attention kernel for CPUs with AVX512-BF16 (csrc/flash_bf16.cpp), built ahead of time.
 
 PyTorch's fused CPU attention runs bf16 on bf16 tiles only with AMX; on AVX512-BF16 CPUs without AMX
 (AMD Zen 4, Intel Cooper Lake) it computes at fp32 speed, which held `--dtype auto` to 1.4-1.9x over fp32
@@ -9,32 +9,31 @@ earlier tokens and its new ones are one call with one softmax instead of a call 
 The same extension carries the decoder layers' fused element-wise ops (csrc/fused_bf16.cpp, `fused_ops()`,
 used by model_runtime/fused_layers.py): one build, one set of CPU requirements.
 
-`prepare()` compiles it once per machine (about 25-60 s; then torch's extension cache loads it in about a
-second) and is called where a model is loaded or a runner built for bf16 on a CPU that has the
-instructions; attention code asks `loaded()`, which never compiles, so no request waits for a build.
-Without a C++ compiler, ninja or the CPU flags, `prepare()` logs why and returns False, attention keeps
-PyTorch's fused op and models keep the Hugging Face modules.
+`promptcache build-kernels` compiles it at install time (kernel_build.py); `prepare()` only loads that
+library, so the server never needs a compiler. It is called where a model is loaded or a runner built for
+bf16 on a CPU that has the instructions; attention code asks `loaded()`. Without the library (none built
+for this torch, or no compiler where it was installed) or the CPU flags, `prepare()` logs why and returns
+False, `unavailable_reason()` says why, attention keeps PyTorch's fused op and models keep the Hugging Face
+modules.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from promptcache.model_runtime.attention import kernel_build
 from promptcache.model_runtime.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
 
 REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
 HEAD_DIMS = (64, 128)
-SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("flash_bf16.cpp", "pack_bf16.cpp", "fused_bf16.cpp"))
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
 
 # (q [H, M, D], keys [[H_kv, N_i, D], ...], values (the same shapes), scale, causal[, first_rows])
 #   -> [out [H, M, D], lse [H, M] fp32]: attention over the segments' concatenation (N = sum N_i), each
@@ -56,7 +55,8 @@ class FusedOps:
     shift_keys: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-_state: dict[str, Any] = {}  # "kernel" and "ops" once prepare() has run: each None if unavailable
+# "kernel" and "ops" once prepare() has run: each None if unavailable, and then "reason" says why.
+_state: dict[str, Any] = {}
 
 
 def supported(flags: frozenset[str] | None = None) -> bool:
@@ -65,15 +65,23 @@ def supported(flags: frozenset[str] | None = None) -> bool:
 
 
 def prepare() -> bool:
-    """Build (first time on this machine) and load the kernel; True when attention can use it."""
+    """Load the kernel built ahead of time for this torch (never compiles); True when attention can use it."""
     if "kernel" not in _state:
-        module = _build() if supported() else None
+        missing = sorted(REQUIRED_FLAGS - cpu_flags())
+        module = _load() if not missing else None
         _state["kernel"] = None if module is None else module.flash_bf16
         _state["ops"] = None if module is None else FusedOps(module.rms_norm, module.silu_mul, module.rope_qk,
                                                               module.shift_keys)
-        if _state["kernel"] is None and not supported():
-            log.info("bf16 attention kernel not used: the CPU lacks %s", sorted(REQUIRED_FLAGS - cpu_flags()))
+        if missing:
+            _state["reason"] = f"the CPU lacks {', '.join(missing)}"
+            log.info("bf16 attention kernel not used: %s", _state["reason"])
     return _state["kernel"] is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why `prepare()` did not load the kernel (no file paths: /health shows it), None if it did or has
+    not run."""
+    return None if _state.get("kernel") is not None else _state.get("reason")
 
 
 def loaded() -> Kernel | None:
@@ -98,13 +106,24 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) ->
     return kernel if q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 else None
 
 
-def _build() -> Any:
-    try:
-        from torch.utils.cpp_extension import load
-
-        module = load(name="promptcache_bf16", sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS,
-                      extra_ldflags=["-fopenmp"], verbose=False)
-    except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, a failed build
-        log.warning("bf16 attention kernel not built (%s); using PyTorch's fused attention", error)
+def _load() -> Any:
+    """Import this torch's prebuilt library, or None (the reason in `_state`, the details in the log)."""
+    path = kernel_build.library_path()
+    if not path.exists():
+        why = kernel_build.compiler_missing()
+        _state["reason"] = ("no kernel library built for this torch; `promptcache build-kernels` builds it"
+                            + (f" (here it cannot: {why})" if why else ""))
+        log.warning("bf16 attention kernel not found at %s: %s; using PyTorch's fused attention",
+                    path, _state["reason"])
         return None
+    try:
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert spec is not None and spec.loader is not None  # a .so path always has the extension loader
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (OSError, ImportError) as error:  # a damaged file, a missing libgomp
+        _state["reason"] = f"the kernel library failed to load ({type(error).__name__})"
+        log.warning("bf16 attention kernel at %s failed to load (%s); using PyTorch's fused attention", path, error)
+        return None
+    log.info("bf16 attention kernel loaded from %s", path)
     return module

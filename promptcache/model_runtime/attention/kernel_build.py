@@ -1,0 +1,106 @@
+"""Ahead-of-time build of the bf16 CPU kernels (csrc/*.cpp) into a shared library the server only loads.
+
+`promptcache build-kernels` compiles the extension once, at install time (scripts/install.sh, the Docker
+builder stage), with torch's own extension toolchain (g++ and ninja, the flags below); the server's
+`bf16_kernel.prepare()` then imports the library with no compiler on the machine. Nothing the server runs
+compiles code.
+
+A library is usable only with the torch build, Python and sources it was compiled from, so its file name
+carries a key over all of them (`promptcache_bf16_<key>.so`): upgrading torch or the sources asks for a new
+build instead of loading a stale one. Libraries live in `$PROMPTCACHE_KERNEL_DIR`, else
+`$XDG_CACHE_HOME/promptcache/kernels` (`~/.cache/promptcache/kernels`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+
+NAME = "promptcache_bf16"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                for name in ("flash_bf16.cpp", "pack_bf16.cpp", "fused_bf16.cpp"))
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+ARCHITECTURES = frozenset({"x86_64", "amd64"})  # the flags above are x86-64 instructions
+KERNEL_DIR_ENV = "PROMPTCACHE_KERNEL_DIR"
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels cannot be built here (no compiler or ninja, another architecture, a failed compile)."""
+
+
+def kernel_dir() -> Path:
+    """Where libraries are built to and loaded from."""
+    if configured := os.environ.get(KERNEL_DIR_ENV):
+        return Path(configured)
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "promptcache" / "kernels"
+
+
+def build_key() -> str:
+    """Hash of everything the library's binary compatibility depends on: torch's version and build,
+    its C++ ABI, the Python ABI, the machine, the sources and the flags."""
+    digest = hashlib.sha256()
+    for part in (torch.__version__, torch.version.git_version, str(torch._C._GLIBCXX_USE_CXX11_ABI),
+                 sysconfig.get_config_var("EXT_SUFFIX") or sys.implementation.cache_tag, platform.machine(),
+                 *CFLAGS, "|", *LDFLAGS):
+        digest.update(part.encode() + b"\0")
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def module_name() -> str:
+    """The extension's module name for this key (its PyInit_ symbol carries it, so it names the file too)."""
+    return f"{NAME}_{build_key()}"
+
+
+def library_path(directory: Path | None = None) -> Path:
+    """Where this torch's library is, or would be, in `directory` (default `kernel_dir()`)."""
+    return (directory or kernel_dir()) / f"{module_name()}.so"
+
+
+def compiler_missing() -> str | None:
+    """Why the kernels cannot be compiled here, or None when the toolchain is present."""
+    if platform.machine().lower() not in ARCHITECTURES:
+        return f"the kernels are x86-64 code; this machine is {platform.machine()}"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) on PATH"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    return None if is_ninja_available() else "ninja is not installed (pip install ninja)"
+
+
+def build(directory: Path | None = None, *, force: bool = False, verbose: bool = False) -> Path:
+    """Compile the kernels into `directory` (default `kernel_dir()`) unless this key's library is there
+    already; returns its path. Raises KernelBuildError when it cannot be built."""
+    target = library_path(directory)
+    if target.exists() and not force:
+        return target
+    if (missing := compiler_missing()) is not None:
+        raise KernelBuildError(missing)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    from torch.utils.cpp_extension import load
+
+    # Built in a scratch directory and moved in whole: a process loading the library never sees half a file.
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as scratch:
+        try:
+            # is_python_module=False: compiled and linked, not imported (bf16_kernel.py imports it).
+            load(name=target.stem, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                 extra_ldflags=list(LDFLAGS), build_directory=scratch, verbose=verbose, is_python_module=False)
+        except (OSError, RuntimeError, ImportError) as error:
+            raise KernelBuildError(f"compiling the kernels failed: {error}") from error
+        built = Path(scratch) / target.name
+        if not built.exists():  # torch skips a module it compiled earlier in this process
+            raise KernelBuildError("the kernels were compiled earlier in this process; rebuild in a new one")
+        os.replace(built, target)
+    return target

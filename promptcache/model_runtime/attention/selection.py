@@ -1,0 +1,53 @@
+"""Which attention implementation a loaded model runs on, and why: the server logs it at startup and
+/health reports it, so a slow fallback (no bf16 kernel built, a CPU without the instructions) is visible."""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from promptcache.model_runtime.attention import bf16_kernel, dispatch, gpu_backends
+
+
+class AttentionPath(str, enum.Enum):
+    BF16_KERNEL = "bf16_kernel"  # our AVX512-BF16 kernel (CPU, bf16), built ahead of time
+    TORCH_FUSED_CPU = "torch_fused_cpu"  # torch's fused CPU attention op
+    TORCH_GPU = "torch_gpu"  # torch's fused CUDA ops (flash-attn / FlashInfer first when installed)
+    MATMUL = "matmul"  # the reference kernel
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionReport:
+    """The path and one sentence on why it was chosen (no file paths: /health is open)."""
+
+    path: AttentionPath
+    reason: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"path": self.path.value, "reason": self.reason}
+
+
+def describe(backend: str, device: torch.device, dtype: torch.dtype) -> AttentionReport:
+    """The path prompts take for a model on `device` in `dtype` with the configured `backend`. The bf16
+    kernel counts only once `bf16_kernel.prepare()` has run (the engine's runner calls it)."""
+    if backend == "matmul":
+        return AttentionReport(AttentionPath.MATMUL, "attention backend 'matmul' configured")
+    if device.type in dispatch.GPU_DEVICE_TYPES:
+        optional = [name for name in gpu_backends.OPTIONAL_KERNELS if importlib.util.find_spec(name) is not None]
+        first = f"{' and '.join(optional)} first where applicable, then " if optional else ""
+        return AttentionReport(AttentionPath.TORCH_GPU, f"{first}torch's flash and memory-efficient CUDA ops")
+    if backend == "flash":
+        return AttentionReport(AttentionPath.MATMUL, "attention backend 'flash' is the reference kernel on a CPU")
+    if backend == "fused_cpu":
+        return AttentionReport(AttentionPath.TORCH_FUSED_CPU, "attention backend 'fused_cpu' configured")
+    if dtype != torch.bfloat16:
+        return AttentionReport(AttentionPath.TORCH_FUSED_CPU,
+                               f"the model runs in {str(dtype).removeprefix('torch.')}; the bf16 kernel "
+                               "serves bfloat16 only")
+    if bf16_kernel.loaded() is not None:
+        return AttentionReport(AttentionPath.BF16_KERNEL, "AVX512-BF16 kernel loaded (built ahead of time)")
+    reason = bf16_kernel.unavailable_reason() or "the bf16 kernel was not loaded"
+    return AttentionReport(AttentionPath.TORCH_FUSED_CPU, reason)
