@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print JSON lines and draw plots; not tests (benchmarks/README.md)."""

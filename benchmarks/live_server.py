@@ -1,9 +1,10 @@
-"""A `promptcache serve` subprocess for benchmarks that measure over HTTP."""
+"""Server subprocesses for benchmarks: `promptcache serve`, llama.cpp's `llama-server`, a throwaway redis-server."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
+import redis
 
 
 def free_port() -> int:
@@ -41,6 +43,41 @@ def start_promptcache(flags: list[str], *, ready_timeout_s: float = 300,
         time.sleep(0.5)
     process.kill()
     raise RuntimeError(f"promptcache did not become ready in {ready_timeout_s:.0f} s")
+
+
+class RedisServer:
+    """A redis-server on a free loopback port without persistence. `kill` then `start` restarts it empty
+    on the same port (an outage as a client sees it)."""
+
+    def __init__(self, directory: str) -> None:
+        self.port = free_port()
+        self.directory = directory
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, *, ready_timeout_s: float = 5.0) -> None:
+        """Start the process and wait until it answers PING. Raises RuntimeError if it does not."""
+        self.process = subprocess.Popen([shutil.which("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
+                                         "--save", "", "--appendonly", "no", "--dir", self.directory],
+                                        stdout=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                client.ping()
+                return
+            except redis.RedisError:
+                time.sleep(0.05)
+        self.kill()
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
 
 @contextmanager
@@ -95,3 +132,29 @@ def stream_completion(client: httpx.Client, url: str, body: dict) -> Streamed:
                     first = time.perf_counter()
                 text += piece
     return Streamed(((first or time.perf_counter()) - started) * 1e3, text, headers, chunks)
+
+
+def start_llama_server(binary: str, model_path: str, *, num_slots: int, ctx_per_slot: int = 2560,
+                       threads: int = 2, ready_timeout_s: float = 300,
+                       extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """Start llama.cpp's `llama-server` on a free loopback port: `num_slots` parallel slots of
+    `ctx_per_slot` tokens each (`--no-kv-unified`, llama-server's default when `-np` is given), prompt
+    reuse by KV shifting (`--cache-reuse 64`); wait for /health 200. Returns the process and its base URL."""
+    port = free_port()
+    command = [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+               "-np", str(num_slots), "-c", str(num_slots * ctx_per_slot), "--no-kv-unified", "--cache-reuse", "64",
+               "--log-disable", *extra]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {process.returncode}: {' '.join(command)}")
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError(f"llama-server did not become ready in {ready_timeout_s:.0f} s")

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import shutil
-import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -26,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.harness import RESULTS, emit, log
-from benchmarks.live_server import promptcache_server
+from benchmarks.live_server import RedisServer, promptcache_server
 
 SCHEMA = ('<schema name="kb"><system>Answer briefly.</system><user>'
           '<module name="cats">Cats sleep up to sixteen hours a day.</module>'
@@ -87,31 +84,7 @@ def fuzz(url: str, count: int, rng: random.Random) -> dict:
             "examples": server_errors[:5]}
 
 
-class Redis:
-    def __init__(self, directory: str) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.directory = directory
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.process = subprocess.Popen([shutil.which("redis-server"), "--port", str(self.port), "--bind",
-                                         "127.0.0.1", "--save", "", "--dir", self.directory],
-                                        stdout=subprocess.DEVNULL)
-        time.sleep(0.5)
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.kill()
-        self.process.wait()
-
-
-def load(url: str, redis: Redis, *, clients: int, duration_s: float, outage_s: float) -> dict:
+def load(url: str, redis: RedisServer, *, clients: int, duration_s: float, outage_s: float) -> dict:
     requests = [("/v1/generate", {"prompt": p, "max_tokens": 4, "temperature": 0}) for p in PROMPTS]
     requests += [("/v1/completions", {"prompt": f"Fact {i}: the sky is", "max_tokens": 4, "temperature": 0})
                  for i in range(3)]
@@ -170,7 +143,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "reliability.jsonl")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        redis = Redis(tmp)
+        redis = RedisServer(tmp)
         redis.start()
         try:
             with promptcache_server(["--redis-url", redis.url, "--dtype", args.dtype]) as url:
@@ -181,8 +154,7 @@ def main() -> None:
                       **load(url, redis, clients=args.clients, duration_s=args.duration_s, outage_s=args.outage_s)},
                      args.out)
         finally:
-            if redis.process is not None and redis.process.poll() is None:
-                redis.kill()
+            redis.kill()
 
 
 if __name__ == "__main__":

@@ -18,12 +18,13 @@ KV (`--device-shares`, computed in the replicas' dtype) and a 1 MiB host tier th
 the host tier is the same memory as the device tier): what a replica's device tier lacks comes from Redis
 or is recomputed. With a share s per replica, routing that ignores the cache hits about s (every replica
 sees the whole working set) and affinity about min(1, N*s) (each replica sees the 1/N it owns): the ratio
-is about N for s <= 1/N and falls towards 1 as s nears 1 (both less the first use of every key). TTFT is the client's: from sending a
-streamed request to its first token, over HTTP through Ray's proxy and the gateway. The device-tier hit
-rate is prompt tokens whose KV came from the serving replica's device tier (modules and prefix blocks, as
-each response reports) over all prompt tokens. Targets (affinity vs default): hit rate >= 1.8x, p50 TTFT
-<= 0.6x, max/mean requests per replica <= 1.3. Before that, the routing simulator (same policy code, no
-model) runs 16 and 64 replicas on a Zipf schema popularity. JSON lines and a PNG under benchmarks/results/.
+is about N for s <= 1/N and falls towards 1 as s nears 1 (both less the first use of every key). TTFT is
+the client's: from sending a streamed request to its first token, over HTTP through Ray's proxy and the
+gateway. The device-tier hit rate is prompt tokens whose KV came from the serving replica's device tier
+(modules and prefix blocks, as each response reports) over all prompt tokens. Targets (affinity vs
+default): hit rate >= 1.8x, p50 TTFT <= 0.6x, max/mean requests per replica <= 1.3. Before that, the
+routing simulator (same policy code, no model) runs 16 and 64 replicas on a Zipf schema popularity. JSON
+lines and a PNG under benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -43,10 +44,9 @@ import httpx
 import redis
 import torch
 
-from benchmarks.fidelity_data import FACTS, make_documents
+from benchmarks.evalset.data import FACTS, make_documents
 from benchmarks.harness import RESULTS, emit, log
-from benchmarks.live_server import free_port, stream_completion
-from benchmarks.store import start_redis
+from benchmarks.live_server import RedisServer, free_port, stream_completion
 from promptcache.cluster.simulator import POLICIES, SimulationConfig, simulate
 from promptcache.model_runtime import ModelConfig
 
@@ -191,7 +191,8 @@ def run_router(router: str, url: str, settings: dict, schemas: list[str], tasks:
     ttfts = [s.ttft_ms for s in samples]
     summary = {
         "bench": "scaleout", "router": router, "options": ROUTERS[router], "device_share": device_share,
-        "dtype": settings["dtype"], "concurrency": concurrency, "pml_fidelity": fidelity or "server default", "num_requests": len(samples),
+        "dtype": settings["dtype"], "concurrency": concurrency, "pml_fidelity": fidelity or "server default",
+        "num_requests": len(samples),
         "elapsed_s": round(elapsed, 1),
         "device_hit_rate": round(sum(s.device_tokens for s in samples) / sum(s.prompt_tokens for s in samples), 4),
         "p50_ttft_ms": round(statistics.median(ttfts), 1),
@@ -308,7 +309,9 @@ def main() -> None:
         f"({working_tokens * kv_bytes_per_token / 2**20:.0f} MiB in {dtype})")
     runs: dict[float, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as directory:
-        redis_process, redis_url = start_redis(directory)
+        redis_server = RedisServer(directory)
+        redis_server.start()
+        redis_url = redis_server.url
         port = free_port()
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
@@ -317,14 +320,15 @@ def main() -> None:
                 device_bytes = int(share * working_tokens * kv_bytes_per_token)
                 log(f"device tier {device_bytes / 2**20:.0f} MiB per replica ({share:.0%} of the working set)")
                 settings = {"redis_url": redis_url, "preload_examples": False, "device_max_bytes": device_bytes,
-                            "host_max_bytes": 1 << 20, "namespace": "scaleout", "dtype": str(dtype).removeprefix("torch.")}
+                            "host_max_bytes": 1 << 20, "namespace": "scaleout",
+                            "dtype": str(dtype).removeprefix("torch.")}
                 runs[share] = {router: run_router(router, f"http://127.0.0.1:{port}", settings, schemas, tasks,
                                                   args.concurrency, redis_url, share, args.out, args.fidelity)
                                for router in args.routers}
         finally:
             serve.shutdown()
             ray.shutdown()
-            redis_process.kill()
+            redis_server.kill()
     for share, summaries in runs.items():
         for name in [r for r in summaries if r != "default" and "default" in summaries]:
             base, ours = summaries["default"], summaries[name]
@@ -332,7 +336,8 @@ def main() -> None:
             ttft_ratio = ours["p50_ttft_ms"] / base["p50_ttft_ms"]
             emit({"bench": "scaleout_targets", "router": name, "device_share": share,
                   "hit_rate_ratio": round(hit_ratio, 2), "hit_rate_target": ">= 1.8", "hit_rate_met": hit_ratio >= 1.8,
-                  "p50_ttft_ratio": round(ttft_ratio, 3), "p50_ttft_target": "<= 0.6", "p50_ttft_met": ttft_ratio <= 0.6,
+                  "p50_ttft_ratio": round(ttft_ratio, 3), "p50_ttft_target": "<= 0.6",
+                  "p50_ttft_met": ttft_ratio <= 0.6,
                   "max_over_mean_requests": ours["max_over_mean_requests"], "balance_target": "<= 1.3",
                   "balance_met": ours["max_over_mean_requests"] <= 1.3, "concurrency": args.concurrency,
                   "pml_fidelity": args.fidelity or "server default"}, args.out)

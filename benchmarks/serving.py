@@ -185,7 +185,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "serving.jsonl")
     args = parser.parse_args()
     work, rows = build(), set(args.rows)
-    specs = args.server or ["promptcache="] + ([] if args.no_baseline else ["promptcache-no-prefix=--no-prefix-caching"])
+    baseline = [] if args.no_baseline else ["promptcache-no-prefix=--no-prefix-caching"]
+    specs = args.server or ["promptcache=", *baseline]
     configs = [(name, flags.split()) for name, _, flags in (spec.partition("=") for spec in specs)]
     processes, targets = [], []
     try:

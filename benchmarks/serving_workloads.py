@@ -1,6 +1,6 @@
 """Prompts of the serving benchmark, generated from fixed seeds (no downloads).
 
-The workload of the llama.cpp comparison (issue 11): a ~2K-token plain document with questions, the
+The workload of the llama.cpp comparison: a ~2K-token plain document with questions, the
 retrieval mix (8 of 20 documents in random order, as plain chat and as PML) and an 8-turn chat.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from benchmarks.fidelity_data import make_documents
+from benchmarks.evalset.data import make_documents
 
 SYSTEM = "Answer the question with a short phrase, using only the documents."
 QUESTIONS = ["Who is the mayor of {town}?", "What is the river in {town} called?",

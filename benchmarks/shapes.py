@@ -1,9 +1,11 @@
-"""Realistic model shapes with random weights, for timing (timing does not depend on weights)."""
+"""Realistic model shapes with random weights, and a tokenizer built in process, for timing (timing does not
+depend on weights)."""
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 SHAPES = {
     # TinyLlama-1.1B: 22 layers, hidden 2048, 32 query / 4 KV heads, MLP 5632.
@@ -18,6 +20,10 @@ SHAPES = {
 }
 # The shapes' real vocabularies: the LM head's size is part of the cost being timed.
 VOCAB = {"tinyllama-1.1b": 32000, "qwen2.5-0.5b": 151936}
+# SmolLM2's special tokens and ChatML template, for byte_tokenizer.
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 def build_model(shape: str, *, min_vocab: int = 0, dtype: torch.dtype = torch.float32, seed: int = 0):
@@ -31,6 +37,20 @@ def build_model(shape: str, *, min_vocab: int = 0, dtype: torch.dtype = torch.fl
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per UTF-8 byte plus SmolLM2's special tokens and ChatML template, built in process: for a
+    machine without the default model's files (the GPU check). Timing depends on token counts only."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={symbol: i for i, symbol in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(SPECIAL)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                        unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML
+    return tokenizer
 
 
 def save_model(shape: str, directory: str) -> None:

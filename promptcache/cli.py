@@ -48,8 +48,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="fast/balanced: re-align reused keys to contiguous positions (default) or keep the "
                             "schema layout's (docs/fidelity.md)")
     serve.add_argument("--fidelity-context", choices=["schema", "predecessor"],
-                       help="fast/balanced: reuse out-of-context modules as encoded after their schema context "
-                            "(default) or after the module before them too (docs/fidelity.md)")
+                       help="fast/balanced: reuse out-of-context modules as encoded after the module before them "
+                            "too (predecessor, default) or after their schema context only (docs/fidelity.md)")
+    serve.add_argument("--second-encodings-at-upload", action="store_true",
+                       help="encode every module's second encoding (fidelity context predecessor) at upload "
+                            "instead of on its first use")
     serve.add_argument("--replicas", type=int,
                        help="run N replicas on a local Ray cluster behind a cache-affinity router (needs "
                             "--redis-url when N > 1; pip install 'promptcache[cluster]'; docs/scaling.md)")
@@ -86,6 +89,9 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
                         help="plain torch.nn.Linear instead of weights prepacked for oneDNN on CPU")
     parser.add_argument("--no-layer-fusion", action="store_true",
                         help="the Hugging Face decoder modules instead of the fused bf16 CPU kernels")
+    parser.add_argument("--weights", choices=["native", "int8", "int4"],
+                        help="CPU: decoder-layer linear weights as loaded (native, default), int8 per channel or "
+                             "int4 per 32-group (the built-in model's own Q4_1 blocks); faster decode, see docs/api.md")
     parser.add_argument("--redis-url", help="redis://host:port/db for the shared KV tier and schema registry")
 
 
@@ -111,10 +117,12 @@ def _overrides(args: argparse.Namespace) -> dict:
         "prefix_caching": False if getattr(args, "no_prefix_caching", False) else None,
         "pack_weights": False if args.no_weight_packing else None,
         "fuse_layers": False if args.no_layer_fusion else None,
+        "weights": args.weights,
         "prefix_block_size": getattr(args, "prefix_block_size", None),
         "fidelity": getattr(args, "fidelity", None),
         "fidelity_positions": getattr(args, "fidelity_positions", None),
         "fidelity_context": getattr(args, "fidelity_context", None),
+        "second_encodings_at_upload": True if getattr(args, "second_encodings_at_upload", False) else None,
         "max_prefill_tokens": getattr(args, "max_prefill_tokens", None),
         "max_prefill_tokens_alone": getattr(args, "max_prefill_tokens_alone", None),
         "min_prefill_tokens": getattr(args, "min_prefill_tokens", None),
@@ -143,8 +151,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         return _serve_cluster(args, settings)
 
-    dtype = str(settings.load_config().torch_dtype)
-    print(f"promptcache: serving {settings.model or 'SmolLM2-135M-Instruct (built-in)'} ({dtype.removeprefix('torch.')}) "
+    dtype = str(settings.load_config().torch_dtype).removeprefix("torch.")
+    if settings.weights != "native":
+        dtype += f", {settings.weights} weights"
+    print(f"promptcache: serving {settings.model or 'SmolLM2-135M-Instruct (built-in)'} ({dtype}) "
           f"on http://{settings.host}:{settings.port} (GET /health turns 200 when the model is loaded)", flush=True)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
     return 0
@@ -158,6 +168,7 @@ def _serve_cluster(args: argparse.Namespace, settings) -> int:
     try:
         import ray.serve  # noqa: F401  (the optional extra)
 
+        from promptcache.cluster.errors import ClusterConfigError
         from promptcache.cluster.launcher import serve_cluster
         from promptcache.cluster.options import ClusterOptions
     except ImportError as exc:
@@ -166,10 +177,11 @@ def _serve_cluster(args: argparse.Namespace, settings) -> int:
     try:
         options = ClusterOptions(num_replicas=args.replicas, max_replicas=args.max_replicas, router=args.router,
                                  num_cpus_per_replica=args.replica_cpus, num_gpus_per_replica=args.replica_gpus)
-    except ValueError as exc:
+        return serve_cluster(_overrides(args), options, host=settings.host, port=settings.port,
+                             log_level=args.log_level)
+    except ClusterConfigError as exc:
         print(f"promptcache: {exc}", file=sys.stderr)
         return 2
-    return serve_cluster(_overrides(args), options, host=settings.host, port=settings.port, log_level=args.log_level)
 
 
 def _encode(args: argparse.Namespace) -> int:
@@ -191,6 +203,7 @@ def _encode(args: argparse.Namespace) -> int:
             bar.refresh()
 
         report = runtime.add_schema(schema, progress=progress)
+    assert report is not None, "an encoding add_schema reports"
     is_written = store.close(timeout_s=max(60.0, settings.redis_timeout_s * 60))  # shared writes are write-behind
     print(json.dumps({"schema": schema.name, "num_tokens": schema.num_positions, "segments": report.num_segments,
                       "encoded": report.num_encoded, "encode_ms": round(report.encode_ms, 1),

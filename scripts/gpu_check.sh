@@ -102,15 +102,15 @@ step_2() {
 }
 
 step_3() {
-  python3 -m benchmarks.gpu_attention --device "$DEVICE" $SMOKE --out "$RESULTS/attention.jsonl"
+  python3 -m benchmarks.kernels.gpu_attention --device "$DEVICE" $SMOKE --out "$RESULTS/attention.jsonl"
 }
 
 step_4() {
-  python3 -m benchmarks.gpu_ttft --device "$DEVICE" $SMOKE --out "$RESULTS/ttft.jsonl"
+  python3 -m benchmarks.engine.gpu_ttft --device "$DEVICE" $SMOKE --out "$RESULTS/ttft.jsonl"
 }
 
 step_5() {
-  python3 -m benchmarks.gpu_decode --device "$DEVICE" $SMOKE --out "$RESULTS/decode.jsonl"
+  python3 -m benchmarks.engine.gpu_decode --device "$DEVICE" $SMOKE --out "$RESULTS/decode.jsonl"
 }
 
 step_6() {

@@ -56,7 +56,7 @@ class KVBlock:
         keys, values = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                         for t in (self.keys, self.values))
         if self.keys.is_cuda:  # the host reads these (serialization, later copies): wait for the copies
-            done = torch.cuda.Event()
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event() unannotated
             done.record(torch.cuda.current_stream(self.keys.device))
             done.synchronize()
         return KVBlock(keys, values, self.position_ids.to("cpu"))

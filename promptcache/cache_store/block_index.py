@@ -130,14 +130,14 @@ class BlockIndex:
         while start < len(token_ids):
             ids, pos = tuple(token_ids[start: start + size]), tuple(position_ids[start: start + size])
             key = self.key(parent, ids, pos, salt)
-            tier = self.store.contains(key)
+            tier = self.store.tier_of(key)
             if tier is None:
                 donor = self._best_child(_family(parent, salt), ids, pos)
-                tier = self.store.contains(donor[0]) if donor is not None else None
+                tier = self.store.tier_of(donor[0]) if donor is not None else None
                 if donor is not None and tier is not None:
-                    found.append((tier, donor[1]))
+                    found.append((tier.name, donor[1]))
                 break
-            found.append((tier, len(ids)))
+            found.append((tier.name, len(ids)))
             if len(ids) < size:
                 break
             parent, start = key, start + size

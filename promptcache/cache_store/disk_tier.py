@@ -128,7 +128,7 @@ class DiskTier(Tier):
                 used -= size
                 Path(entry.path).unlink(missing_ok=True)
 
-    def _scan(self) -> list[tuple[BlockKind, int, int, os.DirEntry]]:
+    def _scan(self) -> list[tuple[BlockKind, int, int, os.DirEntry[str]]]:
         """(kind, mtime_ns, size, entry) of every block file; files removed meanwhile are skipped."""
         found = []
         with os.scandir(self.directory) as entries:

@@ -3,7 +3,7 @@
 Each tier's read throughput (bytes/s) is tracked as an exponential moving average of real fetches;
 the runtime reports its prefill throughput (tokens/s). A lookup may skip a shared tier whose expected
 fetch time exceeds the expected recompute time. On CPU, recompute is so slow that every tier pays off
-(see docs/benchmarks.md, `benchmarks/store.py`); on a fast GPU next to a distant Redis it may not.
+(see docs/benchmarks.md, `benchmarks/engine/store.py`); on a fast GPU next to a distant Redis it may not.
 """
 
 from __future__ import annotations

@@ -119,7 +119,8 @@ class MemoryTier(Tier):
             now = self._clock()
             evicted: list[tuple[str, KVBlock]] = []
             limit = self._shares.limit(owner, self.max_bytes)
-            if limit is not None:  # within its share, an owner makes room from its own entries only
+            # Within its share, an owner makes room from its own entries only (only an owner has a share).
+            if limit is not None and owner is not None:
                 own = self._owner_lru.get(owner, {})
                 while self._owner_bytes.get(owner, 0) + nbytes > limit:
                     if not (own.get("prefix") or own.get("module")):

@@ -21,6 +21,7 @@ entry is read back from its score.
 
 from __future__ import annotations
 
+from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -89,9 +90,13 @@ class RedisTier(Tier):
     def lookup(self, key: str) -> TierHit | None:
         blob_key = self._blob_key(key)
 
-        def read() -> list:
+        def read() -> list[Any]:
             pipe = self.client.pipeline(transaction=True)  # one MULTI: kind, TTL, owner and blob of one state
-            return pipe.zscore(self._lru, key).pttl(blob_key).hget(self._owners, key).get(blob_key).execute()
+            pipe.zscore(self._lru, key)
+            pipe.pttl(blob_key)
+            pipe.hget(self._owners, key)
+            pipe.get(blob_key)
+            return pipe.execute()
 
         reply = self.guard.call(read, None)
         if reply is None or reply[3] is None:
@@ -136,8 +141,8 @@ class RedisTier(Tier):
         if len(blob) > (self.max_bytes if limit is None else limit):
             return []
         ttl_ms = 0 if ttl_s is None else max(1, int(ttl_s * 1000))
-        args = [key, blob, ttl_ms, int(pinned), kind, self.max_bytes, self.prefix + "kv:", owner or "",
-                limit or 0, self._own_prefix]
+        args: list[str | bytes | int] = [key, blob, ttl_ms, int(pinned), kind, self.max_bytes, self.prefix + "kv:",
+                                         owner or "", limit or 0, self._own_prefix]
         self.heads.remember(key, fingerprint(len(blob), blob[:HEAD_BYTES]))  # what we write, we trust
         self.guard.call(lambda: self._put(keys=self._entry_keys(key), args=args), None)
         return []  # the last shared tier: evicted blocks are dropped
@@ -148,16 +153,19 @@ class RedisTier(Tier):
         deleted if it fails. Never marks the entry as used."""
         blob_key = self._blob_key(key)
 
-        def head() -> list:
-            return self.client.pipeline(transaction=True).strlen(blob_key).getrange(
-                blob_key, 0, HEAD_BYTES - 1).execute()
+        def head() -> tuple[int, bytes]:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.strlen(blob_key)
+            pipe.getrange(blob_key, 0, HEAD_BYTES - 1)
+            length, first = pipe.execute()
+            return length, first
 
         length, first = self.guard.call(head, (0, b""))
         if not length:
             return False
         if self.heads.vouches(key, fingerprint(length, first)):
             return True
-        sealed = self.guard.call(lambda: self.client.get(blob_key), None)
+        sealed = self.guard.call(lambda: cast("bytes | None", self.client.get(blob_key)), None)
         return sealed is not None and self._verify(key, sealed) is not None
 
     def delete(self, key: str) -> bool:
@@ -175,13 +183,17 @@ class RedisTier(Tier):
         return int(self.guard.call(lambda: self.client.get(self._total), None) or 0)
 
     def keys(self) -> list[str]:
-        raw = self.guard.call(lambda: self.client.zrange(self._lru, 0, -1), [])
+        empty: list[bytes | str] = []
+        raw = self.guard.call(lambda: cast("list[bytes | str]", self.client.zrange(self._lru, 0, -1)), empty)
         return [k.decode() if isinstance(k, bytes) else k for k in raw]
 
     def usage(self) -> TierUsage:
         def read() -> TierUsage:
-            total, prefix, count = self.client.pipeline(transaction=False).get(self._total).get(
-                self._prefix_total).zcard(self._lru).execute()
+            pipe = self.client.pipeline(transaction=False)
+            pipe.get(self._total)
+            pipe.get(self._prefix_total)
+            pipe.zcard(self._lru)
+            total, prefix, count = pipe.execute()
             return TierUsage(int(total or 0), int(count), int(prefix or 0))
 
         return self.guard.call(read, TierUsage(0, 0))

@@ -7,7 +7,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -51,7 +51,7 @@ class SchemaRegistry:
         self._index = f"promptcache:{namespace}:schemas"  # hash: name -> version
         self._deleted = f"promptcache:{namespace}:schemas_deleted"  # sorted set: name by deletion time
         self._tombstone_s = tombstone_s
-        self._client = None
+        self._client: redis.Redis | None = None
         if redis_url:
             self._client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
             self._replace_if_unchanged = self._client.register_script(REPLACE_IF_UNCHANGED)
@@ -79,7 +79,7 @@ class SchemaRegistry:
     def load(self, name: str) -> StoredSchema | None:
         if self._client is not None:
             try:
-                raw = self._client.get(self._prefix + name)
+                raw = self._get(self._prefix + name)
             except redis.RedisError as exc:
                 logger.warning("schema registry unavailable (%s); using this process's copy", exc)
             else:
@@ -144,10 +144,11 @@ class SchemaRegistry:
         fails is replaced only if it is still exactly the bytes checked, so a rightful write that lands
         meanwhile wins (and is checked in turn). Raises redis.RedisError."""
         key = self._prefix + name
+        assert self._client is not None, "only a registry on Redis claims names"
         for _ in range(8):  # each round, someone else wrote the name; give up (taken) after a few
             if self._client.set(key, value, nx=True):
                 return True
-            current = self._client.get(key)
+            current = self._get(key)
             if current is None:
                 continue  # deleted meanwhile: try to take it again
             if self._verified(name, current) is not None:
@@ -156,6 +157,11 @@ class SchemaRegistry:
                 logger.warning("schema registry entry %r failed verification; replaced it", name)
                 return True
         return False
+
+    def _get(self, key: str) -> bytes | None:
+        """The value under `key` in Redis: bytes, as this client does not decode responses."""
+        assert self._client is not None, "only a registry on Redis reads it"
+        return cast("bytes | None", self._client.get(key))
 
     def _verified(self, name: str, raw: bytes) -> StoredSchema | None:
         """The entry in `raw` (read under `name`) if it passes verification, else None (logged)."""

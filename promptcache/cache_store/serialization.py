@@ -7,7 +7,7 @@ checksum field | payload = position ids (int64) + keys + values (raw bytes).
 The checksum detects damage (a torn disk write, a truncated or bit-flipped value); authenticity is the
 HMAC's job (signing.py), so it need not be cryptographic. Version 2 (written now) holds the 16-byte XXH3-128
 of the payload, zero-padded: ~10 GB/s, where version 1's blake2b-256 ran at ~0.7-1 GB/s and was most of
-the CPU cost of reading a module from Redis or disk (docs/benchmarks.md, "Shared-tier reads").
+the CPU cost of reading a module from Redis or disk (docs/experiments/benchmarks-log.md, "Shared-tier reads").
 Version 1 blobs are still read.
 """
 

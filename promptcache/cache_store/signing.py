@@ -46,8 +46,8 @@ class BlobSigner:
         with a warning: the caller treats it as a miss."""
         if self._key is None:
             if sealed.startswith(MAGIC):
-                logger.warning("value at %s is signed but no blob key is set (PROMPTCACHE_BLOB_KEY); treating it as absent",
-                               storage_key)
+                logger.warning("value at %s is signed but no blob key is set (PROMPTCACHE_BLOB_KEY); treating it "
+                               "as absent", storage_key)
                 return None
             return sealed
         header = SEAL_BYTES

@@ -3,6 +3,7 @@ refcounts on in-process entries, and write-behind to the shared tiers."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -13,7 +14,7 @@ from promptcache.cache_store.block import KVBlock
 from promptcache.cache_store.errors import CapacityError
 from promptcache.cache_store.fetch_policy import FetchPolicy
 from promptcache.cache_store.redis_guard import logger
-from promptcache.cache_store.tier import BlockKind, Tier, check_kind
+from promptcache.cache_store.tier import BlockKind, Eviction, Tier, check_kind
 from promptcache.cache_store.write_behind import WriteBehind
 
 T = TypeVar("T")
@@ -119,7 +120,7 @@ class TieredStore:
                 hit = None
             else:
                 started = time.perf_counter()
-                hit = _shared_call(tier, "read", lambda t=tier: t.lookup(key), None)  # I/O: outside the lock
+                hit = _shared_call(tier, "read", functools.partial(tier.lookup, key), None)  # I/O: outside the lock
                 if hit is not None:
                     self.policy.record_fetch(tier.name, hit.block.nbytes, time.perf_counter() - started)
             with self._lock:
@@ -177,8 +178,9 @@ class TieredStore:
         counters, below = self._counters.per_tier[self.tiers[position].name], position + 1
         for victim in evicted:
             key, block = victim
-            kind, ttl_s = getattr(victim, "kind", "module"), getattr(victim, "ttl_s", None)
-            owner = getattr(victim, "owner", None)
+            kind: BlockKind = victim.kind if isinstance(victim, Eviction) else "module"
+            ttl_s = victim.ttl_s if isinstance(victim, Eviction) else None
+            owner = victim.owner if isinstance(victim, Eviction) else None
             with self._lock:
                 counters.evictions += 1
                 counters.demotions += below < len(self.tiers)
@@ -191,9 +193,8 @@ class TieredStore:
             if position >= self._num_local:
                 self._demote_shared(below, key, block, kind, deadline, owner=owner)
             else:
-                self._writer.submit(key, block.nbytes,
-                                    lambda key=key, block=block, kind=kind, deadline=deadline, owner=owner:
-                                    self._demote_shared(below, key, block, kind, deadline, owner=owner))
+                self._writer.submit(key, block.nbytes, functools.partial(self._demote_shared, below, key, block,
+                                                                         kind, deadline, owner=owner))
 
     def _write_through(self, key: str, block: KVBlock, pinned: bool, kind: BlockKind,
                        deadline: float | None, owner: str | None) -> None:
@@ -219,8 +220,8 @@ class TieredStore:
         for index in range(position, len(self.tiers)):
             tier = self.tiers[index]
             try:
-                evicted = _shared_call(tier, "write", lambda tier=tier: tier.put(
-                    key, block, pinned=pinned, ttl_s=ttl_s, kind=kind, owner=owner), None)
+                evicted = _shared_call(tier, "write", functools.partial(
+                    tier.put, key, block, pinned=pinned, ttl_s=ttl_s, kind=kind, owner=owner), None)
             except CapacityError:
                 if fall_through:
                     continue
@@ -229,15 +230,13 @@ class TieredStore:
                 self._demote(index, evicted)
             return
 
-    def contains(self, key: str) -> str | None:
-        """Name of the fastest tier holding `key` (no promotion, no counters), or None."""
+    def tier_of(self, key: str) -> Tier | None:
+        """The fastest tier holding `key` (no promotion, no counters), or None. A shared tier that cannot
+        be reached holds nothing."""
         with self._lock:
-            name = next((t.name for t in self._local if t.contains(key)), None)
-        return name or next((t.name for t in self._shared
-                             if _shared_call(t, "look up", lambda t=t: t.contains(key), False)), None)
-
-    def locate(self, keys: Iterable[str]) -> dict[str, str | None]:
-        return {key: self.contains(key) for key in keys}
+            local = next((t for t in self._local if t.contains(key)), None)
+        return local or next((t for t in self._shared
+                              if _shared_call(t, "look up", functools.partial(t.contains, key), False)), None)
 
     def delete(self, key: str) -> bool:
         """Remove `key` from every tier and cancel its queued shared writes; a write already running is

@@ -9,7 +9,8 @@ from typing import Literal, NamedTuple, get_args
 from promptcache.cache_store.block import KVBlock
 
 BlockKind = Literal["module", "prefix"]
-"""What a block is: a module's KV ("module") or a link of automatic prefix caching ("prefix").
+"""What a block is: a module's KV ("module"), or KV that is only a cache of work done for requests
+("prefix": a link of automatic prefix caching, or a module's second encoding, model_runtime/module_encoder.py).
 Every tier evicts unpinned, unreferenced "prefix" entries (LRU) before any "module" entry."""
 
 BLOCK_KINDS: tuple[BlockKind, ...] = get_args(BlockKind)
@@ -19,7 +20,7 @@ def check_kind(kind: str) -> BlockKind:
     """`kind` if it is a BlockKind; ValueError naming the accepted values otherwise."""
     if kind not in BLOCK_KINDS:
         raise ValueError(f"block kind must be one of {BLOCK_KINDS}, got {kind!r}")
-    return kind  # type: ignore[return-value]
+    return kind
 
 
 def merge_kind(old: BlockKind | None, new: BlockKind) -> BlockKind:
@@ -46,7 +47,7 @@ class TierUsage(NamedTuple):
     num_referenced: int = 0
 
 
-class Eviction(tuple):
+class Eviction(tuple[str, KVBlock]):
     """An entry a tier evicted. Unpacks as `(key, block)` as before; also carries its kind, remaining
     TTL and owner so a demotion keeps them."""
 

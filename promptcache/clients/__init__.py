@@ -39,6 +39,9 @@ from promptcache.clients.types import (
     CacheReport,
     Choice,
     Explanation,
+    FidelityModeStats,
+    FidelityReport,
+    FidelitySample,
     Generation,
     GenerationChunk,
     ModuleInfo,
@@ -53,8 +56,9 @@ from promptcache.clients.types import (
 __all__ = [
     "APIConnectionError", "APIStatusError", "APITimeoutError", "Assistant", "AssistantTurn", "AsyncClient",
     "AsyncStream", "AuthenticationError", "BadRequestError", "CacheReport", "Choice", "Client", "ConflictError",
-    "Explanation", "Generation", "GenerationChunk", "Import", "InternalServerError", "Module", "ModuleInfo",
-    "ModuleReport", "NotFoundError", "Param", "PayloadTooLargeError", "PrefixReport", "Prompt", "PromptSpan", "PromptCacheError", "PromptProgram",
-    "RateLimitError", "Recorder", "Scaffold", "Schema", "SchemaInfo", "ServiceUnavailableError", "Stream", "System",
-    "Timings", "Union", "UnprocessableEntityError", "Usage", "User", "prompt",
+    "Explanation", "FidelityModeStats", "FidelityReport", "FidelitySample", "Generation", "GenerationChunk", "Import",
+    "InternalServerError", "Module", "ModuleInfo", "ModuleReport", "NotFoundError", "Param", "PayloadTooLargeError",
+    "PrefixReport", "Prompt", "PromptSpan", "PromptCacheError", "PromptProgram", "RateLimitError", "Recorder",
+    "Scaffold", "Schema", "SchemaInfo", "ServiceUnavailableError", "Stream", "System", "Timings", "Union",
+    "UnprocessableEntityError", "Usage", "User", "prompt",
 ]

@@ -4,25 +4,28 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal, overload
+from typing import Literal, overload
 
 import httpx
 
 from promptcache.clients.base import DEFAULT_BASE_URL, BaseClient, RequestSpec
 from promptcache.clients.errors import APIConnectionError, APITimeoutError
 from promptcache.clients.streaming import AsyncStream
-from promptcache.clients.types import Explanation, Generation, GenerationChunk, SchemaInfo
+from promptcache.clients.types import Explanation, FidelityReport, Generation, GenerationChunk, SchemaInfo
 
 
 class AsyncSchemas:
-    """`client.schemas` (async): upload, list, get and delete PML schemas."""
+    """`client.schemas` (async): upload, list, get and delete PML schemas; their fidelity reports."""
 
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
-    async def create(self, pml: str) -> SchemaInfo:
-        """Upload a schema; its modules are encoded before this returns. ConflictError if the name exists."""
-        return BaseClient.parse(await self._client._send(RequestSpec("POST", "/v1/schemas", {"pml": pml})), SchemaInfo)
+    async def create(self, pml: str, *, fidelity_report: bool = False) -> SchemaInfo:
+        """Upload a schema; its modules are encoded before this returns. ConflictError if the name exists.
+        `fidelity_report=True`: the schema's fidelity report (see `fidelity`, default options) follows the
+        encoding, in `SchemaInfo.fidelity_report` (or why it failed, `fidelity_report_error`)."""
+        body = BaseClient.body(pml=pml, fidelity_report=True if fidelity_report else None)
+        return BaseClient.parse(await self._client._send(RequestSpec("POST", "/v1/schemas", body)), SchemaInfo)
 
     async def list(self) -> list[SchemaInfo]:
         data = (await self._client._send(RequestSpec("GET", "/v1/schemas"))).json()["data"]
@@ -33,6 +36,22 @@ class AsyncSchemas:
 
     async def delete(self, name: str) -> None:
         await self._client._send(RequestSpec("DELETE", f"/v1/schemas/{name}"))
+
+    async def fidelity(self, name: str, *, num_samples: int | None = None, seed: int | None = None,
+                 question: str | None = None, max_imports: int | None = None,
+                 fidelity_head_tokens: int | None = None,
+                 fidelity_positions: Literal["contiguous", "layout"] | None = None,
+                 fidelity_context: Literal["schema", "predecessor"] | None = None) -> FidelityReport:
+        """The schema's fidelity report: on `num_samples` seeded module combinations (server default 16,
+        capped by the server), each mode's (exact, fast, balanced) greedy first-token agreement with a full
+        prefill, its 95 % interval and first-token KL. Computed by the server's engine (seconds to minutes:
+        raise `timeout_s` for large schemas) or served from its cache of this schema version
+        (`cached`). `question` is asked after the modules (None: the server's generic one; "": none).
+        NotFoundError for a schema this key does not see; BadRequestError past the server's sample limit."""
+        path = BaseClient.fidelity_path(name, num_samples=num_samples, seed=seed, question=question,
+                                        max_imports=max_imports, fidelity_head_tokens=fidelity_head_tokens,
+                                        fidelity_positions=fidelity_positions, fidelity_context=fidelity_context)
+        return BaseClient.parse(await self._client._send(RequestSpec("GET", path)), FidelityReport)
 
 
 class AsyncClient(BaseClient):
@@ -47,10 +66,24 @@ class AsyncClient(BaseClient):
         self.schemas = AsyncSchemas(self)
 
     @overload
-    async def generate(self, prompt: str, *, stream: Literal[False] = False, **kwargs: Any) -> Generation: ...
+    async def generate(self, prompt: str, *, max_tokens: int | None = None, temperature: float | None = None,
+                       top_p: float | None = None, top_k: int | None = None, n: int | None = None,
+                       stop: str | list[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
+                       fidelity: Literal["fast", "balanced", "exact"] | None = None,
+                       fidelity_head_tokens: int | None = None,
+                       fidelity_positions: Literal["contiguous", "layout"] | None = None,
+                       fidelity_context: Literal["schema", "predecessor"] | None = None,
+                       return_spans: bool = False, stream: Literal[False] = False) -> Generation: ...
 
     @overload
-    async def generate(self, prompt: str, *, stream: Literal[True], **kwargs: Any) -> AsyncStream[GenerationChunk]: ...
+    async def generate(self, prompt: str, *, max_tokens: int | None = None, temperature: float | None = None,
+                       top_p: float | None = None, top_k: int | None = None, n: int | None = None,
+                       stop: str | list[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
+                       fidelity: Literal["fast", "balanced", "exact"] | None = None,
+                       fidelity_head_tokens: int | None = None,
+                       fidelity_positions: Literal["contiguous", "layout"] | None = None,
+                       fidelity_context: Literal["schema", "predecessor"] | None = None,
+                       return_spans: bool = False, stream: Literal[True]) -> AsyncStream[GenerationChunk]: ...
 
     async def generate(self, prompt: str, *, max_tokens: int | None = None, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, n: int | None = None,

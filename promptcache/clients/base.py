@@ -6,6 +6,7 @@ import json
 import random
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import quote, urlencode
 
 import httpx
 from pydantic import BaseModel
@@ -92,6 +93,12 @@ class BaseClient:
                                fidelity=fidelity, fidelity_head_tokens=fidelity_head_tokens,
                                fidelity_positions=fidelity_positions, fidelity_context=fidelity_context,
                                return_spans=True if return_spans else None, stream=True if stream else None)
+
+    @staticmethod
+    def fidelity_path(name: str, **options: Any) -> str:
+        """GET path of a schema's fidelity report, with the options that are set as its query."""
+        query = urlencode({k: v for k, v in options.items() if v is not None})
+        return f"/v1/schemas/{quote(name, safe='')}/fidelity" + (f"?{query}" if query else "")
 
     @staticmethod
     def raise_for_status(response: httpx.Response) -> None:

@@ -11,6 +11,47 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
 
+class FidelityModeStats(_Model):
+    """One fidelity mode against a full prefill of the same prompts, first token only."""
+
+    num_samples: int
+    top1_agreement: float  # fraction of samples whose greedy first token is the full prefill's
+    agreement_ci95: tuple[float, float]  # 95 % Wilson interval
+    mean_kl: float  # nats; over both top-20 lists plus the rest of the vocabulary: a lower bound
+    max_kl: float
+
+
+class FidelitySampleResult(_Model):
+    top1_agrees: bool
+    kl: float
+
+
+class FidelitySample(_Model):
+    module_paths: list[str]
+    prompt: str
+    prompt_tokens: int
+    exact: bool  # the prompt served from cache as encoded equals a full prefill
+    modes: dict[str, FidelitySampleResult]
+
+
+class FidelityReport(_Model):
+    """How far each fidelity mode's first token is from a full prefill's, on sampled prompts of a schema."""
+
+    schema_name: str = Field(alias="schema")
+    model: str
+    num_samples: int
+    seed: int
+    question: str
+    max_imports: int | None = None
+    fidelity_head_tokens: int
+    fidelity_positions: str
+    fidelity_context: str
+    modes: dict[str, FidelityModeStats]  # exact, fast, balanced
+    samples: list[FidelitySample]
+    elapsed_ms: float
+    cached: bool = False
+
+
 class ModuleInfo(_Model):
     name: str
     path: str
@@ -27,6 +68,8 @@ class SchemaInfo(_Model):
     encode_ms: float | None = None
     scaffolds: list[list[str]] = Field(default_factory=list)  # module paths encoded jointly
     always_included: list[tuple[int, int]] = Field(default_factory=list)  # [start, end) in every prompt
+    fidelity_report: FidelityReport | None = None  # on an upload that asked for it
+    fidelity_report_error: str | None = None  # why that report failed (the schema is uploaded)
 
 
 class Choice(_Model):

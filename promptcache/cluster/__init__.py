@@ -6,9 +6,19 @@ The Ray side lives in `promptcache.cluster.app` (the application), `.router` (th
 """
 
 from promptcache.cluster.affinity import AffinityConfig, AffinityKey, affinity_key
+from promptcache.cluster.errors import (
+    ClusterConfigError,
+    ClusterError,
+    NoReplicaError,
+    ReplicaLostError,
+    ReplicasBusyError,
+    ReplicaStartError,
+    RequestTooLargeError,
+)
 from promptcache.cluster.forwarded import ForwardedRequest
 from promptcache.cluster.options import ClusterOptions
 from promptcache.cluster.policy import Choice, LoadGuard, RoutingPolicy
 
-__all__ = ["AffinityConfig", "AffinityKey", "Choice", "ClusterOptions", "ForwardedRequest", "LoadGuard",
-           "RoutingPolicy", "affinity_key"]
+__all__ = ["AffinityConfig", "AffinityKey", "Choice", "ClusterConfigError", "ClusterError", "ClusterOptions",
+           "ForwardedRequest", "LoadGuard", "NoReplicaError", "ReplicaLostError", "ReplicaStartError",
+           "ReplicasBusyError", "RequestTooLargeError", "RoutingPolicy", "affinity_key"]

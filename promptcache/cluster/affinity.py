@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from promptcache.cluster.errors import ClusterConfigError
 from promptcache.cluster.forwarded import ForwardedRequest
 from promptcache.pml.names import RESERVED_NAMES
 
@@ -50,11 +51,11 @@ class AffinityConfig:
 
     def __post_init__(self) -> None:
         if self.pml_key not in ("modules", "schema"):
-            raise ValueError(f"pml_key must be 'modules' or 'schema', got {self.pml_key!r}")
+            raise ClusterConfigError(f"pml_key must be 'modules' or 'schema', got {self.pml_key!r}")
         if self.prefix_chars < 1:
-            raise ValueError(f"prefix_chars must be at least 1, got {self.prefix_chars}")
+            raise ClusterConfigError(f"prefix_chars must be at least 1, got {self.prefix_chars}")
         if self.max_scan_chars < 1:
-            raise ValueError(f"max_scan_chars must be at least 1, got {self.max_scan_chars}")
+            raise ClusterConfigError(f"max_scan_chars must be at least 1, got {self.max_scan_chars}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +79,8 @@ def affinity_key(request: ForwardedRequest, tenants: TenantDirectory,
     if body is None:
         return None
     owner = "" if tenant is None else tenant
-    salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else ""
+    cache_salt = body.get("cache_salt")
+    salt = cache_salt if isinstance(cache_salt, str) else ""
     if request.path == "/v1/schemas":
         name = _start_tag_attribute(body.get("pml"), "schema", "name", config)
         return None if name is None else _key("schema", owner, name)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
+from promptcache.cluster.errors import ClusterConfigError
 from promptcache.cluster.gateway import Gateway
 from promptcache.cluster.options import ClusterOptions
 from promptcache.cluster.replica import PromptCacheReplica
@@ -24,12 +26,15 @@ GATEWAY_DEPLOYMENT = "Gateway"
 
 def build_application(settings: dict[str, Any], options: ClusterOptions | None = None) -> Application:
     """The application for `settings` (ServerSettings fields given explicitly; the replicas read the rest
-    from their PROMPTCACHE_* environment). Raises ValueError for invalid settings."""
+    from their PROMPTCACHE_* environment). Raises ClusterConfigError for invalid settings."""
     options = options or ClusterOptions()
     # An upload is routed by its schema name, the schema's prompts by their module sets: the replica that
     # encodes it keeps it only in Redis, so its device tier holds the KV of the requests it serves.
     settings = {"upload_kv_local": False, **settings}
-    resolved = ServerSettings(**settings)  # validate here, before Ray starts anything
+    try:
+        resolved = ServerSettings(**settings)  # validate here, before Ray starts anything
+    except ValidationError as exc:
+        raise ClusterConfigError(f"invalid replica settings: {exc}") from None
     replica_options: dict[str, Any] = {
         "name": REPLICA_DEPLOYMENT,
         "max_ongoing_requests": options.max_ongoing_requests,
@@ -45,15 +50,15 @@ def build_application(settings: dict[str, Any], options: ClusterOptions | None =
         replica_options["num_replicas"] = options.num_replicas
     if options.router == "affinity":
         replica_options["request_router_config"] = RequestRouterConfig(
-            request_router_class=CacheAffinityRouter,
+            request_router_class=CacheAffinityRouter,  # type: ignore[arg-type]  # Ray types **kwargs as dicts
             request_router_kwargs={"settings": settings, "prefix_chars": options.prefix_chars,
                                    "pml_key": options.pml_key,
                                    "abs_threshold": options.abs_threshold,
                                    "rel_threshold": options.rel_threshold,
                                    "balance_factor": options.balance_factor})
-    replicas = serve.deployment(PromptCacheReplica, **replica_options).bind(settings, options.num_threads)
-    gateway = serve.deployment(Gateway, name=GATEWAY_DEPLOYMENT, num_replicas=options.num_gateways,
-                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+    replicas = serve.deployment(**replica_options)(PromptCacheReplica).bind(settings, options.num_threads)
+    gateway = serve.deployment(name=GATEWAY_DEPLOYMENT, num_replicas=options.num_gateways,
+                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)(Gateway)
     return gateway.bind(replicas, max_request_bytes=resolved.max_request_bytes)
 
 
@@ -62,5 +67,6 @@ def build(args: dict[str, Any]) -> Application:
     `cluster` (ClusterOptions fields), both optional."""
     unknown = sorted(set(args) - {"settings", "cluster"})
     if unknown:
-        raise ValueError(f"unknown application args {unknown}; expected 'settings' and/or 'cluster'")
-    return build_application(dict(args.get("settings") or {}), ClusterOptions.from_dict(dict(args.get("cluster") or {})))
+        raise ClusterConfigError(f"unknown application args {unknown}; expected 'settings' and/or 'cluster'")
+    options = ClusterOptions.from_dict(dict(args.get("cluster") or {}))
+    return build_application(dict(args.get("settings") or {}), options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ class ForwardedRequest:
     http_version: str = "1.1"
 
     @classmethod
-    def from_scope(cls, scope: dict[str, Any], body: bytes) -> ForwardedRequest:
+    def from_scope(cls, scope: Mapping[str, Any], body: bytes) -> ForwardedRequest:
         """The request of an ASGI http `scope` whose body was `body`; the path is relative to the
         gateway's root path, as the replica's routes expect."""
         root, path = scope.get("root_path", ""), scope["path"]

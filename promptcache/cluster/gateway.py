@@ -13,6 +13,8 @@ Ray runs every replica the deployment targets (readiness.py), then the replica's
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from typing import cast
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -21,16 +23,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from promptcache.cluster.errors import ReplicaLostError, ReplicasBusyError, RequestTooLargeError
 from promptcache.cluster.forwarded import ForwardedRequest
 from promptcache.cluster.readiness import ReplicaReadiness
-from promptcache.server.errors import PayloadTooLargeError, error_response, response_for
-from promptcache.server.generation import DONE, sse
+from promptcache.server.errors import response_for
+from promptcache.server.generation import DONE, sse_error
 
 logger = logging.getLogger(__name__)
 REPLICA_LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
 HEALTH_PATH = "/health"
-LOST_MID_STREAM = {"type": "replica_lost", "status": 503,
-                   "message": "the replica serving this stream stopped; the output is incomplete, retry the request"}
 
 
 class Gateway:
@@ -48,7 +49,7 @@ class Gateway:
         """Read the request, forward it to the replica the router picks, relay the answer."""
         try:
             body = await self._read_body(receive)
-        except PayloadTooLargeError as exc:
+        except RequestTooLargeError as exc:
             await response_for(exc)(scope, receive, send)
             return
         request = ForwardedRequest.from_scope(scope, body)
@@ -59,7 +60,9 @@ class Gateway:
         for attempt in range(1, self.max_attempts + 1):
             relayed = _Relayed()
             try:
-                async for message in self.replicas.forward.remote(request):
+                # options(stream=True): the call is a stream of the replica's ASGI messages
+                messages = cast("AsyncIterator[Message]", self.replicas.forward.remote(request))
+                async for message in messages:
                     relayed.note(message)
                     await send(message)
                 return
@@ -71,15 +74,16 @@ class Gateway:
                 logger.warning("replica lost before answering %s %s (attempt %d of %d): %s", request.method,
                                request.path, attempt, self.max_attempts, exc)
             except BackPressureError:
-                await error_response(503, "service_unavailable", "every replica is busy; retry shortly",
-                                     {"Retry-After": "1"})(scope, receive, send)
+                busy = ReplicasBusyError("every replica is busy; retry shortly", retry_after_s=1)
+                await response_for(busy, f"{request.method} {request.path}")(scope, receive, send)
                 return
-        await error_response(503, "service_unavailable", "no replica could serve the request; retry shortly",
-                             {"Retry-After": "1"})(scope, receive, send)
+        lost = ReplicaLostError("no replica could serve the request; retry shortly", retry_after_s=1)
+        await response_for(lost, f"{request.method} {request.path}")(scope, receive, send)
 
     async def _read_body(self, receive: Receive) -> bytes:
         """The whole body, refusing more than the replicas' request limit (they check it again)."""
-        chunks, received = [], 0
+        chunks: list[bytes] = []
+        received = 0
         while True:
             message = await receive()
             if message["type"] != "http.request":
@@ -87,7 +91,7 @@ class Gateway:
             chunk = message.get("body", b"")
             received += len(chunk)
             if received > self.max_request_bytes:
-                raise PayloadTooLargeError(f"request body exceeds the limit of {self.max_request_bytes} bytes")
+                raise RequestTooLargeError(f"request body exceeds the limit of {self.max_request_bytes} bytes")
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
@@ -114,8 +118,9 @@ class _Relayed:
         if self.is_complete:
             return
         if not self.is_event_stream:
-            raise ConnectionAbortedError("the replica was lost mid-response")
-        tail = sse({"error": LOST_MID_STREAM}) + DONE
+            raise ReplicaLostError("the replica was lost mid-response")
+        tail = sse_error(ReplicaLostError("the replica serving this stream stopped; the output is incomplete, "
+                                          "retry the request")) + DONE
         await send({"type": "http.response.body", "body": tail.encode(), "more_body": False})
 
 

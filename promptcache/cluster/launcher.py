@@ -14,7 +14,7 @@ APP_NAME = "promptcache"
 def serve_cluster(settings: dict[str, Any], options: ClusterOptions, *, host: str, port: int,
                   log_level: str = "info") -> int:
     """Start Ray on this machine, deploy the application on http://host:port and block until interrupted
-    (Ctrl-C or SIGTERM); Ray then stops the replicas. Raises ValueError for invalid settings."""
+    (Ctrl-C or SIGTERM); Ray then stops the replicas. Raises ClusterConfigError for invalid settings."""
     import logging
 
     import ray

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from promptcache.cluster.errors import ClusterConfigError
+
 
 @dataclass(frozen=True, slots=True)
 class ClusterOptions:
@@ -25,21 +27,22 @@ class ClusterOptions:
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
-            raise ValueError(f"num_replicas must be at least 1, got {self.num_replicas}")
+            raise ClusterConfigError(f"num_replicas must be at least 1, got {self.num_replicas}")
         if self.max_replicas is not None and self.max_replicas < self.num_replicas:
-            raise ValueError(f"max_replicas ({self.max_replicas}) must be at least num_replicas ({self.num_replicas})")
+            raise ClusterConfigError(f"max_replicas ({self.max_replicas}) must be at least num_replicas "
+                                     f"({self.num_replicas})")
         if self.max_ongoing_requests < 1:
-            raise ValueError(f"max_ongoing_requests must be at least 1, got {self.max_ongoing_requests}")
+            raise ClusterConfigError(f"max_ongoing_requests must be at least 1, got {self.max_ongoing_requests}")
         if self.num_cpus_per_replica < 0 or self.num_gpus_per_replica < 0:
-            raise ValueError("num_cpus_per_replica and num_gpus_per_replica must be >= 0")
+            raise ClusterConfigError("num_cpus_per_replica and num_gpus_per_replica must be >= 0")
         if self.pml_key not in ("modules", "schema"):
-            raise ValueError(f"pml_key must be 'modules' or 'schema', got {self.pml_key!r}")
+            raise ClusterConfigError(f"pml_key must be 'modules' or 'schema', got {self.pml_key!r}")
         if self.router not in ("affinity", "default"):
-            raise ValueError(f"router must be 'affinity' or 'default', got {self.router!r}")
+            raise ClusterConfigError(f"router must be 'affinity' or 'default', got {self.router!r}")
         if self.balance_factor is not None and self.balance_factor < 1:
-            raise ValueError(f"balance_factor must be >= 1 (or null: no bound), got {self.balance_factor}")
+            raise ClusterConfigError(f"balance_factor must be >= 1 (or null: no bound), got {self.balance_factor}")
         if self.num_gateways < 1:
-            raise ValueError(f"num_gateways must be at least 1, got {self.num_gateways}")
+            raise ClusterConfigError(f"num_gateways must be at least 1, got {self.num_gateways}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ClusterOptions:
@@ -47,7 +50,7 @@ class ClusterOptions:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown cluster option(s) {unknown}; expected some of {sorted(known)}")
+            raise ClusterConfigError(f"unknown cluster option(s) {unknown}; expected some of {sorted(known)}")
         return cls(**values)
 
     @property

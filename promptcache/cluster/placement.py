@@ -29,6 +29,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from promptcache.cluster.errors import ClusterConfigError
+
 RESCALE_AT = 2.0 ** 512  # increments grow as 2^(t / half_life): rescale everything before floats overflow
 
 
@@ -42,11 +44,11 @@ class BalanceBound:
 
     def __post_init__(self) -> None:
         if self.factor < 1:
-            raise ValueError(f"balance factor must be >= 1, got {self.factor}")
+            raise ClusterConfigError(f"balance factor must be >= 1, got {self.factor}")
         if self.slack < 1:
-            raise ValueError(f"balance slack must be >= 1 request, got {self.slack}")
+            raise ClusterConfigError(f"balance slack must be >= 1 request, got {self.slack}")
         if self.half_life <= 0:
-            raise ValueError(f"balance half_life must be > 0 requests, got {self.half_life}")
+            raise ClusterConfigError(f"balance half_life must be > 0 requests, got {self.half_life}")
 
 
 class KeyPlacement:
@@ -84,7 +86,7 @@ class KeyPlacement:
                 target = replica
                 break
         if target is None:  # nowhere has room for this key: it stays, or goes where its hash says
-            target = current if current in ranked else ranked[0]
+            target = current if current is not None and current in ranked else ranked[0]
         if target != current and key in self._key_load:
             if current is not None:
                 self._load[current] = max(0.0, self._load.get(current, 0.0) - weight)

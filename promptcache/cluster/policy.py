@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from promptcache.cluster.errors import ClusterConfigError, NoReplicaError
 from promptcache.cluster.placement import BalanceBound, KeyPlacement
 
 Reason = Literal["affinity", "load_guard", "least_loaded"]
@@ -39,9 +40,9 @@ class LoadGuard:
 
     def __post_init__(self) -> None:
         if self.abs_threshold < 0:
-            raise ValueError(f"abs_threshold must be >= 0 requests, got {self.abs_threshold}")
+            raise ClusterConfigError(f"abs_threshold must be >= 0 requests, got {self.abs_threshold}")
         if self.rel_threshold < 1:
-            raise ValueError(f"rel_threshold must be >= 1, got {self.rel_threshold}")
+            raise ClusterConfigError(f"rel_threshold must be >= 1, got {self.rel_threshold}")
 
     def is_overloaded(self, owner_load: int, min_load: int) -> bool:
         return owner_load - min_load > self.abs_threshold and owner_load > self.rel_threshold * min_load
@@ -68,14 +69,14 @@ class RoutingPolicy:
 
     def choose(self, key: bytes | None, loads: Mapping[str, int]) -> Choice:
         """The replica for a request with `key` given each candidate's load (requests in flight).
-        Raises ValueError when there is no candidate."""
+        Raises NoReplicaError when there is no candidate."""
         return self.order(key, loads)[0]
 
     def order(self, key: bytes | None, loads: Mapping[str, int]) -> list[Choice]:
         """Every candidate, best first: the choice, then the fallbacks a caller tries if it cannot take
         the request (Ray skips a replica whose queue is full)."""
         if not loads:
-            raise ValueError("no replica to route to")
+            raise NoReplicaError("no replica to route to")
         min_load = min(loads.values())
         if key is None:
             ids = list(loads)

@@ -3,8 +3,8 @@
 The app is `promptcache.server.create_app(settings)` unchanged (Serve's FastAPI ingress, built at replica
 start), plus ReplicaHeader, which names the replica on every response. The model loads in the constructor
 and Ray's first health check waits for the engine to start, so Ray routes nothing to a replica (a new one,
-or the replacement of a dead one) before it can serve. The gateway calls `forward` with the whole request; the replica replays it into the app and
-streams the ASGI messages back.
+or the replacement of a dead one) before it can serve. The gateway calls `forward` with the whole request;
+the replica replays it into the app and streams the ASGI messages back.
 """
 
 from __future__ import annotations
@@ -13,12 +13,16 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from promptcache.cluster.errors import ReplicaStartError
 from promptcache.cluster.forwarded import ForwardedRequest
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 logger = logging.getLogger(__name__)
 REPLICA_HEADER = b"x-promptcache-replica"
@@ -49,7 +53,8 @@ class ReplicaHeader:
 
 @serve.ingress()
 class PromptCacheReplica:
-    async def __init__(self, settings: dict[str, Any], num_threads: int = 1) -> None:
+    # An async constructor: Serve awaits it (mypy knows only synchronous ones).
+    async def __init__(self, settings: dict[str, Any], num_threads: int = 1) -> None:  # type: ignore[misc]
         """`settings`: ServerSettings fields given explicitly (the rest come from PROMPTCACHE_* variables
         of the replica's environment, as for `promptcache serve`)."""
         import torch
@@ -61,14 +66,15 @@ class PromptCacheReplica:
         self.settings = ServerSettings(**settings)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.loaded = await asyncio.to_thread(load_model, self.settings.load_config())
-        self.fastapi = None
+        self.fastapi: FastAPI | None = None  # built by Serve right after the constructor
 
-    def __serve_build_asgi_app__(self):
+    def __serve_build_asgi_app__(self) -> FastAPI:
         from promptcache.server import create_app
 
-        self.fastapi = create_app(self.settings, model_loader=lambda: self.loaded)
-        self.fastapi.add_middleware(ReplicaHeader, replica_id=self.replica_id)  # outermost: 401s are named too
-        return self.fastapi
+        app = create_app(self.settings, model_loader=lambda: self.loaded)
+        app.add_middleware(ReplicaHeader, replica_id=self.replica_id)  # outermost: 401s are named too
+        self.fastapi = app
+        return app
 
     async def check_health(self) -> None:
         """Ray's health check. The first one runs before the replica is routable: it waits until the app's
@@ -77,10 +83,10 @@ class PromptCacheReplica:
         if self.fastapi is None:
             return
         if not await self._wait_ready():
-            raise RuntimeError(f"replica {self.replica_id} did not start within {READY_TIMEOUT_S:.0f} s")
+            raise ReplicaStartError(f"replica {self.replica_id} did not start within {READY_TIMEOUT_S:.0f} s")
         error = getattr(self.fastapi.state, "load_error", None)
         if error:
-            raise RuntimeError(f"replica {self.replica_id} failed to start: {error}")
+            raise ReplicaStartError(f"replica {self.replica_id} failed to start: {error}")
 
     async def forward(self, request: ForwardedRequest) -> AsyncIterator[Message]:
         """Serve `request` with the app; yields its ASGI response messages as they are sent."""
@@ -100,6 +106,7 @@ class PromptCacheReplica:
 
         async def run() -> None:
             try:
+                assert self.fastapi is not None, "Serve builds the app before any request"
                 await self.fastapi(request.asgi_scope(), receive, send)
             except Exception:  # Starlette has answered 500 already and re-raises; it is in the log
                 logger.exception("%s %s failed on replica %s", request.method, request.path, self.replica_id)
@@ -117,6 +124,7 @@ class PromptCacheReplica:
     async def _wait_ready(self) -> bool:
         """Wait until the app's service started or failed to; False if neither happened in time."""
         deadline = time.monotonic() + READY_TIMEOUT_S
+        assert self.fastapi is not None, "Serve builds the app before any request"
         state = self.fastapi.state
         while time.monotonic() < deadline:
             if getattr(state, "service", None) is not None or getattr(state, "load_error", None):

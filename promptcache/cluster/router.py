@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Literal
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -29,9 +29,9 @@ MAX_REMEMBERED_KEYS = 4096  # keys of requests still being routed (a request may
 
 
 class CacheAffinityRouter(RequestRouter):
-    def initialize_state(self, settings: dict[str, Any] | None = None,
+    def initialize_state(self, settings: dict[str, Any] | None = None,  # type: ignore[override]  # Ray: **kwargs
                          prefix_chars: int = DEFAULT_AFFINITY.prefix_chars,
-                         pml_key: str = DEFAULT_AFFINITY.pml_key,
+                         pml_key: Literal["modules", "schema"] = DEFAULT_AFFINITY.pml_key,
                          abs_threshold: int = DEFAULT_GUARD.abs_threshold,
                          rel_threshold: float = DEFAULT_GUARD.rel_threshold,
                          balance_factor: float | None = DEFAULT_BALANCE.factor) -> None:

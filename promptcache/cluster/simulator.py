@@ -2,8 +2,9 @@
 
 Replicas are servers with a few parallel slots and an LRU device tier counted in modules. Requests arrive
 as a Poisson stream; each picks a schema by Zipf popularity and one of the schema's module sets (its
-affinity key; `affinity_schema` keys on the schema alone, as `pml_key="schema"`), needs those modules' KV, and takes `base_s` plus `miss_s` per module its replica's device
-tier lacks (a fetch from Redis or a recompute). Loads are requests queued or running, as Ray counts them.
+affinity key; `affinity_schema` keys on the schema alone, as `pml_key="schema"`), needs those modules'
+KV, and takes `base_s` plus `miss_s` per module its replica's device tier lacks (a fetch from Redis or a
+recompute). Loads are requests queued or running, as Ray counts them.
 `python -m promptcache.cluster.simulator --replicas 16 64` prints one JSON line per (replicas, policy).
 """
 
@@ -20,6 +21,7 @@ import sys
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
+from promptcache.cluster.errors import ClusterConfigError
 from promptcache.cluster.placement import BalanceBound
 from promptcache.cluster.policy import LoadGuard, RoutingPolicy
 
@@ -47,11 +49,11 @@ class SimulationConfig:
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1 or self.num_schemas_per_replica < 1 or self.slots_per_replica < 1:
-            raise ValueError("num_replicas, num_schemas_per_replica and slots_per_replica must be at least 1")
+            raise ClusterConfigError("num_replicas, num_schemas_per_replica and slots_per_replica must be at least 1")
         if not 1 <= self.modules_per_request <= self.modules_per_schema:
-            raise ValueError("modules_per_request must be between 1 and modules_per_schema")
+            raise ClusterConfigError("modules_per_request must be between 1 and modules_per_schema")
         if not 0 < self.utilization < 1:
-            raise ValueError(f"utilization must be in (0, 1), got {self.utilization}")
+            raise ClusterConfigError(f"utilization must be in (0, 1), got {self.utilization}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +97,7 @@ class _Replica:
 def simulate(config: SimulationConfig, policy_name: str) -> SimulationResult:
     """Run one policy (`affinity`, `affinity_schema`, `power_of_two` or `random`) on the workload of `config`."""
     if policy_name not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy_name!r}")
+        raise ClusterConfigError(f"policy must be one of {POLICIES}, got {policy_name!r}")
     rng = random.Random(config.seed)  # same seed, same arrivals and request mix for every policy
     choice_rng = random.Random(config.seed + 1)
     balance = None if config.balance_factor is None else BalanceBound(factor=config.balance_factor)
@@ -129,6 +131,7 @@ def simulate(config: SimulationConfig, policy_name: str) -> SimulationResult:
     while events:
         t, _, kind, replica_id = heapq.heappop(events)
         if kind == "finish":
+            assert replica_id is not None, "a finish names its replica"
             replica = replicas[replica_id]
             replica.running -= 1
             start(replica, replica_id, t)

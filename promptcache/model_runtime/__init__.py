@@ -1,16 +1,20 @@
-"""Model runtime: loading HF causal LMs, module encoding, cached prefill, generation, batched engine.
+"""Model runtime: loading HF causal LMs, module encoding, the batched engine.
 
 The only package that imports torch/transformers.
 """
 
+from promptcache.model_runtime.engine import EngineConfig, ErrorKind, Fidelity, FinishReason, TokenEvent
+from promptcache.model_runtime.engine.reuse_plan import ContextMode, FidelityMode, PositionMode
 from promptcache.model_runtime.errors import (
     ChatRenderError,
     EngineError,
+    InvalidRequestError,
     ModelLoadError,
     PromptTooLongError,
     QueueFullError,
     UnsupportedModelError,
 )
+from promptcache.model_runtime.facade import PromptRuntime, RuntimeStats
 from promptcache.model_runtime.loader import (
     SUPPORTED_ARCHITECTURES,
     LoadedModel,
@@ -19,19 +23,22 @@ from promptcache.model_runtime.loader import (
     wrap_model,
 )
 from promptcache.model_runtime.module_encoder import EncodeReport, ModuleEncoder
+from promptcache.model_runtime.quantized_linear import WeightFormat
+from promptcache.model_runtime.report import CacheReport, served_report
 from promptcache.model_runtime.results import (
-    Completion,
-    GenerationResult,
     ModuleUse,
     PrefixUse,
     Timings,
     Usage,
 )
 from promptcache.model_runtime.runtime import ModelRuntime
-from promptcache.model_runtime.sampling import SamplingParams
+from promptcache.model_runtime.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES", "ChatRenderError", "Completion", "EncodeReport", "EngineError", "GenerationResult", "LoadedModel",
-    "ModelConfig", "ModelLoadError", "ModelRuntime", "ModuleEncoder", "ModuleUse", "PrefixUse", "PromptTooLongError",
-    "QueueFullError", "SamplingParams", "Timings", "UnsupportedModelError", "Usage", "load_model", "wrap_model",
+    "MAX_LOGPROBS", "SUPPORTED_ARCHITECTURES", "CacheReport", "ChatRenderError", "ContextMode", "EncodeReport",
+    "EngineConfig", "EngineError", "ErrorKind", "Fidelity", "FidelityMode", "FinishReason", "InvalidRequestError",
+    "LoadedModel", "ModelConfig", "ModelLoadError", "ModelRuntime", "ModuleEncoder", "ModuleUse", "PositionMode",
+    "PrefixUse", "PromptRuntime", "PromptTooLongError", "QueueFullError", "RuntimeStats", "SamplingParams", "Timings",
+    "TokenEvent", "TokenLogprobs", "UnsupportedModelError", "Usage", "WeightFormat", "load_model", "served_report",
+    "wrap_model",
 ]

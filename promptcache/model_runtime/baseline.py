@@ -56,7 +56,8 @@ def full_prefill_generate(model, token_ids: Sequence[int], position_ids: Sequenc
         if token in eos_token_ids:
             break
         mask = torch.ones((1, past.get_seq_length() + 1), dtype=torch.long, device=device)  # [1, kv_len]
-        out = model(input_ids=torch.tensor([[token]], device=device), position_ids=torch.tensor([[next_pos]], device=device),
+        out = model(input_ids=torch.tensor([[token]], device=device),
+                    position_ids=torch.tensor([[next_pos]], device=device),
                     attention_mask=mask, use_cache=True, **cache_argument(model, past))
         past, next_pos, logits = past_cache(out), next_pos + 1, out.logits[0, -1]
     return tokens, first_logits

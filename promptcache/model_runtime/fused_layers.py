@@ -18,6 +18,7 @@ Face modules.
 from __future__ import annotations
 
 import logging
+from typing import Any, ClassVar
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -44,7 +45,7 @@ _LANES = 16  # the kernels' vector width in elements: feature sizes must be mult
 class FusedRMSNorm(torch.nn.Module):
     """LlamaRMSNorm (and its Mistral/Qwen2 twins) in one pass: `weight * bf16(x * rsqrt(mean(x^2) + eps))`."""
 
-    def __init__(self, norm: torch.nn.Module, ops: FusedOps) -> None:
+    def __init__(self, norm: Any, ops: FusedOps) -> None:  # a Hugging Face RMSNorm (duck-typed)
         super().__init__()
         self.weight = norm.weight
         self.eps = float(norm.variance_epsilon)
@@ -58,7 +59,10 @@ class FusedRMSNorm(torch.nn.Module):
 class FusedGatedMLP(torch.nn.Module):
     """`down(silu(gate(x)) * up(x))` with gate and up as one projection and SiLU-times-up in one pass."""
 
-    def __init__(self, mlp: torch.nn.Module, ops: FusedOps) -> None:
+    # The source layers of each joined projection: a checkpoint's quantized blocks are found by their names.
+    JOINED_PROJECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up_proj": ("gate_proj", "up_proj")}
+
+    def __init__(self, mlp: Any, ops: FusedOps) -> None:  # a Hugging Face gated MLP (duck-typed)
         super().__init__()
         self.gate_up_proj = _concatenated(mlp.gate_proj, mlp.up_proj)
         self.down_proj = mlp.down_proj
@@ -75,7 +79,9 @@ class FusedAttention(torch.nn.Module):
     q and k in one pass; the cache update and the attention function are the model's, called as the
     Hugging Face module calls them (so the engine's shared-module attention sees the same tensors)."""
 
-    def __init__(self, attention: torch.nn.Module, ops: FusedOps) -> None:
+    JOINED_PROJECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
+    def __init__(self, attention: Any, ops: FusedOps) -> None:  # a Hugging Face attention (duck-typed)
         super().__init__()
         config = attention.config
         self.config, self.layer_idx, self.ops = config, attention.layer_idx, ops

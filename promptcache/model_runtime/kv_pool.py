@@ -33,11 +33,13 @@ class KVPool:
     @property
     def keys(self) -> torch.Tensor:
         self._make()
+        assert self._keys is not None
         return self._keys
 
     @property
     def values(self) -> torch.Tensor:
         self._make()
+        assert self._values is not None
         return self._values
 
     @property

@@ -22,9 +22,13 @@ from promptcache.model_runtime import fused_layers
 from promptcache.model_runtime.cpu_features import auto_dtype
 from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
 from promptcache.model_runtime.packed_linear import pack_linears
+from promptcache.model_runtime.quantization import kernel_problem, quantize_linears
+from promptcache.model_runtime.quantized_linear import Int4Blocks, WeightFormat
 from promptcache.model_runtime.rope_shift import KeyShifter
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "gpt2"})
@@ -46,8 +50,10 @@ class ModelConfig:
     computes it natively and fp32 elsewhere (cpu_features.auto_dtype). `pack_weights` keeps the linear
     layers' weights in oneDNN's packed layout on CPUs where that runs (packed_linear.py);
     `fuse_layers` runs bf16 Llama/Mistral/Qwen2 models on CPUs with AVX512-BF16 through fused
-    decoder-layer kernels (fused_layers.py; the HF modules' outputs up to rare last-bit roundings). Raises
-    ValueError for an unknown dtype or a malformed device string.
+    decoder-layer kernels (fused_layers.py; the HF modules' outputs up to rare last-bit roundings).
+    `weights` int8/int4 holds the decoder layers' linear weights at 8 or 4 bits on the CPU
+    (quantized_linear.py); int4 loads the built-in model's Q4_1 blocks as its GGUF file stores them.
+    Raises ValueError for an unknown dtype, a malformed device string, or quantized weights off the CPU.
     """
 
     name_or_path: str | None = None
@@ -57,12 +63,17 @@ class ModelConfig:
     cache_dir: str | None = None
     pack_weights: bool = True
     fuse_layers: bool = True
+    weights: WeightFormat = WeightFormat.NATIVE
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES and self.dtype != "auto":
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not isinstance(self.weights, WeightFormat):
+            raise ValueError(f"weights must be a WeightFormat, got {self.weights!r}")
+        if self.weights is not WeightFormat.NATIVE and self.device != "cpu":
+            raise ValueError(f"weights {self.weights.value} run on the CPU only, not on {self.device!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -93,6 +104,7 @@ class LoadedModel:
     max_positions: int
     eos_token_ids: tuple[int, ...]
     key_shifter: KeyShifter | None = None  # moves cached keys to other positions; None: positions are not RoPE
+    weights: WeightFormat = WeightFormat.NATIVE
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -127,6 +139,12 @@ def load_model(config: ModelConfig) -> LoadedModel:
     except Exception as exc:
         raise ModelLoadError(f"cannot read a model config from {path!r}: {exc}") from None
     check_architecture(hf_config)
+    blocks = None
+    if config.weights is WeightFormat.INT4 and config.name_or_path is None:  # the GGUF's own 4-bit blocks
+        from promptcache.model_runtime.default_model import gguf_path
+        from promptcache.model_runtime.gguf_weights import read_q4_1
+
+        blocks = read_q4_1(gguf_path(), hf_config.num_attention_heads, hf_config.num_key_value_heads)
     try:
         tokenizer = _load_tokenizer(path, options)
         model = AutoModelForCausalLM.from_pretrained(
@@ -134,18 +152,21 @@ def load_model(config: ModelConfig) -> LoadedModel:
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model at {path!r}: {exc}") from None
     return wrap_model(model.to(config.device), tokenizer, name=name, pack_weights=config.pack_weights,
-                      fuse_layers=config.fuse_layers)
+                      fuse_layers=config.fuse_layers, weights=config.weights, blocks=blocks)
 
 
 def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str,
-               pack_weights: bool = False, fuse_layers: bool = False) -> LoadedModel:
+               pack_weights: bool = False, fuse_layers: bool = False, weights: WeightFormat = WeightFormat.NATIVE,
+               blocks: Mapping[str, Int4Blocks] | None = None) -> LoadedModel:
     """Describe an in-process model (tests, benchmarks) exactly as `load_model` would.
 
     Applies the same checks as `load_model` and puts the model in eval mode; the tokenizer is not
     modified. `pack_weights` replaces the model's linear layers in place (packed_linear.pack_linears)
     after its weights were fingerprinted, so packed and plain servers share KV keys; `fuse_layers`
-    likewise swaps in fused decoder modules where they apply (fused_layers.fuse_layers). Raises
-    UnsupportedModelError or ModelLoadError (slow tokenizer, vocabulary mismatch).
+    likewise swaps in fused decoder modules where they apply (fused_layers.fuse_layers); `weights`
+    int8/int4 then quantizes the linear layers (quantization.quantize_linears, using `blocks` as
+    stored) and is part of the fingerprint. Raises UnsupportedModelError or ModelLoadError (slow
+    tokenizer, vocabulary mismatch, quantized weights this torch build or CPU cannot run).
     """
     config = model.config
     check_architecture(config)
@@ -157,9 +178,15 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     dtype = str(model.dtype).removeprefix("torch.")
-    fingerprint = model_fingerprint(name, config, dtype, weights_digest(model))
+    problem = kernel_problem(weights, model.dtype)
+    if problem is not None:
+        raise ModelLoadError(f"{name}: {weights.value} weights cannot run here: {problem}")
+    # KV computed with quantized weights is not the float model's: the format is part of the key.
+    stored_as = dtype if weights is WeightFormat.NATIVE else f"{dtype}:{weights.value}"
+    fingerprint = model_fingerprint(name, config, stored_as, weights_digest(model))
     if fuse_layers:
-        fused_layers.fuse_layers(model)  # before packing: packing then picks up the fused projections
+        fused_layers.fuse_layers(model)  # before quantizing and packing: they pick up the fused projections
+    quantize_linears(model, weights, blocks)
     if pack_weights:
         pack_linears(model)
     return LoadedModel(
@@ -169,7 +196,7 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
         num_layers=config.num_hidden_layers, num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
         uses_rope=config.model_type != "gpt2", max_positions=_max_positions(config),
-        eos_token_ids=_eos_ids(model, tokenizer), key_shifter=KeyShifter.of(model, head_dim))
+        eos_token_ids=_eos_ids(model, tokenizer), key_shifter=KeyShifter.of(model, head_dim), weights=weights)
 
 
 def check_architecture(hf_config: PretrainedConfig) -> None:

@@ -2,23 +2,21 @@
 
 A segment's KV is identified by (segment, context); contexts are prefix-closed, so the KV of a
 context chain Z0..Zk is built left to right, each link encoded after the links before it. Links found
-in the store are reused; the missing tail is computed in ONE forward pass and stored link by link.
-The result equals a full prefill of the chain's tokens at their positions.
+in the store are reused; the missing tail is computed by the engine's encode queue (engine/encoding.py)
+in chunks and stored link by link. The result equals a full prefill of the chain's tokens at their
+positions.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from promptcache.cache_store import KVBlock, make_kv_key, salt_owner
+from promptcache.cache_store import BlockKind, KVBlock, make_kv_key, salt_owner
 from promptcache.model_runtime.errors import PromptTooLongError
-from promptcache.model_runtime.forward import run_tokens
-from promptcache.model_runtime.kv_buffer import KVBuffer
 from promptcache.model_runtime.loader import LoadedModel
 from promptcache.model_runtime.store_protocol import KVStore
 from promptcache.pml import Schema, Segment
@@ -26,7 +24,7 @@ from promptcache.pml import Schema, Segment
 
 @dataclass(frozen=True, slots=True)
 class FetchedKV:
-    """A segment's KV and the tier it came from ("computed" when it was encoded just now)."""
+    """A segment's KV and the tier it came from."""
 
     block: KVBlock
     tier: str
@@ -45,6 +43,7 @@ class ChainWork:
     token_ids: list[int]
     position_ids: list[int]
     owner: str | None = None
+    kinds: tuple[BlockKind, ...] = ()  # per key; "prefix": a second encoding, evicted before first encodings
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +54,14 @@ class EncodeReport:
 
 
 class ModuleEncoder:
-    """Computes, stores and fetches segment KV. Called from the engine thread; counters are locked."""
+    """Plans, stores and fetches segment KV (engine/encoding.py computes it). Called from the engine
+    thread; counters are locked."""
 
     def __init__(self, loaded: LoadedModel, store: KVStore) -> None:
         self.loaded = loaded
         self.store = store
         self._lock = threading.Lock()
         self.num_encoded_segments = 0
-        self.num_forward_passes = 0
 
     def key(self, schema: Schema, segment_id: int, context_ids: Sequence[int], cache_salt: str | None) -> str:
         segment = schema.segments[segment_id]
@@ -76,27 +75,12 @@ class ModuleEncoder:
         )
 
     def fetch(self, schema: Schema, segment_id: int, context_ids: Sequence[int],
-              cache_salt: str | None = None) -> FetchedKV:
-        """KV of `segment_id` encoded after `context_ids`, from the store or computed now (in one
-        forward pass on this thread: the engine encodes misses in chunks itself, see `plan`)."""
+              cache_salt: str | None = None) -> FetchedKV | None:
+        """KV of `segment_id` encoded after `context_ids` from the store, or None: no tier holds it, or
+        only one the fetch policy skips (recomputing measured faster). Computes nothing."""
         target = self.key(schema, segment_id, context_ids, cache_salt)
         hit = self.store.get(target, **self._cost(schema, segment_id))
-        if hit is not None:
-            return FetchedKV(hit[0], hit[1])
-        work = self.plan(schema, segment_id, context_ids, cache_salt, assume_missing=True)
-        assert work is not None
-        device = self.loaded.model.device
-        buffer = KVBuffer.from_blocks(
-            [b.to(device) for b in work.found], extra=len(work.token_ids), num_layers=self.loaded.num_layers,
-            num_kv_heads=self.loaded.num_kv_heads, head_dim=self.loaded.head_dim, dtype=self.loaded.model.dtype,
-            device=device)
-        started = time.perf_counter()
-        with torch.inference_mode():
-            run_tokens(self.loaded.model, buffer, work.token_ids, work.position_ids)
-        self.record(work, time.perf_counter() - started)
-        start = buffer.length - len(work.token_ids)
-        keys, values = buffer.keys[:, 0, :, start: buffer.length], buffer.values[:, 0, :, start: buffer.length]
-        return FetchedKV(self.store_tail(work, keys, values), "computed")
+        return None if hit is None else FetchedKV(hit[0], hit[1])
 
     def plan(self, schema: Schema, segment_id: int, context_ids: Sequence[int], cache_salt: str | None = None, *,
              assume_missing: bool = False, local: bool = True) -> ChainWork | None:
@@ -104,7 +88,7 @@ class ModuleEncoder:
         and the tokens of the missing tail. None when the target is stored already. `local=False`: the
         links are read without promoting them into this process's tiers (an encoding for others)."""
         target = self.key(schema, segment_id, context_ids, cache_salt)
-        if not assume_missing and self.store.contains(target) is not None:
+        if not assume_missing and self.store.tier_of(target) is not None:
             return None
         chain = [*sorted(context_ids, key=lambda i: schema.segments[i].start), segment_id]
         found: list[KVBlock] = []
@@ -118,20 +102,22 @@ class ModuleEncoder:
         token_ids = [t for s in segments for t in s.token_ids]
         position_ids = [p for s in segments for p in s.position_ids]
         check_positions(position_ids, self.loaded.max_positions)
-        keys = [self.key(schema, sid, chain[:index], cache_salt)
-                for index, sid in zip(range(len(found), len(chain)), chain[len(found):])]
+        tail = list(zip(range(len(found), len(chain)), chain[len(found):]))
+        keys = [self.key(schema, sid, chain[:index], cache_salt) for index, sid in tail]
+        kinds = tuple("prefix" if is_second_encoding(schema, sid, chain[:index]) else "module" for index, sid in tail)
         return ChainWork(target, tuple(found), tuple(segments), tuple(keys), token_ids, position_ids,
-                         salt_owner(cache_salt))
+                         salt_owner(cache_salt), kinds)
 
     def store_tail(self, work: ChainWork, keys: torch.Tensor, values: torch.Tensor, *, local: bool = True) -> KVBlock:
         """Store the computed tail (`keys`/`values` [L, H_kv, tail tokens, D]) segment by segment;
         returns the target segment's block. `local=False`: in the shared tiers only (store.put)."""
         offset, block = 0, None
-        for segment, key in zip(work.segments, work.keys):
+        kinds = work.kinds or ("module",) * len(work.keys)
+        for segment, key, kind in zip(work.segments, work.keys, kinds):
             n = len(segment.token_ids)
             positions = torch.tensor(list(segment.position_ids), dtype=torch.long)  # [n]
             block = KVBlock(keys[:, :, offset: offset + n].clone(), values[:, :, offset: offset + n].clone(), positions)
-            self.store.put(key, block, owner=work.owner, local=local)
+            self.store.put(key, block, kind=kind, owner=work.owner, local=local)
             offset += n
         assert block is not None
         return block
@@ -141,7 +127,6 @@ class ModuleEncoder:
         self.store.policy.record_recompute(len(work.token_ids), seconds)
         with self._lock:
             self.num_encoded_segments += len(work.segments)
-            self.num_forward_passes += 1
 
     def _cost(self, schema: Schema, segment_id: int) -> dict[str, int]:
         loaded = self.loaded
@@ -162,18 +147,16 @@ class ModuleEncoder:
                      if ctx != schema.segments[sid].context_ids and not schema.segments[sid].is_placeholder]
         return jobs
 
-    def encode_schema(self, schema: Schema, cache_salt: str | None = None,
-                      progress: Callable[[int, int], None] | None = None) -> EncodeReport:
-        """Encode every cached segment's default KV (and each scaffold's joint KV) not yet stored."""
-        started = time.perf_counter()
-        before = self.num_encoded_segments
-        jobs = self.schema_jobs(schema)
-        for done, (segment_id, context_ids) in enumerate(jobs, 1):
-            if self.store.contains(self.key(schema, segment_id, context_ids, cache_salt)) is None:
-                self.fetch(schema, segment_id, context_ids, cache_salt)
-            if progress is not None:
-                progress(done, len(jobs))
-        return EncodeReport(len(jobs), self.num_encoded_segments - before, (time.perf_counter() - started) * 1e3)
+
+def is_second_encoding(schema: Schema, segment_id: int, context_ids: Sequence[int]) -> bool:
+    """True when (segment, context) is a module's second encoding (after its schema context and the
+    module before it: fidelity context "predecessor"), not one its schema or a scaffold names. Such KV
+    is stored as kind "prefix": every tier evicts it before any first encoding, and the engine makes it
+    again on its next use."""
+    segment, context = schema.segments[segment_id], tuple(context_ids)
+    if context == tuple(segment.context_ids) or any(s.contexts.get(segment_id) == context for s in schema.scaffolds):
+        return False
+    return context == schema.predecessor_context(segment_id, segment.context_ids)
 
 
 def check_positions(position_ids: Sequence[int], max_positions: int) -> None:

@@ -66,6 +66,7 @@ class BatchCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key_states: [1, num_kv_heads, total_q, head_dim]; rows are the sequences' tokens in order.
         self.context.prepare(key_states.device)
+        assert self.context.writes is not None, "prepare() makes the pass's writes"
         for write in self.context.writes:
             write(layer_idx, key_states[0], value_states[0])
         return key_states, value_states
@@ -124,6 +125,7 @@ def _own_writes(ctx: BatchContext, indices: StepIndices) -> list[OwnWrite]:
             pooled_slots.append((first + start, first + start + n))
         row += n
     if pooled_rows:
+        assert ctx.pool is not None, "pooled slots are slots of the pool"
         writes.append(OwnWrite(ctx.pool.keys, ctx.pool.values, _span_index(pooled_rows, indices),
                                _span_index(pooled_slots, indices)))
     return writes

@@ -1,4 +1,4 @@
-"""What a generation returns: completions, usage, cache report, timings."""
+"""What a request's final event reports: usage, module and prefix reuse, prompt spans, timings."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class ModuleUse:
 
     path: str
     num_tokens: int
-    tier: str
+    tier: str | None  # None: a planned module some of whose KV no tier holds (it would be computed)
     num_recomputed: int = 0
     encoded_after: str | None = None
 
@@ -76,36 +76,6 @@ class Timings:
     prefill_ms: float   # computing the new tokens against the cached KV
     ttft_ms: float      # submit -> first token sampled
     total_ms: float
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str  # "stop" (EOS or stop string) | "length"
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationResult:
-    completions: tuple[Completion, ...]
-    usage: Usage
-    is_exact: bool
-    approximations: tuple[str, ...]
-    modules: tuple[ModuleUse, ...]
-    timings: Timings
-
-    @property
-    def text(self) -> str:
-        return self.completions[0].text
-
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        return self.completions[0].token_ids
-
-    @property
-    def finish_reason(self) -> str:
-        return self.completions[0].finish_reason
 
 
 def slowest_tier(tiers: list[str]) -> str:

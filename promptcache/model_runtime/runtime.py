@@ -1,17 +1,18 @@
-"""ModelRuntime: one loaded model, its schemas, its module encoder and the single-sequence path."""
+"""ModelRuntime: one loaded model, its schemas and its module encoder."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import cast
 
-from promptcache.model_runtime.generator import generate
+from promptcache.model_runtime.engine.encoding import encode_now
+from promptcache.model_runtime.engine.runner import ModelRunner
+from promptcache.model_runtime.errors import InvalidRequestError
 from promptcache.model_runtime.loader import LoadedModel
 from promptcache.model_runtime.module_encoder import EncodeReport, ModuleEncoder
 from promptcache.model_runtime.packed_attention import install
 from promptcache.model_runtime.prompt_tokens import chat_tokens, completion_tokens
-from promptcache.model_runtime.results import GenerationResult
-from promptcache.model_runtime.sampling import SamplingParams
 from promptcache.model_runtime.store_protocol import KVStore
 from promptcache.pml import PmlLimits, PromptPlan, Schema, TextEncoder, parse_prompt, parse_schema
 
@@ -20,7 +21,7 @@ class ModelRuntime:
     """Owns the parsed schemas of one model and serves prompts against them.
 
     `add_schema` parses and encodes a schema (its modules' KV go into `store`); `plan` resolves a
-    prompt; `generate` runs the single-sequence path. Schema bookkeeping is thread-safe; model
+    prompt, which the engine (engine/engine.py) serves. Schema bookkeeping is thread-safe; model
     compute must run on one thread at a time (the engine's).
     """
 
@@ -33,6 +34,7 @@ class ModelRuntime:
         self.module_encoder = ModuleEncoder(loaded, store)
         self._schemas: dict[str, dict[str, Schema]] = {}  # namespace -> name -> schema
         self._lock = threading.Lock()
+        self._runner: ModelRunner | None = None  # made on the first schema encoded here
 
     def parse_schema(self, text: str) -> Schema:
         """Parse and validate without registering or encoding (raises PmlError)."""
@@ -43,7 +45,12 @@ class ModelRuntime:
         """Encode `schema`'s modules (unless told not to), then register it in `namespace` (replacing one
         of the same name there). A failed encoding registers nothing. Namespaces keep schemas of
         different owners (tenants) apart: a prompt only sees the schemas of the namespace it is planned in."""
-        report = self.module_encoder.encode_schema(schema, cache_salt, progress) if encode else None
+        report = None
+        if encode:  # before serving: on this thread, through the engine's encode queue and runner
+            if self._runner is None:
+                self._runner = ModelRunner(self.loaded)
+            report = encode_now(self.module_encoder, self._runner, schema, self.module_encoder.schema_jobs(schema),
+                                cache_salt, progress)
         with self._lock:
             self._schemas.setdefault(namespace, {})[schema.name] = schema
         return report
@@ -80,21 +87,17 @@ class ModelRuntime:
 
     def token_text(self, token_id: int) -> str:
         """The text of one token decoded alone (special tokens included)."""
-        return self.loaded.tokenizer.decode([token_id])
+        return cast(str, self.loaded.tokenizer.decode([token_id]))  # one sequence: one string
 
     def check_token_ids(self, token_ids: Sequence[int]) -> None:
-        """Raises ValueError for an id outside the vocabulary."""
+        """Raises InvalidRequestError for an id outside the vocabulary."""
         vocab = len(self.loaded.tokenizer)
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
-        """The text of token ids decoded together (special tokens included). Raises ValueError for an id
-        outside the vocabulary."""
+        """The text of token ids decoded together (special tokens included). Raises InvalidRequestError for
+        an id outside the vocabulary."""
         self.check_token_ids(token_ids)
-        return self.loaded.tokenizer.decode(list(token_ids))
-
-    def generate(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None = None) -> GenerationResult:
-        """Single-sequence generation (the reference the batched engine is tested against)."""
-        return generate(self.module_encoder, plan, params, cache_salt)
+        return cast(str, self.loaded.tokenizer.decode(list(token_ids)))  # one sequence: one string

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal, Protocol
 
-from promptcache.cache_store import FetchPolicy, KVBlock
+from promptcache.cache_store import FetchPolicy, KVBlock, Tier
 
 
 class KVStore(Protocol):
@@ -17,7 +17,9 @@ class KVStore(Protocol):
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
             kind: Literal["module", "prefix"] = "module", owner: str | None = None, local: bool = True) -> None: ...
 
-    def contains(self, key: str) -> str | None: ...
+    def tier_of(self, key: str) -> Tier | None: ...
+
+    def delete(self, key: str) -> bool: ...
 
     def acquire(self, keys: Iterable[str]) -> None: ...
 

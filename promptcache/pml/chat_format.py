@@ -48,9 +48,10 @@ def chat_format_from_tokenizer(tokenizer: Any, *, adds_bos: bool = False) -> Cha
 
     The template is rendered around sentinel contents and split on them, so no per-model template is
     written by hand. When `adds_bos` (the tokenizer starts every sequence with BOS, and so does the
-    schema layout), a leading BOS in the template is left out so it is not doubled. The decomposition is verified by re-rendering a longer conversation;
-    templates that cannot be decomposed (e.g. ones that move the system prompt into the first user
-    turn) raise ChatTemplateError. Templates' implicit default system prompts are never inserted.
+    schema layout), a leading BOS in the template is left out so it is not doubled. The decomposition is
+    verified by re-rendering a longer conversation; templates that cannot be decomposed (e.g. ones that
+    move the system prompt into the first user turn) raise ChatTemplateError. Templates' implicit default
+    system prompts are never inserted.
     """
     if not getattr(tokenizer, "chat_template", None):
         return PLAIN_CHAT_FORMAT
@@ -89,12 +90,13 @@ def chat_format_from_tokenizer(tokenizer: Any, *, adds_bos: bool = False) -> Cha
 
 def _render(tokenizer: Any, messages: list[tuple[str, str]], *, generation: bool) -> str:
     try:
-        return tokenizer.apply_chat_template(
+        text: str = tokenizer.apply_chat_template(
             [{"role": role, "content": content} for role, content in messages],
             tokenize=False, add_generation_prompt=generation,
         )
     except Exception as exc:  # templates raise arbitrary errors (jinja, raise_exception)
         raise ChatTemplateError(f"rendering the tokenizer's chat template failed: {exc}") from None
+    return text
 
 
 def _split_once(text: str, sentinel: str) -> tuple[str, str]:

@@ -1,4 +1,4 @@
-"""PML prompt text -> PromptPlan: imports resolved, new text placed at positions (design.md §3).
+"""PML prompt text -> PromptPlan: imports resolved, new text placed at positions (docs/pml.md, "Positions").
 
 Placement rules:
 - Imports take their layout positions; import order never changes a position.
@@ -116,7 +116,7 @@ def _build_plan(schema: Schema, items: PromptItems, encoder: TextEncoder, *,
     assert len(positions) == len(set(positions)), "two tokens of a plan share a position"
     module_paths = tuple(sorted(imported, key=lambda p: (schema.modules[p].start, p)))
     # Module runs are in `included` as their segments; BOS (with any text merged into its segment) is not.
-    items_after_bos = [s for s in included if s.end > first_position]
+    items_after_bos: list[Segment | NewRun] = [s for s in included if s.end > first_position]
     items_after_bos += [r for r in runs if r.kind != "module" and r.token_ids]
     first = min(items_after_bos, key=lambda x: x.start, default=None)
     segments = schema.segments

@@ -1,4 +1,4 @@
-"""PML schema text -> validated Schema with its global position layout (design.md §3)."""
+"""PML schema text -> validated Schema with its global position layout (docs/pml.md, "Positions")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cut a schema tree into cacheable segments and give each its encoding contexts (design.md §3).
+"""Cut a schema tree into cacheable segments and give each its encoding contexts (docs/pml.md).
 
 A segment's default context is every segment guaranteed to precede it whenever it is included:
 always-included text before it and the text of its enclosing modules before it — never optional

@@ -81,7 +81,8 @@ class TextEncoder:
             # the Python wrapper's per-call overhead (a prompt of thousands of turns encodes thousands
             # of short texts).
             if backend is not None:
-                return backend.encode(text, add_special_tokens=False).ids
+                ids: list[int] = backend.encode(text, add_special_tokens=False).ids
+                return ids
             return list(tokenizer.encode(text, add_special_tokens=False))
 
         with_special = list(tokenizer.encode("a", add_special_tokens=True))

@@ -1,4 +1,5 @@
-"""Hardened XML reading for PML: lxml parsing (strict; bare `<` and `&` in text taken verbatim) and the whitespace rule."""
+"""Hardened XML reading for PML: lxml parsing (strict; bare `<` and `&` in text taken verbatim), the whitespace
+rule."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def parse_xml(text: str | bytes, *, max_bytes: int, max_depth: int, max_elements
 
     Raises PmlLimitError, PmlSecurityError or PmlSyntaxError (with the line) on bad input.
     """
-    data = text.encode("utf-8") if isinstance(text, str) else text
+    data = _utf8(text, what) if isinstance(text, str) else text
     if len(data) > max_bytes:
         raise PmlLimitError(f"{what} is {len(data)} bytes; the limit is {max_bytes} bytes")
     match = _FORBIDDEN.search(data)
@@ -47,6 +48,17 @@ def parse_xml(text: str | bytes, *, max_bytes: int, max_depth: int, max_elements
         raise PmlLimitError(f"{what} has {num_elements} elements; the limit is {max_elements}")
     _check_tree(root, max_depth=max_depth, what=what)
     return root
+
+
+def _utf8(text: str, what: str) -> bytes:
+    """`text` as UTF-8. A lone surrogate (JSON's "\\ud800" decodes to one) is no Unicode character: a
+    PmlSyntaxError naming its line."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        line = text.count("\n", 0, exc.start) + 1
+        raise PmlSyntaxError(f"{what} is not valid Unicode text: lone surrogate U+{ord(text[exc.start]):04X}",
+                             line=line) from None
 
 
 def _parse_lenient(data: bytes, parser: etree.XMLParser, what: str) -> etree._Element:
@@ -138,7 +150,7 @@ def iter_content(element: etree._Element) -> Iterator[TextItem | etree._Element]
 def _preserves_space(element: etree._Element) -> bool:
     node: etree._Element | None = element
     while node is not None:
-        value = node.get(_XML_SPACE)
+        value: str | None = node.get(_XML_SPACE)
         if value is not None:
             return value == "preserve"
         node = node.getparent()

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Annotated
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Query, Response
 from fastapi.responses import StreamingResponse
 
-from promptcache.model_runtime.results import slowest_tier
+from promptcache.model_runtime import served_report
 from promptcache.pml import PromptPlan, Schema
+from promptcache.server.errors import public_error
+from promptcache.server.fidelity_report import report_options
 from promptcache.server.generation import (
     DONE,
     collect,
@@ -18,7 +21,7 @@ from promptcache.server.generation import (
     sampling_params,
     sse,
     sse_error,
-    wire_cache,
+    to_wire,
     wire_logprobs,
     wire_spans,
     wire_timings,
@@ -31,12 +34,12 @@ from promptcache.server.wire import (
     Choice,
     ExplainRequest,
     Explanation,
+    FidelityReport,
+    FidelityReportQuery,
     GenerateChunk,
     GenerateRequest,
     GenerateResponse,
     ModuleInfo,
-    ModuleReport,
-    PrefixReport,
     SchemaCreate,
     SchemaInfo,
     SchemaList,
@@ -60,8 +63,32 @@ def _role(schema: Schema, module: dict) -> str | None:
 
 
 @router.post("/schemas", status_code=201, response_model=SchemaInfo)
-async def create_schema(body: SchemaCreate, service: Service, tenant: Tenant) -> SchemaInfo:
-    return schema_info(service, await service.create_schema(body.pml, tenant), tenant)
+async def create_schema(body: SchemaCreate, service: Service, tenant: Tenant, rates: Rates) -> SchemaInfo:
+    """Upload; with `fidelity_report`, the schema's fidelity report follows the encoding (counted against the
+    tenant's rate before the upload; a report that fails leaves the upload done, its error in the response)."""
+    options = None
+    if body.fidelity_report is not False:
+        query = body.fidelity_report if isinstance(body.fidelity_report, FidelityReportQuery) else FidelityReportQuery()
+        options = report_options(query, service)
+        rates.check(tenant, 1 + options.num_requests, already_counted=1)
+    info = schema_info(service, await service.create_schema(body.pml, tenant), tenant)
+    if options is not None:
+        try:
+            info.fidelity_report = await service.fidelity_report(info.name, options, tenant)
+        except Exception as exc:  # the schema is uploaded: say why its report is missing, never fail the upload
+            info.fidelity_report_error = public_error(exc, "a fidelity report")[2]
+    return info
+
+
+@router.get("/schemas/{name}/fidelity", response_model=FidelityReport, response_model_by_alias=True)
+async def schema_fidelity(name: str, query: Annotated[FidelityReportQuery, Query()], service: Service,
+                          tenant: Tenant, rates: Rates) -> FidelityReport:
+    """Each fidelity mode's first token against a full prefill on sampled module combinations of the schema
+    (server/fidelity_report.py). Cached per schema version and options; a computed one counts its requests
+    against the tenant's rate."""
+    options = report_options(query, service)
+    return await service.fidelity_report(name, options, tenant,
+                                         lambda: rates.check(tenant, options.num_requests, already_counted=1))
 
 
 @router.get("/schemas", response_model=SchemaList)
@@ -98,16 +125,16 @@ async def generate(body: GenerateRequest, service: Service, tenant: Tenant, rate
                                  media_type="text/event-stream")
     outcome = await collect(events, params.n)
     record(service.metrics, outcome.final, outcome.finish_reasons, tenant)
+    report = served_report(outcome.final, plan)
 
     def answer() -> GenerateResponse:  # decodes span texts and looks up every token's logprobs: off the loop
-        spans = wire_spans(outcome.final, service.detokenize) if body.return_spans else None
+        spans = wire_spans(report, service.runtime.detokenize) if body.return_spans else None
         return GenerateResponse(
             id=request_id, model=service.model_name,
             choices=[Choice(index=i, text=t, finish_reason=r, logprobs=wire_logprobs(e, service.token_text))
                      for i, (t, r, e) in enumerate(zip(outcome.texts, outcome.finish_reasons, outcome.events))],
             usage=wire_usage(outcome.final),
-            cache=wire_cache(outcome.final, plan.approximations, spans,
-                             generation_prompt_added=plan.generation_prompt_added),
+            cache=to_wire(report, spans),
             timings=wire_timings(outcome.final))
 
     return await json_off_loop(answer)
@@ -127,10 +154,11 @@ async def _stream(service: PromptService, events, request_id: str, plan: PromptP
                                   choices=[Choice(index=event.index, text=event.text,
                                                   finish_reason=event.finish_reason, logprobs=logprobs)])
             if event.usage is not None:
-                spans = await asyncio.to_thread(wire_spans, event, service.detokenize) if return_spans else None
+                report = served_report(event, plan)
+                spans = await asyncio.to_thread(wire_spans, report, service.runtime.detokenize) \
+                    if return_spans else None
                 chunk.usage = wire_usage(event)
-                chunk.cache = wire_cache(event, plan.approximations, spans,
-                                         generation_prompt_added=plan.generation_prompt_added)
+                chunk.cache = to_wire(report, spans)
                 chunk.timings = wire_timings(event)
                 record(service.metrics, event, list(reasons.values()), tenant)
             payload = chunk.model_dump(exclude_none=True)
@@ -153,36 +181,7 @@ def _explain(body: ExplainRequest, service: PromptService, tenant: str | None) -
     plan = service.plan(body.prompt, tenant=tenant)
     fidelity = service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions,
                                 body.fidelity_context)
-    reuse, blocks = service.explain(plan, body.cache_salt, fidelity, tenant)
-    tiers = service.locate(reuse, plan.schema, body.cache_salt, tenant)
-    tier_of = {u.cached.segment.segment_id: t for u, t in zip(reuse.uses, tiers)}
-    used: dict[str, int] = {}
-    found: dict[str, list[str | None]] = {}
-    for use in reuse.uses:
-        owner = use.cached.segment.owner
-        used[owner] = used.get(owner, 0) + use.last - use.first
-        found.setdefault(owner, []).append(tier_of[use.cached.segment.segment_id])
-    recomputed = dict(reuse.recomputed)
-    after = reuse.encoded_after(plan.schema)
-    modules = []
-    for path in plan.module_paths:
-        tiers_here = found.get(path, [])
-        tier = None if not tiers_here or None in tiers_here else slowest_tier(tiers_here)
-        modules.append(ModuleReport(path=path, num_tokens=used.get(path, 0), tier=tier,
-                                    recomputed_tokens=recomputed.get(path, 0), encoded_after=after.get(path)))
-    missing = sum(u.last - u.first for u in reuse.uses if tier_of[u.cached.segment.segment_id] is None)
-    reused = sum(count for _, count in blocks)
-    prefix = None
-    if blocks:
-        by_tier: dict[str, int] = {}
-        for tier_name, count in blocks:
-            by_tier[tier_name] = by_tier.get(tier_name, 0) + count
-        prefix = PrefixReport(num_tokens=reused, num_blocks=len(blocks), tiers=by_tier)
-    cached = sum(u.last - u.first for u in reuse.uses) - missing + reused
-    return Explanation(schema_name=plan.schema.name, exact=reuse.is_exact,
-                       generation_prompt_added=plan.generation_prompt_added, fidelity=reuse.mode,
-                       positions=reuse.positions, context=reuse.context,
-                       recomputed_tokens=reuse.num_recomputed,
-                       approximations=[] if reuse.is_exact else list(plan.approximations),
-                       modules=modules, prompt_tokens=plan.num_prompt_tokens, cached_tokens=cached,
-                       tokens_to_compute=plan.num_prompt_tokens - cached, prefix=prefix)
+    report = service.explain(plan, body.cache_salt, fidelity, tenant)
+    return Explanation(**to_wire(report).model_dump(), schema=report.schema_name,
+                       prompt_tokens=report.num_prompt_tokens, cached_tokens=report.num_cached,
+                       tokens_to_compute=report.num_to_compute)

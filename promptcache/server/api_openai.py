@@ -42,7 +42,7 @@ router = APIRouter(prefix="/v1")
 @router.get("/models")
 async def models(service: Service) -> dict:
     return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": 0,
-                                        "owned_by": "promptcache", "max_model_len": service.max_model_len}]}
+                                        "owned_by": "promptcache", "max_model_len": service.runtime.max_positions}]}
 
 
 @router.post("/completions")
@@ -68,10 +68,10 @@ def _prepare(service: PromptService, body: CompletionRequest, prompts: list[str 
              tenant: str | None) -> tuple[list[PromptPlan], list[str] | None, list[list[int]] | None]:
     """Each prompt's plan; with echo its text; with echo and logprobs its token ids (they get logprobs too)."""
     plans = [_completion_plan(service, p, tenant) for p in prompts]
-    echoes = [p if isinstance(p, str) else service.detokenize(p) for p in prompts] if body.echo else None
+    echoes = [p if isinstance(p, str) else service.runtime.detokenize(p) for p in prompts] if body.echo else None
     prompt_ids = None
     if body.echo and body.logprobs is not None:
-        prompt_ids = [list(p) if not isinstance(p, str) else list(service.tokenize(p)) for p in prompts]
+        prompt_ids = [list(p) if not isinstance(p, str) else list(service.runtime.tokenize(p)) for p in prompts]
     return plans, echoes, prompt_ids
 
 
@@ -79,8 +79,8 @@ def _completion_plan(service: PromptService, prompt: str | list[int], tenant: st
     """Token ids as given; a PML document (it starts with `<prompt`) imports modules; any other text is
     plain, tokenized verbatim (never XML)."""
     if not isinstance(prompt, str):
-        return service.plan_tokens(prompt)
-    return service.plan(prompt, tenant=tenant) if is_pml(prompt) else service.plan_text(prompt)
+        return service.runtime.plan_tokens(prompt)
+    return service.plan(prompt, tenant=tenant) if is_pml(prompt) else service.runtime.plan_text(prompt)
 
 
 @router.post("/chat/completions")
@@ -92,10 +92,10 @@ async def chat_completions(body: ChatCompletionRequest, service: Service, tenant
     elif "max_tokens" not in body.model_fields_set:
         body.max_tokens = min(256, service.settings.max_tokens_limit)
     messages = chat_messages(body.messages)
-    if body.schema_name:
-        plan = await asyncio.to_thread(lambda: service.plan(_chat_pml(body.schema_name, messages), tenant=tenant))
+    if schema_name := body.schema_name:
+        plan = await asyncio.to_thread(lambda: service.plan(_chat_pml(schema_name, messages), tenant=tenant))
     else:
-        plan = await asyncio.to_thread(service.plan_chat, messages)
+        plan = await asyncio.to_thread(service.runtime.plan_chat, messages)
     return await _run(service, body, plan, "chatcmpl", "chat.completion", chat=True, tenant=tenant)
 
 
@@ -174,7 +174,8 @@ async def _stream(service, events, head: dict, chat: bool, include_usage: bool, 
             if event.logprobs is not None and event.token_id is not None:
                 logprobs = _logprobs([event], service, chat, offsets.get(event.index, 0))
                 offsets[event.index] = offsets.get(event.index, 0) + len(service.token_text(event.token_id))
-            choice: dict = {"index": event.index, "finish_reason": finish_reason(event.finish_reason), "logprobs": logprobs}
+            choice: dict = {"index": event.index, "finish_reason": finish_reason(event.finish_reason),
+                            "logprobs": logprobs}
             if chat:
                 delta = {"content": event.text}
                 if event.index not in started:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter
+from fastapi.responses import Response
 
 from promptcache.server.errors import UnsupportedParameterError
 from promptcache.server.json_body import json_off_loop
@@ -16,7 +17,7 @@ router = APIRouter()
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, service: Service) -> dict:
+async def tokenize(body: TokenizeRequest, service: Service) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise UnsupportedParameterError("send exactly one of prompt or messages")
     if not body.add_special_tokens:
@@ -31,8 +32,8 @@ async def tokenize(body: TokenizeRequest, service: Service) -> dict:
 
 def _tokenize(service: PromptService, body: TokenizeRequest, messages: list[dict[str, str]] | None) -> dict:
     """Tokenizing and each token's string: per-token work, run in a worker thread."""
-    tokens = service.tokenize(body.prompt, messages)
-    reply: dict = {"count": len(tokens), "max_model_len": service.max_model_len, "tokens": list(tokens)}
+    tokens = service.runtime.tokenize(body.prompt, messages)
+    reply: dict = {"count": len(tokens), "max_model_len": service.runtime.max_positions, "tokens": list(tokens)}
     if body.return_token_strs:
         reply["token_strs"] = [service.token_text(t) for t in tokens]
     return reply
@@ -40,4 +41,4 @@ def _tokenize(service: PromptService, body: TokenizeRequest, messages: list[dict
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, service: Service) -> dict:
-    return {"prompt": await asyncio.to_thread(service.detokenize, body.tokens)}
+    return {"prompt": await asyncio.to_thread(service.runtime.detokenize, body.tokens)}

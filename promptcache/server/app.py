@@ -28,9 +28,10 @@ def create_app(settings: ServerSettings | None = None, *,
     """Build the app. The model loads in a worker thread after startup, so /health answers 503
     ("loading") at once and 200 when ready. `model_loader` replaces `load_model` (tests, embedding)."""
     settings = settings or ServerSettings()
+    # A bad keys file fails here, before serving anything.
     tenants = TenantDirectory.load(settings.api_keys_file, settings.api_keys, Quota(
         max_schemas=settings.tenant_max_schemas, max_schema_tokens=settings.tenant_max_schema_tokens,
-        rate_limit=settings.tenant_rate_limit, cache_share=settings.tenant_cache_share))  # a bad keys file fails here, before serving anything
+        rate_limit=settings.tenant_rate_limit, cache_share=settings.tenant_cache_share))
 
     def load() -> LoadedModel:
         if model_loader is not None:

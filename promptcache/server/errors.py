@@ -10,9 +10,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from promptcache.cache_store import CacheStoreError
-from promptcache.cache_store import SchemaExistsError as StoreSchemaExistsError
-from promptcache.model_runtime.errors import (
+from promptcache.cache_store import CacheStoreError, SchemaExistsError
+from promptcache.cluster.errors import (
+    ClusterConfigError,
+    ClusterError,
+    NoReplicaError,
+    ReplicaLostError,
+    ReplicasBusyError,
+    ReplicaStartError,
+    RequestTooLargeError,
+)
+from promptcache.model_runtime import (
     ChatRenderError,
     EngineError,
     InvalidRequestError,
@@ -61,10 +69,6 @@ class PayloadTooLargeError(ServerError):
     """The request body exceeds the configured limit."""
 
 
-class SchemaExistsError(ServerError):
-    """A schema with that name is already loaded."""
-
-
 class SchemaNotFoundError(ServerError):
     """No schema has that name."""
 
@@ -75,6 +79,10 @@ class SchemaTooLongError(ServerError):
 
 class UnsupportedParameterError(ServerError):
     """A request field asks for something this server does not do."""
+
+
+class InvalidParameterError(ServerError):
+    """A request field's value is invalid in a way its wire schema cannot say (two keys naming one token)."""
 
 
 class RequestRejectedError(ServerError):
@@ -88,7 +96,8 @@ class EngineFailureError(ServerError):
     is_public = True
 
 
-# Most specific first: the first matching row wins.
+# Most specific first: the first matching row wins. No row for ValueError or other builtins: a request
+# path raises its package's error for bad input; anything else is a bug, a 500.
 ERROR_TABLE: list[tuple[type[Exception], int, str]] = [
     (UnauthorizedError, 401, "authentication_error"),
     (NotReadyError, 503, "service_unavailable"),
@@ -100,9 +109,9 @@ ERROR_TABLE: list[tuple[type[Exception], int, str]] = [
     (SchemaTooLongError, 400, "schema_too_long"),
     (UnknownSchemaError, 404, "schema_not_found"),
     (UnsupportedParameterError, 400, "unsupported_parameter"),
+    (InvalidParameterError, 400, "invalid_request"),
     (RequestRejectedError, 400, "request_rejected"),
     (EngineFailureError, 500, "engine_error"),
-    (StoreSchemaExistsError, 409, "schema_exists"),
     (PmlLimitError, 413, "pml_limit_exceeded"),
     (PmlError, 400, "invalid_pml"),
     (PromptTooLongError, 400, "prompt_too_long"),
@@ -112,15 +121,22 @@ ERROR_TABLE: list[tuple[type[Exception], int, str]] = [
     (ModelLoadError, 503, "model_unavailable"),
     (EngineError, 500, "engine_error"),
     (CacheStoreError, 503, "cache_unavailable"),
-    (ValueError, 400, "invalid_request"),
+    (RequestTooLargeError, 413, "payload_too_large"),
+    (ReplicasBusyError, 503, "service_unavailable"),
+    (ReplicaLostError, 503, "replica_lost"),
+    (ReplicaStartError, 503, "service_unavailable"),
+    (NoReplicaError, 503, "service_unavailable"),
+    (ClusterConfigError, 500, "internal_error"),
+    (ClusterError, 503, "service_unavailable"),
 ]
 
 
 def headers_for(exc: Exception) -> dict[str, str] | None:
-    """The headers an error response carries: a ServerError's own, Retry-After for a full queue."""
+    """The headers an error response carries: a ServerError's own, Retry-After for a full queue or a
+    cluster error that names one."""
     if isinstance(exc, ServerError):
         return exc.headers
-    if isinstance(exc, QueueFullError):
+    if isinstance(exc, (QueueFullError, ClusterError)) and exc.retry_after_s is not None:
         return {"Retry-After": str(exc.retry_after_s)}
     return None
 
@@ -137,7 +153,7 @@ def public_error(exc: Exception, where: str) -> tuple[int, str, str]:
     wrong; a 5xx says only what failed and an error id, and the exception goes to the log under that id
     (Redis addresses, paths and tracebacks stay server-side). Bodies and SSE error events both use it."""
     status, kind = status_for(exc)
-    if status < 500 or (isinstance(exc, ServerError) and exc.is_public):
+    if status < 500 or (isinstance(exc, (ServerError, ClusterError)) and exc.is_public):
         return status, kind, str(exc)
     error_id = uuid.uuid4().hex[:12]
     logger.error("%s failed (error id %s)", where, error_id, exc_info=exc)
@@ -169,7 +185,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"{type(exc).__name__}: {message}"
         return error_response(status, kind, message, headers_for(exc))
 
-    async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)  # registered for it alone (Starlette types handlers loosely)
         parts, unknown = [], []
         for error in exc.errors():
             where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
@@ -184,7 +201,8 @@ def install_error_handlers(app: FastAPI) -> None:
         parts += [f"{where}: unknown field" for where in unknown]
         return error_response(422, "invalid_request", "; ".join(parts))
 
-    async def http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
         return error_response(exc.status_code, "http_error", str(exc.detail))
 
     for cls, _, _ in ERROR_TABLE:

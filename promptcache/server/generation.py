@@ -7,18 +7,18 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from promptcache.model_runtime import SamplingParams
-from promptcache.model_runtime.engine import TokenEvent
+from promptcache.model_runtime import CacheReport, ErrorKind, SamplingParams, TokenEvent
 from promptcache.server.errors import (
     EngineFailureError,
+    InvalidParameterError,
     RequestRejectedError,
     UnsupportedParameterError,
     public_error,
 )
 from promptcache.server.metrics import Metrics
 from promptcache.server.tenants import tenant_label
+from promptcache.server.wire import CacheReport as WireCacheReport
 from promptcache.server.wire import (
-    CacheReport,
     Logprobs,
     ModuleReport,
     PrefixReport,
@@ -48,21 +48,21 @@ def sampling_params(fields: SamplingFields, max_tokens_limit: int, logprobs: int
 
 
 def _bias_by_token_id(logit_bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
-    """(token id, bias) pairs. Raises ValueError (a 400) when two keys name one token ("5" and "05"):
+    """(token id, bias) pairs. Raises InvalidParameterError (a 400) when two keys name one token ("5" and "05"):
     which bias was meant is unknowable, and adding both would exceed the per-token bound."""
     keys: dict[int, str] = {}
     for key in logit_bias:
         token = int(key)
         if token in keys:
-            raise ValueError(f"logit_bias: keys {keys[token]!r} and {key!r} both name token {token}; give each "
-                             "token id once")
+            raise InvalidParameterError(f"logit_bias: keys {keys[token]!r} and {key!r} both name token {token}; "
+                                        "give each token id once")
         keys[token] = key
     return tuple((int(key), bias) for key, bias in logit_bias.items())
 
 
 def raise_for_error(event: TokenEvent) -> None:
     if event.error is not None:
-        if event.error_type == "invalid_request":
+        if event.error_type == ErrorKind.INVALID_REQUEST:
             raise RequestRejectedError(event.error)
         raise EngineFailureError(event.error)
 
@@ -79,7 +79,8 @@ class Outcome:
 
 
 async def collect(events: AsyncIterator[TokenEvent], n: int) -> Outcome:
-    texts, reasons = [""] * n, [None] * n
+    texts = [""] * n
+    reasons: list[str | None] = [None] * n
     per_sample: list[list[TokenEvent]] = [[] for _ in range(n)]
     final = None
     async for event in events:
@@ -113,7 +114,8 @@ def wire_logprobs(events: list[TokenEvent], token_text: Callable[[int], str]) ->
 
 def record(metrics: Metrics, final: TokenEvent, finish_reasons: list[str | None], tenant: str | None) -> None:
     usage, timings = final.usage, final.timings
-    reused = [("module", m.tier, m.num_tokens) for m in final.modules or () if m.tier != "computed"]
+    assert usage is not None and timings is not None, "a final event carries usage and timings"
+    reused = [("module", m.tier, m.num_tokens) for m in final.modules or () if m.tier not in (None, "computed")]
     if final.prefix is not None:
         reused += [("prefix", tier, count) for tier, count in final.prefix.tiers]
     metrics.observe(ttft_s=timings.ttft_ms / 1e3, e2e_s=timings.total_ms / 1e3, prompt_tokens=usage.prompt_tokens,
@@ -123,27 +125,30 @@ def record(metrics: Metrics, final: TokenEvent, finish_reasons: list[str | None]
 
 def wire_usage(final: TokenEvent) -> Usage:
     u = final.usage
+    assert u is not None, "a final event carries usage"
     return Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens, completion_tokens=u.completion_tokens,
                  total_tokens=u.total_tokens, computed_tokens=u.computed_tokens)
 
 
-def wire_cache(final: TokenEvent, approximations: tuple[str, ...],
-               spans: list[PromptSpanReport] | None = None, *, generation_prompt_added: bool = False) -> CacheReport:
-    return CacheReport(exact=bool(final.is_exact), generation_prompt_added=generation_prompt_added,
-                       fidelity=final.fidelity or "fast",
-                       positions=final.positions or "layout", context=final.context or "schema",
-                       recomputed_tokens=final.usage.recomputed_tokens,
-                       approximations=[] if final.is_exact else list(approximations),
-                       modules=[ModuleReport(path=m.path, num_tokens=m.num_tokens, tier=m.tier,
-                                             recomputed_tokens=m.num_recomputed, encoded_after=m.encoded_after)
-                                for m in final.modules or ()],
-                       prefix=wire_prefix(final), spans=spans)
+def to_wire(report: CacheReport, spans: list[PromptSpanReport] | None = None) -> WireCacheReport:
+    """The wire form of a cache report: /v1/generate's `cache`, the base of /v1/prompts/explain's answer
+    and of the OpenAI routes' `promptcache` extension. `spans`: the report's spans with their text."""
+    return WireCacheReport(exact=report.is_exact, generation_prompt_added=report.generation_prompt_added,
+                           fidelity=report.fidelity, positions=report.positions, context=report.context,
+                           recomputed_tokens=report.num_recomputed, approximations=list(report.approximations),
+                           modules=[ModuleReport(path=m.path, num_tokens=m.num_tokens, tier=m.tier,
+                                                 recomputed_tokens=m.num_recomputed, encoded_after=m.encoded_after)
+                                    for m in report.modules],
+                           prefix=None if report.prefix is None else PrefixReport(
+                               num_tokens=report.prefix.num_tokens, num_blocks=report.prefix.num_blocks,
+                               tiers=dict(report.prefix.tiers)),
+                           spans=spans)
 
 
-def wire_spans(final: TokenEvent, detokenize: Callable[[list[int]], str]) -> list[PromptSpanReport]:
-    """The final event's prompt spans with their text (empty if the engine reported none). Decodes
-    every prompt token: call it off the event loop."""
-    spans = final.spans or ()
+def wire_spans(report: CacheReport, detokenize: Callable[[list[int]], str]) -> list[PromptSpanReport]:
+    """The report's prompt spans with their text (empty if the engine reported none). Decodes every
+    prompt token: call it off the event loop."""
+    spans = report.spans or ()
     texts = span_texts([s.token_ids for s in spans], detokenize)
     return [PromptSpanReport(start=s.start, num_tokens=s.num_tokens, origin=s.origin, module=s.module, tier=s.tier,
                              text=text) for s, text in zip(spans, texts)]
@@ -168,15 +173,9 @@ def span_texts(runs: Sequence[Sequence[int]], detokenize: Callable[[list[int]], 
     return texts
 
 
-def wire_prefix(final: TokenEvent) -> PrefixReport | None:
-    prefix = final.prefix
-    if prefix is None:
-        return None
-    return PrefixReport(num_tokens=prefix.num_tokens, num_blocks=prefix.num_blocks, tiers=dict(prefix.tiers))
-
-
 def wire_timings(final: TokenEvent) -> Timings:
     t = final.timings
+    assert t is not None, "a final event carries timings"
     return Timings(ttft_ms=round(t.ttft_ms, 3), total_ms=round(t.total_ms, 3), encode_ms=round(t.encode_ms, 3),
                    assembly_ms=round(t.assembly_ms, 3), lookup_ms=round(t.lookup_ms, 3),
                    prefill_ms=round(t.prefill_ms, 3))

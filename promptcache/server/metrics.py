@@ -7,6 +7,9 @@ from collections.abc import Callable, Iterator, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from promptcache.cache_store import TieredStore
+from promptcache.model_runtime import RuntimeStats
+
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 
 
@@ -68,26 +71,26 @@ class _Live:
             yield from source()
 
 
-def engine_families(engine, encoder, model_name: str) -> Iterator:
+def engine_families(stats: RuntimeStats, model_name: str) -> Iterator:
     running = GaugeMetricFamily("promptcache:num_requests_running", "Sequences in the running batch.",
                                 labels=["model_name"])
-    running.add_metric([model_name], engine.num_running)
+    running.add_metric([model_name], stats.num_running)
     waiting = GaugeMetricFamily("promptcache:num_requests_waiting", "Requests waiting for admission.",
                                 labels=["model_name"])
-    waiting.add_metric([model_name], engine.num_waiting)
+    waiting.add_metric([model_name], stats.num_waiting)
     kv = GaugeMetricFamily("promptcache:kv_cache_usage_bytes", "KV bytes held by the running batch.",
                            labels=["model_name"])
-    kv.add_metric([model_name], engine.scheduler.memory.used_bytes)
+    kv.add_metric([model_name], stats.kv_used_bytes)
     stored = CounterMetricFamily("promptcache:prefix_store_seconds", "Time spent storing automatic prefix blocks.",
                                  labels=["model_name"])
-    stored.add_metric([model_name], engine.prefix_store_s)
+    stored.add_metric([model_name], stats.prefix_store_s)
     encodings = CounterMetricFamily("promptcache:module_encodings", "Segments encoded (cache misses in every tier).",
                                     labels=["model_name"])
-    encodings.add_metric([model_name], encoder.num_encoded_segments)
+    encodings.add_metric([model_name], stats.num_encoded_segments)
     yield from (running, waiting, kv, encodings, stored)
 
 
-def store_families(store) -> Iterator:
+def store_families(store: TieredStore) -> Iterator:
     stats = store.stats()
     queries = CounterMetricFamily("promptcache:cache_queries", "KV lookups that reached a tier.", labels=["tier"])
     hits = CounterMetricFamily("promptcache:cache_hits", "KV lookups answered by a tier.", labels=["tier"])

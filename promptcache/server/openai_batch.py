@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from typing import Any
 
 from fastapi.responses import Response
 
@@ -50,7 +51,8 @@ def _answer(service: PromptService, body: CompletionRequest, plans: list[PromptP
             prompt_ids: list[list[int]] | None) -> dict:
     """Choices, usage and reports of finished prompts. Per-token work (each token's text and its top
     alternatives') reads the token-string table; an echoed prompt's part is built once for its n samples."""
-    choices, reports = [], []
+    choices: list[dict[str, Any]] = []
+    reports: list[dict[str, Any]] = []
     totals = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
     for p, (plan, outcome) in enumerate(zip(plans, outcomes)):
         echo = echoes[p] if echoes is not None else ""
@@ -60,6 +62,7 @@ def _answer(service: PromptService, body: CompletionRequest, plans: list[PromptP
                         for i in range(body.n)]
             continue
         used = outcome.final.usage
+        assert used is not None, "a final event carries usage"
         generated = body.max_tokens > 0  # else the engine ran one token for the prompt's logprobs: dropped
         totals["prompt_tokens"] += used.prompt_tokens
         totals["completion_tokens"] += used.completion_tokens if generated else 0

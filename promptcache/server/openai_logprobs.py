@@ -11,8 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from promptcache.model_runtime.engine import TokenEvent
-from promptcache.model_runtime.sampling import TokenLogprobs
+from promptcache.model_runtime import TokenEvent, TokenLogprobs
 
 TokenText = Callable[[int], str]
 

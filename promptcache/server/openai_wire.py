@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -37,8 +37,10 @@ class CompletionRequest(_OpenAIFields):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one per choice group: a text or token ids each."""
-        single = isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int))
-        return [self.prompt] if single else list(self.prompt)
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(cast("list[str] | list[list[int]]", prompt))
     logprobs: int | None = Field(None, ge=0, le=20, description="each token's logprob and this many alternatives")
     echo: bool = False
     suffix: str | None = None

@@ -25,12 +25,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import redis
+from redis.typing import EncodableT
 
-from promptcache.cache_store import RegistryUnavailableError
-from promptcache.server.errors import QuotaExceededError, SchemaExistsError
+from promptcache.cache_store import RegistryUnavailableError, SchemaExistsError
+from promptcache.server.errors import QuotaExceededError
 from promptcache.server.tenants import Quota, tenant_label
 
 logger = logging.getLogger(__name__)
@@ -211,7 +212,7 @@ class QuotaLedger:
         return len(live), sum(e.num_tokens for e in live)
 
     # -- storage ----------------------------------------------------------------------------------
-    def _update(self, tenant: str | None, decide: Decision) -> T:
+    def _update(self, tenant: str | None, decide: Decision[T]) -> T:
         """Apply `decide(entries) -> (changes, result)` to the tenant's entries atomically; returns result."""
         key = self._prefix + tenant_label(tenant)
         if self._client is None:
@@ -226,17 +227,21 @@ class QuotaLedger:
                 return result
 
         def transaction(pipe: redis.client.Pipeline) -> T:
-            entries = {name.decode(): Entry.loads(raw) for name, raw in pipe.hgetall(key).items()}
+            stored = cast("dict[bytes, bytes]", pipe.hgetall(key))  # this client does not decode responses
+            entries = {name.decode(): Entry.loads(raw) for name, raw in stored.items()}
             changes, result = decide(entries)
             pipe.multi()
             if removed := [name for name, entry in changes.items() if entry is None]:
                 pipe.hdel(key, *removed)
-            if written := {name: entry.dumps() for name, entry in changes.items() if entry is not None}:
+            written: dict[EncodableT, EncodableT] = {name: entry.dumps() for name, entry in changes.items()
+                                                     if entry is not None}
+            if written:
                 pipe.hset(key, mapping=written)
             return result
 
         try:  # retried by redis-py whenever another writer changed the hash between the read and the write
-            return self._client.transaction(transaction, key, value_from_callable=True)
+            # redis-py types the callable as returning None; value_from_callable returns what it returns
+            return cast(T, self._client.transaction(transaction, key, value_from_callable=True))  # type: ignore[arg-type]
         except redis.RedisError as exc:
             raise RegistryUnavailableError(f"cannot update the quota ledger in Redis: {exc}") from None
 

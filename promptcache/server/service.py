@@ -4,53 +4,48 @@ Model compute (module encoding) runs on the engine thread via `Engine.call`; not
 event loop on a tensor.
 
 Tenants (tenants.py): every call that touches schemas or KV names the caller's tenant (None: the default
-tenant). A tenant's schemas live in its own runtime namespace and under `<tenant>/<name>` in the shared
-registry; every KV key it reads or writes is salted with the tenant (`salt`), so nothing one tenant
-computed can be read, or probed for, by another — whatever `cache_salt` it sends.
+tenant), which is the runtime's `owner` (model_runtime.PromptRuntime keeps owners' schemas and KV apart);
+a tenant's schemas live under `<tenant>/<name>` in the shared registry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from importlib import resources
 
 from promptcache.cache_store import (
     BlobSigner,
-    BlockIndexConfig,
     RegistryState,
+    SchemaExistsError,
     SchemaRegistry,
     StoredSchema,
     build_store,
 )
-from promptcache.model_runtime import LoadedModel, ModelRuntime, SamplingParams
-from promptcache.model_runtime.attention.selection import describe as describe_attention
-from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, ReusePlan, TokenEvent
-from promptcache.pml import PmlLimits, PromptPlan, Schema, UnknownSchemaError, is_valid_name, token_plan
-from promptcache.server.errors import (
-    SchemaExistsError,
-    SchemaNotFoundError,
-    SchemaTooLongError,
+from promptcache.model_runtime import (
+    CacheReport,
+    ContextMode,
+    Fidelity,
+    FidelityMode,
+    LoadedModel,
+    PositionMode,
+    PromptRuntime,
+    SamplingParams,
+    TokenEvent,
 )
+from promptcache.pml import PromptPlan, Schema, UnknownSchemaError, is_valid_name
+from promptcache.server.errors import SchemaNotFoundError, SchemaTooLongError
+from promptcache.server.fidelity_report import ReportCache, ReportOptions, build_report
 from promptcache.server.heap import trim_heap_every
 from promptcache.server.metrics import Metrics, engine_families, store_families
 from promptcache.server.quota import QuotaLedger
 from promptcache.server.settings import ServerSettings
-from promptcache.server.tenants import (
-    TenantDirectory,
-    namespace,
-    registry_name,
-    split_registry_name,
-    tenant_salt,
-)
+from promptcache.server.tenants import TenantDirectory, registry_name, split_registry_name
 from promptcache.server.token_strings import TokenStrings
+from promptcache.server.wire import FidelityReport
 
 logger = logging.getLogger(__name__)
-# The empty schema that plain-text and chat prompts are resolved against, in a namespace of its own: no
-# tenant's namespace ('' or the tenant's name, which never starts with '_') lists it, so no prompt,
-# schema route or error message sees it.
-PLAIN_SCHEMA, PLAIN_NAMESPACE = "plain", "_plain"
 
 
 class PromptService:
@@ -59,7 +54,7 @@ class PromptService:
     def __init__(self, settings: ServerSettings, loaded: LoadedModel, tenants: TenantDirectory | None = None) -> None:
         self.settings = settings
         self.tenants = tenants or TenantDirectory({})
-        store_config = settings.store_config(self.tenants.cache_shares())  # the same mapping as `promptcache encode`
+        store_config = settings.store_config(self.tenants.cache_shares())  # as `promptcache encode` maps it
         signer = BlobSigner(store_config.blob_key)
         self.model_name = loaded.name
         self.store = build_store(store_config, device=settings.device)
@@ -69,34 +64,20 @@ class PromptService:
         if settings.redis_url and not signer.enabled:
             logger.warning("Redis is shared storage and no blob key is set (PROMPTCACHE_BLOB_KEY): anyone who can "
                            "write to it can plant KV or schemas this server will serve (docs/security.md)")
-        limits = PmlLimits(max_schema_bytes=settings.max_schema_bytes, max_prompt_bytes=settings.max_request_bytes)
-        self.runtime = ModelRuntime(loaded, self.store, limits)
+        self.runtime = PromptRuntime(loaded, self.store, settings.engine_config(), settings.pml_limits())
         self.token_strings = TokenStrings.of(loaded.tokenizer)  # built on first use, off the event loop
-        prefix = BlockIndexConfig(block_size=settings.prefix_block_size, ttl_s=settings.prefix_ttl_s) \
-            if settings.prefix_caching else None
-        self.engine = Engine(self.runtime.module_encoder, EngineConfig(
-            max_num_seqs=settings.max_num_seqs, max_kv_bytes=settings.max_kv_bytes,
-            attention_backend=settings.attention_backend, prefix=prefix, fidelity=self.fidelity(None),
-            max_prefill_tokens=settings.max_prefill_tokens, max_prefill_tokens_alone=settings.max_prefill_tokens_alone,
-            min_prefill_tokens=settings.min_prefill_tokens, max_step_slowdown=settings.max_step_slowdown or None,
-            logits_cache_bytes=settings.logits_cache_bytes, max_assembled_bytes=settings.max_assembled_kv_bytes,
-            max_waiting_per_tenant=settings.max_waiting_per_tenant,
-            tenant_headroom_seqs=min(settings.tenant_headroom_seqs, settings.max_num_seqs - 1)
-            if settings.api_keys_file else 0))
-        # After the engine: its runner loads the bf16 kernel where it applies.
-        self.attention = describe_attention(settings.attention_backend, loaded.model.device, loaded.model.dtype)
+        self.attention = self.runtime.attention
         self.metrics = Metrics(self.model_name)
-        self.metrics.add_source(lambda: engine_families(self.engine, self.runtime.module_encoder, self.model_name))
+        self.metrics.add_source(lambda: engine_families(self.runtime.stats(), self.model_name))
         self.metrics.add_source(lambda: store_families(self.store))
-        self.runtime.add_schema(self.runtime.parse_schema(f'<schema name="{PLAIN_SCHEMA}"/>'), encode=False,
-                                namespace=PLAIN_NAMESPACE)
         self.encode_ms: dict[str, float] = {}  # registry name -> encoding time of its upload here
         self._versions: dict[str, str] = {}  # registry name -> registry version this process serves
         self._tasks: list[asyncio.Task] = []
+        self.fidelity_reports = ReportCache()  # by schema version: a re-upload is a new version
 
     async def start(self) -> None:
         """Start the engine, adopt schemas persisted in the registry, preload the bundled examples."""
-        self.engine.start()
+        self.runtime.start()
         known: dict[str | None, dict[str, tuple[int, str]]] = {}
         for stored in self.registry.list():
             if (schema := self._adopt(stored)) is not None:
@@ -117,47 +98,45 @@ class PromptService:
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        self.engine.stop()
+        self.runtime.stop()
         self.store.close()
 
     # -- schemas -----------------------------------------------------------------------------------
-    def salt(self, tenant: str | None, cache_salt: str | None) -> str | None:
-        """The salt of every KV key a request of `tenant` uses: the tenant, then the client's `cache_salt`
-        inside it. The default tenant's salt is the client's, unchanged."""
-        return tenant_salt(tenant, cache_salt)
-
     async def create_schema(self, pml: str, tenant: str | None = None) -> Schema:
         """Validate, reserve the schema in the tenant's quota, encode, then register: a failed upload leaves
         nothing behind (its encoded KV is only cache; its reservation is released). Raises PmlError,
         SchemaTooLongError, SchemaExistsError, QuotaExceededError."""
         schema = await asyncio.to_thread(self.runtime.parse_schema, pml)
-        if schema.num_positions > self.runtime.loaded.max_positions:
+        if schema.num_positions > self.runtime.max_positions:
             raise SchemaTooLongError(f"schema {schema.name!r} spans {schema.num_positions} positions; the model "
-                                     f"supports {self.runtime.loaded.max_positions}")
+                                     f"supports {self.runtime.max_positions}")
         if await asyncio.to_thread(self.ensure_schema, schema.name, tenant) is not None:
             raise SchemaExistsError(f"schema {schema.name!r} already exists; DELETE it first to replace it")
         qualified = registry_name(tenant, schema.name)
         async with self.quotas.hold(tenant, schema.name, schema.num_positions, self.tenants.quota(tenant),
                                     lambda: self._stored_versions(tenant)) as hold:
             # In chunks between decode steps; salted with the tenant like every later lookup of it.
-            report = await asyncio.wrap_future(self.engine.encode_schema(schema, self.salt(tenant, None),
-                                                                         keep_local=self.settings.upload_kv_local))
+            report = await asyncio.wrap_future(self.runtime.encode_schema(
+                schema, tenant, keep_local=self.settings.upload_kv_local,
+                second_encodings=self.settings.second_encodings_at_upload))
             # Shared-tier writes are write-behind: let them land so another replica finds the KV at once.
             await asyncio.to_thread(self.store.flush, self.settings.redis_timeout_s * 60)
             stored = await asyncio.to_thread(self.registry.save, qualified, pml, {"num_tokens": schema.num_positions})
             hold.commit(stored.version)
-        self.runtime.add_schema(schema, encode=False, namespace=namespace(tenant))
+        self.runtime.add_schema(schema, tenant)
         self._versions[qualified] = stored.version
         self.encode_ms[qualified] = report.encode_ms
         return schema
 
     def list_schemas(self, tenant: str | None = None) -> list[Schema]:
         """The tenant's schemas (adopting ones another replica uploaded: only the tenant's documents are read)."""
-        ns = namespace(tenant)
         for name in self._registered(tenant) or ():
-            if self.runtime.get_schema(name, ns) is None and (stored := self.registry.load(registry_name(tenant, name))):
+            if self.runtime.get_schema(name, tenant) is not None:
+                continue
+            if (stored := self.registry.load(registry_name(tenant, name))) is not None:
                 self._adopt(stored)
-        return [s for n in self.runtime.schema_names(ns) for s in [self.runtime.get_schema(n, ns)] if s is not None]
+        return [s for n in self.runtime.schema_names(tenant) for s in [self.runtime.get_schema(n, tenant)]
+                if s is not None]
 
     def _registered(self, tenant: str | None) -> dict[str, str] | None:
         """Name -> version of the tenant's schemas in the shared registry, from its index (no document is
@@ -187,29 +166,34 @@ class PromptService:
     def schema_encode_ms(self, name: str, tenant: str | None = None) -> float | None:
         return self.encode_ms.get(registry_name(tenant, name))
 
+    async def fidelity_report(self, name: str, options: ReportOptions, tenant: str | None = None,
+                              before_compute: Callable[[], None] = lambda: None) -> FidelityReport:
+        """The tenant's schema's fidelity report (server/fidelity_report.py): from the cache of the schema's
+        version, or computed through the engine (`before_compute()` first: it may refuse). Raises
+        SchemaNotFoundError, and what serving a sample raises."""
+        schema = await asyncio.to_thread(self.get_schema, name, tenant)
+        qualified = registry_name(tenant, name)
+        return await self.fidelity_reports.get((qualified, self._versions.get(qualified), options),
+                                               lambda: build_report(self, schema, tenant, options), before_compute)
+
     async def delete_schema(self, name: str, tenant: str | None = None) -> None:
         await asyncio.to_thread(self._delete_schema, name, tenant)
 
     def _delete_schema(self, name: str, tenant: str | None) -> None:
-        schema = self.get_schema(name, tenant)
+        self.get_schema(name, tenant)  # raises SchemaNotFoundError (adopts one another replica uploaded)
         qualified = registry_name(tenant, name)
-        self.runtime.remove_schema(name, namespace(tenant))
+        self.runtime.forget_schema(name, tenant)  # and the KV its upload encoded
         self.registry.delete(qualified)
         self.quotas.forget(tenant, name)
         self.encode_ms.pop(qualified, None)
         self._versions.pop(qualified, None)
-        encoder, salt = self.runtime.module_encoder, self.salt(tenant, None)
-        contexts = [(s.segment_id, s.context_ids) for s in schema.segments]
-        contexts += [(sid, ctx) for sc in schema.scaffolds for sid, ctx in sc.contexts.items()]
-        for segment_id, context_ids in contexts:  # the upload's KV; client-salted copies age out by LRU
-            self.store.delete(encoder.key(schema, segment_id, context_ids, salt))
 
     def ensure_schema(self, name: str, tenant: str | None = None) -> Schema | None:
         """The tenant's schema, from this process or from the shared registry (uploaded by another replica).
         A string that is no schema name (`alpha/kb` spells a registry name of tenant alpha's) names none."""
         if not is_valid_name(name):
             return None
-        schema = self.runtime.get_schema(name, namespace(tenant))
+        schema = self.runtime.get_schema(name, tenant)
         if schema is not None:
             return schema
         stored = self.registry.load(registry_name(tenant, name))
@@ -227,7 +211,7 @@ class PromptService:
         if schema.name != name:  # the document must be the one stored under this name
             logger.warning("skipping stored schema %r: its document names %r", stored.name, schema.name)
             return None
-        self.runtime.add_schema(schema, encode=False, namespace=namespace(tenant))
+        self.runtime.add_schema(schema, tenant)
         self._versions[stored.name] = stored.version
         return schema
 
@@ -254,11 +238,11 @@ class PromptService:
                 if stored.version != self._versions.get(qualified):
                     self._adopt(stored)
             elif qualified in state.deleted:
-                self.runtime.remove_schema(name, namespace(tenant))
+                self.runtime.forget_schema(name, tenant, delete_kv=False)
                 self._versions.pop(qualified, None)
                 self.encode_ms.pop(qualified, None)
             else:  # gone without a delete: Redis lost it (restart without persistence, flush)
-                schema = self.runtime.get_schema(name, namespace(tenant))
+                schema = self.runtime.get_schema(name, tenant)
                 if schema is not None and self.registry.restore(StoredSchema(
                         qualified, schema.pml, {"num_tokens": schema.num_positions}, version=version)):
                     logger.warning("schema %r was missing from the shared registry; restored it", qualified)
@@ -266,57 +250,31 @@ class PromptService:
 
     # -- prompts -----------------------------------------------------------------------------------
     def plan(self, prompt: str, *, tenant: str | None = None, isolated: bool = False) -> PromptPlan:
-        """A PML prompt resolved against the tenant's schemas (an unknown name lists only those). Every
-        route's prompt is answered: unless it ends in an open `<assistant>` turn, the model's generation
-        prompt follows its last turn (the plan's `generation_prompt_added`)."""
-        ns = namespace(tenant)
+        """A PML prompt resolved against the tenant's schemas (an unknown name lists only those; one
+        another replica uploaded is adopted first). Unless it ends in an open `<assistant>` turn, the
+        model's generation prompt follows its last turn (the plan's `generation_prompt_added`)."""
         try:
-            return self.runtime.plan(prompt, isolated=isolated, namespace=ns, add_generation_prompt=True)
+            return self.runtime.plan(prompt, tenant, isolated=isolated)
         except UnknownSchemaError as exc:
             if exc.schema_name and self.ensure_schema(exc.schema_name, tenant):
-                return self.runtime.plan(prompt, isolated=isolated, namespace=ns, add_generation_prompt=True)
+                return self.runtime.plan(prompt, tenant, isolated=isolated)
             raise
 
-    def plan_text(self, text: str) -> PromptPlan:
-        """A plain completion prompt: its tokens verbatim (no PML), reused through prefix blocks."""
-        return token_plan(self.runtime.get_schema(PLAIN_SCHEMA, PLAIN_NAMESPACE), self.runtime.tokenize_completion(text))
-
-    def plan_tokens(self, token_ids: list[int]) -> PromptPlan:
-        """A prompt given as token ids, fed as they are. Raises ValueError for an id outside the vocabulary."""
-        self.runtime.check_token_ids(token_ids)
-        return token_plan(self.runtime.get_schema(PLAIN_SCHEMA, PLAIN_NAMESPACE), tuple(token_ids))
-
-    def plan_chat(self, messages: list[dict[str, str]]) -> PromptPlan:
-        """A plain chat rendered by the model's chat template (no PML), reused through prefix blocks."""
-        return token_plan(self.runtime.get_schema(PLAIN_SCHEMA, PLAIN_NAMESPACE), self.runtime.tokenize_chat(messages))
-
-    def fidelity(self, mode: str | None, head_tokens: int | None = None, positions: str | None = None,
-                 context: str | None = None) -> Fidelity:
+    def fidelity(self, mode: FidelityMode | None, head_tokens: int | None = None,
+                 positions: PositionMode | None = None, context: ContextMode | None = None) -> Fidelity:
         """The request's fidelity: its mode, k, positions and module context, or the server's defaults."""
-        return Fidelity(mode or self.settings.fidelity,
-                        self.settings.fidelity_head_tokens if head_tokens is None else head_tokens,
-                        positions or self.settings.fidelity_positions, context or self.settings.fidelity_context)
+        default = self.settings.default_fidelity()
+        return Fidelity(mode or default.mode, default.head_tokens if head_tokens is None else head_tokens,
+                        positions or default.positions, context or default.context)
 
     def token_text(self, token_id: int) -> str:
         """One token's text as the tokenizer decodes it alone (logprobs report tokens this way), from the
         table of token strings: builds it on first use, so event-loop code awaits `token_strings.ready()`."""
         return self.token_strings.text(token_id)
 
-    @property
-    def max_model_len(self) -> int:
-        """Positions the model supports: prompt plus generated tokens."""
-        return self.runtime.loaded.max_positions
-
-    def tokenize(self, text: str | None = None, messages: list[dict[str, str]] | None = None) -> tuple[int, ...]:
-        """Token ids exactly as /v1/completions (`text`) or /v1/chat/completions (`messages`) would feed them."""
-        return self.runtime.tokenize_chat(messages) if messages is not None else self.runtime.tokenize_completion(text)
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self.runtime.detokenize(token_ids)
-
     def submit(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None, request_id: str,
                fidelity: Fidelity, tenant: str | None = None, report_spans: bool = False) -> AsyncIterator[TokenEvent]:
-        """Raises ValueError for a logit_bias token outside the vocabulary, QueueFullError when the
+        """Raises InvalidRequestError for a logit_bias token outside the vocabulary, QueueFullError when the
         tenant's waiting queue is full. `report_spans`: the final event lists the prompt as spans by
         where their KV came from."""
         [events] = self.submit_many([plan], params, cache_salt, [request_id], fidelity, tenant, report_spans)
@@ -326,23 +284,10 @@ class PromptService:
                     request_ids: list[str], fidelity: Fidelity, tenant: str | None = None,
                     report_spans: bool = False) -> list[AsyncIterator[TokenEvent]]:
         """`submit` every plan, all or none (the tenant's queue has room for them all, or none is queued)."""
-        try:
-            self.runtime.check_token_ids([token for token, _ in params.logit_bias])
-        except ValueError as exc:
-            raise ValueError(f"logit_bias: {exc}") from None
-        return self.engine.submit_many(plans, params, cache_salt=self.salt(tenant, cache_salt),
-                                       request_ids=list(request_ids), fidelity=fidelity, report_spans=report_spans,
-                                       tenant=tenant)
-
-    def locate(self, reuse: ReusePlan, schema: Schema, cache_salt: str | None,
-               tenant: str | None = None) -> list[str | None]:
-        """For each use of `reuse`, the tier holding the tenant's KV it reads — the encoding it names, a
-        second one included (None: would be computed)."""
-        encoder, salt = self.runtime.module_encoder, self.salt(tenant, cache_salt)
-        return [self.store.contains(encoder.key(schema, u.cached.segment.segment_id, u.cached.context_ids, salt))
-                for u in reuse.uses]
+        return self.runtime.submit(plans, params, owner=tenant, salt=cache_salt, request_ids=request_ids,
+                                   fidelity=fidelity, report_spans=report_spans)
 
     def explain(self, plan: PromptPlan, cache_salt: str | None, fidelity: Fidelity,
-                tenant: str | None = None) -> tuple[ReusePlan, list[tuple[str, int]]]:
-        """What serving the plan would reuse and recompute now, and the prefix blocks it would hit."""
-        return self.engine.explain(plan, cache_salt=self.salt(tenant, cache_salt), fidelity=fidelity)
+                tenant: str | None = None) -> CacheReport:
+        """What serving the plan would reuse (from which tier) and compute now."""
+        return self.runtime.explain(plan, owner=tenant, salt=cache_salt, fidelity=fidelity)

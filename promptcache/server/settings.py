@@ -1,4 +1,5 @@
-"""Server settings: the only place that reads the environment (prefix PROMPTCACHE_)."""
+"""Server settings: the only place that reads the environment (prefix PROMPTCACHE_), and the one mapping
+from them to the model, store, engine and PML configs (the server, the CLI and the cluster replicas use it)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from promptcache.cache_store import StoreConfig
-    from promptcache.model_runtime import ModelConfig
+    from promptcache.model_runtime import EngineConfig, Fidelity, ModelConfig
+    from promptcache.pml import PmlLimits
 
 
 class ServerSettings(BaseSettings):
@@ -26,7 +28,8 @@ class ServerSettings(BaseSettings):
     device: str = "cpu"
     host: str = "127.0.0.1"
     port: int = 8000
-    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="accepted Bearer keys; empty = no auth")
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list,
+                                                     description="accepted Bearer keys; empty = no auth")
     api_keys_file: str | None = Field(None, description="JSON mapping API keys to tenant names (docs/security.md)")
     metrics_key: str | None = Field(None, description="Bearer key /metrics asks for; None: /metrics is "
                                    "open, or closed when an API keys file is set (its series name tenants)")
@@ -80,10 +83,13 @@ class ServerSettings(BaseSettings):
     fidelity_positions: Literal["contiguous", "layout"] = Field(  # the evaluation's pick: docs/fidelity.md
         "contiguous", description="fast/balanced: where an approximate prompt's tokens sit — contiguous (reused "
                                   "keys re-aligned for the request) or the schema layout's, with gaps")
-    fidelity_context: Literal["schema", "predecessor"] = Field(
-        "schema", description="fast/balanced: reuse an out-of-context module's KV encoded after its schema "
-                              "context, or after that and the module before it (predecessor: encoded at upload "
-                              "as a second KV per module)")
+    fidelity_context: Literal["schema", "predecessor"] = Field(  # the evaluation's pick: docs/fidelity.md
+        "predecessor", description="fast/balanced: reuse an out-of-context module's KV encoded after its schema "
+                                   "context, or after that and the module before it (predecessor: a second KV "
+                                   "per module, encoded on its first such use and evicted before first encodings)")
+    second_encodings_at_upload: bool = Field(False, description="a schema upload also encodes every module's "
+                                             "second encoding (fidelity_context predecessor) instead of leaving "
+                                             "it to the module's first such use (each module's KV stored twice)")
     upload_kv_local: bool = Field(True, description="a schema upload keeps the module KV it encodes in this "
                                   "process's tiers as well as the shared ones; False: shared tiers only (the "
                                   "cluster's default: the replica taking an upload is rarely the one serving it)")
@@ -96,13 +102,17 @@ class ServerSettings(BaseSettings):
                                                  "results; off: plain torch.nn.Linear)")
     fuse_layers: bool = Field(True, description="bf16 on CPUs with AVX512-BF16: fused decoder-layer kernels "
                                                 "(norms, RoPE, gated MLP; same outputs; off: the HF modules)")
+    weights: Literal["native", "int8", "int4"] = Field(
+        "native", description="CPU: the decoder layers' linear weights as loaded (native), int8 per channel or "
+                              "int4 per 32-group (the built-in model's own Q4_1 blocks); docs/api.md")
 
     def load_config(self) -> ModelConfig:
         """The model these settings serve, as the runtime loads it."""
-        from promptcache.model_runtime import ModelConfig
+        from promptcache.model_runtime import ModelConfig, WeightFormat
 
         return ModelConfig(self.model, dtype=self.dtype, device=self.device, cache_dir=self.model_cache_dir,
-                           pack_weights=self.pack_weights, fuse_layers=self.fuse_layers)
+                           pack_weights=self.pack_weights, fuse_layers=self.fuse_layers,
+                           weights=WeightFormat(self.weights))
 
     def store_config(self, owner_shares: Mapping[str, float] | None = None) -> StoreConfig:
         """The KV store these settings describe — the server's and `promptcache encode`'s alike, so what
@@ -116,6 +126,34 @@ class ServerSettings(BaseSettings):
             disk_dir=self.disk_dir, disk_max_bytes=self.disk_max_bytes,
             blob_key=self.blob_key.encode() if self.blob_key else None,
             owner_shares=tuple((owner_shares or {}).items()))
+
+    def engine_config(self) -> EngineConfig:
+        """The batch engine these settings describe."""
+        from promptcache.cache_store import BlockIndexConfig
+        from promptcache.model_runtime import EngineConfig
+
+        prefix = BlockIndexConfig(block_size=self.prefix_block_size, ttl_s=self.prefix_ttl_s) \
+            if self.prefix_caching else None
+        return EngineConfig(
+            max_num_seqs=self.max_num_seqs, max_kv_bytes=self.max_kv_bytes, attention_backend=self.attention_backend,
+            prefix=prefix, fidelity=self.default_fidelity(), max_prefill_tokens=self.max_prefill_tokens,
+            max_prefill_tokens_alone=self.max_prefill_tokens_alone, min_prefill_tokens=self.min_prefill_tokens,
+            max_step_slowdown=self.max_step_slowdown or None, logits_cache_bytes=self.logits_cache_bytes,
+            max_assembled_bytes=self.max_assembled_kv_bytes, max_waiting_per_tenant=self.max_waiting_per_tenant,
+            # Headroom is for other tenants: only an API keys file makes several.
+            tenant_headroom_seqs=min(self.tenant_headroom_seqs, self.max_num_seqs - 1) if self.api_keys_file else 0)
+
+    def default_fidelity(self) -> Fidelity:
+        """The fidelity of requests that name none."""
+        from promptcache.model_runtime import Fidelity
+
+        return Fidelity(self.fidelity, self.fidelity_head_tokens, self.fidelity_positions, self.fidelity_context)
+
+    def pml_limits(self) -> PmlLimits:
+        """The bounds on PML documents: a schema's bytes, a prompt's (the request limit)."""
+        from promptcache.pml import PmlLimits
+
+        return PmlLimits(max_schema_bytes=self.max_schema_bytes, max_prompt_bytes=self.max_request_bytes)
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -25,7 +25,6 @@ from limits import parse as parse_rate
 from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
 
-from promptcache.cache_store import owned_salt
 from promptcache.server.errors import RateLimitedError, RequestRejectedError, UnauthorizedError
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: `$` lets a final "\n" through
@@ -61,13 +60,6 @@ def tenant_label(tenant: str | None) -> str:
     return DEFAULT_TENANT_LABEL if tenant is None else tenant
 
 
-def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
-    """The salt of every KV key a request of `tenant` uses: the tenant, then the client's `cache_salt`
-    inside it (cache_store.owned_salt). Client salts cannot contain control characters (wire.py), so none
-    spells another tenant's. The default tenant's is the client's, unchanged."""
-    return cache_salt if tenant is None else owned_salt(tenant, cache_salt)
-
-
 def registry_name(tenant: str | None, name: str) -> str:
     """A schema's name in the shared registry: `<tenant>/<name>` ('/' is in neither), bare for the default."""
     return name if tenant is None else f"{tenant}/{name}"
@@ -76,11 +68,6 @@ def registry_name(tenant: str | None, name: str) -> str:
 def split_registry_name(qualified: str) -> tuple[str | None, str]:
     tenant, slash, name = qualified.partition("/")
     return (tenant, name) if slash else (None, qualified)
-
-
-def namespace(tenant: str | None) -> str:
-    """The runtime namespace holding a tenant's schemas."""
-    return "" if tenant is None else tenant
 
 
 class TenantDirectory:

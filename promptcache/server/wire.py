@@ -22,8 +22,72 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class FidelityReportQuery(_Strict):
+    """What a schema's fidelity report samples and how its modes run (GET /v1/schemas/{name}/fidelity's
+    query, or the upload's `fidelity_report` object); unset fields take the report's and server's defaults."""
+
+    num_samples: int = Field(16, ge=1, description="distinct module combinations to sample (the server caps it)")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="the same seed samples the same combinations")
+    question: str | None = Field(None, max_length=2000, description="asked after the modules in the user turn "
+                                                                     "(default: a generic question; '': none)")
+    max_imports: int | None = Field(None, ge=1, description="at most this many top-level modules per combination")
+    fidelity_head_tokens: int | None = Field(None, ge=0, le=4096, description="balanced: k (default: the server's)")
+    fidelity_positions: Literal["contiguous", "layout"] | None = None
+    fidelity_context: Literal["schema", "predecessor"] | None = None
+
+
+class FidelityModeStats(BaseModel):
+    """One fidelity mode against a full prefill of the same prompts, first token only."""
+
+    num_samples: int
+    top1_agreement: float = Field(..., description="fraction of samples whose greedy first token equals the "
+                                                   "full prefill's")
+    agreement_ci95: tuple[float, float] = Field(..., description="95 % Wilson interval of top1_agreement")
+    mean_kl: float = Field(..., description="mean first-token KL(full prefill || mode), in nats, over the tokens "
+                                            "in both top-20 lists plus one bucket for the rest: a lower bound")
+    max_kl: float
+
+
+class FidelitySampleResult(BaseModel):
+    top1_agrees: bool
+    kl: float
+
+
+class FidelitySample(BaseModel):
+    """One sampled combination: the modules the prompt imports (union defaults included) and each mode's result."""
+
+    module_paths: list[str]
+    prompt: str
+    prompt_tokens: int
+    exact: bool = Field(..., description="served from cache as encoded, the prompt equals a full prefill")
+    modes: dict[str, FidelitySampleResult]
+
+
+class FidelityReport(BaseModel):
+    """How far each fidelity mode's first token is from a full prefill's, on sampled prompts of one schema."""
+
+    object: Literal["fidelity_report"] = "fidelity_report"
+    schema_name: str = Field(..., alias="schema")
+    model: str
+    num_samples: int
+    seed: int
+    question: str
+    max_imports: int | None = None
+    fidelity_head_tokens: int
+    fidelity_positions: str
+    fidelity_context: str
+    modes: dict[str, FidelityModeStats] = Field(..., description="exact, fast, balanced")
+    samples: list[FidelitySample]
+    elapsed_ms: float = Field(..., description="time the report took to compute")
+    cached: bool = Field(False, description="served from the report cache of this schema version")
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
 class SchemaCreate(_Strict):
     pml: str = Field(..., description="the <schema> document")
+    fidelity_report: bool | FidelityReportQuery = Field(
+        False, description="true (or the report's options): the response carries the schema's fidelity report")
 
 
 class ParamInfo(BaseModel):
@@ -53,6 +117,17 @@ class SchemaInfo(BaseModel):
     scaffolds: list[list[str]] = Field(default_factory=list)
     always_included: list[tuple[int, int]] = Field(
         default_factory=list, description="position ranges [start, end) of the text every prompt includes")
+    fidelity_report: FidelityReport | None = Field(None, description="on an upload that asked for it")
+    fidelity_report_error: str | None = Field(None, description="why the report asked for at upload failed (the "
+                                                                "schema is uploaded all the same)")
+
+    @model_serializer(mode="wrap")
+    def _report_only_when_asked(self, handler: SerializerFunctionWrapHandler):
+        data = handler(self)
+        for key in ("fidelity_report", "fidelity_report_error"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class SchemaList(BaseModel):

@@ -73,7 +73,7 @@ def test_a_broken_disk_is_a_miss_and_a_warning_never_an_error(tmp_path, caplog):
     store = build_store(StoreConfig(device_max_bytes=SIZE, host_max_bytes=SIZE, disk_dir=str(tmp_path / "kv")))
     for key in "abc":
         store.put(key, blk())  # "a" is pushed down to disk, "b" to host
-    assert store.flush(timeout_s=5) and store.contains("a") == "disk"
+    assert store.flush(timeout_s=5) and store.tier_of("a").name == "disk"
     shutil.rmtree(tmp_path / "kv")
     (tmp_path / "kv").write_bytes(b"not a directory")  # every read and write now raises OSError
     with caplog.at_level(logging.WARNING):

@@ -68,7 +68,7 @@ def test_after_rotation_every_hot_key_is_served_again_after_one_rewrite(redis_se
     assert all(reader.get(key)[1] == "redis" for key in blocks)  # hot under the old key
 
     new = store(redis_server.url, NEW)
-    assert all(new.contains(key) is None for key in blocks)  # sealed under the old key: not present
+    assert all(new.tier_of(key) is None for key in blocks)  # sealed under the old key: not present
     client = raw(redis_server.url)
     assert not any(client.exists(f"promptcache:{NS}:kv:{key}") for key in blocks)  # and dropped
 

@@ -116,4 +116,4 @@ def test_store_without_shared_tier_has_demotion_chain():
     store = TieredStore([MemoryTier("device", blk(2).nbytes), MemoryTier("host", 4 * blk(2).nbytes)])
     store.put("a", blk(2))
     store.put("b", blk(2))
-    assert store.contains("a") == "host" and store.contains("b") == "device"
+    assert store.tier_of("a").name == "host" and store.tier_of("b").name == "device"

@@ -13,7 +13,8 @@ from promptcache.cache_store import BlockMismatchError, CorruptBlockError, KVBlo
 
 def block(dtype=torch.float32, tokens=5) -> KVBlock:
     g = torch.Generator().manual_seed(0)
-    return KVBlock(torch.randn(3, 2, tokens, 4, generator=g).to(dtype), torch.randn(3, 2, tokens, 4, generator=g).to(dtype),
+    return KVBlock(torch.randn(3, 2, tokens, 4, generator=g).to(dtype),
+                   torch.randn(3, 2, tokens, 4, generator=g).to(dtype),
                    torch.arange(10, 10 + tokens))
 
 

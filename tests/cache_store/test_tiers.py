@@ -68,7 +68,7 @@ def test_promotion_and_demotion_report_the_tier():
     store = TieredStore([device, host])
     for k in "abc":
         store.put(k, blk(1, fill=ord(k)))
-    assert store.contains("a") == "host"  # evicted from device, demoted, not lost
+    assert store.tier_of("a").name == "host"  # evicted from device, demoted, not lost
     block, tier = store.get("a")
     assert tier == "host" and float(block.keys[0, 0, 0, 0]) == ord("a")
     assert store.get("a")[1] == "device"  # promoted on the first hit
@@ -157,11 +157,11 @@ def test_a_put_for_others_goes_to_the_shared_tiers_only(tmp_path):
     store.put("mine", blk(1, 1.0))
     store.put("theirs", blk(1, 2.0), local=False)
     assert store.flush(10)
-    assert device.keys() == ["mine"] and store.contains("theirs") == "disk"
+    assert device.keys() == ["mine"] and store.tier_of("theirs").name == "disk"
     block, tier = store.get("theirs", promote=False)  # read for others again: still not kept here
     assert tier == "disk" and torch.equal(block.keys, blk(1, 2.0).keys) and not device.contains("theirs")
     block, tier = store.get("theirs")  # a use here fetches it and promotes it like any other block
     assert tier == "disk" and torch.equal(block.keys, blk(1, 2.0).keys) and device.contains("theirs")
     alone = TieredStore([MemoryTier("device", 10 * SIZE)])  # no shared tier: kept here, never lost
     alone.put("theirs", blk(1), local=False)
-    assert alone.contains("theirs") == "device"
+    assert alone.tier_of("theirs").name == "device"

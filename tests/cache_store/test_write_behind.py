@@ -70,7 +70,7 @@ def test_put_returns_before_the_shared_write_and_flush_waits_for_it():
     started = time.perf_counter()
     store.put("k", blk())
     assert time.perf_counter() - started < 0.5
-    assert store.contains("k") == "device" and not shared.contains("k")
+    assert store.tier_of("k").name == "device" and not shared.contains("k")
     assert store.stats().pending_write_bytes == SIZE and not store.flush(timeout_s=0.05)
     shared.write_gate.set()
     assert store.flush(timeout_s=5) and shared.contains("k")
@@ -88,7 +88,7 @@ def test_store_lock_is_not_held_during_shared_io():
     reader.start()  # stuck inside the shared tier's lookup
     started = time.perf_counter()
     store.put("other", blk())
-    assert store.get("other")[1] == "device" and store.contains("writing") == "device"
+    assert store.get("other")[1] == "device" and store.tier_of("writing").name == "device"
     store.acquire(["other"])
     store.release(["other"])
     assert time.perf_counter() - started < 1.0
@@ -108,7 +108,7 @@ def test_a_full_queue_drops_writes_and_counts_them():
     shared.write_gate.set()
     assert store.flush(timeout_s=5)
     assert sorted(shared.keys()) == ["k0", "k1", "k2"]
-    assert all(store.contains(f"k{i}") == "device" for i in range(5))  # the device tier has them all
+    assert all(store.tier_of(f"k{i}").name == "device" for i in range(5))  # the device tier has them all
 
 
 def test_a_failing_write_does_not_stop_the_writer(caplog):
@@ -128,7 +128,7 @@ def test_delete_cancels_a_queued_write_and_follows_a_running_one():
     assert store.stats().pending_write_bytes == SIZE  # the cancelled write no longer holds queue space
     shared.write_gate.set()
     assert store.flush(timeout_s=5)
-    assert not shared.contains("queued") and not shared.contains("running") and store.contains("running") is None
+    assert not shared.contains("queued") and not shared.contains("running") and store.tier_of("running") is None
 
 
 def test_unpin_is_ordered_after_a_queued_pinned_write():
@@ -200,7 +200,7 @@ def test_overflow_against_redis_drops_the_write(redis_server):
     store.put("k", blk())
     assert store.flush(timeout_s=5)
     assert store.stats().dropped_writes == 1 and not store.tiers[-1].contains("k")
-    assert store.contains("k") == "device"
+    assert store.tier_of("k").name == "device"
 
 
 def test_deletes_right_after_puts_never_resurrect_in_redis(redis_server):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from promptcache.cluster import AffinityConfig, ForwardedRequest, affinity_key
+from promptcache.cluster import AffinityConfig, ClusterConfigError, ForwardedRequest, affinity_key
 from promptcache.server.tenants import TenantDirectory
 
 TENANTS = TenantDirectory({"sk-a": "alpha", "sk-b": "beta"})
@@ -148,7 +148,7 @@ def test_open_server_keys_everyone_as_the_default_tenant():
 
 
 def test_config_is_validated():
-    with pytest.raises(ValueError, match="prefix_chars"):
+    with pytest.raises(ClusterConfigError, match="prefix_chars"):
         AffinityConfig(prefix_chars=0)
-    with pytest.raises(ValueError, match="pml_key"):
+    with pytest.raises(ClusterConfigError, match="pml_key"):
         AffinityConfig(pml_key="tokens")

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed")
 
-from promptcache.cluster import ClusterOptions
+from promptcache.cluster import ClusterConfigError, ClusterOptions
 from promptcache.cluster.app import GATEWAY_DEPLOYMENT, REPLICA_DEPLOYMENT, build_application
 from promptcache.cluster.router import CacheAffinityRouter
 
@@ -44,5 +44,5 @@ def test_settings_can_keep_an_uploads_kv_local():
 
 
 def test_invalid_settings_fail_before_ray_starts():
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(ClusterConfigError, match="dtype"):
         build_application({"dtype": "int3"})

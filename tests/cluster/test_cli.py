@@ -13,7 +13,8 @@ import pytest
 from tests.model_factories import make_test_tokenizer, make_tiny_model
 from tests.redis_server import free_port
 
-SCHEMA = '<schema name="cli"><system>Be brief.</system><user><module name="doc">Bees make honey.</module></user></schema>'
+SCHEMA = ('<schema name="cli"><system>Be brief.</system><user><module name="doc">Bees make honey.</module></user>'
+          '</schema>')
 
 
 def test_replicas_need_a_shared_redis():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from promptcache.cluster import ClusterOptions
+from promptcache.cluster import ClusterConfigError, ClusterOptions
 from promptcache.server.settings import ServerSettings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -48,9 +48,9 @@ def test_serve_configs_pass_rays_schema_and_build(name, config):
 
 
 def test_cluster_options_refuse_unknown_names():
-    with pytest.raises(ValueError, match="replicaz"):
+    with pytest.raises(ClusterConfigError, match="replicaz"):
         ClusterOptions.from_dict({"replicaz": 2})
-    with pytest.raises(ValueError, match="max_replicas"):
+    with pytest.raises(ClusterConfigError, match="max_replicas"):
         ClusterOptions(num_replicas=3, max_replicas=2)
 
 

@@ -18,6 +18,7 @@ pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not i
 
 from ray.exceptions import RayActorError
 from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger, ReplicaState
+from ray.serve.exceptions import BackPressureError
 from ray.serve.schema import (
     ApplicationStatus,
     ApplicationStatusOverview,
@@ -38,7 +39,8 @@ HOP_BY_HOP = {b"host", b"content-length", b"transfer-encoding", b"connection"}
 class FakeReplicas:
     """The deployment handle as the gateway uses it (`options(stream=True).forward.remote(request)`), served
     by a real promptcache server. The replica dies (RayActorError, as Ray raises it) before answering
-    `num_lost_before` times, and `die_after_events` SSE events into a stream when set."""
+    `num_lost_before` times, and `die_after_events` SSE events into a stream when set; every replica's
+    queue is full (BackPressureError) while `is_busy`."""
 
     app_name, deployment_name = "promptcache", "PromptCacheReplica"
 
@@ -46,6 +48,7 @@ class FakeReplicas:
         self.url = url
         self.num_lost_before = 0
         self.die_after_events: int | None = None
+        self.is_busy = False
         self.num_calls = 0
 
     def options(self, **_) -> FakeReplicas:
@@ -57,6 +60,8 @@ class FakeReplicas:
 
     async def remote(self, request: ForwardedRequest):
         self.num_calls += 1
+        if self.is_busy:
+            raise BackPressureError(num_queued_requests=16, max_queued_requests=16)
         if self.num_lost_before > 0:
             self.num_lost_before -= 1
             raise RayActorError()
@@ -152,6 +157,26 @@ def test_a_replica_lost_before_answering_is_retried(gateway):
     replicas.num_lost_before = 2
     response = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert response.status_code == 200 and replicas.num_calls - before == 3
+
+
+def test_busy_and_lost_replicas_are_503s_from_the_error_table(gateway):
+    """Every replica busy, or lost on every attempt: a 503 whose type, message and Retry-After come from
+    the server's one error table (ReplicasBusyError, ReplicaLostError), in its error body."""
+    url, replicas, relay = gateway
+    body = {"model": "m", "prompt": "Hi", "max_tokens": 2}
+    replicas.is_busy = True
+    try:
+        busy = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    finally:
+        replicas.is_busy = False
+    assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+    assert busy.json()["error"] == {"type": "service_unavailable", "message": "every replica is busy; retry shortly"}
+    before = replicas.num_calls
+    replicas.num_lost_before = relay.max_attempts
+    lost = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert replicas.num_calls - before == relay.max_attempts
+    assert lost.status_code == 503 and lost.headers["retry-after"] == "1"
+    assert lost.json()["error"]["type"] == "replica_lost" and "no replica" in lost.json()["error"]["message"]
 
 
 def test_health_is_503_until_every_replica_runs(gateway):

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from promptcache.cluster import RoutingPolicy
+from promptcache.cluster import ClusterConfigError, RoutingPolicy
 from promptcache.cluster.placement import BalanceBound
 
 REPLICAS = ["a", "b"]
@@ -105,5 +105,5 @@ def test_the_load_guard_still_spills_a_saturated_owner():
 
 @pytest.mark.parametrize("field, value", [("factor", 0.9), ("slack", 0), ("half_life", 0)])
 def test_invalid_bounds_are_refused(field, value):
-    with pytest.raises(ValueError, match=field.replace("_", " ").split()[0]):
+    with pytest.raises(ClusterConfigError, match=field.replace("_", " ").split()[0]):
         BalanceBound(**{field: value})

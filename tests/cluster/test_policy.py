@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from promptcache.cluster import LoadGuard, RoutingPolicy
+from promptcache.cluster import ClusterConfigError, LoadGuard, NoReplicaError, RoutingPolicy
 
 REPLICAS = [f"r{i}" for i in range(8)]
 
@@ -93,9 +93,9 @@ def test_requests_without_a_key_go_to_the_least_loaded():
 
 
 def test_invalid_guard_and_empty_candidates_are_refused():
-    with pytest.raises(ValueError, match="rel_threshold"):
+    with pytest.raises(ClusterConfigError, match="rel_threshold"):
         LoadGuard(rel_threshold=0.5)
-    with pytest.raises(ValueError, match="abs_threshold"):
+    with pytest.raises(ClusterConfigError, match="abs_threshold"):
         LoadGuard(abs_threshold=-1)
-    with pytest.raises(ValueError, match="no replica"):
+    with pytest.raises(NoReplicaError, match="no replica"):
         RoutingPolicy().choose(b"k", {})

@@ -158,7 +158,8 @@ def test_repeated_requests_for_one_schema_land_on_one_replica_and_hit_its_device
 def test_tenant_salts_hold_across_replicas(cluster):
     text = "The committee met on Monday. " * 8
     body = {"model": "m", "prompt": text, "max_tokens": 2, "temperature": 0}
-    alpha_owner, beta_owner = cluster.owner("/v1/completions", body, ALPHA), cluster.owner("/v1/completions", body, BETA)
+    alpha_owner = cluster.owner("/v1/completions", body, ALPHA)
+    beta_owner = cluster.owner("/v1/completions", body, BETA)
     assert cluster.post("/v1/completions", body, ALPHA).headers["x-promptcache-replica"] == alpha_owner
     time.sleep(0.5)  # alpha's prefix blocks reach Redis (write-behind)
     # Beta's key differs (its tenant is part of it); wherever it lands, alpha's KV is not beta's.

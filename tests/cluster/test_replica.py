@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed")
 
+from promptcache.cluster import ReplicaStartError
 from promptcache.cluster.replica import PromptCacheReplica
 
 
@@ -35,5 +36,5 @@ def test_the_first_health_check_waits_for_the_engine_to_start():
 
 def test_a_replica_whose_engine_failed_to_start_fails_its_health_check():
     state = SimpleNamespace(service=None, load_error="startup failed (id 0123456789ab)")
-    with pytest.raises(RuntimeError, match="failed to start"):
+    with pytest.raises(ReplicaStartError, match="failed to start"):
         asyncio.run(_replica(state).check_health())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from promptcache.cluster import ClusterConfigError
 from promptcache.cluster.simulator import POLICIES, SimulationConfig, main, simulate
 
 CONFIG = SimulationConfig(num_replicas=4, num_requests_per_replica=150, device_modules_per_replica=16)
@@ -21,7 +22,7 @@ def test_affinity_keeps_more_in_the_device_tiers_than_load_only_routing():
 
 def test_runs_are_reproducible_and_policies_checked(capsys):
     assert simulate(CONFIG, "affinity") == simulate(CONFIG, "affinity")
-    with pytest.raises(ValueError, match="policy"):
+    with pytest.raises(ClusterConfigError, match="policy"):
         simulate(CONFIG, "round_robin")
     assert main(["--replicas", "2", "--requests-per-replica", "20"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == len(POLICIES)

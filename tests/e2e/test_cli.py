@@ -10,7 +10,8 @@ from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import ModelConfig, ModelRuntime, load_model
 from tests.model_factories import make_test_tokenizer, make_tiny_model
 
-SCHEMA = '<schema name="cli"><system>Be brief.</system><module name="doc">A document for the CLI test.</module></schema>'
+SCHEMA = ('<schema name="cli"><system>Be brief.</system><module name="doc">A document for the CLI test.</module>'
+          '</schema>')
 
 
 def test_encode_cli_writes_kv_to_redis(tmp_path, redis_server):

@@ -1,10 +1,11 @@
-"""Oracle for runtime tests: one forward pass whose explicit attention mask expresses a plan's approximation."""
+"""Oracles for runtime tests: explicit-mask forward passes of a plan's reuse, and the HF greedy loop after them."""
 
 from __future__ import annotations
 
 import torch
 
 from promptcache.model_runtime.engine import Fidelity, ReusePlan, resolve
+from promptcache.model_runtime.forward import cache_argument, past_cache
 from promptcache.pml import PromptPlan
 
 
@@ -102,3 +103,55 @@ def _positions(plan: PromptPlan, reuse: ReusePlan) -> tuple[list[int], list[int]
     assert len(stream) == len(reuse.token_ids), "the stream is every prompt token no use covers"
     starts = [u.cached.segment.position_ids[u.first] for u in reuse.uses]
     return [rank[p] - p for p in starts], [rank[p] for p in stream]
+
+
+@torch.inference_mode()
+def reference_greedy(loaded, plan: PromptPlan, params, fidelity: Fidelity | None = None) -> tuple[list[int], str]:
+    """The engine's greedy tokens for `plan` and their finish reason ("stop" or "length"), computed by
+    plain HF transformers: one forward pass with the explicit mask of `reuse_reference_rows`, then
+    token-by-token decoding with the model's own KV cache, each generated token attending to what the
+    engine's do (every reused module token, the stream, the tokens generated before it).
+
+    `params` (a greedy SamplingParams) gives `max_tokens` and `ignore_eos`; like the engine, decoding
+    also ends with "length" when the next token's position would be past the model's. The fidelity mode
+    is the engine's default (fast, layout positions) unless given.
+    """
+    assert params.temperature == 0, "the oracle is greedy (every one of n samples gets its tokens)"
+    model = loaded.model
+    reuse = resolve(plan, fidelity or Fidelity(), can_shift=loaded.key_shifter is not None)
+    tokens, positions, mask, use_rows = reuse_reference_rows(plan, reuse)
+    n, num_stream = len(tokens), len(reuse.token_ids)
+    # Generated tokens see every reused module token and the stream, never the extra context rows.
+    visible = torch.zeros((1, n), dtype=torch.long)  # [1, kv_len]
+    visible[0, n - num_stream:] = 1
+    for rows in use_rows:
+        visible[0, rows] = 1
+    next_position = max(p for p, seen in zip(positions, visible[0].tolist()) if seen) + 1
+    device = model.device
+    out = model(input_ids=torch.tensor([tokens], device=device), position_ids=torch.tensor([positions], device=device),
+                attention_mask=mask.to(device), use_cache=True)
+    eos = () if params.ignore_eos else tuple(loaded.eos_token_ids)
+    generated: list[int] = []
+    while True:
+        token = int(out.logits[0, -1].argmax())
+        generated.append(token)
+        if token in eos:
+            return generated, "stop"
+        if len(generated) >= params.max_tokens or next_position >= loaded.max_positions:
+            return generated, "length"
+        visible = torch.cat([visible, torch.ones((1, 1), dtype=torch.long)], dim=1)
+        out = model(input_ids=torch.tensor([[token]], device=device),
+                    position_ids=torch.tensor([[next_position]], device=device), attention_mask=visible.to(device),
+                    use_cache=True, **cache_argument(model, past_cache(out)))
+        next_position += 1
+
+
+def reference_tokens(loaded, plan: PromptPlan, params, fidelity: Fidelity | None = None) -> list[int]:
+    """The tokens of `reference_greedy`."""
+    return reference_greedy(loaded, plan, params, fidelity)[0]
+
+
+def reference_text(loaded, token_ids: list[int]) -> str:
+    """The text the engine streams for greedy `token_ids`: an end-of-sequence token adds none."""
+    eos = set(loaded.eos_token_ids)
+    return loaded.tokenizer.decode([t for t in token_ids if t not in eos], skip_special_tokens=True)

@@ -54,11 +54,13 @@ SHAPES = [  # (heads, kv heads, rows M, keys N, head dim, causal)
 ]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=[f"h{h}kv{g}m{m}n{n}d{d}{'c' if c else ''}" for h, g, m, n, d, c in SHAPES])
+@pytest.mark.parametrize("shape", SHAPES,
+                         ids=[f"h{h}kv{g}m{m}n{n}d{d}{'c' if c else ''}" for h, g, m, n, d, c in SHAPES])
 def test_kernel_matches_plain_attention(kernel, shape):
     heads, kv_heads, m, n, d, causal = shape
     g = torch.Generator().manual_seed(m * 131 + n)
-    q, k, v = (torch.randn(h, length, d, generator=g).bfloat16() for h, length in ((heads, m), (kv_heads, n), (kv_heads, n)))
+    q, k, v = (torch.randn(h, length, d, generator=g).bfloat16()
+               for h, length in ((heads, m), (kv_heads, n), (kv_heads, n)))
     out, lse = kernel(q, [k], [v], d ** -0.5, causal)
     want_out, want_lse = oracle(q, k, v, d ** -0.5, causal)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (heads, m)
@@ -85,7 +87,8 @@ def test_kernel_rejects_what_it_cannot_compute(kernel):
     with pytest.raises(RuntimeError, match="bfloat16"):
         kernel(q, [q, q.float()], [q, q], 0.125, False)
     with pytest.raises(RuntimeError, match="head dim"):
-        kernel(torch.randn(2, 4, 32).bfloat16(), [torch.randn(2, 4, 32).bfloat16()], [torch.randn(2, 4, 32).bfloat16()], 1.0, False)
+        kernel(torch.randn(2, 4, 32).bfloat16(), [torch.randn(2, 4, 32).bfloat16()],
+               [torch.randn(2, 4, 32).bfloat16()], 1.0, False)
     with pytest.raises(RuntimeError, match="N >= M"):
         kernel(q, [q[:, :1], q[:, :1]], [q[:, :1], q[:, :1]], 0.125, True)
     with pytest.raises(RuntimeError, match="segment 1"):

@@ -1,5 +1,5 @@
 """No stop-the-world: long prompts and module encodings advance in chunks between decode steps, and
-give the same tokens and KV as doing them in one pass (the single-sequence path is the oracle)."""
+give the same tokens and KV as doing them in one pass (the HF reference is the oracle)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from promptcache.model_runtime import ModelRuntime, SamplingParams
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity
 from promptcache.pml import token_plan
 from tests.conftest import _tiny_loaded, make_tiny_runtime
+from tests.model_runtime.oracles import reference_tokens
 from tests.model_runtime.test_fidelity import GREEDY, PROMPTS, SCHEMA, _tokens
 
 TEXT = "The quick brown fox jumps over the lazy dog. Cats sleep most of the day. " * 12
@@ -42,8 +43,8 @@ def test_long_prompts_prefill_in_chunks_while_others_decode():
         results, steps = asyncio.run(main())
     finally:
         engine.stop()
-    assert results[:3] == [list(runtime.generate(plan, params).token_ids) for plan in short]
-    assert results[3] == list(runtime.generate(long_plan, GREEDY).token_ids)
+    assert results[:3] == [reference_tokens(runtime.loaded, plan, params) for plan in short]
+    assert results[3] == reference_tokens(runtime.loaded, long_plan, GREEDY)
     assert len(ids) > 16 * 8 and steps >= len(ids) // 16  # the long prompt took many small steps
     alone = Engine(runtime.module_encoder, EngineConfig(prefix=None))
     try:  # chunked balanced prefill (row offsets across chunks) == balanced in one pass
@@ -79,7 +80,7 @@ def test_schema_and_missing_modules_encode_in_engine_steps_with_the_same_kv():
                 tokens += [event.token_id] if event.token_id is not None else []
             return tokens
 
-        assert asyncio.run(salted()) == list(runtime.generate(plan, GREEDY, cache_salt="other").token_ids)
+        assert asyncio.run(salted()) == reference_tokens(loaded, plan, GREEDY)
         assert runtime.module_encoder.num_encoded_segments > before
     finally:
         engine.stop()
@@ -98,16 +99,16 @@ def _encode_while_decoding(fail_fused_once: bool):
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     engine = Engine(runtime.module_encoder, EngineConfig(prefix=None, max_prefill_tokens=4))
     passes, failed = [], []
-    run = engine.runner.run
+    forward = engine.runner.forward
 
-    def counted(seqs):
-        passes.append(len(seqs))
-        if fail_fused_once and not failed and len(seqs) > 1 and any(s.request is None for s in seqs):
+    def counted(entries):
+        passes.append(len(entries))
+        if fail_fused_once and not failed and len(entries) > 1 and any(e.seq.request is None for e in entries):
             failed.append(True)
             raise RuntimeError("injected failure of a pass that carries an encoding chunk")
-        return run(seqs)
+        return forward(entries)
 
-    engine.runner.run = counted
+    engine.runner.forward = counted
     schema = runtime.parse_schema(SCHEMA)
 
     async def main():
@@ -127,7 +128,7 @@ def _encode_while_decoding(fail_fused_once: bool):
         key = runtime.module_encoder.key(schema, segment_id, context_ids, None)
         ours, theirs = runtime.module_encoder.store.get(key)[0], reference.module_encoder.store.get(key)[0]
         difference = max(difference, (ours.keys - theirs.keys).abs().max().item())
-    oracle = [list(runtime.generate(plan, params).token_ids) for plan in plans]
+    oracle = [reference_tokens(loaded, plan, params) for plan in plans]
     return tokens, oracle, difference, seen, steps, bool(failed)
 
 
@@ -179,8 +180,6 @@ def test_an_upload_for_others_is_kept_here_only_where_a_request_here_needs_it(tm
     """encode_schema(keep_local=False) writes the shared tier only, except the KV a request on this engine
     asked for while the upload was encoding: that job is kept locally too (the request reads no disk)."""
     loaded = _tiny_loaded("llama", torch.float32)
-    reference = ModelRuntime(loaded, build_store(StoreConfig()))
-    reference.add_schema(reference.parse_schema(SCHEMA))
     runtime = ModelRuntime(loaded, build_store(StoreConfig(disk_dir=str(tmp_path))))
     schema = runtime.parse_schema(SCHEMA)
     runtime.add_schema(schema, encode=False)
@@ -189,9 +188,9 @@ def test_an_upload_for_others_is_kept_here_only_where_a_request_here_needs_it(tm
                                                          max_prefill_tokens_alone=2))
     run = engine.runner.run
 
-    def paced(seqs):  # d0..d2 take dozens of 2-token steps: even a descheduled test thread submits before d3
+    def paced(plan):  # d0..d2 take dozens of 2-token steps: even a descheduled test thread submits before d3
         time.sleep(0.005)
-        return run(seqs)
+        return run(plan)
 
     engine.runner.run = paced
 
@@ -210,9 +209,9 @@ def test_an_upload_for_others_is_kept_here_only_where_a_request_here_needs_it(tm
         engine.stop()
     store, encoder = runtime.module_encoder.store, runtime.module_encoder
     assert store.flush(10) and report.num_encoded > 0
-    assert tokens == list(reference.generate(reference.plan(PROMPTS[2]), GREEDY).token_ids)  # fast, layout positions
-    assert [(m.path, m.tier) for m in modules] == [("d3", "device")]
+    assert tokens == reference_tokens(loaded, plan, GREEDY, Fidelity("fast"))  # fast, layout positions
+    assert [(m.path, m.tier) for m in modules] == [("d3", "computed")]  # it waited for d3's encoding
     used = {encoder.key(schema, c.segment.segment_id, c.context_ids, None) for c in plan.cached}
     for segment_id, context_ids in encoder.schema_jobs(schema):
         key = encoder.key(schema, segment_id, context_ids, None)
-        assert store.contains(key) == ("device" if key in used else "disk"), schema.segments[segment_id].owner
+        assert store.tier_of(key).name == ("device" if key in used else "disk"), schema.segments[segment_id].owner

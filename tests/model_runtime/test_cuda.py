@@ -17,6 +17,7 @@ from promptcache.cache_store import KVBlock, StoreConfig, build_store
 from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.attention import SharedSegment, shared_module_attention
 from promptcache.model_runtime.engine import Engine, EngineConfig
+from promptcache.model_runtime.engine.kv_view import KVView
 from promptcache.model_runtime.engine.request import Sequence, SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.kv_pool import KVPool
@@ -24,6 +25,8 @@ from promptcache.model_runtime.loader import wrap_model
 from promptcache.model_runtime.sampling import PromptTokens, Sampler
 from tests.conftest import make_tiny_runtime
 from tests.model_factories import make_test_tokenizer, tiny_config
+from tests.model_runtime.engine_probe import feed
+from tests.model_runtime.oracles import reference_tokens
 from tests.model_runtime.test_attention_backend import ALL_CASES, make_extra, offset_reference
 from tests.model_runtime.test_engine import SCHEMA, _collect, _prompts
 from tests.model_runtime.test_exactness import EXACT_SCHEMA, SCAFFOLD_SCHEMA, _check_exact
@@ -69,7 +72,7 @@ def test_tier_chain_device_pinned_host_disk_and_back_is_bit_equal(tmp_path):
     for key, block in blocks.items():
         store.put(key, block)  # "a" is pushed down to disk, "b" to the host
     assert store.flush(timeout_s=10)
-    assert [store.contains(k) for k in "abc"] == ["disk", "host", "device"]
+    assert [store.tier_of(k).name for k in "abc"] == ["disk", "host", "device"]
     host_block = store.tiers[1].get("b")
     assert host_block.keys.device.type == "cpu" and host_block.keys.is_pinned() and host_block.values.is_pinned()
     for key in "abc":
@@ -104,7 +107,7 @@ def test_a_batch_of_8_with_shared_modules_equals_single_runs(arch):
     rng = random.Random(2)
     prompts = _prompts(rng, 8)
     params = [SamplingParams(max_tokens=rng.randint(4, 10), temperature=0, ignore_eos=True) for _ in prompts]
-    expected = [runtime.generate(runtime.plan(p), sp).token_ids for p, sp in zip(prompts, params)]
+    expected = [reference_tokens(runtime.loaded, runtime.plan(p), sp) for p, sp in zip(prompts, params)]
     engine = Engine(runtime.module_encoder, EngineConfig(max_num_seqs=8))
 
     async def main():
@@ -116,7 +119,7 @@ def test_a_batch_of_8_with_shared_modules_equals_single_runs(arch):
         engine.stop()
     for result, want in zip(results, expected):
         assert result["final"] is not None and result["final"].error is None
-        assert tuple(result["tokens"][0]) == want
+        assert result["tokens"][0] == want
 
 
 def test_sampling_state_follows_cpu_logits_to_the_gpu():
@@ -147,7 +150,7 @@ def _decode_step_syncs(num_layers: int, batch: int = 8, shared: int = 600, own: 
                   num_slots=batch * (own + 4), dtype=torch.float32, device="cuda")
     seqs = []
     for i in range(batch):
-        seq = Sequence(seq_id=i, request=None, index=0, shared=[SharedKV("modules", block)],
+        seq = Sequence(seq_id=i, request=None, index=0, shared=[SharedKV(KVView("modules"), block)],
                        own_pool=pool, own_slot=pool.allocate(own + 4))
         seq.own_keys, seq.own_values = pool.slots(seq.own_slot, own + 4)
         seq.own_keys.normal_()
@@ -158,7 +161,7 @@ def _decode_step_syncs(num_layers: int, batch: int = 8, shared: int = 600, own: 
     def step() -> None:
         for seq in seqs:
             seq.pending_ids, seq.pending_positions = [7], [shared + seq.own_length]
-        runner.run(seqs)
+        feed(runner, seqs)
 
     step()  # warm-up: kernels loaded, allocator primed
     torch.cuda.synchronize()

@@ -16,7 +16,8 @@ from promptcache.model_runtime.packed_linear import can_pack
 from promptcache.server import ServerSettings
 from tests.conftest import make_tiny_runtime
 
-EPYC_AVX2 = frozenset(["fpu", "sse", "sse2", "avx", "avx2", "fma", "f16c"])  # an AMD EPYC without AVX-512 (this machine)
+# An AMD EPYC without AVX-512 (this machine).
+EPYC_AVX2 = frozenset(["fpu", "sse", "sse2", "avx", "avx2", "fma", "f16c"])
 XEON_AMX = EPYC_AVX2 | {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}  # Sapphire Rapids
 ZEN4 = EPYC_AVX2 | {"avx512f", "avx512_bf16"}
 

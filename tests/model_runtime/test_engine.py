@@ -1,4 +1,4 @@
-"""Batched engine vs the single-sequence path: same greedy tokens under continuous batching."""
+"""The engine against the HF reference: same greedy tokens under continuous batching and one at a time."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.engine import Engine, EngineConfig
 from tests.conftest import make_tiny_runtime
+from tests.model_runtime.oracles import reference_tokens
 
 SCHEMA = """<schema name="lib"><system>Answer from the documents.</system>
   <user>
@@ -43,15 +44,16 @@ def _prompts(rng: random.Random, count: int) -> list[str]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_engine_matches_single_sequence_path(arch):
+@pytest.mark.parametrize("max_num_seqs", [6, 1], ids=["batched", "one-at-a-time"])
+def test_engine_matches_the_hf_reference(arch, max_num_seqs):
     runtime = make_tiny_runtime(arch)
     runtime.add_schema(runtime.parse_schema(SCHEMA))
     rng = random.Random(1)
     prompts = _prompts(rng, 10)
     params = [SamplingParams(max_tokens=rng.randint(3, 12), temperature=0, ignore_eos=True, n=3 if i % 3 == 0 else 1)
               for i in range(len(prompts))]
-    expected = [runtime.generate(runtime.plan(p), sp).token_ids for p, sp in zip(prompts, params)]
-    engine = Engine(runtime.module_encoder, EngineConfig(max_num_seqs=6))
+    expected = [reference_tokens(runtime.loaded, runtime.plan(p), sp) for p, sp in zip(prompts, params)]
+    engine = Engine(runtime.module_encoder, EngineConfig(max_num_seqs=max_num_seqs))
 
     async def main():
         tasks = []
@@ -69,7 +71,7 @@ def test_engine_matches_single_sequence_path(arch):
         assert result["final"] is not None and result["final"].error is None
         assert sorted(result["tokens"]) == list(range(sp.n))
         for tokens in result["tokens"].values():
-            assert tuple(tokens) == want
+            assert tokens == want
     assert engine.num_steps > 0 and engine.scheduler.memory.used_bytes == 0
 
 
@@ -79,14 +81,14 @@ def test_abort_frees_memory_and_budget_holds():
     config = EngineConfig(max_num_seqs=8, max_kv_bytes=400_000)
     engine = Engine(runtime.module_encoder, config)
     peak = {"bytes": 0}
-    original = engine.scheduler.postprocess
+    original = engine.outputs.postprocess
 
-    def watched(batch, logits, step_ms):
+    def watched(plan, output):
         peak["bytes"] = max(peak["bytes"], engine.scheduler.memory.used_bytes)
         assert engine.scheduler.memory.used_bytes <= config.max_kv_bytes
-        return original(batch, logits, step_ms)
+        return original(plan, output)
 
-    engine.scheduler.postprocess = watched
+    engine.outputs.postprocess = watched
     prompts = _prompts(random.Random(2), 6)
 
     async def main():

@@ -1,4 +1,4 @@
-"""One request never harms another: poison requests among healthy streams, against the no-fault oracle."""
+"""One request never harms another: poison requests among healthy streams, against the HF reference."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from promptcache.model_runtime.engine import Engine, EngineConfig
 from promptcache.model_runtime.sampling import Sampler
 from promptcache.pml import token_plan
 from tests.conftest import make_tiny_runtime
+from tests.model_runtime.oracles import reference_tokens
 from tests.model_runtime.test_engine import SCHEMA
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -32,7 +33,7 @@ def _setup():
     runtime.add_schema(runtime.parse_schema('<schema name="plain"/>'), encode=False)
     healthy = [runtime.plan(f'<prompt schema="lib"><user><d{i}/>Question {i}?</user><assistant/></prompt>')
                for i in range(4)]
-    expected = [list(runtime.generate(plan, GREEDY).token_ids) for plan in healthy]
+    expected = [reference_tokens(runtime.loaded, plan, GREEDY) for plan in healthy]
     return runtime, healthy, expected
 
 

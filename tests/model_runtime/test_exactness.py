@@ -1,4 +1,4 @@
-"""Cached prefill against oracles: full prefill where exact, an explicit-mask forward where not."""
+"""The engine's cached prefill against oracles: full prefill where exact, an explicit-mask forward where not."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.baseline import full_prefill_greedy, full_prefill_logits
-from promptcache.model_runtime.cached_prefill import prefill
+from tests.model_runtime.engine_probe import engine_tokens, first_step
 from tests.model_runtime.oracles import approximation_reference
 
 ARCHS = ["llama", "mistral", "qwen2", "gpt2"]
@@ -39,13 +39,12 @@ def _check_exact(runtime, prompt: str) -> None:
     plan = runtime.plan(prompt)
     assert plan.is_exact, plan.approximations
     model = runtime.loaded.model
-    cached = prefill(runtime.module_encoder, plan)
+    logits, final = first_step(runtime, plan)
     reference = full_prefill_logits(model, plan.token_ids(), plan.position_ids())[-1]
-    assert (cached.logits - reference).abs().max().item() <= 1e-4
-    result = runtime.generate(plan, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
-    expected = full_prefill_greedy(model, plan.token_ids(), plan.position_ids(), 20)
-    assert list(result.token_ids) == expected
-    assert result.is_exact
+    assert (logits - reference).abs().max().item() <= 1e-4
+    assert final.is_exact
+    tokens = engine_tokens(runtime, plan, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    assert tokens == full_prefill_greedy(model, plan.token_ids(), plan.position_ids(), 20)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -70,14 +69,13 @@ def test_approximate_prompts_match_masked_reference(tiny_runtime, arch, prompt, 
     runtime.add_schema(runtime.parse_schema(APPROX_SCHEMA.format(params=params)))
     plan = runtime.plan(prompt)
     assert not plan.is_exact
-    cached = prefill(runtime.module_encoder, plan)
+    logits, final = first_step(runtime, plan)
     tokens, positions, mask = approximation_reference(plan)
     reference = full_prefill_logits(runtime.loaded.model, tokens, positions, attention_mask=mask)[-1]
-    assert (cached.logits - reference).abs().max().item() <= 1e-4
+    assert (logits - reference).abs().max().item() <= 1e-4
     plain = full_prefill_logits(runtime.loaded.model, plan.token_ids(), plan.position_ids())[-1]
-    assert (cached.logits - plain).abs().max().item() > 1e-4  # the approximation is real, and visible
-    result = runtime.generate(plan, SamplingParams(max_tokens=2, temperature=0))
-    assert result.is_exact is False and result.approximations
+    assert (logits - plain).abs().max().item() > 1e-4  # the approximation is real, and visible
+    assert final.is_exact is False and plan.approximations
 
 
 def test_bf16_stays_close_to_fp32(tiny_runtime):
@@ -86,7 +84,7 @@ def test_bf16_stays_close_to_fp32(tiny_runtime):
     for dtype in (torch.float32, torch.bfloat16):
         runtime = tiny_runtime("llama", dtype=dtype)
         runtime.add_schema(runtime.parse_schema(EXACT_SCHEMA))
-        logits[dtype] = prefill(runtime.module_encoder, runtime.plan(prompt)).logits
+        logits[dtype] = first_step(runtime, runtime.plan(prompt))[0]
     assert logits[torch.bfloat16].dtype == torch.float32
     # bf16 keeps ~3 significant digits; over 2 layers the logits stay within 0.1 absolute.
     assert (logits[torch.bfloat16] - logits[torch.float32]).abs().max().item() <= 0.1

@@ -11,12 +11,9 @@ import torch
 from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.baseline import full_prefill_greedy, full_prefill_logits
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, resolve
-from promptcache.model_runtime.engine.prefix import PrefixReuse
-from promptcache.model_runtime.engine.request import Request
 from promptcache.model_runtime.engine.reuse_plan import in_context, realigned, recompute_selected
-from promptcache.model_runtime.engine.runner import ModelRunner
-from promptcache.model_runtime.engine.scheduler import Scheduler
 from tests.conftest import make_tiny_runtime
+from tests.model_runtime.engine_probe import first_step
 from tests.model_runtime.oracles import reuse_reference
 from tests.model_runtime.test_exactness import APPROX_PROMPTS, APPROX_SCHEMA
 
@@ -48,22 +45,6 @@ def _runtime(arch: str):
     return runtime
 
 
-def _first_logits(runtime, plan, fidelity: Fidelity, *, prefix: PrefixReuse | None = None, reuse=None) -> tuple:
-    """The engine's own scheduler and runner, one prefill step on this thread (`reuse`: a ReusePlan
-    given instead of the fidelity's own). Module KV it lacks (a second encoding) is encoded first."""
-    for use in (reuse or resolve(plan, fidelity)).uses:
-        runtime.module_encoder.fetch(plan.schema, use.cached.segment.segment_id, use.cached.context_ids)
-    scheduler = Scheduler(EngineConfig(prefix=None), runtime.module_encoder, prefix or PrefixReuse(None))
-    request = Request("probe", plan, SamplingParams(max_tokens=1, temperature=0), None, fidelity)
-    request.reuse = reuse
-    scheduler.add(request)
-    batch, events, _ = scheduler.schedule()
-    assert not events, events
-    logits = ModelRunner(runtime.loaded).run(batch)
-    final = scheduler.postprocess(batch, logits, 0.0)[-1]
-    return logits[0], final
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("fidelity", MODES, ids=lambda f: f"{f.mode}-{f.head_tokens}-{f.positions}-{f.context}")
 def test_every_mode_matches_its_explicit_mask_oracle(arch, fidelity):
@@ -75,7 +56,7 @@ def test_every_mode_matches_its_explicit_mask_oracle(arch, fidelity):
         plan = runtime.plan(prompt)
         reuse = resolve(plan, fidelity, can_shift=can_shift)
         realigned += reuse.positions == "contiguous"
-        logits, final = _first_logits(runtime, plan, fidelity)
+        logits, final = first_step(runtime, plan, fidelity)
         tokens, positions, mask = reuse_reference(plan, reuse)
         reference = full_prefill_logits(runtime.loaded.model, tokens, positions, mask)[-1]
         assert (logits - reference).abs().max().item() <= 1e-4, prompt
@@ -96,7 +77,7 @@ def test_exact_equals_a_plain_full_prefill(arch):
         for prompt in [*PROMPTS, *APPROX_PROMPTS]:
             plan = runtime.plan(prompt)
             contiguous = list(range(plan.num_prompt_tokens))
-            logits, final = _first_logits(runtime, plan, Fidelity("exact"))
+            logits, final = first_step(runtime, plan, Fidelity("exact"))
             reference = full_prefill_logits(model, plan.token_ids(), contiguous)[-1]
             assert (logits - reference).abs().max().item() <= 1e-4, prompt
             assert final.is_exact
@@ -115,7 +96,7 @@ def test_balanced_recomputes_what_it_reports_and_never_writes_back():
     reuse = resolve(plan, Fidelity("balanced", 3))
     out_of_context = [c for c in plan.cached if not in_context(plan, c)]
     assert out_of_context and reuse.num_recomputed == sum(min(3, len(c.segment.token_ids)) for c in out_of_context)
-    _, final = _first_logits(runtime, plan, Fidelity("balanced", 3))
+    _, final = first_step(runtime, plan, Fidelity("balanced", 3))
     reported = {m.path: m.num_recomputed for m in final.modules}
     assert sum(reported.values()) == final.usage.recomputed_tokens == reuse.num_recomputed
     assert reported == {"d2": 3, "d0": 0}
@@ -144,7 +125,7 @@ def test_any_selection_of_recomputed_tokens_matches_its_oracle(contiguous):
         last = use.cached.segment.position_ids[use.last - 1]
         assert all((k >= use.visible_from) == (p > last) for k, p in enumerate(selected.position_ids))
     reuse = realigned(selected) if contiguous else selected
-    logits, final = _first_logits(runtime, plan, Fidelity("balanced"), reuse=reuse)
+    logits, final = first_step(runtime, plan, Fidelity("balanced"), reuse=reuse)
     tokens, positions, mask = reuse_reference(plan, reuse)
     reference = full_prefill_logits(runtime.loaded.model, tokens, positions, mask)[-1]
     assert (logits - reference).abs().max().item() <= 1e-4

@@ -9,10 +9,13 @@ import asyncio
 
 import torch
 
-from promptcache.model_runtime.baseline import full_prefill_logits
+from promptcache.cache_store import MemoryTier, TieredStore
+from promptcache.model_runtime.baseline import full_prefill_greedy, full_prefill_logits
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, resolve
 from promptcache.model_runtime.engine.reuse_plan import in_context
-from tests.model_runtime.test_fidelity import PROMPTS, _first_logits, _runtime, _tokens
+from tests.conftest import make_tiny_runtime
+from tests.model_runtime.engine_probe import first_step
+from tests.model_runtime.test_fidelity import PROMPTS, SCHEMA, _runtime, _tokens
 
 PRECEDED = Fidelity("fast", context="predecessor")
 
@@ -28,10 +31,10 @@ def test_consecutive_modules_become_a_full_prefill():
     assert reuse.context == "predecessor" and all(in_context(plan, u.cached) for u in reuse.uses)
     assert not all(in_context(plan, c) for c in plan.cached)  # with the schema's encodings d1 is not
     assert resolve(plan, Fidelity("balanced", 4, context="predecessor")).num_recomputed == 0  # d1 is in context
-    preceded, final = _first_logits(runtime, plan, PRECEDED)
+    preceded, final = first_step(runtime, plan, PRECEDED)
     assert (preceded - reference).abs().max().item() <= 1e-4
     assert {m.path: m.encoded_after for m in final.modules} == {"d0": None, "d1": "d0"}
-    schema_context, _ = _first_logits(runtime, plan, Fidelity("fast"))
+    schema_context, _ = first_step(runtime, plan, Fidelity("fast"))
     assert (schema_context - reference).abs().max().item() > 1e-3  # what the second encoding fixes
 
 
@@ -45,14 +48,14 @@ def test_second_encoding_is_stored_apart_and_the_first_never_changes():
     assert reuse.encoded_after(plan.schema) == {"d2": "d1"}  # d0 has no module before it: its own encoding
     second = [encoder.key(plan.schema, u.cached.segment.segment_id, u.cached.context_ids, None)
               for u in reuse.uses if u.cached.segment.owner == "d2"]
-    assert second and all(store.contains(k) is None for k in second) and set(second).isdisjoint(first_keys)
+    assert second and all(store.tier_of(k) is None for k in second) and set(second).isdisjoint(first_keys)
     engine = Engine(encoder, EngineConfig(prefix=None))
     try:
         asyncio.run(_tokens(engine, plan, fidelity=Fidelity("balanced", 2, "contiguous", "predecessor")))
     finally:
         engine.stop()
-    assert all(store.contains(k) is not None for k in second)  # the engine encoded it on first use, kept
-    _, final = _first_logits(runtime, plan, Fidelity("balanced", 2, "contiguous", "predecessor"))
+    assert all(store.tier_of(k) is not None for k in second)  # the engine encoded it on first use, kept
+    _, final = first_step(runtime, plan, Fidelity("balanced", 2, "contiguous", "predecessor"))
     assert final.context == "predecessor" and {m.path: m.encoded_after for m in final.modules} == {"d0": None,
                                                                                                    "d2": "d1"}
     for key, old in zip(first_keys, before):
@@ -68,21 +71,93 @@ def test_exact_mode_and_exact_prompts_ignore_the_context():
     assert exact_prompt.is_exact and resolve(exact_prompt, PRECEDED).context == "schema"
 
 
-def test_an_engine_defaulting_to_predecessor_encodes_both_at_upload():
-    runtime = _runtime("llama")
-    schema = runtime.get_schema("lib")
-    jobs = runtime.module_encoder.schema_jobs(schema)
-    preceded = runtime.module_encoder.schema_jobs(schema, predecessors=True)
+def _fresh_runtime(store=None):
+    """The lib schema parsed, nothing encoded yet (`store`: a store of the test's own)."""
+    runtime = make_tiny_runtime("llama", store=store)
+    schema = runtime.parse_schema(SCHEMA)
+    runtime.add_schema(schema, encode=False)
+    return runtime, schema
+
+
+def _second_keys(runtime, plan) -> list[str]:
+    reuse = resolve(plan, PRECEDED)
+    return [runtime.module_encoder.key(plan.schema, u.cached.segment.segment_id, u.cached.context_ids, None)
+            for u in reuse.uses if u.cached.context_ids != u.cached.segment.context_ids]
+
+
+def test_an_upload_leaves_second_encodings_to_their_first_use():
+    """An engine whose requests reuse second encodings does not make them at upload: the first request
+    that needs one parks while the engine's chunked encode queue makes it (nothing is encoded inline
+    when the request is assembled), and its answer is a full prefill's (d0 then d1: exact with d1's
+    second encoding). `second_encodings=True` makes them at upload instead."""
+    runtime, schema = _fresh_runtime()
+    encoder = runtime.module_encoder
+    jobs, preceded = encoder.schema_jobs(schema), encoder.schema_jobs(schema, predecessors=True)
     assert len(preceded) == len(jobs) + 3  # d1, d2, d3 after the module before each; d0 has none
-    engine = Engine(runtime.module_encoder, EngineConfig(prefix=None, fidelity=PRECEDED))
+    plan = runtime.plan(PROMPTS[1])
+    second = _second_keys(runtime, plan)
+    assert len(second) == 1  # d1 after d0
+    engine = Engine(encoder, EngineConfig(prefix=None, fidelity=PRECEDED, max_prefill_tokens=4,
+                                          max_prefill_tokens_alone=4))
+    queued, fetched = [], []
+    submit, fetch = engine.encodes.submit, encoder.fetch
+    engine.encodes.submit = lambda *a, **k: queued.append(encoder.key(*a[:3], a[3])) or submit(*a, **k)
+    encoder.fetch = lambda *a, **k: fetched.append(fetch(*a, **k)) or fetched[-1]
     try:
-        report = engine.encode_schema(schema).result(timeout=120)  # the schema's own encodings are stored
-        assert (report.num_segments, report.num_encoded) == (len(preceded), 3)
-        encoded = runtime.module_encoder.num_encoded_segments
-        asyncio.run(_tokens(engine, runtime.plan(PROMPTS[0]), fidelity=PRECEDED))
-        assert runtime.module_encoder.num_encoded_segments == encoded
+        report = engine.encode_schema(schema).result(timeout=120)
+        assert (report.num_segments, report.num_encoded) == (len(jobs), len(jobs))
+        assert encoder.store.tier_of(second[0]) is None  # not made at upload
+        steps = engine.num_steps
+        tokens = asyncio.run(_tokens(engine, plan, fidelity=PRECEDED))
+        assert second[0] in queued[len(jobs):]  # through the chunked encode queue, on first use
+        assert engine.num_steps - steps > len(schema.segments_of("d1")[0].token_ids) // 4  # in chunks of 4
+        assert fetched and None not in fetched  # stored before assembly: nothing left to encode inline
+        assert encoder.store.tier_of(second[0]) is not None
     finally:
         engine.stop()
+    model = runtime.loaded.model
+    assert tokens == full_prefill_greedy(model, plan.token_ids(), list(plan.position_ids()), len(tokens))
+
+    runtime, schema = _fresh_runtime()
+    engine = Engine(runtime.module_encoder, EngineConfig(prefix=None))
+    try:
+        report = engine.encode_schema(schema, second_encodings=True).result(timeout=120)
+    finally:
+        engine.stop()
+    assert (report.num_segments, report.num_encoded) == (len(preceded), len(preceded))
+    assert runtime.module_encoder.store.tier_of(_second_keys(runtime, runtime.plan(PROMPTS[1]))[0]) is not None
+
+
+def test_second_encodings_are_evicted_before_first_encodings():
+    """Under the tier's byte budget a new second encoding evicts an older second encoding, never a first
+    encoding (even one used less recently, which plain LRU would take); the evicted one is made again on
+    its next use, and the answer is still the full prefill's."""
+    tier = MemoryTier("device", 1 << 30)
+    runtime, schema = _fresh_runtime(TieredStore([tier]))
+    encoder, model = runtime.module_encoder, runtime.loaded.model
+    engine = Engine(encoder, EngineConfig(prefix=None, fidelity=PRECEDED))
+    consecutive, other = runtime.plan(PROMPTS[1]), runtime.plan(PROMPTS[0])  # d0 d1 | d2 d0
+    [d1_second], [d2_second] = _second_keys(runtime, consecutive), _second_keys(runtime, other)
+    try:
+        engine.encode_schema(schema).result(timeout=120)
+        first = list(tier.keys())
+        first_tokens = asyncio.run(_tokens(engine, consecutive, fidelity=PRECEDED))
+        assert tier.lookup(d1_second).kind == "prefix" and all(tier.lookup(k).kind == "module" for k in first)
+        for key in first[1:]:  # first[0] is now the least recently used entry
+            tier.touch(key)
+        d2_bytes = tier.lookup(encoder.key(schema, schema.segments_of("d2")[0].segment_id,
+                                           schema.segments_of("d2")[0].context_ids, None)).block.nbytes
+        tier.max_bytes = tier.used_bytes + d2_bytes - 1  # room for d2's second encoding once one entry goes
+        asyncio.run(_tokens(engine, other, fidelity=PRECEDED))
+        assert tier.contains(d2_second) and not tier.contains(d1_second)
+        assert all(tier.contains(k) for k in first)  # every first encoding kept, the LRU one included
+        again = asyncio.run(_tokens(engine, consecutive, fidelity=PRECEDED))  # d1's made again, d2's goes
+        assert tier.contains(d1_second) and not tier.contains(d2_second)
+        assert all(tier.contains(k) for k in first)
+    finally:
+        engine.stop()
+    reference = full_prefill_greedy(model, consecutive.token_ids(), list(consecutive.position_ids()), len(again))
+    assert first_tokens == again == reference
 
 
 def test_predecessor_is_the_module_before_when_its_own_context_fits():

@@ -7,16 +7,18 @@ import torch
 
 from promptcache.cache_store import KVBlock
 from promptcache.model_runtime.engine.kv_groups import AssembledGroups
+from promptcache.model_runtime.engine.kv_view import KVView
 from promptcache.pml import token_plan
 from tests.model_runtime.test_prefix_reuse import TEXT, Harness, _greedy
 
 LAYERS, HEADS, DIM = 2, 2, 4
 
 
-def _blocks(*sizes: int, dtype: torch.dtype = torch.float32) -> dict[str, KVBlock]:
+def _blocks(*sizes: int, dtype: torch.dtype = torch.float32) -> dict[KVView, KVBlock]:
     torch.manual_seed(sum(sizes))
-    return {f"b{i}": KVBlock(torch.randn(LAYERS, HEADS, n, DIM, dtype=dtype), torch.randn(LAYERS, HEADS, n, DIM, dtype=dtype),
-                             torch.arange(n)) for i, n in enumerate(sizes)}
+    return {KVView(f"b{i}"): KVBlock(torch.randn(LAYERS, HEADS, n, DIM, dtype=dtype),
+                             torch.randn(LAYERS, HEADS, n, DIM, dtype=dtype), torch.arange(n))
+            for i, n in enumerate(sizes)}
 
 
 def _bytes(tokens: int) -> int:  # a group buffer of `tokens` tokens (keys and values, fp32, with headroom)
@@ -26,54 +28,56 @@ def _bytes(tokens: int) -> int:  # a group buffer of `tokens` tokens (keys and v
 def test_a_group_is_the_concatenation_of_its_blocks_and_is_kept():
     blocks = _blocks(3, 5, 2)
     groups = AssembledGroups(max_bytes=1 << 20)
-    names = ("b0", "b1", "b2")
+    names = (KVView("b0"), KVView("b1"), KVView("b2"))
     keys, values = groups.get(names, blocks)
     assert torch.equal(keys, torch.cat([blocks[n].keys for n in names], dim=2)) and keys.is_contiguous()
     assert torch.equal(values, torch.cat([blocks[n].values for n in names], dim=2))
     groups.trim()
     again, _ = groups.get(names, blocks)
     assert again.data_ptr() == keys.data_ptr()  # not copied again
-    single, _ = groups.get(("b1",), blocks)
-    assert single is blocks["b1"].keys and len(groups) == 1  # one block: its own tensor
+    single, _ = groups.get((KVView("b1"),), blocks)
+    assert single is blocks[KVView("b1")].keys and len(groups) == 1  # one block: its own tensor
 
 
 def test_whole_blocks_are_split_from_views():
-    assert AssembledGroups.split(["c", "a#5", "b"]) == [("b", "c"), ("a#5",)]
-    assert AssembledGroups.split(["c", "a#0:3"]) == [("a#0:3", "c")]  # one whole block: kept together
-    assert AssembledGroups.split(["c", "b"]) == [("b", "c")]
+    a5, a03, b, c = KVView("a", 0, 5), KVView("a", 0, 3), KVView("b"), KVView("c")
+    assert AssembledGroups.split([c, a5, b]) == [(b, c), (a5,)]
+    assert AssembledGroups.split([c, a03]) == [(a03, c)]  # one whole block: kept together
+    assert AssembledGroups.split([c, b]) == [(b, c)]
+    assert AssembledGroups.split([c, KVView("b", shift=2), b]) == [(b, c), (KVView("b", shift=2),)]
 
 
 def test_unused_groups_are_dropped_least_recent_first_and_used_ones_never():
     blocks = _blocks(4, 4, 4, 4)
     groups = AssembledGroups(max_bytes=_bytes(8) * 2)  # room for two groups of two blocks
-    groups.get(("b0", "b1"), blocks)
+    groups.get((KVView("b0"), KVView("b1")), blocks)
     groups.trim()
-    groups.get(("b2", "b3"), blocks)
+    groups.get((KVView("b2"), KVView("b3")), blocks)
     groups.trim()
-    groups.get(("b0", "b2"), blocks)  # over budget: the least recent unused group gives up its buffer
-    groups.get(("b1", "b3"), blocks)
+    groups.get((KVView("b0"), KVView("b2")), blocks)  # over budget: the least recent unused group gives up its buffer
+    groups.get((KVView("b1"), KVView("b3")), blocks)
     groups.trim()  # both in use this step: kept though over budget
     assert len(groups) == 2 and groups.num_bytes <= groups.max_bytes
-    keys, _ = groups.get(("b1", "b3"), blocks)
-    assert torch.equal(keys, torch.cat([blocks["b1"].keys, blocks["b3"].keys], dim=2))
+    keys, _ = groups.get((KVView("b1"), KVView("b3")), blocks)
+    assert torch.equal(keys, torch.cat([blocks[KVView("b1")].keys, blocks[KVView("b3")].keys], dim=2))
 
 
 def test_a_new_group_at_the_budget_reuses_an_old_buffer():
     blocks = _blocks(4, 4, 4, 3)
     groups = AssembledGroups(max_bytes=_bytes(8))
-    first, _ = groups.get(("b0", "b1"), blocks)
+    first, _ = groups.get((KVView("b0"), KVView("b1")), blocks)
     pointer = first.data_ptr()
     groups.trim()
-    keys, values = groups.get(("b2", "b3"), blocks)  # 7 tokens fit the 8-token buffer: taken over
+    keys, values = groups.get((KVView("b2"), KVView("b3")), blocks)  # 7 tokens fit the 8-token buffer: taken over
     assert keys.data_ptr() == pointer and len(groups) == 1
-    assert torch.equal(keys, torch.cat([blocks["b2"].keys, blocks["b3"].keys], dim=2))
-    assert torch.equal(values, torch.cat([blocks["b2"].values, blocks["b3"].values], dim=2))
+    assert torch.equal(keys, torch.cat([blocks[KVView("b2")].keys, blocks[KVView("b3")].keys], dim=2))
+    assert torch.equal(values, torch.cat([blocks[KVView("b2")].values, blocks[KVView("b3")].values], dim=2))
 
 
 def test_zero_budget_keeps_groups_only_while_used():
     blocks = _blocks(2, 2)
     groups = AssembledGroups(max_bytes=0)
-    groups.get(("b0", "b1"), blocks)
+    groups.get((KVView("b0"), KVView("b1")), blocks)
     groups.trim()
     assert len(groups) == 1  # used in the step that just ran
     groups.trim()
@@ -94,7 +98,7 @@ def test_requests_over_one_document_attend_one_kept_group():
             tokens, final = h.run_sync(plan, _greedy())
             assert tokens[0] == h.oracle(plan, _greedy())  # the no-reuse oracle
             assert final.usage.cached_tokens >= 40
-        whole = [names for names in groups.kept() if not any("#" in n for n in names)]
+        whole = [names for names in groups.kept() if all(n.is_whole for n in names)]
         assert len(whole) == 1 and len(whole[0]) == 5  # the document's five blocks, assembled once
     finally:
         h.engine.stop()

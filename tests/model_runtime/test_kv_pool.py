@@ -17,6 +17,7 @@ from promptcache.cache_store import KVBlock
 from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.attention import dispatch
 from promptcache.model_runtime.engine import Engine, EngineConfig
+from promptcache.model_runtime.engine.kv_view import KVView
 from promptcache.model_runtime.engine.request import Sequence, SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.kv_pool import KVPool
@@ -24,6 +25,8 @@ from promptcache.model_runtime.loader import wrap_model
 from promptcache.model_runtime.packed_attention import BatchCache
 from tests.conftest import TEST_DEVICE, make_tiny_runtime
 from tests.model_factories import make_test_tokenizer, tiny_config
+from tests.model_runtime.engine_probe import feed
+from tests.model_runtime.oracles import reference_tokens
 from tests.model_runtime.test_engine import SCHEMA, _collect, _prompts
 
 SHARED, OWN = 40, 5  # decode steps over 40 shared tokens and 5-7 own ones (the padded own-KV call)
@@ -96,7 +99,7 @@ def _sequences(loaded, num_seqs: int, pooled: set[int]) -> list[Sequence]:
     seqs = []
     for i in range(num_seqs):
         own_length, capacity = OWN + i % 3, OWN + 4
-        seq = Sequence(seq_id=i, request=None, index=0, shared=[SharedKV("modules", block)])  # type: ignore[arg-type]
+        seq = Sequence(seq_id=i, request=None, index=0, shared=[SharedKV(KVView("modules"), block)])  # type: ignore[arg-type]
         if i in pooled:
             pool.allocate(16)  # a gap, so pooled sequences' slots are not one run
             seq.own_pool, seq.own_slot = pool, pool.allocate(capacity)
@@ -123,7 +126,7 @@ def _update_ops(loaded, num_seqs: int, pooled: set[int], monkeypatch) -> list[Co
         return result
 
     monkeypatch.setattr(BatchCache, "update", counted)
-    ModelRunner(loaded).run(_sequences(loaded, num_seqs, pooled))
+    feed(ModelRunner(loaded), _sequences(loaded, num_seqs, pooled))
     monkeypatch.setattr(BatchCache, "update", update)
     return calls
 
@@ -142,7 +145,7 @@ def _step_ops(loaded, num_seqs: int) -> Counter[str]:
     seqs = _sequences(loaded, num_seqs, set(range(num_seqs)))
     runner = ModelRunner(loaded)
     with torch.inference_mode(), counter:
-        runner.run(seqs)
+        feed(runner, seqs)
     return counter.counts
 
 
@@ -169,7 +172,7 @@ def test_decode_step_ops_per_layer_do_not_grow_with_the_batch(num_seqs, branch, 
 def test_pooled_step_equals_buffers_of_their_own(pooled):
     loaded = _loaded(2)
     apart, together = _sequences(loaded, 6, set()), _sequences(loaded, 6, pooled)
-    expected, got = ModelRunner(loaded).run(apart), ModelRunner(loaded).run(together)
+    expected, got = feed(ModelRunner(loaded), apart), feed(ModelRunner(loaded), together)
     assert torch.equal(got, expected)
     for old, new in zip(apart, together):
         assert new.own_length == old.own_length
@@ -184,7 +187,7 @@ def test_engine_gives_every_slot_back():
     prompts = _prompts(rng, 6)
     params = [SamplingParams(max_tokens=rng.randint(2, 6), temperature=0, ignore_eos=True, n=2 if i % 2 else 1)
               for i in range(len(prompts))]
-    expected = [runtime.generate(runtime.plan(p), sp).token_ids for p, sp in zip(prompts, params)]
+    expected = [reference_tokens(runtime.loaded, runtime.plan(p), sp) for p, sp in zip(prompts, params)]
     engine = Engine(runtime.module_encoder, EngineConfig(max_num_seqs=4))
     pool = engine.scheduler.own_kv.pool
 
@@ -197,5 +200,5 @@ def test_engine_gives_every_slot_back():
         engine.stop()
     for result, want, sp in zip(results, expected, params):
         assert result["final"].error is None
-        assert all(tuple(result["tokens"][i]) == want for i in range(sp.n))
+        assert all(result["tokens"][i] == want for i in range(sp.n))
     assert pool.num_free == pool.shape[2]

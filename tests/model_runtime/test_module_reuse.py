@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 from promptcache.model_runtime import SamplingParams
-from promptcache.model_runtime.cached_prefill import prefill
+from promptcache.model_runtime.engine import Engine, EngineConfig
 from tests.conftest import make_tiny_runtime
+from tests.model_runtime.engine_probe import engine_tokens, first_step
+from tests.model_runtime.oracles import reference_tokens
 
 SCHEMA = """<schema name="lib">Library preface.
   <module name="d0">Zero: cats sleep most of the day.</module>
@@ -18,35 +21,89 @@ SCHEMA = """<schema name="lib">Library preface.
 </schema>"""
 
 
+async def _serve(engine: Engine, plan, params: SamplingParams):
+    tokens, final = [], None
+    async for event in engine.submit(plan, params):
+        assert event.error is None, event.error
+        tokens += [event.token_id] if event.token_id is not None else []
+        final = event
+    return tokens, final
+
+
 def test_fifty_mixed_requests_match_fresh_runs_and_encode_each_module_once():
     rng = random.Random(7)
     runtime = make_tiny_runtime("qwen2")
     report = runtime.add_schema(runtime.parse_schema(SCHEMA))
     assert report.num_encoded == 7  # the preface and six documents, each exactly once
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    for i in range(50):
-        docs = rng.sample([f"d{k}" for k in range(6)], rng.randint(1, 4))
-        prompt = f'<prompt schema="lib">{"".join(f"<{d}/>" for d in docs)}Question {i}?</prompt>'
-        result = runtime.generate(runtime.plan(prompt), params)
-        assert all(m.tier == "device" for m in result.modules)
-        assert result.usage.cached_tokens > 0 and result.usage.computed_tokens > 0
-        if i % 10 == 0:  # a fresh runtime (empty store) computes everything again: same answer
-            fresh = make_tiny_runtime("qwen2")
-            fresh.add_schema(fresh.parse_schema(SCHEMA), encode=False)
-            fresh_plan = fresh.plan(prompt)
-            expected = fresh.generate(fresh_plan, params)
-            assert result.token_ids == expected.token_ids
-            a = prefill(runtime.module_encoder, runtime.plan(prompt)).logits
-            b = prefill(fresh.module_encoder, fresh_plan).logits
-            assert (a - b).abs().max().item() <= 1e-5
+    engine = Engine(runtime.module_encoder, EngineConfig(prefix=None))
+    try:
+        for i in range(50):
+            docs = rng.sample([f"d{k}" for k in range(6)], rng.randint(1, 4))
+            prompt = f'<prompt schema="lib">{"".join(f"<{d}/>" for d in docs)}Question {i}?</prompt>'
+            tokens, final = asyncio.run(_serve(engine, runtime.plan(prompt), params))
+            assert all(m.tier == "device" for m in final.modules)
+            assert final.usage.cached_tokens > 0 and final.usage.computed_tokens > 0
+            if i % 10 == 0:  # a fresh runtime (empty store) computes everything again: same answer
+                fresh = make_tiny_runtime("qwen2")
+                fresh.add_schema(fresh.parse_schema(SCHEMA), encode=False)
+                fresh_plan = fresh.plan(prompt)
+                assert tokens == engine_tokens(fresh, fresh_plan, params)
+                assert tokens == reference_tokens(fresh.loaded, fresh_plan, params)
+                a = first_step(runtime, runtime.plan(prompt))[0]
+                b = first_step(fresh, fresh_plan)[0]
+                assert (a - b).abs().max().item() <= 1e-5
+    finally:
+        engine.stop()
     assert runtime.module_encoder.num_encoded_segments == 7
 
 
 def test_missing_kv_is_encoded_on_demand_and_reported():
     runtime = make_tiny_runtime("llama")
     runtime.add_schema(runtime.parse_schema(SCHEMA), encode=False)
-    result = runtime.generate(runtime.plan('<prompt schema="lib"><d2/>Q</prompt>'), SamplingParams(max_tokens=1))
-    assert [m.tier for m in result.modules] == ["computed"]
-    assert result.timings.encode_ms > 0
-    again = runtime.generate(runtime.plan('<prompt schema="lib"><d2/>Q</prompt>'), SamplingParams(max_tokens=1))
+    engine = Engine(runtime.module_encoder, EngineConfig(prefix=None))
+    plan = runtime.plan('<prompt schema="lib"><d2/>Q</prompt>')
+    params = SamplingParams(max_tokens=1)
+    try:
+        _, first = asyncio.run(_serve(engine, plan, params))
+        _, again = asyncio.run(_serve(engine, runtime.plan('<prompt schema="lib"><d2/>Q</prompt>'), params))
+    finally:
+        engine.stop()
+    assert [m.tier for m in first.modules] == ["computed"]
+    assert first.timings.encode_ms > 0
     assert [m.tier for m in again.modules] == ["device"] and again.timings.encode_ms == 0
+
+
+def test_module_kv_whose_fetch_is_refused_is_encoded_in_engine_steps(monkeypatch):
+    """A tier holds d2's KV, but fetching it is refused (the fetch policy measured recomputing as
+    faster): the request waits while the engine recomputes it in chunks between steps, never inline,
+    and is served from that KV, reported as computed."""
+    runtime = make_tiny_runtime("llama")
+    runtime.add_schema(runtime.parse_schema(SCHEMA))
+    encoder, store = runtime.module_encoder, runtime.module_encoder.store
+    plan = runtime.plan('<prompt schema="lib"><d2/>Q</prompt>')
+    [d2] = [c for c in plan.cached if c.segment.owner == "d2"]
+    d2_key = encoder.key(plan.schema, d2.segment.segment_id, d2.context_ids, None)
+    get, refused = store.get, []
+
+    def policy_get(key, **kwargs):
+        if key == d2_key and kwargs.get("nbytes") is not None and not refused:  # a fetch the policy judges
+            refused.append(key)
+            return None
+        return get(key, **kwargs)
+
+    monkeypatch.setattr(store, "get", policy_get)
+    engine = Engine(encoder, EngineConfig(prefix=None, max_prefill_tokens=4, max_prefill_tokens_alone=4))
+    queued, submit = [], engine.encodes.submit
+    engine.encodes.submit = lambda *a, **k: queued.append(k.get("recompute")) or submit(*a, **k)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    before = encoder.num_encoded_segments
+    try:
+        tokens, final = asyncio.run(_serve(engine, plan, params))
+    finally:
+        engine.stop()
+    assert refused == [d2_key] and queued == [True]  # queued for the encode queue, recomputed though stored
+    assert encoder.num_encoded_segments == before + 1
+    assert engine.num_steps > len(d2.segment.token_ids) // 4  # in chunks of 4 tokens
+    assert [(m.path, m.tier) for m in final.modules] == [("d2", "computed")] and final.timings.encode_ms > 0
+    assert tokens == reference_tokens(runtime.loaded, plan, params)

@@ -1,4 +1,4 @@
-"""Automatic prefix reuse in the engine, against the no-reuse oracle (the single-sequence path, fp32).
+"""Automatic prefix reuse in the engine, against the no-reuse oracle (the HF reference, fp32).
 
 Every test compares greedy tokens of requests that reuse prefix blocks with the same requests computed
 from scratch, and checks the reported reuse against what was stored before.
@@ -14,12 +14,14 @@ import torch
 from promptcache.cache_store import BlockIndexConfig, StoreConfig, build_store
 from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.engine import Engine, EngineConfig
+from promptcache.model_runtime.engine.outputs import OutputProcessor
 from promptcache.model_runtime.engine.prefix import PrefixReuse
 from promptcache.model_runtime.engine.request import Request
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.engine.scheduler import Scheduler
 from promptcache.pml import token_plan
 from tests.conftest import make_tiny_runtime
+from tests.model_runtime.oracles import reference_tokens
 from tests.model_runtime.test_engine import SCHEMA
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Cats sleep most of the day, and tea is brewed with hot "
@@ -46,7 +48,7 @@ class Harness:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
     def oracle(self, plan, params: SamplingParams) -> list[int]:
-        return list(self.runtime.generate(plan, params).token_ids)
+        return reference_tokens(self.runtime.loaded, plan, params)
 
     async def run(self, plan, params: SamplingParams, salt: str | None = None):
         tokens: dict[int, list[int]] = {}
@@ -193,12 +195,14 @@ def test_logits_with_reuse_equal_full_prefill(harness):
     cached = h.engine.prefix.logits.get(h.engine.prefix._terminal_key(
         h.engine.prefix.open([], list(ids), list(range(len(ids))), salt=None), None))
     assert cached is not None and torch.allclose(cached, full.float(), atol=1e-4)  # cached logits: exact too
-    scheduler = Scheduler(h.engine.config, h.runtime.module_encoder, PrefixReuse(h.engine.prefix.index))
+    prefix = PrefixReuse(h.engine.prefix.index)
+    scheduler = Scheduler(h.engine.config, h.runtime.module_encoder, prefix)
     runner = ModelRunner(h.runtime.loaded)
     scheduler.add(Request("probe", token_plan(h.plain, ids), SamplingParams(max_tokens=1, temperature=0), None))
-    batch, _, _ = scheduler.schedule()
-    assert batch[0].request.stream.num_reused == 36 and batch[0].pending_ids == [ids[-1]]
-    logits = runner.run(batch)
-    assert torch.allclose(logits[0], full.float(), atol=1e-4)
-    events = scheduler.postprocess(batch, logits, 0.0)
+    step = scheduler.schedule()
+    [entry] = step.batch
+    assert entry.seq.request.stream.num_reused == 36 and entry.seq.pending_ids == [ids[-1]] and entry.num_tokens == 1
+    output = runner.run(step)
+    assert torch.allclose(output.logits[0], full.float(), atol=1e-4)
+    events = OutputProcessor(scheduler, prefix).postprocess(step, output).events
     assert events[-1].usage.cached_tokens == 36 and scheduler.memory.used_bytes == 0

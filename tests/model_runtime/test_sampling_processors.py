@@ -23,6 +23,7 @@ from transformers import (
 from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.baseline import full_prefill_logits
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, resolve
+from promptcache.model_runtime.engine.outputs import OutputProcessor
 from promptcache.model_runtime.engine.prefix import PrefixReuse
 from promptcache.model_runtime.engine.request import Request
 from promptcache.model_runtime.engine.runner import ModelRunner
@@ -264,12 +265,13 @@ def test_repetition_penalty_covers_reused_module_tokens(runtime):
 
 def test_the_n_samples_share_one_prompt_mask(runtime):
     plan = runtime.plan(MODULE_PROMPT)
-    scheduler = Scheduler(EngineConfig(prefix=None), runtime.module_encoder, PrefixReuse(None))
+    prefix = PrefixReuse(None)
+    scheduler = Scheduler(EngineConfig(prefix=None), runtime.module_encoder, prefix)
     request = Request("r", plan, SamplingParams(max_tokens=2, repetition_penalty=1.5, n=3, seed=0), None)
     scheduler.add(request)
-    batch, events, _ = scheduler.schedule()
-    assert not events
-    scheduler.postprocess(batch, ModelRunner(runtime.loaded).run(batch), 0.0)  # prefill, then the fork
+    step = scheduler.schedule()
+    assert not step.events
+    OutputProcessor(scheduler, prefix).postprocess(step, ModelRunner(runtime.loaded).run(step))  # prefill, fork
     assert len(request.sequences) == 3
     assert all(seq.sampler.prompt is request.prompt_tokens for seq in request.sequences)
     vocab = runtime.loaded.model.config.vocab_size

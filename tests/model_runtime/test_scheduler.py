@@ -1,6 +1,6 @@
 """Admission: round-robin across tenants, a bounded queue per tenant, requests that need no encoding
 overtaking one whose modules are encoded, and O(1) abort of waiting requests; every answer still equals
-the single-sequence path's."""
+the HF reference's."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from promptcache.model_runtime.engine.scheduler import Scheduler
 from promptcache.model_runtime.errors import InvalidRequestError, QueueFullError
 from promptcache.pml import token_plan
 from tests.conftest import make_tiny_runtime
+from tests.model_runtime.oracles import reference_tokens
 from tests.model_runtime.test_engine import SCHEMA
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -55,7 +56,7 @@ def test_a_second_tenant_is_admitted_before_the_first_ones_backlog(engines):
     log: list = []
 
     async def main():
-        with engine._wakeup:  # the engine thread takes all 51 submissions at once: one order to check
+        with engine.inbox.wakeup:  # the engine thread takes all 51 submissions at once: one order to check
             tasks = [asyncio.create_task(_run(engine.submit(plan, GREEDY, tenant="a"), log, f"a{i}"))
                      for i, plan in enumerate(plans[:50])]
             tasks.append(asyncio.create_task(_run(engine.submit(plans[50], GREEDY, tenant="b"), log, "b")))
@@ -68,7 +69,7 @@ def test_a_second_tenant_is_admitted_before_the_first_ones_backlog(engines):
     finished = [name for name, kind in log if kind == "final"]
     assert finished.index("b") == 1, finished  # after a's first (a's turn came first); FCFS: after all 50
     assert [n for n in finished if n != "b"] == [f"a{i}" for i in range(50)]  # a's own in order
-    expected = {text: list(runtime.generate(_text_plan(runtime, text), GREEDY).token_ids) for text in TEXTS}
+    expected = {text: reference_tokens(runtime.loaded, _text_plan(runtime, text), GREEDY) for text in TEXTS}
     assert results == [expected[TEXTS[i % len(TEXTS)]] for i in range(51)]
 
 
@@ -105,7 +106,7 @@ def test_a_full_tenant_queue_refuses_submissions_until_one_leaves(engines):
         engine.stop()
     assert error.retry_after_s >= 1 and "3 requests waiting" in str(error)
     assert [e.finish_reason for e in aborted] == ["abort"] and aborted[0].token_id is None
-    expected = [list(runtime.generate(plans[i], GREEDY).token_ids) for i in (1, 1, 0, 1, 2, 3)]
+    expected = [reference_tokens(runtime.loaded, plans[i], GREEDY) for i in (1, 1, 0, 1, 2, 3)]
     assert results == expected
     assert len(engine.scheduler.waiting) == 0 and engine.scheduler.memory.used_bytes == 0
 
@@ -141,9 +142,8 @@ def test_requests_needing_no_encoding_overtake_one_waiting_for_its_modules(engin
     uses = {(u.cached.segment.segment_id, tuple(u.cached.context_ids)) for u in resolve(modules_plan,
                                                                                          engine.config.fidelity).uses}
     assert len(submitted) == len(set(submitted)) == len(uses)  # queued once, not once per step it waited
-    reference = _runtime()
-    assert results[0] == list(reference.generate(reference.plan(ALL_DOCS), GREEDY).token_ids)
-    assert results[1:] == [list(runtime.generate(plan, GREEDY).token_ids) for plan in plain]
+    assert results[0] == reference_tokens(runtime.loaded, modules_plan, GREEDY)
+    assert results[1:] == [reference_tokens(runtime.loaded, plan, GREEDY) for plan in plain]
 
 
 def test_aborting_twenty_thousand_waiting_requests_is_linear():
@@ -157,15 +157,16 @@ def test_aborting_twenty_thousand_waiting_requests_is_linear():
     for i in reversed(range(19_999)):  # the last one stays; from the back, so no scan finds one early
         scheduler.abort(f"r{i}")
     aborted = time.perf_counter()
-    batch, events, _ = scheduler.schedule()
+    step = scheduler.schedule()
     reaped = time.perf_counter()
     # ~10 ms and ~0.3 s (the abort events) here; a look through the queue per abort is 2e8 steps
     assert aborted - started < 0.2 and reaped - aborted < 1.0, (aborted - started, reaped - aborted)
-    assert len(events) == 19_999 and {e.finish_reason for e in events} == {"abort"}
-    assert [s.request.request_id for s in batch] == ["r19999"] and len(scheduler.waiting) == 0
+    assert len(step.events) == 19_999 and {e.finish_reason for e in step.events} == {"abort"}
+    assert [s.seq.request.request_id for s in step.batch] == ["r19999"] and len(scheduler.waiting) == 0
     scheduler.abort("r19999")  # running: freed by the next schedule
-    batch, events, _ = scheduler.schedule()
-    assert not batch and [e.finish_reason for e in events] == ["abort"] and scheduler.memory.used_bytes == 0
+    step = scheduler.schedule()
+    assert not step.batch and [e.finish_reason for e in step.events] == ["abort"]
+    assert scheduler.memory.used_bytes == 0
 
 
 def test_a_failed_module_encoding_fails_its_parked_request_only(engines):
@@ -189,4 +190,4 @@ def test_a_failed_module_encoding_fails_its_parked_request_only(engines):
     finally:
         engine.stop()
     assert len(failed) == 1 and failed[0].error.startswith("internal error (id ") and failed[0].error_type == "internal"
-    assert served == list(runtime.generate(plain, GREEDY).token_ids) and again == [served, served]
+    assert served == reference_tokens(runtime.loaded, plain, GREEDY) and again == [served, served]

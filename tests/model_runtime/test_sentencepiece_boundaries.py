@@ -27,6 +27,7 @@ from promptcache.model_runtime.baseline import full_prefill_greedy
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity
 from promptcache.pml import ArgumentTooLongError, TextEncoder, parse_prompt, parse_schema
 from tests.model_factories import make_test_tokenizer
+from tests.model_runtime.engine_probe import engine_tokens
 from tests.sentencepiece_model import TOKENIZER_KINDS, sentencepiece_loaded, sentencepiece_processor
 
 SCHEMA = """<schema name="sp">
@@ -234,5 +235,5 @@ def test_a_prompt_without_optional_parts_served_from_cache_equals_full_prefill(r
     assert plan.is_exact, plan.approximations
     ids = runtime.loaded.tokenizer.encode(INTRO + " Where does the river flow?")
     assert plan.token_ids() == ids
-    result = runtime.generate(plan, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert list(result.token_ids) == full_prefill_greedy(runtime.loaded.model, ids, plan.position_ids(), 8)
+    tokens = engine_tokens(runtime, plan, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert tokens == full_prefill_greedy(runtime.loaded.model, ids, plan.position_ids(), 8)

@@ -160,4 +160,5 @@ def test_input_validation():
     with pytest.raises(ValueError, match="sum to"):
         shared_module_attention(queries, [1, 1], own_k[:2], own_v[:2], segments)
     with pytest.raises(ValueError, match="out of range"):
-        shared_module_attention(queries, lens, own_k, own_v, [SharedSegment(segments[0].keys, segments[0].values, (5,))])
+        shared_module_attention(queries, lens, own_k, own_v,
+                                [SharedSegment(segments[0].keys, segments[0].values, (5,))])

@@ -11,6 +11,7 @@ from promptcache.model_runtime.engine import Engine, EngineConfig
 from promptcache.model_runtime.engine import scheduler as scheduler_module
 from promptcache.model_runtime.engine.request import SeqStatus
 from promptcache.model_runtime.engine.step_plan import compose_step
+from tests.model_runtime.oracles import reference_tokens
 from tests.model_runtime.test_scheduler import TEXTS, _run, _runtime, _text_plan
 
 
@@ -21,12 +22,11 @@ class _Req:
 
 @dataclass
 class _Seq:
-    """The fields of a running sequence the batch policy reads and writes."""
+    """The fields of a running sequence the batch policy reads."""
 
     tenant: str | None
     num_pending: int
     status: SeqStatus
-    step_len: int = 0
     request: _Req = field(init=False)
     pending_ids: list[int] = field(init=False)
 
@@ -43,34 +43,36 @@ def _prefill(tenant, num_tokens):
     return _Seq(tenant, num_tokens, SeqStatus.PREFILL)
 
 
+def _fed(batch) -> list[tuple[_Seq, int]]:
+    return [(entry.seq, entry.num_tokens) for entry in batch]
+
+
 def test_one_tenant_shares_the_budget_in_admission_order():
     decodes = [_decoding(None) for _ in range(3)]
     first, second = _prefill(None, 20), _prefill(None, 20)
     batch, left = compose_step([*decodes, first, second], mixed_budget=30, alone_budget=256)
-    assert batch == [*decodes, first, second]
-    assert (first.step_len, second.step_len, left) == (20, 10, 0)
+    assert _fed(batch) == [*((d, 1) for d in decodes), (first, 20), (second, 10)] and left == 0
 
 
 def test_a_light_tenants_short_prompt_gets_a_step_of_its_own():
     busy = [_decoding("a") for _ in range(8)] + [_prefill("a", 50)]
     light = _prefill("b", 12)
     batch, left = compose_step([*busy, light], mixed_budget=16, alone_budget=256)
-    assert batch == [light] and light.step_len == 12 and left == 244
+    assert _fed(batch) == [(light, 12)] and left == 244
 
 
 def test_a_light_tenants_long_prompt_is_chunked_but_fed_first():
     busy_decodes = [_decoding("a") for _ in range(8)]
     busy_prefill, light = _prefill("a", 50), _prefill("b", 300)
     batch, left = compose_step([*busy_decodes, busy_prefill, light], mixed_budget=16, alone_budget=256)
-    assert batch == [*busy_decodes, light] and light.step_len == 16 and left == 0
+    assert _fed(batch) == [*((d, 1) for d in busy_decodes), (light, 16)] and left == 0
 
 
 def test_with_nothing_decoding_the_less_loaded_tenant_is_fed_first():
     a_prefills = [_prefill("a", 100) for _ in range(3)]
     b_prefill = _prefill("b", 100)
     batch, left = compose_step([*a_prefills, b_prefill], mixed_budget=16, alone_budget=150)
-    assert batch == [b_prefill, a_prefills[0]]
-    assert (b_prefill.step_len, a_prefills[0].step_len, left) == (100, 50, 0)
+    assert _fed(batch) == [(b_prefill, 100), (a_prefills[0], 50)] and left == 0
 
 
 def test_headroom_lets_another_tenant_start_before_the_first_ones_batch_drains(engines):
@@ -103,8 +105,8 @@ def test_headroom_lets_another_tenant_start_before_the_first_ones_batch_drains(e
 
     finished, results = finish_order(headroom=1)
     assert finished[0] == "b", finished
-    expected = [list(runtime.generate(plan, long).token_ids) for plan in a_plans]
-    assert results == [*expected, list(runtime.generate(b_plan, short).token_ids)]
+    expected = [reference_tokens(runtime.loaded, plan, long) for plan in a_plans]
+    assert results == [*expected, reference_tokens(runtime.loaded, b_plan, short)]
     finished, _ = finish_order(headroom=0)
     assert finished.index("b") >= 4, finished  # the oracle: no headroom, b waits for a's first batch
 
@@ -128,7 +130,7 @@ def test_long_prefill_chunks_only_while_a_tenant_with_nothing_running_waits(engi
                                                              max_prefill_tokens_alone=64, prefix=None))
 
         async def main():
-            with engine._wakeup:  # one schedule sees every submission
+            with engine.inbox.wakeup:  # one schedule sees every submission
                 streams = [engine.submit(plans[i], params, tenant=t) for i, t in enumerate(tenants)]
             return await asyncio.gather(*[_run(s, [], "") for s in streams])
 
@@ -142,5 +144,5 @@ def test_long_prefill_chunks_only_while_a_tenant_with_nothing_running_waits(engi
     budgets.clear()
     two_tenants = run(["a", "a", "b"])
     assert 4 in budgets  # b waited with nothing running
-    expected = [list(runtime.generate(plan, params).token_ids) for plan in plans[:3]]
+    expected = [reference_tokens(runtime.loaded, plan, params) for plan in plans[:3]]
     assert one_tenant == two_tenants == expected

@@ -57,7 +57,8 @@ def test_nested_modules_sum_children(pml):
       <union><module name="x">X.</module><module name="y">Why so long.</module></union>
       Outer end.</module></schema>""")
     outer = schema.modules["outer"]
-    expected = pml.n("Outer start.") + pml.n("Inner text.") + max(pml.n("X."), pml.n("Why so long.")) + pml.n("Outer end.")
+    expected = (pml.n("Outer start.") + pml.n("Inner text.") + max(pml.n("X."), pml.n("Why so long."))
+                + pml.n("Outer end."))
     assert outer.num_positions == expected
     assert schema.modules["outer.inner"].start == pml.n("Outer start.")
     assert schema.modules["outer.x"].path == "outer.x"

@@ -124,7 +124,7 @@ def test_nested_union_scaffold_is_part_of_its_members_content(pml):
         </union>
         After the union.
       </module>
-    </schema>""")
+    </schema>""")  # noqa: E501  (a module's text is whitespace-exact: its line stays whole)
     after = _segment(schema, "outer")
     content = {s.segment_id for p in ("outer.a", "outer.a.a1") for s in schema.segments_of(p)}
     assert content <= set(after.context_ids)

@@ -9,7 +9,7 @@ import pytest
 
 from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.baseline import full_prefill_greedy, full_prefill_logits
-from promptcache.model_runtime.cached_prefill import prefill
+from tests.model_runtime.engine_probe import engine_tokens, first_step
 from tests.model_runtime.oracles import approximation_reference
 
 ARCHS = ["llama", "gpt2"]
@@ -64,20 +64,20 @@ def _check_exact_against_rendering(runtime, prompt: str, messages: list[dict[str
     assert plan.token_ids() == rendered
     # At the layout's positions (a union spans its longest member, so they may have gaps).
     model, positions = runtime.loaded.model, plan.position_ids()
-    cached = prefill(runtime.module_encoder, plan)
+    logits, _ = first_step(runtime, plan)
     reference = full_prefill_logits(model, rendered, positions)[-1]
-    assert (cached.logits - reference).abs().max().item() <= 1e-4
-    result = runtime.generate(plan, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert list(result.token_ids) == full_prefill_greedy(model, rendered, positions, 8)
+    assert (logits - reference).abs().max().item() <= 1e-4
+    tokens = engine_tokens(runtime, plan, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert tokens == full_prefill_greedy(model, rendered, positions, 8)
 
 
 def _check_approximation(runtime, plan) -> None:
-    cached = prefill(runtime.module_encoder, plan)
+    logits, _ = first_step(runtime, plan)
     tokens, positions, mask = approximation_reference(plan)
     reference = full_prefill_logits(runtime.loaded.model, tokens, positions, attention_mask=mask)[-1]
-    assert (cached.logits - reference).abs().max().item() <= 1e-4
+    assert (logits - reference).abs().max().item() <= 1e-4
     plain = full_prefill_logits(runtime.loaded.model, plan.token_ids(), plan.position_ids())[-1]
-    assert (cached.logits - plain).abs().max().item() > 1e-4  # the approximation is real, and visible
+    assert (logits - plain).abs().max().item() > 1e-4  # the approximation is real, and visible
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -86,7 +86,8 @@ def test_importing_union_scaffolds_is_exact(tiny_runtime, arch):
     _check_exact_against_rendering(
         runtime, '<prompt schema="mbti"><EI/><SN/><user>Who are you?</user></prompt>',
         [{"role": "system", "content": "You are a helpful assistant."},
-         {"role": "user", "content": "Create a character.Trait EI.Trait SN.Ready?"}, {"role": "user", "content": "Who are you?"}])
+         {"role": "user", "content": "Create a character.Trait EI.Trait SN.Ready?"},
+         {"role": "user", "content": "Who are you?"}])
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -151,7 +151,8 @@ def test_approximate_when_an_optional_module_is_skipped_or_text_precedes(pml):
     pml.schema(DOCS)
     skipped = pml.prompt('<prompt schema="docs"><d1/><d3/>Q</prompt>')
     assert not skipped.is_exact and any("d3" in r for r in skipped.approximations)
-    pml.schema('<schema name="g"><module name="a">A.<param name="buf" len="6"/></module><module name="b">B.</module></schema>')
+    pml.schema('<schema name="g"><module name="a">A.<param name="buf" len="6"/></module>'
+               '<module name="b">B.</module></schema>')
     gap = pml.prompt('<prompt schema="g"><a/>x<b/></prompt>')
     assert not gap.is_exact and any("precedes cached tokens" in r for r in gap.approximations)
 

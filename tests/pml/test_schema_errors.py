@@ -59,7 +59,8 @@ def test_scoping(pml):
     with pytest.raises(InvalidNameError, match="already declared"):  # union members share the parent scope
         pml.schema('<schema name="s4"><module name="a">1</module><union><module name="a">2</module></union></schema>')
     with pytest.raises(InvalidNameError, match="already declared"):
-        pml.schema('<schema name="s5"><module name="m"><param name="p" len="2"/><module name="p">x</module></module></schema>')
+        pml.schema('<schema name="s5"><module name="m"><param name="p" len="2"/><module name="p">x</module></module>'
+                   '</schema>')
 
 
 def test_structural_errors(pml):
@@ -111,7 +112,8 @@ def test_scaffold_validation(pml):
 def test_size_limits(pml):
     with pytest.raises(PmlLimitError, match="bytes"):
         pml.schema('<schema name="s">' + "x" * 200 + "</schema>", PmlLimits(max_schema_bytes=100))
-    deep = '<schema name="s">' + "".join(f'<module name="m{i}">' for i in range(10)) + "x" + "</module>" * 10 + "</schema>"
+    deep = ('<schema name="s">' + "".join(f'<module name="m{i}">' for i in range(10)) + "x" + "</module>" * 10
+            + "</schema>")
     with pytest.raises(PmlLimitError, match="nests deeper"):
         pml.schema(deep, PmlLimits(max_depth=5))
     many = '<schema name="s">' + "".join(f'<module name="m{i}">x</module>' for i in range(20)) + "</schema>"

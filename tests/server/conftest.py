@@ -46,9 +46,9 @@ class LiveServer:
 
 
 def settings_for(**overrides) -> ServerSettings:
-    # fidelity=fast: the suite exercises module reuse as encoded unless a test names a mode
+    # fidelity=fast, context schema: the suite exercises module reuse as encoded unless a test names a mode
     base = dict(port=free_port(), preload_examples=False, max_num_seqs=16, max_kv_bytes=64 << 20,
-                fidelity="fast")
+                fidelity="fast", fidelity_context="schema")
     return ServerSettings(**{**base, **overrides})
 
 

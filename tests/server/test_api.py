@@ -11,6 +11,7 @@ import torch
 
 from promptcache.model_runtime import SamplingParams
 from tests.conftest import make_tiny_runtime
+from tests.model_runtime.oracles import reference_text, reference_tokens
 
 SCHEMA = """<schema name="docs"><system>Answer from the documents.</system>
   <user><module name="d1">Cats sleep most of the day.</module><module name="d2">Tea is brewed hot.</module></user>
@@ -40,18 +41,20 @@ def test_schema_lifecycle(server):
     assert httpx.post(server.url + "/v1/generate", json={"prompt": PROMPT}).status_code == 404
 
 
-def test_generate_matches_the_single_sequence_path(server):
+def test_generate_matches_the_hf_reference(server):
     httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
     response = httpx.post(server.url + "/v1/generate", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0},
                           timeout=60)
     assert response.status_code == 200, response.text
     body = response.json()
     runtime = make_tiny_runtime("llama")
-    runtime.add_schema(runtime.parse_schema(SCHEMA))
-    expected = runtime.generate(runtime.plan(PROMPT), SamplingParams(max_tokens=6, temperature=0))
-    assert body["choices"][0]["text"] == expected.text
-    assert body["usage"]["prompt_tokens"] == expected.usage.prompt_tokens
-    assert body["usage"]["cached_tokens"] == expected.usage.cached_tokens
+    runtime.add_schema(runtime.parse_schema(SCHEMA), encode=False)
+    plan = runtime.plan(PROMPT, add_generation_prompt=True)  # as the server parses it
+    fidelity = server.app.state.service.runtime.engine.config.fidelity  # the server's default mode
+    expected = reference_tokens(runtime.loaded, plan, SamplingParams(max_tokens=6, temperature=0), fidelity)
+    assert body["choices"][0]["text"] == reference_text(runtime.loaded, expected)
+    assert body["usage"]["prompt_tokens"] == plan.num_prompt_tokens
+    assert body["usage"]["cached_tokens"] == plan.num_cached_tokens
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
     assert body["cache"]["exact"] is True  # the scaffold covers d1 + d2
     assert {m["path"]: m["tier"] for m in body["cache"]["modules"]} == {"d1": "device", "d2": "device"}
@@ -201,7 +204,8 @@ def test_the_default_fidelity_answers_like_a_full_prefill(live_server):
     runtime.add_schema(runtime.parse_schema(SCHEMA))
     from promptcache.model_runtime.baseline import full_prefill_logits
 
-    reference = torch.log_softmax(full_prefill_logits(runtime.loaded.model, runtime.plan(prompt).token_ids())[-1], dim=-1)
+    logits = full_prefill_logits(runtime.loaded.model, runtime.plan(prompt).token_ids())[-1]
+    reference = torch.log_softmax(logits, dim=-1)
     first = body["choices"][0]["logprobs"]["token_ids"][0]
     assert body["cache"]["fidelity"] == "exact" and body["cache"]["exact"] is True
     assert first == int(reference.argmax())

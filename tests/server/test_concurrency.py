@@ -13,6 +13,7 @@ import httpx
 from promptcache.model_runtime import SamplingParams
 from tests.conftest import make_tiny_runtime
 from tests.model_factories import make_test_tokenizer, make_tiny_model
+from tests.model_runtime.oracles import reference_text, reference_tokens
 from tests.redis_server import free_port
 from tests.server.test_api import SCHEMA
 
@@ -23,8 +24,12 @@ def test_sixteen_concurrent_clients_all_answered_correctly(live_server):
     prompts = [f'<prompt schema="docs"><user><{d}/>Question number {i}?</user><assistant/></prompt>'
                for i, d in zip(range(20), ["d1", "d2"] * 10)]
     runtime = make_tiny_runtime("llama")
-    runtime.add_schema(runtime.parse_schema(SCHEMA))
-    expected = [runtime.generate(runtime.plan(p), SamplingParams(max_tokens=6, temperature=0)).text for p in prompts]
+    runtime.add_schema(runtime.parse_schema(SCHEMA), encode=False)
+    params = SamplingParams(max_tokens=6, temperature=0)
+    plans = [runtime.plan(p, add_generation_prompt=True) for p in prompts]  # as the server parses them
+    fidelity = server.app.state.service.runtime.engine.config.fidelity  # the server's default mode
+    expected = [reference_text(runtime.loaded, reference_tokens(runtime.loaded, plan, params, fidelity))
+                for plan in plans]
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:

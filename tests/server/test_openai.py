@@ -45,7 +45,8 @@ def test_streaming_completion_equals_non_streaming(client):
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full
     usage = chunks[-1].usage
-    assert usage.completion_tokens == 6 and usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens  # a repeat: all reused
+    # A repeat: all reused.
+    assert usage.completion_tokens == 6 and usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens
 
 
 def test_chat_plain_and_with_schema_modules(client):
@@ -121,7 +122,7 @@ def _greedy_oracle(server, prompt_ids: list[int], steps: int, top: int):
     id, its logprob and the top-`top` (id, logprob) pairs."""
     import torch
 
-    model = server.app.state.service.runtime.loaded.model
+    model = server.app.state.service.runtime.model.loaded.model
     ids, out = list(prompt_ids), []
     with torch.no_grad():
         for _ in range(steps):
@@ -231,7 +232,7 @@ def test_echo_with_logprobs_scores_every_prompt_token_like_the_model(client):
 
     text = "The quick brown fox jumps over the lazy dog"
     ids = httpx.post(server.url + "/tokenize", json={"prompt": text}).json()["tokens"]
-    model, text_of = server.app.state.service.runtime.loaded.model, server.app.state.service.token_text
+    model, text_of = server.app.state.service.runtime.model.loaded.model, server.app.state.service.token_text
     with torch.no_grad():
         expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # [T, vocab]
     oracle = [float(expected[i, ids[i + 1]]) for i in range(len(ids) - 1)]

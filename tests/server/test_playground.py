@@ -70,7 +70,7 @@ def _spans(page) -> list[tuple[str, str]]:
 def _prompt_text(server, prompt: str) -> str:
     """The oracle: the prompt's tokens, as the server plans them, decoded by the model's tokenizer in one go."""
     service = server.app.state.service
-    return service.runtime.loaded.tokenizer.decode(service.plan(prompt).token_ids())
+    return service.runtime.model.loaded.tokenizer.decode(service.plan(prompt).token_ids())
 
 
 def _run(page) -> list[tuple[str, str]]:
@@ -287,3 +287,29 @@ def test_default_model_in_a_real_browser_for_the_readme(smollm2, browser_page, t
             shutil.copy(tmp_path / "playground.png", DOCS_IMG)
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(240)
+def test_the_fidelity_panel_shows_the_schemas_report(live_server, browser_page):
+    server = live_server()
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}, timeout=60).raise_for_status()
+    page = browser_page
+    page.goto(server.url + "/playground/")
+    page.wait_for_selector('.block[data-path="d2"]')
+    page.fill("#fidelity-samples", "3")
+    page.fill("#free-text", "Who sleeps?")
+    page.click("#fidelity-run")
+    page.wait_for_selector("#fidelity-table tr[data-mode=fast]")
+    # The report the page asked for, from the server's cache: the panel shows its numbers.
+    report = httpx.get(server.url + "/v1/schemas/docs/fidelity", params={"num_samples": 3, "question": "Who sleeps?"},
+                       timeout=60).json()
+    assert report["cached"]
+    for mode, stats in report["modes"].items():
+        cells = page.eval_on_selector_all(f"#fidelity-table tr[data-mode={mode}] td", "els => els.map(e => e.textContent)")
+        low, high = stats["agreement_ci95"]
+        assert cells == [mode, f"{100 * stats['top1_agreement']:.0f}%", f"{100 * low:.0f}%-{100 * high:.0f}%",
+                         f"{stats['mean_kl']:.4f}", f"{stats['max_kl']:.4f}", str(stats["num_samples"])]
+    assert "computed in" in page.inner_text("#fidelity-status")
+    assert page.locator("#fidelity-samples-list li").count() == report["num_samples"]
+    page.click("#fidelity-run")
+    page.wait_for_function("() => document.querySelector('#fidelity-status').textContent.includes('report cache')")

@@ -110,7 +110,8 @@ def test_pml_question_reused_and_explained(live_server):
     assert second["usage"]["computed_tokens"] == 0
     assert explained["prefix"]["num_tokens"] == new_tokens and explained["tokens_to_compute"] == 0
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'promptcache:reused_prompt_tokens_total{kind="prefix",model_name="tiny-llama",tenant="_default",tier="device"}' in metrics
+    assert ('promptcache:reused_prompt_tokens_total{kind="prefix",model_name="tiny-llama",tenant="_default",'
+            'tier="device"}') in metrics
 
 
 def test_cache_salt_isolates_and_switch_turns_reuse_off(live_server):

@@ -139,7 +139,7 @@ PROMPTS = {
 DOC = """<schema name="doc">
     <system>You are a helpful assistant. Answer in one short sentence.</system>
     <user><module name="amazon">The Amazon river flows east across South America into the Atlantic Ocean.</module></user>
-</schema>"""
+</schema>"""  # noqa: E501  (a module's text is whitespace-exact: its line stays whole)
 QUESTION = '<prompt schema="doc"><user><amazon/>Into which ocean does the Amazon flow?</user></prompt>'
 
 

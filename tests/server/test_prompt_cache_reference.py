@@ -51,10 +51,13 @@ def test_reference_schemas_upload_and_prompts_answer(smollm2):
     schemas = [(f, _read(f)) for f in _files() if "<schema" in _read(f)]
     schemas += [("README.md", b) for b in blocks if "<schema" in b]
     demo = re.search(r'prompt_text = f"""(.*?)"""', _read("demo.py"), re.S).group(1).strip()
-    prompts = [("README demo", next(b for b in blocks if "code-generation-game" in b), "examples/code_generation_game.xml"),
-               ("README persona", next(b for b in blocks if "schema='persona'" in b), "examples/persona_generation.xml"),
+    prompts = [("README demo", next(b for b in blocks if "code-generation-game" in b),
+                "examples/code_generation_game.xml"),
+               ("README persona", next(b for b in blocks if "schema='persona'" in b),
+                "examples/persona_generation.xml"),
                ("README default", next(b for b in blocks if 'schema="default"' in b and "<prompt" in b), "README.md"),
-               ("prompt_mbti.xml", _read("benchmark/schema/test/prompt_mbti.xml"), "benchmark/schema/test/schema_mbti.xml"),
+               ("prompt_mbti.xml", _read("benchmark/schema/test/prompt_mbti.xml"),
+                "benchmark/schema/test/schema_mbti.xml"),
                ("demo.py", demo, "examples/code_generation_game.xml")]
     server = LiveServer(settings_for(max_kv_bytes=512 << 20), lambda: smollm2).start()
     try:

@@ -17,7 +17,8 @@ from tests.model_runtime.test_fidelity import SCHEMA as LIB_SCHEMA
 from tests.server.conftest import LiveServer, settings_for
 from tests.server.test_api import PROMPT, SCHEMA
 
-EMOJI_PROMPT = '<prompt schema="docs"><user><d2/><d1/>Qui dort? Le chat 🐱 dort, café ☕ après.</user><assistant/></prompt>'
+EMOJI_PROMPT = ('<prompt schema="docs"><user><d2/><d1/>Qui dort? Le chat 🐱 dort, café ☕ après.</user>'
+                '<assistant/></prompt>')
 
 
 def _expected_text(prompt: str) -> tuple[str, int]:

@@ -83,7 +83,7 @@ def test_sixteen_concurrent_uploads_in_one_process_never_exceed_the_quota(live_s
 def test_failed_and_refused_uploads_release_their_reservation(live_server, redis_server, monkeypatch):
     server = live_server(redis_url=redis_server.url, tenant_max_schemas=2)
     service = server.app.state.service
-    real = service.engine.encode_schema
+    real = service.runtime.engine.encode_schema
     gate, entered = threading.Event(), threading.Event()
 
     def failing(schema, salt=None, **options):
@@ -101,7 +101,7 @@ def test_failed_and_refused_uploads_release_their_reservation(live_server, redis
         threading.Thread(target=encode_when_let, daemon=True).start()
         return future
 
-    monkeypatch.setattr(service.engine, "encode_schema", failing)
+    monkeypatch.setattr(service.runtime.engine, "encode_schema", failing)
     broken = SCHEMA.replace('name="docs"', 'name="broken"')
     assert httpx.post(server.url + "/v1/schemas", json={"pml": broken}).status_code == 500
     # The same name twice at once: the second is refused while the first encodes (409), and releases nothing

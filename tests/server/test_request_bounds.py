@@ -78,7 +78,7 @@ def _scored(model, ids: list[int], num_top: int) -> list[tuple[float, list[tuple
 
 def test_echo_with_logprobs_is_the_model_and_each_token_decoded_alone(live_server):
     server = live_server()
-    loaded = server.app.state.service.runtime.loaded
+    loaded = server.app.state.service.runtime.model.loaded
     for prompts in (["The quick brown fox", "Once upon a time there was"], [[17, 260, 301, 44, 99, 5], [300, 7, 8]]):
         _check_echo_with_logprobs(server, loaded, prompts)
 
@@ -89,7 +89,7 @@ def _check_echo_with_logprobs(server, loaded, prompts: list) -> None:
                                             temperature=0)
     assert len(reply.choices) == 2 * len(prompts)
     for p, prompt in enumerate(prompts):
-        ids = prompt if isinstance(prompt, list) else list(server.app.state.service.tokenize(prompt))
+        ids = prompt if isinstance(prompt, list) else list(server.app.state.service.runtime.tokenize(prompt))
         echo = prompt if isinstance(prompt, str) else decode(ids)
         every = [*ids, *_greedy(loaded.model, ids, 2)]
         oracle = _scored(loaded.model, every, 3)
@@ -120,7 +120,7 @@ def test_health_answers_while_a_large_echo_with_logprobs_answer_is_built(live_se
     and rendered in a worker thread while the event loop keeps answering."""
     server = live_server(max_request_bytes=4 << 20)
     rng = random.Random(0)
-    vocab = len(server.app.state.service.runtime.loaded.tokenizer)
+    vocab = len(server.app.state.service.runtime.model.loaded.tokenizer)
     prompts = [[rng.randrange(vocab) for _ in range(1800)] for _ in range(16)]
     body = {"prompt": prompts, "n": 2, "echo": True, "logprobs": 5, "max_tokens": 0}
     gc.collect()

@@ -53,7 +53,7 @@ def test_body_limit_counts_streamed_bytes(live_server):
 def test_failed_upload_leaves_nothing_and_a_retry_succeeds(live_server, monkeypatch):
     server = live_server()
     service = server.app.state.service
-    real = service.engine.encode_schema
+    real = service.runtime.engine.encode_schema
     calls = {"n": 0}
 
     def flaky(schema, salt=None, **options):
@@ -62,7 +62,7 @@ def test_failed_upload_leaves_nothing_and_a_retry_succeeds(live_server, monkeypa
             raise RuntimeError("encoding blew up")
         return real(schema, salt, **options)
 
-    monkeypatch.setattr(service.engine, "encode_schema", flaky)
+    monkeypatch.setattr(service.runtime.engine, "encode_schema", flaky)
     assert httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).status_code == 500
     assert httpx.get(server.url + "/v1/schemas/docs").status_code == 404
     assert httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).status_code == 201
@@ -169,7 +169,7 @@ def test_long_prompt_placement_and_health_stay_fast(live_server):
 
 def test_a_client_that_disconnects_frees_its_sequence(live_server, monkeypatch):
     server = live_server()
-    engine = server.app.state.service.engine
+    engine = server.app.state.service.runtime.engine
     run = engine.runner.run
 
     def paced_run(*args, **kwargs):  # the tiny model could finish all 2,000 tokens before the client reads 6 lines
@@ -200,7 +200,7 @@ def test_poison_requests_among_healthy_streams_fail_alone(live_server, monkeypat
                for i in range(3)]
     expected = [httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
                 for body in healthy]
-    encoder = server.app.state.service.runtime.module_encoder
+    encoder = server.app.state.service.runtime.model.module_encoder
     fetch = encoder.fetch
 
     def broken_fetch(schema, segment_id, context_ids, cache_salt=None):
@@ -233,4 +233,4 @@ def test_poison_requests_among_healthy_streams_fail_alone(live_server, monkeypat
     assert all("disk on fire" not in r.text for r in poisoned)
     assert refused.status_code == 422
     assert texts == expected
-    assert server.app.state.service.engine.scheduler.memory.used_bytes == 0
+    assert server.app.state.service.runtime.engine.scheduler.memory.used_bytes == 0

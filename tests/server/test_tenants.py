@@ -77,8 +77,8 @@ def test_schemas_are_private_to_their_tenant(tenant_server):
         assert reply.status_code == 404
         assert "secret-plans" not in reply.text  # the error never lists another tenant's schemas
     with pytest.raises(openai.NotFoundError):
-        _api(server, "sk-b1").chat.completions.create(model="m", messages=[{"role": "user", "content": "<d1/> hi"}], max_tokens=2,
-                    extra_body={"schema": "docs"})
+        _api(server, "sk-b1").chat.completions.create(model="m", messages=[{"role": "user", "content": "<d1/> hi"}],
+                                                      max_tokens=2, extra_body={"schema": "docs"})
 
     alpha_tokens = alpha.get("/v1/schemas/docs").json()["num_tokens"]
     own = SCHEMA.replace("Cats sleep most of the day.", "Dogs bark at night. " * 5)

@@ -2,7 +2,7 @@
 
 PyTorch's fused CPU attention runs bf16 on bf16 tiles only with AMX; on AVX512-BF16 CPUs without AMX
 (AMD Zen 4, Intel Cooper Lake) it computes at fp32 speed, which held `--dtype auto` to 1.4-1.9x over fp32
-on a 2K-token prefill (issue 16). This kernel does QK^T and PV on `vdpbf16ps`: 2.6-2.8x faster than the
+on a 2K-token prefill. This kernel does QK^T and PV on `vdpbf16ps`: 2.6-2.8x faster than the
 fused op on a 2K-token causal prefill, 2x on decode rows over 8K shared keys (docs/benchmarks.md). It takes
 K and V as lists of segments (csrc/pack_bf16.cpp reads each where it lies), so a request's modules, its
 earlier tokens and its new ones are one call with one softmax instead of a call and a merge each.

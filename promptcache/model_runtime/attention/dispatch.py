@@ -1,4 +1,4 @@
-"""Pick a kernel per call. Thresholds measured by benchmarks/attention_thresholds.py (2 threads, fp32,
+"""Pick a kernel per call. Thresholds measured by benchmarks/kernels/attention_thresholds.py (2 threads, fp32,
 head_dim 64): the fused CPU op beat the plain matmul at every measured size, from 1 query row x 16 keys
 (24 us vs 54 us) to 256 rows x 4096 keys (4.1 ms vs 26.9 ms) — see docs/benchmarks.md. The matmul path
 stays for masked calls, for work below the smallest size measured, and as the reference kernel. In bf16
@@ -29,7 +29,7 @@ FUSED_MIN_WORK = 16
 # T x T x G for a causal block of T new tokens: below it the masked matmul instead of the fused op on KV
 # expanded to every head. On the AVX2 EPYC the masked matmul was cheaper below 64K; on the Zen 4 (AVX-512)
 # the fused op won at every size measured, 1.4-2.4x, T = 2..128 in fp32 and bf16
-# (benchmarks/attention_thresholds.py --causal, results/causal_threshold.jsonl): 9 new tokens, bf16,
+# (benchmarks/kernels/attention_thresholds.py --causal, results/causal_threshold.jsonl): 9 new tokens, bf16,
 # 61 vs 107 us a layer. The fused op is used throughout; the matmul stays the reference kernel.
 CAUSAL_FUSED_MIN_WORK = 0
 # Decode: a sequence with at least this many own keys attends them in place with one fused call of its own;

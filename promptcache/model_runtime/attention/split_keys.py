@@ -13,7 +13,7 @@ import torch
 from promptcache.model_runtime.attention.lse_merge import merge_stacked
 
 # Keys per chunk below which a split costs more in merging than it gains in parallelism (a prediction:
-# 8K shared keys then split 16-way, docs/gpu design; benchmarks/gpu_attention.py measures it).
+# 8K shared keys then split 16-way, docs/gpu design; benchmarks/kernels/gpu_attention.py measures it).
 MIN_KEYS_PER_SPLIT = 512
 # SMs assumed for a device that reports none (the meta device in tests): an H100's 132.
 DEFAULT_NUM_SMS = 132

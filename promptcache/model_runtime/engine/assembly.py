@@ -7,11 +7,14 @@ import time
 from dataclasses import dataclass
 
 from promptcache.cache_store import KVBlock
-from promptcache.model_runtime.engine.prefix import PrefixReuse, Stream, shared_name
+from promptcache.model_runtime.engine.kv_view import KVView
+from promptcache.model_runtime.engine.prefix import PrefixReuse, link_view
 from promptcache.model_runtime.engine.request import Request, SharedKV
-from promptcache.model_runtime.engine.reuse_plan import CachedUse, ReusePlan
+from promptcache.model_runtime.engine.reuse_plan import CachedUse
+from promptcache.model_runtime.errors import InvalidRequestError
 from promptcache.model_runtime.module_encoder import ModuleEncoder, check_positions
 from promptcache.model_runtime.results import ModuleUse, slowest_tier
+from promptcache.model_runtime.sampling import PromptTokens
 
 
 @dataclass(eq=False)
@@ -21,13 +24,15 @@ class Assembled:
     shared: list[SharedKV]       # reused KV (views of stored blocks), with what may see it
     token_ids: list[int]         # stream tokens left to compute
     position_ids: list[int]
-    stream: Stream
+    next_position: int           # of the first generated token
 
 
-def store_key(name: str) -> str:
-    """The store key of a shared block's name: names of views ("key#first:last", "key#@shift") hold and
-    count the stored block they are cut or derived from."""
-    return name.partition("#")[0]
+@dataclass(frozen=True, slots=True)
+class MissingModules:
+    """Module KV that no tier gave: evicted since admission looked, or held only where the fetch policy
+    measured recomputing as faster. The request waits while the engine encodes it."""
+
+    uses: tuple[CachedUse, ...]
 
 
 def module_key(encoder: ModuleEncoder, request: Request, use: CachedUse) -> str:
@@ -35,33 +40,48 @@ def module_key(encoder: ModuleEncoder, request: Request, use: CachedUse) -> str:
     return encoder.key(request.plan.schema, cached.segment.segment_id, cached.context_ids, request.cache_salt)
 
 
-def assemble(request: Request, reuse: ReusePlan, encoder: ModuleEncoder, prefix: PrefixReuse) -> Assembled:
-    """Fetch (encoding on a miss) the module KV of `reuse`, look up the stream's stored prefix, and set
-    the request's module report, the tier of each use and timings. Raises PromptTooLongError for
-    positions past the model."""
-    plan, loaded = request.plan, encoder.loaded
+def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> Assembled | MissingModules:
+    """Fetch the module KV of the request's ReusePlan (or take what was encoded for the request while it
+    waited), look up the stream's stored prefix, and set the request's stream, held store keys, module
+    report, tier of each use and timings. Computes nothing: KV no tier gives comes back as MissingModules.
+    Raises PromptTooLongError for positions past the model, InvalidRequestError for prompt logprobs of a
+    prompt that reuses module KV."""
+    plan, loaded, reuse, params = request.plan, encoder.loaded, request.reuse, request.params
+    assert reuse is not None
+    if params.prompt_logprobs is not None and reuse.uses:
+        raise InvalidRequestError("prompt logprobs need every prompt token computed; this prompt reuses "
+                                  "module KV (send it as plain text or token ids)")
     device = loaded.model.device
     started = time.perf_counter()
-    before = encoder.num_encoded_segments
     shared: list[SharedKV] = []
     tiers: dict[str, list[str]] = {}
     use_tiers: list[str] = []
+    missing: list[CachedUse] = []
     for use in reuse.uses:
         segment = use.cached.segment
-        fetched = encoder.fetch(plan.schema, segment.segment_id, use.cached.context_ids, request.cache_salt)
-        block = fetched.block.to(device)
         key = module_key(encoder, request, use)
-        if (use.first, use.last) != (0, block.num_tokens):  # a view of the stored block: a distinct tensor
+        if key in request.computed_kv:
+            block, tier = request.computed_kv[key], "computed"
+        else:
+            fetched = encoder.fetch(plan.schema, segment.segment_id, use.cached.context_ids, request.cache_salt)
+            if fetched is None:
+                missing.append(use)
+                continue
+            block, tier = fetched.block, fetched.tier
+        block = block.to(device)
+        # A range of the stored block is a distinct tensor; shifted keys move for this request only, when
+        # the runner attends them.
+        view = KVView(key, shift=use.shift)
+        if (use.first, use.last) != (0, block.num_tokens):
             block = KVBlock(block.keys[:, :, use.first: use.last], block.values[:, :, use.first: use.last],
                             block.position_ids[use.first: use.last])
-            key = f"{key}#{use.first}:{use.last}"
-        if use.shift:  # keys moved for this request only (rope_shift.py), when the runner attends them
-            key = f"{key}{'' if '#' in key else '#'}@{use.shift}"
-        shared.append(SharedKV(key, block, use.visible_from, use.shift))
-        tiers.setdefault(segment.owner, []).append(fetched.tier)
-        use_tiers.append(fetched.tier)
-    if encoder.num_encoded_segments != before:
-        request.encode_ms = (time.perf_counter() - started) * 1e3
+            view = KVView(key, use.first, use.last, use.shift)
+        shared.append(SharedKV(view, block, use.visible_from))
+        tiers.setdefault(segment.owner, []).append(tier)
+        use_tiers.append(tier)
+    if missing:
+        return MissingModules(tuple(missing))
+    request.computed_kv = {}  # held by its shared KV from here on
 
     module_keys = [module_key(encoder, request, use) for use in reuse.uses]
     looked_up = time.perf_counter()
@@ -71,8 +91,8 @@ def assemble(request: Request, reuse: ReusePlan, encoder: ModuleEncoder, prefix:
     request.lookup_ms = (time.perf_counter() - looked_up) * 1e3
     # Reused prefix blocks precede every stream token left to compute; module KV's visibility counts
     # stream tokens, of which the first `reused` are no longer computed.
-    shared = [SharedKV(s.key, s.block, max(0, s.visible_from - reused), s.shift) for s in shared]
-    shared += [SharedKV(shared_name(link), link.block.to(device)) for link in stream.match.links]
+    shared = [SharedKV(s.view, s.block, max(0, s.visible_from - reused)) for s in shared]
+    shared += [SharedKV(link_view(link), link.block.to(device)) for link in stream.match.links]
     token_ids, positions = list(reuse.token_ids[reused:]), list(reuse.position_ids[reused:])
     check_positions(positions, loaded.max_positions)
 
@@ -84,5 +104,12 @@ def assemble(request: Request, reuse: ReusePlan, encoder: ModuleEncoder, prefix:
     after = reuse.encoded_after(plan.schema)
     request.modules = tuple(ModuleUse(path, used.get(path, 0), slowest_tier(tiers.get(path, ["computed"])),
                                       recomputed.get(path, 0), after.get(path)) for path in plan.module_paths)
+    request.stream, request.num_computed_tokens = stream, len(token_ids)
+    # A view (a range or shifted keys) shares its block's storage: it is held under its store key.
+    request.held_keys = tuple(dict.fromkeys(s.view.key for s in shared))
+    if params.prompt_logprobs is not None:
+        request.prompt_logprobs = []
+    if params.uses_prompt_tokens:  # the whole prompt, reused tokens included; shared by the n samples
+        request.prompt_tokens = PromptTokens(plan.token_ids())
     request.assembly_ms = (time.perf_counter() - started) * 1e3
-    return Assembled(shared, token_ids, positions, stream)
+    return Assembled(shared, token_ids, positions, reuse.next_position)

@@ -1,37 +1,51 @@
 """Module encoding inside engine steps: missing module KV computed in chunks between decode steps.
 
 Schema uploads and modules that no tier holds (a replica adopted the schema, an eviction, a new salt)
-used to be encoded in one forward pass on the engine thread, freezing every stream for its duration.
-Here each encoding is a pseudo-sequence that takes a chunk of the step's prefill budget, like a long
-prompt. Jobs run one at a time, in order: a job is planned when it starts, so it reuses the links that
-earlier jobs stored (two segments after the same missing context compute that context once).
+are never encoded in one pass on the engine thread, which would freeze every stream for its duration:
+each encoding is a pseudo-sequence that takes a chunk of the step's prefill budget, like a long prompt.
+Jobs run one at a time, in order: a job is planned when it starts, so it reuses the links that earlier
+jobs stored (two segments after the same missing context compute that context once).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
+import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
+from promptcache.model_runtime.engine.kv_view import KVView
 from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequence, SharedKV
-from promptcache.model_runtime.module_encoder import ChainWork, ModuleEncoder
+from promptcache.model_runtime.engine.runner import ModelRunner
+from promptcache.model_runtime.engine.step_plan import EncodeNeed, ScheduledSeq, StepPlan
+from promptcache.model_runtime.module_encoder import ChainWork, EncodeReport, ModuleEncoder
 from promptcache.pml import Schema
+
+_WHOLE = 1 << 30  # a prefill budget no job reaches: `encode_now` runs each job in one pass
+# Names the pseudo-sequences' shared blocks uniquely in the process: a runner keeps concatenations of
+# blocks by name (kv_groups.py), and may serve several queues (`encode_now`).
+_seq_ids = itertools.count()
 
 
 @dataclass(eq=False)
 class EncodeJob:
-    """Encode (segment, context) of a schema unless stored; `done` resolves when it is stored.
-    `keep_local`: stored in this process's tiers too, not only the shared ones (False only while
-    nobody here needs it: a schema upload's encoding on a cluster replica)."""
+    """Encode (segment, context) of a schema unless stored; `done` resolves with the target's block when
+    it is computed (None: it was stored meanwhile). `keep_local`: stored in this process's tiers too, not
+    only the shared ones (False only while nobody here needs it: a schema upload's encoding on a cluster
+    replica). `recompute`: computed even if a tier holds it (a request's fetch of it was refused)."""
 
+    target: str  # its store key
     schema: Schema
     segment_id: int
     context_ids: tuple[int, ...]
     salt: str | None
     keep_local: bool = True
+    recompute: bool = False
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -51,27 +65,27 @@ class EncodeQueue:
         self._jobs: deque[EncodeJob] = deque()
         self._by_target: dict[str, EncodeJob] = {}
         self._active: _Active | None = None
-        self._ids = itertools.count()
 
     @property
     def has_work(self) -> bool:
         return bool(self._jobs or self._active)
 
-    def submit(self, schema: Schema, segment_id: int, context_ids: tuple[int, ...],
-               salt: str | None, *, keep_local: bool = True) -> concurrent.futures.Future:
-        """Queue an encoding (once per target: a job already queued is shared, and kept locally if any
-        of its submitters asks for that)."""
+    def submit(self, schema: Schema, segment_id: int, context_ids: tuple[int, ...], salt: str | None, *,
+               keep_local: bool = True, recompute: bool = False) -> concurrent.futures.Future:
+        """Queue an encoding (once per target: a job already queued is shared, kept locally and
+        recomputed if any of its submitters asks for that)."""
         target = self.encoder.key(schema, segment_id, context_ids, salt)
         job = self._by_target.get(target)
         if job is None:
-            job = EncodeJob(schema, segment_id, tuple(context_ids), salt, keep_local)
+            job = EncodeJob(target, schema, segment_id, tuple(context_ids), salt, keep_local, recompute)
             self._by_target[target] = job
             self._jobs.append(job)
         job.keep_local = job.keep_local or keep_local
+        job.recompute = job.recompute or recompute
         return job.done
 
-    def next_chunk(self, budget: int) -> Sequence | None:
-        """The active job's pseudo-sequence with up to `budget` of its tokens scheduled, or None."""
+    def next_chunk(self, budget: int) -> ScheduledSeq | None:
+        """The active job's pseudo-sequence with up to `budget` of its tokens, or None."""
         if budget <= 0:
             return None
         while self._active is None and self._jobs:
@@ -79,48 +93,51 @@ class EncodeQueue:
         if self._active is None:
             return None
         seq = self._active.seq
-        seq.step_len = min(len(seq.pending_ids), budget)
-        return seq
+        return ScheduledSeq(seq, min(len(seq.pending_ids), budget))
 
-    def after_step(self, seconds: float) -> None:
-        """Account the step; store and resolve the active job if its last chunk just ran."""
+    def after_step(self, chunk: ScheduledSeq, seconds: float) -> None:
+        """`chunk` ran in `seconds`: store and resolve the active job if it was its last."""
         active = self._active
-        if active is None:
+        if active is None or active.seq is not chunk.seq:
             return
         active.compute_s += seconds
-        if active.seq.pending_ids:
+        chunk.seq.advance(chunk.num_tokens)
+        if chunk.seq.pending_ids:
             return
         self._active = None
-        self._by_target.pop(active.work.target, None)
+        self._by_target.pop(active.job.target, None)
         seq, work = active.seq, active.work
         self.encoder.record(work, active.compute_s)
         n = len(work.token_ids)
-        self.encoder.store_tail(work, seq.own_keys[:, :, :n], seq.own_values[:, :, :n], local=active.job.keep_local)
-        active.job.done.set_result(n)
+        block = self.encoder.store_tail(work, seq.own_keys[:, :, :n], seq.own_values[:, :, :n],
+                                        local=active.job.keep_local)
+        active.job.done.set_result(block)
 
     def fail_active(self, exc: BaseException) -> None:
         """The active job's chunk failed: fail its waiters, drop it."""
         if self._active is not None:
             job, self._active = self._active.job, None
-            self._by_target.pop(self.encoder.key(job.schema, job.segment_id, job.context_ids, job.salt), None)
+            self._by_target.pop(job.target, None)
             job.done.set_exception(exc)
 
     def _activate(self, job: EncodeJob) -> None:
         try:
-            work = self.encoder.plan(job.schema, job.segment_id, job.context_ids, job.salt, local=job.keep_local)
+            work = self.encoder.plan(job.schema, job.segment_id, job.context_ids, job.salt, local=job.keep_local,
+                                     assume_missing=job.recompute)
         except Exception as exc:  # e.g. positions past the model: this job fails, the queue goes on
-            self._by_target.pop(self.encoder.key(job.schema, job.segment_id, job.context_ids, job.salt), None)
+            self._by_target.pop(job.target, None)
             job.done.set_exception(exc)
             return
         if work is None:  # stored meanwhile (another job, another replica)
-            self._by_target.pop(self.encoder.key(job.schema, job.segment_id, job.context_ids, job.salt), None)
-            job.done.set_result(0)
+            self._by_target.pop(job.target, None)
+            job.done.set_result(None)
             return
         loaded = self.encoder.loaded
         device = loaded.model.device
         shape = (loaded.num_layers, loaded.num_kv_heads, max(1, len(work.token_ids)), loaded.head_dim)
-        shared = [SharedKV(f"encode-{next(self._ids)}/{i}", block.to(device)) for i, block in enumerate(work.found)]
-        seq = Sequence(seq_id=-1, request=None, index=0, shared=shared,
+        seq_id = next(_seq_ids)
+        shared = [SharedKV(KVView(f"encode-{seq_id}/{i}"), block.to(device)) for i, block in enumerate(work.found)]
+        seq = Sequence(seq_id=seq_id, request=None, index=0, shared=shared,
                        own_keys=torch.empty(shape, dtype=loaded.model.dtype, device=device),
                        own_values=torch.empty(shape, dtype=loaded.model.dtype, device=device),
                        pending_ids=list(work.token_ids), pending_positions=list(work.position_ids),
@@ -130,37 +147,93 @@ class EncodeQueue:
 
 class ParkedEncodes:
     """The module encodings of requests parked at admission (scheduler.py), queued once per request.
-    A request is settled once: when its last encoding is stored, or its first fails. Futures resolve on
-    the engine thread (EncodeQueue), so settling costs nothing per step for requests still waiting."""
+    A request is settled once: when its last encoding is stored, or its first fails. The blocks computed
+    for it are handed to it (`Request.computed_kv`: reported as computed, read from no tier), and the
+    time it waited is its `encode_ms`. Futures resolve on the engine thread (EncodeQueue), so settling
+    costs nothing per step for requests still waiting."""
 
     def __init__(self, encodes: EncodeQueue) -> None:
         self.encodes = encodes
         self._settled: list[tuple[Request, BaseException | None]] = []
 
-    def submit(self, needed: list[tuple[Request, int, tuple[int, ...]]]) -> None:
-        """Queue (request, segment, context) encodings; the requests named are watched until settled."""
-        futures: dict[str, tuple[Request, list[concurrent.futures.Future]]] = {}
-        for request, segment_id, context_ids in needed:
-            future = self.encodes.submit(request.plan.schema, segment_id, context_ids, request.cache_salt)
-            futures.setdefault(request.request_id, (request, []))[1].append(future)
-        for request, pending in futures.values():
-            self._watch(request, pending)
+    def submit(self, needs: Iterable[EncodeNeed]) -> None:
+        """Queue the encodings; the requests named are watched until settled."""
+        pending: dict[str, tuple[Request, list[tuple[str, concurrent.futures.Future]]]] = {}
+        for need in needs:
+            request = need.request
+            schema, salt = request.plan.schema, request.cache_salt
+            future = self.encodes.submit(schema, need.segment_id, need.context_ids, salt, recompute=need.recompute)
+            key = self.encodes.encoder.key(schema, need.segment_id, need.context_ids, salt)
+            pending.setdefault(request.request_id, (request, []))[1].append((key, future))
+        for request, futures in pending.values():
+            self._watch(request, futures)
 
     def settled(self) -> list[tuple[Request, BaseException | None]]:
         """Requests settled since the last call, with the error of the encoding that failed (or None)."""
         settled, self._settled = self._settled, []
         return settled
 
-    def _watch(self, request: Request, futures: list[concurrent.futures.Future]) -> None:
-        left, is_settled = len(futures), False
+    def _watch(self, request: Request, futures: list[tuple[str, concurrent.futures.Future]]) -> None:
+        left, is_settled, parked_at = len(futures), False, time.perf_counter()
 
-        def one_done(future: concurrent.futures.Future) -> None:
+        def one_done(key: str, future: concurrent.futures.Future) -> None:
             nonlocal left, is_settled
             left -= 1
             error = future.exception()
+            if error is None and future.result() is not None:
+                request.computed_kv[key] = future.result()
             if not is_settled and (left == 0 or error is not None):
                 is_settled = True
+                request.encode_ms += (time.perf_counter() - parked_at) * 1e3
                 self._settled.append((request, error))
 
-        for future in futures:
-            future.add_done_callback(one_done)
+        for key, future in futures:
+            future.add_done_callback(functools.partial(one_done, key))
+
+
+class SchemaEncodes:
+    """Schema encodings asked for with `Engine.encode_schema`: each resolves its caller's future with an
+    EncodeReport once its last job is stored, or with the first error."""
+
+    def __init__(self, encodes: EncodeQueue) -> None:
+        self.encodes = encodes
+        self._pending: list[tuple[list[concurrent.futures.Future], concurrent.futures.Future, float, int]] = []
+
+    def submit(self, schema: Schema, salt: str | None, future: concurrent.futures.Future, *, keep_local: bool,
+               second_encodings: bool) -> None:
+        jobs = self.encodes.encoder.schema_jobs(schema, predecessors=second_encodings)
+        futures = [self.encodes.submit(schema, sid, ctx, salt, keep_local=keep_local) for sid, ctx in jobs]
+        self._pending.append((futures, future, time.perf_counter(), self.encodes.encoder.num_encoded_segments))
+
+    def settle(self) -> None:
+        """Resolve the schema encodings whose jobs are all done."""
+        done = [entry for entry in self._pending if all(f.done() for f in entry[0])]
+        for futures, future, started, before in done:
+            self._pending.remove((futures, future, started, before))
+            error = next((f.exception() for f in futures if f.exception() is not None), None)
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(EncodeReport(len(futures), self.encodes.encoder.num_encoded_segments - before,
+                                               (time.perf_counter() - started) * 1e3))
+
+
+def encode_now(encoder: ModuleEncoder, runner: ModelRunner, schema: Schema, jobs: list[tuple[int, tuple[int, ...]]],
+               cache_salt: str | None = None, progress: Callable[[int, int], None] | None = None) -> EncodeReport:
+    """Encode the (segment, context) `jobs` of `schema` that no tier holds, now, on this thread, each in
+    one pass of `runner`: for schemas added before serving (the CLI). The engine encodes
+    between its steps instead. Raises what failed."""
+    started, before = time.perf_counter(), encoder.num_encoded_segments
+    queue = EncodeQueue(encoder)
+    for done, (segment_id, context_ids) in enumerate(jobs, 1):
+        future = queue.submit(schema, segment_id, context_ids, cache_salt)
+        while (chunk := queue.next_chunk(_WHOLE)) is not None:
+            output = runner.run(StepPlan((), 0, encoding=chunk))
+            if output.encoding_error is not None:
+                queue.fail_active(output.encoding_error)
+            else:
+                queue.after_step(chunk, output.encoding_s or 0.0)
+        future.result()
+        if progress is not None:
+            progress(done, len(jobs))
+    return EncodeReport(len(jobs), encoder.num_encoded_segments - before, (time.perf_counter() - started) * 1e3)

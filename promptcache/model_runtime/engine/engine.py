@@ -1,4 +1,4 @@
-"""Engine: continuous batching on a compute thread, token events delivered to asyncio callers."""
+"""Engine: continuous batching with shared-module attention, on a thread of its own."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-
-import torch
+from dataclasses import replace
 
 from promptcache.cache_store import BlockIndex
 from promptcache.model_runtime.engine.config import EngineConfig
-from promptcache.model_runtime.engine.encoding import EncodeQueue, ParkedEncodes
+from promptcache.model_runtime.engine.encoding import EncodeQueue, ParkedEncodes, SchemaEncodes
+from promptcache.model_runtime.engine.inbox import Abort, EncodeSchema, Inbox, Submit
+from promptcache.model_runtime.engine.outputs import OutputProcessor
 from promptcache.model_runtime.engine.prefix import PrefixReuse
-from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequence, TokenEvent
+from promptcache.model_runtime.engine.prefix_writes import Write
+from promptcache.model_runtime.engine.request import ErrorKind, FinishReason, Request, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan, resolve
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.engine.scheduler import Scheduler
@@ -33,8 +35,9 @@ class Engine:
     `submit` is called from an asyncio loop and returns an async iterator of TokenEvents (the last one
     has `usage`); `abort` stops a request within one step and frees its KV. Each tenant's requests wait
     in a bounded queue of their own, admitted round-robin across tenants (engine/waiting.py). All model
-    compute runs on the engine's own thread — the event loop never blocks on it. Each step is schedule -> run ->
-    postprocess, with data passed one way.
+    compute runs on the engine's own thread — the event loop never blocks on it. Each step is
+    `scheduler.schedule()` -> StepPlan, `runner.run(plan)` -> RunOutput, `outputs.postprocess(plan,
+    output)` -> StepResult, with data passed one way.
     """
 
     def __init__(self, encoder: ModuleEncoder, config: EngineConfig | None = None) -> None:
@@ -46,17 +49,16 @@ class Engine:
             tokenizer_fingerprint=loaded.tokenizer_fingerprint, bytes_per_token=loaded.kv_bytes_per_token)
         self.prefix = PrefixReuse(index, self.config.logits_cache_bytes)
         self.scheduler = Scheduler(self.config, encoder, self.prefix)
+        self.outputs = OutputProcessor(self.scheduler, self.prefix)
+        self.runner = ModelRunner(loaded, backend=self.config.attention_backend,
+                                  max_assembled_bytes=self.config.max_assembled_bytes)
         self.encodes = EncodeQueue(encoder)
         self.parked_encodes = ParkedEncodes(self.encodes)
-        self._schema_encodes: list[tuple[list[concurrent.futures.Future], concurrent.futures.Future, float, int]] = []
-        self.runner = ModelRunner(encoder.loaded, backend=self.config.attention_backend,
-                                  max_assembled_bytes=self.config.max_assembled_bytes)
-        self._inbox: list[tuple[str, object]] = []
-        self._wakeup = threading.Condition()
+        self.schema_encodes = SchemaEncodes(self.encodes)
+        self.inbox = Inbox()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
-        self._stopping = False
         self.num_steps = 0
         self.prefix_store_s = 0.0  # time spent storing prefix blocks (after tokens went out)
 
@@ -67,9 +69,7 @@ class Engine:
             self._thread.start()
 
     def stop(self) -> None:
-        with self._wakeup:
-            self._stopping = True
-            self._wakeup.notify()
+        self.inbox.close()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
@@ -97,26 +97,28 @@ class Engine:
         for plan, request_id in zip(plans, request_ids):
             queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
             self._sinks[request_id] = (loop, queue)
-            self._post("submit", Request(request_id, plan, params, cache_salt, fidelity or self.config.fidelity,
-                                         tenant=tenant, report_spans=report_spans))
+            self.inbox.post(Submit(Request(request_id, plan, params, cache_salt, fidelity or self.config.fidelity,
+                                           tenant=tenant, report_spans=report_spans)))
             streams.append(self._events(request_id, queue))
         self.start()
         return streams
 
-    def encode_schema(self, schema: Schema, cache_salt: str | None = None, *,
-                      keep_local: bool = True) -> concurrent.futures.Future[EncodeReport]:
+    def encode_schema(self, schema: Schema, cache_salt: str | None = None, *, keep_local: bool = True,
+                      second_encodings: bool = False) -> concurrent.futures.Future[EncodeReport]:
         """Encode every module KV of `schema` that no tier holds, in chunks between decode steps (no
         stream stalls for it). Await the result with `asyncio.wrap_future`; it raises what failed.
         `keep_local=False` stores it in the shared tiers only (if there are any) unless a request here
-        needs it meanwhile: for a replica whose uploads other replicas serve."""
+        needs it meanwhile: for a replica whose uploads other replicas serve. `second_encodings`: also
+        each module's encoding after the module before it (fidelity context "predecessor"), which is
+        otherwise made on a module's first such use, through the same chunked queue."""
         future: concurrent.futures.Future[EncodeReport] = concurrent.futures.Future()
-        self._post("encode", (schema, cache_salt, future, keep_local))
+        self.inbox.post(EncodeSchema(schema, cache_salt, future, keep_local, second_encodings))
         self.start()
         return future
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its last event has finish_reason "abort" unless it already finished."""
-        self._post("abort", request_id)
+        self.inbox.post(Abort(request_id))
 
     def explain(self, plan: PromptPlan, *, cache_salt: str | None = None,
                 fidelity: Fidelity | None = None) -> tuple[ReusePlan, list[tuple[str, int]]]:
@@ -147,113 +149,48 @@ class Engine:
             self._sinks.pop(request_id, None)
             self.abort(request_id)  # no-op when finished; frees the KV of an abandoned stream
 
-    def _post(self, kind: str, item: object) -> None:
-        with self._wakeup:
-            self._inbox.append((kind, item))
-            self._wakeup.notify()
-
     # -- engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
-            with self._wakeup:
-                while not self._inbox and not self.scheduler.has_work and not self.encodes.has_work \
-                        and not self._stopping:
-                    self._wakeup.wait(self.config.idle_wait_s)
-                if self._stopping:
-                    return
-                inbox, self._inbox = self._inbox, []
-            for kind, item in inbox:
-                if kind == "submit":
-                    self.scheduler.add(item, is_reserved=True)  # type: ignore[arg-type]
-                elif kind == "abort":
-                    self.scheduler.abort(item)  # type: ignore[arg-type]
+        def is_idle() -> bool:
+            return not self.scheduler.has_work and not self.encodes.has_work
+
+        while (messages := self.inbox.take(is_idle, self.config.idle_wait_s)) is not None:
+            for message in messages:
+                if isinstance(message, Submit):
+                    self.scheduler.add(message.request, is_reserved=True)
+                elif isinstance(message, Abort):
+                    self.scheduler.abort(message.request_id)
                 else:
-                    self._queue_schema(*item)  # type: ignore[misc]
+                    self.schema_encodes.submit(message.schema, message.salt, message.future,
+                                               keep_local=message.keep_local, second_encodings=message.second_encodings)
             try:
                 self._step()
             except Exception:  # a bug must not kill the engine silently: fail the running requests
                 logger.exception("engine step failed")
                 self._fail_all("internal engine error")
 
-    def _queue_schema(self, schema: Schema, salt: str | None, future: concurrent.futures.Future,
-                      keep_local: bool) -> None:
-        jobs = self.encoder.schema_jobs(schema, predecessors=self.config.fidelity.context == "predecessor")
-        futures = [self.encodes.submit(schema, sid, ctx, salt, keep_local=keep_local) for sid, ctx in jobs]
-        self._schema_encodes.append((futures, future, time.perf_counter(), self.encoder.num_encoded_segments))
-
     def _step(self) -> None:
-        batch, events, budget = self.scheduler.schedule()
-        self.parked_encodes.submit(self.scheduler.encodes_needed)
-        self.scheduler.encodes_needed.clear()
-        encoding = self.encodes.next_chunk(budget)
-        if batch or encoding is not None:
-            fed = [s for s in batch if s.status == SeqStatus.PREFILL] + ([encoding] if encoding is not None else [])
-            num_fed = sum(s.step_len or len(s.pending_ids) for s in fed)
-            num_decoding = sum(1 for s in batch if s.status != SeqStatus.PREFILL)
-            started = time.perf_counter()
-            batch, logits = self._run(batch, encoding, events)
-            step_ms = (time.perf_counter() - started) * 1e3
-            if batch:
-                events += self.scheduler.postprocess(batch, logits, step_ms)
-            self.scheduler.step_budget.observe(num_decoding, num_fed, step_ms)
+        plan = self.scheduler.schedule()
+        self.parked_encodes.submit(plan.encodes)
+        plan = replace(plan, encoding=self.encodes.next_chunk(plan.prefill_budget))
+        output = self.runner.run(plan)
+        if plan.encoding is not None:
+            if output.encoding_error is not None:  # fails the requests and uploads waiting for it
+                self.encodes.fail_active(output.encoding_error)
+            else:
+                self.encodes.after_step(plan.encoding, output.encoding_s or 0.0)
+        result = self.outputs.postprocess(plan, output)
+        if plan.has_forward:
+            self.scheduler.step_budget.observe(plan.num_decoding, plan.num_prompt_tokens, output.step_ms)
             self.num_steps += 1
-        events += self._settle_encodes()
-        for event in events:
+        self.schema_encodes.settle()
+        for event in [*plan.events, *result.events, *self._settle_parked()]:
             self._deliver(event)
-        self._store_prefixes()
+        self._store_prefixes(result.prefix_writes)
 
-    def _run(self, batch: list, encoding: Sequence | None, events: list[TokenEvent]) -> tuple[list, torch.Tensor]:
-        """One forward pass for the batch and the module-encoding chunk (if any; one pass, not two, so a
-        schema upload costs streams only its tokens). If the pass fails, the encoding chunk runs alone
-        (a failure fails only its waiters) and each sequence runs alone, so a request that breaks the
-        model fails by itself (its KV slots are rewritten: a sequence's own length only advances after
-        a successful pass). Returns the sequences that ran and their logits [len, vocab]."""
-        started = time.perf_counter()
-        try:
-            logits = self.runner.run([*batch, encoding] if encoding is not None else batch)
-        except Exception:
-            logger.warning("a batch step failed; running its %d sequences one by one", len(batch), exc_info=True)
-        else:
-            if encoding is not None:
-                self.encodes.after_step(time.perf_counter() - started)
-            return batch, logits[: len(batch)]
-        if encoding is not None:
-            self._encode_step(encoding)
-        done = []
-        for seq in batch:
-            if seq.request.is_failed:
-                continue
-            try:
-                done.append((seq, self.runner.run([seq])[0]))
-            except Exception as exc:
-                events.append(self.scheduler.fail(seq.request, exc))
-        done = [(seq, row) for seq, row in done if not seq.request.is_failed]
-        return [seq for seq, _ in done], torch.stack([row for _, row in done]) if done else torch.empty(0)
-
-    def _encode_step(self, seq: Sequence) -> None:
-        """The module-encoding chunk alone (after a failed shared pass): a failure fails only its waiters."""
-        started = time.perf_counter()
-        try:
-            self.runner.run([seq])
-        except Exception as exc:
-            logger.exception("module encoding failed")
-            self.encodes.fail_active(exc)
-            return
-        self.encodes.after_step(time.perf_counter() - started)
-
-    def _settle_encodes(self) -> list[TokenEvent]:
-        """Resolve finished schema encodings; fail requests whose module encoding failed."""
+    def _settle_parked(self) -> list[TokenEvent]:
+        """Resume requests whose module encodings are stored; fail those whose encoding failed."""
         events = []
-        for entry in list(self._schema_encodes):
-            futures, future, started, before = entry
-            if all(f.done() for f in futures):
-                self._schema_encodes.remove(entry)
-                errors = [f.exception() for f in futures if f.exception() is not None]
-                if errors:
-                    future.set_exception(errors[0])
-                else:
-                    future.set_result(EncodeReport(len(futures), self.encoder.num_encoded_segments - before,
-                                                   (time.perf_counter() - started) * 1e3))
         for request, error in self.parked_encodes.settled():
             if request.request_id not in self.scheduler.waiting:  # aborted, failed or dropped meanwhile
                 continue
@@ -263,12 +200,11 @@ class Engine:
                 self.scheduler.resume(request)
         return events
 
-    def _store_prefixes(self) -> None:
-        stores, self.scheduler.pending_stores = self.scheduler.pending_stores, []
+    def _store_prefixes(self, writes: tuple[Write, ...]) -> None:
         started = time.perf_counter()
-        for store in stores:
+        for write in writes:
             try:
-                store()
+                write()
             except Exception:  # a failed cache write costs future hits, never this request
                 logger.exception("storing prefix blocks failed")
         self.prefix_store_s += time.perf_counter() - started
@@ -281,4 +217,5 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         for request in self.scheduler.drop_all():
-            self._deliver(TokenEvent(request.request_id, 0, None, "", "error", error=message, error_type="internal"))
+            self._deliver(TokenEvent(request.request_id, 0, None, "", FinishReason.ERROR, error=message,
+                                     error_type=ErrorKind.INTERNAL))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from promptcache.cache_store import KVBlock
+from promptcache.model_runtime.engine.kv_view import KVView
 from promptcache.model_runtime.rope_shift import KeyShifter
 
 HEADROOM = 1.25  # a new buffer holds this much more than its group, so a somewhat larger group can reuse it
@@ -51,8 +52,8 @@ class AssembledGroups:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self.shifter = shifter
-        self._groups: OrderedDict[tuple[str, ...], _Group] = OrderedDict()
-        self._live: set[tuple[str, ...]] = set()
+        self._groups: OrderedDict[tuple[KVView, ...], _Group] = OrderedDict()
+        self._live: set[tuple[KVView, ...]] = set()
 
     @property
     def num_bytes(self) -> int:
@@ -62,27 +63,25 @@ class AssembledGroups:
     def __len__(self) -> int:
         return len(self._groups)
 
-    def kept(self) -> list[tuple[str, ...]]:
+    def kept(self) -> list[tuple[KVView, ...]]:
         """Names of the groups held, least recently used first."""
         return list(self._groups)
 
     @staticmethod
-    def split(names: Sequence[str]) -> list[tuple[str, ...]]:
-        """The parts a group of blocks is attended in: its whole blocks and its views apart when there
-        are at least two whole blocks and some view; otherwise all together. Names sorted in each part."""
-        whole = tuple(sorted(n for n in names if "#" not in n))
-        views = tuple(sorted(n for n in names if "#" in n))
+    def split(names: Sequence[KVView]) -> list[tuple[KVView, ...]]:
+        """The parts a group of blocks is attended in: its whole blocks and its other views apart when
+        there are at least two whole blocks and some other view; otherwise all together. Sorted in each part."""
+        whole = tuple(sorted((n for n in names if n.is_whole), key=KVView.order))
+        views = tuple(sorted((n for n in names if not n.is_whole), key=KVView.order))
         if len(whole) >= 2 and views:
             return [whole, views]
-        return [tuple(sorted(names))]
+        return [tuple(sorted(names, key=KVView.order))]
 
-    def get(self, names: tuple[str, ...], blocks: Mapping[str, KVBlock],
-            shifts: Mapping[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, names: tuple[KVView, ...], blocks: Mapping[KVView, KVBlock]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [L, H_kv, sum n, D] of the blocks `names` (one unshifted block: its own
-        tensors, no copy), each block's keys moved by its `shifts` entry (default 0). Marks the group in
+        tensors, no copy), each block's keys moved by its view's `shift`. Marks the group in
         use until the next `trim`."""
-        shifts = shifts or {}
-        if len(names) == 1 and not shifts.get(names[0]):
+        if len(names) == 1 and not names[0].shift:
             block = blocks[names[0]]
             return block.keys, block.values
         self._live.add(names)
@@ -98,11 +97,11 @@ class AssembledGroups:
         buffer = self._buffer(numel, first.dtype, first.device)
         keys = buffer[0, :numel].view(num_layers, num_heads, num_tokens, head_dim)  # contiguous views
         values = buffer[1, :numel].view(num_layers, num_heads, num_tokens, head_dim)
-        if any(shifts.get(n) for n in names):
+        if any(n.shift for n in names):
             assert self.shifter is not None, "shifted blocks need a model whose positions are RoPE"
             offset = 0
             for name, part in zip(names, parts):
-                n, shift = part.keys.shape[2], shifts.get(name, 0)
+                n, shift = part.keys.shape[2], name.shift
                 target = keys[:, :, offset: offset + n]
                 if shift:
                     self.shifter.shift_into(target, part.keys, torch.full((n,), shift, device=target.device))

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from promptcache.model_runtime.engine.request import Sequence
+from promptcache.model_runtime.engine.assembly import module_key
+from promptcache.model_runtime.engine.request import Request, Sequence, SharedKV
 from promptcache.model_runtime.kv_pool import KVPool
 from promptcache.model_runtime.loader import LoadedModel
+from promptcache.model_runtime.module_encoder import ModuleEncoder
 
 
 class KVMemory:
@@ -44,6 +46,27 @@ class KVMemory:
             if entry[1] == 0:
                 del self.shared[key]
         assert self.own_bytes >= 0
+
+
+def request_bytes(request: Request, encoder: ModuleEncoder) -> tuple[int, dict[str, int]]:
+    """Before assembly, an upper bound of the own KV bytes `request` adds and the bytes of each shared
+    block it holds, by key: reused prefix tokens move from own KV to shared blocks, never adding bytes."""
+    reuse, params, per_token = request.reuse, request.params, encoder.loaded.kv_bytes_per_token
+    assert reuse is not None
+    shared: dict[str, int] = {}
+    for use in reuse.uses:  # runs of one module (tokens recomputed between) share its block: held_bytes
+        key = module_key(encoder, request, use)
+        shared[key] = max(shared.get(key, 0), (use.last - use.first) * per_token)
+    return (len(reuse.token_ids) + 1 + params.n * params.max_tokens) * per_token, shared
+
+
+def held_bytes(shared: list[SharedKV], bytes_per_token: int) -> dict[str, int]:
+    """Bytes of each stored block that `shared` KV (views cut from it included) holds, by store key."""
+    held: dict[str, int] = {}
+    for item in shared:
+        key = item.view.key
+        held[key] = max(held.get(key, 0), item.block.num_tokens * bytes_per_token)
+    return held
 
 
 class OwnKV:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from promptcache.cache_store import BlockIndex, Link, Match, chain_root
+from promptcache.model_runtime.engine.kv_view import KVView
 from promptcache.model_runtime.results import PrefixUse
 
 # A run of the stream's KV: (first stream index, keys, values), tensors [L, H_kv, n, D] (views).
@@ -157,9 +158,9 @@ def prefix_use(match: Match) -> PrefixUse | None:
     return PrefixUse(num_tokens=match.num_tokens, num_blocks=len(match.links), tiers=tuple(sorted(tiers.items())))
 
 
-def shared_name(link: Link) -> str:
-    """The engine's name for a reused link: a partly used block is a different tensor than the whole."""
-    return link.key if link.is_whole else f"{link.key}#{link.num_tokens}"
+def link_view(link: Link) -> KVView:
+    """The view of a reused link: a partly used block is a different tensor than the whole."""
+    return KVView(link.key) if link.is_whole else KVView(link.key, 0, link.num_tokens)
 
 
 def _piece(link: Link) -> KVPiece:

@@ -10,7 +10,7 @@ import uuid
 
 from promptcache.cache_store import Link
 from promptcache.model_runtime.engine.prefix import prefix_use
-from promptcache.model_runtime.engine.request import Request, TokenEvent
+from promptcache.model_runtime.engine.request import ErrorKind, FinishReason, Request, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import ReusePlan
 from promptcache.model_runtime.errors import InvalidRequestError
 from promptcache.model_runtime.results import PromptSpan, Timings, Usage
@@ -20,7 +20,7 @@ from promptcache.pml import NewRun, PromptPlan
 logger = logging.getLogger(__name__)
 
 
-def final_event(request: Request, index: int, token: int | None, text: str, finish: str,
+def final_event(request: Request, index: int, token: int | None, text: str, finish: FinishReason,
                 logprobs: TokenLogprobs | None = None) -> TokenEvent:
     """The request's last event: usage, module and prefix reuse, prompt spans, timings, exactness,
     fidelity mode."""
@@ -159,12 +159,14 @@ def failure_event(request: Request, exc: BaseException) -> TokenEvent:
     """The event that fails one request: bad input says what is wrong; anything else is logged with an
     id that the caller also gets (a 500 that names it), never with internals in the message."""
     if isinstance(exc, InvalidRequestError):
-        return TokenEvent(request.request_id, 0, None, "", "error", error=str(exc), error_type="invalid_request")
+        return rejection_event(request, str(exc))
     error_id = uuid.uuid4().hex[:12]
     logger.error("request %s failed (error id %s)", request.request_id, error_id, exc_info=exc)
-    return TokenEvent(request.request_id, 0, None, "", "error", error=f"internal error (id {error_id})",
-                      error_type="internal")
+    return TokenEvent(request.request_id, 0, None, "", FinishReason.ERROR, error=f"internal error (id {error_id})",
+                      error_type=ErrorKind.INTERNAL)
 
 
 def rejection_event(request: Request, message: str) -> TokenEvent:
-    return TokenEvent(request.request_id, 0, None, "", "error", error=message, error_type="invalid_request")
+    """The event that refuses a request that cannot be served as sent, saying why."""
+    return TokenEvent(request.request_id, 0, None, "", FinishReason.ERROR, error=message,
+                      error_type=ErrorKind.INVALID_REQUEST)

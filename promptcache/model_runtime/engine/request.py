@@ -10,12 +10,36 @@ import torch
 
 from promptcache.cache_store import KVBlock
 from promptcache.model_runtime.detokenizer import Detokenizer
+from promptcache.model_runtime.engine.kv_view import KVView
 from promptcache.model_runtime.engine.prefix import Stream
 from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan
 from promptcache.model_runtime.kv_pool import KVPool
 from promptcache.model_runtime.results import ModuleUse, PrefixUse, PromptSpan, Timings, Usage
 from promptcache.model_runtime.sampling import PromptTokens, Sampler, SamplingParams, TokenLogprobs
 from promptcache.pml import PromptPlan
+
+
+class _WireEnum(str, enum.Enum):
+    """A str-valued enum that is its value wherever a str is expected (the wire, metric labels)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class FinishReason(_WireEnum):
+    """Why a sample ended."""
+
+    STOP = "stop"      # an end-of-sequence token or a stop string
+    LENGTH = "length"  # max_tokens, or the model's last position
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class ErrorKind(_WireEnum):
+    """Why a request failed."""
+
+    INVALID_REQUEST = "invalid_request"  # the request cannot be served as sent
+    INTERNAL = "internal"
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +54,7 @@ class TokenEvent:
     index: int
     token_id: int | None
     text: str
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: TokenLogprobs | None = None  # of token_id, when the request asked for logprobs
     # On the final event, when asked for: each prompt token's logprobs from the second token on.
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
@@ -45,7 +69,7 @@ class TokenEvent:
     # On the final event of a request that was admitted: every prompt token once, by where its KV came from.
     spans: tuple[PromptSpan, ...] | None = None
     error: str | None = None
-    error_type: str | None = None  # "invalid_request" (the request cannot be served) | "internal"
+    error_type: ErrorKind | None = None
 
 
 class SeqStatus(enum.Enum):
@@ -57,24 +81,25 @@ class SeqStatus(enum.Enum):
 
 @dataclass(eq=False)
 class SharedKV:
-    """A cached KV block used by one or more sequences; identified by its store key."""
+    """A cached KV block used by one or more sequences; identified by its view."""
 
-    key: str
+    view: KVView
     block: KVBlock  # keys/values [num_layers, num_kv_heads, n, head_dim], referenced, never copied per sequence
     # In the prefill step, only the pending tokens from this index on attend to it (they are positioned
     # after it); every later step sees it in full.
     visible_from: int = 0
-    shift: int = 0  # positions its keys move by when attended (rope_shift.py); the block itself is never changed
 
 
 @dataclass(eq=False)
 class Sequence:
-    """One sample being generated. Its own KV holds its computed tokens (prompt text or generated)."""
+    """One sample being generated, or the prompt its n > 1 samples fork from (`is_prompt`). Its own KV
+    holds its computed tokens (prompt text or generated)."""
 
     seq_id: int
     request: Request | None  # None for a module-encoding pseudo-sequence (engine/encoding.py)
     index: int
     shared: list[SharedKV]
+    is_prompt: bool = False
     own_keys: torch.Tensor | None = None    # [num_layers, num_kv_heads, capacity, head_dim]
     own_values: torch.Tensor | None = None  # [num_layers, num_kv_heads, capacity, head_dim]
     # The pool own_keys/own_values are slots of, from slot `own_slot` on (None: buffers of their own).
@@ -83,20 +108,21 @@ class Sequence:
     own_length: int = 0
     pending_ids: list[int] = field(default_factory=list)        # tokens still to feed
     pending_positions: list[int] = field(default_factory=list)
-    step_len: int = 0      # tokens of pending fed in the coming step (0: all); set by the scheduler
     prefill_done: int = 0  # prompt tokens fed by earlier chunks of this sequence's prefill
     next_position: int = 0
     output_ids: list[int] = field(default_factory=list)
     first_position: int = 0  # position of the first generated token
     generated_offset: int = 0  # where the generated tokens' KV starts in the own buffer
     status: SeqStatus = SeqStatus.WAITING
-    finish_reason: str | None = None
     sampler: Sampler | None = None
     detokenizer: Detokenizer | None = None
 
-    @property
-    def own_capacity(self) -> int:
-        return 0 if self.own_keys is None else self.own_keys.shape[2]
+    def advance(self, num_tokens: int) -> None:
+        """The first `num_tokens` pending tokens were fed (their KV written at own_length on): count them."""
+        self.own_length += num_tokens
+        self.pending_ids, self.pending_positions = self.pending_ids[num_tokens:], self.pending_positions[num_tokens:]
+        if self.status == SeqStatus.PREFILL:
+            self.prefill_done += num_tokens
 
 
 @dataclass(eq=False)
@@ -117,6 +143,7 @@ class Request:
     use_tiers: tuple[str, ...] = ()  # the tier each of reuse.uses was fetched from, set at assembly
     stream: Stream | None = None  # the tokens computed for this request and the prefix reused for them
     held_keys: tuple[str, ...] = ()  # store keys acquired while the request runs
+    computed_kv: dict[str, KVBlock] = field(default_factory=dict)  # module KV encoded while it waited, by key
     prompt_tokens: PromptTokens | None = None  # set at admission when sampling reads the prompt's ids
     num_computed_tokens: int = 0
     assembly_ms: float = 0.0
@@ -126,5 +153,4 @@ class Request:
     first_token_at: float | None = None
     is_aborted: bool = False
     is_failed: bool = False
-    reserved_bytes: int = 0
-    prompt_logprobs: list[TokenLogprobs] | None = None  # filled by the runner while the prompt prefills
+    prompt_logprobs: list[TokenLogprobs] | None = None  # filled while the prompt prefills

@@ -1,22 +1,45 @@
-"""ModelRunner: one packed forward pass for a scheduled batch; returns next-token logits per sequence."""
+"""ModelRunner: one packed forward pass for a step's batch and module-encoding chunk (`run`)."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import defaultdict
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 
 import torch
 
 from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.attention.step_indices import to_device
 from promptcache.model_runtime.engine.kv_groups import AssembledGroups
-from promptcache.model_runtime.engine.request import SeqStatus, Sequence
+from promptcache.model_runtime.engine.kv_view import KVView
+from promptcache.model_runtime.engine.request import Request, SeqStatus
+from promptcache.model_runtime.engine.step_plan import ScheduledSeq, StepPlan
 from promptcache.model_runtime.forward import cache_argument
 from promptcache.model_runtime.loader import LoadedModel
 from promptcache.model_runtime.packed_attention import BatchCache, BatchContext, active_batch, install
 from promptcache.model_runtime.sampling import TokenLogprobs, token_logprobs
 
+logger = logging.getLogger(__name__)
+
 _LOGPROB_ROWS = 256  # prompt rows scored per lm_head call: bounds the [rows, vocab] logits in memory
+
+PromptLogprobs = tuple[TokenLogprobs, ...] | None  # of a prefill chunk's prompt tokens, when its request asks
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutput:
+    """What a step's forward pass produced; the sequences themselves advance in postprocess. `ran`: the
+    batch entries that ran, all unless a request broke the model alone (`failures`)."""
+
+    ran: tuple[ScheduledSeq, ...] = ()
+    logits: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [len(ran), vocab] float32
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    failures: tuple[tuple[Request, BaseException], ...] = ()
+    encoding_s: float | None = None  # the encoding chunk's compute time (None: none ran, or it failed)
+    encoding_error: BaseException | None = None
+    step_ms: float = 0.0
 
 
 class ModelRunner:
@@ -32,14 +55,63 @@ class ModelRunner:
         if backend == "auto" and loaded.model.dtype == torch.bfloat16 and loaded.model.device.type == "cpu":
             bf16_kernel.prepare()  # built here, at startup, never inside a request
 
+    def run(self, plan: StepPlan) -> RunOutput:
+        """One forward pass for the batch and the module-encoding chunk (one pass, not two, so a schema
+        upload costs streams only its tokens). If it fails, the encoding chunk runs alone (a failure fails
+        only its waiters) and each sequence runs alone, so a request that breaks the model fails by itself
+        (rewriting KV slots is safe: a sequence's own length only advances after a successful pass)."""
+        if not plan.has_forward:
+            return RunOutput()
+        started = time.perf_counter()
+        entries = [*plan.batch, plan.encoding] if plan.encoding is not None else list(plan.batch)
+        try:
+            logits, found = self.forward(entries)
+        except Exception:
+            logger.warning("a batch step failed; running its %d sequences one by one", len(plan.batch), exc_info=True)
+            return self._one_by_one(plan, started)
+        elapsed = time.perf_counter() - started
+        n = len(plan.batch)
+        return RunOutput(plan.batch, logits[:n], tuple(found[:n]),
+                         encoding_s=elapsed if plan.encoding is not None else None, step_ms=elapsed * 1e3)
+
+    def _one_by_one(self, plan: StepPlan, started: float) -> RunOutput:
+        encoding_s, encoding_error = None, None
+        if plan.encoding is not None:
+            began = time.perf_counter()
+            try:
+                self.forward([plan.encoding])
+            except Exception as exc:
+                logger.exception("module encoding failed")
+                encoding_error = exc
+            else:
+                encoding_s = time.perf_counter() - began
+        done: list[tuple[str, ScheduledSeq, torch.Tensor, PromptLogprobs]] = []
+        failed: dict[str, tuple[Request, BaseException]] = {}
+        for entry in plan.batch:
+            request = entry.seq.request
+            assert request is not None  # a module encoding is never in the batch
+            if request.request_id in failed:
+                continue
+            try:
+                logits, found = self.forward([entry])
+            except Exception as exc:
+                failed[request.request_id] = (request, exc)
+                continue
+            done.append((request.request_id, entry, logits[0], found[0]))
+        done = [item for item in done if item[0] not in failed]  # a request fails whole
+        logits = torch.stack([r for _, _, r, _ in done]) if done else torch.empty(0)  # [len(done), vocab]
+        return RunOutput(tuple(e for _, e, _, _ in done), logits, tuple(f for *_, f in done), tuple(failed.values()),
+                         encoding_s, encoding_error, (time.perf_counter() - started) * 1e3)
+
     @torch.inference_mode()
-    def run(self, seqs: Seq[Sequence]) -> torch.Tensor:
-        """Feed each sequence's next `step_len` pending tokens (all of them when 0: a chunk of a long
-        prefill otherwise); returns logits [num_seqs, vocab] (float32) for the last token fed. Only
-        after the pass succeeded: advances own KV lengths and drops the fed tokens from pending."""
+    def forward(self, entries: Seq[ScheduledSeq]) -> tuple[torch.Tensor, list[PromptLogprobs]]:
+        """Feed each entry's next `num_tokens` pending tokens, writing their KV at the sequence's
+        `own_length` on; returns logits [num_entries, vocab] (float32) of the last token each fed, and
+        each entry's prompt logprobs. Sequences are not changed otherwise."""
         model = self.loaded.model
         device = model.device
-        query_lens = [s.step_len or len(s.pending_ids) for s in seqs]
+        seqs = [e.seq for e in entries]
+        query_lens = [e.num_tokens for e in entries]
         # Step inputs are built on the host and copied without blocking it (pinned, on a GPU).
         input_ids = to_device(torch.tensor([[t for s, n in zip(seqs, query_lens) for t in s.pending_ids[:n]]],
                                            dtype=torch.long), device)  # [1, Q]
@@ -49,7 +121,7 @@ class ModelRunner:
         pool = next((s.own_pool for s in seqs if s.own_pool is not None), None)
         context = BatchContext(
             query_lens=query_lens, own_keys=[s.own_keys for s in seqs], own_values=[s.own_values for s in seqs],
-            own_starts=[s.own_length for s in seqs], segments=self._segments(seqs), backend=self.backend,
+            own_starts=[s.own_length for s in seqs], segments=self._segments(entries), backend=self.backend,
             pool=pool, own_slots=[s.own_slot if pool is not None and s.own_pool is pool else None for s in seqs])
         cache = BatchCache(context, self.loaded.num_layers)
         with active_batch(context):
@@ -57,61 +129,57 @@ class ModelRunner:
                                       **cache_argument(model.base_model, cache)).last_hidden_state  # [1, Q, hidden]
         last_rows = to_device(torch.tensor(query_lens).cumsum(0) - 1, device)  # [num_seqs]
         logits = model.get_output_embeddings()(hidden[0, last_rows]).float()  # [num_seqs, vocab]
-        prompt_logprobs = self._prompt_logprobs(seqs, query_lens, hidden[0])
-        for seq, found in prompt_logprobs:
-            seq.request.prompt_logprobs.extend(found)
-        for seq, n in zip(seqs, query_lens):
-            seq.own_length += n
-            seq.pending_ids, seq.pending_positions = seq.pending_ids[n:], seq.pending_positions[n:]
-            if seq.status == SeqStatus.PREFILL:
-                seq.prefill_done += n
-            seq.step_len = 0
-        return logits
+        return logits, self._prompt_logprobs(entries, hidden[0])
 
-    def _prompt_logprobs(self, seqs: Seq[Sequence], query_lens: list[int],
-                         hidden: torch.Tensor) -> list[tuple[Sequence, list[TokenLogprobs]]]:
+    def _prompt_logprobs(self, entries: Seq[ScheduledSeq], hidden: torch.Tensor) -> list[PromptLogprobs]:
         """For prefilling sequences whose request wants prompt logprobs: each fed token's row scores the
         next prompt token (the last prompt token has none to score). hidden [Q, hidden_size]."""
-        found, start = [], 0
-        for seq, n in zip(seqs, query_lens):
+        found: list[PromptLogprobs] = []
+        start = 0
+        for entry in entries:
+            seq, n = entry.seq, entry.num_tokens
             request = seq.request
-            if request is not None and request.prompt_logprobs is not None and seq.status == SeqStatus.PREFILL:
-                following = seq.pending_ids[1: n + 1]  # the prompt token each row predicts
-                num_top = request.params.prompt_logprobs or 0
-                rows: list[TokenLogprobs] = []
-                for first in range(0, len(following), _LOGPROB_ROWS):  # bounded [rows, vocab] at a time
-                    chunk = following[first: first + _LOGPROB_ROWS]
-                    scores = self.loaded.model.get_output_embeddings()(
-                        hidden[start + first: start + first + len(chunk)]).float()  # [rows, vocab]
-                    rows += [token_logprobs(row, token, num_top) for row, token in zip(scores, chunk)]
-                found.append((seq, rows))
+            if request is None or request.prompt_logprobs is None or seq.status != SeqStatus.PREFILL:
+                found.append(None)
+                start += n
+                continue
+            following = seq.pending_ids[1: n + 1]  # the prompt token each row predicts
+            num_top = request.params.prompt_logprobs or 0
+            rows: list[TokenLogprobs] = []
+            for first in range(0, len(following), _LOGPROB_ROWS):  # bounded [rows, vocab] at a time
+                chunk = following[first: first + _LOGPROB_ROWS]
+                scores = self.loaded.model.get_output_embeddings()(
+                    hidden[start + first: start + first + len(chunk)]).float()  # [rows, vocab]
+                rows += [token_logprobs(row, token, num_top) for row, token in zip(scores, chunk)]
+            found.append(tuple(rows))
             start += n
         return found
 
-    def _segments(self, seqs: Seq[Sequence]):
-        users: dict[str, list[tuple[int, int]]] = defaultdict(list)
-        blocks, shifts = {}, {}
-        for index, seq in enumerate(seqs):
+    def _segments(self, entries: Seq[ScheduledSeq]):
+        users: dict[KVView, list[tuple[int, int]]] = defaultdict(list)
+        blocks = {}
+        for index, entry in enumerate(entries):
+            seq = entry.seq
             for shared in seq.shared:
                 # Row offsets only matter in a prefill step (tokens positioned before the block),
                 # counted from this chunk's first token; a sequence whose every token of this step
                 # precedes the block skips it.
                 offset = max(0, shared.visible_from - seq.prefill_done) if seq.status == SeqStatus.PREFILL else 0
-                if offset < (seq.step_len or len(seq.pending_ids)):
-                    users[shared.key].append((index, offset))
-                    blocks[shared.key] = shared.block
-                    shifts[shared.key] = shared.shift
+                if offset < entry.num_tokens:
+                    users[shared.view].append((index, offset))
+                    blocks[shared.view] = shared.block
         # Attention over shared KV is permutation-invariant, so every block used by the same set of
         # (sequence, offset) pairs joins one segment, wherever its positions are.
-        by_users: dict[tuple[tuple[int, int], ...], list[str]] = defaultdict(list)
-        for key, pairs in users.items():
-            by_users[tuple(pairs)].append(key)
+        by_users: dict[tuple[tuple[int, int], ...], list[KVView]] = defaultdict(list)
+        for view, found in users.items():
+            by_users[tuple(found)].append(view)
         segments = []
-        for pairs, keys in by_users.items():
+        for pairs, views in by_users.items():
             indices = tuple(i for i, _ in pairs)
             offsets = tuple(o for _, o in pairs) if any(o for _, o in pairs) else None
-            for part in self.groups.split(keys):
-                keys_cat, values_cat = self.groups.get(part, blocks, shifts)  # [num_layers, num_kv_heads, sum n, head_dim]
+            for part in self.groups.split(views):
+                # [num_layers, num_kv_heads, sum n, head_dim]
+                keys_cat, values_cat = self.groups.get(part, blocks)
                 segments.append((keys_cat, values_cat, indices, offsets))
         self.groups.trim()
         return segments

@@ -1,14 +1,65 @@
-"""Which sequences a step runs, and how many prompt tokens each feeds: the scheduler's batch policy."""
+"""StepPlan: what one engine step runs, and the batch policy that composes it (`compose_step`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
-from promptcache.model_runtime.engine.request import SeqStatus, Sequence
+import torch
+
+from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequence, TokenEvent
 
 
-def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int) -> tuple[list[Sequence], int]:
-    """The step's batch (setting each prefill's `step_len`) and the prefill budget it leaves.
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """A sequence in a step, feeding its next `num_tokens` pending tokens (a decode's one token, a whole
+    prompt, or a chunk of a long one)."""
+
+    seq: Sequence
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeNeed:
+    """Module KV a parked request waits for: (segment, context) of its schema. `recompute`: a tier holds
+    it, but the fetch was refused (the fetch policy measured recomputing as faster), so it is computed."""
+
+    request: Request
+    segment_id: int
+    context_ids: tuple[int, ...]
+    recompute: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step as `Scheduler.schedule` composed it; the engine adds the module-encoding chunk."""
+
+    batch: tuple[ScheduledSeq, ...]
+    prefill_budget: int  # prompt tokens the batch leaves to module encoding
+    # Sequences whose first token's logits [vocab] are known without a pass (an exact repeat).
+    ready: tuple[tuple[Sequence, torch.Tensor], ...] = ()
+    events: tuple[TokenEvent, ...] = ()  # final events of requests aborted, refused or failed while scheduling
+    encodes: tuple[EncodeNeed, ...] = ()  # for requests parked this step (each once)
+    encoding: ScheduledSeq | None = None  # a chunk of the active module encoding, run with the batch
+
+    @property
+    def has_forward(self) -> bool:
+        return bool(self.batch) or self.encoding is not None
+
+    @property
+    def num_decoding(self) -> int:
+        return sum(1 for s in self.batch if s.seq.status != SeqStatus.PREFILL)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt and module tokens fed (the decodes' aside)."""
+        chunks = [s for s in self.batch if s.seq.status == SeqStatus.PREFILL]
+        return sum(s.num_tokens for s in chunks) + (self.encoding.num_tokens if self.encoding is not None else 0)
+
+
+def compose_step(running: Seq[Sequence], *, mixed_budget: int,
+                 alone_budget: int) -> tuple[tuple[ScheduledSeq, ...], int]:
+    """The step's batch and the prefill budget it leaves.
 
     - Decoding sequences always run, and prefills share `mixed_budget` tokens with them (so no stream
       stalls for a long prompt); with nothing decoding, prefills share `alone_budget`.
@@ -25,18 +76,16 @@ def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int
     busy = {s.request.tenant for s in decoding}
     light = [s for s in prefills if s.request.tenant not in busy]
     if decoding and light and sum(len(s.pending_ids) for s in light) <= alone_budget:
-        for seq in light:
-            seq.step_len = len(seq.pending_ids)
-        return light, alone_budget - sum(s.step_len for s in light)
+        batch = tuple(ScheduledSeq(s, len(s.pending_ids)) for s in light)
+        return batch, alone_budget - sum(s.num_tokens for s in batch)
     budget = mixed_budget if decoding else alone_budget
-    batch = list(decoding)
+    scheduled = [ScheduledSeq(s, len(s.pending_ids)) for s in decoding]
     for seq in prefills:
         if budget <= 0:
             break
-        seq.step_len = min(len(seq.pending_ids), budget)
-        budget -= seq.step_len
-        batch.append(seq)
-    return batch, budget
+        scheduled.append(ScheduledSeq(seq, min(len(seq.pending_ids), budget)))
+        budget -= scheduled[-1].num_tokens
+    return tuple(scheduled), budget
 
 
 def _by_tenant_load(running: Seq[Sequence]) -> list[Sequence]:

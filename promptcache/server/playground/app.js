@@ -249,6 +249,7 @@ async function selectSchema(info) {
   current = info;
   $("layout-name").textContent = `${info.name} (${info.num_tokens} positions)`;
   $("layout").textContent = "";  // never the previous schema's blocks under this name
+  clearFidelity();
   drawPicks(info);
   compose();
   await drawLayout(info);
@@ -386,6 +387,66 @@ $("run").addEventListener("click", async () => {
       }
     });
   } catch (exc) { $("output").textContent = exc.message; }
+});
+
+// -- fidelity report ----------------------------------------------------------------------------
+function clearFidelity() {
+  $("fidelity-table").hidden = true; $("fidelity-table").textContent = "";
+  $("fidelity-details").hidden = true; $("fidelity-samples-list").textContent = "";
+  $("fidelity-status").textContent = "";
+}
+
+function tableRow(cells, tag = "td") {
+  const row = document.createElement("tr");
+  for (const text of cells) {
+    const cell = document.createElement(tag);
+    cell.textContent = text;
+    row.append(cell);
+  }
+  return row;
+}
+
+// Per mode: greedy first-token agreement with a full prefill (95 % interval) and first-token KL; then
+// what was sampled and how, and each combination's result per mode.
+function drawFidelity(report) {
+  const table = $("fidelity-table"), percent = (x) => (100 * x).toFixed(0) + "%";
+  table.textContent = "";
+  table.append(tableRow(["mode", "top-1 agreement", "95% interval", "mean KL", "max KL", "samples"], "th"));
+  for (const [mode, stats] of Object.entries(report.modes)) {
+    const row = tableRow([mode, percent(stats.top1_agreement),
+      `${percent(stats.agreement_ci95[0])}-${percent(stats.agreement_ci95[1])}`, stats.mean_kl.toFixed(4),
+      stats.max_kl.toFixed(4), String(stats.num_samples)]);
+    row.dataset.mode = mode;
+    table.append(row);
+  }
+  table.hidden = false;
+  $("fidelity-status").textContent = `${report.num_samples} combinations (seed ${report.seed}), question ` +
+    `${JSON.stringify(report.question)}; balanced k=${report.fidelity_head_tokens}, ${report.fidelity_positions} ` +
+    `positions, ${report.fidelity_context} context; ` +
+    (report.cached ? "from the report cache" : `computed in ${(report.elapsed_ms / 1000).toFixed(1)} s`) +
+    ". KL: over both top-20 lists and the rest, a lower bound.";
+  const list = $("fidelity-samples-list");
+  list.textContent = "";
+  for (const sample of report.samples) {
+    const item = document.createElement("li");
+    const marks = Object.entries(sample.modes).map(([mode, r]) => `${mode} ${r.top1_agrees ? "=" : "≠"}`).join(", ");
+    item.textContent = `${sample.module_paths.join(" + ") || "(no modules)"}: ${marks}`;
+    item.title = sample.prompt;
+    list.append(item);
+  }
+  $("fidelity-details").hidden = false;
+}
+
+$("fidelity-run").addEventListener("click", async () => {
+  if (!current) return;
+  const info = current;
+  clearFidelity();
+  $("fidelity-status").textContent = "computing: a full prefill and one request per mode for each sample…";
+  const query = new URLSearchParams({ num_samples: $("fidelity-samples").value || "8", question: $("free-text").value });
+  try {
+    const report = await api(`/v1/schemas/${encodeURIComponent(info.name)}/fidelity?${query}`);
+    if (current === info) drawFidelity(report);  // another schema selected meanwhile: not its report
+  } catch (exc) { if (current === info) $("fidelity-status").textContent = exc.message; }
 });
 
 // -- chat ---------------------------------------------------------------------------------------

@@ -1,0 +1,132 @@
+"""OutputProcessor: a step's outputs turned into tokens, text, events and prefix writes (`postprocess`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from promptcache.cache_store import KVBlock
+from promptcache.model_runtime.detokenizer import Detokenizer
+from promptcache.model_runtime.engine.kv_view import KVView
+from promptcache.model_runtime.engine.prefix import PrefixReuse
+from promptcache.model_runtime.engine.prefix_writes import Write, logits_write, prompt_write, sample_write
+from promptcache.model_runtime.engine.reports import final_event
+from promptcache.model_runtime.engine.request import FinishReason, Request, SeqStatus, Sequence, SharedKV, TokenEvent
+from promptcache.model_runtime.engine.runner import RunOutput
+from promptcache.model_runtime.engine.scheduler import Scheduler
+from promptcache.model_runtime.engine.step_plan import StepPlan
+from promptcache.model_runtime.sampling import Sampler, token_logprobs
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What a step leaves: events for the callers, then prefix-cache writes, which the engine runs after
+    the events went out (storing blocks never delays a token)."""
+
+    events: tuple[TokenEvent, ...]
+    prefix_writes: tuple[Write, ...]
+
+
+class OutputProcessor:
+    """Advances the sequences that ran, samples and detokenizes their next tokens, forks n > 1 samples
+    from their prompt, and finishes samples (freeing their request's KV through the scheduler). Used only
+    on the engine thread."""
+
+    def __init__(self, scheduler: Scheduler, prefix: PrefixReuse) -> None:
+        self.scheduler = scheduler
+        self.prefix = prefix
+        self.loaded = scheduler.loaded
+
+    def postprocess(self, plan: StepPlan, output: RunOutput) -> StepResult:
+        """Fail the requests that broke the pass alone, then sample a token for each sequence whose
+        prompt is now computed (`plan.ready` first: their logits needed no pass); a chunk of a long
+        prefill only counts its time. A failure while sampling or detokenizing fails its request only."""
+        events: list[TokenEvent] = [self.scheduler.fail(request, exc) for request, exc in output.failures]
+        writes: list[Write | None] = []
+        rows = [(seq, logits, 0.0) for seq, logits in plan.ready]
+        for entry, row, found in zip(output.ran, output.logits, output.prompt_logprobs):
+            seq, request = entry.seq, _request(entry.seq)
+            seq.advance(entry.num_tokens)
+            if found is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs.extend(found)
+            if seq.status == SeqStatus.PREFILL and seq.pending_ids:
+                request.prefill_ms += output.step_ms  # a chunk of a long prefill: nothing to sample yet
+            else:
+                rows.append((seq, row, output.step_ms))
+        for seq, row, step_ms in rows:
+            request = _request(seq)
+            if request.is_failed:
+                continue
+            try:
+                if seq.status == SeqStatus.PREFILL:
+                    request.prefill_ms += step_ms
+                    writes.append(logits_write(seq, row, self.prefix))
+                if seq.is_prompt:
+                    self._fork(seq, row, events, writes)
+                else:
+                    self._sample(seq, row, events, writes)
+            except Exception as exc:
+                events.append(self.scheduler.fail(request, exc))
+        return StepResult(tuple(events), tuple(w for w in writes if w is not None))
+
+    def _fork(self, prompt: Sequence, logits: torch.Tensor, events: list[TokenEvent],
+              writes: list[Write | None]) -> None:
+        request = _request(prompt)
+        self.scheduler.finish(prompt)
+        n = prompt.own_length
+        assert prompt.own_keys is not None and prompt.own_values is not None
+        # The n samples reference the prompt's computed KV as one more shared block (a view, no copy).
+        prompt_kv = SharedKV(KVView(f"{request.request_id}/prompt"), KVBlock(
+            prompt.own_keys[:, :, :n], prompt.own_values[:, :, :n], torch.arange(n, dtype=torch.long)))
+        writes.append(prompt_write(prompt, self.prefix))
+        for index in range(request.params.n):
+            seq = self.scheduler.new_sequence(request, index, [*prompt.shared, prompt_kv], request.params.max_tokens)
+            seq.next_position = seq.first_position = prompt.next_position
+            self._sample(seq, logits, events, writes)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor, events: list[TokenEvent],
+                writes: list[Write | None]) -> None:
+        """Pick the sample's next token from `logits` [vocab], stream its text, and finish the sample on
+        an end-of-sequence token, a stop string, max_tokens or the model's last position."""
+        request = _request(seq)
+        params, sampler, detokenizer = request.params, seq.sampler, seq.detokenizer
+        if sampler is None or detokenizer is None:  # its first token: the prompt is computed
+            if seq.status == SeqStatus.PREFILL:
+                writes.append(prompt_write(seq, self.prefix))
+            seq.status = SeqStatus.DECODE
+            sampler = seq.sampler = Sampler(params, seed_offset=seq.index, prompt=request.prompt_tokens)
+            detokenizer = seq.detokenizer = Detokenizer(self.loaded.tokenizer, params.stop)
+        token = sampler.sample(logits)
+        logprobs = None if params.logprobs is None else token_logprobs(logits, token, params.logprobs)
+        if request.first_token_at is None:
+            request.first_token_at = time.perf_counter()
+        seq.output_ids.append(token)
+        finish = None
+        if token in self.loaded.eos_token_ids and not params.ignore_eos:
+            finish, text = FinishReason.STOP, detokenizer.flush()
+        else:
+            text = detokenizer.push(token)
+            if detokenizer.is_stopped:
+                finish = FinishReason.STOP
+            elif len(seq.output_ids) >= params.max_tokens or seq.next_position >= self.loaded.max_positions:
+                finish = FinishReason.LENGTH
+            if finish is not None:
+                text += detokenizer.flush()
+        if finish is None:
+            seq.pending_ids, seq.pending_positions = [token], [seq.next_position]
+            seq.next_position += 1
+            events.append(TokenEvent(request.request_id, seq.index, token, text, logprobs=logprobs))
+            return
+        seq.status = SeqStatus.FINISHED
+        writes.append(sample_write(seq, self.prefix))
+        if self.scheduler.finish(seq):
+            events.append(final_event(request, seq.index, token, text, finish, logprobs))
+        else:
+            events.append(TokenEvent(request.request_id, seq.index, token, text, finish, logprobs=logprobs))
+
+
+def _request(seq: Sequence) -> Request:
+    assert seq.request is not None, "only module encodings run without a request, and they are not sampled"
+    return seq.request

@@ -1,0 +1,171 @@
+"""PromptRuntime: the one object a server talks to — schemas, plans, generation, explain, stats."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from promptcache.cache_store import owned_salt
+from promptcache.model_runtime.attention.selection import AttentionReport, describe
+from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, TokenEvent
+from promptcache.model_runtime.errors import InvalidRequestError
+from promptcache.model_runtime.loader import LoadedModel
+from promptcache.model_runtime.module_encoder import EncodeReport
+from promptcache.model_runtime.report import CacheReport, planned_report
+from promptcache.model_runtime.runtime import ModelRuntime
+from promptcache.model_runtime.sampling import SamplingParams
+from promptcache.model_runtime.store_protocol import KVStore
+from promptcache.pml import PmlLimits, PromptPlan, Schema, TextEncoder, token_plan
+
+# The empty schema that plain-text and chat prompts are resolved against, in a namespace of its own: no
+# owner's namespace ('' or the owner's name, which never starts with '_') lists it.
+PLAIN_SCHEMA, PLAIN_NAMESPACE = "plain", "_plain"
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeStats:
+    """Live numbers for metrics."""
+
+    num_running: int
+    num_waiting: int
+    kv_used_bytes: int  # KV held by the running batch
+    prefix_store_s: float  # time spent storing automatic prefix blocks
+    num_encoded_segments: int  # module segments encoded because no tier held them
+
+
+def key_salt(owner: str | None, salt: str | None) -> str | None:
+    """The salt of every KV key `owner` uses: the owner, then the client's `salt` inside it. No owner
+    (the default one): the client's salt, unchanged."""
+    return salt if owner is None else owned_salt(owner, salt)
+
+
+class PromptRuntime:
+    """Schemas, plans and generation of one loaded model over one KV store.
+
+    Every call that touches schemas or KV names the `owner` (a tenant; None: the default one): schemas
+    live in the owner's namespace and every KV key is salted with it, so nothing one owner computed can be
+    read, or probed for, by another, whatever `salt` its client sends. `start` runs the engine thread;
+    `submit` must be called on a running asyncio loop; the rest is safe from any thread.
+    """
+
+    def __init__(self, loaded: LoadedModel, store: KVStore, config: EngineConfig,
+                 limits: PmlLimits | None = None) -> None:
+        self.model = ModelRuntime(loaded, store, limits)
+        self.engine = Engine(self.model.module_encoder, config)
+        # After the engine: its runner loads the bf16 kernel where it applies.
+        self.attention: AttentionReport = describe(config.attention_backend, loaded.model.device, loaded.model.dtype)
+        self._store = store
+        self._plain = self.model.parse_schema(f'<schema name="{PLAIN_SCHEMA}"/>')
+        self.model.add_schema(self._plain, encode=False, namespace=PLAIN_NAMESPACE)
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the model supports: prompt plus generated tokens."""
+        return self.model.loaded.max_positions
+
+    @property
+    def text_encoder(self) -> TextEncoder:
+        return self.model.text_encoder
+
+    def start(self) -> None:
+        self.engine.start()
+
+    def stop(self) -> None:
+        self.engine.stop()
+
+    # -- schemas -----------------------------------------------------------------------------------
+    def parse_schema(self, text: str) -> Schema:
+        """Parse and validate without registering or encoding (raises PmlError)."""
+        return self.model.parse_schema(text)
+
+    def encode_schema(self, schema: Schema, owner: str | None, *, keep_local: bool = True,
+                      second_encodings: bool = False) -> concurrent.futures.Future[EncodeReport]:
+        """Encode the owner's KV of `schema` that no tier holds, between decode steps (Engine.encode_schema)."""
+        return self.engine.encode_schema(schema, key_salt(owner, None), keep_local=keep_local,
+                                         second_encodings=second_encodings)
+
+    def add_schema(self, schema: Schema, owner: str | None) -> None:
+        """Register `schema` in the owner's namespace (replacing one of its name), without encoding."""
+        self.model.add_schema(schema, encode=False, namespace=_namespace(owner))
+
+    def forget_schema(self, name: str, owner: str | None, *, delete_kv: bool = True) -> Schema | None:
+        """Unregister the owner's schema `name` and (`delete_kv`) delete the KV its upload encoded; copies
+        salted by clients age out by LRU. Returns the schema, None if the owner had none of that name."""
+        schema = self.model.remove_schema(name, _namespace(owner))
+        if schema is None or not delete_kv:
+            return schema
+        encoder, salt = self.model.module_encoder, key_salt(owner, None)
+        contexts = [(s.segment_id, s.context_ids) for s in schema.segments]
+        contexts += [(sid, ctx) for sc in schema.scaffolds for sid, ctx in sc.contexts.items()]
+        for segment_id, context_ids in contexts:
+            self._store.delete(encoder.key(schema, segment_id, context_ids, salt))
+        return schema
+
+    def get_schema(self, name: str, owner: str | None = None) -> Schema | None:
+        return self.model.get_schema(name, _namespace(owner))
+
+    def schema_names(self, owner: str | None = None) -> list[str]:
+        return self.model.schema_names(_namespace(owner))
+
+    # -- prompts -----------------------------------------------------------------------------------
+    def plan(self, prompt: str, owner: str | None = None, *, isolated: bool = False) -> PromptPlan:
+        """A PML prompt resolved against the owner's schemas, the generation prompt opened after its last
+        turn unless it ends in an open `<assistant>` turn. Raises PmlError (UnknownSchemaError)."""
+        return self.model.plan(prompt, isolated=isolated, namespace=_namespace(owner), add_generation_prompt=True)
+
+    def plan_text(self, text: str) -> PromptPlan:
+        """A plain completion prompt: its tokens verbatim (no PML), reused through prefix blocks."""
+        return token_plan(self._plain, self.model.tokenize_completion(text))
+
+    def plan_tokens(self, token_ids: Sequence[int]) -> PromptPlan:
+        """A prompt given as token ids. Raises InvalidRequestError for an id outside the vocabulary."""
+        self.model.check_token_ids(token_ids)
+        return token_plan(self._plain, tuple(token_ids))
+
+    def plan_chat(self, messages: Sequence[Mapping[str, str]]) -> PromptPlan:
+        """A plain chat rendered by the model's chat template (raises ChatRenderError)."""
+        return token_plan(self._plain, self.model.tokenize_chat(messages))
+
+    def tokenize(self, text: str | None = None, messages: Sequence[Mapping[str, str]] | None = None) -> tuple[int, ...]:
+        """Token ids exactly as `plan_text(text)` or `plan_chat(messages)` feeds them."""
+        if messages is not None:
+            return self.model.tokenize_chat(messages)
+        assert text is not None, "tokenize takes a text or messages"
+        return self.model.tokenize_completion(text)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.model.detokenize(token_ids)
+
+    def submit(self, plans: Sequence[PromptPlan], params: SamplingParams, *, owner: str | None, salt: str | None,
+               request_ids: Sequence[str], fidelity: Fidelity,
+               report_spans: bool = False) -> list[AsyncIterator[TokenEvent]]:
+        """Queue every plan in the owner's queue, all or none; iterate each result for its events. Raises
+        InvalidRequestError (a logit_bias token outside the vocabulary) and QueueFullError."""
+        try:
+            self.model.check_token_ids([token for token, _ in params.logit_bias])
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"logit_bias: {exc}") from None
+        return self.engine.submit_many(list(plans), params, cache_salt=key_salt(owner, salt),
+                                       request_ids=list(request_ids), fidelity=fidelity, report_spans=report_spans,
+                                       tenant=owner)
+
+    def explain(self, plan: PromptPlan, *, owner: str | None, salt: str | None, fidelity: Fidelity) -> CacheReport:
+        """What serving `plan` now would reuse (from which tier) and compute, without doing it (no fetch,
+        no promotion; tier lookups may reach shared storage: call it off the event loop)."""
+        salted = key_salt(owner, salt)
+        reuse, blocks = self.engine.explain(plan, cache_salt=salted, fidelity=fidelity)
+        encoder = self.model.module_encoder
+        held = [self._store.tier_of(encoder.key(plan.schema, u.cached.segment.segment_id, u.cached.context_ids,
+                                                salted)) for u in reuse.uses]
+        tiers = [None if tier is None else tier.name for tier in held]
+        return planned_report(plan, reuse, tiers, blocks)
+
+    def stats(self) -> RuntimeStats:
+        engine = self.engine
+        return RuntimeStats(engine.num_running, engine.num_waiting, engine.scheduler.memory.used_bytes,
+                            engine.prefix_store_s, self.model.module_encoder.num_encoded_segments)
+
+
+def _namespace(owner: str | None) -> str:
+    return "" if owner is None else owner

@@ -1,0 +1,65 @@
+"""The Q4_1 blocks of a Llama-family GGUF checkpoint, read as stored, named as the Hugging Face model names them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from promptcache.model_runtime.errors import ModelLoadError
+from promptcache.model_runtime.quantized_linear import GROUP_SIZE, Int4Blocks
+
+# GGUF tensor -> HF module (llama.cpp's names for the Llama family; transformers maps them the same way)
+_MODULES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_BLOCK_BYTES = 4 + GROUP_SIZE // 2  # fp16 d, fp16 m, 32 nibbles
+
+
+def read_q4_1(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, Int4Blocks]:
+    """Every Q4_1 tensor of the decoder layers in the GGUF file at `path`, keyed by the HF module name
+    (`model.layers.3.mlp.up_proj`); tensors of other types are left out. q and k rows are put back in the
+    HF order (llama.cpp's converter interleaves the halves of each head for its RoPE; transformers'
+    GGUF loader undoes it the same way). Raises ModelLoadError when the file cannot be read."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the GGUF file {path}: {exc}") from None
+    blocks: dict[str, Int4Blocks] = {}
+    for tensor in reader.tensors:
+        match = _LAYER_TENSOR.fullmatch(tensor.name)
+        if tensor.tensor_type != GGMLQuantizationType.Q4_1 or match is None or match[2] not in _MODULES:
+            continue
+        layer = _blocks(np.asarray(tensor.data))
+        if match[2] in ("attn_q", "attn_k"):
+            layer = _unpermuted(layer, num_heads if match[2] == "attn_q" else num_kv_heads)
+        blocks[f"model.layers.{match[1]}.{_MODULES[match[2]]}"] = layer
+    return blocks
+
+
+def _blocks(raw: np.ndarray) -> Int4Blocks:
+    """Q4_1 bytes [out, in / 32 * 20] -> Int4Blocks. A block: fp16 d, fp16 m, then 16 bytes whose low
+    nibbles are the block's values 0..15 and high nibbles its values 16..31."""
+    data = torch.from_numpy(raw.copy())
+    out_features = data.shape[0]
+    data = data.view(out_features, -1, _BLOCK_BYTES)  # [out, in / G, 20]
+    scales = data[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()  # [out, in / G]
+    minimums = data[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+    nibbles = data[..., 4:]  # [out, in / G, 16]
+    values = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(out_features, -1)  # [out, in]
+    return Int4Blocks(values, scales, minimums)
+
+
+def _unpermuted(blocks: Int4Blocks, num_heads: int) -> Int4Blocks:
+    """Rows of each head from llama.cpp's [2, head_dim / 2] order back to HF's [head_dim / 2, 2] order."""
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        head_dim = t.shape[0] // num_heads
+        return t.reshape(num_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(t.shape)
+    return Int4Blocks(rows(blocks.values), rows(blocks.scales), rows(blocks.minimums))

@@ -1,0 +1,176 @@
+"""Linear layers with int8 or int4 weights on the CPU, run by PyTorch's own weight-only kernels.
+
+`int8`: one symmetric scale per output channel, `y = x @ (q * s)^T` (`aten._weight_int8pack_mm`).
+`int4`: groups of GROUP_SIZE inputs per output channel, each with a scale and a minimum, `w = d * q + m`
+for q in 0..15 — GGUF's Q4_1 block, so a Q4_1 checkpoint's blocks load as they are stored
+(gguf_weights.py). The kernel (`aten._weight_int4pack_mm_for_cpu`) dequantizes `(q - 8) * s + z`, so a
+block maps onto it as s = d, z = m + 8 d: equal in exact arithmetic, and in fp32 the same rounded value
+(q * d is exact, z is exact for fp16 d and m of GGUF's ranges, and both sides round the one sum once;
+tests/model_runtime/test_quantized_linear.py checks it against gguf's own dequantization). The kernels
+take scales in the activations' dtype: for a bf16 model s and z are rounded to bf16.
+
+The kernels read a weight at 1/2 (int8) or 1/4 (int4) of bf16's bytes, which is what decode at small
+batches waits on, but their time grows with every row (they are fast for bf16 activations and run a slow
+scalar path for fp32). From *_DEQUANTIZE_ROWS rows on (prefill), a layer multiplies a dequantized copy
+through oneDNN instead: the same weights, rounded once to the activations' dtype.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+GROUP_SIZE = 32  # inputs per int4 group: GGUF's Q4_1 block
+# From this many rows on, dequantizing and multiplying through oneDNN beats the kernel (SmolLM2's 3072 x 576,
+# bf16, CPU time on one Zen 4 core: int8 kernel 0.76 vs 0.75 ms at 32 rows, 1.5 vs 1.0 at 64; int4 kernel
+# 1.3 vs 2.3 ms at 64 rows, 2.8 vs 3.0 at 128; at 1 row the kernels take 0.05 ms, the copy 0.5 and 1.7).
+INT8_DEQUANTIZE_ROWS = 32
+INT4_DEQUANTIZE_ROWS = 128
+INT4_PACK_ROWS = 16  # the int4 packing needs output features in multiples of this
+_PACK_BLOCK = 64  # output channels per block of the CPU int4 packing
+_INT4_OFFSET = 8  # the kernel's q - 8
+
+
+class WeightFormat(enum.Enum):
+    """How a model's linear weights are held: as loaded (`native`), int8 per channel, or int4 per group."""
+
+    NATIVE = "native"
+    INT8 = "int8"
+    INT4 = "int4"
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Blocks:
+    """One linear layer's 4-bit weights: `w[n, k] = scales[n, g] * values[n, k] + minimums[n, g]` with
+    g = k // GROUP_SIZE (Q4_1's form)."""
+
+    values: torch.Tensor    # [out, in] uint8, 0..15
+    scales: torch.Tensor    # [out, in // GROUP_SIZE] float32
+    minimums: torch.Tensor  # [out, in // GROUP_SIZE] float32
+
+    def __post_init__(self) -> None:
+        out_features, in_features = self.values.shape
+        assert in_features % GROUP_SIZE == 0, in_features
+        assert self.scales.shape == self.minimums.shape == (out_features, in_features // GROUP_SIZE)
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int4Blocks:
+        """Quantize a float weight [out, in]: per group, the minimum and (max - min) / 15 as the scale,
+        both as `dtype` will hold them (so the values are rounded against what the kernel uses)."""
+        out_features, in_features = weight.shape
+        groups = weight.detach().float().reshape(out_features, -1, GROUP_SIZE)  # [out, in / G, G]
+        low, high = groups.amin(-1), groups.amax(-1)
+        scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float16).tiny).to(dtype).float()
+        zeros = (low + _INT4_OFFSET * scales).to(dtype).float()  # the kernel's z
+        minimums = zeros - _INT4_OFFSET * scales
+        values = torch.round((groups - minimums[..., None]) / scales[..., None]).clamp(0, 15)
+        return cls(values.to(torch.uint8).reshape(out_features, in_features), scales, minimums)
+
+    @classmethod
+    def concatenated(cls, parts: list[Int4Blocks]) -> Int4Blocks:
+        """The blocks of one layer whose output is `parts`' outputs side by side."""
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("values", "scales", "minimums")))
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [out, in] the blocks describe."""
+        scales, minimums = (t.repeat_interleave(GROUP_SIZE, dim=1) for t in (self.scales, self.minimums))
+        return scales * self.values.float() + minimums
+
+
+class Int8Linear(torch.nn.Module):
+    """`y = x @ (q * s)^T + b` with q int8 [out, in] and one symmetric scale per output channel."""
+
+    weight_int8: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        dtype = linear.weight.dtype
+        scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float16).tiny).to(dtype)  # [out]
+        values = torch.round(weight / scales.float()[:, None]).clamp(-127, 127)  # against the scale as held
+        self.register_buffer("weight_int8", values.to(torch.int8).contiguous())  # [out, in]
+        self.register_buffer("scales", scales)
+        self.bias = _bias(linear.bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # [rows, in]
+        if rows.shape[0] >= INT8_DEQUANTIZE_ROWS:
+            weight = self.weight_int8.to(rows.dtype) * self.scales[:, None]  # [out, in]
+            return torch.nn.functional.linear(x, weight, self.bias)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)  # [rows, out]
+        return _with_bias(y, self.bias).view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [out, in] this layer multiplies by."""
+        return self.weight_int8.float() * self.scales.float()[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int4Linear(torch.nn.Module):
+    """`y = x @ W^T + b` with W held as Int4Blocks in the CPU int4 kernel's packed layout."""
+
+    weight_int4: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    scales: torch.Tensor
+    minimums: torch.Tensor
+
+    def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = blocks.values.shape
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.values.to(torch.int32), 1)
+        self.register_buffer("weight_int4", packed)  # [out, in / 2] uint8, the kernel's layout
+        # [in / G, out, 2]: per group and output channel (s, z), the kernel's qScaleAndZeros
+        zeros = blocks.minimums + _INT4_OFFSET * blocks.scales
+        self.register_buffer("scales_and_zeros", torch.stack([blocks.scales.t(), zeros.t()], -1).to(dtype).contiguous())
+        # [in / G, out] each, contiguous: the dequantized copy's broadcast is 3.5x slower from strided scales
+        self.register_buffer("scales", blocks.scales.t().to(dtype).contiguous())
+        self.register_buffer("minimums", blocks.minimums.t().to(dtype).contiguous())
+        self.bias = _bias(bias, dtype)
+        # The dequantized copy reads the kernel's layout: only where it is the one known here.
+        self.can_dequantize = (self.out_features % _PACK_BLOCK == 0
+                               and torch.equal(self._values_t().reshape(self.in_features, -1).t(), blocks.values))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # [rows, in]
+        if rows.shape[0] >= INT4_DEQUANTIZE_ROWS and self.can_dequantize:
+            y = torch.matmul(rows, self.dequantized_t())
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight_int4, GROUP_SIZE, self.scales_and_zeros)
+        return _with_bias(y, self.bias).view(*x.shape[:-1], self.out_features)  # [rows, out] -> [..., out]
+
+    def dequantized_t(self) -> torch.Tensor:
+        """W^T [in, out] in the activations' dtype: `scale * q + minimum` per group, rounded once."""
+        values = torch.empty(self.in_features, self.out_features // _PACK_BLOCK, _PACK_BLOCK,
+                             dtype=self.minimums.dtype).copy_(self._values_t())  # [in, out / 64, 64]
+        groups = values.view(-1, GROUP_SIZE, self.out_features)  # [in / G, G, out]
+        torch.addcmul(self.minimums.unsqueeze(1), groups, self.scales.unsqueeze(1), out=groups)
+        return values.view(self.in_features, self.out_features)
+
+    def _values_t(self) -> torch.Tensor:
+        """q^T as a view [in, out / 64, 64] uint8 of the CPU packing: per block of 64 output channels an
+        [in, 32] byte array, low nibbles channels 0..31, high nibbles 32..63 (PyTorch 2.6-2.13)."""
+        packed = self.weight_int4.view(-1, self.in_features, _PACK_BLOCK // 2)  # [out / 64, in, 32]
+        both = torch.cat([packed & 0x0F, packed >> 4], dim=2)  # [out / 64, in, 64]
+        return both.permute(1, 0, 2)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def fits_int4(linear: torch.nn.Linear) -> bool:
+    """Whether the int4 kernel takes this layer's shape (inputs in whole groups, outputs in 16s)."""
+    return linear.in_features % GROUP_SIZE == 0 and linear.out_features % INT4_PACK_ROWS == 0
+
+
+def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.nn.Parameter | None:
+    return None if bias is None else torch.nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+
+
+def _with_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias

@@ -1,0 +1,200 @@
+"""A schema's fidelity report: sampled prompts served in each fidelity mode and as a full prefill, all
+through the serving engine, compared on their first token (greedy agreement, KL), with a report cache.
+
+The full prefill is the prompt's tokens in position order, sent as a token prompt (positions 0..n-1,
+no module KV) under a salt of its own, so no stored prefix block or cached logits serve it: what
+benchmarks/fidelity.py's oracle computes, on the engine. (The blocks it stores under that salt are
+never read again; prefix blocks are evicted first.) Each mode's request is an ordinary
+request of the tenant (its module KV, prefix blocks and queue). KL is over the first-token top-20
+lists both requests return: each token in both is its own bucket, the rest of the vocabulary one more
+bucket, so the value is a lower bound of the full KL (merging outcomes never raises a KL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from promptcache.model_runtime import MAX_LOGPROBS, Fidelity, SamplingParams, TokenEvent
+from promptcache.pml import PromptPlan, Schema
+from promptcache.server.errors import UnsupportedParameterError
+from promptcache.server.fidelity_samples import sample_prompts
+from promptcache.server.generation import raise_for_error
+from promptcache.server.wire import (
+    FidelityModeStats,
+    FidelityReport,
+    FidelityReportQuery,
+    FidelitySample,
+    FidelitySampleResult,
+)
+
+if TYPE_CHECKING:
+    from promptcache.server.service import PromptService
+
+MODES = ("exact", "fast", "balanced")
+MAX_SAMPLES = 64  # each costs a full prefill and one request per mode
+DEFAULT_QUESTION = "What is this about? Answer in one sentence."
+PROMPTS_IN_FLIGHT = 4  # sampled prompts whose requests are queued at once: the tenant's other requests keep a turn
+MAX_CACHED_REPORTS = 64
+FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0, logprobs=MAX_LOGPROBS)
+
+
+@dataclass(frozen=True, slots=True)
+class ReportOptions:
+    """A report's sample and modes, defaults resolved (hashable: part of the cache key)."""
+
+    num_samples: int
+    seed: int
+    question: str
+    max_imports: int | None
+    fidelity: Fidelity  # head tokens, positions and context; each mode runs with these
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the report sends at most: a full prefill and one per mode per sample."""
+        return self.num_samples * (1 + len(MODES))
+
+
+@dataclass(frozen=True, slots=True)
+class _FirstToken:
+    token_id: int
+    top: dict[int, float]  # id -> logprob of the MAX_LOGPROBS most likely first tokens
+
+
+def report_options(query: FidelityReportQuery, service: PromptService) -> ReportOptions:
+    """The options of `query` with the server's defaults. Raises UnsupportedParameterError past MAX_SAMPLES."""
+    if query.num_samples > MAX_SAMPLES:
+        raise UnsupportedParameterError(f"num_samples is {query.num_samples}; this server allows at most "
+                                        f"{MAX_SAMPLES} per fidelity report")
+    fidelity = service.fidelity("fast", query.fidelity_head_tokens, query.fidelity_positions, query.fidelity_context)
+    question = DEFAULT_QUESTION if query.question is None else query.question
+    return ReportOptions(query.num_samples, query.seed, question, query.max_imports, fidelity)
+
+
+async def build_report(service: PromptService, schema: Schema, tenant: str | None,
+                       options: ReportOptions) -> FidelityReport:
+    """Sample, serve every sample in each mode and as a full prefill, compare first tokens. Raises what
+    planning or serving a sample raises (PmlError, QueueFullError, the engine's errors)."""
+    started = time.perf_counter()
+    samples = await asyncio.to_thread(sample_prompts, schema, service.runtime.text_encoder,
+                                      num_samples=options.num_samples, seed=options.seed,
+                                      question=options.question, max_imports=options.max_imports)
+    plans = await asyncio.to_thread(lambda: [service.plan(s.prompt, tenant=tenant) for s in samples])
+    gate = asyncio.Semaphore(PROMPTS_IN_FLIGHT)
+
+    async def serve(plan: PromptPlan) -> tuple[_FirstToken, dict[str, _FirstToken]]:
+        async with gate:
+            full = service.runtime.plan_tokens(plan.token_ids())
+            # Each stream is read from as soon as it is queued: if a later submit fails, those queued
+            # still run to their end and free what they hold.
+            salt = f"fidelity-report-{uuid.uuid4().hex}"  # no other request's: no block or logits it stored
+            calls = [asyncio.ensure_future(_first_token(service.submit(
+                full, FIRST_TOKEN, salt, _request_id(), Fidelity("exact"), tenant)))]
+            for mode in MODES:
+                fidelity = Fidelity(mode, options.fidelity.head_tokens, options.fidelity.positions,
+                                    options.fidelity.context)
+                calls.append(asyncio.ensure_future(_first_token(service.submit(
+                    plan, FIRST_TOKEN, None, _request_id(), fidelity, tenant))))
+            reference, *answers = await asyncio.gather(*calls)
+            return reference, dict(zip(MODES, answers))
+
+    served = await asyncio.gather(*(serve(plan) for plan in plans))
+    rows = []
+    for sample, plan, (reference, answers) in zip(samples, plans, served):
+        rows.append(FidelitySample(
+            module_paths=list(plan.module_paths), prompt=sample.prompt, prompt_tokens=plan.num_prompt_tokens,
+            exact=plan.is_exact, modes={mode: FidelitySampleResult(
+                top1_agrees=answer.token_id == reference.token_id, kl=first_token_kl(reference.top, answer.top))
+                for mode, answer in answers.items()}))
+    return FidelityReport(
+        schema=schema.name, model=service.model_name, num_samples=len(rows), seed=options.seed,
+        question=options.question, max_imports=options.max_imports,
+        fidelity_head_tokens=options.fidelity.head_tokens, fidelity_positions=options.fidelity.positions,
+        fidelity_context=options.fidelity.context,
+        modes={mode: _stats([r.modes[mode] for r in rows]) for mode in MODES}, samples=rows,
+        elapsed_ms=round((time.perf_counter() - started) * 1e3, 1))
+
+
+def first_token_kl(reference: dict[int, float], answer: dict[int, float]) -> float:
+    """KL(reference || answer) in nats over the tokens both top lists hold (id -> logprob) plus one
+    bucket for the rest of the vocabulary: a lower bound of the KL of the full distributions."""
+    common = reference.keys() & answer.keys()
+    kl = sum(math.exp(reference[t]) * (reference[t] - answer[t]) for t in common)
+    p_rest = max(0.0, 1.0 - sum(math.exp(reference[t]) for t in common))
+    q_rest = max(1e-12, 1.0 - sum(math.exp(answer[t]) for t in common))
+    if p_rest > 0:
+        kl += p_rest * (math.log(p_rest) - math.log(q_rest))
+    return max(0.0, kl)
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (95 % at z = 1.96)."""
+    if n == 0:
+        return 0.0, 1.0
+    phat = successes / n
+    centre = (phat + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(phat * (1 - phat) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    # at 0 or n successes the bound on that side is exactly 0 or 1 (the formula's rounding can miss it)
+    return 0.0 if successes == 0 else centre - half, 1.0 if successes == n else centre + half
+
+
+def _stats(results: list[FidelitySampleResult]) -> FidelityModeStats:
+    agree = sum(r.top1_agrees for r in results)
+    kls = [r.kl for r in results]
+    low, high = wilson(agree, len(results))
+    return FidelityModeStats(num_samples=len(results), top1_agreement=agree / max(1, len(results)),
+                             agreement_ci95=(low, high), mean_kl=sum(kls) / max(1, len(kls)),
+                             max_kl=max(kls, default=0.0))
+
+
+async def _first_token(events: AsyncIterator[TokenEvent]) -> _FirstToken:
+    first = None
+    async for event in events:  # to the final event: the request finishes and frees its KV
+        raise_for_error(event)
+        if first is None and event.token_id is not None and event.logprobs is not None:
+            first = _FirstToken(event.token_id, dict(event.logprobs.top))
+    assert first is not None, "a finished request has sampled its first token"
+    return first
+
+
+def _request_id() -> str:
+    return f"fid-{uuid.uuid4().hex[:24]}"
+
+
+class ReportCache:
+    """Reports by key (schema, its version, options), least recently used dropped past `max_entries`.
+    A report still being computed is shared by every caller asking for it meanwhile, and a caller that
+    goes away does not cancel it."""
+
+    def __init__(self, max_entries: int = MAX_CACHED_REPORTS) -> None:
+        self.max_entries = max_entries
+        self._done: OrderedDict[Hashable, FidelityReport] = OrderedDict()
+        self._running: dict[Hashable, asyncio.Future[FidelityReport]] = {}
+
+    async def get(self, key: Hashable, compute: Callable[[], Awaitable[FidelityReport]],
+                  before_compute: Callable[[], None] = lambda: None) -> FidelityReport:
+        """The cached report (`cached` true), the one being computed, or a new one: `before_compute()`
+        runs first (and may raise, e.g. a rate limit), then `compute()`."""
+        if key in self._done:
+            self._done.move_to_end(key)
+            return self._done[key].model_copy(update={"cached": True})
+        future = self._running.get(key)
+        if future is None:
+            before_compute()
+            future = asyncio.ensure_future(compute())
+            self._running[key] = future
+            future.add_done_callback(lambda done: self._settle(key, done))
+        return await asyncio.shield(future)
+
+    def _settle(self, key: Hashable, future: asyncio.Future[FidelityReport]) -> None:
+        self._running.pop(key, None)
+        if not future.cancelled() and future.exception() is None:
+            self._done[key] = future.result()
+            while len(self._done) > self.max_entries:
+                self._done.popitem(last=False)
