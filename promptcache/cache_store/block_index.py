@@ -16,14 +16,15 @@ from __future__ import annotations
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from promptcache.cache_store.block import KVBlock
 from promptcache.cache_store.keys import make_kv_key, salt_owner
-from promptcache.cache_store.store import TieredStore
+from promptcache.cache_store.tier import BlockKind, Tier
 
 # Returns keys and values [num_layers, num_kv_heads, end - start, head_dim] of stream tokens [start, end).
 KVGather = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
@@ -74,10 +75,24 @@ class Match:
         return self.links[-1].end if self.links else 0
 
 
+class BlockStore(Protocol):
+    """What BlockIndex needs of a store: TieredStore, or the runtime's KVStore view of it."""
+
+    def get(self, key: str, *, num_tokens: int | None = None,
+            nbytes: int | None = None) -> tuple[KVBlock, str] | None: ...
+
+    def put(self, key: str, block: KVBlock, *, ttl_s: float | None = None, kind: BlockKind = "module",
+            owner: str | None = None) -> None: ...
+
+    def tier_of(self, key: str) -> Tier | None: ...
+
+    def touch(self, keys: Iterable[str]) -> None: ...
+
+
 class BlockIndex:
     """Finds and stores the prefix blocks of token streams. Thread-safe; KV lives in `store`."""
 
-    def __init__(self, store: TieredStore, config: BlockIndexConfig, *, model_fingerprint: str,
+    def __init__(self, store: BlockStore, config: BlockIndexConfig, *, model_fingerprint: str,
                  tokenizer_fingerprint: str, bytes_per_token: int) -> None:
         self.store = store
         self.config = config

@@ -151,7 +151,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
             path, config=hf_config, dtype=config.torch_dtype, attn_implementation="sdpa", **options)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model at {path!r}: {exc}") from None
-    return wrap_model(model.to(config.device), tokenizer, name=name, pack_weights=config.pack_weights,
+    # Called through the class: transformers' @wraps(Module.to) hides from type checkers that the
+    # instance binds self; the call is the same.
+    return wrap_model(type(model).to(model, config.device), tokenizer, name=name, pack_weights=config.pack_weights,
                       fuse_layers=config.fuse_layers, weights=config.weights, blocks=blocks)
 
 
@@ -293,7 +295,8 @@ def _check_device(device: str) -> None:
 
 def _max_positions(hf_config: PretrainedConfig) -> int:
     # GPT-2 calls it n_positions (aliased to max_position_embeddings on recent configs).
-    return int(getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", 1024))
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    return int(positions) if positions else int(getattr(hf_config, "n_positions", 1024))
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
@@ -307,5 +310,6 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tupl
     # A ChatML template ends every turn with <|im_end|>, even on models whose eos is <|endoftext|>.
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, str) and "<|im_end|>" in template and "<|im_end|>" in tokenizer.get_vocab():
-        ids.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")  # one token in, one id out
+        ids.extend([im_end] if isinstance(im_end, int) else im_end)
     return tuple(dict.fromkeys(ids))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
@@ -20,6 +21,13 @@ from promptcache.model_runtime.errors import PromptTooLongError
 from promptcache.model_runtime.loader import LoadedModel
 from promptcache.model_runtime.store_protocol import KVStore
 from promptcache.pml import Schema, Segment
+
+
+class _Cost(TypedDict):
+    """What a store fetch costs, for the fetch policy (KVStore.get's keywords)."""
+
+    num_tokens: int
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +112,8 @@ class ModuleEncoder:
         check_positions(position_ids, self.loaded.max_positions)
         tail = list(zip(range(len(found), len(chain)), chain[len(found):]))
         keys = [self.key(schema, sid, chain[:index], cache_salt) for index, sid in tail]
-        kinds = tuple("prefix" if is_second_encoding(schema, sid, chain[:index]) else "module" for index, sid in tail)
+        kinds: tuple[BlockKind, ...] = tuple(
+            "prefix" if is_second_encoding(schema, sid, chain[:index]) else "module" for index, sid in tail)
         return ChainWork(target, tuple(found), tuple(segments), tuple(keys), token_ids, position_ids,
                          salt_owner(cache_salt), kinds)
 
@@ -112,7 +121,7 @@ class ModuleEncoder:
         """Store the computed tail (`keys`/`values` [L, H_kv, tail tokens, D]) segment by segment;
         returns the target segment's block. `local=False`: in the shared tiers only (store.put)."""
         offset, block = 0, None
-        kinds = work.kinds or ("module",) * len(work.keys)
+        kinds: tuple[BlockKind, ...] = work.kinds or tuple("module" for _ in work.keys)
         for segment, key, kind in zip(work.segments, work.keys, kinds):
             n = len(segment.token_ids)
             positions = torch.tensor(list(segment.position_ids), dtype=torch.long)  # [n]
@@ -128,7 +137,7 @@ class ModuleEncoder:
         with self._lock:
             self.num_encoded_segments += len(work.segments)
 
-    def _cost(self, schema: Schema, segment_id: int) -> dict[str, int]:
+    def _cost(self, schema: Schema, segment_id: int) -> _Cost:
         loaded = self.loaded
         num_tokens = len(schema.segments[segment_id].token_ids)
         per_token = loaded.kv_bytes_per_token + 8  # + the int64 position id

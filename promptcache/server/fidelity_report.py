@@ -19,7 +19,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from promptcache.model_runtime import MAX_LOGPROBS, Fidelity, SamplingParams, TokenEvent
 from promptcache.pml import PromptPlan, Schema
@@ -37,7 +37,7 @@ from promptcache.server.wire import (
 if TYPE_CHECKING:
     from promptcache.server.service import PromptService
 
-MODES = ("exact", "fast", "balanced")
+MODES: tuple[Literal["exact", "fast", "balanced"], ...] = ("exact", "fast", "balanced")
 MAX_SAMPLES = 64  # each costs a full prefill and one request per mode
 DEFAULT_QUESTION = "What is this about? Answer in one sentence."
 PROMPTS_IN_FLIGHT = 4  # sampled prompts whose requests are queued at once: the tenant's other requests keep a turn
@@ -112,7 +112,7 @@ async def build_report(service: PromptService, schema: Schema, tenant: str | Non
             exact=plan.is_exact, modes={mode: FidelitySampleResult(
                 top1_agrees=answer.token_id == reference.token_id, kl=first_token_kl(reference.top, answer.top))
                 for mode, answer in answers.items()}))
-    return FidelityReport(
+    return FidelityReport(  # type: ignore[call-arg]  # the wire name is the alias (pydantic's mypy plugin)
         schema=schema.name, model=service.model_name, num_samples=len(rows), seed=options.seed,
         question=options.question, max_imports=options.max_imports,
         fidelity_head_tokens=options.fidelity.head_tokens, fidelity_positions=options.fidelity.positions,

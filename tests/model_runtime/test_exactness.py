@@ -27,7 +27,7 @@ APPROX_SCHEMA = """<schema name="approx" params="{params}">Preface text here.
     and enjoy it.<param name="buffer" len="12"/></module>
   <module name="extra">An extra optional document.</module>
   <module name="last">The last document of all.</module>
-</schema>"""
+</schema>"""  # noqa: E501 (PML text: whitespace matters)
 APPROX_PROMPTS = [
     '<prompt schema="approx"><trip days="3"><paris/></trip><last/>What now?</prompt>',
     '<prompt schema="approx"><extra/><last/>Question?</prompt>',

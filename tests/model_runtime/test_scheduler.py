@@ -34,7 +34,8 @@ def _runtime(*, encode: bool = True):
 
 
 def _text_plan(runtime, text: str):
-    return token_plan(runtime.get_schema("plain"), tuple(runtime.loaded.tokenizer.encode(text, add_special_tokens=False)))
+    ids = runtime.loaded.tokenizer.encode(text, add_special_tokens=False)
+    return token_plan(runtime.get_schema("plain"), tuple(ids))
 
 
 async def _run(events, log: list, name: str) -> list[int]:

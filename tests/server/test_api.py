@@ -26,13 +26,13 @@ def server(live_server):
 
 
 def test_schema_lifecycle(server):
-    created = httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA})
+    created = httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}, timeout=60)
     assert created.status_code == 201, created.text
     body = created.json()
     assert body["name"] == "docs" and body["encode_ms"] >= 0
     d1 = next(m for m in body["modules"] if m["name"] == "d1")
     assert d1["path"] == "d1" and d1["end"] - d1["start"] == d1["num_tokens"] > 0
-    assert httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).status_code == 409
+    assert httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}, timeout=60).status_code == 409
     assert [s["name"] for s in httpx.get(server.url + "/v1/schemas").json()["data"]] == ["docs"]
     assert httpx.get(server.url + "/v1/schemas/docs").json()["num_tokens"] == body["num_tokens"]
     assert httpx.get(server.url + "/v1/schemas/nope").status_code == 404
@@ -42,7 +42,7 @@ def test_schema_lifecycle(server):
 
 
 def test_generate_matches_the_hf_reference(server):
-    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}, timeout=60).raise_for_status()
     response = httpx.post(server.url + "/v1/generate", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0},
                           timeout=60)
     assert response.status_code == 200, response.text
@@ -62,7 +62,7 @@ def test_generate_matches_the_hf_reference(server):
 
 
 def test_streaming_sse(server):
-    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}, timeout=60).raise_for_status()
     plain = httpx.post(server.url + "/v1/generate", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0},
                        timeout=60).json()
     chunks = []
@@ -78,7 +78,7 @@ def test_streaming_sse(server):
 
 
 def test_explain_reports_tiers_without_generating(server):
-    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}, timeout=60).raise_for_status()
     body = httpx.post(server.url + "/v1/prompts/explain",
                       json={"prompt": '<prompt schema="docs"><d2/>Q</prompt>'}).json()
     assert body["schema"] == "docs" and body["exact"] is False and body["approximations"]
@@ -97,7 +97,7 @@ def test_explain_reports_tiers_without_generating(server):
     ({"wrong": 1}, 422, "invalid_request"),
 ])
 def test_schema_errors(server, payload, status, kind):
-    response = httpx.post(server.url + "/v1/schemas", json=payload)
+    response = httpx.post(server.url + "/v1/schemas", json=payload, timeout=60)
     assert response.status_code == status
     error = response.json()["error"]
     assert error["type"] == kind and error["message"]
@@ -113,7 +113,7 @@ def test_schema_errors(server, payload, status, kind):
     ({"prompt": PROMPT, "surprise": True}, 400, "surprise"),
 ])
 def test_generate_errors_are_4xx_naming_the_problem(server, body, status, needle):
-    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}, timeout=60).raise_for_status()
     response = httpx.post(server.url + "/v1/generate", json=body)
     assert response.status_code == status, response.text
     assert needle in response.json()["error"]["message"]
@@ -154,7 +154,7 @@ def test_health_is_503_while_loading(live_server):
 
 
 def test_metrics_exposes_vllm_style_names(server):
-    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}, timeout=60).raise_for_status()
     httpx.post(server.url + "/v1/generate", json={"prompt": PROMPT, "max_tokens": 3}, timeout=60).raise_for_status()
     text = httpx.get(server.url + "/metrics").text
     for name in ("promptcache:time_to_first_token_seconds_bucket", "promptcache:prompt_tokens_total",
@@ -166,7 +166,7 @@ def test_metrics_exposes_vllm_style_names(server):
 
 
 def test_generate_logprobs_and_fidelity_report(server):
-    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}, timeout=60).raise_for_status()
     prompt = '<prompt schema="docs"><user><d2/>Who sleeps?</user><assistant/></prompt>'
     body = httpx.post(server.url + "/v1/generate", timeout=60, json={
         "prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 2, "fidelity": "exact"}).json()
@@ -196,7 +196,7 @@ def test_the_default_fidelity_answers_like_a_full_prefill(live_server):
     from promptcache.server.settings import ServerSettings
 
     server = live_server(fidelity=ServerSettings.model_fields["fidelity"].default)
-    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).raise_for_status()
+    httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}, timeout=60).raise_for_status()
     prompt = '<prompt schema="docs"><user><d2/>Who sleeps?</user><assistant/></prompt>'
     body = httpx.post(server.url + "/v1/generate", timeout=60, json={
         "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1}).json()

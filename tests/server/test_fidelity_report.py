@@ -20,7 +20,7 @@ PETS = """<schema name="pets"><system>Answer briefly.</system><user>
 <union><module name="tea"> Tea is brewed hot.</module><module name="coffee"> Coffee is bitter.</module></union>
 <module name="trip">Plan a trip of <param name="days" len="3"/> days.</module>
 </user></schema>"""
-SINGLE = '<schema name="single"><system>Answer briefly.</system><user><module name="cats">Cats nap.</module></user></schema>'
+SINGLE = '<schema name="single"><system>Answer briefly.</system><user><module name="cats">Cats nap.</module></user></schema>'  # noqa: E501 (PML text: whitespace matters)
 TOP = 20
 
 

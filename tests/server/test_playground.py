@@ -87,7 +87,7 @@ def test_playground_in_a_real_browser(live_server, browser_page, tmp_path):
     page.fill("#api-key", "unused")
 
     # A bad schema: the error names its line, and the editor selects that line.
-    page.fill("#pml-editor", '<schema name="bad">\n  <module name="x">ok</module>\n  <module>no name</module>\n</schema>')
+    page.fill("#pml-editor", '<schema name="bad">\n  <module name="x">ok</module>\n  <module>no name</module>\n</schema>')  # noqa: E501 (PML text: whitespace matters)
     page.click("#upload")
     page.wait_for_selector("#upload-error:not([hidden])")
     assert "line 3" in page.inner_text("#upload-error")
@@ -103,7 +103,8 @@ def test_playground_in_a_real_browser(live_server, browser_page, tmp_path):
     assert "d1 + d2" in scaffold.inner_text() and "tier-device" in scaffold.get_attribute("class")
     box, d1, d2 = (page.locator(sel).bounding_box() for sel in (
         '.block.scaffold', '.block[data-path="d1"]', '.block[data-path="d2"]'))
-    assert box["y"] > d1["y"] and abs(box["x"] - d1["x"]) < 2 and abs(box["x"] + box["width"] - d2["x"] - d2["width"]) < 2
+    assert box["y"] > d1["y"] and abs(box["x"] - d1["x"]) < 2
+    assert abs(box["x"] + box["width"] - d2["x"] - d2["width"]) < 2
     assert "docs" in page.inner_text("#schema-list")
     info = httpx.get(server.url + "/v1/schemas/docs", headers={"Authorization": "Bearer unused"}).json()
     always = page.locator(".block.always")  # the text every prompt includes, drawn to scale beside the modules
@@ -113,7 +114,8 @@ def test_playground_in_a_real_browser(live_server, browser_page, tmp_path):
 
     # Compose, explain, run: streamed text, the prompt drawn as spans by origin whose text is the prompt's.
     prompt = page.input_value("#pml-prompt")  # a chat turn: the modules of the user section, the question, an open turn
-    assert prompt.startswith('<prompt schema="docs"><user><d1/><d2/>') and prompt.endswith("</user><assistant/></prompt>")
+    assert prompt.startswith('<prompt schema="docs"><user><d1/><d2/>')
+    assert prompt.endswith("</user><assistant/></prompt>")
     page.click("#explain")
     page.wait_for_function("() => document.querySelector('#explanation').textContent.includes('cached')")
     spans = _run(page)
@@ -252,8 +254,8 @@ PETS_SCHEMA = """<schema name="pets">
     <module name="fish"> Fish rest without closing their eyes.</module>
   </user>
   <scaffold modules="cats dogs"/>
-</schema>"""
-PETS_PROMPT = '<prompt schema="pets"><user><cats><kittens/></cats><dogs/>How long do kittens sleep?{}</user><assistant/></prompt>'
+</schema>"""  # noqa: E501 (PML text: whitespace matters)
+PETS_PROMPT = '<prompt schema="pets"><user><cats><kittens/></cats><dogs/>How long do kittens sleep?{}</user><assistant/></prompt>'  # noqa: E501 (PML text: whitespace matters)
 
 
 @pytest.mark.timeout(600)
@@ -305,7 +307,8 @@ def test_the_fidelity_panel_shows_the_schemas_report(live_server, browser_page):
                        timeout=60).json()
     assert report["cached"]
     for mode, stats in report["modes"].items():
-        cells = page.eval_on_selector_all(f"#fidelity-table tr[data-mode={mode}] td", "els => els.map(e => e.textContent)")
+        cells = page.eval_on_selector_all(f"#fidelity-table tr[data-mode={mode}] td",
+                                          "els => els.map(e => e.textContent)")
         low, high = stats["agreement_ci95"]
         assert cells == [mode, f"{100 * stats['top1_agreement']:.0f}%", f"{100 * low:.0f}%-{100 * high:.0f}%",
                          f"{stats['mean_kl']:.4f}", f"{stats['max_kl']:.4f}", str(stats["num_samples"])]

@@ -97,7 +97,7 @@ def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> A
     check_positions(positions, loaded.max_positions)
 
     recomputed = dict(reuse.recomputed_from(reused))  # what this request recomputes itself
-    used = {}
+    used: dict[str, int] = {}  # tokens of KV reused, by module path
     for use in reuse.uses:
         used[use.cached.segment.owner] = used.get(use.cached.segment.owner, 0) + use.last - use.first
     request.use_tiers = tuple(use_tiers)

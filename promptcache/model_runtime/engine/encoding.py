@@ -109,7 +109,8 @@ class EncodeQueue:
         seq, work = active.seq, active.work
         self.encoder.record(work, active.compute_s)
         n = len(work.token_ids)
-        block = self.encoder.store_tail(work, seq.own_keys[:, :, :n], seq.own_values[:, :, :n],
+        keys, values = seq.own_buffers()
+        block = self.encoder.store_tail(work, keys[:, :, :n], values[:, :, :n],
                                         local=active.job.keep_local)
         active.job.done.set_result(block)
 

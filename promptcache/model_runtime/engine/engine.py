@@ -90,11 +90,11 @@ class Engine:
                     report_spans: bool = False, tenant: str | None = None) -> list[AsyncIterator[TokenEvent]]:
         """`submit` each plan, all or none: raises QueueFullError, queueing nothing, unless the tenant's
         queue has room for every plan now (InvalidRequestError if it never could)."""
-        request_ids = [r or f"req-{next(self._ids)}" for r in (request_ids or [None] * len(plans))]
+        ids = [r or f"req-{next(self._ids)}" for r in (request_ids or [None] * len(plans))]
         loop = asyncio.get_running_loop()
         self.scheduler.waiting.reserve(tenant, len(plans))
         streams = []
-        for plan, request_id in zip(plans, request_ids):
+        for plan, request_id in zip(plans, ids):
             queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
             self._sinks[request_id] = (loop, queue)
             self.inbox.post(Submit(Request(request_id, plan, params, cache_salt, fidelity or self.config.fidelity,

@@ -91,7 +91,7 @@ class OwnKV:
             seq.own_keys = torch.empty(shape, dtype=self.pool.dtype, device=self.pool.device)
             seq.own_values = torch.empty(shape, dtype=self.pool.dtype, device=self.pool.device)
             return
-        self._held.setdefault(seq.request.request_id, []).append(first)
+        self._held.setdefault(seq.owner.request_id, []).append(first)
         seq.own_keys, seq.own_values = self.pool.slots(first, capacity)
         seq.own_pool, seq.own_slot = self.pool, first
 

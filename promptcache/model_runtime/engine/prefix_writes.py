@@ -15,29 +15,32 @@ Write = Callable[[], None]
 
 def prompt_write(seq: Sequence, prefix: PrefixReuse) -> Write | None:
     """After prefill: store the prompt's blocks (its computed KV is seq's own [0, n))."""
-    stream, n = seq.request.stream, seq.generated_offset
+    stream, n = seq.owner.stream, seq.generated_offset
     if stream is None:
         return None
-    computed = (stream.num_reused, seq.own_keys[:, :, :n], seq.own_values[:, :, :n])
-    salt = seq.request.cache_salt
+    keys, values = seq.own_buffers()
+    computed = (stream.num_reused, keys[:, :, :n], values[:, :, :n])
+    salt = seq.owner.cache_salt
     return lambda: prefix.store_prompt(stream, computed, salt=salt)
 
 
 def logits_write(seq: Sequence, row: torch.Tensor, prefix: PrefixReuse) -> Write | None:
     """After a prefill that computed the last prompt token: keep its logits `row` [vocab]."""
-    stream = seq.request.stream
+    stream = seq.owner.stream
     if stream is None or stream.logits is not None:
         return None
-    logits, salt = row.clone(), seq.request.cache_salt
+    logits, salt = row.clone(), seq.owner.cache_salt
     return lambda: prefix.remember_logits(stream, logits, salt=salt)
 
 
 def sample_write(seq: Sequence, prefix: PrefixReuse) -> Write | None:
     """After a sample finished: store its generated text's blocks."""
-    stream = seq.request.stream
+    stream = seq.owner.stream
     if stream is None:
         return None
     start, end = seq.generated_offset, seq.own_length
-    generated = (len(stream.token_ids), seq.own_keys[:, :, start:end], seq.own_values[:, :, start:end])
-    output_ids, first, salt = list(seq.output_ids), seq.first_position, seq.request.cache_salt
+    keys, values = seq.own_buffers()
+    generated = (len(stream.token_ids), keys[:, :, start:end], values[:, :, start:end])
+    output_ids, first, salt = list(seq.output_ids), seq.first_position, seq.owner.cache_salt
     return lambda: prefix.store_sample(stream, output_ids, first, generated, salt=salt)
+

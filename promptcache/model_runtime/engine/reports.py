@@ -61,12 +61,12 @@ def prompt_spans(plan: PromptPlan, reuse: ReusePlan, use_tiers: tuple[str, ...],
     # fidelity mode (exact mode renumbers its positions but keeps this order): a token's stream index is
     # its rank among those. A cached segment leaves its head (before `first`: balanced) and its tail
     # (from `last`: the last token recomputed for its logits) to the stream.
-    runs: list[tuple[int, tuple[int, ...], str, str | None, bool]] = []
+    runs: list[tuple[int, tuple[int, ...], str | None, str | None, bool]] = []
     reused: dict[int, tuple[int, int]] = {}  # segment id -> [first, last) of its KV reused
-    for use, tier in zip(reuse.uses, use_tiers):
+    for use, use_tier in zip(reuse.uses, use_tiers):
         segment = use.cached.segment
         reused[segment.segment_id] = (use.first, use.last)
-        runs.append((segment.start + use.first, segment.token_ids[use.first: use.last], segment.owner, tier, True))
+        runs.append((segment.start + use.first, segment.token_ids[use.first: use.last], segment.owner, use_tier, True))
     for cached in plan.cached:
         segment = cached.segment
         first, last = reused.get(segment.segment_id, (0, 0))

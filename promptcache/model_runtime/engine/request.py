@@ -117,6 +117,21 @@ class Sequence:
     sampler: Sampler | None = None
     detokenizer: Detokenizer | None = None
 
+    @property
+    def owner(self) -> Request:
+        """The request this sequence samples for; only scheduled request sequences are asked (a
+        module-encoding pseudo-sequence has none)."""
+        if self.request is None:
+            raise ValueError(f"sequence {self.seq_id} encodes a module and belongs to no request")
+        return self.request
+
+    def own_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The own key and value buffers [num_layers, num_kv_heads, capacity, head_dim], allocated when
+        the sequence was first scheduled."""
+        if self.own_keys is None or self.own_values is None:
+            raise ValueError(f"sequence {self.seq_id} has no own KV buffers yet")
+        return self.own_keys, self.own_values
+
     def advance(self, num_tokens: int) -> None:
         """The first `num_tokens` pending tokens were fed (their KV written at own_length on): count them."""
         self.own_length += num_tokens

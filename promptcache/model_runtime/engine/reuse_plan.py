@@ -12,9 +12,9 @@ how much of that approximation a request accepts:
 
 Positions (fast and balanced, when the prompt is approximate anyway): "layout" keeps every token at
 the schema layout's position, with gaps where the modules the prompt does not import would be (the
-paper; the default here). "contiguous" (the server's default) moves every token to its rank among the prompt's positions, as a
-full prefill has them: the stream is computed there, and each reused segment's keys are rotated by
-its `shift` for this request (rope_shift.py; the stored KV is never changed). Retrieval accuracy
+paper's choice). "contiguous" (the server's default) moves every token to its rank among the prompt's
+positions, as a full prefill has them: the stream is computed there, and each reused segment's keys are
+rotated by its `shift` for this request (rope_shift.py; the stored KV is never changed). Retrieval accuracy
 measured 32.5 % -> 54.5 % (full prefill 61.0 %) with it on SmolLM2-135M (docs/fidelity.md).
 
 Context (fast and balanced, when a module is out of its encoding context anyway): "schema" reuses the

@@ -119,8 +119,9 @@ class ModelRunner:
                                            dtype=torch.long), device)  # [1, Q]
         # Sequences whose own KV lives in one pool get their new KV written with one index_copy_ per layer.
         pool = next((s.own_pool for s in seqs if s.own_pool is not None), None)
+        buffers = [s.own_buffers() for s in seqs]
         context = BatchContext(
-            query_lens=query_lens, own_keys=[s.own_keys for s in seqs], own_values=[s.own_values for s in seqs],
+            query_lens=query_lens, own_keys=[k for k, _ in buffers], own_values=[v for _, v in buffers],
             own_starts=[s.own_length for s in seqs], segments=self._segments(entries), backend=self.backend,
             pool=pool, own_slots=[s.own_slot if pool is not None and s.own_pool is pool else None for s in seqs])
         cache = BatchCache(context, self.loaded.num_layers)

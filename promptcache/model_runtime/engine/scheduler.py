@@ -83,7 +83,7 @@ class Scheduler:
         ready: list = []
         encodes: list[EncodeNeed] = []
         self._admit(events, ready, encodes)
-        running_tenants = {s.request.tenant for s in self.running}
+        running_tenants = {s.owner.tenant for s in self.running}
         others_wait = bool(self.waiting.tenants() - running_tenants)
         alone = self.config.max_prefill_tokens if others_wait else self.config.max_prefill_tokens_alone
         batch, budget = compose_step(self.running, mixed_budget=self.step_budget.tokens(), alone_budget=alone)
@@ -109,7 +109,7 @@ class Scheduler:
             num_seqs = request.params.n + (1 if request.params.n > 1 else 0)
             if self.running and len(self.running) + num_seqs > self.config.max_num_seqs:
                 return
-            if self.running and sum(s.request.tenant == request.tenant for s in self.running) + num_seqs > tenant_cap:
+            if self.running and sum(s.owner.tenant == request.tenant for s in self.running) + num_seqs > tenant_cap:
                 at_share.add(request.tenant)
                 continue
             if request.reuse is None:
@@ -184,7 +184,7 @@ class Scheduler:
         """`seq` leaves the batch (a sample that finished, or a prompt that forked). True when its request
         has nothing left running: everything it holds is freed."""
         self.running.remove(seq)
-        request = seq.request
+        request = seq.owner
         sequences = request.sequences
         if len(sequences) == request.params.n and all(s.status == SeqStatus.FINISHED for s in sequences):
             self._release(request)
@@ -202,7 +202,7 @@ class Scheduler:
 
     def drop_all(self) -> list[Request]:
         """Forget every request (after an internal failure); returns them so callers can be told."""
-        requests = {s.request.request_id: s.request for s in self.running}
+        requests = {s.owner.request_id: s.owner for s in self.running}
         requests.update(self.admitted)
         requests.update({r.request_id: r for r in self.waiting.drain()})
         self.running.clear()
@@ -226,7 +226,7 @@ class Scheduler:
         `abort`); one pass over the running sequences, none over the waiting requests."""
         aborted, self._aborted = self._aborted, []
         if any(r.request_id in self.admitted for r in aborted):
-            self.running = [s for s in self.running if not s.request.is_aborted]
+            self.running = [s for s in self.running if not s.owner.is_aborted]
         for request in aborted:
             self._release(request)
         return [final_event(request, 0, None, "", FinishReason.ABORT) for request in aborted]

@@ -73,8 +73,8 @@ def compose_step(running: Seq[Sequence], *, mixed_budget: int,
     """
     decoding = [s for s in running if s.pending_ids and s.status != SeqStatus.PREFILL]
     prefills = _by_tenant_load(running)
-    busy = {s.request.tenant for s in decoding}
-    light = [s for s in prefills if s.request.tenant not in busy]
+    busy = {_tenant(s) for s in decoding}
+    light = [s for s in prefills if _tenant(s) not in busy]
     if decoding and light and sum(len(s.pending_ids) for s in light) <= alone_budget:
         batch = tuple(ScheduledSeq(s, len(s.pending_ids)) for s in light)
         return batch, alone_budget - sum(s.num_tokens for s in batch)
@@ -92,6 +92,14 @@ def _by_tenant_load(running: Seq[Sequence]) -> list[Sequence]:
     """Sequences with prompt tokens to feed, tenants with fewer running sequences first."""
     load: dict[str | None, int] = {}
     for seq in running:
-        load[seq.request.tenant] = load.get(seq.request.tenant, 0) + 1
+        load[_tenant(seq)] = load.get(_tenant(seq), 0) + 1
     prefills = [s for s in running if s.status == SeqStatus.PREFILL and s.pending_ids]
-    return sorted(prefills, key=lambda s: load[s.request.tenant])  # stable: admission order kept
+    return sorted(prefills, key=lambda s: load[_tenant(s)])  # stable: admission order kept
+
+
+def _tenant(seq: Sequence) -> str | None:
+    """The tenant of a running sequence's request (only request sequences run in the batch)."""
+    request = seq.request
+    if request is None:
+        raise ValueError(f"sequence {seq.seq_id} encodes a module and belongs to no request")
+    return request.tenant
