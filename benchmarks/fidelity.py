@@ -11,16 +11,17 @@ A mode is "fidelity[:k][@positions][/context]": k is `fidelity_head_tokens`, pos
 
 The evaluation set (benchmarks/evalset/) is generated in-repo from fixed seeds, one prompt set per seed.
 Reference: a plain full prefill of each prompt's tokens at contiguous positions with Hugging Face
-transformers in this process (greedy, the independent oracle). Every promptcache mode runs through a
-real `promptcache serve` (same model, `--dtype`, fp32 by default) with default settings, the quality
-runs sent concurrently. TTFT is measured by this client (streamed first token, one request at a time):
-full prefill on a `--no-prefix-caching` server in `exact` mode (what a server without caching
-computes), the modes on a server that encoded every module's encodings at upload (steady state: nothing
-of the timed prompts themselves is stored). The timed prompts of the lookalike task import 8 of its 20
-documents. Per task and mode: accuracy with a 95 % Wilson interval (and per prompt set), % of the
-full-prefill accuracy, greedy 16-token agreement with the reference (of 32 generated), first-token KL
-(a lower bound, on the mode's top-20 tokens), recomputed share of the reused module KV, median TTFT and
-its ratio to full prefill's; then every mode paired with full prefill prompt by prompt (95 % interval).
+transformers in this process (greedy, the independent oracle). Every promptcache mode runs through a real
+`promptcache serve` (same model, `--dtype`, fp32 by default) with default settings but no automatic
+prefix index (it changes no answer), the quality runs sent concurrently. TTFT is measured by this client
+(streamed first token, one request at a time): full prefill on a `--no-prefix-caching` server in `exact`
+mode (what a server without caching computes), the modes on a server that encoded every module's
+encodings at upload (steady state: nothing of the timed prompts themselves is stored). The timed prompts
+of the lookalike task import 8 of its 20 documents. Per task and mode: accuracy with a 95 % Wilson
+interval (and per prompt set), % of the full-prefill accuracy, greedy 16-token agreement with the
+reference (of --max-tokens generated), first-token KL (a lower bound, on the mode's top-20 tokens),
+recomputed share of the reused module KV, median TTFT and its ratio to full prefill's; then every mode
+paired with full prefill prompt by prompt (95 % interval).
 JSON lines to --out (rewritten); every answer in a side file next to it (not committed).
 """
 
@@ -92,7 +93,9 @@ def run_servers(args: argparse.Namespace, eval_set: EvalSet, timed: list[EvalIte
         for mode in modes:  # nothing of the timed prompts is stored yet; each mode's stream is its own
             ttft[mode.spec] = measure_ttft(url, timed, mode)
     answers: dict[str, list[Answer]] = {}
-    with promptcache_server(flags) as url:  # as shipped: second encodings made on first use
+    # As shipped (second encodings made on first use), but without the automatic prefix index: it changes
+    # no answer, and a thousand prompts' blocks would fill the tiers (5 GiB by default) for nothing.
+    with promptcache_server([*flags, "--no-prefix-caching"]) as url:
         upload(url, eval_set)
         for mode in modes:
             log(f"quality run: {mode.spec}")

@@ -58,7 +58,7 @@ def _blocks(raw: np.ndarray) -> Int4Blocks:
 
 
 def _unpermuted(blocks: Int4Blocks, num_heads: int) -> Int4Blocks:
-    """Rows of each head from llama.cpp's [2, head_dim / 2] order back to HF's [head_dim / 2, 2] order."""
+    """Rows of each head from llama.cpp's interleaved pairs [head_dim / 2, 2] back to HF's halves [2, head_dim / 2]."""
     def rows(t: torch.Tensor) -> torch.Tensor:
         head_dim = t.shape[0] // num_heads
         return t.reshape(num_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(t.shape)

@@ -24,10 +24,10 @@ import torch
 
 GROUP_SIZE = 32  # inputs per int4 group: GGUF's Q4_1 block
 # From this many rows on, dequantizing and multiplying through oneDNN beats the kernel (SmolLM2's 3072 x 576,
-# bf16, CPU time on one Zen 4 core: int8 kernel 0.76 vs 0.75 ms at 32 rows, 1.5 vs 1.0 at 64; int4 kernel
-# 1.3 vs 2.3 ms at 64 rows, 2.8 vs 3.0 at 128; at 1 row the kernels take 0.05 ms, the copy 0.5 and 1.7).
-INT8_DEQUANTIZE_ROWS = 32
-INT4_DEQUANTIZE_ROWS = 128
+# bf16, CPU time on one Zen 4 core: int8 kernel 0.82 vs 0.84 ms at 32 rows, 1.19 vs 0.99 at 48; int4 kernel
+# 1.41 vs 1.62 ms at 64 rows, 2.14 vs 1.84 at 96; at 16 rows the kernels take 0.36-0.40 ms, bf16 0.15).
+INT8_DEQUANTIZE_ROWS = 40
+INT4_DEQUANTIZE_ROWS = 80
 INT4_PACK_ROWS = 16  # the int4 packing needs output features in multiples of this
 _PACK_BLOCK = 64  # output channels per block of the CPU int4 packing
 _INT4_OFFSET = 8  # the kernel's q - 8
