@@ -117,8 +117,8 @@ async def profile_batch(service: PromptService, batch: int, counts: dict[str, in
 
     async def consume(stream) -> None:
         async for event in stream:
-            if event.error is not None:
-                raise RuntimeError(event.error)
+            if event.report is not None and event.report.error is not None:
+                raise RuntimeError(event.report.error)
             if driver.done.is_set():
                 return  # leaving the stream aborts the request
 

@@ -26,11 +26,11 @@ class EngineTimer:
             started = time.perf_counter()
             token, elapsed, final = None, 0.0, None
             async for event in self.engine.submit(plan, SamplingParams(max_tokens=1, temperature=0)):
-                if event.error is not None:
-                    raise RuntimeError(event.error)
+                if event.report is not None and event.report.error is not None:
+                    raise RuntimeError(event.report.error)
                 if token is None and event.token_id is not None:
                     token, elapsed = event.token_id, (time.perf_counter() - started) * 1e3
-                if event.usage is not None:
+                if event.report is not None:
                     final = event
             assert token is not None and final is not None
             return token, elapsed, final

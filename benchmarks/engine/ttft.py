@@ -83,7 +83,7 @@ def run(shape: str, lengths: list[int], runs: int, out: Path) -> list[dict]:
         base_ms, base_all = median_ms(baseline, runs=runs)
         log(f"{shape} {plan.num_prompt_tokens} tokens: timing cached (through the engine)")
         cached_ms, cached_all = median_ms(cached, runs=runs)
-        shares = [timer.first_token(plan)[2].timings for _ in range(3)]
+        shares = [timer.first_token(plan)[2].report.timings for _ in range(3)]
         assembly_ms = sorted(s.assembly_ms for s in shares)[1]
         record = {
             "bench": "ttft", "shape": shape, "dtype": "float32", "vocab": model.config.vocab_size,

@@ -16,7 +16,7 @@ from promptcache.cache_store.errors import (
     SchemaExistsError,
 )
 from promptcache.cache_store.fetch_policy import FetchPolicy
-from promptcache.cache_store.keys import chain_root, make_kv_key, owned_salt, salt_owner
+from promptcache.cache_store.keys import chain_root, make_kv_key, owned_salt
 from promptcache.cache_store.memory_tier import MemoryTier
 from promptcache.cache_store.redis_tier import RedisTier
 from promptcache.cache_store.schema_registry import RegistryState, SchemaRegistry, StoredSchema
@@ -30,5 +30,5 @@ __all__ = [
     "CapacityError", "CorruptBlockError", "DiskTier", "Eviction", "FetchPolicy", "OwnerShares", "KVBlock", "Link",
     "Match", "MemoryTier", "RedisTier", "RegistryUnavailableError", "RegistryState", "SchemaExistsError",
     "SchemaRegistry", "StoreConfig", "StoreStats", "StoredSchema", "Tier", "TierHit", "TierStats", "TierUsage",
-    "TieredStore", "build_store", "chain_root", "dumps", "loads", "make_kv_key", "owned_salt", "salt_owner",
+    "TieredStore", "build_store", "chain_root", "dumps", "loads", "make_kv_key", "owned_salt",
 ]

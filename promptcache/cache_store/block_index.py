@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from promptcache.cache_store.block import KVBlock
-from promptcache.cache_store.keys import make_kv_key, salt_owner
+from promptcache.cache_store.keys import make_kv_key
 from promptcache.cache_store.tier import BlockKind, Tier
 
 # Returns keys and values [num_layers, num_kv_heads, end - start, head_dim] of stream tokens [start, end).
@@ -159,10 +159,11 @@ class BlockIndex:
         return found
 
     def insert(self, root: str, token_ids: Sequence[int], position_ids: Sequence[int], gather: KVGather, *,
-               salt: str | None, stored_upto: int = 0) -> int:
+               salt: str | None, owner: str | None = None, stored_upto: int = 0) -> int:
         """Store the stream's blocks from token `stored_upto` on (a multiple of the block size: the
-        full blocks before it are already stored). The last block may be partial. Returns the new
-        `stored_upto`: the end of the last full block."""
+        full blocks before it are already stored), counted against `owner`'s byte share (None: the
+        default owner). The last block may be partial. Returns the new `stored_upto`: the end of the
+        last full block."""
         size, n = self.config.block_size, len(token_ids)
         assert stored_upto % size == 0, "stored_upto must end a full block"
         chain: list[tuple[str, str, int, tuple[int, ...], tuple[int, ...]]] = []  # (parent, key, start, ids, pos)
@@ -178,7 +179,7 @@ class BlockIndex:
             if start >= stored_upto:
                 keys, values = gather(start, start + len(ids))
                 block = KVBlock(keys, values, torch.tensor(pos, dtype=torch.long))
-                self.store.put(key, block, ttl_s=self.config.ttl_s, kind="prefix", owner=salt_owner(salt))
+                self.store.put(key, block, ttl_s=self.config.ttl_s, kind="prefix", owner=owner)
                 self._remember(_family(parent, salt), key, ids, pos)
         self.store.touch(key for _, key, *_ in reversed(chain))
         return n - n % size

@@ -55,12 +55,6 @@ OWNER_MARK = "\x00owner\x00"  # a client salt cannot contain NUL (the server ref
 
 def owned_salt(owner: str, salt: str | None) -> str:
     """A salt that scopes keys to `owner` (a tenant), with `salt` subdividing inside it. No salt without
-    the mark can equal one with it, and `salt_owner` reads the owner back (for byte shares)."""
+    the mark can equal one with it. Only keys are made from it: whoever stores the KV is told its owner
+    (for byte shares) as well."""
     return f"{OWNER_MARK}{owner}\x00{'' if salt is None else '+' + salt}"
-
-
-def salt_owner(salt: str | None) -> str | None:
-    """The owner an `owned_salt` names; None for any other salt."""
-    if salt is None or not salt.startswith(OWNER_MARK):
-        return None
-    return salt[len(OWNER_MARK):].partition("\x00")[0]

@@ -3,8 +3,7 @@
 The only package that imports torch/transformers.
 """
 
-from promptcache.model_runtime.engine import EngineConfig, ErrorKind, Fidelity, FinishReason, TokenEvent
-from promptcache.model_runtime.engine.reuse_plan import ContextMode, FidelityMode, PositionMode
+from promptcache.model_runtime.engine import EngineConfig, ErrorKind, Fidelity, FinishReason, RequestReport, TokenEvent
 from promptcache.model_runtime.errors import (
     ChatRenderError,
     EngineError,
@@ -22,9 +21,10 @@ from promptcache.model_runtime.loader import (
     load_model,
     wrap_model,
 )
+from promptcache.model_runtime.modes import ContextMode, FidelityMode, PositionMode
 from promptcache.model_runtime.module_encoder import EncodeReport, ModuleEncoder
 from promptcache.model_runtime.quantized_linear import WeightFormat
-from promptcache.model_runtime.report import CacheReport, served_report
+from promptcache.model_runtime.report import CacheReport
 from promptcache.model_runtime.results import (
     ModuleUse,
     PrefixUse,
@@ -38,7 +38,7 @@ __all__ = [
     "MAX_LOGPROBS", "SUPPORTED_ARCHITECTURES", "CacheReport", "ChatRenderError", "ContextMode", "EncodeReport",
     "EngineConfig", "EngineError", "ErrorKind", "Fidelity", "FidelityMode", "FinishReason", "InvalidRequestError",
     "LoadedModel", "ModelConfig", "ModelLoadError", "ModelRuntime", "ModuleEncoder", "ModuleUse", "PositionMode",
-    "PrefixUse", "PromptRuntime", "PromptTooLongError", "QueueFullError", "RuntimeStats", "SamplingParams", "Timings",
-    "TokenEvent", "TokenLogprobs", "UnsupportedModelError", "Usage", "WeightFormat", "load_model", "served_report",
-    "wrap_model",
+    "PrefixUse", "PromptRuntime", "PromptTooLongError", "QueueFullError", "RequestReport", "RuntimeStats",
+    "SamplingParams", "Timings", "TokenEvent", "TokenLogprobs", "UnsupportedModelError", "Usage", "WeightFormat",
+    "load_model", "wrap_model",
 ]

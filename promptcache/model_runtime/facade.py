@@ -82,7 +82,7 @@ class PromptRuntime:
     def encode_schema(self, schema: Schema, owner: str | None, *, keep_local: bool = True,
                       second_encodings: bool = False) -> concurrent.futures.Future[EncodeReport]:
         """Encode the owner's KV of `schema` that no tier holds, between decode steps (Engine.encode_schema)."""
-        return self.engine.encode_schema(schema, key_salt(owner, None), keep_local=keep_local,
+        return self.engine.encode_schema(schema, key_salt(owner, None), owner=owner, keep_local=keep_local,
                                          second_encodings=second_encodings)
 
     def add_schema(self, schema: Schema, owner: str | None) -> None:

@@ -16,7 +16,7 @@ from typing import TypedDict
 
 import torch
 
-from promptcache.cache_store import BlockKind, KVBlock, make_kv_key, salt_owner
+from promptcache.cache_store import BlockKind, KVBlock, make_kv_key
 from promptcache.model_runtime.errors import PromptTooLongError
 from promptcache.model_runtime.loader import LoadedModel
 from promptcache.model_runtime.store_protocol import KVStore
@@ -42,7 +42,7 @@ class FetchedKV:
 class ChainWork:
     """Encoding one missing segment: its context chain's stored links (`found`, in order), then the
     tail segments to compute, their store keys, and the tail's tokens and positions. `owner` is the
-    tenant the salt scopes the keys to (whose byte share the stored KV counts against)."""
+    tenant whose byte share the stored KV counts against (None: the default one)."""
 
     target: str
     found: tuple[KVBlock, ...]
@@ -91,10 +91,11 @@ class ModuleEncoder:
         return None if hit is None else FetchedKV(hit[0], hit[1])
 
     def plan(self, schema: Schema, segment_id: int, context_ids: Sequence[int], cache_salt: str | None = None, *,
-             assume_missing: bool = False, local: bool = True) -> ChainWork | None:
+             owner: str | None = None, assume_missing: bool = False, local: bool = True) -> ChainWork | None:
         """What encoding `segment_id` after `context_ids` needs: the stored links of its context chain
-        and the tokens of the missing tail. None when the target is stored already. `local=False`: the
-        links are read without promoting them into this process's tiers (an encoding for others)."""
+        and the tokens of the missing tail, stored for `owner`. None when the target is stored already.
+        `local=False`: the links are read without promoting them into this process's tiers (an
+        encoding for others)."""
         target = self.key(schema, segment_id, context_ids, cache_salt)
         if not assume_missing and self.store.tier_of(target) is not None:
             return None
@@ -115,7 +116,7 @@ class ModuleEncoder:
         kinds: tuple[BlockKind, ...] = tuple(
             "prefix" if is_second_encoding(schema, sid, chain[:index]) else "module" for index, sid in tail)
         return ChainWork(target, tuple(found), tuple(segments), tuple(keys), token_ids, position_ids,
-                         salt_owner(cache_salt), kinds)
+                         owner, kinds)
 
     def store_tail(self, work: ChainWork, keys: torch.Tensor, values: torch.Tensor, *, local: bool = True) -> KVBlock:
         """Store the computed tail (`keys`/`values` [L, H_kv, tail tokens, D]) segment by segment;

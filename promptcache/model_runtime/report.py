@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from promptcache.model_runtime.engine.request import TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import ReusePlan
-from promptcache.model_runtime.results import ModuleUse, PrefixUse, PromptSpan, slowest_tier
+from promptcache.model_runtime.modes import ContextMode, FidelityMode, PositionMode
+from promptcache.model_runtime.results import ModuleUse, PrefixUse, PromptSpan, Usage, slowest_tier
 from promptcache.pml import PromptPlan
 
 
 @dataclass(frozen=True, slots=True)
 class CacheReport:
-    """The cache side of one prompt: served (a request's final event) or planned (`explain`).
+    """The cache side of one prompt: served (a request's final report) or planned (`explain`).
 
     `modules` follow the plan's module paths; a planned module's `tier` is None when some of its KV is in
     no tier (it would be computed). `approximations` is empty for an exact prompt. `spans` only when the
@@ -23,9 +23,9 @@ class CacheReport:
     schema_name: str
     is_exact: bool
     generation_prompt_added: bool
-    fidelity: str
-    positions: str
-    context: str
+    fidelity: FidelityMode
+    positions: PositionMode
+    context: ContextMode
     num_recomputed: int
     approximations: tuple[str, ...]
     modules: tuple[ModuleUse, ...]
@@ -39,15 +39,17 @@ class CacheReport:
         return self.num_prompt_tokens - self.num_cached
 
 
-def served_report(final: TokenEvent, plan: PromptPlan) -> CacheReport:
-    """The report of a served request, from its final event."""
-    usage = final.usage
-    assert usage is not None, "a final event carries usage"
-    is_exact = bool(final.is_exact)
-    return CacheReport(plan.schema.name, is_exact, plan.generation_prompt_added, final.fidelity or "fast",
-                       final.positions or "layout", final.context or "schema", usage.recomputed_tokens,
-                       () if is_exact else plan.approximations, final.modules or (), final.prefix,
-                       usage.prompt_tokens, usage.cached_tokens, final.spans)
+def served_report(plan: PromptPlan, reuse: ReusePlan | None, mode: FidelityMode, usage: Usage,
+                  modules: tuple[ModuleUse, ...], prefix: PrefixUse | None,
+                  spans: tuple[PromptSpan, ...] | None) -> CacheReport:
+    """The report of a served request (engine/reports.py): `reuse` as resolved at admission (None: the
+    request ended before it was admitted), `mode` the fidelity mode it asked for, `usage` its counts."""
+    is_exact = reuse.is_exact if reuse is not None else plan.is_exact
+    positions = reuse.positions if reuse is not None else PositionMode.LAYOUT
+    context = reuse.context if reuse is not None else ContextMode.SCHEMA
+    return CacheReport(plan.schema.name, is_exact, plan.generation_prompt_added, mode, positions, context,
+                       usage.recomputed_tokens, () if is_exact else plan.approximations, modules, prefix,
+                       usage.prompt_tokens, usage.cached_tokens, spans)
 
 
 def planned_report(plan: PromptPlan, reuse: ReusePlan, use_tiers: Sequence[str | None],

@@ -9,8 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 from fastapi.responses import StreamingResponse
 
-from promptcache.model_runtime import served_report
-from promptcache.pml import PromptPlan, Schema
+from promptcache.pml import Schema
 from promptcache.server.errors import public_error
 from promptcache.server.fidelity_report import report_options
 from promptcache.server.generation import (
@@ -121,11 +120,12 @@ async def generate(body: GenerateRequest, service: Service, tenant: Tenant, rate
     if params.logprobs is not None:  # streamed tokens are looked up on the event loop: the table must be there
         await service.token_strings.ready()
     if body.stream:
-        return StreamingResponse(_stream(service, events, request_id, plan, tenant, return_spans=body.return_spans),
+        return StreamingResponse(_stream(service, events, request_id, tenant, return_spans=body.return_spans),
                                  media_type="text/event-stream")
     outcome = await collect(events, params.n)
-    record(service.metrics, outcome.final, outcome.finish_reasons, tenant)
-    report = served_report(outcome.final, plan)
+    record(service.metrics, outcome.report, outcome.finish_reasons, tenant)
+    report = outcome.report.cache
+    assert report is not None, "a served request reports its cache"
 
     def answer() -> GenerateResponse:  # decodes span texts and looks up every token's logprobs: off the loop
         spans = wire_spans(report, service.runtime.detokenize) if body.return_spans else None
@@ -133,14 +133,14 @@ async def generate(body: GenerateRequest, service: Service, tenant: Tenant, rate
             id=request_id, model=service.model_name,
             choices=[Choice(index=i, text=t, finish_reason=r, logprobs=wire_logprobs(e, service.token_text))
                      for i, (t, r, e) in enumerate(zip(outcome.texts, outcome.finish_reasons, outcome.events))],
-            usage=wire_usage(outcome.final),
+            usage=wire_usage(outcome.report),
             cache=to_wire(report, spans),
-            timings=wire_timings(outcome.final))
+            timings=wire_timings(outcome.report))
 
     return await json_off_loop(answer)
 
 
-async def _stream(service: PromptService, events, request_id: str, plan: PromptPlan, tenant: str | None, *,
+async def _stream(service: PromptService, events, request_id: str, tenant: str | None, *,
                   return_spans: bool = False):
     reasons: dict[int, str | None] = {}
     try:
@@ -153,14 +153,15 @@ async def _stream(service: PromptService, events, request_id: str, plan: PromptP
             chunk = GenerateChunk(id=request_id, model=service.model_name,
                                   choices=[Choice(index=event.index, text=event.text,
                                                   finish_reason=event.finish_reason, logprobs=logprobs)])
-            if event.usage is not None:
-                report = served_report(event, plan)
+            if event.report is not None:
+                report = event.report.cache
+                assert report is not None, "a served request reports its cache"
                 spans = await asyncio.to_thread(wire_spans, report, service.runtime.detokenize) \
                     if return_spans else None
-                chunk.usage = wire_usage(event)
+                chunk.usage = wire_usage(event.report)
                 chunk.cache = to_wire(report, spans)
-                chunk.timings = wire_timings(event)
-                record(service.metrics, event, list(reasons.values()), tenant)
+                chunk.timings = wire_timings(event.report)
+                record(service.metrics, event.report, list(reasons.values()), tenant)
             payload = chunk.model_dump(exclude_none=True)
             if chunk.cache is not None:  # the report whole (null encoded_after, module, tier), as in the JSON response
                 payload["cache"] = chunk.cache.model_dump()

@@ -142,10 +142,10 @@ async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, pr
         await service.token_strings.ready()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(service, events, head, chat, include_usage, plan, tenant),
+        return StreamingResponse(_stream(service, events, head, chat, include_usage, tenant),
                                  media_type="text/event-stream")
     outcome = await collect(events, params.n)
-    record(service.metrics, outcome.final, outcome.finish_reasons, tenant)
+    record(service.metrics, outcome.report, outcome.finish_reasons, tenant)
 
     def answer() -> dict:
         choices = []
@@ -155,14 +155,14 @@ async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, pr
                       else None}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             choices.append(choice)
-        return {**head, "choices": choices, "usage": usage(outcome.final),
-                "promptcache": extension(outcome.final, plan)}
+        return {**head, "choices": choices, "usage": usage(outcome.report),
+                "promptcache": extension(outcome.report)}
 
     # Every token's logprobs (n samples, 20 alternatives each) are assembled off the event loop.
     return await json_off_loop(answer) if params.logprobs is not None else answer()
 
 
-async def _stream(service, events, head: dict, chat: bool, include_usage: bool, plan: PromptPlan, tenant: str | None):
+async def _stream(service, events, head: dict, chat: bool, include_usage: bool, tenant: str | None):
     obj = head["object"] + (".chunk" if chat else "")
     started: set[int] = set()
     reasons: dict[int, str | None] = {}
@@ -187,11 +187,11 @@ async def _stream(service, events, head: dict, chat: bool, include_usage: bool, 
             if event.finish_reason is not None:
                 reasons[event.index] = event.finish_reason
             yield sse({**head, "object": obj, "choices": [choice]})
-            if event.usage is not None:
-                record(service.metrics, event, list(reasons.values()), tenant)
+            if event.report is not None:
+                record(service.metrics, event.report, list(reasons.values()), tenant)
                 if include_usage:
-                    yield sse({**head, "object": obj, "choices": [], "usage": usage(event),
-                               "promptcache": extension(event, plan)})
+                    yield sse({**head, "object": obj, "choices": [], "usage": usage(event.report),
+                               "promptcache": extension(event.report)})
     except Exception as exc:
         yield sse_error(exc)
     yield DONE

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from promptcache.model_runtime import MAX_LOGPROBS, Fidelity, SamplingParams, TokenEvent
+from promptcache.model_runtime import MAX_LOGPROBS, Fidelity, FidelityMode, SamplingParams, TokenEvent
 from promptcache.pml import PromptPlan, Schema
 from promptcache.server.errors import UnsupportedParameterError
 from promptcache.server.fidelity_samples import sample_prompts
@@ -95,9 +95,9 @@ async def build_report(service: PromptService, schema: Schema, tenant: str | Non
             # still run to their end and free what they hold.
             salt = f"fidelity-report-{uuid.uuid4().hex}"  # no other request's: no block or logits it stored
             calls = [asyncio.ensure_future(_first_token(service.submit(
-                full, FIRST_TOKEN, salt, _request_id(), Fidelity("exact"), tenant)))]
+                full, FIRST_TOKEN, salt, _request_id(), Fidelity(FidelityMode.EXACT), tenant)))]
             for mode in MODES:
-                fidelity = Fidelity(mode, options.fidelity.head_tokens, options.fidelity.positions,
+                fidelity = Fidelity(FidelityMode(mode), options.fidelity.head_tokens, options.fidelity.positions,
                                     options.fidelity.context)
                 calls.append(asyncio.ensure_future(_first_token(service.submit(
                     plan, FIRST_TOKEN, None, _request_id(), fidelity, tenant))))

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from promptcache.model_runtime import CacheReport, ErrorKind, SamplingParams, TokenEvent
+from promptcache.model_runtime import CacheReport, ErrorKind, RequestReport, SamplingParams, TokenEvent
 from promptcache.server.errors import (
     EngineFailureError,
     InvalidParameterError,
@@ -61,19 +61,20 @@ def _bias_by_token_id(logit_bias: dict[str, float]) -> tuple[tuple[int, float], 
 
 
 def raise_for_error(event: TokenEvent) -> None:
-    if event.error is not None:
-        if event.error_type == ErrorKind.INVALID_REQUEST:
-            raise RequestRejectedError(event.error)
-        raise EngineFailureError(event.error)
+    report = event.report
+    if report is not None and report.error is not None:
+        if report.error_type == ErrorKind.INVALID_REQUEST:
+            raise RequestRejectedError(report.error)
+        raise EngineFailureError(report.error)
 
 
 @dataclass
 class Outcome:
-    """A finished request: per-sample text and finish reason, and the final event's report."""
+    """A finished request: per-sample text and finish reason, and the request's report."""
 
     texts: list[str]
     finish_reasons: list[str | None]
-    final: TokenEvent
+    report: RequestReport
     events: list[list[TokenEvent]] = field(default_factory=list)  # per sample, every token event
     started: float = field(default_factory=time.perf_counter)
 
@@ -82,7 +83,7 @@ async def collect(events: AsyncIterator[TokenEvent], n: int) -> Outcome:
     texts = [""] * n
     reasons: list[str | None] = [None] * n
     per_sample: list[list[TokenEvent]] = [[] for _ in range(n)]
-    final = None
+    report = None
     async for event in events:
         raise_for_error(event)
         texts[event.index] += event.text
@@ -90,10 +91,10 @@ async def collect(events: AsyncIterator[TokenEvent], n: int) -> Outcome:
             per_sample[event.index].append(event)
         if event.finish_reason is not None:
             reasons[event.index] = event.finish_reason
-        if event.usage is not None:
-            final = event
-    assert final is not None, "the engine always ends a request with a final event"
-    return Outcome(texts, reasons, final, per_sample)
+        if event.report is not None:
+            report = event.report
+    assert report is not None, "the engine always ends a request with a report"
+    return Outcome(texts, reasons, report, per_sample)
 
 
 def wire_logprobs(events: list[TokenEvent], token_text: Callable[[int], str]) -> Logprobs | None:
@@ -112,20 +113,20 @@ def wire_logprobs(events: list[TokenEvent], token_text: Callable[[int], str]) ->
     return result
 
 
-def record(metrics: Metrics, final: TokenEvent, finish_reasons: list[str | None], tenant: str | None) -> None:
-    usage, timings = final.usage, final.timings
-    assert usage is not None and timings is not None, "a final event carries usage and timings"
-    reused = [("module", m.tier, m.num_tokens) for m in final.modules or () if m.tier not in (None, "computed")]
-    if final.prefix is not None:
-        reused += [("prefix", tier, count) for tier, count in final.prefix.tiers]
+def record(metrics: Metrics, report: RequestReport, finish_reasons: list[str | None], tenant: str | None) -> None:
+    usage, timings, cache = report.usage, report.timings, report.cache
+    assert usage is not None and timings is not None and cache is not None, "a served request reports all three"
+    reused = [("module", m.tier, m.num_tokens) for m in cache.modules if m.tier not in (None, "computed")]
+    if cache.prefix is not None:
+        reused += [("prefix", tier, count) for tier, count in cache.prefix.tiers]
     metrics.observe(ttft_s=timings.ttft_ms / 1e3, e2e_s=timings.total_ms / 1e3, prompt_tokens=usage.prompt_tokens,
                     cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
                     finish_reasons=[r or "unknown" for r in finish_reasons], reused=reused, tenant=tenant_label(tenant))
 
 
-def wire_usage(final: TokenEvent) -> Usage:
-    u = final.usage
-    assert u is not None, "a final event carries usage"
+def wire_usage(report: RequestReport) -> Usage:
+    u = report.usage
+    assert u is not None, "a served request reports usage"
     return Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens, completion_tokens=u.completion_tokens,
                  total_tokens=u.total_tokens, computed_tokens=u.computed_tokens)
 
@@ -173,9 +174,9 @@ def span_texts(runs: Sequence[Sequence[int]], detokenize: Callable[[list[int]], 
     return texts
 
 
-def wire_timings(final: TokenEvent) -> Timings:
-    t = final.timings
-    assert t is not None, "a final event carries timings"
+def wire_timings(report: RequestReport) -> Timings:
+    t = report.timings
+    assert t is not None, "a served request reports timings"
     return Timings(ttft_ms=round(t.ttft_ms, 3), total_ms=round(t.total_ms, 3), encode_ms=round(t.encode_ms, 3),
                    assembly_ms=round(t.assembly_ms, 3), lookup_ms=round(t.lookup_ms, 3),
                    prefill_ms=round(t.prefill_ms, 3))

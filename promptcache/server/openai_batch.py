@@ -41,7 +41,7 @@ async def run_completions(service: PromptService, body: CompletionRequest, plans
         outcomes = list(await asyncio.gather(*(collect(events, params.n) for events in streams)))
     for outcome in outcomes:
         if outcome is not None:
-            record(service.metrics, outcome.final, outcome.finish_reasons, tenant)
+            record(service.metrics, outcome.report, outcome.finish_reasons, tenant)
     head = {"id": request_id, "object": "text_completion", "created": created, "model": service.model_name}
     return await json_off_loop(lambda: {**head, **_answer(service, body, plans, outcomes, echoes, prompt_ids)})
 
@@ -61,16 +61,16 @@ def _answer(service: PromptService, body: CompletionRequest, plans: list[PromptP
             choices += [{"index": p * body.n + i, "text": echo, "finish_reason": "length", "logprobs": None}
                         for i in range(body.n)]
             continue
-        used = outcome.final.usage
-        assert used is not None, "a final event carries usage"
+        used = outcome.report.usage
+        assert used is not None, "a served request reports usage"
         generated = body.max_tokens > 0  # else the engine ran one token for the prompt's logprobs: dropped
         totals["prompt_tokens"] += used.prompt_tokens
         totals["completion_tokens"] += used.completion_tokens if generated else 0
         totals["cached_tokens"] += used.cached_tokens
-        reports.append(extension(outcome.final, plan))
+        reports.append(extension(outcome.report))
         echoed = None
         if body.logprobs is not None and prompt_ids is not None:
-            echoed = prompt_logprobs(prompt_ids[p], outcome.final.prompt_logprobs or (), service.token_text)
+            echoed = prompt_logprobs(prompt_ids[p], outcome.report.prompt_logprobs or (), service.token_text)
         for i, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons)):
             events = outcome.events[i] if generated else []
             logprobs = None

@@ -260,12 +260,15 @@ class PromptService:
                 return self.runtime.plan(prompt, tenant, isolated=isolated)
             raise
 
-    def fidelity(self, mode: FidelityMode | None, head_tokens: int | None = None,
-                 positions: PositionMode | None = None, context: ContextMode | None = None) -> Fidelity:
-        """The request's fidelity: its mode, k, positions and module context, or the server's defaults."""
+    def fidelity(self, mode: str | None, head_tokens: int | None = None,
+                 positions: str | None = None, context: str | None = None) -> Fidelity:
+        """The request's fidelity from its wire fields (values the wire model checked): its mode, k,
+        positions and module context, or the server's defaults."""
         default = self.settings.default_fidelity()
-        return Fidelity(mode or default.mode, default.head_tokens if head_tokens is None else head_tokens,
-                        positions or default.positions, context or default.context)
+        return Fidelity(FidelityMode(mode) if mode else default.mode,
+                        default.head_tokens if head_tokens is None else head_tokens,
+                        PositionMode(positions) if positions else default.positions,
+                        ContextMode(context) if context else default.context)
 
     def token_text(self, token_id: int) -> str:
         """One token's text as the tokenizer decodes it alone (logprobs report tokens this way), from the

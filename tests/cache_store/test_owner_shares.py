@@ -15,7 +15,6 @@ from promptcache.cache_store import (
     StoreConfig,
     build_store,
     owned_salt,
-    salt_owner,
 )
 
 
@@ -93,7 +92,6 @@ def test_owner_travels_with_demotion_and_promotion():
     assert store.get("a0")[1] == "host" and device.lookup("a0").owner == "alpha"  # promoted with it
 
 
-def test_owned_salts_name_their_owner_and_nothing_else():
-    assert salt_owner(owned_salt("alpha", None)) == "alpha" == salt_owner(owned_salt("alpha", "x\u0000beta"))
-    assert salt_owner(None) is None and salt_owner("alpha") is None
+def test_owned_salts_keep_owners_and_client_salts_apart():
     assert owned_salt("alpha", None) != owned_salt("alpha", "") != owned_salt("beta", None)
+    assert owned_salt("alpha", "x\u0000beta") != owned_salt("alpha", None) and owned_salt("alpha", None) != "alpha"

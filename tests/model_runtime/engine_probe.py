@@ -45,7 +45,7 @@ def engine_tokens(runtime, plan, params: SamplingParams, **config) -> list[int]:
     async def main() -> list[int]:
         tokens = []
         async for event in engine.submit(plan, params):
-            assert event.error is None, event.error
+            assert event.report is None or event.report.error is None, event.report
             tokens += [event.token_id] if event.index == 0 and event.token_id is not None else []
         return tokens
 

@@ -76,7 +76,7 @@ def test_schema_and_missing_modules_encode_in_engine_steps_with_the_same_kv():
         async def salted():
             tokens = []
             async for event in engine.submit(plan, GREEDY, cache_salt="new-tenant"):
-                assert event.error is None, event.error
+                assert event.report is None or event.report.error is None, event.report
                 tokens += [event.token_id] if event.token_id is not None else []
             return tokens
 
@@ -161,9 +161,9 @@ def test_prompt_logprobs_across_chunks_equal_one_full_forward():
 
     async def run():
         async for event in engine.submit(plan, params):
-            assert event.error is None, event.error
-            if event.usage is not None:
-                return event.prompt_logprobs
+            assert event.report is None or event.report.error is None, event.report
+            if event.report is not None:
+                return event.report.prompt_logprobs
 
     try:
         asyncio.run(_tokens(engine, plan))  # the prompt's prefix is now stored: it must not be reused
@@ -198,10 +198,10 @@ def test_an_upload_for_others_is_kept_here_only_where_a_request_here_needs_it(tm
         upload = engine.encode_schema(schema, keep_local=False)  # 2 tokens a step: d3 is still queued below
         tokens, final = [], None
         async for event in engine.submit(plan, GREEDY, fidelity=Fidelity("fast")):
-            assert event.error is None, event.error
+            assert event.report is None or event.report.error is None, event.report
             tokens += [event.token_id] if event.token_id is not None else []
             final = event
-        return tokens, final.modules, await asyncio.wrap_future(upload)
+        return tokens, final.report.cache.modules, await asyncio.wrap_future(upload)
 
     try:
         tokens, modules, report = asyncio.run(main())

@@ -118,7 +118,7 @@ def test_a_batch_of_8_with_shared_modules_equals_single_runs(arch):
     finally:
         engine.stop()
     for result, want in zip(results, expected):
-        assert result["final"] is not None and result["final"].error is None
+        assert result["final"] is not None and result["final"].report.error is None
         assert result["tokens"][0] == want
 
 

@@ -29,7 +29,7 @@ async def _collect(stream) -> dict[int, list]:
     async for event in stream:
         if event.token_id is not None:
             tokens.setdefault(event.index, []).append(event.token_id)
-        if event.usage is not None or event.error is not None:
+        if event.report is not None:
             final = event
     return {"tokens": tokens, "final": final}
 
@@ -68,7 +68,7 @@ def test_engine_matches_the_hf_reference(arch, max_num_seqs):
     finally:
         engine.stop()
     for result, want, sp in zip(results, expected, params):
-        assert result["final"] is not None and result["final"].error is None
+        assert result["final"] is not None and result["final"].report.error is None
         assert sorted(result["tokens"]) == list(range(sp.n))
         for tokens in result["tokens"].values():
             assert tokens == want
@@ -112,7 +112,7 @@ def test_abort_frees_memory_and_budget_holds():
     finally:
         engine.stop()
     assert last.finish_reason == "abort" and before > 0
-    assert all(r["final"].error is None for r in results)
+    assert all(r["final"].report.error is None for r in results)
     assert engine.scheduler.memory.used_bytes == 0 and peak["bytes"] > 0
 
 
@@ -128,4 +128,4 @@ def test_request_larger_than_budget_is_refused():
         result = asyncio.run(main())
     finally:
         engine.stop()
-    assert result["final"].error and "budget" in result["final"].error
+    assert result["final"].report.error and "budget" in result["final"].report.error

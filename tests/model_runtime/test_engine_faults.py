@@ -22,7 +22,7 @@ async def _run(engine: Engine, plan, params=GREEDY):
     async for event in engine.submit(plan, params):
         if event.token_id is not None:
             tokens.append(event.token_id)
-        if event.usage is not None or event.error is not None:
+        if event.report is not None:
             final = event
     return tokens, final
 
@@ -55,9 +55,9 @@ def test_a_request_that_breaks_the_forward_pass_fails_alone():
     finally:
         engine.stop()
     poisoned = results[2][1]
-    assert poisoned.error_type == "internal" and "internal error (id " in poisoned.error
+    assert poisoned.report.error_type == "internal" and "internal error (id " in poisoned.report.error
     assert [r[0] for i, r in enumerate(results) if i != 2] == expected
-    assert all(r[1].error is None for i, r in enumerate(results) if i != 2)
+    assert all(r[1].report.error is None for i, r in enumerate(results) if i != 2)
     assert engine.scheduler.memory.used_bytes == 0 and not engine.scheduler.running
 
 
@@ -80,7 +80,7 @@ def test_a_failure_while_admitting_fails_that_request_only(monkeypatch):
         results = asyncio.run(main())
     finally:
         engine.stop()
-    assert results[3][1].error_type == "internal" and "disk on fire" not in results[3][1].error
+    assert results[3][1].report.error_type == "internal" and "disk on fire" not in results[3][1].report.error
     assert [r[0] for r in results[:3]] == expected[:3]
     assert runtime.module_encoder.store.stats().tiers[0].num_referenced == 0  # nothing left acquired
 
@@ -97,8 +97,8 @@ def test_prompt_past_the_model_context_is_a_client_error():
         (_, bad), (tokens, good) = asyncio.run(main())
     finally:
         engine.stop()
-    assert bad.error_type == "invalid_request" and "position" in bad.error
-    assert good.error is None and len(tokens) == GREEDY.max_tokens
+    assert bad.report.error_type == "invalid_request" and "position" in bad.report.error
+    assert good.report.error is None and len(tokens) == GREEDY.max_tokens
 
 
 def test_sampling_refuses_overflowing_inputs():

@@ -42,7 +42,7 @@ def _check_exact(runtime, prompt: str) -> None:
     logits, final = first_step(runtime, plan)
     reference = full_prefill_logits(model, plan.token_ids(), plan.position_ids())[-1]
     assert (logits - reference).abs().max().item() <= 1e-4
-    assert final.is_exact
+    assert final.report.cache.is_exact
     tokens = engine_tokens(runtime, plan, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     assert tokens == full_prefill_greedy(model, plan.token_ids(), plan.position_ids(), 20)
 
@@ -75,7 +75,7 @@ def test_approximate_prompts_match_masked_reference(tiny_runtime, arch, prompt, 
     assert (logits - reference).abs().max().item() <= 1e-4
     plain = full_prefill_logits(runtime.loaded.model, plan.token_ids(), plan.position_ids())[-1]
     assert (logits - plain).abs().max().item() > 1e-4  # the approximation is real, and visible
-    assert final.is_exact is False and plan.approximations
+    assert final.report.cache.is_exact is False and plan.approximations
 
 
 def test_bf16_stays_close_to_fp32(tiny_runtime):

@@ -60,9 +60,10 @@ def test_every_mode_matches_its_explicit_mask_oracle(arch, fidelity):
         tokens, positions, mask = reuse_reference(plan, reuse)
         reference = full_prefill_logits(runtime.loaded.model, tokens, positions, mask)[-1]
         assert (logits - reference).abs().max().item() <= 1e-4, prompt
-        assert final.fidelity == fidelity.mode and final.usage.recomputed_tokens == reuse.num_recomputed
-        assert final.usage.cached_tokens + final.usage.computed_tokens == plan.num_prompt_tokens
-        assert final.positions == reuse.positions and final.context == reuse.context
+        usage, cache = final.report.usage, final.report.cache
+        assert cache.fidelity == fidelity.mode and usage.recomputed_tokens == reuse.num_recomputed
+        assert usage.cached_tokens + usage.computed_tokens == plan.num_prompt_tokens
+        assert cache.positions == reuse.positions and cache.context == reuse.context
     moves = can_shift and fidelity.mode != "exact" and fidelity.positions == "contiguous"
     assert (realigned > 0) == moves  # the prompts include approximate ones with gaps: the oracle saw shifts
 
@@ -80,7 +81,7 @@ def test_exact_equals_a_plain_full_prefill(arch):
             logits, final = first_step(runtime, plan, Fidelity("exact"))
             reference = full_prefill_logits(model, plan.token_ids(), contiguous)[-1]
             assert (logits - reference).abs().max().item() <= 1e-4, prompt
-            assert final.is_exact
+            assert final.report.cache.is_exact
             tokens = asyncio.run(_tokens(engine, plan, params, Fidelity("exact")))
             assert tokens == full_prefill_greedy(model, plan.token_ids(), contiguous, 10)
     finally:
@@ -97,10 +98,10 @@ def test_balanced_recomputes_what_it_reports_and_never_writes_back():
     out_of_context = [c for c in plan.cached if not in_context(plan, c)]
     assert out_of_context and reuse.num_recomputed == sum(min(3, len(c.segment.token_ids)) for c in out_of_context)
     _, final = first_step(runtime, plan, Fidelity("balanced", 3))
-    reported = {m.path: m.num_recomputed for m in final.modules}
-    assert sum(reported.values()) == final.usage.recomputed_tokens == reuse.num_recomputed
+    reported = {m.path: m.num_recomputed for m in final.report.cache.modules}
+    assert sum(reported.values()) == final.report.usage.recomputed_tokens == reuse.num_recomputed
     assert reported == {"d2": 3, "d0": 0}
-    assert not final.is_exact
+    assert not final.report.cache.is_exact
     for key, old in zip(keys, before):
         assert torch.equal(store.get(key)[0].keys, old)  # the module's stored KV is never overwritten
 
@@ -129,8 +130,8 @@ def test_any_selection_of_recomputed_tokens_matches_its_oracle(contiguous):
     tokens, positions, mask = reuse_reference(plan, reuse)
     reference = full_prefill_logits(runtime.loaded.model, tokens, positions, mask)[-1]
     assert (logits - reference).abs().max().item() <= 1e-4
-    assert final.usage.recomputed_tokens == 4 * len(chosen)
-    assert final.usage.cached_tokens + final.usage.computed_tokens == plan.num_prompt_tokens
+    assert final.report.usage.recomputed_tokens == 4 * len(chosen)
+    assert final.report.usage.cached_tokens + final.report.usage.computed_tokens == plan.num_prompt_tokens
 
 
 def test_in_context_prompt_is_identical_in_every_mode():
@@ -165,7 +166,7 @@ def test_batched_equals_alone_for_each_mode():
 async def _tokens(engine: Engine, plan, params: SamplingParams = GREEDY, fidelity: Fidelity | None = None) -> list[int]:
     tokens = []
     async for event in engine.submit(plan, params, fidelity=fidelity):
-        assert event.error is None, event.error
+        assert event.report is None or event.report.error is None, event.report
         if event.token_id is not None:
             tokens.append(event.token_id)
     return tokens
@@ -217,7 +218,7 @@ def test_contiguous_positions_decode_like_the_oracle_and_never_write_back(arch):
 async def _samples(engine: Engine, plan, params: SamplingParams, fidelity: Fidelity) -> list[list[int]]:
     samples: list[list[int]] = [[] for _ in range(params.n)]
     async for event in engine.submit(plan, params, fidelity=fidelity):
-        assert event.error is None, event.error
+        assert event.report is None or event.report.error is None, event.report
         if event.token_id is not None:
             samples[event.index].append(event.token_id)
     return samples

@@ -33,7 +33,7 @@ def test_consecutive_modules_become_a_full_prefill():
     assert resolve(plan, Fidelity("balanced", 4, context="predecessor")).num_recomputed == 0  # d1 is in context
     preceded, final = first_step(runtime, plan, PRECEDED)
     assert (preceded - reference).abs().max().item() <= 1e-4
-    assert {m.path: m.encoded_after for m in final.modules} == {"d0": None, "d1": "d0"}
+    assert {m.path: m.encoded_after for m in final.report.cache.modules} == {"d0": None, "d1": "d0"}
     schema_context, _ = first_step(runtime, plan, Fidelity("fast"))
     assert (schema_context - reference).abs().max().item() > 1e-3  # what the second encoding fixes
 
@@ -56,8 +56,9 @@ def test_second_encoding_is_stored_apart_and_the_first_never_changes():
         engine.stop()
     assert all(store.tier_of(k) is not None for k in second)  # the engine encoded it on first use, kept
     _, final = first_step(runtime, plan, Fidelity("balanced", 2, "contiguous", "predecessor"))
-    assert final.context == "predecessor" and {m.path: m.encoded_after for m in final.modules} == {"d0": None,
-                                                                                                   "d2": "d1"}
+    cache = final.report.cache
+    assert cache.context == "predecessor" and {m.path: m.encoded_after for m in cache.modules} == {"d0": None,
+                                                                                                  "d2": "d1"}
     for key, old in zip(first_keys, before):
         assert torch.equal(store.get(key)[0].keys, old)
 

@@ -40,13 +40,13 @@ class Harness:
         async def main() -> Served:
             served = Served()
             async for event in self.engine.submit(plan, params):
-                assert event.error is None, event.error
+                assert event.report is None or event.report.error is None, event.report
                 if event.token_id is not None:
                     served.tokens.setdefault(event.index, []).append(event.token_id)
                 served.text[event.index] = served.text.get(event.index, "") + event.text
                 if event.finish_reason is not None:
                     served.finish[event.index] = event.finish_reason
-                if event.usage is not None:
+                if event.report is not None:
                     served.final = event
             return served
 
@@ -67,10 +67,10 @@ def test_greedy_is_deterministic_and_counts_usage(harness):
     a, b = harness.serve(plan, params), harness.serve(plan, params)
     assert a.tokens == b.tokens == {0: reference_greedy(harness.runtime.loaded, plan, params)[0]}
     assert len(a.tokens[0]) == 8 and a.finish == {0: "length"}
-    usage = a.final.usage
+    usage = a.final.report.usage
     assert usage.prompt_tokens == plan.num_prompt_tokens and usage.cached_tokens == plan.num_cached_tokens
     assert usage.completion_tokens == 8 and usage.total_tokens == plan.num_prompt_tokens + 8
-    t = a.final.timings
+    t = a.final.report.timings
     assert 0 < t.prefill_ms <= t.ttft_ms <= t.total_ms and t.assembly_ms >= 0
 
 
@@ -80,7 +80,7 @@ def test_seeded_sampling_reproduces_and_n_samples_differ(harness):
     first, second = harness.serve(plan, params), harness.serve(plan, params)
     assert first.tokens == second.tokens and sorted(first.tokens) == [0, 1, 2]
     assert len({tuple(tokens) for tokens in first.tokens.values()}) > 1
-    assert first.final.usage.completion_tokens == 36
+    assert first.final.report.usage.completion_tokens == 36
 
 
 def test_sampler_filters():

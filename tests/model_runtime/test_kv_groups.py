@@ -97,7 +97,7 @@ def test_requests_over_one_document_attend_one_kept_group():
         for plan in plans[1:]:
             tokens, final = h.run_sync(plan, _greedy())
             assert tokens[0] == h.oracle(plan, _greedy())  # the no-reuse oracle
-            assert final.usage.cached_tokens >= 40
+            assert final.report.usage.cached_tokens >= 40
         whole = [names for names in groups.kept() if all(n.is_whole for n in names)]
         assert len(whole) == 1 and len(whole[0]) == 5  # the document's five blocks, assembled once
     finally:

@@ -199,6 +199,6 @@ def test_engine_gives_every_slot_back():
     finally:
         engine.stop()
     for result, want, sp in zip(results, expected, params):
-        assert result["final"].error is None
+        assert result["final"].report.error is None
         assert all(result["tokens"][i] == want for i in range(sp.n))
     assert pool.num_free == pool.shape[2]

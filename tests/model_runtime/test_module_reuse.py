@@ -24,7 +24,7 @@ SCHEMA = """<schema name="lib">Library preface.
 async def _serve(engine: Engine, plan, params: SamplingParams):
     tokens, final = [], None
     async for event in engine.submit(plan, params):
-        assert event.error is None, event.error
+        assert event.report is None or event.report.error is None, event.report
         tokens += [event.token_id] if event.token_id is not None else []
         final = event
     return tokens, final
@@ -42,8 +42,8 @@ def test_fifty_mixed_requests_match_fresh_runs_and_encode_each_module_once():
             docs = rng.sample([f"d{k}" for k in range(6)], rng.randint(1, 4))
             prompt = f'<prompt schema="lib">{"".join(f"<{d}/>" for d in docs)}Question {i}?</prompt>'
             tokens, final = asyncio.run(_serve(engine, runtime.plan(prompt), params))
-            assert all(m.tier == "device" for m in final.modules)
-            assert final.usage.cached_tokens > 0 and final.usage.computed_tokens > 0
+            assert all(m.tier == "device" for m in final.report.cache.modules)
+            assert final.report.usage.cached_tokens > 0 and final.report.usage.computed_tokens > 0
             if i % 10 == 0:  # a fresh runtime (empty store) computes everything again: same answer
                 fresh = make_tiny_runtime("qwen2")
                 fresh.add_schema(fresh.parse_schema(SCHEMA), encode=False)
@@ -69,9 +69,9 @@ def test_missing_kv_is_encoded_on_demand_and_reported():
         _, again = asyncio.run(_serve(engine, runtime.plan('<prompt schema="lib"><d2/>Q</prompt>'), params))
     finally:
         engine.stop()
-    assert [m.tier for m in first.modules] == ["computed"]
-    assert first.timings.encode_ms > 0
-    assert [m.tier for m in again.modules] == ["device"] and again.timings.encode_ms == 0
+    assert [m.tier for m in first.report.cache.modules] == ["computed"]
+    assert first.report.timings.encode_ms > 0
+    assert [m.tier for m in again.report.cache.modules] == ["device"] and again.report.timings.encode_ms == 0
 
 
 def test_module_kv_whose_fetch_is_refused_is_encoded_in_engine_steps(monkeypatch):
@@ -105,5 +105,6 @@ def test_module_kv_whose_fetch_is_refused_is_encoded_in_engine_steps(monkeypatch
     assert refused == [d2_key] and queued == [True]  # queued for the encode queue, recomputed though stored
     assert encoder.num_encoded_segments == before + 1
     assert engine.num_steps > len(d2.segment.token_ids) // 4  # in chunks of 4 tokens
-    assert [(m.path, m.tier) for m in final.modules] == [("d2", "computed")] and final.timings.encode_ms > 0
+    assert [(m.path, m.tier) for m in final.report.cache.modules] == [("d2", "computed")]
+    assert final.report.timings.encode_ms > 0
     assert tokens == reference_tokens(runtime.loaded, plan, params)

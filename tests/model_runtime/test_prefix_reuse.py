@@ -54,10 +54,10 @@ class Harness:
         tokens: dict[int, list[int]] = {}
         final = None
         async for event in self.engine.submit(plan, params, cache_salt=salt):
-            assert event.error is None, event.error
+            assert event.report is None or event.report.error is None, event.report
             if event.token_id is not None:
                 tokens.setdefault(event.index, []).append(event.token_id)
-            if event.usage is not None:
+            if event.report is not None:
                 final = event
         return tokens, final
 
@@ -83,12 +83,13 @@ def test_exact_repeat_reuses_every_token(harness, length, logits_cache):
     steps = h.engine.num_steps
     again, final = h.run_sync(plan, _greedy())
     assert first[0] == want and again[0] == want
-    assert first_final.usage.cached_tokens == 0 and first_final.prefix is None
+    assert first_final.report.usage.cached_tokens == 0 and first_final.report.cache.prefix is None
     reused = length if logits_cache else length - 1
-    assert final.usage.cached_tokens == reused and final.usage.computed_tokens == length - reused
-    assert final.prefix.num_tokens == reused and dict(final.prefix.tiers) == {"device": reused}
+    assert final.report.usage.cached_tokens == reused and final.report.usage.computed_tokens == length - reused
+    prefix = final.report.cache.prefix
+    assert prefix.num_tokens == reused and dict(prefix.tiers) == {"device": reused}
     assert h.engine.num_steps - steps == (7 if logits_cache else 8)  # 8 tokens: the first needs no pass
-    assert final.is_exact
+    assert final.report.cache.is_exact
 
 
 def test_shared_prefix_then_new_question_reuses_up_to_the_divergence(harness):
@@ -101,8 +102,8 @@ def test_shared_prefix_then_new_question_reuses_up_to_the_divergence(harness):
     assert tokens[0] == h.oracle(second, _greedy())
     common = next(i for i, (a, b) in enumerate(zip(first.new_token_ids(), second.new_token_ids())) if a != b)
     # Token-exact: the block that straddles the divergence donates its common prefix.
-    assert final.usage.cached_tokens == common
-    assert final.usage.computed_tokens == len(second.new_token_ids()) - common
+    assert final.report.usage.cached_tokens == common
+    assert final.report.usage.computed_tokens == len(second.new_token_ids()) - common
 
 
 def test_next_turn_reuses_the_generated_reply(harness):
@@ -114,7 +115,7 @@ def test_next_turn_reuses_the_generated_reply(harness):
     tokens, final = h.run_sync(plan, _greedy())
     assert tokens[0] == h.oracle(plan, _greedy())
     # The prompt and every generated token but the last (never fed, so it has no KV) are reused.
-    assert final.usage.cached_tokens == len(prompt) + len(reply[0]) - 1
+    assert final.report.usage.cached_tokens == len(prompt) + len(reply[0]) - 1
 
 
 def test_n_samples_and_concurrent_identical_prompts(harness):
@@ -128,7 +129,7 @@ def test_n_samples_and_concurrent_identical_prompts(harness):
     (multi, _), (single, _) = asyncio.run(both())
     assert [multi[i] for i in range(3)] == [want] * 3 and single[0] == want
     again, final = h.run_sync(plan, _greedy(n=2))
-    assert [again[0], again[1]] == [want, want] and final.usage.cached_tokens == 50  # logits cached
+    assert [again[0], again[1]] == [want, want] and final.report.usage.cached_tokens == 50  # logits cached
     assert h.engine.scheduler.memory.used_bytes == 0
 
 
@@ -141,11 +142,11 @@ def test_pml_new_text_is_reused_after_the_same_modules_only(harness):
     h.run_sync(plan, _greedy())
     tokens, final = h.run_sync(h.runtime.plan(prompt), _greedy())
     assert tokens[0] == want
-    assert final.usage.cached_tokens == plan.num_cached_tokens + plan.num_new_tokens  # logits cached
+    assert final.report.usage.cached_tokens == plan.num_cached_tokens + plan.num_new_tokens  # logits cached
     other = h.runtime.plan(prompt.replace("<d2/>", "<d3/>"))
     tokens, final = h.run_sync(other, _greedy())
     assert tokens[0] == h.oracle(other, _greedy())
-    assert final.prefix is None  # the same text after other modules attends to other KV
+    assert final.report.cache.prefix is None  # the same text after other modules attends to other KV
 
 
 def test_salt_isolates_prefix_blocks(harness):
@@ -155,8 +156,8 @@ def test_salt_isolates_prefix_blocks(harness):
     _, other = h.run_sync(plan, _greedy(), salt="tenant-b")
     _, unsalted = h.run_sync(plan, _greedy())
     _, same = h.run_sync(plan, _greedy(), salt="tenant-a")
-    assert other.prefix is None and unsalted.prefix is None
-    assert same.usage.cached_tokens == 40  # every token, the last one's logits cached under tenant-a
+    assert other.report.cache.prefix is None and unsalted.report.cache.prefix is None
+    assert same.report.usage.cached_tokens == 40  # every token, the last one's logits cached under tenant-a
 
 
 def test_prefix_reuse_off_computes_everything(harness):
@@ -164,7 +165,7 @@ def test_prefix_reuse_off_computes_everything(harness):
     plan = token_plan(h.plain, h.ids(TEXT)[:40])
     h.run_sync(plan, _greedy())
     _, final = h.run_sync(plan, _greedy())
-    assert final.prefix is None and final.usage.computed_tokens == 40
+    assert final.report.cache.prefix is None and final.report.usage.computed_tokens == 40
 
 
 def test_eviction_under_small_budgets_keeps_answers_right(harness):
@@ -179,7 +180,7 @@ def test_eviction_under_small_budgets_keeps_answers_right(harness):
         for tier in store.tiers:
             assert tier.used_bytes <= tier.max_bytes
     _, final = h.run_sync(plans[-1], _greedy(max_tokens=4))
-    assert final.usage.cached_tokens > 0  # the most recent prompt is still (partly) resident
+    assert final.report.usage.cached_tokens > 0  # the most recent prompt is still (partly) resident
 
 
 def test_logits_with_reuse_equal_full_prefill(harness):
@@ -205,4 +206,4 @@ def test_logits_with_reuse_equal_full_prefill(harness):
     output = runner.run(step)
     assert torch.allclose(output.logits[0], full.float(), atol=1e-4)
     events = OutputProcessor(scheduler, prefix).postprocess(step, output).events
-    assert events[-1].usage.cached_tokens == 36 and scheduler.memory.used_bytes == 0
+    assert events[-1].report.usage.cached_tokens == 36 and scheduler.memory.used_bytes == 0

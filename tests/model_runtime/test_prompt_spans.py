@@ -37,8 +37,8 @@ class Harness:
         async def go():
             final = None
             async for event in self.engine.submit(plan, params, fidelity=fidelity, report_spans=report_spans):
-                assert event.error is None, event.error
-                if event.usage is not None:
+                assert event.report is None or event.report.error is None, event.report
+                if event.report is not None:
                     final = event
             return final
 
@@ -56,7 +56,7 @@ def _tokens(spans, origin: str | None = None) -> int:
 
 def check_spans(plan, fidelity: Fidelity, final) -> None:
     """Every invariant a span report must satisfy, against the plan, the ReusePlan and the final event."""
-    spans = final.spans
+    spans = final.report.cache.spans
     assert spans, "an admitted request reports its spans"
     assert [s.start for s in spans] == sorted(s.start for s in spans)
     positions = [p for s in spans for p in range(s.start, s.end)]
@@ -71,10 +71,10 @@ def check_spans(plan, fidelity: Fidelity, final) -> None:
     reuse = resolve(plan, fidelity)
     stream = [t for s in spans if s.origin != "module" for t in s.token_ids]
     assert stream == list(reuse.token_ids)
-    reused = final.prefix.num_tokens if final.prefix is not None else 0
+    reused = final.report.cache.prefix.num_tokens if final.report.cache.prefix is not None else 0
     assert [s.origin for s in spans if s.origin != "module" for _ in s.token_ids][:reused] == ["prefix"] * reused
     # Totals agree with usage and the module / prefix reports.
-    usage = final.usage
+    usage = final.report.usage
     assert _tokens(spans) == usage.prompt_tokens
     assert _tokens(spans, "module") + _tokens(spans, "prefix") == usage.cached_tokens
     assert _tokens(spans, "recomputed") + _tokens(spans, "computed") == usage.computed_tokens
@@ -83,7 +83,8 @@ def check_spans(plan, fidelity: Fidelity, final) -> None:
     for s in spans:
         if s.origin == "module":
             by_module[s.module or ""] += s.num_tokens
-    assert {m.path: m.num_tokens for m in final.modules if m.num_tokens} == {k: v for k, v in by_module.items() if k}
+    modules = final.report.cache.modules
+    assert {m.path: m.num_tokens for m in modules if m.num_tokens} == {k: v for k, v in by_module.items() if k}
 
 
 @pytest.mark.parametrize("fidelity", MODES, ids=lambda f: f"{f.mode}-{f.head_tokens}")
@@ -93,37 +94,38 @@ def test_spans_cover_the_plan_in_every_mode_first_and_repeated(harness, fidelity
         plan = h.runtime.plan(prompt)
         first = h.run(plan, fidelity)
         check_spans(plan, fidelity, first)
-        assert _tokens(first.spans, "prefix") == 0
-        assert _tokens(first.spans, "recomputed") == first.usage.recomputed_tokens  # nothing stored yet
+        assert _tokens(first.report.cache.spans, "prefix") == 0
+        # nothing stored yet
+        assert _tokens(first.report.cache.spans, "recomputed") == first.report.usage.recomputed_tokens
         again = h.run(plan, fidelity)
         check_spans(plan, fidelity, again)
-        assert _tokens(again.spans, "prefix") > 0  # the repeat reuses the stream's blocks
+        assert _tokens(again.report.cache.spans, "prefix") > 0  # the repeat reuses the stream's blocks
         # ... recomputed ones included: it reports only what it recomputed itself
-        recomputed = _tokens(again.spans, "recomputed")
-        assert recomputed == again.usage.recomputed_tokens < max(1, first.usage.recomputed_tokens)
-        assert sum(m.num_recomputed for m in again.modules) == again.usage.recomputed_tokens
+        recomputed = _tokens(again.report.cache.spans, "recomputed")
+        assert recomputed == again.report.usage.recomputed_tokens < max(1, first.report.usage.recomputed_tokens)
+        assert sum(m.num_recomputed for m in again.report.cache.modules) == again.report.usage.recomputed_tokens
 
 
 def test_first_run_modules_from_device_then_a_repeat_reuses_its_text_as_prefix(harness):
     h = harness(block_size=4, logits_cache_bytes=1 << 20)
     plan = h.runtime.plan(PROMPTS[1])  # d0, d1, then a question
     first = h.run(plan)
-    modules = [s for s in first.spans if s.origin == "module"]
+    modules = [s for s in first.report.cache.spans if s.origin == "module"]
     assert {s.module for s in modules} >= {"d0", "d1"} and {s.tier for s in modules} == {"device"}
-    question = [s for s in first.spans if s.origin == "computed"]
+    question = [s for s in first.report.cache.spans if s.origin == "computed"]
     assert question and all(s.module is None for s in question)
-    assert _tokens(first.spans, "computed") == plan.num_new_tokens
+    assert _tokens(first.report.cache.spans, "computed") == plan.num_new_tokens
     again = h.run(plan)
-    assert [s.origin for s in again.spans if s.origin != "module"] == ["prefix"]  # logits cached: no pass
-    assert {s.tier for s in again.spans if s.origin == "prefix"} == {"device"}
-    assert [(s.start, s.module, s.tier) for s in again.spans if s.origin == "module"] == \
+    assert [s.origin for s in again.report.cache.spans if s.origin != "module"] == ["prefix"]  # logits cached: no pass
+    assert {s.tier for s in again.report.cache.spans if s.origin == "prefix"} == {"device"}
+    assert [(s.start, s.module, s.tier) for s in again.report.cache.spans if s.origin == "module"] == \
         [(s.start, s.module, s.tier) for s in modules]
 
 
 def test_spans_are_built_only_when_asked(harness):
     h = harness()
     plan = h.runtime.plan(PROMPTS[1])
-    assert h.run(plan, report_spans=False).spans is None
+    assert h.run(plan, report_spans=False).report.cache.spans is None
     check_spans(plan, FAST, h.run(plan))
 
 
@@ -134,12 +136,12 @@ def test_recomputed_spans_are_the_modes_recomputed_tokens(harness, fidelity):
     final = h.run(plan, fidelity)
     check_spans(plan, fidelity, final)
     recomputed = Counter()
-    for s in final.spans:
+    for s in final.report.cache.spans:
         if s.origin == "recomputed":
             recomputed[s.module] += s.num_tokens
-    assert final.usage.recomputed_tokens > 0
-    assert sum(recomputed.values()) == final.usage.recomputed_tokens
-    assert dict(recomputed) == {m.path: m.num_recomputed for m in final.modules if m.num_recomputed}
+    assert final.report.usage.recomputed_tokens > 0
+    assert sum(recomputed.values()) == final.report.usage.recomputed_tokens
+    assert dict(recomputed) == {m.path: m.num_recomputed for m in final.report.cache.modules if m.num_recomputed}
 
 
 def test_arguments_and_the_last_token_computed_for_its_logits(harness):
@@ -147,14 +149,14 @@ def test_arguments_and_the_last_token_computed_for_its_logits(harness):
     plan = h.runtime.plan(APPROX_PROMPTS[0])  # <trip days="3"><paris/></trip><last/>What now?
     final = h.run(plan)
     check_spans(plan, Fidelity("fast"), final)
-    argument = [s for s in final.spans if s.origin == "computed" and s.module == "trip"]
+    argument = [s for s in final.report.cache.spans if s.origin == "computed" and s.module == "trip"]
     assert argument and argument[0].start == h.runtime.get_schema("approx").modules["trip"].params["days"].start
     only_modules = h.runtime.plan('<prompt schema="lib"><d0/></prompt>')  # nothing new: last token recomputed
     final = h.run(only_modules)
     check_spans(only_modules, Fidelity("fast"), final)
-    assert final.spans[-1].origin == "computed" and final.spans[-1].num_tokens == 1
+    assert final.report.cache.spans[-1].origin == "computed" and final.report.cache.spans[-1].num_tokens == 1
     last = max(only_modules.cached, key=lambda c: c.segment.end).segment  # its owner: "" (role markup)
-    assert final.spans[-1].module == (last.owner or None) and final.usage.recomputed_tokens == 0
+    assert final.report.cache.spans[-1].module == (last.owner or None) and final.report.usage.recomputed_tokens == 0
 
 
 def test_plain_prompts_and_module_kv_from_a_slower_tier(harness):
@@ -165,12 +167,13 @@ def test_plain_prompts_and_module_kv_from_a_slower_tier(harness):
     tokenizer = h.runtime.loaded.tokenizer
     plain = token_plan(h.runtime.get_schema("plain"), tuple(tokenizer.encode("Cats sleep most of the day and dream.")))
     first, again = h.run(plain), h.run(plain)
-    assert [s.origin for s in first.spans] == ["computed"]
+    assert [s.origin for s in first.report.cache.spans] == ["computed"]
     check_spans(plain, Fidelity("fast"), again)  # blocks from the device and host tiers: one span per tier
-    assert {s.origin for s in again.spans[:-1]} == {"prefix"} and again.spans[-1].origin == "computed"
-    assert again.spans[-1].num_tokens == 1
+    spans = again.report.cache.spans
+    assert {s.origin for s in spans[:-1]} == {"prefix"} and spans[-1].origin == "computed"
+    assert spans[-1].num_tokens == 1
     # The lib schema's modules no longer fit the device budget: some come back from the host tier.
     plan = h.runtime.plan(PROMPTS[1])
     final = h.run(plan)
     check_spans(plan, Fidelity("fast"), final)
-    assert {s.tier for s in final.spans if s.origin == "module"} & {"host"}
+    assert {s.tier for s in final.report.cache.spans if s.origin == "module"} & {"host"}

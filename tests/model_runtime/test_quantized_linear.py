@@ -269,7 +269,7 @@ def _serve(runtime: ModelRuntime, plan, params: SamplingParams) -> list[int]:
     async def run() -> list[int]:
         tokens = []
         async for event in engine.submit(plan, params):
-            assert event.error is None, event.error
+            assert event.report is None or event.report.error is None, event.report
             if event.token_id is not None:
                 tokens.append(event.token_id)
         return tokens

@@ -204,7 +204,7 @@ def _engine_outputs(runtime, runs: list[tuple], fidelity: Fidelity | None = None
     async def collect(plan, params):
         tokens: dict[int, list[int]] = {}
         async for event in engine.submit(plan, params, fidelity=fidelity):
-            assert event.error is None, event.error
+            assert event.report is None or event.report.error is None, event.report
             if event.token_id is not None:
                 tokens.setdefault(event.index, []).append(event.token_id)
         return tokens

@@ -41,11 +41,11 @@ def _text_plan(runtime, text: str):
 async def _run(events, log: list, name: str) -> list[int]:
     tokens = []
     async for event in events:
-        assert event.error is None, event.error
+        assert event.report is None or event.report.error is None, event.report
         if event.token_id is not None:
             tokens.append(event.token_id)
             log.append((name, "token"))
-        if event.usage is not None:
+        if event.report is not None:
             log.append((name, "final"))
     return tokens
 
@@ -190,5 +190,6 @@ def test_a_failed_module_encoding_fails_its_parked_request_only(engines):
         failed, served, again = asyncio.run(main())
     finally:
         engine.stop()
-    assert len(failed) == 1 and failed[0].error.startswith("internal error (id ") and failed[0].error_type == "internal"
+    assert len(failed) == 1 and failed[0].report.error.startswith("internal error (id ")
+    assert failed[0].report.error_type == "internal"
     assert served == reference_tokens(runtime.loaded, plain, GREEDY) and again == [served, served]

@@ -25,7 +25,7 @@ def test_the_engines_cached_prefill_equals_full_prefill_on_smollm2(smollm2):
     assert text.endswith("Into which ocean does the Amazon flow?<|im_end|>\n<|im_start|>assistant\n")
     logits, final = first_step(runtime, plan)
     reference = full_prefill_logits(smollm2.model, plan.token_ids(), plan.position_ids())[-1]
-    assert (logits - reference).abs().max().item() <= 1e-4 and final.is_exact
+    assert (logits - reference).abs().max().item() <= 1e-4 and final.report.cache.is_exact
     tokens = engine_tokens(runtime, plan, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     assert tokens == full_prefill_greedy(smollm2.model, plan.token_ids(), plan.position_ids(), 20)
     assert "Atlantic" in smollm2.tokenizer.decode(tokens, skip_special_tokens=True)

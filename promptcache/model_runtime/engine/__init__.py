@@ -2,10 +2,10 @@
 
 from promptcache.model_runtime.engine.config import EngineConfig
 from promptcache.model_runtime.engine.engine import Engine
-from promptcache.model_runtime.engine.request import ErrorKind, FinishReason, TokenEvent
+from promptcache.model_runtime.engine.request import ErrorKind, FinishReason, RequestReport, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import FIDELITY_MODES, Fidelity, ReusePlan, resolve
 
 __all__ = [
-    "FIDELITY_MODES", "Engine", "EngineConfig", "ErrorKind", "Fidelity", "FinishReason", "ReusePlan", "TokenEvent",
-    "resolve",
+    "FIDELITY_MODES", "Engine", "EngineConfig", "ErrorKind", "Fidelity", "FinishReason", "RequestReport", "ReusePlan",
+    "TokenEvent", "resolve",
 ]

@@ -35,15 +35,17 @@ _seq_ids = itertools.count()
 @dataclass(eq=False)
 class EncodeJob:
     """Encode (segment, context) of a schema unless stored; `done` resolves with the target's block when
-    it is computed (None: it was stored meanwhile). `keep_local`: stored in this process's tiers too, not
-    only the shared ones (False only while nobody here needs it: a schema upload's encoding on a cluster
-    replica). `recompute`: computed even if a tier holds it (a request's fetch of it was refused)."""
+    it is computed (None: it was stored meanwhile). `owner`: the tenant whose byte share it counts
+    against (its salt scopes the key to the same one). `keep_local`: stored in this process's tiers too,
+    not only the shared ones (False only while nobody here needs it: a schema upload's encoding on a
+    cluster replica). `recompute`: computed even if a tier holds it (a request's fetch of it was refused)."""
 
     target: str  # its store key
     schema: Schema
     segment_id: int
     context_ids: tuple[int, ...]
     salt: str | None
+    owner: str | None
     keep_local: bool = True
     recompute: bool = False
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
@@ -71,13 +73,14 @@ class EncodeQueue:
         return bool(self._jobs or self._active)
 
     def submit(self, schema: Schema, segment_id: int, context_ids: tuple[int, ...], salt: str | None, *,
-               keep_local: bool = True, recompute: bool = False) -> concurrent.futures.Future:
+               owner: str | None = None, keep_local: bool = True,
+               recompute: bool = False) -> concurrent.futures.Future:
         """Queue an encoding (once per target: a job already queued is shared, kept locally and
         recomputed if any of its submitters asks for that)."""
         target = self.encoder.key(schema, segment_id, context_ids, salt)
         job = self._by_target.get(target)
         if job is None:
-            job = EncodeJob(target, schema, segment_id, tuple(context_ids), salt, keep_local, recompute)
+            job = EncodeJob(target, schema, segment_id, tuple(context_ids), salt, owner, keep_local, recompute)
             self._by_target[target] = job
             self._jobs.append(job)
         job.keep_local = job.keep_local or keep_local
@@ -123,8 +126,8 @@ class EncodeQueue:
 
     def _activate(self, job: EncodeJob) -> None:
         try:
-            work = self.encoder.plan(job.schema, job.segment_id, job.context_ids, job.salt, local=job.keep_local,
-                                     assume_missing=job.recompute)
+            work = self.encoder.plan(job.schema, job.segment_id, job.context_ids, job.salt, owner=job.owner,
+                                     local=job.keep_local, assume_missing=job.recompute)
         except Exception as exc:  # e.g. positions past the model: this job fails, the queue goes on
             self._by_target.pop(job.target, None)
             job.done.set_exception(exc)
@@ -163,7 +166,8 @@ class ParkedEncodes:
         for need in needs:
             request = need.request
             schema, salt = request.plan.schema, request.cache_salt
-            future = self.encodes.submit(schema, need.segment_id, need.context_ids, salt, recompute=need.recompute)
+            future = self.encodes.submit(schema, need.segment_id, need.context_ids, salt, owner=request.tenant,
+                                         recompute=need.recompute)
             key = self.encodes.encoder.key(schema, need.segment_id, need.context_ids, salt)
             pending.setdefault(request.request_id, (request, []))[1].append((key, future))
         for request, futures in pending.values():
@@ -200,10 +204,11 @@ class SchemaEncodes:
         self.encodes = encodes
         self._pending: list[tuple[list[concurrent.futures.Future], concurrent.futures.Future, float, int]] = []
 
-    def submit(self, schema: Schema, salt: str | None, future: concurrent.futures.Future, *, keep_local: bool,
-               second_encodings: bool) -> None:
+    def submit(self, schema: Schema, salt: str | None, owner: str | None, future: concurrent.futures.Future, *,
+               keep_local: bool, second_encodings: bool) -> None:
         jobs = self.encodes.encoder.schema_jobs(schema, predecessors=second_encodings)
-        futures = [self.encodes.submit(schema, sid, ctx, salt, keep_local=keep_local) for sid, ctx in jobs]
+        futures = [self.encodes.submit(schema, sid, ctx, salt, owner=owner, keep_local=keep_local)
+                   for sid, ctx in jobs]
         self._pending.append((futures, future, time.perf_counter(), self.encodes.encoder.num_encoded_segments))
 
     def settle(self) -> None:

@@ -18,7 +18,8 @@ from promptcache.model_runtime.engine.inbox import Abort, EncodeSchema, Inbox, S
 from promptcache.model_runtime.engine.outputs import OutputProcessor
 from promptcache.model_runtime.engine.prefix import PrefixReuse
 from promptcache.model_runtime.engine.prefix_writes import Write
-from promptcache.model_runtime.engine.request import ErrorKind, FinishReason, Request, TokenEvent
+from promptcache.model_runtime.engine.reports import error_event
+from promptcache.model_runtime.engine.request import ErrorKind, Request, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan, resolve
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.engine.scheduler import Scheduler
@@ -33,11 +34,11 @@ class Engine:
     """Serves prompt plans with continuous batching and shared-module attention.
 
     `submit` is called from an asyncio loop and returns an async iterator of TokenEvents (the last one
-    has `usage`); `abort` stops a request within one step and frees its KV. Each tenant's requests wait
-    in a bounded queue of their own, admitted round-robin across tenants (engine/waiting.py). All model
-    compute runs on the engine's own thread — the event loop never blocks on it. Each step is
-    `scheduler.schedule()` -> StepPlan, `runner.run(plan)` -> RunOutput, `outputs.postprocess(plan,
-    output)` -> StepResult, with data passed one way.
+    carries the request's `report`); `abort` stops a request within one step and frees its KV. Each
+    tenant's requests wait in a bounded queue of their own, admitted round-robin across tenants
+    (engine/waiting.py). All model compute runs on the engine's own thread — the event loop never
+    blocks on it. Each step is `scheduler.schedule()` -> StepPlan, `runner.run(plan)` -> RunOutput,
+    `outputs.postprocess(plan, output)` -> StepResult, with data passed one way.
     """
 
     def __init__(self, encoder: ModuleEncoder, config: EngineConfig | None = None) -> None:
@@ -103,16 +104,18 @@ class Engine:
         self.start()
         return streams
 
-    def encode_schema(self, schema: Schema, cache_salt: str | None = None, *, keep_local: bool = True,
+    def encode_schema(self, schema: Schema, cache_salt: str | None = None, *, owner: str | None = None,
+                      keep_local: bool = True,
                       second_encodings: bool = False) -> concurrent.futures.Future[EncodeReport]:
         """Encode every module KV of `schema` that no tier holds, in chunks between decode steps (no
-        stream stalls for it). Await the result with `asyncio.wrap_future`; it raises what failed.
-        `keep_local=False` stores it in the shared tiers only (if there are any) unless a request here
-        needs it meanwhile: for a replica whose uploads other replicas serve. `second_encodings`: also
-        each module's encoding after the module before it (fidelity context "predecessor"), which is
-        otherwise made on a module's first such use, through the same chunked queue."""
+        stream stalls for it), stored for `owner` (a tenant's byte share; None: the default owner).
+        Await the result with `asyncio.wrap_future`; it raises what failed. `keep_local=False` stores
+        it in the shared tiers only (if there are any) unless a request here needs it meanwhile: for a
+        replica whose uploads other replicas serve. `second_encodings`: also each module's encoding
+        after the module before it (fidelity context "predecessor"), which is otherwise made on a
+        module's first such use, through the same chunked queue."""
         future: concurrent.futures.Future[EncodeReport] = concurrent.futures.Future()
-        self.inbox.post(EncodeSchema(schema, cache_salt, future, keep_local, second_encodings))
+        self.inbox.post(EncodeSchema(schema, cache_salt, owner, future, keep_local, second_encodings))
         self.start()
         return future
 
@@ -143,7 +146,7 @@ class Engine:
             while True:
                 event = await queue.get()
                 yield event
-                if event.usage is not None or event.error is not None:
+                if event.report is not None:
                     return
         finally:
             self._sinks.pop(request_id, None)
@@ -161,7 +164,7 @@ class Engine:
                 elif isinstance(message, Abort):
                     self.scheduler.abort(message.request_id)
                 else:
-                    self.schema_encodes.submit(message.schema, message.salt, message.future,
+                    self.schema_encodes.submit(message.schema, message.salt, message.owner, message.future,
                                                keep_local=message.keep_local, second_encodings=message.second_encodings)
             try:
                 self._step()
@@ -181,7 +184,7 @@ class Engine:
                 self.encodes.after_step(plan.encoding, output.encoding_s or 0.0)
         result = self.outputs.postprocess(plan, output)
         if plan.has_forward:
-            self.scheduler.step_budget.observe(plan.num_decoding, plan.num_prompt_tokens, output.step_ms)
+            self.scheduler.observe(plan, output.step_ms)
             self.num_steps += 1
         self.schema_encodes.settle()
         for event in [*plan.events, *result.events, *self._settle_parked()]:
@@ -217,5 +220,4 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         for request in self.scheduler.drop_all():
-            self._deliver(TokenEvent(request.request_id, 0, None, "", FinishReason.ERROR, error=message,
-                                     error_type=ErrorKind.INTERNAL))
+            self._deliver(error_event(request.request_id, message, ErrorKind.INTERNAL))

@@ -27,6 +27,7 @@ class EncodeSchema:
 
     schema: Schema
     salt: str | None
+    owner: str | None
     future: concurrent.futures.Future
     keep_local: bool
     second_encodings: bool

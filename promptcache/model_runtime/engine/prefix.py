@@ -125,27 +125,28 @@ class PrefixReuse:
             limit -= count
         return result
 
-    def store_prompt(self, stream: Stream, computed: KVPiece, *, salt: str | None) -> None:
-        """Store the prompt's blocks once its computed part (`computed`, starting where reuse ended)
-        exists. Remembers the prompt's KV pieces for `store_sample`."""
+    def store_prompt(self, stream: Stream, computed: KVPiece, *, salt: str | None, owner: str | None) -> None:
+        """Store the prompt's blocks (counted against `owner`'s byte share) once its computed part
+        (`computed`, starting where reuse ended) exists. Remembers the prompt's KV pieces for
+        `store_sample`."""
         stream.prompt_pieces = [*(_piece(link) for link in stream.match.links), computed]
         if self.index is None:
             return
         stream.stored_upto = self.index.insert(stream.root, stream.token_ids, stream.position_ids,
-                                               _gather(stream.prompt_pieces), salt=salt,
+                                               _gather(stream.prompt_pieces), salt=salt, owner=owner,
                                                stored_upto=stream.stored_upto)
 
     def store_sample(self, stream: Stream, output_ids: list[int], first_position: int, generated: KVPiece, *,
-                     salt: str | None) -> None:
-        """Store the blocks of prompt + generated text. The last sampled token was never fed to the
-        model (it has no KV), so the stream ends before it."""
+                     salt: str | None, owner: str | None) -> None:
+        """Store the blocks of prompt + generated text, for `owner`. The last sampled token was never
+        fed to the model (it has no KV), so the stream ends before it."""
         if self.index is None or not stream.prompt_pieces or len(output_ids) < 2:
             return
         fed = output_ids[:-1]
         token_ids = stream.token_ids + fed
         position_ids = stream.position_ids + list(range(first_position, first_position + len(fed)))
         self.index.insert(stream.root, token_ids, position_ids, _gather([*stream.prompt_pieces, generated]),
-                          salt=salt, stored_upto=stream.stored_upto)
+                          salt=salt, owner=owner, stored_upto=stream.stored_upto)
 
 
 def prefix_use(match: Match) -> PrefixUse | None:

@@ -20,8 +20,8 @@ def prompt_write(seq: Sequence, prefix: PrefixReuse) -> Write | None:
         return None
     keys, values = seq.own_buffers()
     computed = (stream.num_reused, keys[:, :, :n], values[:, :, :n])
-    salt = seq.owner.cache_salt
-    return lambda: prefix.store_prompt(stream, computed, salt=salt)
+    salt, owner = seq.owner.cache_salt, seq.owner.tenant
+    return lambda: prefix.store_prompt(stream, computed, salt=salt, owner=owner)
 
 
 def logits_write(seq: Sequence, row: torch.Tensor, prefix: PrefixReuse) -> Write | None:
@@ -41,6 +41,7 @@ def sample_write(seq: Sequence, prefix: PrefixReuse) -> Write | None:
     start, end = seq.generated_offset, seq.own_length
     keys, values = seq.own_buffers()
     generated = (len(stream.token_ids), keys[:, :, start:end], values[:, :, start:end])
-    output_ids, first, salt = list(seq.output_ids), seq.first_position, seq.owner.cache_salt
-    return lambda: prefix.store_sample(stream, output_ids, first, generated, salt=salt)
+    output_ids, first = list(seq.output_ids), seq.first_position
+    salt, owner = seq.owner.cache_salt, seq.owner.tenant
+    return lambda: prefix.store_sample(stream, output_ids, first, generated, salt=salt, owner=owner)
 

@@ -10,9 +10,10 @@ import uuid
 
 from promptcache.cache_store import Link
 from promptcache.model_runtime.engine.prefix import prefix_use
-from promptcache.model_runtime.engine.request import ErrorKind, FinishReason, Request, TokenEvent
+from promptcache.model_runtime.engine.request import ErrorKind, FinishReason, Request, RequestReport, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import ReusePlan
 from promptcache.model_runtime.errors import InvalidRequestError
+from promptcache.model_runtime.report import served_report
 from promptcache.model_runtime.results import PromptSpan, Timings, Usage
 from promptcache.model_runtime.sampling import TokenLogprobs
 from promptcache.pml import NewRun, PromptPlan
@@ -22,8 +23,8 @@ logger = logging.getLogger(__name__)
 
 def final_event(request: Request, index: int, token: int | None, text: str, finish: FinishReason,
                 logprobs: TokenLogprobs | None = None) -> TokenEvent:
-    """The request's last event: usage, module and prefix reuse, prompt spans, timings, exactness,
-    fidelity mode."""
+    """The request's last event, with its report: usage, timings, and the cache report (module and
+    prefix reuse, prompt spans, exactness, fidelity mode)."""
     plan, reuse, stream = request.plan, request.reuse, request.stream
     now = time.perf_counter()
     from_prefix = stream.num_reused if stream is not None else 0
@@ -42,12 +43,10 @@ def final_event(request: Request, index: int, token: int | None, text: str, fini
     prompt_logprobs = tuple(request.prompt_logprobs) if request.prompt_logprobs is not None else None
     spans = prompt_spans(plan, reuse, request.use_tiers, stream.match.links) \
         if request.report_spans and reuse is not None and stream is not None else None
-    return TokenEvent(request.request_id, index, token, text, finish, logprobs, prompt_logprobs, usage=usage,
-                      modules=request.modules, prefix=prefix_use(stream.match) if stream is not None else None,
-                      timings=timings, is_exact=reuse.is_exact if reuse is not None else plan.is_exact,
-                      fidelity=request.fidelity.mode, positions=reuse.positions if reuse is not None else "layout",
-                      context=reuse.context if reuse is not None else "schema",
-                      spans=spans)
+    cache = served_report(plan, reuse, request.fidelity.mode, usage, request.modules,
+                          prefix_use(stream.match) if stream is not None else None, spans)
+    return TokenEvent(request.request_id, index, token, text, finish, logprobs,
+                      RequestReport(usage, timings, cache, prompt_logprobs))
 
 
 def prompt_spans(plan: PromptPlan, reuse: ReusePlan, use_tiers: tuple[str, ...],
@@ -162,11 +161,14 @@ def failure_event(request: Request, exc: BaseException) -> TokenEvent:
         return rejection_event(request, str(exc))
     error_id = uuid.uuid4().hex[:12]
     logger.error("request %s failed (error id %s)", request.request_id, error_id, exc_info=exc)
-    return TokenEvent(request.request_id, 0, None, "", FinishReason.ERROR, error=f"internal error (id {error_id})",
-                      error_type=ErrorKind.INTERNAL)
+    return error_event(request.request_id, f"internal error (id {error_id})", ErrorKind.INTERNAL)
 
 
 def rejection_event(request: Request, message: str) -> TokenEvent:
     """The event that refuses a request that cannot be served as sent, saying why."""
-    return TokenEvent(request.request_id, 0, None, "", FinishReason.ERROR, error=message,
-                      error_type=ErrorKind.INVALID_REQUEST)
+    return error_event(request.request_id, message, ErrorKind.INVALID_REQUEST)
+
+
+def error_event(request_id: str, message: str, kind: ErrorKind) -> TokenEvent:
+    """The last event of a request that failed: its report carries only the error."""
+    return TokenEvent(request_id, 0, None, "", FinishReason.ERROR, report=RequestReport(error=message, error_type=kind))

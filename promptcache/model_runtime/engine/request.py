@@ -14,19 +14,14 @@ from promptcache.model_runtime.engine.kv_view import KVView
 from promptcache.model_runtime.engine.prefix import Stream
 from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan
 from promptcache.model_runtime.kv_pool import KVPool
-from promptcache.model_runtime.results import ModuleUse, PrefixUse, PromptSpan, Timings, Usage
+from promptcache.model_runtime.modes import WireEnum
+from promptcache.model_runtime.report import CacheReport
+from promptcache.model_runtime.results import ModuleUse, Timings, Usage
 from promptcache.model_runtime.sampling import PromptTokens, Sampler, SamplingParams, TokenLogprobs
 from promptcache.pml import PromptPlan
 
 
-class _WireEnum(str, enum.Enum):
-    """A str-valued enum that is its value wherever a str is expected (the wire, metric labels)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-
-class FinishReason(_WireEnum):
+class FinishReason(WireEnum):
     """Why a sample ended."""
 
     STOP = "stop"      # an end-of-sequence token or a stop string
@@ -35,7 +30,7 @@ class FinishReason(_WireEnum):
     ERROR = "error"
 
 
-class ErrorKind(_WireEnum):
+class ErrorKind(WireEnum):
     """Why a request failed."""
 
     INVALID_REQUEST = "invalid_request"  # the request cannot be served as sent
@@ -43,11 +38,26 @@ class ErrorKind(_WireEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class RequestReport:
+    """What a finished request reports, once, on its last event: usage, timings and the cache report
+    (what was reused, from where; built in engine/reports.py), or, for a request that failed, only
+    `error` and `error_type`."""
+
+    usage: Usage | None = None
+    timings: Timings | None = None
+    cache: CacheReport | None = None
+    # When asked for: each prompt token's logprobs from the second token on.
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    error: str | None = None
+    error_type: ErrorKind | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     """One step of one sample: a token (or none, on a final event) and the text it made safe to show.
 
-    The last event of a sample has `finish_reason` set; the last event of the request also carries
-    `usage`, `modules`, `spans` and `timings` (and `error` if the request failed).
+    The last event of a sample has `finish_reason` set; the last event of the request carries its
+    `report` (and no event after it follows).
     """
 
     request_id: str
@@ -56,20 +66,7 @@ class TokenEvent:
     text: str
     finish_reason: FinishReason | None = None
     logprobs: TokenLogprobs | None = None  # of token_id, when the request asked for logprobs
-    # On the final event, when asked for: each prompt token's logprobs from the second token on.
-    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
-    usage: Usage | None = None
-    modules: tuple[ModuleUse, ...] | None = None
-    prefix: PrefixUse | None = None
-    timings: Timings | None = None
-    is_exact: bool | None = None
-    fidelity: str | None = None  # the fidelity mode that ran
-    positions: str | None = None  # where its tokens sat: "layout" or "contiguous" (re-aligned, reuse_plan.py)
-    context: str | None = None  # which encoding out-of-context modules reused: "schema" or "predecessor"
-    # On the final event of a request that was admitted: every prompt token once, by where its KV came from.
-    spans: tuple[PromptSpan, ...] | None = None
-    error: str | None = None
-    error_type: ErrorKind | None = None
+    report: RequestReport | None = None
 
 
 class SeqStatus(enum.Enum):
@@ -149,7 +146,9 @@ class Request:
     params: SamplingParams
     cache_salt: str | None
     fidelity: Fidelity = field(default_factory=Fidelity)
-    tenant: str | None = None  # whose queue it waits in (engine/waiting.py); None: the default tenant
+    # Whose queue it waits in (engine/waiting.py) and whose byte share the KV it stores counts against
+    # (its cache_salt scopes its keys to the same one, PromptRuntime); None: the default tenant.
+    tenant: str | None = None
     report_spans: bool = False  # the final event lists the prompt as spans by KV origin
     submitted_at: float = field(default_factory=time.perf_counter)
     sequences: list[Sequence] = field(default_factory=list)

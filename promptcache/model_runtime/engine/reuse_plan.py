@@ -31,16 +31,13 @@ import bisect
 import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TypeVar
 
+from promptcache.model_runtime.modes import ContextMode, FidelityMode, PositionMode, WireEnum
 from promptcache.pml import CachedSegment, PromptPlan, Schema
 
-FidelityMode = Literal["fast", "balanced", "exact"]
-FIDELITY_MODES: tuple[str, ...] = ("fast", "balanced", "exact")
-PositionMode = Literal["contiguous", "layout"]
-POSITION_MODES: tuple[str, ...] = ("contiguous", "layout")
-ContextMode = Literal["schema", "predecessor"]
-CONTEXT_MODES: tuple[str, ...] = ("schema", "predecessor")
+FIDELITY_MODES: tuple[FidelityMode, ...] = tuple(FidelityMode)
+_Mode = TypeVar("_Mode", bound=WireEnum)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,20 +46,25 @@ class Fidelity:
     `positions` where an approximate prompt's tokens sit; `context` which encoding of an out-of-context
     module is reused (module docstring)."""
 
-    mode: FidelityMode = "fast"
+    mode: FidelityMode = FidelityMode.FAST
     head_tokens: int = 16
-    positions: PositionMode = "layout"
-    context: ContextMode = "schema"
+    positions: PositionMode = PositionMode.LAYOUT
+    context: ContextMode = ContextMode.SCHEMA
 
     def __post_init__(self) -> None:
-        if self.mode not in FIDELITY_MODES:
-            raise ValueError(f"fidelity mode must be one of {', '.join(FIDELITY_MODES)}, got {self.mode!r}")
+        # A mode given by its value ("fast") is stored as its member.
+        object.__setattr__(self, "mode", _member(FidelityMode, self.mode, "fidelity mode"))
         if not 0 <= self.head_tokens <= 4096:
             raise ValueError(f"head_tokens must be in [0, 4096], got {self.head_tokens}")
-        if self.positions not in POSITION_MODES:
-            raise ValueError(f"positions must be one of {', '.join(POSITION_MODES)}, got {self.positions!r}")
-        if self.context not in CONTEXT_MODES:
-            raise ValueError(f"context must be one of {', '.join(CONTEXT_MODES)}, got {self.context!r}")
+        object.__setattr__(self, "positions", _member(PositionMode, self.positions, "positions"))
+        object.__setattr__(self, "context", _member(ContextMode, self.context, "context"))
+
+
+def _member(kind: type[_Mode], value: object, name: str) -> _Mode:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{name} must be one of {', '.join(m.value for m in kind)}, got {value!r}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +85,7 @@ class CachedUse:
 class ReusePlan:
     """What the engine does for one prompt: reuse `uses`, compute the stream (position order)."""
 
-    mode: str
+    mode: FidelityMode
     uses: tuple[CachedUse, ...]
     token_ids: tuple[int, ...]
     position_ids: tuple[int, ...]
@@ -91,8 +93,8 @@ class ReusePlan:
     recomputes: tuple[str | None, ...]          # per stream token: the module whose cached KV it recomputes
     variant: str                                # names what the stream attends to beyond the module keys
     is_exact: bool
-    positions: PositionMode = "layout"          # "contiguous": re-aligned (module docstring)
-    context: ContextMode = "schema"             # "predecessor": out-of-context modules' second encoding
+    positions: PositionMode = PositionMode.LAYOUT  # CONTIGUOUS: re-aligned (module docstring)
+    context: ContextMode = ContextMode.SCHEMA      # PREDECESSOR: out-of-context modules' second encoding
 
     def __post_init__(self) -> None:
         assert len(self.recomputes) == len(self.token_ids), "one entry per stream token"
@@ -131,12 +133,13 @@ def resolve(plan: PromptPlan, fidelity: Fidelity, *, can_shift: bool = True) -> 
     """The ReusePlan of `plan` under `fidelity` (pure: no KV is touched). The stream is never empty:
     a prompt made only of cached tokens recomputes its last one, whose logits start generation.
     `can_shift=False` (a model whose positions are not RoPE) keeps the layout's positions."""
-    preceded = fidelity.mode != "exact" and fidelity.context == "predecessor" and not plan.is_exact
+    preceded = (fidelity.mode != FidelityMode.EXACT and fidelity.context == ContextMode.PREDECESSOR
+                and not plan.is_exact)
     if preceded:
         plan = with_predecessors(plan)
-    if fidelity.mode == "exact":
+    if fidelity.mode == FidelityMode.EXACT:
         reuse = _exact(plan)
-    elif fidelity.mode == "balanced" and not plan.is_exact:
+    elif fidelity.mode == FidelityMode.BALANCED and not plan.is_exact:
         reuse = _balanced(plan, fidelity.head_tokens)
     else:
         token_ids = tuple(plan.new_token_ids())
@@ -144,8 +147,8 @@ def resolve(plan: PromptPlan, fidelity: Fidelity, *, can_shift: bool = True) -> 
                           token_ids, tuple(plan.new_position_ids()), _after(plan), (None,) * len(token_ids), "",
                           plan.is_exact)
     reuse = reuse if reuse.token_ids else _recompute_last(reuse)
-    reuse = replace(reuse, context="predecessor") if preceded else reuse
-    realign = can_shift and fidelity.positions == "contiguous" and not reuse.is_exact
+    reuse = replace(reuse, context=ContextMode.PREDECESSOR) if preceded else reuse
+    realign = can_shift and fidelity.positions == PositionMode.CONTIGUOUS and not reuse.is_exact
     return realigned(reuse) if realign else reuse
 
 
@@ -160,7 +163,8 @@ def realigned(reuse: ReusePlan) -> ReusePlan:
     rank = {p: i for i, p in enumerate(layout)}
     uses = tuple(replace(u, shift=rank[start] - start) for u, start in zip(reuse.uses, starts))
     return replace(reuse, uses=uses, position_ids=tuple(rank[p] for p in reuse.position_ids),
-                   next_position=len(layout), variant=f"{reuse.variant}@contiguous", positions="contiguous")
+                   next_position=len(layout), variant=f"{reuse.variant}@contiguous",
+                   positions=PositionMode.CONTIGUOUS)
 
 
 def _recompute_last(reuse: ReusePlan) -> ReusePlan:
@@ -224,7 +228,7 @@ def recompute_selected(plan: PromptPlan, chosen: Mapping[int, Iterable[int]], va
                 visible_from = bisect.bisect_left(positions, cached.segment.start + after)
                 uses.append(CachedUse(cached, before + 1, after, visible_from))
     recomputes = tuple(owner for _, _, owner in pieces)
-    return ReusePlan("balanced", tuple(uses), tuple(t for _, t, _ in pieces), tuple(positions), _after(plan),
+    return ReusePlan(FidelityMode.BALANCED, tuple(uses), tuple(t for _, t, _ in pieces), tuple(positions), _after(plan),
                      recomputes, variant, all(o is None for o in recomputes) and plan.is_exact)
 
 
@@ -246,7 +250,7 @@ def _exact(plan: PromptPlan) -> ReusePlan:
     token_ids = tuple(t for _, t, _ in rest)
     positions = tuple(range(reused, reused + len(token_ids)))
     uses = tuple(CachedUse(c, 0, len(c.segment.token_ids)) for c in leading)
-    return ReusePlan("exact", uses, token_ids, positions, reused + len(token_ids),
+    return ReusePlan(FidelityMode.EXACT, uses, token_ids, positions, reused + len(token_ids),
                      tuple(owner for _, _, owner in rest), "", True)
 
 
