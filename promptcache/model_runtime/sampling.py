@@ -95,6 +95,11 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def is_plain_greedy(self) -> bool:
+        """Whether the next token is always the logits' argmax (greedy, and nothing changes the scores)."""
+        return self.is_greedy and not self.logit_bias and not self.uses_history
+
+    @property
     def uses_prompt_tokens(self) -> bool:
         """Whether sampling depends on the prompt's token ids (HF's repetition penalty covers them)."""
         return self.repetition_penalty != 1.0
@@ -192,6 +197,12 @@ class Sampler:
             token = int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
         self.record(token)
         return token
+
+    def take(self, token_id: int) -> int:
+        """Record `token_id`, the argmax computed elsewhere for plain greedy params, and return it."""
+        assert self.params.is_plain_greedy, "only plain greedy sampling takes a precomputed argmax"
+        self.record(token_id)
+        return token_id
 
     def record(self, token_id: int) -> None:
         """Add a generated token to the history the penalties read (`sample` records its own picks)."""

@@ -297,3 +297,15 @@ def test_seeded_min_p_through_the_engine_is_reproducible_and_stays_in_the_allowe
             num_choices += int((probs[step] >= threshold).sum() > 1)
     assert num_choices > 0  # min_p left a choice somewhere: sampling was exercised, not just argmax
     assert first[0] != first[1]
+
+def test_plain_greedy_params_take_the_batch_argmax_that_sample_would_pick():
+    """The engine takes a plain greedy row's token from one argmax over the batch's logits: it must be
+    what `sample` picks, and params that change the scores must not be plain."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300)
+    for row, best in zip(logits, logits.argmax(dim=-1).tolist()):
+        assert Sampler(SamplingParams(temperature=0)).take(best) == Sampler(SamplingParams(temperature=0)).sample(row)
+    assert SamplingParams(temperature=0).is_plain_greedy
+    assert not SamplingParams(temperature=0, logit_bias=((3, 5.0),)).is_plain_greedy
+    assert not SamplingParams(temperature=0, repetition_penalty=1.3).is_plain_greedy
+    assert not SamplingParams(temperature=0.7).is_plain_greedy

@@ -45,8 +45,11 @@ class OutputProcessor:
         prefill only counts its time. A failure while sampling or detokenizing fails its request only."""
         events: list[TokenEvent] = [self.scheduler.fail(request, exc) for request, exc in output.failures]
         writes: list[Write | None] = []
-        rows = [(seq, logits, 0.0) for seq, logits in plan.ready]
-        for entry, row, found in zip(output.ran, output.logits, output.prompt_logprobs):
+        rows: list[tuple[Sequence, torch.Tensor, float, int | None]] = [(seq, logits, 0.0, None)
+                                                                        for seq, logits in plan.ready]
+        # Every row's argmax in one op: a greedy sample's token without a per-sequence copy of its logits.
+        argmax = output.logits.argmax(dim=-1).tolist() if len(output.logits) else []
+        for entry, row, found, best in zip(output.ran, output.logits, output.prompt_logprobs, argmax):
             seq, request = entry.seq, _request(entry.seq)
             seq.advance(entry.num_tokens)
             if found is not None and request.prompt_logprobs is not None:
@@ -54,8 +57,8 @@ class OutputProcessor:
             if seq.status == SeqStatus.PREFILL and seq.pending_ids:
                 request.prefill_ms += output.step_ms  # a chunk of a long prefill: nothing to sample yet
             else:
-                rows.append((seq, row, output.step_ms))
-        for seq, row, step_ms in rows:
+                rows.append((seq, row, output.step_ms, best))
+        for seq, row, step_ms, best in rows:
             request = _request(seq)
             if request.is_failed:
                 continue
@@ -66,7 +69,7 @@ class OutputProcessor:
                 if seq.is_prompt:
                     self._fork(seq, row, events, writes)
                 else:
-                    self._sample(seq, row, events, writes)
+                    self._sample(seq, row, events, writes, argmax=best)
             except Exception as exc:
                 events.append(self.scheduler.fail(request, exc))
         return StepResult(tuple(events), tuple(w for w in writes if w is not None))
@@ -87,9 +90,10 @@ class OutputProcessor:
             self._sample(seq, logits, events, writes)
 
     def _sample(self, seq: Sequence, logits: torch.Tensor, events: list[TokenEvent],
-                writes: list[Write | None]) -> None:
-        """Pick the sample's next token from `logits` [vocab], stream its text, and finish the sample on
-        an end-of-sequence token, a stop string, max_tokens or the model's last position."""
+                writes: list[Write | None], *, argmax: int | None = None) -> None:
+        """Pick the sample's next token from `logits` [vocab] (`argmax`: theirs, when known), stream its
+        text, and finish the sample on an end-of-sequence token, a stop string, max_tokens or the model's
+        last position."""
         request = _request(seq)
         params, sampler, detokenizer = request.params, seq.sampler, seq.detokenizer
         if sampler is None or detokenizer is None:  # its first token: the prompt is computed
@@ -98,7 +102,7 @@ class OutputProcessor:
             seq.status = SeqStatus.DECODE
             sampler = seq.sampler = Sampler(params, seed_offset=seq.index, prompt=request.prompt_tokens)
             detokenizer = seq.detokenizer = Detokenizer(self.loaded.tokenizer, params.stop)
-        token = sampler.sample(logits)
+        token = sampler.take(argmax) if argmax is not None and params.is_plain_greedy else sampler.sample(logits)
         logprobs = None if params.logprobs is None else token_logprobs(logits, token, params.logprobs)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
