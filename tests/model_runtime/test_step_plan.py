@@ -127,18 +127,8 @@ def test_long_prefill_chunks_only_while_a_tenant_with_nothing_running_waits(engi
     plans = [_text_plan(runtime, text) for text in TEXTS]
 
     def run(tenants: list[str]) -> list[list[int]]:
-        engine = Engine(runtime.module_encoder, EngineConfig(max_num_seqs=1, max_prefill_tokens=4,
-                                                             max_prefill_tokens_alone=64, prefix=None))
-
-        async def main():
-            with engine.inbox.wakeup:  # one schedule sees every submission
-                streams = [engine.submit(plans[i], params, tenant=t) for i, t in enumerate(tenants)]
-            return await asyncio.gather(*[_run(s, [], "") for s in streams])
-
-        try:
-            return asyncio.run(main())
-        finally:
-            engine.stop()
+        return _run_at_once(runtime, EngineConfig(max_num_seqs=1, max_prefill_tokens=4, max_prefill_tokens_alone=64,
+                                                  prefix=None), plans, params, tenants)
 
     one_tenant = run(["a", "a", "a"])
     assert budgets and set(budgets) == {64}
@@ -189,17 +179,7 @@ def test_steps_are_capped_only_while_tenants_share_and_answers_stay_exact(engine
     plans = [_text_plan(runtime, text) for text in TEXTS]
 
     def run(tenants: list[str]) -> list[list[int]]:
-        engine = Engine(runtime.module_encoder, EngineConfig(prefix=None, shared_step_ms=1e-3))
-
-        async def main():
-            with engine.inbox.wakeup:
-                streams = [engine.submit(plans[i], params, tenant=t) for i, t in enumerate(tenants)]
-            return await asyncio.gather(*[_run(s, [], "") for s in streams])
-
-        try:
-            return asyncio.run(main())
-        finally:
-            engine.stop()
+        return _run_at_once(runtime, EngineConfig(prefix=None, shared_step_ms=1e-3), plans, params, tenants)
 
     expected = [reference_tokens(runtime.loaded, plan, params) for plan in plans[:4]]
     assert run(["a", "a", "a", "a"]) == expected
@@ -207,3 +187,18 @@ def test_steps_are_capped_only_while_tenants_share_and_answers_stay_exact(engine
     caps.clear()
     assert run(["a", "a", "a", "b"]) == expected
     assert None not in caps and min(caps) == 1  # every step overran the target
+
+
+def _run_at_once(runtime, config: EngineConfig, plans, params: SamplingParams, tenants: list[str]) -> list[list[int]]:
+    """Submit `plans[i]` for each `tenants[i]` so that one schedule sees them all; their token ids."""
+    engine = Engine(runtime.module_encoder, config)
+
+    async def main():
+        with engine.inbox.wakeup:
+            streams = [engine.submit(plans[i], params, tenant=t) for i, t in enumerate(tenants)]
+        return await asyncio.gather(*[_run(s, [], "") for s in streams])
+
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.stop()
