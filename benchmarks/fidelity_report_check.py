@@ -2,7 +2,7 @@
 (benchmarks/evalset/), each schema's report (GET /v1/schemas/{name}/fidelity) against the greedy
 first-token agreement measured on the evaluation's own prompts of that schema.
 
-    python -m benchmarks.fidelity_report_check --per-task 200 --num-samples 16 --max-imports 6
+    python -m benchmarks.fidelity_report_check --per-task 200 --num-samples 16 [--tasks lookalike --max-imports 8]
 
 Measured: every evaluation prompt served by a real `promptcache serve` (fp32) in `fast` and `balanced`
 with the report's own k / positions / context, first token greedy, against an independent full prefill
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.evalset import EvalItem, build_eval_set
+from benchmarks.evalset import TASKS, EvalItem, build_eval_set
 from benchmarks.harness import RESULTS, emit, log, setup
 from benchmarks.live_server import promptcache_server
 from promptcache.cache_store import StoreConfig, build_store
@@ -105,14 +105,16 @@ def main() -> None:
     parser.add_argument("--per-task", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0, help="of the evaluation set and of the reports' sampling")
     parser.add_argument("--num-samples", type=int, default=16)
-    parser.add_argument("--max-imports", type=int, default=6, help="the evaluation's prompts import at most 6")
+    parser.add_argument("--max-imports", type=int, default=8, help="the evaluation's prompts import at most 8 "
+                        "(lookalike; the other tasks 6)")
+    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--out", type=Path, default=RESULTS / "fidelity_report_check.jsonl")
     args = parser.parse_args()
     setup(args.threads)
-    eval_set = build_eval_set(per_task=args.per_task, seeds=(args.seed,), tasks=("fact_qa", "ruler", "template"))
+    eval_set = build_eval_set(per_task=args.per_task, seeds=(args.seed,), tasks=tuple(args.tasks))
     items = eval_set.items
     schemas = [name for name in eval_set.schemas if any(i.schema_name == name for i in items)]
     questions = {name: {"default": None, "task": task_question(next(i for i in items if i.schema_name == name))}
