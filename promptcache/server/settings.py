@@ -53,9 +53,6 @@ class ServerSettings(BaseSettings):
     max_num_seqs: int = 64
     tenant_headroom_seqs: int = Field(8, ge=0, description="with an API keys file: sequence slots one tenant "
                                       "leaves free for the others' requests; 0: none")
-    shared_step_ms: float = Field(40.0, ge=0, description="with an API keys file: while several tenants send "
-                                  "requests, steps aim at this long, so one tenant's first token never waits for "
-                                  "another's full batch step; 0: no cap")
     max_kv_bytes: int = 2 << 30
     max_waiting_per_tenant: int = Field(1024, ge=1, description="requests one tenant may have waiting for "
                                         "admission (prompts of a list count one each); more get 429 + Retry-After")
@@ -144,8 +141,7 @@ class ServerSettings(BaseSettings):
             max_step_slowdown=self.max_step_slowdown or None, logits_cache_bytes=self.logits_cache_bytes,
             max_assembled_bytes=self.max_assembled_kv_bytes, max_waiting_per_tenant=self.max_waiting_per_tenant,
             # Headroom is for other tenants: only an API keys file makes several.
-            tenant_headroom_seqs=min(self.tenant_headroom_seqs, self.max_num_seqs - 1) if self.api_keys_file else 0,
-            shared_step_ms=(self.shared_step_ms or None) if self.api_keys_file else None)
+            tenant_headroom_seqs=min(self.tenant_headroom_seqs, self.max_num_seqs - 1) if self.api_keys_file else 0)
 
     def default_fidelity(self) -> Fidelity:
         """The fidelity of requests that name none."""

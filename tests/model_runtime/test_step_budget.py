@@ -1,12 +1,11 @@
-"""StepBudget: the prefill tokens a step may feed while streams decode, learned from step times; and
-SharedStepCap: the tokens a step may feed while tenants share the engine."""
+"""StepBudget: the prefill tokens a step may feed while streams decode, learned from step times."""
 
 from __future__ import annotations
 
 import pytest
 
 from promptcache.model_runtime.engine import EngineConfig
-from promptcache.model_runtime.engine.step_budget import SharedStepCap, StepBudget
+from promptcache.model_runtime.engine.step_budget import StepBudget
 
 
 def test_the_budget_keeps_a_simulated_step_within_the_slowdown():
@@ -54,29 +53,3 @@ def test_steps_without_decoding_teach_nothing_and_no_slowdown_means_fixed_chunks
 def test_engine_config_rejects_a_slowdown_that_allows_no_prefill():
     with pytest.raises(ValueError, match="max_step_slowdown"):
         EngineConfig(max_step_slowdown=1.0)
-
-
-@pytest.mark.parametrize(("fixed_ms", "token_ms"), [(10.0, 1.0), (20.0, 0.5)])
-def test_the_shared_cap_holds_a_simulated_step_near_its_target(fixed_ms, token_ms):
-    cap = SharedStepCap(target_ms=40.0, max_tokens=320)
-    durations = []
-    for _ in range(100):
-        step_ms = fixed_ms + token_ms * cap.tokens  # a step fed up to the cap (a full batch waits)
-        cap.observe(cap.tokens, step_ms)
-        durations.append(step_ms)
-    settled = durations[20:]
-    assert max(settled) <= 40.0 * 1.15 and min(settled) >= 40.0 * 0.6, settled
-    assert fixed_ms + token_ms * cap.tokens <= 40.0 * 1.15
-
-
-def test_the_shared_cap_never_binds_where_steps_are_cheap():
-    cap = SharedStepCap(target_ms=40.0, max_tokens=320)
-    for _ in range(20):
-        cap.observe(cap.tokens, 5.0 + 0.01 * cap.tokens)  # a GPU-like step
-    assert cap.tokens == 320
-
-
-def test_a_step_under_the_cap_does_not_raise_it():
-    cap = SharedStepCap(target_ms=40.0, max_tokens=320, tokens=50)
-    cap.observe(3, 1.0)  # a light tenant's own short step says nothing about a full one
-    assert cap.tokens == 50

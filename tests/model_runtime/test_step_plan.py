@@ -1,6 +1,5 @@
 """The step's batch across tenants: lightly loaded tenants' prompts first, a step of their own for a
-short prompt while another tenant decodes, sequence slots one tenant leaves free for the others, and
-the step cap while tenants share the engine."""
+short prompt while another tenant decodes, and sequence slots one tenant leaves free for the others."""
 
 from __future__ import annotations
 
@@ -118,9 +117,9 @@ def test_long_prefill_chunks_only_while_a_tenant_with_nothing_running_waits(engi
     runtime = _runtime()
     budgets: list[int] = []
 
-    def recording(running, *, mixed_budget, alone_budget, **cap):
+    def recording(running, *, mixed_budget, alone_budget):
         budgets.append(alone_budget)
-        return compose_step(running, mixed_budget=mixed_budget, alone_budget=alone_budget, **cap)
+        return compose_step(running, mixed_budget=mixed_budget, alone_budget=alone_budget)
 
     monkeypatch.setattr(scheduler_module, "compose_step", recording)
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
@@ -137,56 +136,6 @@ def test_long_prefill_chunks_only_while_a_tenant_with_nothing_running_waits(engi
     assert 4 in budgets  # b waited with nothing running
     expected = [reference_tokens(runtime.loaded, plan, params) for plan in plans[:3]]
     assert one_tenant == two_tenants == expected
-
-
-def test_a_capped_step_feeds_light_decodes_first_then_the_rest_in_turn():
-    busy = [_decoding("a") for _ in range(10)]
-    light, prefill = _decoding("b"), _prefill("a", 50)
-    running = [*busy, light, prefill]
-    batch, left = compose_step(running, mixed_budget=16, alone_budget=256, step_cap=8)
-    assert [(id(s), n) for s, n in _fed(batch)] == [(id(light), 1), *((id(d), 1) for d in busy[:5]),
-                                                    (id(prefill), 2)] and left == 0
-    ran = [0] * len(busy)
-    turn = 0
-    for _ in range(20):  # the caller advances the turn by the decodes that ran
-        batch, _ = compose_step(running, mixed_budget=16, alone_budget=256, step_cap=8, turn=turn)
-        decodes = [entry.seq for entry in batch if entry.seq.status == SeqStatus.DECODE]
-        assert sum(entry.num_tokens for entry in batch) <= 8 and decodes[0] is light
-        for seq in decodes[1:]:
-            ran[[id(b) for b in busy].index(id(seq))] += 1
-        turn += len(decodes)
-    assert max(ran) - min(ran) <= 2, ran  # every busy decode gets its turns
-
-
-def test_an_uncapped_step_runs_every_decode():
-    busy = [_decoding("a") for _ in range(10)]
-    batch, _ = compose_step(busy, mixed_budget=16, alone_budget=256, step_cap=None)
-    assert _fed(batch) == [(d, 1) for d in busy]
-
-
-def test_steps_are_capped_only_while_tenants_share_and_answers_stay_exact(engines, monkeypatch):
-    """With a target no step can meet, the cap falls to its floor while two tenants submit; one tenant
-    alone is never capped. Either way every answer equals the reference's."""
-    runtime = _runtime()
-    caps: list[int | None] = []
-
-    def recording(running, **kwargs):
-        caps.append(kwargs["step_cap"])
-        return compose_step(running, **kwargs)
-
-    monkeypatch.setattr(scheduler_module, "compose_step", recording)
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    plans = [_text_plan(runtime, text) for text in TEXTS]
-
-    def run(tenants: list[str]) -> list[list[int]]:
-        return _run_at_once(runtime, EngineConfig(prefix=None, shared_step_ms=1e-3), plans, params, tenants)
-
-    expected = [reference_tokens(runtime.loaded, plan, params) for plan in plans[:4]]
-    assert run(["a", "a", "a", "a"]) == expected
-    assert caps and set(caps) == {None}
-    caps.clear()
-    assert run(["a", "a", "a", "b"]) == expected
-    assert None not in caps and min(caps) == 1  # every step overran the target
 
 
 def _run_at_once(runtime, config: EngineConfig, plans, params: SamplingParams, tenants: list[str]) -> list[list[int]]:

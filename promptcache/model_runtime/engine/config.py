@@ -26,9 +26,7 @@ class EngineConfig:
     `submit` raises QueueFullError (engine/waiting.py). `tenant_headroom_seqs` sequence slots are ones a
     tenant cannot take while it already runs `max_num_seqs - tenant_headroom_seqs` sequences: they stay
     free for other tenants, so one tenant's full batch does not make another's request wait for it to
-    drain (0: no headroom, as on a single-tenant server). While more than one tenant submits requests,
-    steps are held near `shared_step_ms` (engine/step_budget.SharedStepCap), so a tenant's first token
-    waits for a short step of another's, not a full batch; None: no cap.
+    drain (0: no headroom, as on a single-tenant server).
     """
 
     max_num_seqs: int = 64
@@ -45,15 +43,12 @@ class EngineConfig:
     max_assembled_bytes: int = 128 << 20  # ~5.6K tokens of SmolLM2-135M's KV in bf16
     max_waiting_per_tenant: int = 1024  # 16 full batches of the default max_num_seqs
     tenant_headroom_seqs: int = 0
-    shared_step_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if not 0 <= self.tenant_headroom_seqs < self.max_num_seqs:
             raise ValueError(f"tenant_headroom_seqs must be in [0, max_num_seqs), got {self.tenant_headroom_seqs}")
-        if self.shared_step_ms is not None and self.shared_step_ms <= 0:
-            raise ValueError(f"shared_step_ms must be > 0 or None, got {self.shared_step_ms}")
         if self.max_waiting_per_tenant < 1:
             raise ValueError(f"max_waiting_per_tenant must be >= 1, got {self.max_waiting_per_tenant}")
         if self.max_assembled_bytes < 0:

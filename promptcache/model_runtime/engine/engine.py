@@ -184,7 +184,7 @@ class Engine:
                 self.encodes.after_step(plan.encoding, output.encoding_s or 0.0)
         result = self.outputs.postprocess(plan, output)
         if plan.has_forward:
-            self.scheduler.observe(plan, output.step_ms)
+            self.scheduler.step_budget.observe(plan.num_decoding, plan.num_prompt_tokens, output.step_ms)
             self.num_steps += 1
         self.schema_encodes.settle()
         for event in [*plan.events, *result.events, *self._settle_parked()]:

@@ -4,7 +4,6 @@ step's batch (`schedule` -> StepPlan)."""
 from __future__ import annotations
 
 import itertools
-import time
 
 from promptcache.model_runtime.engine.assembly import Assembled, MissingModules, assemble, module_key
 from promptcache.model_runtime.engine.config import EngineConfig
@@ -20,14 +19,10 @@ from promptcache.model_runtime.engine.request import (
     TokenEvent,
 )
 from promptcache.model_runtime.engine.reuse_plan import CachedUse, resolve
-from promptcache.model_runtime.engine.step_budget import SharedStepCap, StepBudget
+from promptcache.model_runtime.engine.step_budget import StepBudget
 from promptcache.model_runtime.engine.step_plan import EncodeNeed, StepPlan, compose_step
 from promptcache.model_runtime.engine.waiting import WaitingRequests
 from promptcache.model_runtime.module_encoder import ModuleEncoder
-
-# A tenant that submitted this recently counts as sharing the engine: an interactive user's next request
-# comes within seconds, and its first token should not wait for a full batch step of a busier tenant.
-SHARED_WINDOW_S = 2.0
 
 
 class Scheduler:
@@ -48,10 +43,6 @@ class Scheduler:
         self.memory = KVMemory(config.max_kv_bytes)
         self.step_budget = StepBudget(min(config.min_prefill_tokens, config.max_prefill_tokens),
                                       config.max_prefill_tokens, config.max_step_slowdown)
-        self.step_cap = (None if config.shared_step_ms is None else
-                         SharedStepCap(config.shared_step_ms, config.max_num_seqs + config.max_prefill_tokens))
-        self._last_submit: dict[str | None, float] = {}  # tenant -> when it last submitted (monotonic s)
-        self._decode_turn = 0  # where the next capped step's decodes start (step_plan.compose_step)
         self.bytes_per_token = self.loaded.kv_bytes_per_token
         self.own_kv = OwnKV(self.loaded, config.max_kv_bytes)
         self._seq_ids = itertools.count()
@@ -63,7 +54,6 @@ class Scheduler:
         if not is_reserved:
             self.waiting.reserve(request.tenant)
         self.waiting.add(request)
-        self._last_submit[request.tenant] = time.monotonic()
 
     def abort(self, request_id: str) -> None:
         """Mark a waiting or running request aborted (O(1)); the next `schedule` frees it and emits
@@ -96,25 +86,8 @@ class Scheduler:
         running_tenants = {s.owner.tenant for s in self.running}
         others_wait = bool(self.waiting.tenants() - running_tenants)
         alone = self.config.max_prefill_tokens if others_wait else self.config.max_prefill_tokens_alone
-        cap = self.step_cap.tokens if self.step_cap is not None and self.is_shared() else None
-        batch, budget = compose_step(self.running, mixed_budget=self.step_budget.tokens(), alone_budget=alone,
-                                     step_cap=cap, turn=self._decode_turn)
-        plan = StepPlan(batch, budget, tuple(ready), tuple(events), tuple(encodes), is_shared=cap is not None)
-        self._decode_turn += plan.num_decoding
-        return plan
-
-    def is_shared(self) -> bool:
-        """Whether more than one tenant submitted within the last SHARED_WINDOW_S seconds."""
-        horizon = time.monotonic() - SHARED_WINDOW_S
-        for tenant in [t for t, at in self._last_submit.items() if at < horizon]:
-            del self._last_submit[tenant]
-        return len(self._last_submit) > 1
-
-    def observe(self, plan: StepPlan, step_ms: float) -> None:
-        """Learn from a step's duration: the prefill budget, and the step cap while tenants share."""
-        self.step_budget.observe(plan.num_decoding, plan.num_prompt_tokens, step_ms)
-        if plan.is_shared and self.step_cap is not None:
-            self.step_cap.observe(plan.num_decoding + plan.num_prompt_tokens, step_ms)
+        batch, budget = compose_step(self.running, mixed_budget=self.step_budget.tokens(), alone_budget=alone)
+        return StepPlan(batch, budget, tuple(ready), tuple(events), tuple(encodes))
 
     def missing_modules(self, request: Request) -> list[CachedUse]:
         """The uses of module KV `request` reuses that no tier holds now (and nobody encoded for it)."""

@@ -1,5 +1,4 @@
-"""StepBudget: how many prompt or encoding tokens a step may feed while other sequences decode; and
-SharedStepCap: how many tokens of any kind while several tenants share the engine.
+"""StepBudget: how many prompt or encoding tokens a step may feed while other sequences decode.
 
 A step that also feeds prefill tokens delays every stream's next token by the tokens' compute. A fixed
 chunk size cannot bound that delay: the cost of a token against the cost of a decode step differs by
@@ -64,32 +63,3 @@ class StepBudget:
 
 def _average(current: float | None, sample: float) -> float:
     return sample if current is None else (1 - _SMOOTHING) * current + _SMOOTHING * sample
-
-
-@dataclass(slots=True)
-class SharedStepCap:
-    """Tokens (a decode counts one) a step may feed while several tenants use the engine.
-
-    A tenant's new prompt waits for the step in flight before its own (short) step runs, so its first
-    token is as late as the busiest tenant's steps are long: a full batch of decodes plus prefill chunks
-    took 60-150 ms on a 2-core CPU. While tenants share, steps are held near `target_ms` by feeding at
-    most `tokens` tokens (the decodes in turn, engine/step_plan.py): a step over the target cuts the cap
-    in proportion, a step well under it at the cap raises it by an eighth. Where steps are cheap (a GPU)
-    the cap only grows and never binds. Used only on the engine thread.
-    """
-
-    target_ms: float
-    max_tokens: int
-    tokens: int = 0  # the cap; starts at `max_tokens`
-
-    def __post_init__(self) -> None:
-        self.tokens = self.tokens or self.max_tokens
-
-    def observe(self, fed_tokens: int, step_ms: float) -> None:
-        """Account a step that fed `fed_tokens` tokens while tenants shared the engine."""
-        if fed_tokens <= 0:
-            return
-        if step_ms > self.target_ms:
-            self.tokens = max(1, min(self.tokens, int(fed_tokens * self.target_ms / step_ms)))
-        elif step_ms < 0.8 * self.target_ms and fed_tokens >= self.tokens:
-            self.tokens = min(self.max_tokens, self.tokens + max(1, self.tokens // 8))

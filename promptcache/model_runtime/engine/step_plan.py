@@ -41,7 +41,6 @@ class StepPlan:
     events: tuple[TokenEvent, ...] = ()  # final events of requests aborted, refused or failed while scheduling
     encodes: tuple[EncodeNeed, ...] = ()  # for requests parked this step (each once)
     encoding: ScheduledSeq | None = None  # a chunk of the active module encoding, run with the batch
-    is_shared: bool = False  # composed under the shared-engine step cap (step_budget.SharedStepCap)
 
     @property
     def has_forward(self) -> bool:
@@ -58,8 +57,8 @@ class StepPlan:
         return sum(s.num_tokens for s in chunks) + (self.encoding.num_tokens if self.encoding is not None else 0)
 
 
-def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int, step_cap: int | None = None,
-                 turn: int = 0) -> tuple[tuple[ScheduledSeq, ...], int]:
+def compose_step(running: Seq[Sequence], *, mixed_budget: int,
+                 alone_budget: int) -> tuple[tuple[ScheduledSeq, ...], int]:
     """The step's batch and the prefill budget it leaves.
 
     - Decoding sequences always run, and prefills share `mixed_budget` tokens with them (so no stream
@@ -71,10 +70,6 @@ def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int
       others decode: its first token then waits for one short step rather than for a full batch step
       of the busy tenant. Each such step delays the others' next token once; a tenant gets it only
       while none of its sequences decodes, so it cannot hold the others back for long.
-    - `step_cap` (while tenants share the engine, step_budget.SharedStepCap): the step feeds at most
-      that many tokens, a decode counting one. Decodes take turns, from the `turn`-th on (the caller
-      advances it by the decodes that ran) after those of tenants with fewer running sequences, and
-      prefills keep a quarter of the cap.
     """
     decoding = [s for s in running if s.pending_ids and s.status != SeqStatus.PREFILL]
     prefills = _by_tenant_load(running)
@@ -84,13 +79,6 @@ def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int
         batch = tuple(ScheduledSeq(s, len(s.pending_ids)) for s in light)
         return batch, alone_budget - sum(s.num_tokens for s in batch)
     budget = mixed_budget if decoding else alone_budget
-    if step_cap is not None and decoding:
-        prefill_share = min(budget, max(1, step_cap // 4)) if prefills else 0
-        start = turn % len(decoding)
-        load = _tenant_load(running)  # light tenants' decodes first, then the rest in turn
-        turns = sorted([*decoding[start:], *decoding[:start]], key=lambda s: load[_tenant(s)])
-        decoding = turns[:max(1, step_cap - prefill_share)]
-        budget = min(budget, max(prefill_share, step_cap - len(decoding)))
     scheduled = [ScheduledSeq(s, len(s.pending_ids)) for s in decoding]
     for seq in prefills:
         if budget <= 0:
@@ -102,17 +90,11 @@ def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int
 
 def _by_tenant_load(running: Seq[Sequence]) -> list[Sequence]:
     """Sequences with prompt tokens to feed, tenants with fewer running sequences first."""
-    load = _tenant_load(running)
-    prefills = [s for s in running if s.status == SeqStatus.PREFILL and s.pending_ids]
-    return sorted(prefills, key=lambda s: load[_tenant(s)])  # stable: admission order kept
-
-
-def _tenant_load(running: Seq[Sequence]) -> dict[str | None, int]:
-    """Running sequences per tenant."""
     load: dict[str | None, int] = {}
     for seq in running:
         load[_tenant(seq)] = load.get(_tenant(seq), 0) + 1
-    return load
+    prefills = [s for s in running if s.status == SeqStatus.PREFILL and s.pending_ids]
+    return sorted(prefills, key=lambda s: load[_tenant(s)])  # stable: admission order kept
 
 
 def _tenant(seq: Sequence) -> str | None:
