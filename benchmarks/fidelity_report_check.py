@@ -18,7 +18,6 @@ whether the measured value lies inside the report's interval.
 from __future__ import annotations
 
 import argparse
-import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,16 +30,10 @@ from benchmarks.live_server import promptcache_server
 from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import ModelConfig, ModelRuntime, load_model
 from promptcache.model_runtime.baseline import full_prefill_logits
+from promptcache.server.fidelity_report import wilson
 
 MODES = ("fast", "balanced")
 _QUESTION = re.compile(r"/>([^<]*)</user>")
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    phat = successes / n
-    centre = (phat + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(phat * (1 - phat) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return 0.0 if successes == 0 else centre - half, 1.0 if successes == n else centre + half
 
 
 def task_question(item: EvalItem) -> str:

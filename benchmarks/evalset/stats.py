@@ -7,6 +7,7 @@ import statistics
 
 from benchmarks.evalset.answers import AGREE, Answer
 from benchmarks.evalset.tasks import EvalItem, score
+from promptcache.server.fidelity_report import wilson as report_interval
 
 
 def first_token_kl(reference: Answer, answer: Answer) -> float | None:
@@ -22,14 +23,12 @@ def first_token_kl(reference: Answer, answer: Answer) -> float | None:
     return max(0.0, kl + p_rest * (math.log(p_rest) - math.log(q_rest)))
 
 
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95 % Wilson interval of a proportion, in percent."""
+def wilson(successes: int, n: int) -> tuple[float, float]:
+    """95 % Wilson interval of a proportion, in percent (the fidelity report's interval)."""
     if n == 0:
         return 0.0, 0.0
-    phat = successes / n
-    centre = (phat + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(phat * (1 - phat) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return 100 * (centre - half), 100 * (centre + half)
+    low, high = report_interval(successes, n)
+    return 100 * low, 100 * high
 
 
 def paired_difference(diffs: list[int]) -> tuple[float, float, float]:
