@@ -31,7 +31,7 @@ from benchmarks.harness import RESULTS, emit, log
 from benchmarks.live_server import start_llama_server, start_promptcache
 from benchmarks.load_clients import run_clients, stream_request, summarize
 from benchmarks.serving_workloads import CHAT_TURNS, build
-from promptcache.model_runtime.default_model import gguf_path
+from promptcache.model_runtime.loading.default_model import gguf_path
 
 MAX_TOKENS = 32
 WORKLOADS = ("completion", "chat")

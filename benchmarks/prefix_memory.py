@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from benchmarks.harness import RESULTS, emit, log
 from benchmarks.live_server import start_promptcache
 from benchmarks.serving_workloads import build
-from promptcache.model_runtime.default_model import default_model_path
+from promptcache.model_runtime.loading.default_model import default_model_path
 
 DEVICE_BUDGET, HOST_BUDGET = 64 << 20, 128 << 20
 MARGIN = 256 << 20  # allocator slack, request buffers, Python objects

@@ -58,7 +58,7 @@ def save_model(shape: str, directory: str) -> None:
     --model DIR` (timing over HTTP at a larger shape than the built-in model)."""
     from transformers import AutoTokenizer
 
-    from promptcache.model_runtime.default_model import default_model_path
+    from promptcache.model_runtime.loading.default_model import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     build_model(shape, min_vocab=len(tokenizer)).save_pretrained(directory)

@@ -32,7 +32,7 @@ def _tiny_loaded(arch: str, dtype: torch.dtype, pack_weights: bool = False, devi
 def make_tiny_runtime(arch: str = "llama", *, dtype: torch.dtype = torch.float32, store=None,
                       pack_weights: bool = False, device: str = TEST_DEVICE) -> ModelRuntime:
     """A runtime over a cached tiny model on `device` and a fresh in-memory store (unless one is
-    given); `pack_weights` as the server loads models (packed_linear.py, CPU only)."""
+    given); `pack_weights` as the server loads models (loading/packed_linear.py, CPU only)."""
     store = store if store is not None else build_store(StoreConfig(), device=device)
     return ModelRuntime(_tiny_loaded(arch, dtype, pack_weights and device == "cpu", device), store)
 

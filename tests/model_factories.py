@@ -18,7 +18,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from promptcache.model_runtime.loader import LoadedModel, wrap_model
+from promptcache.model_runtime.loading.loader import LoadedModel, wrap_model
 
 # The golden PML layouts (tests/pml/golden) are token counts under this tokenizer: changing CORPUS,
 # the vocab size or the special tokens means regenerating and reviewing them.

@@ -25,7 +25,7 @@ from promptcache.model_runtime.engine.kv_view import KVView
 from promptcache.model_runtime.engine.request import SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.engine.step_plan import ScheduledSeq
-from promptcache.model_runtime.loader import wrap_model
+from promptcache.model_runtime.loading.loader import wrap_model
 from promptcache.model_runtime.packed_attention import install
 
 MODES = ("baseline_sdpa", "shared", "noattention")

@@ -30,7 +30,7 @@ from benchmarks.harness import RESULTS, emit, log, setup
 from benchmarks.shapes import build_model
 from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import ModelRuntime, wrap_model
-from promptcache.model_runtime.default_model import default_model_path
+from promptcache.model_runtime.loading.default_model import default_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -24,7 +24,7 @@ from promptcache.model_runtime import ModelConfig, load_model
 from promptcache.model_runtime.engine.request import SeqStatus, Sequence
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.engine.step_plan import ScheduledSeq
-from promptcache.model_runtime.packed_linear import PackedLinear
+from promptcache.model_runtime.loading.packed_linear import PackedLinear
 
 
 def peak_flops(dtype: torch.dtype) -> float:

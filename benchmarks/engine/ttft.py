@@ -22,7 +22,7 @@ from benchmarks.harness import RESULTS, emit, log, median_ms, setup
 from benchmarks.shapes import build_model
 from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import ModelRuntime, wrap_model
-from promptcache.model_runtime.default_model import default_model_path
+from promptcache.model_runtime.loading.default_model import default_model_path
 
 PROSE = ("The committee met on a grey morning to review the harbour plans. Engineers described the new "
          "breakwater, the dredging schedule and the cost of steel. A fisherman asked whether the boats "

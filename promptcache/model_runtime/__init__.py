@@ -14,16 +14,16 @@ from promptcache.model_runtime.errors import (
     UnsupportedModelError,
 )
 from promptcache.model_runtime.facade import PromptRuntime, RuntimeStats
-from promptcache.model_runtime.loader import (
+from promptcache.model_runtime.loading.loader import (
     SUPPORTED_ARCHITECTURES,
     LoadedModel,
     ModelConfig,
     load_model,
     wrap_model,
 )
+from promptcache.model_runtime.loading.quantized_linear import WeightFormat
 from promptcache.model_runtime.modes import ContextMode, FidelityMode, PositionMode
 from promptcache.model_runtime.module_encoder import EncodeReport, ModuleEncoder
-from promptcache.model_runtime.quantized_linear import WeightFormat
 from promptcache.model_runtime.report import CacheReport
 from promptcache.model_runtime.results import (
     ModuleUse,

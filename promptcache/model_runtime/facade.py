@@ -10,7 +10,7 @@ from promptcache.cache_store import owned_salt
 from promptcache.model_runtime.attention.selection import AttentionReport, describe
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, TokenEvent
 from promptcache.model_runtime.errors import InvalidRequestError
-from promptcache.model_runtime.loader import LoadedModel
+from promptcache.model_runtime.loading.loader import LoadedModel
 from promptcache.model_runtime.module_encoder import EncodeReport
 from promptcache.model_runtime.report import CacheReport, planned_report
 from promptcache.model_runtime.runtime import ModelRuntime

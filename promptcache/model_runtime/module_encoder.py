@@ -18,7 +18,7 @@ import torch
 
 from promptcache.cache_store import BlockKind, KVBlock, make_kv_key
 from promptcache.model_runtime.errors import PromptTooLongError
-from promptcache.model_runtime.loader import LoadedModel
+from promptcache.model_runtime.loading.loader import LoadedModel
 from promptcache.model_runtime.store_protocol import KVStore
 from promptcache.pml import Schema, Segment
 

@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from promptcache.pml import Schema
 from promptcache.server.errors import public_error
-from promptcache.server.fidelity_report import report_options
+from promptcache.server.fidelity.report import report_options
 from promptcache.server.generation import (
     DONE,
     collect,
@@ -83,7 +83,7 @@ async def create_schema(body: SchemaCreate, service: Service, tenant: Tenant, ra
 async def schema_fidelity(name: str, query: Annotated[FidelityReportQuery, Query()], service: Service,
                           tenant: Tenant, rates: Rates) -> FidelityReport:
     """Each fidelity mode's first token against a full prefill on sampled module combinations of the schema
-    (server/fidelity_report.py). Cached per schema version and options; a computed one counts its requests
+    (server/fidelity/report.py). Cached per schema version and options; a computed one counts its requests
     against the tenant's rate."""
     options = report_options(query, service)
     return await service.fidelity_report(name, options, tenant,

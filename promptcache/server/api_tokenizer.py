@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from promptcache.server.errors import UnsupportedParameterError
 from promptcache.server.json_body import json_off_loop
-from promptcache.server.openai_wire import DetokenizeRequest, TokenizeRequest, chat_messages
+from promptcache.server.openai.wire import DetokenizeRequest, TokenizeRequest, chat_messages
 from promptcache.server.service import PromptService
 from promptcache.server.state import Service
 

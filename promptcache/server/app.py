@@ -12,9 +12,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from promptcache.model_runtime import LoadedModel, load_model
-from promptcache.server import api_native, api_openai, api_playground, api_system, api_tokenizer
+from promptcache.server import api_native, api_playground, api_system, api_tokenizer
 from promptcache.server.errors import install_error_handlers
 from promptcache.server.guard import RequestGuard
+from promptcache.server.openai import routes as openai_routes
 from promptcache.server.service import PromptService
 from promptcache.server.settings import ServerSettings
 from promptcache.server.tenants import Quota, RequestRateLimiter, TenantDirectory
@@ -61,7 +62,7 @@ def create_app(settings: ServerSettings | None = None, *,
     app.add_middleware(RequestGuard, settings=settings, tenants=tenants, rates=app.state.rates)
     app.include_router(api_system.router)
     app.include_router(api_native.router)
-    app.include_router(api_openai.router)
+    app.include_router(openai_routes.router)
     app.include_router(api_tokenizer.router)
     app.include_router(api_playground.router)
     app.mount(api_playground.PLAYGROUND_PATH + "/static", api_playground.static_files(), name="playground")

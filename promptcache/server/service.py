@@ -36,7 +36,7 @@ from promptcache.model_runtime import (
 )
 from promptcache.pml import PromptPlan, Schema, UnknownSchemaError, is_valid_name
 from promptcache.server.errors import SchemaNotFoundError, SchemaTooLongError
-from promptcache.server.fidelity_report import ReportCache, ReportOptions, build_report
+from promptcache.server.fidelity.report import ReportCache, ReportOptions, build_report
 from promptcache.server.heap import trim_heap_every
 from promptcache.server.metrics import Metrics, engine_families, store_families
 from promptcache.server.quota import QuotaLedger
@@ -168,7 +168,7 @@ class PromptService:
 
     async def fidelity_report(self, name: str, options: ReportOptions, tenant: str | None = None,
                               before_compute: Callable[[], None] = lambda: None) -> FidelityReport:
-        """The tenant's schema's fidelity report (server/fidelity_report.py): from the cache of the schema's
+        """The tenant's schema's fidelity report (server/fidelity/report.py): from the cache of the schema's
         version, or computed through the engine (`before_compute()` first: it may refuse). Raises
         SchemaNotFoundError, and what serving a sample raises."""
         schema = await asyncio.to_thread(self.get_schema, name, tenant)

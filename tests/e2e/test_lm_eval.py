@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from promptcache.model_runtime.default_model import default_model_path
+from promptcache.model_runtime.loading.default_model import default_model_path
 from tests.server.conftest import LiveServer, settings_for
 
 DATA = Path(__file__).parent.parent / "lm_eval_tasks"  # 20 small questions, as multiple choice and as generation

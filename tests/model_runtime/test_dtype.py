@@ -12,7 +12,7 @@ from promptcache.cache_store import KVBlock, dumps
 from promptcache.model_runtime import ModelConfig, SamplingParams
 from promptcache.model_runtime.cpu_features import auto_dtype, cpu_flags
 from promptcache.model_runtime.engine import Engine, EngineConfig
-from promptcache.model_runtime.packed_linear import can_pack
+from promptcache.model_runtime.loading.packed_linear import can_pack
 from promptcache.server import ServerSettings
 from tests.conftest import make_tiny_runtime
 

@@ -1,4 +1,4 @@
-"""Fused bf16 decoder layers (fused_layers.py, csrc/fused_bf16.cpp) against the Hugging Face modules.
+"""Fused bf16 decoder layers (loading/fused_layers.py, attention/csrc/fused_bf16.cpp) against the Hugging Face modules.
 
 Oracle: the same bf16 inputs through transformers' LlamaRMSNorm, apply_rotary_pos_emb, SiLU-gated MLP and
 whole models. RoPE must match bit for bit; RMSNorm and SiLU round to bf16 where the modules do but sum
@@ -20,7 +20,7 @@ from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import ModelRuntime, SamplingParams, wrap_model
 from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.engine import Engine, EngineConfig
-from promptcache.model_runtime.fused_layers import FusedAttention, FusedGatedMLP, FusedRMSNorm, fuse_layers
+from promptcache.model_runtime.loading.fused_layers import FusedAttention, FusedGatedMLP, FusedRMSNorm, fuse_layers
 from tests.model_factories import make_test_tokenizer, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")

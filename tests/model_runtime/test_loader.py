@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Qwen2Config
 
-from promptcache.model_runtime import default_model
 from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
-from promptcache.model_runtime.loader import ModelConfig, check_architecture, load_model, wrap_model
+from promptcache.model_runtime.loading import default_model
+from promptcache.model_runtime.loading.loader import ModelConfig, check_architecture, load_model, wrap_model
 from tests.model_factories import ARCHITECTURES, make_test_tokenizer, make_tiny_model
 
 IDS = torch.tensor([[5, 9, 42, 7, 300, 11]])

@@ -1,4 +1,4 @@
-"""int8 / int4 linear layers (quantized_linear.py) and GGUF Q4_1 blocks (gguf_weights.py).
+"""int8 / int4 linear layers (loading/quantized_linear.py) and GGUF Q4_1 blocks (loading/gguf_weights.py).
 
 Oracles: a float matmul of the dequantized weight; the `gguf` package's own quantization and
 dequantization; transformers' GGUF loader (the converted default model) and its q/k row permutation; the
@@ -22,9 +22,9 @@ from promptcache.model_runtime import ModelConfig, ModelRuntime, SamplingParams,
 from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.baseline import full_prefill_logits
 from promptcache.model_runtime.engine import Engine, EngineConfig
-from promptcache.model_runtime.fused_layers import FusedAttention
-from promptcache.model_runtime.gguf_weights import read_q4_1
-from promptcache.model_runtime.quantized_linear import (
+from promptcache.model_runtime.loading.fused_layers import FusedAttention
+from promptcache.model_runtime.loading.gguf_weights import read_q4_1
+from promptcache.model_runtime.loading.quantized_linear import (
     GROUP_SIZE,
     INT4_DEQUANTIZE_ROWS,
     INT8_DEQUANTIZE_ROWS,
@@ -143,7 +143,7 @@ def test_smollm2_q4_1_blocks_are_the_weights_transformers_loads(smollm2):
     F32), and the blocks are bit for bit the fp32 weights transformers dequantized from the same file."""
     from safetensors.torch import load_file
 
-    from promptcache.model_runtime.default_model import default_model_path, gguf_path
+    from promptcache.model_runtime.loading.default_model import default_model_path, gguf_path
 
     config = smollm2.model.config
     blocks = read_q4_1(gguf_path(), config.num_attention_heads, config.num_key_value_heads)

@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from promptcache.server.openai_wire import MAX_CHAT_MESSAGES
+from promptcache.server.openai.wire import MAX_CHAT_MESSAGES
 
 KEYS = {"keys": {"sk-r": "rho", "sk-s": "sigma"},
         "quotas": {"rho": {"rate_limit": "10/minute"}, "sigma": {"rate_limit": "10/minute"}}}

@@ -8,7 +8,7 @@ import torch
 from promptcache.model_runtime.engine.assembly import module_key
 from promptcache.model_runtime.engine.request import Request, Sequence, SharedKV
 from promptcache.model_runtime.kv_pool import KVPool
-from promptcache.model_runtime.loader import LoadedModel
+from promptcache.model_runtime.loading.loader import LoadedModel
 from promptcache.model_runtime.module_encoder import ModuleEncoder
 
 

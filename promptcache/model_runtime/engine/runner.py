@@ -17,7 +17,7 @@ from promptcache.model_runtime.engine.kv_view import KVView
 from promptcache.model_runtime.engine.request import Request, SeqStatus
 from promptcache.model_runtime.engine.step_plan import ScheduledSeq, StepPlan
 from promptcache.model_runtime.forward import cache_argument
-from promptcache.model_runtime.loader import LoadedModel
+from promptcache.model_runtime.loading.loader import LoadedModel
 from promptcache.model_runtime.packed_attention import BatchCache, BatchContext, active_batch, install
 from promptcache.model_runtime.sampling import TokenLogprobs, token_logprobs
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 
 from promptcache.model_runtime.errors import ModelLoadError
-from promptcache.model_runtime.quantized_linear import (
+from promptcache.model_runtime.loading.quantized_linear import (
     GROUP_SIZE,
     INT4_DEQUANTIZE_ROWS,
     INT4_PACK_ROWS,

@@ -22,10 +22,10 @@ from promptcache.server.generation import (
     sse_error,
 )
 from promptcache.server.json_body import json_off_loop
-from promptcache.server.openai_batch import run_completions
-from promptcache.server.openai_logprobs import chat_logprobs, completion_logprobs
-from promptcache.server.openai_shapes import extension, finish_reason, usage
-from promptcache.server.openai_wire import (
+from promptcache.server.openai.batch import run_completions
+from promptcache.server.openai.logprobs import chat_logprobs, completion_logprobs
+from promptcache.server.openai.shapes import extension, finish_reason, usage
+from promptcache.server.openai.wire import (
     ChatCompletionRequest,
     CompletionRequest,
     _OpenAIFields,

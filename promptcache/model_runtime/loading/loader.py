@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from promptcache.model_runtime import fused_layers
 from promptcache.model_runtime.cpu_features import auto_dtype
 from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
-from promptcache.model_runtime.packed_linear import pack_linears
-from promptcache.model_runtime.quantization import kernel_problem, quantize_linears
-from promptcache.model_runtime.quantized_linear import Int4Blocks, WeightFormat
+from promptcache.model_runtime.loading import fused_layers
+from promptcache.model_runtime.loading.packed_linear import pack_linears
+from promptcache.model_runtime.loading.quantization import kernel_problem, quantize_linears
+from promptcache.model_runtime.loading.quantized_linear import Int4Blocks, WeightFormat
 from promptcache.model_runtime.rope_shift import KeyShifter
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
 
     _check_device(config.device)
     if config.name_or_path is None:
-        from promptcache.model_runtime.default_model import DEFAULT_MODEL_NAME, default_model_path
+        from promptcache.model_runtime.loading.default_model import DEFAULT_MODEL_NAME, default_model_path
 
         path, name, is_local = str(default_model_path(config.cache_dir)), DEFAULT_MODEL_NAME, True
     else:
@@ -141,8 +141,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     check_architecture(hf_config)
     blocks = None
     if config.weights is WeightFormat.INT4 and config.name_or_path is None:  # the GGUF's own 4-bit blocks
-        from promptcache.model_runtime.default_model import gguf_path
-        from promptcache.model_runtime.gguf_weights import read_q4_1
+        from promptcache.model_runtime.loading.default_model import gguf_path
+        from promptcache.model_runtime.loading.gguf_weights import read_q4_1
 
         blocks = read_q4_1(gguf_path(), hf_config.num_attention_heads, hf_config.num_key_value_heads)
     try:

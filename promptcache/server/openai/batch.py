@@ -15,9 +15,9 @@ from fastapi.responses import Response
 from promptcache.pml import PromptPlan
 from promptcache.server.generation import Outcome, collect, record, sampling_params
 from promptcache.server.json_body import json_off_loop
-from promptcache.server.openai_logprobs import completion_logprobs, echoed_logprobs, prompt_logprobs
-from promptcache.server.openai_shapes import extension, finish_reason
-from promptcache.server.openai_wire import CompletionRequest
+from promptcache.server.openai.logprobs import completion_logprobs, echoed_logprobs, prompt_logprobs
+from promptcache.server.openai.shapes import extension, finish_reason
+from promptcache.server.openai.wire import CompletionRequest
 from promptcache.server.service import PromptService
 
 

@@ -1,5 +1,5 @@
 """Fused decoder layers for bf16 on CPUs with AVX512-BF16: one projection for q|k|v and one for gate|up,
-RMSNorm, RoPE and the SiLU-gated product as single-pass kernels (attention/csrc/fused_bf16.cpp).
+RMSNorm, RoPE and the SiLU-gated product as single-pass kernels (model_runtime/attention/csrc/fused_bf16.cpp).
 
 Why: once attention ran on the bf16 kernel, the ops bf16 did not speed up were a quarter of SmolLM2's
 2K-token prefill: PyTorch runs RMSNorm as seven passes over the activations, RoPE as six (slices, a

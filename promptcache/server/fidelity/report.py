@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Literal
 from promptcache.model_runtime import MAX_LOGPROBS, Fidelity, FidelityMode, SamplingParams, TokenEvent
 from promptcache.pml import PromptPlan, Schema
 from promptcache.server.errors import UnsupportedParameterError
-from promptcache.server.fidelity_samples import sample_prompts
+from promptcache.server.fidelity.samples import sample_prompts
 from promptcache.server.generation import raise_for_error
 from promptcache.server.wire import (
     FidelityModeStats,

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from promptcache.model_runtime.errors import ModelLoadError
-from promptcache.model_runtime.quantized_linear import GROUP_SIZE, Int4Blocks
+from promptcache.model_runtime.loading.quantized_linear import GROUP_SIZE, Int4Blocks
 
 # GGUF tensor -> HF module (llama.cpp's names for the Llama family; transformers maps them the same way)
 _MODULES = {
