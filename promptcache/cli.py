@@ -101,33 +101,24 @@ def _settings(args: argparse.Namespace):
     return ServerSettings(**_overrides(args))
 
 
+# Flags whose value is the setting of the same name; a subcommand without one leaves it unset.
+_VALUE_FLAGS = (
+    "model", "dtype", "device", "redis_url", "weights", "host", "port", "api_keys", "api_keys_file", "metrics_key",
+    "tenant_max_schemas", "tenant_max_schema_tokens", "tenant_rate_limit", "tenant_cache_share", "prefix_block_size",
+    "fidelity", "fidelity_positions", "fidelity_context", "max_prefill_tokens", "max_prefill_tokens_alone",
+    "min_prefill_tokens", "max_step_slowdown",
+)
+# Switches, by flag: the setting each sets and the value it sets when given.
+_SWITCHES = {"no_examples": ("preload_examples", False), "no_prefix_caching": ("prefix_caching", False),
+             "no_weight_packing": ("pack_weights", False), "no_layer_fusion": ("fuse_layers", False),
+             "second_encodings_at_upload": ("second_encodings_at_upload", True)}
+
+
 def _overrides(args: argparse.Namespace) -> dict:
     """The settings given as flags; they win over PROMPTCACHE_* environment variables."""
-    return {k: v for k, v in {
-        "model": args.model, "dtype": args.dtype, "device": args.device, "redis_url": args.redis_url,
-        "host": getattr(args, "host", None), "port": getattr(args, "port", None),
-        "api_keys": getattr(args, "api_keys", None),
-        "api_keys_file": getattr(args, "api_keys_file", None),
-        "metrics_key": getattr(args, "metrics_key", None),
-        "tenant_max_schemas": getattr(args, "tenant_max_schemas", None),
-        "tenant_max_schema_tokens": getattr(args, "tenant_max_schema_tokens", None),
-        "tenant_rate_limit": getattr(args, "tenant_rate_limit", None),
-        "tenant_cache_share": getattr(args, "tenant_cache_share", None),
-        "preload_examples": False if getattr(args, "no_examples", False) else None,
-        "prefix_caching": False if getattr(args, "no_prefix_caching", False) else None,
-        "pack_weights": False if args.no_weight_packing else None,
-        "fuse_layers": False if args.no_layer_fusion else None,
-        "weights": args.weights,
-        "prefix_block_size": getattr(args, "prefix_block_size", None),
-        "fidelity": getattr(args, "fidelity", None),
-        "fidelity_positions": getattr(args, "fidelity_positions", None),
-        "fidelity_context": getattr(args, "fidelity_context", None),
-        "second_encodings_at_upload": True if getattr(args, "second_encodings_at_upload", False) else None,
-        "max_prefill_tokens": getattr(args, "max_prefill_tokens", None),
-        "max_prefill_tokens_alone": getattr(args, "max_prefill_tokens_alone", None),
-        "min_prefill_tokens": getattr(args, "min_prefill_tokens", None),
-        "max_step_slowdown": getattr(args, "max_step_slowdown", None),
-    }.items() if v is not None}
+    given = {name: getattr(args, name, None) for name in _VALUE_FLAGS}
+    given.update({setting: value for flag, (setting, value) in _SWITCHES.items() if getattr(args, flag, False)})
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def _build_kernels(args: argparse.Namespace) -> int:

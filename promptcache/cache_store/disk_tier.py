@@ -22,7 +22,7 @@ from promptcache.cache_store.block import KVBlock
 from promptcache.cache_store.errors import CacheStoreError
 from promptcache.cache_store.redis_guard import logger
 from promptcache.cache_store.serialization import HEADER_BYTES, dumps, loads
-from promptcache.cache_store.tier import BlockKind, Tier, TierHit, TierUsage
+from promptcache.cache_store.tier import BlockKind, Eviction, Tier, TierHit, TierUsage
 from promptcache.cache_store.verified_heads import VerifiedHeads, fingerprint
 
 _SUFFIXES: dict[BlockKind, str] = {"module": ".kv", "prefix": ".pkv"}
@@ -53,10 +53,6 @@ class DiskTier(Tier):
         if not key.isalnum():
             raise CacheStoreError(f"disk tier keys must be alphanumeric, got {key!r}")
         return self.directory / f"{key}{_SUFFIXES[kind]}"
-
-    def get(self, key: str) -> KVBlock | None:
-        hit = self.lookup(key)
-        return None if hit is None else hit.block
 
     def lookup(self, key: str) -> TierHit | None:
         for kind in ("module", "prefix"):
@@ -96,7 +92,7 @@ class DiskTier(Tier):
         return TierHit(block, kind, ttl_s)
 
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
-            kind: BlockKind = "module", owner: str | None = None) -> list[tuple[str, KVBlock]]:
+            kind: BlockKind = "module", owner: str | None = None) -> list[Eviction]:
         # The disk tier is operator-local spill space: no per-owner shares (docs/security.md).
         blob = dumps(block, key)
         if ttl_s is not None:

@@ -71,10 +71,6 @@ class MemoryTier(Tier):
         self._prefix_bytes = 0
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> KVBlock | None:
-        hit = self.lookup(key)
-        return None if hit is None else hit.block
-
     def lookup(self, key: str) -> TierHit | None:
         with self._lock:
             entry = self._live(key)
@@ -103,7 +99,7 @@ class MemoryTier(Tier):
         return lrus
 
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
-            kind: BlockKind = "module", owner: str | None = None) -> list[tuple[str, KVBlock]]:
+            kind: BlockKind = "module", owner: str | None = None) -> list[Eviction]:
         block = block.to(self.device, pin_memory=self.pin_memory)
         nbytes = block.nbytes
         with self._lock:
@@ -117,7 +113,7 @@ class MemoryTier(Tier):
                 raise CapacityError(f"tier {self.name!r} holds {self._used - self._evictable_bytes} pinned or "
                                     f"referenced bytes; a {nbytes}-byte block does not fit in {self.max_bytes}")
             now = self._clock()
-            evicted: list[tuple[str, KVBlock]] = []
+            evicted: list[Eviction] = []
             limit = self._shares.limit(owner, self.max_bytes)
             # Within its share, an owner makes room from its own entries only (only an owner has a share).
             if limit is not None and owner is not None:
@@ -134,7 +130,7 @@ class MemoryTier(Tier):
             self._add(key, _Entry(block, nbytes, kind, pinned, expires, owner))
             return evicted
 
-    def _evict(self, victim: str, now: float, evicted: list[tuple[str, KVBlock]]) -> None:
+    def _evict(self, victim: str, now: float, evicted: list[Eviction]) -> None:
         entry = self._remove(victim)
         assert entry is not None
         if entry.expires_at is None or entry.expires_at > now:  # expired entries are not demoted
@@ -178,12 +174,6 @@ class MemoryTier(Tier):
     @property
     def used_bytes(self) -> int:
         return self._used
-
-    @property
-    def num_referenced(self) -> int:
-        """Entries held now whose refcount is positive."""
-        with self._lock:
-            return sum(1 for key in self._refs if key in self._entries)
 
     def keys(self) -> list[str]:
         with self._lock:

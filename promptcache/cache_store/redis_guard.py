@@ -25,7 +25,6 @@ class RedisGuard:
         self._down_until = 0.0
         self._last_warning = -1e9
         self._lock = threading.Lock()
-        self.num_failures = 0
 
     @property
     def is_down(self) -> bool:
@@ -39,7 +38,6 @@ class RedisGuard:
         except (redis.RedisError, OSError) as exc:
             now = time.monotonic()
             with self._lock:
-                self.num_failures += 1
                 self._down_until = now + self.retry_interval_s
                 if now - self._last_warning >= self.warn_interval_s:
                     self._last_warning = now

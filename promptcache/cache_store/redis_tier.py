@@ -32,7 +32,7 @@ from promptcache.cache_store.redis_guard import RedisGuard, logger
 from promptcache.cache_store.redis_scripts import DELETE, DROP_IF_UNCHANGED, MODULE_SCORE_OFFSET, PUT, TOUCH
 from promptcache.cache_store.serialization import dumps, loads
 from promptcache.cache_store.signing import BlobSigner
-from promptcache.cache_store.tier import BlockKind, OwnerShares, Tier, TierHit, TierUsage
+from promptcache.cache_store.tier import BlockKind, Eviction, OwnerShares, Tier, TierHit, TierUsage
 from promptcache.cache_store.verified_heads import HEAD_BYTES, VerifiedHeads, fingerprint
 
 
@@ -83,10 +83,6 @@ class RedisTier(Tier):
     def _blob_key(self, key: str) -> str:
         return f"{self.prefix}kv:{key}"
 
-    def get(self, key: str) -> KVBlock | None:
-        hit = self.lookup(key)
-        return None if hit is None else hit.block
-
     def lookup(self, key: str) -> TierHit | None:
         blob_key = self._blob_key(key)
 
@@ -135,7 +131,7 @@ class RedisTier(Tier):
                 self._owners, self._owner_bytes]
 
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
-            kind: BlockKind = "module", owner: str | None = None) -> list[tuple[str, KVBlock]]:
+            kind: BlockKind = "module", owner: str | None = None) -> list[Eviction]:
         blob = self.signer.seal(self._blob_key(key), dumps(block, key))
         limit = self.shares.limit(owner, self.max_bytes)
         if len(blob) > (self.max_bytes if limit is None else limit):

@@ -29,7 +29,7 @@ class StoredSchema:
 class SchemaRegistry:
     """Schema documents by name. In memory always; in Redis too when `redis_url` is given.
 
-    `save` raises SchemaExistsError for a taken name (unless overwrite) and RegistryUnavailableError
+    `save` raises SchemaExistsError for a taken name and RegistryUnavailableError
     when Redis cannot be written; `load`/`list` fall back to what this process knows, with a warning.
     `state` (one Redis round trip) lets replicas notice deletes and replacements made elsewhere. A delete
     leaves a tombstone for `tombstone_s`, so a follower can tell a schema someone deleted from one Redis
@@ -56,13 +56,12 @@ class SchemaRegistry:
             self._client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
             self._replace_if_unchanged = self._client.register_script(REPLACE_IF_UNCHANGED)
 
-    def save(self, name: str, pml_text: str, metadata: dict[str, Any] | None = None, *,
-             overwrite: bool = False) -> StoredSchema:
+    def save(self, name: str, pml_text: str, metadata: dict[str, Any] | None = None) -> StoredSchema:
         stored = StoredSchema(name, pml_text, dict(metadata or {}), time.time(), uuid.uuid4().hex)
         if self._client is not None:
             value = self._signer.seal(self._prefix + name, _encode(stored))
             try:
-                if not (self._client.set(self._prefix + name, value) if overwrite else self._claim(name, value)):
+                if not self._claim(name, value):
                     raise SchemaExistsError(f"schema {name!r} already exists")
                 pipe = self._client.pipeline(transaction=True)
                 pipe.hset(self._index, name, stored.version)
@@ -71,7 +70,7 @@ class SchemaRegistry:
             except redis.RedisError as exc:
                 raise RegistryUnavailableError(f"cannot save schema {name!r} to Redis: {exc}") from None
         with self._lock:
-            if not overwrite and name in self._local and self._client is None:
+            if name in self._local and self._client is None:
                 raise SchemaExistsError(f"schema {name!r} already exists")
             self._local[name] = stored
         return stored

@@ -172,15 +172,12 @@ class TieredStore:
             return tier.get(key)
         return None
 
-    def _demote(self, position: int, evicted: Iterable[tuple[str, KVBlock]]) -> None:
+    def _demote(self, position: int, evicted: Iterable[Eviction]) -> None:
         """Move what tier `position` evicted to the next tier: in-process ones now (under the lock), shared
         ones through the writer (or directly when already on the writer, evicting from a shared tier)."""
         counters, below = self._counters.per_tier[self.tiers[position].name], position + 1
         for victim in evicted:
-            key, block = victim
-            kind: BlockKind = victim.kind if isinstance(victim, Eviction) else "module"
-            ttl_s = victim.ttl_s if isinstance(victim, Eviction) else None
-            owner = victim.owner if isinstance(victim, Eviction) else None
+            key, block, kind, ttl_s, owner = victim.key, victim.block, victim.kind, victim.ttl_s, victim.owner
             with self._lock:
                 counters.evictions += 1
                 counters.demotions += below < len(self.tiers)

@@ -88,11 +88,17 @@ class Tier(ABC):
     is_shared: bool = False
 
     @abstractmethod
-    def get(self, key: str) -> KVBlock | None: ...
+    def lookup(self, key: str) -> TierHit | None:
+        """The entry under `key` with its kind, remaining TTL and owner (refreshes LRU); None if absent."""
+
+    def get(self, key: str) -> KVBlock | None:
+        """The block under `key` (refreshes LRU like `lookup`); None if absent."""
+        hit = self.lookup(key)
+        return None if hit is None else hit.block
 
     @abstractmethod
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
-            kind: BlockKind = "module", owner: str | None = None) -> list[tuple[str, KVBlock]]: ...
+            kind: BlockKind = "module", owner: str | None = None) -> list[Eviction]: ...
 
     @abstractmethod
     def contains(self, key: str) -> bool:
@@ -114,11 +120,6 @@ class Tier(ABC):
 
     @abstractmethod
     def keys(self) -> list[str]: ...
-
-    def lookup(self, key: str) -> TierHit | None:
-        """Like `get` (and refreshes LRU the same way), but also says the entry's kind and remaining TTL."""
-        block = self.get(key)
-        return None if block is None else TierHit(block)
 
     def touch(self, key: str) -> None:
         """Mark `key` as just used (LRU) without reading it. No-op by default."""

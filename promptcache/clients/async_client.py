@@ -9,7 +9,6 @@ from typing import Literal, overload
 import httpx
 
 from promptcache.clients.base import DEFAULT_BASE_URL, BaseClient, RequestSpec
-from promptcache.clients.errors import APIConnectionError, APITimeoutError
 from promptcache.clients.streaming import AsyncStream
 from promptcache.clients.types import Explanation, FidelityReport, Generation, GenerationChunk, SchemaInfo
 
@@ -123,13 +122,8 @@ class AsyncClient(BaseClient):
                                                headers=self.headers())
             try:
                 response = await self._http.send(request, stream=spec.stream)
-            except httpx.TimeoutException as exc:
-                if not self.should_retry(attempt, self.max_retries, method=spec.method, error=exc):
-                    raise APITimeoutError(f"{spec.method} {spec.path} timed out") from exc
-                await self._sleep(self.backoff_s(attempt))
-            except httpx.TransportError as exc:
-                if not self.should_retry(attempt, self.max_retries, method=spec.method, error=exc):
-                    raise APIConnectionError(f"{spec.method} {spec.path}: {exc}") from exc
+            except httpx.TransportError as exc:  # timeouts included
+                self.raise_unless_retried(attempt, spec, exc)
                 await self._sleep(self.backoff_s(attempt))
             else:
                 if response.status_code < 400:

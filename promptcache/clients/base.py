@@ -11,7 +11,7 @@ from urllib.parse import quote, urlencode
 import httpx
 from pydantic import BaseModel
 
-from promptcache.clients.errors import error_for
+from promptcache.clients.errors import APIConnectionError, APITimeoutError, error_for
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
@@ -69,6 +69,14 @@ class BaseClient:
                 return True  # nothing was sent
             return idempotent and isinstance(error, (httpx.TransportError, httpx.TimeoutException))
         return status in NOT_PROCESSED_STATUSES or (idempotent and status in MAYBE_PROCESSED_STATUSES)
+
+    def raise_unless_retried(self, attempt: int, spec: RequestSpec, error: httpx.TransportError) -> None:
+        """After `error` sending `spec`: return when it should be retried, else raise the SDK's error for it."""
+        if self.should_retry(attempt, self.max_retries, method=spec.method, error=error):
+            return
+        if isinstance(error, httpx.TimeoutException):
+            raise APITimeoutError(f"{spec.method} {spec.path} timed out") from error
+        raise APIConnectionError(f"{spec.method} {spec.path}: {error}") from error
 
     @staticmethod
     def backoff_s(attempt: int, retry_after: str | None = None, *, rng: random.Random | None = None) -> float:

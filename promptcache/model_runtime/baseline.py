@@ -23,11 +23,9 @@ def full_prefill_logits(model, token_ids: Sequence[int], position_ids: Sequence[
     input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)  # [1, n]
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)  # [1, n]
-    kwargs = {}
+    kwargs = {"attention_mask": attention_mask.to(device)}
     if position_ids is not None:
         kwargs["position_ids"] = torch.tensor([list(position_ids)], dtype=torch.long, device=device)  # [1, n]
-    if attention_mask is not None:
-        kwargs["attention_mask"] = attention_mask.to(device)
     return model(input_ids=input_ids, use_cache=False, **kwargs).logits[0].float()
 
 

@@ -170,16 +170,14 @@ class _SchemaBuilder:
                                               scope=scope, params=params))
         if not members:
             raise SchemaError("<union> is empty; expected at least one <module>", line=element.sourceline)
-        default = element.get("default")
-        if default is not None and default not in {m.name for m in members}:
-            raise SchemaError(f"<union default={default!r}> names no member; members are "
-                              f"{[m.name for m in members]}", line=element.sourceline)
-        scaffold = element.get("scaffold")
-        if scaffold is not None and scaffold not in {m.name for m in members}:
-            raise SchemaError(f"<union scaffold={scaffold!r}> names no member; members are "
-                              f"{[m.name for m in members]}", line=element.sourceline)
+        names = [m.name for m in members]
+        for attribute in ("default", "scaffold"):
+            value = element.get(attribute)
+            if value is not None and value not in names:
+                raise SchemaError(f"<union {attribute}={value!r}> names no member; members are {names}",
+                                  line=element.sourceline)
         end = max(m.end for m in members)
-        return Union(tuple(members), default, cursor, end, element.sourceline, scaffold)
+        return Union(tuple(members), element.get("default"), cursor, end, element.sourceline, element.get("scaffold"))
 
     def _param(self, element: etree._Element, *, module_path: str, cursor: int,
                scope: dict[str, Module], params: dict[str, Param]) -> Param:

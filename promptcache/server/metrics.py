@@ -72,22 +72,19 @@ class _Live:
 
 
 def engine_families(stats: RuntimeStats, model_name: str) -> Iterator:
-    running = GaugeMetricFamily("promptcache:num_requests_running", "Sequences in the running batch.",
-                                labels=["model_name"])
-    running.add_metric([model_name], stats.num_running)
-    waiting = GaugeMetricFamily("promptcache:num_requests_waiting", "Requests waiting for admission.",
-                                labels=["model_name"])
-    waiting.add_metric([model_name], stats.num_waiting)
-    kv = GaugeMetricFamily("promptcache:kv_cache_usage_bytes", "KV bytes held by the running batch.",
-                           labels=["model_name"])
-    kv.add_metric([model_name], stats.kv_used_bytes)
-    stored = CounterMetricFamily("promptcache:prefix_store_seconds", "Time spent storing automatic prefix blocks.",
-                                 labels=["model_name"])
-    stored.add_metric([model_name], stats.prefix_store_s)
-    encodings = CounterMetricFamily("promptcache:module_encodings", "Segments encoded (cache misses in every tier).",
-                                    labels=["model_name"])
-    encodings.add_metric([model_name], stats.num_encoded_segments)
-    yield from (running, waiting, kv, encodings, stored)
+    def family(kind: type[GaugeMetricFamily | CounterMetricFamily], name: str, documentation: str, value: float):
+        metric = kind(f"promptcache:{name}", documentation, labels=["model_name"])
+        metric.add_metric([model_name], value)
+        return metric
+
+    yield family(GaugeMetricFamily, "num_requests_running", "Sequences in the running batch.", stats.num_running)
+    yield family(GaugeMetricFamily, "num_requests_waiting", "Requests waiting for admission.", stats.num_waiting)
+    yield family(GaugeMetricFamily, "kv_cache_usage_bytes", "KV bytes held by the running batch.",
+                 stats.kv_used_bytes)
+    yield family(CounterMetricFamily, "module_encodings", "Segments encoded (cache misses in every tier).",
+                 stats.num_encoded_segments)
+    yield family(CounterMetricFamily, "prefix_store_seconds", "Time spent storing automatic prefix blocks.",
+                 stats.prefix_store_s)
 
 
 def store_families(store: TieredStore) -> Iterator:

@@ -341,12 +341,3 @@ class Explanation(BaseModel):
     prefix: PrefixReport | None = None
 
     model_config = ConfigDict(populate_by_name=True)
-
-
-class ErrorBody(BaseModel):
-    type: str
-    message: str
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody

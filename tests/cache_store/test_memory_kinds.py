@@ -75,7 +75,7 @@ def test_pinned_and_acquired_entries_survive_pressure_until_released():
     tier.put("pinned", blk(), kind="prefix", pinned=True)
     tier.put("m1", blk())
     assert evicted_keys(tier.put("m2", blk())) == ["m1"]  # the prefix entries are protected
-    assert tier.usage().num_referenced == 1 and tier.num_referenced == 1
+    assert tier.usage().num_referenced == 1
     tier.acquire("m2")
     with pytest.raises(CapacityError, match="pinned or referenced"):
         tier.put("m3", blk())
@@ -99,7 +99,7 @@ def test_refcounts_never_go_negative_and_survive_a_re_put():
     assert evicted_keys(tier.put("c", blk())) == ["b"]
     tier.release("a")
     assert evicted_keys(tier.put("d", blk())) == ["a"]
-    assert tier.num_referenced == 0
+    assert tier.usage().num_referenced == 0
 
 
 def test_a_re_put_keeps_module_kind_and_pin():
@@ -164,7 +164,7 @@ def test_store_acquire_release_protects_device_entries():
     assert not device.contains("p") and store.tier_of("p").name == "host"  # evicted first once released
     store.acquire(["p"])
     store.release(["p"])
-    assert host.num_referenced == 0
+    assert host.usage().num_referenced == 0
 
 
 def test_kinds_and_ttls_survive_demotion_and_promotion():

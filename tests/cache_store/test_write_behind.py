@@ -277,4 +277,4 @@ def test_concurrent_operations_with_a_shared_tier_do_not_deadlock(redis_server):
     assert store.flush(timeout_s=10)
     for tier in tiers:
         assert tier.used_bytes <= tier.max_bytes
-    assert all(tier.num_referenced == 0 for tier in tiers[:2])
+    assert all(tier.usage().num_referenced == 0 for tier in tiers[:2])
