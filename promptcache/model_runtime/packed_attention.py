@@ -21,6 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from promptcache.model_runtime.attention import OwnPool, SharedSegment, StepIndices, shared_module_attention
+from promptcache.model_runtime.attention.decode_batch import plan_decode_batch
 from promptcache.model_runtime.kv_pool import KVPool, OwnWrite
 
 ATTENTION_NAME = "promptcache_shared"
@@ -45,6 +46,9 @@ class BatchContext:
     # The pass's index tensors and own-KV writes, made on the host by the first layer, reused by the others.
     indices: StepIndices | None = field(default=None, repr=False)
     writes: list[OwnWrite] | None = field(default=None, repr=False)
+    # A decode step's attention for every layer (attention/decode_batch.py), planned at the first layer;
+    # False where the kernel does not take the step.
+    decode_batch: object = field(default=None, repr=False)
 
     def prepare(self, device: torch.device) -> StepIndices:
         """The pass's index tensors and own-KV writes (built at the first call)."""
@@ -99,6 +103,14 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
                                       **kwargs)
     layer = module.layer_idx
     indices = ctx.prepare(query.device)
+    if ctx.decode_batch is None:
+        own_lens = [s + n for s, n in zip(ctx.own_starts, ctx.query_lens)]
+        ctx.decode_batch = plan_decode_batch(query, ctx.query_lens, ctx.own_keys, ctx.own_values, own_lens,
+                                             ctx.segments, ctx.backend) or False
+    if ctx.decode_batch:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out, _ = ctx.decode_batch.attend(query[0].transpose(0, 1), layer, scale)  # [B, H, D]
+        return out.unsqueeze(0), None
     queries = query[0].transpose(0, 1)  # [1, H, total_q, D] -> [total_q, H, D]
     own_keys = [k[layer, :, : s + n] for k, s, n in zip(ctx.own_keys, ctx.own_starts, ctx.query_lens)]
     own_values = [v[layer, :, : s + n] for v, s, n in zip(ctx.own_values, ctx.own_starts, ctx.query_lens)]

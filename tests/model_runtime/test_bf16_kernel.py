@@ -21,6 +21,7 @@ from promptcache.model_runtime.attention import (
     shared_module_attention,
 )
 from promptcache.model_runtime.attention.backends import matmul_attend
+from promptcache.model_runtime.attention.decode_batch import plan_decode_batch
 from promptcache.model_runtime.engine import Engine, EngineConfig
 from tests.model_factories import make_test_tokenizer
 from tests.model_runtime.test_dtype import _first
@@ -51,6 +52,8 @@ SHAPES = [  # (heads, kv heads, rows M, keys N, head dim, causal)
     (9, 3, 100, 100, 64, True), (9, 3, 37, 200, 64, True), (2, 1, 130, 130, 64, True), (4, 4, 1, 1, 64, True),
     (4, 4, 77, 333, 64, False), (14, 2, 1, 65, 64, False), (3, 3, 96, 2048, 64, False), (7, 1, 33, 15, 64, False),
     (4, 2, 70, 129, 128, True), (2, 2, 5, 300, 128, False),
+    # decode-shaped (every row sees every key, G x M <= 32 rows per KV head): packed as read, split over keys
+    (9, 3, 1, 3001, 64, True), (8, 2, 4, 1000, 128, False), (6, 2, 10, 700, 64, False), (32, 1, 1, 64, 64, False),
 ]
 
 
@@ -139,11 +142,86 @@ def test_rows_before_a_segments_first_row_do_not_see_it(kernel):
         kernel(q, keys, values, 0.125, True, [0, 1])
 
 
+def test_batch_decode_attends_each_sequences_own_segments(kernel):
+    """`decode_bf16`: one query row per sequence, each over its own list of segments (strided views,
+    lengths not multiples of 64, one long enough to be split over the keys), against plain fp32 attention
+    per sequence and `flash_bf16` on that sequence alone (the key chunks differ: equal within rounding)."""
+    decode = bf16_kernel.decode_loaded()
+    for d in (64, 128):
+        g = torch.Generator().manual_seed(d + 7)
+        lengths = [[300, 1], [17], [2500, 33, 9], [64]]
+        buffer = torch.randn(2, 4000, d + 16, generator=g).bfloat16()
+        keys, values, start = [], [], 0
+        for parts in lengths:
+            keys.append([buffer[:, start: start + n, :d] for n in parts])
+            values.append([buffer[:, start: start + n, 16:] for n in parts])
+            start += sum(parts)
+        q = torch.randn(len(lengths), 6, d, generator=g).bfloat16()                      # [B, H, D]
+        out, lse = decode(q, keys, values, d ** -0.5)
+        assert out.shape == q.shape and lse.shape == (len(lengths), 6)
+        for b in range(len(lengths)):
+            alone = kernel(q[b].view(2, 3, d), keys[b], values[b], d ** -0.5, False)       # [H_kv, G, D]
+            assert (out[b].float() - alone[0].reshape(6, d).float()).abs().max().item() <= OUT_TOLERANCE
+            assert (lse[b] - alone[1].reshape(6)).abs().max().item() <= LSE_TOLERANCE
+            want_out, want_lse = oracle(q[b].unsqueeze(1), torch.cat(keys[b], 1), torch.cat(values[b], 1),
+                                        d ** -0.5, False)
+            assert (out[b].float() - want_out[:, 0]).abs().max().item() <= OUT_TOLERANCE
+            assert (lse[b] - want_lse[:, 0]).abs().max().item() <= LSE_TOLERANCE
+    with pytest.raises(RuntimeError, match="no keys"):
+        decode(q[:1], [[buffer[:, :0, :d]]], [[buffer[:, :0, :d]]], 0.1)
+    with pytest.raises(RuntimeError, match="one key and one value list per sequence"):
+        decode(q, keys[:1], values[:1], 0.1)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_decode_batch_matches_plain_attention_on_every_layer(kernel, d):
+    """A decode step planned once for all layers (`plan_decode_batch`): each sequence's own KV (capacity
+    past its length), a segment only one sequence sees, segments several share (two with the same
+    sequences), one hidden from a sequence by a row offset. Each layer against plain fp32 attention over
+    the keys that sequence sees, in order."""
+    g = torch.Generator().manual_seed(d)
+    layers, heads, kv_heads = 3, 6, 2
+    own_lens = [20, 1, 300, 7]
+
+    def kv(n):
+        return tuple(torch.randn(layers, kv_heads, n, d, generator=g).bfloat16() for _ in range(2))
+
+    own = [kv(n + 5) for n in own_lens]
+    segments = [(*kv(700), (0, 1, 2, 3), None), (*kv(1), (0, 1, 2, 3), None), (*kv(90), (2,), None),
+                (*kv(40), (1, 3), (0, 1))]                             # the last: hidden from sequence 3
+    query = torch.randn(1, heads, len(own_lens), d, generator=g).bfloat16()  # one layer's [1, H, B, D]
+    batch = plan_decode_batch(query, [1] * len(own_lens), [k for k, _ in own], [v for _, v in own], own_lens,
+                              segments, "auto")
+    assert plan_decode_batch(query, [1, 1, 2, 1], [k for k, _ in own], [v for _, v in own], own_lens, segments,
+                             "auto") is None                           # a prefilling sequence: not a decode step
+    for layer in range(layers):
+        q = torch.randn(len(own_lens), heads, d, generator=g).bfloat16()  # [B, H, D]
+        out, lse = batch.attend(q, layer, d ** -0.5)
+        for b, n in enumerate(own_lens):
+            seen = [(k[layer], v[layer]) for k, v, members, offsets in segments
+                    if b in members and not (offsets and offsets[members.index(b)] > 0)]
+            keys = torch.cat([k for k, _ in seen] + [own[b][0][layer, :, :n]], 1)
+            values = torch.cat([v for _, v in seen] + [own[b][1][layer, :, :n]], 1)
+            want_out, want_lse = oracle(q[b].unsqueeze(1), keys, values, d ** -0.5, False)
+            assert (out[b].float() - want_out[:, 0]).abs().max().item() <= OUT_TOLERANCE
+            assert (lse[b] - want_lse[:, 0]).abs().max().item() <= LSE_TOLERANCE
+    with pytest.raises(RuntimeError, match="layer 3 of 3"):
+        batch.attend(q, layers, 0.1)
+
+
 class Counting:
-    """Wraps the loaded kernel and counts calls by causality, and the KV segments they were given."""
+    """Wraps the loaded kernel and its batch-decode entry; counts calls by causality (`decode`: batch
+    decode calls) and the KV segments they were given."""
 
     def __init__(self, kernel):
-        self.kernel, self.calls, self.segments, self.hidden = kernel, {True: 0, False: 0}, 0, 0
+        self.kernel, self.calls, self.segments, self.hidden = kernel, {True: 0, False: 0, "decode": 0}, 0, 0
+        self.decode, self.decode_batch = bf16_kernel.decode_loaded(), bf16_kernel.decode_batch_type()
+
+    def install(self, monkeypatch):
+        monkeypatch.setitem(bf16_kernel._state, "kernel", self)
+        monkeypatch.setitem(bf16_kernel._state, "decode", self.count_decode)
+        monkeypatch.setitem(bf16_kernel._state, "decode_batch", self.count_decode_batch)
+        return self
 
     def __call__(self, q, k, v, scale, causal, first_rows=()):
         self.calls[causal] += 1
@@ -151,55 +229,69 @@ class Counting:
         self.hidden += sum(r > 0 for r in first_rows)  # segments hidden from the first rows
         return self.kernel(q, k, v, scale, causal, list(first_rows))
 
+    def count_decode(self, q, k, v, scale):
+        self.calls["decode"] += 1
+        self.segments += sum(len(parts) for parts in k)
+        return self.decode(q, k, v, scale)
+
+    def count_decode_batch(self, own_keys, own_values, own_lens, segment_keys, *args):
+        """A DecodeBatch whose per-layer calls count as `decode` calls over all of the step's KV."""
+        batch, counting = self.decode_batch(own_keys, own_values, own_lens, segment_keys, *args), self
+
+        class Counted:
+            def attend(self, q, layer, scale):
+                counting.calls["decode"] += 1
+                counting.segments += len(own_keys) + len(segment_keys)
+                return batch.attend(q, layer, scale)
+
+        return Counted()
+
 
 def test_shared_module_attention_runs_every_path_through_the_kernel(kernel, monkeypatch):
-    """Segments, causal prefill squares and in-place decode (own KV >= 128) at head dim 64, bf16."""
-    counting = Counting(kernel)
-    monkeypatch.setitem(bf16_kernel._state, "kernel", counting)
+    """Segments, causal prefill squares and decoding sequences (one batch call) at head dim 64, bf16."""
+    counting = Counting(kernel).install(monkeypatch)
     case = _make_case_d64(5, num_heads=6, num_kv_heads=2, query_lens=[1, 40, 1, 3],
                                   own_lens=[200, 40, 150, 9], segment_specs=[(300, [0, 1, 2, 3]), (70, [1, 3])],
                                   dtype=torch.bfloat16)
     got = shared_module_attention(*case).float()
     assert (got - reference(*case)).abs().max().item() <= OUT_TOLERANCE
-    # 2 prefills (own KV, causal); 2 segments seen by several sequences + 2 decodes with long own KV
-    assert counting.calls == {True: 2, False: 4}
+    # 2 prefills (own KV, causal); 2 segments seen by several sequences; both decodes in one batch call
+    assert counting.calls == {True: 2, False: 2, "decode": 1}
     fused = shared_module_attention(*case, backend="fused_cpu")  # the named backend is torch's op: no calls
-    assert counting.calls == {True: 2, False: 4}
+    assert counting.calls == {True: 2, False: 2, "decode": 1}
     assert (fused.float() - reference(*case)).abs().max().item() <= OUT_TOLERANCE
 
 
 def test_segments_of_one_sequence_join_its_own_call(kernel, monkeypatch):
     """Segments only one sequence sees are attended in that sequence's own call: a lone prefill over three
-    modules is ONE kernel call with four KV segments; in a batch, a decoding sequence with short own KV
-    but a module of its own gets one call too, and shared segments keep theirs. Both against the oracle."""
-    counting = Counting(kernel)
-    monkeypatch.setitem(bf16_kernel._state, "kernel", counting)
+    modules is ONE kernel call with four KV segments; in a batch, the decoding sequences (one with a module
+    of its own) share one batch-decode call, and the shared segment keeps its call. Both against the oracle."""
+    counting = Counting(kernel).install(monkeypatch)
     lone = _make_case_d64(11, num_heads=6, num_kv_heads=2, query_lens=[23], own_lens=[30],
                           segment_specs=[(100, [0]), (37, [0]), (250, [0])], dtype=torch.bfloat16)
     assert (shared_module_attention(*lone).float() - reference(*lone)).abs().max().item() <= OUT_TOLERANCE
-    assert counting.calls == {True: 1, False: 0} and counting.segments == 4
+    assert counting.calls == {True: 1, False: 0, "decode": 0} and counting.segments == 4
     batch = _make_case_d64(12, num_heads=6, num_kv_heads=2, query_lens=[1, 17, 1], own_lens=[20, 17, 30],
                            segment_specs=[(90, [0]), (60, [0, 1, 2]), (45, [1])], dtype=torch.bfloat16)
-    counting.calls, counting.segments = {True: 0, False: 0}, 0
+    counting.calls, counting.segments = {True: 0, False: 0, "decode": 0}, 0
     assert (shared_module_attention(*batch).float() - reference(*batch)).abs().max().item() <= OUT_TOLERANCE
-    # seq 1's prefill with its module (2 segments); seq 0's decode with its module (2); the shared one (1);
-    # seq 2 (short own KV, nothing of its own) in the padded batch call, not the kernel
-    assert counting.calls == {True: 1, False: 2} and counting.segments == 5
+    # seq 1's prefill with its module (2 segments); the shared one (1); seqs 0 and 2 decode in one call,
+    # seq 0 with its module (2 segments), seq 2 with its own KV only (1)
+    assert counting.calls == {True: 1, False: 1, "decode": 1} and counting.segments == 6
 
 
 def test_segments_positioned_after_some_new_tokens_join_the_call_too(kernel, monkeypatch):
     """A prefill that recomputes tokens among cached ones (`balanced`): segments with row offsets join the
     sequence's one call, hidden from the rows before them; one beyond the last row is dropped. Against the
     per-segment path (torch's op, bf16) and plain fp32 attention (matmul backend)."""
-    counting = Counting(kernel)
-    monkeypatch.setitem(bf16_kernel._state, "kernel", counting)
+    counting = Counting(kernel).install(monkeypatch)
     queries, lens, own_k, own_v, segments = _make_case_d64(
         13, num_heads=6, num_kv_heads=2, query_lens=[30], own_lens=[34],
         segment_specs=[(50, [0]), (40, [0]), (25, [0]), (33, [0])], dtype=torch.bfloat16)
     segments = [SharedSegment(s.keys, s.values, s.seq_indices, (offset,))
                 for s, offset in zip(segments, (0, 12, 29, 35))]
     got = shared_module_attention(queries, lens, own_k, own_v, segments).float()
-    assert counting.calls == {True: 1, False: 0} and counting.segments == 4 and counting.hidden == 2
+    assert counting.calls == {True: 1, False: 0, "decode": 0} and counting.segments == 4 and counting.hidden == 2
     per_segment = shared_module_attention(queries, lens, own_k, own_v, segments, backend="fused_cpu").float()
     plain = shared_module_attention(queries.float(), lens, [k.float() for k in own_k], [v.float() for v in own_v],
                                     [SharedSegment(s.keys.float(), s.values.float(), s.seq_indices, s.row_offsets)
@@ -249,15 +341,15 @@ def _runtime_d64() -> ModelRuntime:
 def test_engine_with_the_kernel_agrees_with_torchs_fused_op(kernel, monkeypatch):
     """The batched engine in bf16, `auto` (the kernel) vs `fused_cpu` (torch's op), same prompts reusing a
     module: first-token distributions agree within bf16 precision, and the kernel ran."""
-    counting = Counting(kernel)
-    monkeypatch.setitem(bf16_kernel._state, "kernel", counting)
+    counting = Counting(kernel).install(monkeypatch)
     runtime = _runtime_d64()
     doc = " ".join(f"The river {i} flows north through the valley of stone." for i in range(20))
     runtime.add_schema(runtime.parse_schema(f'<schema name="s"><module name="doc">{doc}</module></schema>'))
     prompts = ['<prompt schema="s"><doc/>Where does the river flow? Tell me in one word.</prompt>',
                '<prompt schema="s"><doc/>What is north of the valley?</prompt>']
-    probs = {}
+    probs, kernel_calls = {}, {}
     for backend in ("fused_cpu", "auto"):
+        calls_before, segments_before = sum(counting.calls.values()), counting.segments
         engine = Engine(runtime.module_encoder, EngineConfig(max_num_seqs=4, attention_backend=backend))
         params = SamplingParams(max_tokens=1, temperature=0, logprobs=20)
 
@@ -268,8 +360,10 @@ def test_engine_with_the_kernel_agrees_with_torchs_fused_op(kernel, monkeypatch)
             probs[backend] = asyncio.run(run())
         finally:
             engine.stop()
-    # new text causally, the module's KV in the same call or (seen by both prompts in one step) its own
-    assert counting.calls[True] >= 2 and counting.segments >= 4
+        kernel_calls[backend] = (sum(counting.calls.values()) - calls_before, counting.segments - segments_before)
+    # the kernel ran for `auto` only, each call over the module's KV and the prompt's own (one call or several)
+    calls, segments = kernel_calls["auto"]
+    assert kernel_calls["fused_cpu"] == (0, 0) and calls >= 2 and segments >= 2 * calls
     for want, got in zip(probs["fused_cpu"], probs["auto"]):
         shared = set(want) & set(got)
         assert len(shared) >= 15

@@ -4,10 +4,10 @@ PyTorch's fused CPU attention runs bf16 on bf16 tiles only with AMX; on AVX512-B
 (AMD Zen 4, Intel Cooper Lake) it computes at fp32 speed, which held `--dtype auto` to 1.4-1.9x over fp32
 on a 2K-token prefill. This kernel does QK^T and PV on `vdpbf16ps`: 2.6-2.8x faster than the
 fused op on a 2K-token causal prefill, 2x on decode rows over 8K shared keys (docs/benchmarks.md). It takes
-K and V as lists of segments (csrc/pack_bf16.cpp reads each where it lies), so a request's modules, its
+K and V as lists of segments (csrc/pack_bf16.h reads each where it lies), so a request's modules, its
 earlier tokens and its new ones are one call with one softmax instead of a call and a merge each.
 The same extension carries the decoder layers' fused element-wise ops (csrc/fused_bf16.cpp, `fused_ops()`,
-used by model_runtime/fused_layers.py): one build, one set of CPU requirements.
+used by model_runtime/loading/fused_layers.py): one build, one set of CPU requirements.
 
 `promptcache build-kernels` compiles it at install time (kernel_build.py); `prepare()` only loads that
 library, so the server never needs a compiler. It is called where a model is loaded or a runner built for
@@ -40,6 +40,10 @@ HEAD_DIMS = (64, 128)
 #   segment read where it lies; a causal mask is bottom-right aligned on the concatenation; query rows
 #   before a segment's entry of `first_rows` (default all 0) do not see it.
 Kernel = Callable[..., list[torch.Tensor]]
+# (q [B, H, D] one query row per decoding sequence, [[k segments] per sequence], [[v segments]], scale)
+#   -> [out [B, H, D], lse [B, H] fp32]: each sequence attends the concatenation of its own segments.
+DecodeKernel = Callable[[torch.Tensor, list[list[torch.Tensor]], list[list[torch.Tensor]], float],
+                        list[torch.Tensor]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +59,8 @@ class FusedOps:
     shift_keys: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-# "kernel" and "ops" once prepare() has run: each None if unavailable, and then "reason" says why.
+# "kernel", "decode", "decode_batch" and "ops" once prepare() has run: each None if unavailable, and then
+# "reason" says why.
 _state: dict[str, Any] = {}
 
 
@@ -70,6 +75,8 @@ def prepare() -> bool:
         missing = sorted(REQUIRED_FLAGS - cpu_flags())
         module = _load() if not missing else None
         _state["kernel"] = None if module is None else module.flash_bf16
+        _state["decode"] = None if module is None else module.decode_bf16
+        _state["decode_batch"] = None if module is None else module.DecodeBatch
         _state["ops"] = None if module is None else FusedOps(module.rms_norm, module.silu_mul, module.rope_qk,
                                                               module.shift_keys)
         if missing:
@@ -87,6 +94,19 @@ def unavailable_reason() -> str | None:
 def loaded() -> Kernel | None:
     """The kernel if `prepare()` loaded it in this process, else None (never builds)."""
     return _state.get("kernel")
+
+
+def decode_loaded() -> DecodeKernel | None:
+    """The batch decode entry (one call for every decoding sequence of a layer) if `prepare()` loaded the
+    kernel in this process, else None."""
+    return _state.get("decode")
+
+
+def decode_batch_type() -> Any:
+    """The kernel's `DecodeBatch` class if `prepare()` loaded it, else None: built once per decode step from
+    every layer's KV (`DecodeBatch(own_keys, own_values, own_lens, segment_keys, segment_values,
+    segment_members)`, tensors [L, H_kv, N, D]), `attend(q [B, H, D], layer, scale) -> [out, lse]` per layer."""
+    return _state.get("decode_batch")
 
 
 def fused_ops() -> FusedOps | None:

@@ -26,7 +26,8 @@ import torch
 
 NAME = "promptcache_bf16"
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("flash_bf16.cpp", "pack_bf16.cpp", "fused_bf16.cpp"))
+                for name in ("flash_bf16.cpp", "decode_bf16.cpp", "fused_bf16.cpp"))
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("pack_bf16.h", "attend_bf16.h"))
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 ARCHITECTURES = frozenset({"x86_64", "amd64"})  # the flags above are x86-64 instructions
@@ -53,7 +54,7 @@ def build_key() -> str:
                  sysconfig.get_config_var("EXT_SUFFIX") or sys.implementation.cache_tag, platform.machine(),
                  *CFLAGS, "|", *LDFLAGS):
         digest.update(part.encode() + b"\0")
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -81,15 +81,26 @@ def shared_module_attention(
                          + out.float() * torch.exp(lse - safe).unsqueeze(-1))
         acc_lse[rows] = new_lse
 
-    for segment in shared:
-        rows, num_rows = _rows(segment.seq_indices, segment.row_offsets, starts, indices)
+    for same_rows in _by_rows(shared, queries if kernel is not None else None):
+        first = same_rows[0]
+        rows, num_rows = _rows(first.seq_indices, first.row_offsets, starts, indices)
         if num_rows == 0:
             continue
         q = _fold(queries[rows], num_kv_heads, group)                    # [H_kv, M*G, D]
-        out, lse = choose(backend, q, segment.keys)(q, segment.keys, segment.values, scale)
+        if kernel is not None and len(same_rows) > 1:  # the kernel reads the segments where they lie: one softmax
+            out, lse = kernel(q, [s.keys for s in same_rows], [s.values for s in same_rows], scale, False)
+        else:
+            out, lse = choose(backend, q, first.keys)(q, first.keys, first.values, scale)
         merge(rows, *_unfold(out, lse, num_rows, num_kv_heads, group))
 
+    decoding = [i for i in private if query_lens[i] == 1]
+    if decoding:  # every decoding sequence's own KV and segments of its own: one kernel call for the batch
+        rows = indices.positions([starts[i] for i in decoding])
+        merge(rows, *_decode_together(queries[rows], [(private[i], own_keys[i], own_values[i]) for i in decoding],
+                                      scale))
     for i, segs in private.items():
+        if query_lens[i] == 1:
+            continue
         rows = slice(starts[i], starts[i + 1])
         merge(rows, *_attend_together(kernel, queries[rows], segs, own_keys[i], own_values[i], num_kv_heads, scale,
                                       with_lse=True))
@@ -127,9 +138,9 @@ def shared_module_attention(
 def _split(kernel, queries, query_lens, own_keys, own_values, segments, backend):
     """(private, shared): with the bf16 kernel, a sequence attends the segments only it sees (all of them
     for a lone request, each from its row offset on) and its own KV in ONE call, the segments read where
-    they lie: no per-segment calls, no merges. `private` maps each such sequence to its segments; a
-    decoding sequence with short own KV and no segment of its own stays in the padded batch call
-    (dispatch.py). `shared` holds every other non-empty segment, attended once per segment and merged."""
+    they lie: no per-segment calls, no merges; the decoding sequences among them share one call
+    (`_decode_together`). `private` maps each such sequence to its segments. `shared` holds every other
+    non-empty segment, attended once by all of its sequences' queries and merged."""
     joinable = {i for i in range(len(query_lens))
                 if kernel is not None and bf16_kernel.eligible(queries, own_keys[i], own_values[i]) is not None}
     private: dict[int, list[SharedSegment]] = {}
@@ -144,9 +155,35 @@ def _split(kernel, queries, query_lens, own_keys, own_values, segments, backend)
         else:
             shared.append(segment)
     for i in joinable:
-        if query_lens[i] > 1 or decode_in_place(backend, queries, own_keys[i].shape[1]):
-            private.setdefault(i, [])
+        private.setdefault(i, [])
     return private, shared
+
+
+def _by_rows(shared: Sequence[SharedSegment], queries: torch.Tensor | None) -> list[list[SharedSegment]]:
+    """Shared segments in groups seen by the same query rows (same sequences and row offsets): with the
+    kernel (`queries` given), segments it can read are grouped, a group is one call over their list;
+    otherwise one call each."""
+    if queries is None:
+        return [[segment] for segment in shared]
+    groups: dict[object, list[SharedSegment]] = {}
+    for segment in shared:
+        eligible = bf16_kernel.eligible(queries, segment.keys, segment.values) is not None
+        key = (segment.seq_indices, segment.row_offsets or (0,) * len(segment.seq_indices)) if eligible else id(segment)
+        groups.setdefault(key, []).append(segment)
+    return list(groups.values())
+
+
+def _decode_together(q: torch.Tensor, parts: Sequence[tuple[Sequence[SharedSegment], torch.Tensor, torch.Tensor]],
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, D]: one query row per decoding sequence; parts[b] = (its own segments, its own keys and
+    values [H_kv, S, D]). One batch-decode kernel call, each sequence over the concatenation of its
+    segments and own KV. Returns out [B, H, D] (q's dtype), lse [B, H]."""
+    decode = bf16_kernel.decode_loaded()
+    assert decode is not None  # private sequences exist only where the kernel is loaded
+    keys = [[*(s.keys for s in segments), k] for segments, k, _ in parts]
+    values = [[*(s.values for s in segments), v] for segments, _, v in parts]
+    out, lse = decode(q, keys, values, scale)
+    return out, lse
 
 
 def _attend_together(kernel, q: torch.Tensor, segments: Sequence[SharedSegment], keys: torch.Tensor,

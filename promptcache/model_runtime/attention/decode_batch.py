@@ -1,0 +1,43 @@
+"""A decode step's attention for every layer as one kernel object (bf16 kernel, `decode_bf16.cpp`).
+
+When every sequence of a step decodes one token, the layers differ only in which layer of each KV tensor
+they read. `plan_decode_batch` hands the kernel the step's KV once ([L, H_kv, N, D] tensors: each
+sequence's own KV, each module or prefix segment with the sequences that see it); each layer is then one
+`attend(q, layer, scale)` call that attends a sequence's own KV and its private segments together,
+every shared segment once for all its sequences' rows, and merges them in C++. The per-layer Python of
+`shared_module_attention` (slicing each sequence's KV, grouping, merges by torch ops) grew with the batch
+and cost more than the attention itself from 4 sequences up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from promptcache.model_runtime.attention import bf16_kernel
+
+Segment = tuple[torch.Tensor, torch.Tensor, tuple[int, ...], "tuple[int, ...] | None"]
+
+
+def plan_decode_batch(query: torch.Tensor, query_lens: Sequence[int], own_keys: Sequence[torch.Tensor],
+                      own_values: Sequence[torch.Tensor], own_lens: Sequence[int], segments: Sequence[Segment],
+                      backend: str) -> Any | None:
+    """The step's `DecodeBatch`, or None where the kernel does not take it: not the `auto` backend, no
+    kernel, not bf16 on a CPU with the kernel's head dims, or some sequence feeds more than one token.
+    `query` is one layer's [1, H, total_q, D]; own_keys[i] [L, H_kv, capacity, D] holds own_lens[i] keys;
+    segments are (keys, values [L, H_kv, n, D], sequences, row offsets or None)."""
+    decode_batch = bf16_kernel.decode_batch_type()
+    if (decode_batch is None or backend != "auto" or query.device.type != "cpu" or query.dtype != torch.bfloat16
+            or query.shape[-1] not in bf16_kernel.HEAD_DIMS or any(n != 1 for n in query_lens)):
+        return None
+    seg_keys, seg_values, seg_members = [], [], []
+    for keys, values, members, offsets in segments:
+        # A row offset of 1 or more hides the segment from a sequence whose one row is row 0.
+        seeing = [m for j, m in enumerate(members) if not offsets or offsets[j] == 0]
+        if seeing and keys.shape[2] > 0:
+            seg_keys.append(keys)
+            seg_values.append(values)
+            seg_members.append(seeing)
+    return decode_batch(list(own_keys), list(own_values), list(own_lens), seg_keys, seg_values, seg_members)
