@@ -21,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from promptcache.model_runtime.attention import OwnPool, SharedSegment, StepIndices, shared_module_attention
-from promptcache.model_runtime.attention.decode_batch import plan_decode_batch
+from promptcache.model_runtime.attention.decode_batch import StepDecode, plan_step_decode
 from promptcache.model_runtime.kv_pool import KVPool, OwnWrite
 
 ATTENTION_NAME = "promptcache_shared"
@@ -46,9 +46,11 @@ class BatchContext:
     # The pass's index tensors and own-KV writes, made on the host by the first layer, reused by the others.
     indices: StepIndices | None = field(default=None, repr=False)
     writes: list[OwnWrite] | None = field(default=None, repr=False)
-    # A decode step's attention for every layer (attention/decode_batch.py), planned at the first layer;
-    # False where the kernel does not take the step.
-    decode_batch: object = field(default=None, repr=False)
+    # The step's decoding sequences as one kernel call per layer (attention/decode_batch.py), planned at
+    # the first layer; False where the kernel does not take them.
+    decode: StepDecode | bool | None = field(default=None, repr=False)
+    # A step that also prefills: the prefilling sequences' own index tensors (their rows renumbered).
+    others_indices: StepIndices | None = field(default=None, repr=False)
 
     def prepare(self, device: torch.device) -> StepIndices:
         """The pass's index tensors and own-KV writes (built at the first call)."""
@@ -103,25 +105,54 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
                                       **kwargs)
     layer = module.layer_idx
     indices = ctx.prepare(query.device)
-    if ctx.decode_batch is None:
+    if ctx.decode is None:
         own_lens = [s + n for s, n in zip(ctx.own_starts, ctx.query_lens)]
-        ctx.decode_batch = plan_decode_batch(query, ctx.query_lens, ctx.own_keys, ctx.own_values, own_lens,
-                                             ctx.segments, ctx.backend) or False
-    if ctx.decode_batch:
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out, _ = ctx.decode_batch.attend(query[0].transpose(0, 1), layer, scale)  # [B, H, D]
-        return out.unsqueeze(0), None
+        ctx.decode = plan_step_decode(query, ctx.query_lens, ctx.own_keys, ctx.own_values, own_lens, ctx.segments,
+                                      ctx.backend) or False
     queries = query[0].transpose(0, 1)  # [1, H, total_q, D] -> [total_q, H, D]
-    own_keys = [k[layer, :, : s + n] for k, s, n in zip(ctx.own_keys, ctx.own_starts, ctx.query_lens)]
-    own_values = [v[layer, :, : s + n] for v, s, n in zip(ctx.own_values, ctx.own_starts, ctx.query_lens)]
-    segments = [SharedSegment(keys=k[layer], values=v[layer], seq_indices=seqs, row_offsets=offsets)
-                for k, v, seqs, offsets in ctx.segments]
+    if not isinstance(ctx.decode, StepDecode):
+        out = _attend(ctx, queries, layer, None, indices, scaling)
+        return out.unsqueeze(0), None  # [1, total_q, H, D]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if ctx.decode.rows is None:  # every sequence decodes
+        return ctx.decode.batch.attend(queries, layer, scale)[0].unsqueeze(0), None
+    # Decoding sequences through the kernel, the prefilling ones through the general path, each by its rows.
+    if ctx.others_indices is None:
+        ctx.others_indices = StepIndices(query.device)
+    out = torch.empty_like(queries)
+    rows = ctx.decode.rows
+    out.index_copy_(0, rows, ctx.decode.batch.attend(queries.index_select(0, rows), layer, scale)[0])
+    starts = [sum(ctx.query_lens[:i]) for i in range(len(ctx.query_lens))]
+    others = indices.rows([(starts[i], starts[i] + ctx.query_lens[i]) for i in ctx.decode.others])
+    out.index_copy_(0, others, _attend(ctx, queries.index_select(0, others), layer, ctx.decode.others,
+                                       ctx.others_indices, scaling))
+    return out.unsqueeze(0), None
+
+
+def _attend(ctx: BatchContext, queries: torch.Tensor, layer: int, seqs: tuple[int, ...] | None,
+            indices: StepIndices, scaling: float | None) -> torch.Tensor:
+    """The general path (`shared_module_attention`) for sequences `seqs` of the step (all: None), whose
+    query rows `queries` [T, H, D] holds in order; segments keep the members among them, renumbered."""
+    picked = range(len(ctx.query_lens)) if seqs is None else seqs
+    own_keys = [ctx.own_keys[i][layer, :, : ctx.own_starts[i] + ctx.query_lens[i]] for i in picked]
+    own_values = [ctx.own_values[i][layer, :, : ctx.own_starts[i] + ctx.query_lens[i]] for i in picked]
+    if seqs is None:
+        segments = [SharedSegment(keys=k[layer], values=v[layer], seq_indices=members, row_offsets=offsets)
+                    for k, v, members, offsets in ctx.segments]
+    else:
+        number = {seq: j for j, seq in enumerate(seqs)}
+        segments = []
+        for k, v, members, offsets in ctx.segments:
+            kept = [j for j, m in enumerate(members) if m in number]
+            if kept:
+                segments.append(SharedSegment(
+                    keys=k[layer], values=v[layer], seq_indices=tuple(number[members[j]] for j in kept),
+                    row_offsets=None if offsets is None else tuple(offsets[j] for j in kept)))
     pool = None
-    if ctx.pool is not None and ctx.own_slots is not None:
+    if seqs is None and ctx.pool is not None and ctx.own_slots is not None:
         pool = OwnPool(ctx.pool.keys[layer], ctx.pool.values[layer], tuple(ctx.own_slots))  # [H_kv, slots, D] x2
-    out = shared_module_attention(queries, ctx.query_lens, own_keys, own_values, segments, scale=scaling,
-                                  backend=ctx.backend, indices=indices, own_pool=pool)
-    return out.unsqueeze(0), None  # [1, total_q, H, D]
+    return shared_module_attention(queries, [ctx.query_lens[i] for i in picked], own_keys, own_values, segments,
+                                   scale=scaling, backend=ctx.backend, indices=indices, own_pool=pool)
 
 
 def _own_writes(ctx: BatchContext, indices: StepIndices) -> list[OwnWrite]:

@@ -6,13 +6,14 @@ Skipped on CPUs without the instructions; on a CPU that has them and a C++ compi
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from promptcache.cache_store import StoreConfig, build_store
-from promptcache.model_runtime import ModelRuntime, SamplingParams, wrap_model
+from promptcache.model_runtime import ModelRuntime, SamplingParams, packed_attention, wrap_model
 from promptcache.model_runtime.attention import (
     SharedSegment,
     backends,
@@ -21,7 +22,7 @@ from promptcache.model_runtime.attention import (
     shared_module_attention,
 )
 from promptcache.model_runtime.attention.backends import matmul_attend
-from promptcache.model_runtime.attention.decode_batch import plan_decode_batch
+from promptcache.model_runtime.attention.decode_batch import StepDecode, plan_decode_batch
 from promptcache.model_runtime.engine import Engine, EngineConfig
 from tests.model_factories import make_test_tokenizer
 from tests.model_runtime.test_dtype import _first
@@ -207,6 +208,35 @@ def test_decode_batch_matches_plain_attention_on_every_layer(kernel, d):
             assert (lse[b] - want_lse[:, 0]).abs().max().item() <= LSE_TOLERANCE
     with pytest.raises(RuntimeError, match="layer 3 of 3"):
         batch.attend(q, layers, 0.1)
+
+
+@pytest.mark.parametrize("query_lens", [[1, 5, 1, 1], [1, 1, 1], [3, 1, 1]])
+def test_packed_step_splits_decoding_sequences_off_to_the_batch_call(kernel, query_lens):
+    """The model's attention function in a packed step: the decoding sequences through one DecodeBatch (all
+    of them, or split off beside prefilling ones), the rest through the general path; every row against the
+    general path alone (torch's fused op: `fused_cpu`)."""
+    g = torch.Generator().manual_seed(sum(query_lens))
+    layers, heads, kv_heads, d = 2, 6, 2, 64
+    starts = [30, 200, 12, 64][: len(query_lens)]
+    own = [tuple(torch.randn(layers, kv_heads, s + n + 3, d, generator=g).bfloat16() for _ in range(2))
+           for s, n in zip(starts, query_lens)]
+    segments = [(*(torch.randn(layers, kv_heads, n, d, generator=g).bfloat16() for _ in range(2)), members, offsets)
+                for n, members, offsets in ((300, tuple(range(len(query_lens))), None), (50, (0,), None),
+                                            (40, (0, 1), (0, 2)))]
+    query = torch.randn(1, heads, sum(query_lens), d, generator=g).bfloat16()
+    outs = {}
+    for backend in ("auto", "fused_cpu"):
+        context = packed_attention.BatchContext(list(query_lens), [k for k, _ in own], [v for _, v in own],
+                                                list(starts), list(segments), backend=backend)
+        with packed_attention.active_batch(context):
+            outs[backend] = [packed_attention._attention_forward(SimpleNamespace(layer_idx=layer), query, None, None,
+                                                                 None, scaling=0.125)[0] for layer in range(layers)]
+        if backend == "auto":
+            assert isinstance(context.decode, StepDecode)
+            assert (context.decode.rows is None) == all(n == 1 for n in query_lens)
+    for got, want in zip(outs["auto"], outs["fused_cpu"]):
+        assert got.shape == (1, sum(query_lens), heads, d)
+        assert (got.float() - want.float()).abs().max().item() <= OUT_TOLERANCE
 
 
 class Counting:

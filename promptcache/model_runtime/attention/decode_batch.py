@@ -1,17 +1,19 @@
 """A decode step's attention for every layer as one kernel object (bf16 kernel, `decode_bf16.cpp`).
 
-When every sequence of a step decodes one token, the layers differ only in which layer of each KV tensor
-they read. `plan_decode_batch` hands the kernel the step's KV once ([L, H_kv, N, D] tensors: each
+When sequences of a step decode one token, the layers differ only in which layer of each KV tensor they
+read. `plan_decode_batch` hands the kernel the step's KV once ([L, H_kv, N, D] tensors: each
 sequence's own KV, each module or prefix segment with the sequences that see it); each layer is then one
 `attend(q, layer, scale)` call that attends a sequence's own KV and its private segments together,
 every shared segment once for all its sequences' rows, and merges them in C++. The per-layer Python of
 `shared_module_attention` (slicing each sequence's KV, grouping, merges by torch ops) grew with the batch
-and cost more than the attention itself from 4 sequences up.
+and cost more than the attention itself from 4 sequences up. In a step that also prefills, the decoding
+sequences take this path and the prefilling ones the general one (`StepDecode.others`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +21,49 @@ import torch
 from promptcache.model_runtime.attention import bf16_kernel
 
 Segment = tuple[torch.Tensor, torch.Tensor, tuple[int, ...], "tuple[int, ...] | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepDecode:
+    """A step's decoding sequences planned as one `DecodeBatch`. `rows`: their query rows in the packed
+    step (None when every sequence decodes); `others`: the sequences the general path attends."""
+
+    batch: Any
+    rows: torch.Tensor | None
+    others: tuple[int, ...]
+
+
+# A step that also prefills splits off its decoding sequences from this many on (below, the general path's
+# one batch call for them costs less than the split's gathers and a second planning).
+MIN_SPLIT_DECODES = 2
+
+
+def plan_step_decode(query: torch.Tensor, query_lens: Sequence[int], own_keys: Sequence[torch.Tensor],
+                     own_values: Sequence[torch.Tensor], own_lens: Sequence[int], segments: Sequence[Segment],
+                     backend: str) -> StepDecode | None:
+    """`plan_decode_batch` for the step's decoding sequences (arguments as there, for every sequence),
+    or None where the kernel does not take them or too few decode beside a prefill."""
+    decoding = [i for i, n in enumerate(query_lens) if n == 1]
+    if len(decoding) == len(query_lens):
+        batch = plan_decode_batch(query, query_lens, own_keys, own_values, own_lens, segments, backend)
+        return None if batch is None else StepDecode(batch, None, ())
+    if len(decoding) < MIN_SPLIT_DECODES:
+        return None
+    index = {seq: j for j, seq in enumerate(decoding)}
+    kept = []
+    for keys, values, members, offsets in segments:
+        seen = [(index[m], offsets[j] if offsets else 0) for j, m in enumerate(members) if m in index]
+        if seen:
+            kept.append((keys, values, tuple(m for m, _ in seen), tuple(o for _, o in seen)))
+    batch = plan_decode_batch(query, [1] * len(decoding), [own_keys[i] for i in decoding],
+                              [own_values[i] for i in decoding], [own_lens[i] for i in decoding], kept, backend)
+    if batch is None:
+        return None
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    rows = torch.tensor([starts[i] for i in decoding], dtype=torch.long, device=query.device)
+    return StepDecode(batch, rows, tuple(i for i, n in enumerate(query_lens) if n != 1))
 
 
 def plan_decode_batch(query: torch.Tensor, query_lens: Sequence[int], own_keys: Sequence[torch.Tensor],
