@@ -1,7 +1,9 @@
-"""Freed heap memory goes back to the OS (glibc): the server's periodic trim really releases it."""
+"""Memory housekeeping: freed heap memory goes back to the OS (glibc), and what lives as long as the
+process is kept out of the garbage collector's full collections."""
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -38,3 +40,24 @@ def test_trimming_returns_memory_freed_in_small_blocks():
     assert rss["grown"] > 48e6, rss  # the allocation was real
     assert rss["kept"] > 32e6, rss  # freed, yet still resident: what the server saw
     assert rss["trimmed"] < 16e6, rss  # given back
+
+
+def test_startup_freezes_what_lives_for_the_process(live_server):
+    """Once the model is loaded and the engine started, everything alive then (model, tokenizer, libraries)
+    is in the collector's permanent generation: a full collection mid-stream would otherwise walk it all
+    while holding the GIL. Objects made afterwards are still collected."""
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    live_server()
+    frozen = gc.get_freeze_count()
+    assert frozen > 10_000  # the model's modules and tensors, the tokenizer, FastAPI, torch
+    collected = []
+    gc.callbacks.append(lambda phase, info: collected.append(info["collected"]) if phase == "stop" else None)
+    try:
+        cycle: list = []
+        cycle.append(cycle)
+        del cycle  # made after startup: a full collection still finds it
+        gc.collect()
+    finally:
+        gc.callbacks.pop()
+    assert collected and collected[-1] >= 1 and gc.get_freeze_count() <= frozen
