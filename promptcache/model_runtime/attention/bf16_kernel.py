@@ -59,7 +59,17 @@ class FusedOps:
     shift_keys: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-# "kernel", "decode", "decode_batch" and "ops" once prepare() has run: each None if unavailable, and then
+@dataclass(frozen=True, slots=True)
+class Int4Ops:
+    """The weight-only int4 product for few rows built with the kernel (csrc/int4_bf16.cpp):
+    `pack(values uint8 [out, in], scales fp32 [out, in / 32], minimums fp32 [out, in / 32]) -> packed`
+    (three tensors, out % 16 == 0, in % 32 == 0) and `mm(x bf16 [rows, in], *packed) -> y bf16 [rows, out]`."""
+
+    pack: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], list[torch.Tensor]]
+    mm: Callable[..., torch.Tensor]
+
+
+# "kernel", "decode", "decode_batch", "ops" and "int4" once prepare() has run: each None if unavailable, and then
 # "reason" says why.
 _state: dict[str, Any] = {}
 
@@ -79,6 +89,7 @@ def prepare() -> bool:
         _state["decode_batch"] = None if module is None else module.DecodeBatch
         _state["ops"] = None if module is None else FusedOps(module.rms_norm, module.silu_mul, module.rope_qk,
                                                               module.shift_keys)
+        _state["int4"] = None if module is None else Int4Ops(module.int4_pack, module.int4_mm)
         if missing:
             _state["reason"] = f"the CPU lacks {', '.join(missing)}"
             log.info("bf16 attention kernel not used: %s", _state["reason"])
@@ -112,6 +123,11 @@ def decode_batch_type() -> Any:
 def fused_ops() -> FusedOps | None:
     """The fused element-wise ops if `prepare()` loaded the kernel in this process, else None."""
     return _state.get("ops")
+
+
+def int4_ops() -> Int4Ops | None:
+    """The int4 product for few rows if `prepare()` loaded the kernel in this process, else None."""
+    return _state.get("int4")
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> Kernel | None:

@@ -100,6 +100,8 @@ std::vector<torch::Tensor> flash_bf16(torch::Tensor q, std::vector<torch::Tensor
 
 // decode_bf16.cpp, built into the same extension: decode_bf16 and DecodeBatch
 void bind_decode(pybind11::module_& m);
+// int4_bf16.cpp, built into the same extension
+void bind_int4(pybind11::module_& m);
 
 // fused_bf16.cpp, built into the same extension
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -113,6 +115,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("scale"), pybind11::arg("causal"),
         pybind11::arg("first_rows") = std::vector<int64_t>{});
   bind_decode(m);
+  bind_int4(m);
   m.def("rms_norm", &rms_norm, "(x [N, H], weight [H], eps) -> LlamaRMSNorm in bf16");
   m.def("silu_mul", &silu_mul, "(gate_up [N, 2I]) -> silu(gate) * up in bf16");
   m.def("shift_keys", &shift_keys, "(out [B, n, D], keys [B, n, D], cos [n, R/2], sin [n, R/2]): KeyShifter in bf16");

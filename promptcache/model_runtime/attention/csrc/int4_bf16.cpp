@@ -1,0 +1,178 @@
+// Weight-only int4 matrix product for few rows (decode) on AVX512-BF16: y = x @ W^T with bf16 activations
+// and W held as Q4_1 groups (w = scale * q + minimum per 32 inputs, q in 0..15).
+//
+// Why: PyTorch's CPU int4 kernel is compute bound at decode's few rows, not bound by reading the weights.
+// Here each nibble becomes the bf16 value 128 + q with two
+// integer ops (0x4300 | q: every integer 128..255 is exact in bf16), so the group's dot product runs on
+// vdpbf16ps with fp32 accumulation, and the 128 comes back out in the per-group fp32 epilogue:
+//   y[n] = sum_g scale[n, g] * dot_g(x, 128 + q[n]) + (minimum[n, g] - 128 scale[n, g]) * sum_g(x).
+// Each weight load serves up to 8 rows held in registers.
+//
+// Packed layout (int4_pack), per block of 16 output channels and per 8 inputs (k = 8t..8t+7), 64 bytes:
+// 16-bit word 2j + e holds channel j's q[8t + 2n + e] in its nibble n (bits 4n..4n+3). A shift and one
+// vpternlogd per n give, in dword j, the bf16 pair for inputs (8t + 2n, 8t + 2n + 1): what vdpbf16ps
+// multiplies by a broadcast x pair. No conversion or shuffle: 7 integer ops expand 128 weights.
+#include <immintrin.h>
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;      // inputs per scale and minimum
+constexpr int64_t kBlock = 16;      // output channels per block: fp32 lanes of a zmm register
+constexpr int64_t kOctetBytes = 64;  // one block's 16 x 8 nibbles
+constexpr int64_t kGroupBytes = kOctetBytes * kGroup / 8;
+constexpr float kOffset = 128.0f;   // the expanded nibble is 128 + q
+constexpr int kMaxRows = 8;         // rows per pass, in registers
+
+inline __m512i x_pair(const at::BFloat16* x) {  // x[0], x[1] as one dword, broadcast to all lanes
+  int32_t pair;
+  std::memcpy(&pair, x, sizeof(pair));  // bf16 pairs need not be 4-byte aligned
+  return _mm512_set1_epi32(pair);
+}
+
+// One pass over `blocks` adjacent blocks of 16 output channels (first at `block`) for ROWS rows.
+template <int ROWS, int BLOCKS>
+void int4_pass(const at::BFloat16* x, int64_t x_stride, const float* row_sums, int64_t groups,
+               const uint8_t* packed, const float* scales, const float* minimums, int64_t block,
+               at::BFloat16* y, int64_t y_stride) {
+  const __m512i low_mask = _mm512_set1_epi16(0x000F);
+  const __m512i exponent = _mm512_set1_epi16(0x4300);  // bf16 128.0
+  __m512 total[ROWS][BLOCKS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int b = 0; b < BLOCKS; ++b) total[r][b] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[ROWS][BLOCKS];
+    for (int r = 0; r < ROWS; ++r)
+      for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < kGroup / 8; ++t) {
+      const int64_t k = g * kGroup + 8 * t;
+      __m512i words[BLOCKS];
+      for (int b = 0; b < BLOCKS; ++b)
+        words[b] = _mm512_loadu_si512(packed + ((block + b) * groups + g) * kGroupBytes + t * kOctetBytes);
+      for (int n = 0; n < 4; ++n) {
+        __m512i pairs[BLOCKS];
+        for (int b = 0; b < BLOCKS; ++b)  // ((words >> 4n) & 0xF) | 0x4300: the bf16 values 128 + q
+          pairs[b] = _mm512_ternarylogic_epi32(n == 0 ? words[b] : _mm512_srli_epi16(words[b], 4 * n), low_mask,
+                                               exponent, 0xEA);  // (a & b) | c
+        for (int r = 0; r < ROWS; ++r) {
+          const __m512i xs = x_pair(x + r * x_stride + k + 2 * n);
+          for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xs, (__m512bh)pairs[b]);
+        }
+      }
+    }
+    for (int b = 0; b < BLOCKS; ++b) {
+      const int64_t at = ((block + b) * groups + g) * kBlock;
+      const __m512 scale = _mm512_loadu_ps(scales + at), minimum = _mm512_loadu_ps(minimums + at);
+      for (int r = 0; r < ROWS; ++r) {
+        total[r][b] = _mm512_fmadd_ps(acc[r][b], scale, total[r][b]);
+        total[r][b] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(row_sums[r * groups + g]), total[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int b = 0; b < BLOCKS; ++b)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * y_stride + (block + b) * kBlock),
+                          (__m256i)_mm512_cvtneps_pbh(total[r][b]));
+}
+
+// Blocks per pass: enough independent accumulator chains to hide vdpbf16ps latency, few enough that
+// accumulators and totals (2 * ROWS * BLOCKS zmm) stay in registers.
+template <int ROWS>
+constexpr int blocks_per_pass() { return ROWS <= 2 ? 4 : (ROWS <= 4 ? 2 : 1); }
+
+template <int ROWS>
+void int4_rows(const at::BFloat16* x, int64_t x_stride, const float* row_sums, int64_t groups,
+               const uint8_t* packed, const float* scales, const float* minimums, int64_t num_blocks,
+               at::BFloat16* y, int64_t y_stride) {
+  constexpr int kPass = blocks_per_pass<ROWS>();
+  const int64_t passes = (num_blocks + kPass - 1) / kPass;
+  at::parallel_for(0, passes, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pass = begin; pass < end; ++pass) {
+      const int64_t block = pass * kPass;
+      if (block + kPass <= num_blocks) {
+        int4_pass<ROWS, kPass>(x, x_stride, row_sums, groups, packed, scales, minimums, block, y, y_stride);
+      } else {
+        for (int64_t b = block; b < num_blocks; ++b)
+          int4_pass<ROWS, 1>(x, x_stride, row_sums, groups, packed, scales, minimums, b, y, y_stride);
+      }
+    }
+  });
+}
+
+using RowsFn = void (*)(const at::BFloat16*, int64_t, const float*, int64_t, const uint8_t*, const float*,
+                        const float*, int64_t, at::BFloat16*, int64_t);
+constexpr RowsFn kRowsFns[kMaxRows] = {int4_rows<1>, int4_rows<2>, int4_rows<3>, int4_rows<4>,
+                                       int4_rows<5>, int4_rows<6>, int4_rows<7>, int4_rows<8>};
+
+// (values uint8 [out, in] 0..15, scales fp32 [out, in / 32], minimums fp32 [out, in / 32])
+//   -> [packed uint8 [out / 16, in / 8, 64], scales [out / 16, in / 32, 16], minimums - 128 scales (same)]
+std::vector<torch::Tensor> int4_pack(torch::Tensor values, torch::Tensor scales, torch::Tensor minimums) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == torch::kUInt8, "values: uint8 [out, in]");
+  const int64_t out = values.size(0), in = values.size(1);
+  TORCH_CHECK(out % kBlock == 0 && in % kGroup == 0, "int4_pack needs out % 16 == 0 and in % 32 == 0");
+  const int64_t groups = in / kGroup, blocks = out / kBlock;
+  TORCH_CHECK(scales.sizes() == minimums.sizes() && scales.size(0) == out && scales.size(1) == groups,
+              "scales and minimums: [out, in / 32]");
+  auto q = values.contiguous();
+  auto s = scales.to(torch::kFloat32).contiguous(), m = minimums.to(torch::kFloat32).contiguous();
+  auto packed = torch::empty({blocks, in / 8, kOctetBytes}, torch::kUInt8);
+  const uint8_t* src = q.data_ptr<uint8_t>();
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<uint8_t>());
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t t = 0; t < in / 8; ++t)
+      for (int64_t j = 0; j < kBlock; ++j)
+        for (int64_t e = 0; e < 2; ++e) {
+          const uint8_t* row = src + (b * kBlock + j) * in + 8 * t + e;
+          uint16_t word = 0;
+          for (int n = 0; n < 4; ++n) word |= static_cast<uint16_t>((row[2 * n] & 0x0F) << (4 * n));
+          dst[(b * (in / 8) + t) * (kOctetBytes / 2) + 2 * j + e] = word;
+        }
+  // [out, G] -> [out / 16, G, 16]: one zmm of scales per block and group
+  auto block_major = [&](const torch::Tensor& t) {
+    return t.view({blocks, kBlock, groups}).transpose(1, 2).contiguous();
+  };
+  auto packed_scales = block_major(s);
+  auto packed_minimums = block_major(m - kOffset * s);
+  return {packed, packed_scales, packed_minimums};
+}
+
+// (x bf16 [rows, in], the three tensors of int4_pack) -> y bf16 [rows, out]
+torch::Tensor int4_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor minimums) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x: bf16 [rows, in]");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+              packed.size(2) == kOctetBytes, "packed: int4_pack's uint8 [out / 16, in / 8, 64]");
+  const int64_t rows = x.size(0), in = x.size(1), blocks = packed.size(0), groups = in / kGroup;
+  TORCH_CHECK(in % kGroup == 0 && packed.size(1) * 8 == in, "x's inputs do not match the packed weight");
+  for (const auto& t : {scales, minimums})
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.size(0) == blocks &&
+                t.size(1) == groups && t.size(2) == kBlock,
+                "scales / minimums: int4_pack's fp32 [out / 16, in / 32, 16]");
+  if (x.stride(1) != 1) x = x.contiguous();
+  auto y = torch::empty({rows, blocks * kBlock}, x.options());
+  if (rows == 0) return y;
+  // Per row and group, the sum of x (fp32 over the bf16 values): the minimums' term.
+  auto row_sums = x.view({rows, groups, kGroup}).sum(-1, false, torch::kFloat32).contiguous();
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const auto* sums = row_sums.data_ptr<float>();
+  for (int64_t row = 0; row < rows; row += kMaxRows) {
+    const int64_t n = std::min<int64_t>(kMaxRows, rows - row);
+    kRowsFns[n - 1](xp + row * x.stride(0), x.stride(0), sums + row * groups, groups, packed.data_ptr<uint8_t>(),
+                    scales.data_ptr<float>(), minimums.data_ptr<float>(), blocks, yp + row * y.stride(0), y.stride(0));
+  }
+  return y;
+}
+
+}  // namespace
+
+void bind_int4(pybind11::module_& m) {
+  m.def("int4_pack", &int4_pack, "(values uint8 [out, in] 0..15, scales fp32 [out, in/32], minimums fp32 "
+        "[out, in/32]) -> [packed, scales, minimums]: Q4_1 blocks in int4_mm's layout (out % 16 == 0)");
+  m.def("int4_mm", &int4_mm, "(x bf16 [rows, in], packed, scales, minimums) -> y bf16 [rows, out]: "
+        "x @ W^T for int4_pack's weight, made for few rows (decode)");
+}

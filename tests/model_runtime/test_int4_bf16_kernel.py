@@ -1,0 +1,118 @@
+"""The extension's int4 product for few rows (attention/csrc/int4_bf16.cpp) and Int4Linear's use of it.
+
+Oracles: a float32 matmul of the blocks' dequantized weight (the kernel's only rounding is its bf16
+output, so it is held to about one bf16 step); a Q4_1 file written and dequantized by the `gguf` package;
+PyTorch's own int4 kernel on the same blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from promptcache.model_runtime.attention import bf16_kernel
+from promptcache.model_runtime.loading.gguf_weights import read_q4_1
+from promptcache.model_runtime.loading.quantized_linear import GROUP_SIZE, INT4_DEQUANTIZE_ROWS, Int4Blocks, Int4Linear
+
+pytestmark = pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
+
+BF16_ROUNDING = 2.0 ** -8  # rounding to bf16 (8 significant bits) moves a value by at most 2^-8 of it
+SMOLLM2_SHAPES = [(576, 960), (1536, 576), (576, 3072)]  # (in, out): q|k|v, down, gate|up
+
+
+def _close_to_bf16_rounding(got: torch.Tensor, want: torch.Tensor, product: torch.Tensor | None = None) -> bool:
+    """`got` (bf16) is `want` rounded to bf16, up to fp32 accumulation order (a sliver); with `product`,
+    `want` is the product plus a bias added after rounding the product (two roundings)."""
+    bound = want.abs() * BF16_ROUNDING + 1e-5 * want.abs().max()
+    if product is not None:
+        bound += product.abs() * BF16_ROUNDING
+    return bool(((got.float() - want).abs() <= bound).all())
+
+
+def _ops() -> bf16_kernel.Int4Ops:
+    ops = bf16_kernel.int4_ops()
+    assert ops is not None
+    return ops
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 4, 7, 16])
+@pytest.mark.parametrize(("in_features", "out_features"), SMOLLM2_SHAPES)
+def test_int4_mm_is_the_float_matmul_of_the_blocks(bf16_kernels, in_features, out_features, num_rows):
+    generator = torch.Generator().manual_seed(num_rows)
+    blocks = Int4Blocks.of(torch.randn(out_features, in_features, generator=generator) * 0.1, torch.bfloat16)
+    x = torch.randn(num_rows, in_features, generator=generator).bfloat16()
+    got = _ops().mm(x, *_ops().pack(blocks.values, blocks.scales, blocks.minimums))
+    assert got.shape == (num_rows, out_features) and got.dtype == torch.bfloat16
+    assert _close_to_bf16_rounding(got, x.float() @ blocks.dequantized().T)
+
+
+def test_int4_mm_takes_any_scales_and_minimums_and_strided_rows(bf16_kernels):
+    """Minimums that are not `zero - 8 * scale` of a bf16 zero (GGUF's fp16 ones, of either sign), more
+    rows than one register pass (8), and x as a column slice of a wider tensor."""
+    generator = torch.Generator().manual_seed(1)
+    out_features, in_features = 48, 4 * GROUP_SIZE
+    values = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+    scales = torch.rand(out_features, in_features // GROUP_SIZE, generator=generator).half().float() * 0.05
+    minimums = torch.randn(out_features, in_features // GROUP_SIZE, generator=generator).half().float() * 0.3
+    blocks = Int4Blocks(values, scales, minimums)
+    x = torch.randn(19, 2 * in_features, generator=generator).bfloat16()[:, 16:16 + in_features]
+    got = _ops().mm(x, *_ops().pack(values, scales, minimums))
+    assert _close_to_bf16_rounding(got, x.float() @ blocks.dequantized().T)
+
+
+def test_int4_mm_multiplies_gguf_q4_1_blocks(bf16_kernels, tmp_path):
+    """Blocks as a Q4_1 file stores them (read_q4_1) multiply by the weight gguf's dequantize gives."""
+    weight = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32) * 0.02
+    writer = GGUFWriter(tmp_path / "m.gguf", "llama")
+    stored = quantize(weight, GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.ffn_down.weight", stored, raw_shape=stored.shape, raw_dtype=GGMLQuantizationType.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    blocks = read_q4_1(tmp_path / "m.gguf", 4, 2)["model.layers.0.mlp.down_proj"]
+    want_weight = torch.from_numpy(dequantize(stored, GGMLQuantizationType.Q4_1).copy())
+    x = torch.randn(5, 256).bfloat16()
+    got = _ops().mm(x, *_ops().pack(blocks.values, blocks.scales, blocks.minimums))
+    assert _close_to_bf16_rounding(got, x.float() @ want_weight.T)
+
+
+@pytest.mark.parametrize("num_rows", [1, 4, 33])
+def test_int4_linear_runs_the_kernel_in_bf16_and_agrees_with_torchs_int4_kernel(bf16_kernels, monkeypatch,
+                                                                                 num_rows):
+    generator = torch.Generator().manual_seed(2)
+    linear = torch.nn.Linear(576, 960, dtype=torch.bfloat16).requires_grad_(False)
+    linear.weight.copy_(torch.randn(960, 576, generator=generator) * 0.1)
+    blocks = Int4Blocks.of(linear.weight, torch.bfloat16)
+    layer = Int4Linear(blocks, linear.bias, torch.bfloat16)
+    assert layer.bf16_values is not None and "bf16_values" not in layer.state_dict()
+    x = torch.randn(2, num_rows, 576, generator=generator).bfloat16()
+    calls: list[int] = []
+    ops = _ops()
+    def counted_mm(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return ops.mm(*args)
+
+    monkeypatch.setitem(bf16_kernel._state, "int4", bf16_kernel.Int4Ops(ops.pack, counted_mm))
+    got = layer(x)
+    assert calls == [1] and got.shape == (2, num_rows, 960)
+    product = x.float() @ blocks.dequantized().T
+    assert _close_to_bf16_rounding(got, product + linear.bias.float(), product)
+    monkeypatch.setitem(bf16_kernel._state, "int4", None)  # PyTorch's int4 kernel on the same layer
+    torchs = layer(x)
+    assert calls == [1]
+    # torch's kernel rounds s and z to bf16 and its sums differently: one or two bf16 steps apart
+    assert torch.allclose(got.float(), torchs.float(), rtol=4 * BF16_ROUNDING, atol=2e-2)
+
+
+def test_int4_linear_keeps_its_other_paths(bf16_kernels):
+    """From INT4_DEQUANTIZE_ROWS rows a layer still multiplies its dequantized copy, and fp32 layers never
+    hold the bf16 packing."""
+    blocks = Int4Blocks.of(torch.randn(64, 128) * 0.1, torch.bfloat16)
+    layer = Int4Linear(blocks, None, torch.bfloat16)
+    x = torch.randn(INT4_DEQUANTIZE_ROWS, 128).bfloat16()
+    assert torch.equal(layer(x), torch.matmul(x, layer.dequantized_t()))
+    assert Int4Linear(blocks, None, torch.float32).bf16_values is None
