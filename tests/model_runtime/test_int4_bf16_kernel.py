@@ -15,7 +15,7 @@ from gguf.quants import dequantize, quantize
 
 from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.loading.gguf_weights import read_q4_1
-from promptcache.model_runtime.loading.quantized_linear import GROUP_SIZE, INT4_DEQUANTIZE_ROWS, Int4Blocks, Int4Linear
+from promptcache.model_runtime.loading.quantized_linear import GROUP_SIZE, INT4_BF16_KERNEL_ROWS, Int4Blocks, Int4Linear
 
 pytestmark = pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
 
@@ -80,7 +80,7 @@ def test_int4_mm_multiplies_gguf_q4_1_blocks(bf16_kernels, tmp_path):
     assert _close_to_bf16_rounding(got, x.float() @ want_weight.T)
 
 
-@pytest.mark.parametrize("num_rows", [1, 4, 33])
+@pytest.mark.parametrize("num_rows", [1, 4, 33, 100])
 def test_int4_linear_runs_the_kernel_in_bf16_and_agrees_with_torchs_int4_kernel(bf16_kernels, monkeypatch,
                                                                                  num_rows):
     generator = torch.Generator().manual_seed(2)
@@ -109,10 +109,10 @@ def test_int4_linear_runs_the_kernel_in_bf16_and_agrees_with_torchs_int4_kernel(
 
 
 def test_int4_linear_keeps_its_other_paths(bf16_kernels):
-    """From INT4_DEQUANTIZE_ROWS rows a layer still multiplies its dequantized copy, and fp32 layers never
+    """From INT4_BF16_KERNEL_ROWS rows a layer multiplies its dequantized copy, and fp32 layers never
     hold the bf16 packing."""
     blocks = Int4Blocks.of(torch.randn(64, 128) * 0.1, torch.bfloat16)
     layer = Int4Linear(blocks, None, torch.bfloat16)
-    x = torch.randn(INT4_DEQUANTIZE_ROWS, 128).bfloat16()
+    x = torch.randn(INT4_BF16_KERNEL_ROWS, 128).bfloat16()
     assert torch.equal(layer(x), torch.matmul(x, layer.dequantized_t()))
     assert Int4Linear(blocks, None, torch.float32).bf16_values is None

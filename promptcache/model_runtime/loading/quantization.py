@@ -11,6 +11,7 @@ import torch
 from promptcache.model_runtime.errors import ModelLoadError
 from promptcache.model_runtime.loading.quantized_linear import (
     GROUP_SIZE,
+    INT4_BF16_KERNEL_ROWS,
     INT4_DEQUANTIZE_ROWS,
     INT4_PACK_ROWS,
     INT8_DEQUANTIZE_ROWS,
@@ -76,7 +77,8 @@ def kernel_problem(weights: WeightFormat, dtype: torch.dtype) -> str | None:
         else:
             blocks = Int4Blocks.of(linear.weight, dtype)
             layer, weight = Int4Linear(blocks, linear.bias, dtype), blocks.dequantized()
-        for num_rows in (3, max(INT8_DEQUANTIZE_ROWS, INT4_DEQUANTIZE_ROWS)):  # the kernel, the dequantized copy
+        # the kernel, the dequantized copy
+        for num_rows in (3, max(INT8_DEQUANTIZE_ROWS, INT4_DEQUANTIZE_ROWS, INT4_BF16_KERNEL_ROWS)):
             x = torch.randn(num_rows, 2 * GROUP_SIZE, generator=generator).to(dtype)  # [rows, in]
             with torch.no_grad():
                 got = layer(x).float()

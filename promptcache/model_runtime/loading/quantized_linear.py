@@ -16,10 +16,10 @@ through oneDNN instead: the same weights, rounded once to the activations' dtype
 
 With bf16 activations on a CPU where the bf16 kernels are built (attention/bf16_kernel.py), an int4 layer
 also holds its blocks in the layout of the extension's own int4 product (csrc/int4_bf16.cpp, vdpbf16ps on
-the nibbles, scales and minimums kept in fp32) and runs it below INT4_DEQUANTIZE_ROWS rows: 1.6-2.3x
+the nibbles, scales and minimums kept in fp32) and runs it for few rows: 1.6-2.3x
 faster than PyTorch's int4 kernel per SmolLM2 layer at 1-16 rows, 2-3x faster than the dequantized copy
-at 48-80 rows (2 threads, Zen 4); its time grows linearly with the rows, so where its packing is held it
-may also win past 80 rows, which has not been measured.
+at 48-80 rows (2 threads, Zen 4); its time grows linearly with the rows, so it runs below
+INT4_BF16_KERNEL_ROWS, where the dequantized copy takes over.
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ GROUP_SIZE = 32  # inputs per int4 group: GGUF's Q4_1 block
 # 1.41 vs 1.62 ms at 64 rows, 2.14 vs 1.84 at 96; at 16 rows the kernels take 0.36-0.40 ms, bf16 0.15).
 INT8_DEQUANTIZE_ROWS = 40
 INT4_DEQUANTIZE_ROWS = 80
+# Below this many rows the extension's int4 product beats the dequantized copy (bf16, 2 threads, Zen 4, ms a
+# call, kernel vs dequantized: 576 -> 3072 at 160 rows 0.85 vs 0.98, at 400 rows 2.11 vs 1.87; 1536 -> 576
+# 0.44 vs 0.53 and 1.10 vs 0.95; 576 -> 960 0.28 vs 0.35 and 0.69 vs 0.61).
+INT4_BF16_KERNEL_ROWS = 256
 INT4_PACK_ROWS = 16  # the int4 packing needs output features in multiples of this
 _PACK_BLOCK = 64  # output channels per block of the CPU int4 packing
 _INT4_OFFSET = 8  # the kernel's q - 8
@@ -124,7 +128,7 @@ class Int8Linear(torch.nn.Module):
 class Int4Linear(torch.nn.Module):
     """`y = x @ W^T + b` with W held as Int4Blocks in the CPU int4 kernel's packed layout, and for bf16
     where the bf16 kernels are loaded also in the extension's int4 layout (`bf16_values`, `bf16_scales`,
-    `bf16_minimums`; else None), which runs instead below INT4_DEQUANTIZE_ROWS rows."""
+    `bf16_minimums`; else None), which runs instead below INT4_BF16_KERNEL_ROWS rows."""
 
     weight_int4: torch.Tensor
     scales_and_zeros: torch.Tensor
@@ -156,10 +160,11 @@ class Int4Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [rows, in]
-        if rows.shape[0] >= INT4_DEQUANTIZE_ROWS and self.can_dequantize:
-            y = torch.matmul(rows, self.dequantized_t())
-        elif self.bf16_values is not None and rows.dtype == torch.bfloat16 and (ops := bf16_kernel.int4_ops()):
+        ops = bf16_kernel.int4_ops() if self.bf16_values is not None and rows.dtype == torch.bfloat16 else None
+        if ops is not None and rows.shape[0] < INT4_BF16_KERNEL_ROWS:
             y = ops.mm(rows, self.bf16_values, self.bf16_scales, self.bf16_minimums)
+        elif rows.shape[0] >= INT4_DEQUANTIZE_ROWS and self.can_dequantize:
+            y = torch.matmul(rows, self.dequantized_t())
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight_int4, GROUP_SIZE, self.scales_and_zeros)
         return _with_bias(y, self.bias).view(*x.shape[:-1], self.out_features)  # [rows, out] -> [..., out]
