@@ -159,9 +159,9 @@ def main() -> None:
                             [references[i] for i in index], task_ttft)
             if row["median_ttft_ms"] and full_ttft:
                 row["ttft_vs_full_prefill"] = round(row["median_ttft_ms"] / statistics.median(full_ttft), 3)
-            emit({**row, "seeds": args.seeds, "dtype": args.dtype}, args.out)
+            emit({**row, "seeds": args.seeds, "dtype": args.dtype, "weights": args.weights}, args.out)
     for row in paired(items, answers, [FULL]):
-        emit({**row, "seeds": args.seeds, "dtype": args.dtype}, args.out)
+        emit({**row, "seeds": args.seeds, "dtype": args.dtype, "weights": args.weights}, args.out)
     with args.out.with_suffix(".answers.jsonl").open("w") as fh:
         for spec, mode_list in answers.items():
             for item, answer in zip(items, mode_list):
