@@ -78,7 +78,12 @@ void attend_sets_d(const std::vector<RowSet>& sets, int64_t num_members, const Q
           std::copy_n(q.base + set.members[first + i] * q.member_stride + (g * group + j) * q.head_stride, D,
                       qbuf[i * group + j]);
       const pack::Rows k_rows(set.k, g), v_rows(set.v, g);
+      size_t k_hint = 0, v_hint = 0;
       auto step = [&](int64_t k0) {
+        // The next step's keys and values are on their way while this one is packed and attended:
+        // a decode reads its KV from memory once, and the latency of each row is what it waits on.
+        k_rows.prefetch(k0 + kBlockN, std::min(k_end, k0 + 2 * kBlockN), D * 2, k_hint);
+        v_rows.prefetch(k0 + kBlockN, std::min(k_end, k0 + 2 * kBlockN), D * 2, v_hint);
         pack::pack_keys(k_rows, k0 / 16, k0 / 16 + 4, D, kbuf);
         pack::pack_values(v_rows, k0 / 2, k0 / 2 + 32, D, vbuf);
         return std::pair<const at::BFloat16*, const at::BFloat16*>(kbuf, vbuf);

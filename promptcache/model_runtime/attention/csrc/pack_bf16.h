@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -51,6 +52,13 @@ struct Rows {
     while (key >= start[hint + 1]) ++hint;
     while (key < start[hint]) --hint;
     return base[hint] + (key - start[hint]) * stride[hint];
+  }
+  // Asks for rows [begin, end) (clipped to size()) to be brought into the cache, `bytes` of each.
+  void prefetch(int64_t begin, int64_t end, int64_t bytes, size_t& hint) const {
+    for (int64_t key = begin; key < std::min(end, size()); ++key) {
+      const char* p = reinterpret_cast<const char*>(row(key, hint));
+      for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(p + line, _MM_HINT_T0);
+    }
   }
 };
 
