@@ -136,6 +136,43 @@ def test_engine_with_fused_layers_generates_the_unfused_tokens(ops):
     assert tokens[0] == tokens[1] and all(len(t) == 12 for t in tokens[0])
 
 
+def test_batch_steps_through_the_plain_layer_loop_equal_the_hf_forward(ops):
+    """The runner's plain loop over fused layers (`fused_stack_forward`) against the Hugging Face forward of
+    the same fused model, in the engine's batch steps (module reuse, packed prefill, decode): every token
+    and its top logprobs equal, bit for bit."""
+    tokenizer = make_test_tokenizer()
+    doc = " ".join(f"The river {i} flows north through the valley of stone." for i in range(12))
+    prompts = ['<prompt schema="s"><doc/>Where does the river flow?</prompt>',
+               '<prompt schema="s"><doc/>What is north of the valley? Answer briefly.</prompt>']
+    outputs = []
+    for plain_loop in (True, False):  # a store each: the second run must not reuse the first one's KV
+        runtime = ModelRuntime(wrap_model(_model("llama", len(tokenizer)), tokenizer, name="d64", pack_weights=True,
+                                          fuse_layers=True), build_store(StoreConfig(), device="cpu"))
+        runtime.add_schema(runtime.parse_schema(f'<schema name="s"><module name="doc">{doc}</module></schema>'))
+        engine = Engine(runtime.module_encoder, EngineConfig(max_num_seqs=4))
+        assert engine.runner.stack is not None
+        if not plain_loop:
+            engine.runner.stack = None  # the HF model's forward
+
+        async def run(engine=engine, runtime=runtime):
+            params = SamplingParams(max_tokens=10, temperature=0, logprobs=5)
+            return await asyncio.gather(*(_events(engine.submit(runtime.plan(p), params)) for p in prompts))
+
+        try:
+            outputs.append(asyncio.run(run()))
+        finally:
+            engine.stop()
+    assert outputs[0] == outputs[1] and all(len(events) == 10 for events in outputs[0])
+
+
+async def _events(stream) -> list[tuple]:
+    out = []
+    async for event in stream:
+        if event.token_id is not None:
+            out.append((event.token_id, event.logprobs))
+    return out
+
+
 async def _tokens(stream) -> list[int]:
     out = []
     async for event in stream:

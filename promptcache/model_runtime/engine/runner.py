@@ -17,6 +17,7 @@ from promptcache.model_runtime.engine.kv_view import KVView
 from promptcache.model_runtime.engine.request import Request, SeqStatus
 from promptcache.model_runtime.engine.step_plan import ScheduledSeq, StepPlan
 from promptcache.model_runtime.forward import cache_argument
+from promptcache.model_runtime.loading.fused_layers import fused_stack_forward
 from promptcache.model_runtime.loading.loader import LoadedModel
 from promptcache.model_runtime.packed_attention import BatchCache, BatchContext, active_batch, install
 from promptcache.model_runtime.sampling import TokenLogprobs, token_logprobs
@@ -52,6 +53,7 @@ class ModelRunner:
         self.backend = backend
         self.groups = AssembledGroups(max_assembled_bytes, loaded.key_shifter)
         install(loaded.model)
+        self.stack = fused_stack_forward(loaded.model.base_model)  # None: the HF forward
         if backend == "auto" and loaded.model.dtype == torch.bfloat16 and loaded.model.device.type == "cpu":
             bf16_kernel.prepare()  # built here, at startup, never inside a request
 
@@ -126,8 +128,11 @@ class ModelRunner:
             pool=pool, own_slots=[s.own_slot if pool is not None and s.own_pool is pool else None for s in seqs])
         cache = BatchCache(context, self.loaded.num_layers)
         with active_batch(context):
-            hidden = model.base_model(input_ids=input_ids, position_ids=positions, use_cache=True,
-                                      **cache_argument(model.base_model, cache)).last_hidden_state  # [1, Q, hidden]
+            if self.stack is not None:
+                hidden = self.stack(input_ids, positions, cache)  # [1, Q, hidden]
+            else:
+                hidden = model.base_model(input_ids=input_ids, position_ids=positions, use_cache=True,
+                                          **cache_argument(model.base_model, cache)).last_hidden_state
         last_rows = to_device(torch.tensor(query_lens).cumsum(0) - 1, device)  # [num_seqs]
         logits = model.get_output_embeddings()(hidden[0, last_rows]).float()  # [num_seqs, vocab]
         return logits, self._prompt_logprobs(entries, hidden[0])
