@@ -37,7 +37,20 @@ class PhaseProbe:
         self._wrap_class(Sampler, "sample", "sample")
         self._wrap_class(Detokenizer, "push", "detokenize")
         model = engine.runner.loaded.model
-        self._hook(model.base_model, "forward")
+        if runner.stack is not None:  # batch steps of fused models run the layers as a plain loop
+            stack = runner.stack
+
+            def timed_stack(*args):
+                started = time.perf_counter()
+                try:
+                    return stack(*args)
+                finally:
+                    self._add("forward", time.perf_counter() - started)
+
+            runner.stack = timed_stack
+            self._undo.append(lambda: setattr(runner, "stack", stack))
+        else:
+            self._hook(model.base_model, "forward")
         self._hook(model.get_output_embeddings(), "lm_head")
 
     def begin_step(self) -> None:
@@ -169,8 +182,13 @@ class KernelLabels:
         kernel = bf16_kernel.loaded()
         if kernel is not None:
             state = bf16_kernel._state  # a benchmark probe: restored by remove()
+            originals = dict(state)
             state["kernel"] = _labelled("kernel:flash_bf16", kernel)
-            self._undo.append(lambda: state.__setitem__("kernel", kernel))
+            batch_type = state["decode_batch"]
+            state["decode_batch"] = lambda *args: _LabelledBatch(batch_type(*args))
+            if state.get("int4") is not None:
+                state["int4"] = dataclasses.replace(state["int4"], mm=_labelled("kernel:int4_mm", state["int4"].mm))
+            self._undo.append(lambda: state.update(originals))
         for module in model.modules():
             ops = getattr(module, "ops", None)
             if isinstance(ops, bf16_kernel.FusedOps):
@@ -181,6 +199,13 @@ class KernelLabels:
     def remove(self) -> None:
         for undo in reversed(self._undo):
             undo()
+
+
+class _LabelledBatch:
+    """A DecodeBatch whose per-layer calls show as `kernel:decode_batch`."""
+
+    def __init__(self, batch) -> None:
+        self.attend = _labelled("kernel:decode_batch", batch.attend)
 
 
 def _labelled(name: str, fn: Callable) -> Callable:
