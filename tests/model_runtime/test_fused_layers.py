@@ -109,30 +109,19 @@ def test_fused_model_matches_the_hf_model(ops, arch):
         assert (got_next.float() - want_next.float()).abs().max() <= 0.05
 
 
+DOC = " ".join(f"The river {i} flows north through the valley of stone." for i in range(12))
+PROMPTS = ['<prompt schema="s"><doc/>Where does the river flow?</prompt>',
+           '<prompt schema="s"><doc/>What is north of the valley? Answer briefly.</prompt>']
+
+
 def test_engine_with_fused_layers_generates_the_unfused_tokens(ops):
     """The batched engine (module reuse, packed prefill, decode), fused vs the HF modules, both bf16 with
     packed weights as the server loads them: the same greedy tokens."""
-    tokenizer = make_test_tokenizer()
-    runtimes = [ModelRuntime(wrap_model(_model("llama", len(tokenizer)), tokenizer, name="d64", pack_weights=True,
-                                        fuse_layers=fuse), build_store(StoreConfig(), device="cpu"))
-                for fuse in (False, True)]
+    runtimes = [_runtime(fuse) for fuse in (False, True)]
     assert isinstance(runtimes[1].loaded.model.model.layers[0].mlp, FusedGatedMLP)
-    doc = " ".join(f"The river {i} flows north through the valley of stone." for i in range(12))
-    prompts = ['<prompt schema="s"><doc/>Where does the river flow?</prompt>',
-               '<prompt schema="s"><doc/>What is north of the valley? Answer briefly.</prompt>']
-    tokens = []
-    for runtime in runtimes:
-        runtime.add_schema(runtime.parse_schema(f'<schema name="s"><module name="doc">{doc}</module></schema>'))
-        engine = Engine(runtime.module_encoder, EngineConfig(max_num_seqs=4))
-
-        async def run(engine=engine, runtime=runtime):
-            params = SamplingParams(max_tokens=12, temperature=0)
-            return await asyncio.gather(*(_tokens(engine.submit(runtime.plan(p), params)) for p in prompts))
-
-        try:
-            tokens.append(asyncio.run(run()))
-        finally:
-            engine.stop()
+    params = SamplingParams(max_tokens=12, temperature=0)
+    tokens = [_generate(runtime, Engine(runtime.module_encoder, EngineConfig(max_num_seqs=4)), params, _tokens)
+              for runtime in runtimes]
     assert tokens[0] == tokens[1] and all(len(t) == 12 for t in tokens[0])
 
 
@@ -140,29 +129,35 @@ def test_batch_steps_through_the_plain_layer_loop_equal_the_hf_forward(ops):
     """The runner's plain loop over fused layers (`fused_stack_forward`) against the Hugging Face forward of
     the same fused model, in the engine's batch steps (module reuse, packed prefill, decode): every token
     and its top logprobs equal, bit for bit."""
-    tokenizer = make_test_tokenizer()
-    doc = " ".join(f"The river {i} flows north through the valley of stone." for i in range(12))
-    prompts = ['<prompt schema="s"><doc/>Where does the river flow?</prompt>',
-               '<prompt schema="s"><doc/>What is north of the valley? Answer briefly.</prompt>']
     outputs = []
     for plain_loop in (True, False):  # a store each: the second run must not reuse the first one's KV
-        runtime = ModelRuntime(wrap_model(_model("llama", len(tokenizer)), tokenizer, name="d64", pack_weights=True,
-                                          fuse_layers=True), build_store(StoreConfig(), device="cpu"))
-        runtime.add_schema(runtime.parse_schema(f'<schema name="s"><module name="doc">{doc}</module></schema>'))
+        runtime = _runtime(True)
         engine = Engine(runtime.module_encoder, EngineConfig(max_num_seqs=4))
         assert engine.runner.stack is not None
         if not plain_loop:
             engine.runner.stack = None  # the HF model's forward
-
-        async def run(engine=engine, runtime=runtime):
-            params = SamplingParams(max_tokens=10, temperature=0, logprobs=5)
-            return await asyncio.gather(*(_events(engine.submit(runtime.plan(p), params)) for p in prompts))
-
-        try:
-            outputs.append(asyncio.run(run()))
-        finally:
-            engine.stop()
+        outputs.append(_generate(runtime, engine, SamplingParams(max_tokens=10, temperature=0, logprobs=5), _events))
     assert outputs[0] == outputs[1] and all(len(events) == 10 for events in outputs[0])
+
+
+def _runtime(fuse: bool) -> ModelRuntime:
+    """The d64 test model in bf16 with packed weights (fused or not), a store of its own and schema `s`."""
+    tokenizer = make_test_tokenizer()
+    runtime = ModelRuntime(wrap_model(_model("llama", len(tokenizer)), tokenizer, name="d64", pack_weights=True,
+                                      fuse_layers=fuse), build_store(StoreConfig(), device="cpu"))
+    runtime.add_schema(runtime.parse_schema(f'<schema name="s"><module name="doc">{DOC}</module></schema>'))
+    return runtime
+
+
+def _generate(runtime: ModelRuntime, engine: Engine, params: SamplingParams, collect) -> list:
+    """PROMPTS through `engine` at once, each stream gathered by `collect`; stops the engine."""
+    async def run():
+        return await asyncio.gather(*(collect(engine.submit(runtime.plan(p), params)) for p in PROMPTS))
+
+    try:
+        return asyncio.run(run())
+    finally:
+        engine.stop()
 
 
 async def _events(stream) -> list[tuple]:
