@@ -20,7 +20,13 @@ from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import ModelRuntime, SamplingParams, wrap_model
 from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.engine import Engine, EngineConfig
-from promptcache.model_runtime.loading.fused_layers import FusedAttention, FusedGatedMLP, FusedRMSNorm, fuse_layers
+from promptcache.model_runtime.loading.fused_layers import (
+    FusedAttention,
+    FusedGatedMLP,
+    FusedRMSNorm,
+    fuse_layers,
+    fused_stack_forward,
+)
 from tests.model_factories import make_test_tokenizer, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
@@ -178,10 +184,13 @@ async def _tokens(stream) -> list[int]:
 
 
 def test_fuse_layers_leaves_other_models_alone(ops):
+    """Models the kernels do not fuse keep their modules and the Hugging Face forward (no plain loop)."""
     tokenizer = make_test_tokenizer()
-    assert fuse_layers(make_tiny_model("llama", vocab_size=len(tokenizer))) == 0  # fp32
-    assert fuse_layers(make_tiny_model("llama", vocab_size=len(tokenizer), dtype=torch.bfloat16)) == 0  # head dim 16
-    assert fuse_layers(make_tiny_model("gpt2", vocab_size=len(tokenizer), dtype=torch.bfloat16)) == 0
+    for model in (make_tiny_model("llama", vocab_size=len(tokenizer)),  # fp32
+                  make_tiny_model("llama", vocab_size=len(tokenizer), dtype=torch.bfloat16),  # head dim 16
+                  make_tiny_model("gpt2", vocab_size=len(tokenizer), dtype=torch.bfloat16)):
+        assert fuse_layers(model) == 0
+        assert fused_stack_forward(model.base_model) is None
 
 
 def test_no_fusion_or_build_without_the_instructions(monkeypatch):

@@ -123,6 +123,8 @@ def fused_stack_forward(base_model: Any) -> StackForward | None:
     bit for bit). None where some layer is not fused. For the engine's batch steps, whose attention reads
     no mask: the HF forward's work around the layers (keyword plumbing, decorators, the causal mask, output
     records) took ~0.3-0.6 ms of a 21 ms decode step of SmolLM2 at batch 1 (docs/benchmarks.md's profile)."""
+    if not _fusable(base_model.config):  # another architecture (GPT-2's blocks are `h`, with other parts)
+        return None
     layers = list(base_model.layers[: base_model.config.num_hidden_layers])
     if not layers or not all(isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedGatedMLP)
                              and isinstance(layer.input_layernorm, FusedRMSNorm)
