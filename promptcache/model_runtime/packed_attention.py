@@ -111,48 +111,39 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
                                       ctx.backend) or False
     queries = query[0].transpose(0, 1)  # [1, H, total_q, D] -> [total_q, H, D]
     if not isinstance(ctx.decode, StepDecode):
-        out = _attend(ctx, queries, layer, None, indices, scaling)
+        everyone = tuple(range(len(ctx.query_lens)))
+        out = _attend(ctx, queries, layer, everyone, ctx.segments, indices, scaling)
         return out.unsqueeze(0), None  # [1, total_q, H, D]
+    decode = ctx.decode
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if ctx.decode.rows is None:  # every sequence decodes
-        return ctx.decode.batch.attend(queries, layer, scale)[0].unsqueeze(0), None
+    if decode.rows is None:  # every sequence decodes
+        return decode.batch.attend(queries, layer, scale)[0].unsqueeze(0), None
     # Decoding sequences through the kernel, the prefilling ones through the general path, each by its rows.
+    assert decode.other_rows is not None  # planned with `rows`
     if ctx.others_indices is None:
         ctx.others_indices = StepIndices(query.device)
     out = torch.empty_like(queries)
-    rows = ctx.decode.rows
-    out.index_copy_(0, rows, ctx.decode.batch.attend(queries.index_select(0, rows), layer, scale)[0])
-    starts = [sum(ctx.query_lens[:i]) for i in range(len(ctx.query_lens))]
-    others = indices.rows([(starts[i], starts[i] + ctx.query_lens[i]) for i in ctx.decode.others])
-    out.index_copy_(0, others, _attend(ctx, queries.index_select(0, others), layer, ctx.decode.others,
-                                       ctx.others_indices, scaling))
+    out.index_copy_(0, decode.rows, decode.batch.attend(queries.index_select(0, decode.rows), layer, scale)[0])
+    others = _attend(ctx, queries.index_select(0, decode.other_rows), layer, decode.others, decode.other_segments,
+                     ctx.others_indices, scaling)
+    out.index_copy_(0, decode.other_rows, others)
     return out.unsqueeze(0), None
 
 
-def _attend(ctx: BatchContext, queries: torch.Tensor, layer: int, seqs: tuple[int, ...] | None,
+def _attend(ctx: BatchContext, queries: torch.Tensor, layer: int, seqs: tuple[int, ...], segments,
             indices: StepIndices, scaling: float | None) -> torch.Tensor:
-    """The general path (`shared_module_attention`) for sequences `seqs` of the step (all: None), whose
-    query rows `queries` [T, H, D] holds in order; segments keep the members among them, renumbered."""
-    picked = range(len(ctx.query_lens)) if seqs is None else seqs
-    own_keys = [ctx.own_keys[i][layer, :, : ctx.own_starts[i] + ctx.query_lens[i]] for i in picked]
-    own_values = [ctx.own_values[i][layer, :, : ctx.own_starts[i] + ctx.query_lens[i]] for i in picked]
-    if seqs is None:
-        segments = [SharedSegment(keys=k[layer], values=v[layer], seq_indices=members, row_offsets=offsets)
-                    for k, v, members, offsets in ctx.segments]
-    else:
-        number = {seq: j for j, seq in enumerate(seqs)}
-        segments = []
-        for k, v, members, offsets in ctx.segments:
-            kept = [j for j, m in enumerate(members) if m in number]
-            if kept:
-                segments.append(SharedSegment(
-                    keys=k[layer], values=v[layer], seq_indices=tuple(number[members[j]] for j in kept),
-                    row_offsets=None if offsets is None else tuple(offsets[j] for j in kept)))
+    """The general path (`shared_module_attention`) for sequences `seqs` of the step, whose query rows
+    `queries` [T, H, D] holds in order; `segments` as they see them (members numbered among `seqs`)."""
+    own_keys = [ctx.own_keys[i][layer, :, : ctx.own_starts[i] + ctx.query_lens[i]] for i in seqs]
+    own_values = [ctx.own_values[i][layer, :, : ctx.own_starts[i] + ctx.query_lens[i]] for i in seqs]
+    layer_segments = [SharedSegment(keys=k[layer], values=v[layer], seq_indices=members, row_offsets=offsets)
+                      for k, v, members, offsets in segments]
     pool = None
-    if seqs is None and ctx.pool is not None and ctx.own_slots is not None:
+    if len(seqs) == len(ctx.query_lens) and ctx.pool is not None and ctx.own_slots is not None:
         pool = OwnPool(ctx.pool.keys[layer], ctx.pool.values[layer], tuple(ctx.own_slots))  # [H_kv, slots, D] x2
-    return shared_module_attention(queries, [ctx.query_lens[i] for i in picked], own_keys, own_values, segments,
-                                   scale=scaling, backend=ctx.backend, indices=indices, own_pool=pool)
+    return shared_module_attention(queries, [ctx.query_lens[i] for i in seqs], own_keys, own_values,
+                                   layer_segments, scale=scaling, backend=ctx.backend, indices=indices,
+                                   own_pool=pool)
 
 
 def _own_writes(ctx: BatchContext, indices: StepIndices) -> list[OwnWrite]:

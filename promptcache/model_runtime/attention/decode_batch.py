@@ -25,12 +25,16 @@ Segment = tuple[torch.Tensor, torch.Tensor, tuple[int, ...], "tuple[int, ...] | 
 
 @dataclass(frozen=True, slots=True)
 class StepDecode:
-    """A step's decoding sequences planned as one `DecodeBatch`. `rows`: their query rows in the packed
-    step (None when every sequence decodes); `others`: the sequences the general path attends."""
+    """A step's decoding sequences planned as one `DecodeBatch`. Where the step also prefills: `rows`, the
+    decoding sequences' query rows in the packed step; `others`, the prefilling sequences, attended by the
+    general path, with their rows (`other_rows`) and the segments they see (`other_segments`, members
+    renumbered among `others`). All None / empty when every sequence decodes."""
 
     batch: Any
-    rows: torch.Tensor | None
-    others: tuple[int, ...]
+    rows: torch.Tensor | None = None
+    others: tuple[int, ...] = ()
+    other_rows: torch.Tensor | None = None
+    other_segments: tuple[Segment, ...] = ()
 
 
 # A step that also prefills splits off its decoding sequences from this many on (below, the general path's
@@ -46,24 +50,34 @@ def plan_step_decode(query: torch.Tensor, query_lens: Sequence[int], own_keys: S
     decoding = [i for i, n in enumerate(query_lens) if n == 1]
     if len(decoding) == len(query_lens):
         batch = plan_decode_batch(query, query_lens, own_keys, own_values, own_lens, segments, backend)
-        return None if batch is None else StepDecode(batch, None, ())
+        return None if batch is None else StepDecode(batch)
     if len(decoding) < MIN_SPLIT_DECODES:
         return None
-    index = {seq: j for j, seq in enumerate(decoding)}
-    kept = []
-    for keys, values, members, offsets in segments:
-        seen = [(index[m], offsets[j] if offsets else 0) for j, m in enumerate(members) if m in index]
-        if seen:
-            kept.append((keys, values, tuple(m for m, _ in seen), tuple(o for _, o in seen)))
     batch = plan_decode_batch(query, [1] * len(decoding), [own_keys[i] for i in decoding],
-                              [own_values[i] for i in decoding], [own_lens[i] for i in decoding], kept, backend)
+                              [own_values[i] for i in decoding], [own_lens[i] for i in decoding],
+                              restricted(segments, decoding), backend)
     if batch is None:
         return None
+    others = tuple(i for i, n in enumerate(query_lens) if n != 1)
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
     rows = torch.tensor([starts[i] for i in decoding], dtype=torch.long, device=query.device)
-    return StepDecode(batch, rows, tuple(i for i, n in enumerate(query_lens) if n != 1))
+    other_rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in others]).to(query.device)
+    return StepDecode(batch, rows, others, other_rows, tuple(restricted(segments, others)))
+
+
+def restricted(segments: Sequence[Segment], seqs: Sequence[int]) -> list[Segment]:
+    """The segments as the sequences `seqs` (in that order) see them: members among them renumbered by
+    their place in `seqs`, their row offsets kept; a segment none of them sees is left out."""
+    number = {seq: j for j, seq in enumerate(seqs)}
+    kept = []
+    for keys, values, members, offsets in segments:
+        seen = [j for j, m in enumerate(members) if m in number]
+        if seen:
+            kept.append((keys, values, tuple(number[members[j]] for j in seen),
+                         None if offsets is None else tuple(offsets[j] for j in seen)))
+    return kept
 
 
 def plan_decode_batch(query: torch.Tensor, query_lens: Sequence[int], own_keys: Sequence[torch.Tensor],

@@ -215,15 +215,15 @@ struct RowSet {
 // Checks one call's KV segments against q's head dim and KV head count; returns their total length N.
 inline int64_t checked_length(const std::vector<torch::Tensor>& k, const std::vector<torch::Tensor>& v, int64_t kv_heads,
                        int64_t d) {
-  TORCH_CHECK(k.size() == v.size(), "flash_bf16: as many key as value segments");
+  TORCH_CHECK(k.size() == v.size(), "bf16 attention: as many key as value segments");
   int64_t n = 0;
   for (size_t i = 0; i < k.size(); ++i) {
     const auto &ki = k[i], &vi = v[i];
-    TORCH_CHECK(ki.scalar_type() == at::kBFloat16 && vi.scalar_type() == at::kBFloat16, "flash_bf16: k, v must be bfloat16");
+    TORCH_CHECK(ki.scalar_type() == at::kBFloat16 && vi.scalar_type() == at::kBFloat16, "bf16 attention: k, v must be bfloat16");
     TORCH_CHECK(ki.dim() == 3 && vi.dim() == 3 && ki.stride(2) == 1 && vi.stride(2) == 1,
-                "flash_bf16: k/v segments [H_kv, N_i, D] with a contiguous last dim");
+                "bf16 attention: k/v segments [H_kv, N_i, D] with a contiguous last dim");
     TORCH_CHECK(ki.size(0) == kv_heads && vi.size(0) == kv_heads && ki.size(2) == d && vi.size(2) == d &&
-                vi.size(1) == ki.size(1), "flash_bf16: shape mismatch in segment ", i);
+                vi.size(1) == ki.size(1), "bf16 attention: shape mismatch in segment ", i);
     n += ki.size(1);
   }
   return n;
