@@ -53,6 +53,8 @@ class ServerSettings(BaseSettings):
     max_num_seqs: int = 64
     tenant_headroom_seqs: int = Field(8, ge=0, description="with an API keys file: sequence slots one tenant "
                                       "leaves free for the others' requests; 0: none")
+    shared_step_ratio: float = Field(1.0, ge=0, description="while a light tenant is served beside busy ones, "
+                                     "their steps are held to this many times its step of its own; 0: no cap")
     max_kv_bytes: int = 2 << 30
     max_waiting_per_tenant: int = Field(1024, ge=1, description="requests one tenant may have waiting for "
                                         "admission (prompts of a list count one each); more get 429 + Retry-After")
@@ -140,6 +142,7 @@ class ServerSettings(BaseSettings):
             max_prefill_tokens_alone=self.max_prefill_tokens_alone, min_prefill_tokens=self.min_prefill_tokens,
             max_step_slowdown=self.max_step_slowdown or None, logits_cache_bytes=self.logits_cache_bytes,
             max_assembled_bytes=self.max_assembled_kv_bytes, max_waiting_per_tenant=self.max_waiting_per_tenant,
+            shared_step_ratio=self.shared_step_ratio or None,
             # Headroom is for other tenants: only an API keys file makes several.
             tenant_headroom_seqs=min(self.tenant_headroom_seqs, self.max_num_seqs - 1) if self.api_keys_file else 0)
 

@@ -10,6 +10,7 @@ from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.engine import Engine, EngineConfig
 from promptcache.model_runtime.engine import scheduler as scheduler_module
 from promptcache.model_runtime.engine.request import SeqStatus
+from promptcache.model_runtime.engine.shared_step import SharedStepCap
 from promptcache.model_runtime.engine.step_plan import compose_step
 from tests.model_runtime.oracles import reference_tokens
 from tests.model_runtime.test_scheduler import TEXTS, _run, _runtime, _text_plan
@@ -77,7 +78,8 @@ def test_with_nothing_decoding_the_less_loaded_tenant_is_fed_first():
 
 def test_headroom_lets_another_tenant_start_before_the_first_ones_batch_drains(engines):
     """Tenant a fills every slot it may take with long generations; b's request, sent once a's run,
-    finishes long before any of a's. Without headroom b waits for a's batch to finish first."""
+    finishes long before any of a's. Without headroom b waits for a's batch to finish first (the step
+    limit off: it would let a's decodes take turns, and they would finish one by one)."""
     runtime = _runtime()
     long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     short = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -86,7 +88,7 @@ def test_headroom_lets_another_tenant_start_before_the_first_ones_batch_drains(e
 
     def finish_order(headroom: int) -> tuple[list[str], list[list[int]]]:
         engine = Engine(runtime.module_encoder, EngineConfig(max_num_seqs=4, tenant_headroom_seqs=headroom,
-                                                             prefix=None))
+                                                             prefix=None, shared_step_ratio=None))
         log: list = []
 
         async def main():
@@ -117,9 +119,9 @@ def test_long_prefill_chunks_only_while_a_tenant_with_nothing_running_waits(engi
     runtime = _runtime()
     budgets: list[int] = []
 
-    def recording(running, *, mixed_budget, alone_budget):
-        budgets.append(alone_budget)
-        return compose_step(running, mixed_budget=mixed_budget, alone_budget=alone_budget)
+    def recording(running, **kwargs):
+        budgets.append(kwargs["alone_budget"])
+        return compose_step(running, **kwargs)
 
     monkeypatch.setattr(scheduler_module, "compose_step", recording)
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
@@ -151,3 +153,58 @@ def _run_at_once(runtime, config: EngineConfig, plans, params: SamplingParams, t
         return asyncio.run(main())
     finally:
         engine.stop()
+
+
+def test_under_a_row_cap_lighter_tenants_decode_first_and_prompts_keep_a_floor():
+    heavy = [_decoding("a") for _ in range(10)]
+    light = [_decoding("b")]
+    waiting = _prefill("a", 50)
+    batch, left = compose_step([*heavy, *light, waiting], mixed_budget=40, alone_budget=256, max_rows=6, min_tokens=2)
+    assert _fed(batch) == [(light[0], 1), *((d, 1) for d in heavy[:3]), (waiting, 2)] and left == 0
+    batch, _ = compose_step([*heavy, *light], mixed_budget=40, alone_budget=256, max_rows=6, min_tokens=2)
+    assert _fed(batch) == [(light[0], 1), *((d, 1) for d in heavy[:5])]  # nothing waits: all rows decode
+
+
+def test_a_busy_tenants_steps_are_capped_once_a_light_tenant_got_a_step(monkeypatch):
+    """Tenant a decodes six long generations; b's short prompt gets a step of its own, and from then
+    on a's steps run at most the cap's rows (its decodes taking turns). Every answer is still the
+    reference's; with one tenant nothing is capped."""
+    runtime = _runtime()
+    monkeypatch.setattr(SharedStepCap, "cap", lambda self: 3)
+    steps: list[tuple[int | None, int, int]] = []  # (max_rows, rows fed, sequences decoding)
+
+    def recording(running, **kwargs):
+        batch, left = compose_step(running, **kwargs)
+        decoding = sum(1 for s in running if s.status != SeqStatus.PREFILL)
+        steps.append((kwargs["max_rows"], sum(e.num_tokens for e in batch), decoding))
+        return batch, left
+
+    monkeypatch.setattr(scheduler_module, "compose_step", recording)
+    long = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    short = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    a_plans = [_text_plan(runtime, TEXTS[i % len(TEXTS)]) for i in range(6)]
+    b_plan = _text_plan(runtime, TEXTS[4])
+    engine = Engine(runtime.module_encoder, EngineConfig(max_num_seqs=8, prefix=None))
+
+    async def main(with_b: bool):
+        log: list = []
+        tasks = [asyncio.create_task(_run(engine.submit(plan, long, tenant="a"), log, f"a{i}"))
+                 for i, plan in enumerate(a_plans)]
+        if with_b:
+            while sum(1 for _, kind in log if kind == "token") < 12:  # a's batch decodes
+                await asyncio.sleep(0.002)
+            tasks.append(asyncio.create_task(_run(engine.submit(b_plan, short, tenant="b"), log, "b")))
+        return await asyncio.gather(*tasks)
+
+    try:
+        alone = asyncio.run(main(with_b=False))
+        assert all(max_rows is None for max_rows, _, _ in steps)
+        steps.clear()
+        shared = asyncio.run(main(with_b=True))
+    finally:
+        engine.stop()
+    capped = [(rows, decoding) for max_rows, rows, decoding in steps if max_rows is not None]
+    assert any(decoding > 3 for _, decoding in capped)  # the cap left decodes out
+    assert all(rows <= 3 for rows, _ in capped)
+    expected = [reference_tokens(runtime.loaded, plan, long) for plan in a_plans]
+    assert alone == shared[:6] == expected and shared[6] == reference_tokens(runtime.loaded, b_plan, short)

@@ -26,7 +26,11 @@ class EngineConfig:
     `submit` raises QueueFullError (engine/waiting.py). `tenant_headroom_seqs` sequence slots are ones a
     tenant cannot take while it already runs `max_num_seqs - tenant_headroom_seqs` sequences: they stay
     free for other tenants, so one tenant's full batch does not make another's request wait for it to
-    drain (0: no headroom, as on a single-tenant server).
+    drain (0: no headroom, as on a single-tenant server). Within `shared_window_s` of a step that a light
+    tenant's prompt got of its own (engine/step_plan.py), the others' steps are held to
+    `shared_step_ratio` times such a step (learned from step times, engine/shared_step.py): decodes take
+    turns and prompt tokens fill what is left, so a light tenant's first token waits for a short step
+    of another's, not a full batch. None: no cap.
     """
 
     max_num_seqs: int = 64
@@ -43,6 +47,8 @@ class EngineConfig:
     max_assembled_bytes: int = 128 << 20  # ~5.6K tokens of SmolLM2-135M's KV in bf16
     max_waiting_per_tenant: int = 1024  # 16 full batches of the default max_num_seqs
     tenant_headroom_seqs: int = 0
+    shared_step_ratio: float | None = 1.0
+    shared_window_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -61,5 +67,7 @@ class EngineConfig:
                              f"{self.min_prefill_tokens}")
         if self.max_step_slowdown is not None and self.max_step_slowdown <= 1.0:
             raise ValueError(f"max_step_slowdown must be > 1 or None, got {self.max_step_slowdown}")
+        if self.shared_step_ratio is not None and self.shared_step_ratio <= 0:
+            raise ValueError(f"shared_step_ratio must be > 0 or None, got {self.shared_step_ratio}")
         if self.attention_backend not in ("auto", "fused_cpu", "matmul", "flash"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")

@@ -173,6 +173,7 @@ class Engine:
                 self._fail_all("internal engine error")
 
     def _step(self) -> None:
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         self.parked_encodes.submit(plan.encodes)
         plan = replace(plan, encoding=self.encodes.next_chunk(plan.prefill_budget))
@@ -184,12 +185,13 @@ class Engine:
                 self.encodes.after_step(plan.encoding, output.encoding_s or 0.0)
         result = self.outputs.postprocess(plan, output)
         if plan.has_forward:
-            self.scheduler.step_budget.observe(plan.num_decoding, plan.num_prompt_tokens, output.step_ms)
             self.num_steps += 1
         self.schema_encodes.settle()
         for event in [*plan.events, *result.events, *self._settle_parked()]:
             self._deliver(event)
         self._store_prefixes(result.prefix_writes)
+        if plan.has_forward:  # the whole step: a prompt arriving during it waits for all of it
+            self.scheduler.observe(plan, output.step_ms, (time.perf_counter() - started) * 1e3)
 
     def _settle_parked(self) -> list[TokenEvent]:
         """Resume requests whose module encodings are stored; fail those whose encoding failed."""

@@ -4,6 +4,7 @@ step's batch (`schedule` -> StepPlan)."""
 from __future__ import annotations
 
 import itertools
+import time
 
 from promptcache.model_runtime.engine.assembly import Assembled, MissingModules, assemble, module_key
 from promptcache.model_runtime.engine.config import EngineConfig
@@ -19,6 +20,7 @@ from promptcache.model_runtime.engine.request import (
     TokenEvent,
 )
 from promptcache.model_runtime.engine.reuse_plan import CachedUse, resolve
+from promptcache.model_runtime.engine.shared_step import SharedStepCap
 from promptcache.model_runtime.engine.step_budget import StepBudget
 from promptcache.model_runtime.engine.step_plan import EncodeNeed, StepPlan, compose_step
 from promptcache.model_runtime.engine.waiting import WaitingRequests
@@ -45,6 +47,9 @@ class Scheduler:
                                       config.max_prefill_tokens, config.max_step_slowdown)
         self.bytes_per_token = self.loaded.kv_bytes_per_token
         self.own_kv = OwnKV(self.loaded, config.max_kv_bytes)
+        self.shared_cap = SharedStepCap(config.shared_step_ratio or 1.0, config.min_prefill_tokens + 1)
+        self._step_kind: tuple[bool, int | None] = (False, None)  # the last plan's: (light, max_rows)
+        self._last_light_step = -float("inf")  # when a light tenant last got a step of its own (monotonic s)
         self._seq_ids = itertools.count()
         self._reservations: dict[str, tuple[int, dict[str, int]]] = {}
 
@@ -85,9 +90,39 @@ class Scheduler:
         self._admit(events, ready, encodes)
         running_tenants = {s.owner.tenant for s in self.running}
         others_wait = bool(self.waiting.tenants() - running_tenants)
-        alone = self.config.max_prefill_tokens if others_wait else self.config.max_prefill_tokens_alone
-        batch, budget = compose_step(self.running, mixed_budget=self.step_budget.tokens(), alone_budget=alone)
+        max_rows = self._shared_rows()
+        short = others_wait or max_rows is not None
+        alone = self.config.max_prefill_tokens if short else self.config.max_prefill_tokens_alone
+        batch, budget = compose_step(self.running, mixed_budget=self.step_budget.tokens(), alone_budget=alone,
+                                     max_rows=max_rows, min_tokens=self.config.min_prefill_tokens)
+        fed = {id(s.seq) for s in batch if s.seq.status != SeqStatus.PREFILL}
+        is_light = bool(batch) and not fed and any(s.status != SeqStatus.PREFILL for s in self.running)
+        self._step_kind = (is_light, max_rows)
+        if is_light:
+            self._last_light_step = time.monotonic()
+        if max_rows is not None:  # the decodes fed go to the back: the ones left out come first next step
+            self.running = [s for s in self.running if id(s) not in fed] + [s.seq for s in batch if id(s.seq) in fed]
         return StepPlan(batch, budget, tuple(ready), tuple(events), tuple(encodes))
+
+    def observe(self, plan: StepPlan, forward_ms: float, step_ms: float) -> None:
+        """Learn from a step that ran `plan`: its forward pass took `forward_ms` (the prefill budget),
+        the whole step `step_ms` (the step-cost model: a newcomer waits for all of it)."""
+        self.step_budget.observe(plan.num_decoding, plan.num_prompt_tokens, forward_ms)
+        is_light, max_rows = self._step_kind
+        if is_light:
+            self.shared_cap.observe_light(step_ms)
+        elif max_rows is not None and plan.num_decoding:
+            self.shared_cap.observe_capped(plan.num_decoding + plan.num_prompt_tokens, step_ms)
+
+    def _shared_rows(self) -> int | None:
+        """The rows a step may run while light tenants are served beside busy ones (a light tenant got a
+        step of its own within `shared_window_s`), else None: tenants that all keep sequences decoding
+        gain nothing from short steps, and a single tenant's steps are never capped."""
+        if self.config.shared_step_ratio is None:
+            return None
+        if time.monotonic() - self._last_light_step > self.config.shared_window_s:
+            return None
+        return self.shared_cap.cap()
 
     def missing_modules(self, request: Request) -> list[CachedUse]:
         """The uses of module KV `request` reuses that no tier holds now (and nobody encoded for it)."""

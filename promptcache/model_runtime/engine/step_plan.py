@@ -57,12 +57,12 @@ class StepPlan:
         return sum(s.num_tokens for s in chunks) + (self.encoding.num_tokens if self.encoding is not None else 0)
 
 
-def compose_step(running: Seq[Sequence], *, mixed_budget: int,
-                 alone_budget: int) -> tuple[tuple[ScheduledSeq, ...], int]:
+def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int,
+                 max_rows: int | None = None, min_tokens: int = 1) -> tuple[tuple[ScheduledSeq, ...], int]:
     """The step's batch and the prefill budget it leaves.
 
-    - Decoding sequences always run, and prefills share `mixed_budget` tokens with them (so no stream
-      stalls for a long prompt); with nothing decoding, prefills share `alone_budget`.
+    - Decoding sequences run, and prefills share `mixed_budget` tokens with them (so no stream stalls
+      for a long prompt); with nothing decoding, prefills share `alone_budget`.
     - Prefills of tenants with fewer running sequences are fed first (admission order within a tenant):
       a tenant flooding the engine has many prefills in flight, and in admission order alone another
       tenant's short prompt would wait for all of them to be fed, chunk by chunk.
@@ -70,15 +70,25 @@ def compose_step(running: Seq[Sequence], *, mixed_budget: int,
       others decode: its first token then waits for one short step rather than for a full batch step
       of the busy tenant. Each such step delays the others' next token once; a tenant gets it only
       while none of its sequences decodes, so it cannot hold the others back for long.
+    - Under `max_rows` (several tenants active, engine/shared_step.py), a step with decodes runs at most
+      that many decodes and prompt tokens: decodes of lighter tenants first, then in `running` order
+      (the scheduler moves those fed to the back, so they take turns), leaving room for `min_tokens`
+      prompt tokens when any wait.
     """
+    load = _tenant_load(running)
     decoding = [s for s in running if s.pending_ids and s.status != SeqStatus.PREFILL]
-    prefills = _by_tenant_load(running)
+    prefills = sorted((s for s in running if s.pending_ids and s.status == SeqStatus.PREFILL),
+                      key=lambda s: load[_tenant(s)])  # stable: the order of `running` kept
     busy = {_tenant(s) for s in decoding}
     light = [s for s in prefills if _tenant(s) not in busy]
     if decoding and light and sum(len(s.pending_ids) for s in light) <= alone_budget:
         batch = tuple(ScheduledSeq(s, len(s.pending_ids)) for s in light)
         return batch, alone_budget - sum(s.num_tokens for s in batch)
     budget = mixed_budget if decoding else alone_budget
+    if max_rows is not None and decoding:
+        reserve = min(budget, sum(len(s.pending_ids) for s in prefills), min_tokens)
+        decoding = sorted(decoding, key=lambda s: load[_tenant(s)])[:max(1, max_rows - reserve)]
+        budget = min(budget, max(reserve, max_rows - len(decoding)))
     scheduled = [ScheduledSeq(s, len(s.pending_ids)) for s in decoding]
     for seq in prefills:
         if budget <= 0:
@@ -88,13 +98,12 @@ def compose_step(running: Seq[Sequence], *, mixed_budget: int,
     return tuple(scheduled), budget
 
 
-def _by_tenant_load(running: Seq[Sequence]) -> list[Sequence]:
-    """Sequences with prompt tokens to feed, tenants with fewer running sequences first."""
+def _tenant_load(running: Seq[Sequence]) -> dict[str | None, int]:
+    """Running sequences per tenant."""
     load: dict[str | None, int] = {}
     for seq in running:
         load[_tenant(seq)] = load.get(_tenant(seq), 0) + 1
-    prefills = [s for s in running if s.status == SeqStatus.PREFILL and s.pending_ids]
-    return sorted(prefills, key=lambda s: load[_tenant(s)])  # stable: admission order kept
+    return load
 
 
 def _tenant(seq: Sequence) -> str | None:
