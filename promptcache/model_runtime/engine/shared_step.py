@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_SMOOTHING = 0.2  # weight of the newest light step in the moving average
+from promptcache.model_runtime.engine.step_budget import moving_average
+
 _MAX_ROWS = 4096
 
 
@@ -32,8 +33,7 @@ class SharedStepCap:
 
     def observe_light(self, step_ms: float) -> None:
         """Account a light tenant's step of its own."""
-        sample = step_ms
-        self.light_ms = sample if self.light_ms is None else (1 - _SMOOTHING) * self.light_ms + _SMOOTHING * sample
+        self.light_ms = moving_average(self.light_ms, step_ms)
 
     def observe_capped(self, rows: int, step_ms: float) -> None:
         """Account a step composed under the cap that ran `rows` rows in `step_ms`: the cap moves toward

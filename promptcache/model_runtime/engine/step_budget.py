@@ -55,11 +55,12 @@ class StepBudget:
         if num_decoding == 0:
             return  # nothing decoded: no stream waited, nothing to learn about the trade
         if num_prefill_tokens == 0:
-            self.decode_ms = _average(self.decode_ms, step_ms)
+            self.decode_ms = moving_average(self.decode_ms, step_ms)
         elif self.decode_ms is not None:
-            self.added_ms = _average(self.added_ms, step_ms - self.decode_ms)
-            self.fed = _average(self.fed, num_prefill_tokens)
+            self.added_ms = moving_average(self.added_ms, step_ms - self.decode_ms)
+            self.fed = moving_average(self.fed, num_prefill_tokens)
 
 
-def _average(current: float | None, sample: float) -> float:
+def moving_average(current: float | None, sample: float) -> float:
+    """`current` moved a `_SMOOTHING` share toward `sample` (`sample` when nothing was measured yet)."""
     return sample if current is None else (1 - _SMOOTHING) * current + _SMOOTHING * sample
