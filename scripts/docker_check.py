@@ -58,7 +58,8 @@ def run_checks(client: httpx.Client, metrics_key: str | None) -> None:
     modules = answer.get("cache", {}).get("modules", [])
     expect(any(m["path"] == "doc-amazon" and m["tier"] is not None for m in modules),
            "the PML request reuses the cached module doc-amazon", answer)
-    emit({"check": "pml_module_hit", "text": answer["choices"][0]["text"], "modules": [(m["path"], m["tier"]) for m in modules]})
+    emit({"check": "pml_module_hit", "text": answer["choices"][0]["text"],
+          "modules": [(m["path"], m["tier"]) for m in modules]})
 
     first = client.post("/v1/chat/completions", json=CHAT).json()
     again = client.post("/v1/chat/completions", json=CHAT).json()

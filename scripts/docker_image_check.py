@@ -70,7 +70,8 @@ def compose(args: argparse.Namespace) -> int:
     if container_ports != set(config["ports"]):
         problems.append(f"compose publishes {sorted(container_ports)}, the image exposes {config['ports']}")
     if service["healthcheck"]["test"][1:] != (config["health"] or [])[1:]:
-        problems.append(f"compose's health check {service['healthcheck']['test']} is not the image's {config['health']}")
+        problems.append(f"compose's health check {service['healthcheck']['test']} "
+                        f"is not the image's {config['health']}")
     if problems:
         print(json.dumps({"check": "compose", "problems": problems}))
         return 1

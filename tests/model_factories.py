@@ -72,12 +72,14 @@ def tiny_config(arch: str, *, vocab_size: int) -> PretrainedConfig:
 
 def make_tiny_model(arch: str, *, vocab_size: int, seed: int = 0,
                     dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A random-weight `arch` model (see `tiny_config`), SDPA attention, eval mode; same seed, same weights."""
+    """A random-weight `arch` model (see `tiny_config`), SDPA attention, eval mode; same seed, same weights:
+    drawn in fp32 and then cast, so a bf16 model holds the fp32 model's weights rounded (a bf16 draw gives
+    other weights on some torch versions)."""
     config = tiny_config(arch, vocab_size=vocab_size)
     with torch.random.fork_rng(devices=[]):  # seed locally: the caller's RNG stream is left alone
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return model.to(dtype).eval()
 
 
 def make_tiny_loaded(arch: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel:

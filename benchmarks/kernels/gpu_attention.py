@@ -6,8 +6,9 @@
 TinyLlama-1.1B head shape (32 query / 4 KV heads, head dim 64). Modes, side by side:
 - per_sequence_sdpa: every sequence holds its own copy of the shared KV, [B, H_kv, P + S, D], attended
   by torch SDPA with native GQA (what a server without shared-prefix attention does);
-- shared: `shared_module_attention` as the engine calls it (the shared KV once for all B queries, split
-  over its keys when one call would not fill the GPU, merged with each sequence's own KV);
+- shared: `shared_module_attention` as the engine calls it (own KV in a pool, index tensors built once
+  per pass; the shared KV once for all B queries, split over its keys when one call would not fill the
+  GPU, merged with each sequence's own KV);
 - shared_unsplit: the same without split-K;
 - no_attention: the output is a copy of the queries (the floor: launch and copy cost only).
 Prints JSON lines (median of `--iters` timed calls after warm-up; CUDA events on a GPU) with the bytes
@@ -23,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.harness import device_name, emit, gpu_parser, log
-from promptcache.model_runtime.attention import SharedSegment, shared_module_attention, split_keys
+from promptcache.model_runtime.attention import OwnPool, SharedSegment, StepIndices, shared_module_attention, split_keys
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 64
 
@@ -56,8 +57,12 @@ def run(device: torch.device, dtype: torch.dtype, batch: int, shared: int, own: 
 
     queries = rand(batch, HEADS, HEAD_DIM)                                    # [B, H, D]
     shared_k, shared_v = rand(KV_HEADS, shared, HEAD_DIM), rand(KV_HEADS, shared, HEAD_DIM)
-    own_k = [rand(KV_HEADS, own, HEAD_DIM) for _ in range(batch)]             # per sequence [H_kv, S, D]
-    own_v = [rand(KV_HEADS, own, HEAD_DIM) for _ in range(batch)]
+    # Own KV as the engine keeps it: slots of one pool, sequence b's at b * own (views, no copies).
+    pool_k, pool_v = rand(KV_HEADS, batch * own, HEAD_DIM), rand(KV_HEADS, batch * own, HEAD_DIM)
+    own_k = [pool_k[:, b * own:(b + 1) * own] for b in range(batch)]          # per sequence [H_kv, S, D]
+    own_v = [pool_v[:, b * own:(b + 1) * own] for b in range(batch)]
+    pool = OwnPool(pool_k, pool_v, tuple(b * own for b in range(batch)))
+    indices = StepIndices(device)  # a forward pass's index tensors, built once and shared by its layers
     segment = SharedSegment(shared_k, shared_v, tuple(range(batch)))
     # Per-sequence layout: the shared KV copied into every sequence's buffer.
     full_k = torch.cat([shared_k.expand(batch, -1, -1, -1), torch.stack(own_k)], dim=2)  # [B, H_kv, P + S, D]
@@ -66,7 +71,8 @@ def run(device: torch.device, dtype: torch.dtype, batch: int, shared: int, own: 
     scale = HEAD_DIM ** -0.5
 
     def shared_call() -> torch.Tensor:
-        return shared_module_attention(queries, [1] * batch, own_k, own_v, [segment], scale=scale)
+        return shared_module_attention(queries, [1] * batch, own_k, own_v, [segment], scale=scale, indices=indices,
+                                       own_pool=pool)
 
     def per_sequence() -> torch.Tensor:
         return torch.nn.functional.scaled_dot_product_attention(q4, full_k, full_v, scale=scale, enable_gqa=True)

@@ -190,12 +190,14 @@ def test_logits_with_reuse_equal_full_prefill(harness):
     h.run_sync(token_plan(h.plain, ids), _greedy())
     model = h.runtime.loaded.model
     with torch.inference_mode():
-        full = model(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits[0, -1]
+        full = model(torch.tensor([ids], device=model.device),
+                     attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device)).logits[0, -1]
+    full = full.float().cpu()  # the oracle on the host: cached logits live there, step logits are moved
     # The engine's own components, driven step by step on this thread (no engine thread involved),
     # without the logits cache so the last token is computed over the reused KV.
     cached = h.engine.prefix.logits.get(h.engine.prefix._terminal_key(
         h.engine.prefix.open([], list(ids), list(range(len(ids))), salt=None), None))
-    assert cached is not None and torch.allclose(cached, full.float(), atol=1e-4)  # cached logits: exact too
+    assert cached is not None and torch.allclose(cached.cpu(), full, atol=1e-4)  # cached logits: exact too
     prefix = PrefixReuse(h.engine.prefix.index)
     scheduler = Scheduler(h.engine.config, h.runtime.module_encoder, prefix)
     runner = ModelRunner(h.runtime.loaded)
@@ -204,6 +206,6 @@ def test_logits_with_reuse_equal_full_prefill(harness):
     [entry] = step.batch
     assert entry.seq.request.stream.num_reused == 36 and entry.seq.pending_ids == [ids[-1]] and entry.num_tokens == 1
     output = runner.run(step)
-    assert torch.allclose(output.logits[0], full.float(), atol=1e-4)
+    assert torch.allclose(output.logits[0].cpu(), full, atol=1e-4)
     events = OutputProcessor(scheduler, prefix).postprocess(step, output).events
     assert events[-1].report.usage.cached_tokens == 36 and scheduler.memory.used_bytes == 0

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from promptcache.model_runtime.attention.backends import matmul_attend
 
@@ -130,6 +131,25 @@ def gpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     if efficient_applicable(q):
         return aten_efficient_attend(q, k, v, scale, causal)
     return matmul_gpu_attend(q, k, v, scale, causal)
+
+
+def attend_concatenated(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                        scale: float) -> torch.Tensor:
+    """q [T, H, D], one sequence's queries, attends the concatenation of `keys`/`values` ([H_kv, N_i, D]
+    each, N = sum N_i >= T), its last T keys being the queries' own tokens: causal aligned bottom-right
+    (every earlier key in full). One fused call through torch SDPA (`causal_lower_right` takes the flash
+    or efficient kernel on a GPU): on a GPU a copy of the KV costs microseconds where each call and
+    merge of the segment-by-segment path costs a kernel launch. Returns out [T, H, D] (q's dtype)."""
+    num_rows, num_heads, _ = q.shape
+    k = torch.cat(keys, dim=1) if len(keys) > 1 else keys[0]             # [H_kv, N, D]
+    v = torch.cat(values, dim=1) if len(values) > 1 else values[0]
+    group = num_heads // k.shape[0]
+    if group > 1:  # the fused kernels take equal head counts
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [H, N, D]
+    mask = None if num_rows == 1 else causal_lower_right(num_rows, k.shape[1])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale)  # [1, H, T, D]
+    return out[0].transpose(0, 1)
 
 
 def kernel_block_rows(q: torch.Tensor) -> int:

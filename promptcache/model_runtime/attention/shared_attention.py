@@ -8,8 +8,9 @@ segments only one sequence sees (every segment of a lone request) join that sequ
 kernel takes KV as a list of segments, so one call and one softmax replace a call and a merge each.
 
 Device-generic: the kernels come from dispatch.py (CPU ops, or on a GPU torch's flash/efficient ops,
-split over the keys when a call would not fill the GPU). Index tensors come from a `StepIndices` built
-on the host once per forward pass, so no layer blocks the host on a GPU.
+split over the keys when a call would not fill the GPU; a lone sequence's KV concatenated for one call).
+Index tensors come from a `StepIndices` built on the host once per forward pass, so no layer blocks the
+host on a GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from promptcache.model_runtime.attention import bf16_kernel, dispatch
 from promptcache.model_runtime.attention.backends import matmul_attend
 from promptcache.model_runtime.attention.dispatch import CAUSAL_FUSED_MIN_WORK, choose, decode_in_place
-from promptcache.model_runtime.attention.gpu_backends import gpu_attend
+from promptcache.model_runtime.attention.gpu_backends import attend_concatenated, gpu_attend
 from promptcache.model_runtime.attention.own_decode import OwnPool, own_decode, own_decode_in_place
 from promptcache.model_runtime.attention.segments import SharedSegment
 from promptcache.model_runtime.attention.step_indices import StepIndices
@@ -57,6 +58,11 @@ def shared_module_attention(
     for n in query_lens:
         starts.append(starts[-1] + n)
 
+    if (len(query_lens) == 1 and backend != "matmul" and dispatch.on_gpu(queries)
+            and own_keys[0].shape[1] >= total_q and not any(any(s.row_offsets or ()) for s in segments)):
+        # A lone sequence on a GPU: its KV concatenated, one fused call instead of a call and merge each.
+        return attend_concatenated(queries, [*(s.keys for s in segments), own_keys[0]],
+                                   [*(s.values for s in segments), own_values[0]], scale)
     kernel = bf16_kernel.loaded() if backend == "auto" else None
     private, shared = _split(kernel, queries, query_lens, own_keys, own_values, segments, backend)
     if len(query_lens) == 1 and private and not shared:  # a lone sequence, everything in one call
@@ -182,7 +188,7 @@ def _decode_together(q: torch.Tensor, parts: Sequence[tuple[Sequence[SharedSegme
     assert decode is not None  # private sequences exist only where the kernel is loaded
     keys = [[*(s.keys for s in segments), k] for segments, k, _ in parts]
     values = [[*(s.values for s in segments), v] for segments, _, v in parts]
-    out, lse = decode(q, keys, values, scale)
+    out, lse = decode(q, keys, values, scale)  # [B, H, D], [B, H]
     return out, lse
 
 
