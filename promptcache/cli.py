@@ -88,7 +88,8 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-weight-packing", action="store_true",
                         help="plain torch.nn.Linear instead of weights prepacked for oneDNN on CPU")
     parser.add_argument("--no-layer-fusion", action="store_true",
-                        help="the Hugging Face decoder modules instead of the fused bf16 CPU kernels")
+                        help="the Hugging Face decoder modules instead of fused layers (bf16 CPU kernels, torch "
+                             "ops on a GPU)")
     parser.add_argument("--weights", choices=["native", "int8", "int4"],
                         help="CPU: decoder-layer linear weights as loaded (native, default), int8 per channel or "
                              "int4 per 32-group (the built-in model's own Q4_1 blocks); faster decode, see docs/api.md")

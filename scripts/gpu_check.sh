@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared check of promptcache on a machine with one NVIDIA GPU, PyTorch preinstalled and no
-# network, in at most 8 minutes (the step caps add up to 460 s). Design: docs/benchmarks.md, "GPU".
+# network, in at most 8 minutes (the step caps add up to 480 s). Design: docs/benchmarks.md, "GPU".
 #
 #   scripts/gpu_check.sh [--device cuda|cpu] [--smoke]
 #   STEPS="0 2 3" scripts/gpu_check.sh          # only these steps
@@ -13,7 +13,7 @@
 # | 3    | attention microbenchmark: B = 32, 8K shared + 256 own, bf16             | 50 s  | attention.jsonl |
 # | 4    | TTFT at 4K, ~1B Llama shape, bf16: cached modules vs HF full prefill    | 70 s  | ttft.jsonl      |
 # | 5    | engine decode B = 32 x 8K shared: shared / per-sequence SDPA / no attention, a profiled step | 80 s | decode.jsonl |
-# | 6    | promptcache serve --device cuda: a PML request, a chat request, an exact repeat | 40 s | check.log |
+# | 6    | promptcache serve --device cuda: a PML request, a chat request, an exact repeat | 60 s | check.log |
 # Every step's exit status and duration: steps.jsonl. Results go to $OUT when set (the device machine's
 # return folder), else benchmarks/results/gpu/ ($TMPDIR/promptcache_gpu_smoke with --smoke). The C++
 # CPU-kernel tests never run here.
@@ -67,7 +67,7 @@ DEVICE_TESTS=(tests/model_runtime/test_cuda.py tests/model_runtime/test_attentio
   tests/model_runtime/test_sampling_device.py tests/model_runtime/test_exactness.py
   tests/model_runtime/test_module_reuse.py tests/model_runtime/test_engine.py
   tests/model_runtime/test_prefix_reuse.py tests/model_runtime/test_generation.py
-  tests/model_runtime/test_kv_pool.py)
+  tests/model_runtime/test_kv_pool.py tests/model_runtime/test_torch_layer_ops.py)
 
 step_0() {
   DEVICE="$DEVICE" python3 - "$RESULTS/env.json" <<'EOF'
@@ -119,7 +119,7 @@ step_6() {
 
 NAMES=(probe cpu_control cuda_tests attention ttft decode serve)
 IS_SMOKE=$([ -n "$SMOKE" ] && echo true || echo false)
-CAPS=(20 30 170 50 70 80 40)
+CAPS=(20 30 170 50 70 80 60)  # serve: 27-37 s on an H200, most of it the server start
 failed=0
 started_all=$(date +%s)
 for step in $STEPS; do

@@ -73,7 +73,7 @@ def check(client: httpx.Client, name: str, path: str, body: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--ready-timeout-s", type=float, default=25.0)
+    parser.add_argument("--ready-timeout-s", type=float, default=40.0)
     args = parser.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -4,7 +4,8 @@ SDPA vs the no-attention ceiling, and one profiled step of the shared mode.
     python -m benchmarks.engine.gpu_decode --device cuda              # ~1B Llama shape, bf16, B = 32 x 8K shared
     python -m benchmarks.engine.gpu_decode --device cpu --smoke       # tiny, to check the script
 
-decode.py's modes (`run_mode`) on the TinyLlama-1.1B shape with random weights made on the device:
+decode.py's modes (`run_mode`) on the TinyLlama-1.1B shape with random weights made on the device, its
+decoder layers fused as the server loads them (loading/fused_layers.py):
 baseline_sdpa (each sequence's KV in one [B, H_kv, P + S, D] buffer, torch SDPA with native GQA), shared
 (promptcache's engine step: ModelRunner and shared-module attention), noattention (attention output :=
 query). One more step of the shared mode runs under torch.profiler: its kernel count and the ops that
@@ -39,7 +40,7 @@ def build(device: torch.device, dtype: torch.dtype, smoke: bool):
     torch.manual_seed(0)
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
-    loaded = wrap_model(model, tokenizer, name="tiny-llama" if smoke else "tinyllama-1.1b")
+    loaded = wrap_model(model, tokenizer, name="tiny-llama" if smoke else "tinyllama-1.1b", fuse_layers=True)
     install(model)
     return model, loaded
 

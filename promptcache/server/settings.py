@@ -102,8 +102,9 @@ class ServerSettings(BaseSettings):
     model_cache_dir: str | None = None
     pack_weights: bool = Field(True, description="linear weights prepacked for oneDNN on CPU (faster, same "
                                                  "results; off: plain torch.nn.Linear)")
-    fuse_layers: bool = Field(True, description="bf16 on CPUs with AVX512-BF16: fused decoder-layer kernels "
-                                                "(norms, RoPE, gated MLP; same outputs; off: the HF modules)")
+    fuse_layers: bool = Field(True, description="fused decoder layers on a GPU, and in bf16 on CPUs with "
+                                                "AVX512-BF16 (norms, RoPE, gated MLP; same outputs; off: the HF "
+                                                "modules)")
     weights: Literal["native", "int8", "int4"] = Field(
         "native", description="CPU: the decoder layers' linear weights as loaded (native), int8 per channel or "
                               "int4 per 32-group (the built-in model's own Q4_1 blocks); docs/api.md")

@@ -30,13 +30,67 @@ def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor,
     """`merge_partials` over a stacked leading dimension, also returning the merged lse.
 
     outs [parts, ..., rows, head_dim], lses [parts, ..., rows] (-inf: a part with no key for that row).
-    Returns fp32 out [..., rows, head_dim] and lse [..., rows] (-inf where no part had a key).
+    Returns fp32 out [..., rows, head_dim] and lse [..., rows] (-inf where no part had a key). Few ops: on a
+    GPU each one is a kernel launch.
     """
     lse = lses.float()
-    top = lse.max(dim=0).values                                          # [..., rows]
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    top = lse.amax(dim=0).nan_to_num(neginf=0.0)                         # [..., rows]; 0 where no part had a key
     weights = torch.exp(lse - top)                                       # [parts, ..., rows]
     total = weights.sum(dim=0)                                           # [..., rows]
-    merged = (weights.unsqueeze(-1) * outs.float()).sum(dim=0)           # [..., rows, head_dim]
+    merged = (weights.unsqueeze(-1) * outs).sum(dim=0)                   # [..., rows, head_dim] fp32
     merged = merged / total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
     return merged, top + torch.log(total)
+
+
+class RowMerge:
+    """Partial results over disjoint KV parts, merged by LSE into [Q, H, D] (Hydragen eq. 5).
+
+    A part covering every row in order (`whole`) is kept aside and merged once at the end with the other
+    whole parts; a part of some rows is folded into a running fp32 result at those rows. In a decode step
+    where every sequence sees the same segments, every part is whole: no running buffers, no gathers or
+    scatters of rows. Rows no part covers come out as zeros."""
+
+    def __init__(self, total_q: int, num_heads: int, head_dim: int, device: torch.device) -> None:
+        self.shape, self.device = (total_q, num_heads, head_dim), device
+        self.whole: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.acc: tuple[torch.Tensor, torch.Tensor] | None = None  # out [Q, H, D], lse [Q, H] fp32
+
+    def add(self, rows: torch.Tensor | slice, out: torch.Tensor, lse: torch.Tensor, *, whole: bool = False) -> None:
+        """out [M, H, D], lse [M, H] of the rows `rows` (all Q rows in order where `whole`)."""
+        if whole:
+            self.whole.append((out, lse))
+            return
+        if self.acc is None:
+            acc_out = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
+            acc_lse = torch.full(self.shape[:2], float("-inf"), dtype=torch.float32, device=self.device)
+            acc_out[rows], acc_lse[rows] = out.float(), lse.float()
+            self.acc = (acc_out, acc_lse)
+            return
+        acc_out, acc_lse = self.acc
+        old_lse = acc_lse[rows]
+        new_lse = torch.logaddexp(old_lse, lse)
+        safe = new_lse.nan_to_num(neginf=0.0)  # rows no part has reached yet
+        acc_out[rows] = (acc_out[rows] * torch.exp(old_lse - safe).unsqueeze(-1)
+                         + out.float() * torch.exp(lse - safe).unsqueeze(-1))
+        acc_lse[rows] = new_lse
+
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        """The merged attention output [Q, H, D] in `dtype`."""
+        if self.acc is not None:
+            for out, lse in self.whole:
+                self.add(slice(None), out, lse)
+            return self.acc[0].to(dtype)
+        if not self.whole:
+            return torch.zeros(self.shape, dtype=dtype, device=self.device)
+        if len(self.whole) == 1:
+            return self.whole[0][0].to(dtype)
+        lses = [lse.float() for _, lse in self.whole]
+        top = lses[0]
+        for lse in lses[1:]:
+            top = torch.maximum(top, lse)
+        top = top.nan_to_num(neginf=0.0)                                   # [Q, H]
+        weights = [torch.exp(lse - top) for lse in lses]                  # [Q, H] each
+        merged, total = weights[0].unsqueeze(-1) * self.whole[0][0], weights[0]
+        for w, (out, _) in zip(weights[1:], self.whole[1:]):
+            merged, total = merged + w.unsqueeze(-1) * out, total + w
+        return (merged / total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)).to(dtype)

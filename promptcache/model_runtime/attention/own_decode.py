@@ -37,14 +37,15 @@ def own_decode_in_place(queries: torch.Tensor, rows: Sequence[int], own_keys: Se
     return torch.stack(outs), torch.stack(lses)                                               # [B, H, D], [B, H]
 
 
-def own_decode(queries: torch.Tensor, rows: torch.Tensor, own_keys: Sequence[torch.Tensor],
+def own_decode(queries: torch.Tensor, rows: torch.Tensor | None, own_keys: Sequence[torch.Tensor],
                own_values: Sequence[torch.Tensor], num_kv_heads: int, group: int, scale: float,
                indices: StepIndices, pool: OwnPool | None = None):
-    """One batched call for single-token sequences (query rows `rows`) with short own KV: padded to the
-    longest, masked. With `pool` (these sequences' slots, every one in it) the padded KV is gathered by
-    one index_select for the keys and one for the values; otherwise copied sequence by sequence. Lengths
-    are host ints and the index tensors are built on the host once per forward pass, so nothing here
-    waits for the device. Returns out [B, H, D], lse [B, H] (fp32)."""
+    """One batched call for single-token sequences (query rows `rows`; None: every row of `queries`, in
+    order) with short own KV: padded to the longest, masked. With `pool` (these sequences' slots, every
+    one in it) the padded KV is gathered by one index_select for the keys and one for the values;
+    otherwise copied sequence by sequence. Lengths are host ints and the index tensors are built on the
+    host once per forward pass, so nothing here waits for the device. Returns out [B, H, D], lse [B, H]
+    (fp32)."""
     lengths = tuple(k.shape[1] for k in own_keys)
     longest, batch, head_dim = max(lengths), len(lengths), queries.shape[-1]
     if pool is not None:
@@ -55,11 +56,11 @@ def own_decode(queries: torch.Tensor, rows: torch.Tensor, own_keys: Sequence[tor
         for b, (k, v) in enumerate(zip(own_keys, own_values)):
             keys[b, :, : k.shape[1]] = k
             values[b, :, : v.shape[1]] = v
-    q = queries[rows].view(batch, num_kv_heads, group, head_dim)                       # [B, H_kv, G, D]
+    q = (queries if rows is None else queries[rows]).view(batch, num_kv_heads, group, head_dim)  # [B, H_kv, G, D]
     scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale           # [B, H_kv, G, S_max]
-    valid = indices.get(("own_valid", lengths), lambda: torch.arange(longest)[None, :]
-                        < torch.tensor(lengths)[:, None])                               # [B, S_max] bool
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    padding = indices.get(("own_padding", lengths), lambda: torch.arange(longest)[None, :]
+                          >= torch.tensor(lengths)[:, None])                            # [B, S_max] bool
+    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)                                                # [B, H_kv, G]
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())           # [B, H_kv, G, D]
     return out.reshape(batch, -1, head_dim), lse.reshape(batch, -1)                     # [B, H, D], [B, H]

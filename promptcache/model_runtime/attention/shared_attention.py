@@ -25,6 +25,7 @@ from promptcache.model_runtime.attention import bf16_kernel, dispatch
 from promptcache.model_runtime.attention.backends import matmul_attend
 from promptcache.model_runtime.attention.dispatch import CAUSAL_FUSED_MIN_WORK, choose, decode_in_place
 from promptcache.model_runtime.attention.gpu_backends import attend_concatenated, gpu_attend
+from promptcache.model_runtime.attention.lse_merge import RowMerge
 from promptcache.model_runtime.attention.own_decode import OwnPool, own_decode, own_decode_in_place
 from promptcache.model_runtime.attention.segments import SharedSegment
 from promptcache.model_runtime.attention.step_indices import StepIndices
@@ -68,24 +69,8 @@ def shared_module_attention(
     if len(query_lens) == 1 and private and not shared:  # a lone sequence, everything in one call
         return _attend_together(kernel, queries, private[0], own_keys[0], own_values[0], num_kv_heads, scale)
 
-    acc_out = torch.zeros((total_q, num_heads, head_dim), dtype=torch.float32, device=queries.device)  # [Q, H, D]
-    acc_lse = torch.full((total_q, num_heads), float("-inf"), dtype=torch.float32, device=queries.device)  # [Q, H]
-
-    is_empty = True  # nothing merged yet: the first result is written as it is
-
-    def merge(rows: torch.Tensor | slice, out: torch.Tensor, lse: torch.Tensor) -> None:
-        # out [M, H, D], lse [M, H]: fold into the running result of rows `rows` (online LSE merge).
-        nonlocal is_empty
-        if is_empty:  # every row is still empty (lse -inf): the merge would return (out, lse)
-            acc_out[rows], acc_lse[rows] = out.float(), lse.float()
-            is_empty = False
-            return
-        old_lse = acc_lse[rows]
-        new_lse = torch.logaddexp(old_lse, lse)
-        safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
-        acc_out[rows] = (acc_out[rows] * torch.exp(old_lse - safe).unsqueeze(-1)
-                         + out.float() * torch.exp(lse - safe).unsqueeze(-1))
-        acc_lse[rows] = new_lse
+    merged = RowMerge(total_q, num_heads, head_dim, queries.device)
+    merge = merged.add
 
     for same_rows in _by_rows(shared, queries if kernel is not None else None):
         first = same_rows[0]
@@ -97,7 +82,8 @@ def shared_module_attention(
             out, lse = kernel(q, [s.keys for s in same_rows], [s.values for s in same_rows], scale, False)
         else:
             out, lse = choose(backend, q, first.keys)(q, first.keys, first.values, scale)
-        merge(rows, *_unfold(out, lse, num_rows, num_kv_heads, group))
+        whole = isinstance(rows, slice) and num_rows == total_q  # every row, in order
+        merge(rows, *_unfold(out, lse, num_rows, num_kv_heads, group), whole=whole)
 
     decoding = [i for i in private if query_lens[i] == 1]
     if decoding:  # every decoding sequence's own KV and segments of its own: one kernel call for the batch
@@ -118,8 +104,10 @@ def shared_module_attention(
         pool = None
         if own_pool is not None and all(own_pool.first_slots[i] is not None for i in padded):
             pool = own_pool._replace(first_slots=tuple(own_pool.first_slots[i] for i in padded))
-        merge(rows, *own_decode(queries, rows, [own_keys[i] for i in padded], [own_values[i] for i in padded],
-                                num_kv_heads, group, scale, indices, pool))
+        whole = len(padded) == total_q  # every row decodes, in order: no gather of the query rows
+        merge(rows, *own_decode(queries, None if whole else rows, [own_keys[i] for i in padded],
+                                [own_values[i] for i in padded], num_kv_heads, group, scale, indices, pool),
+              whole=whole)
     if in_place:
         out, lse = own_decode_in_place(queries, [starts[i] for i in in_place], [own_keys[i] for i in in_place],
                                        [own_values[i] for i in in_place], num_kv_heads, scale)
@@ -138,7 +126,7 @@ def shared_module_attention(
         # The queries' own tokens: a square causal block (top-left == bottom-right alignment).
         out, lse = _causal_square(queries[rows], keys[:, prefix:], values[:, prefix:], group, scale, backend)
         merge(rows, out, lse)
-    return acc_out.to(queries.dtype)
+    return merged.result(queries.dtype)
 
 
 def _split(kernel, queries, query_lens, own_keys, own_values, segments, backend):

@@ -1,5 +1,6 @@
-"""Fused decoder layers for bf16 on CPUs with AVX512-BF16: one projection for q|k|v and one for gate|up,
-RMSNorm, RoPE and the SiLU-gated product as single-pass kernels (model_runtime/attention/csrc/fused_bf16.cpp).
+"""Fused decoder layers: one projection for q|k|v and one for gate|up, RMSNorm, RoPE and the SiLU-gated
+product as single-pass kernels for bf16 on CPUs with AVX512-BF16 (model_runtime/attention/csrc/fused_bf16.cpp),
+and as fewer PyTorch ops on a GPU (torch_layer_ops.py), where each op is a kernel launch.
 
 Why: once attention ran on the bf16 kernel, the ops bf16 did not speed up were a quarter of SmolLM2's
 2K-token prefill: PyTorch runs RMSNorm as seven passes over the activations, RoPE as six (slices, a
@@ -10,16 +11,16 @@ sums and exponentials round alike, i.e. all but rare last-bit ties; tests/model_
 Concatenating the q, k and v (and gate and up) weights gives the same products as the separate layers
 (oneDNN sums each output over the same inputs in the same order; measured bit-identical) in fewer calls.
 
-Applied by `fuse_layers(model)` at load, for Llama, Mistral and Qwen2 models in bf16 on the CPU where the
-kernel library is built and loads (bf16_kernel.prepare); any other model, dtype or device keeps the Hugging
-Face modules.
+Applied by `fuse_layers(model)` at load, for Llama, Mistral and Qwen2 models on a GPU, or in bf16 on the
+CPU where the kernel library is built and loads (bf16_kernel.prepare); any other model, dtype or device
+keeps the Hugging Face modules.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -33,9 +34,20 @@ from transformers.models.mistral.modeling_mistral import MistralAttention, Mistr
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm
 
 from promptcache.model_runtime.attention import bf16_kernel
-from promptcache.model_runtime.attention.bf16_kernel import FusedOps
+from promptcache.model_runtime.loading import torch_layer_ops
 
 log = logging.getLogger(__name__)
+
+
+class LayerOps(Protocol):
+    """The fused modules' element-wise ops: `bf16_kernel.FusedOps` on a CPU, `torch_layer_ops` on a GPU."""
+
+    @property
+    def rms_norm(self) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]: ...
+    @property
+    def silu_mul(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
+    @property
+    def rope_qk(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], list[torch.Tensor]]: ...
 
 _NORMS = (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm)
 _MLPS = (LlamaMLP, MistralMLP, Qwen2MLP)
@@ -46,7 +58,7 @@ _LANES = 16  # the kernels' vector width in elements: feature sizes must be mult
 class FusedRMSNorm(torch.nn.Module):
     """LlamaRMSNorm (and its Mistral/Qwen2 twins) in one pass: `weight * bf16(x * rsqrt(mean(x^2) + eps))`."""
 
-    def __init__(self, norm: Any, ops: FusedOps) -> None:  # a Hugging Face RMSNorm (duck-typed)
+    def __init__(self, norm: Any, ops: LayerOps) -> None:  # a Hugging Face RMSNorm (duck-typed)
         super().__init__()
         self.weight = norm.weight
         self.eps = float(norm.variance_epsilon)
@@ -63,7 +75,7 @@ class FusedGatedMLP(torch.nn.Module):
     # The source layers of each joined projection: a checkpoint's quantized blocks are found by their names.
     JOINED_PROJECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up_proj": ("gate_proj", "up_proj")}
 
-    def __init__(self, mlp: Any, ops: FusedOps) -> None:  # a Hugging Face gated MLP (duck-typed)
+    def __init__(self, mlp: Any, ops: LayerOps) -> None:  # a Hugging Face gated MLP (duck-typed)
         super().__init__()
         self.gate_up_proj = _concatenated(mlp.gate_proj, mlp.up_proj)
         self.down_proj = mlp.down_proj
@@ -82,7 +94,7 @@ class FusedAttention(torch.nn.Module):
 
     JOINED_PROJECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
-    def __init__(self, attention: Any, ops: FusedOps) -> None:  # a Hugging Face attention (duck-typed)
+    def __init__(self, attention: Any, ops: LayerOps) -> None:  # a Hugging Face attention (duck-typed)
         super().__init__()
         config = attention.config
         self.config, self.layer_idx, self.ops = config, attention.layer_idx, ops
@@ -144,17 +156,14 @@ def fused_stack_forward(base_model: Any) -> StackForward | None:
 
 
 def fuse_layers(model: torch.nn.Module) -> int:
-    """Swap the norms, attention blocks and gated MLPs of a bf16 CPU Llama/Mistral/Qwen2 model for their
-    fused versions, in place; returns how many modules were swapped (0 where the kernel is unavailable,
-    the model is not bf16 on the CPU, or its shapes are not the kernels'). Call before packing weights:
-    the fused projections are plain `nn.Linear` layers that packing then picks up."""
+    """Swap the norms, attention blocks and gated MLPs of a Llama/Mistral/Qwen2 model on a GPU, or in bf16
+    on a CPU with the kernels, for their fused versions, in place; returns how many modules were swapped
+    (0 where no ops apply or its shapes are not the kernels'). Call before packing weights: the fused
+    projections are plain `nn.Linear` layers that packing then picks up."""
     parameter = next(model.parameters())
-    if parameter.dtype != torch.bfloat16 or parameter.device.type != "cpu" or not _fusable(model.config):
+    ops = _layer_ops(parameter) if _fusable(model.config) else None
+    if ops is None:
         return 0
-    if not bf16_kernel.prepare():
-        return 0
-    ops = bf16_kernel.fused_ops()
-    assert ops is not None  # prepare() loads the ops with the attention kernel
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -162,11 +171,21 @@ def fuse_layers(model: torch.nn.Module) -> int:
             if fused is not None:
                 setattr(parent, name, fused)
                 swapped += 1
-    log.info("fused %d decoder modules (bf16 CPU kernels)", swapped)
+    log.info("fused %d decoder modules (%s)", swapped, "torch ops" if ops is torch_layer_ops else "bf16 kernels")
     return swapped
 
 
-def _fused(module: torch.nn.Module, ops: FusedOps) -> torch.nn.Module | None:
+def _layer_ops(parameter: torch.Tensor) -> LayerOps | None:
+    """The ops for a model whose weights are like `parameter`: torch's on a GPU (launches bind a step
+    there, so fewer ops pay in any dtype), the bf16 kernels in bf16 on a CPU that runs them, else None."""
+    if parameter.device.type == "cuda":
+        return torch_layer_ops
+    if parameter.dtype != torch.bfloat16 or parameter.device.type != "cpu" or not bf16_kernel.prepare():
+        return None
+    return bf16_kernel.fused_ops()
+
+
+def _fused(module: torch.nn.Module, ops: LayerOps) -> torch.nn.Module | None:
     if isinstance(module, _NORMS):
         return FusedRMSNorm(module, ops)
     if isinstance(module, _MLPS):

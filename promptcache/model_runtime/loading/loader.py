@@ -49,8 +49,8 @@ class ModelConfig:
     weights are kept (None: ~/.cache/promptcache/models). `dtype="auto"` is bf16 where the hardware
     computes it natively and fp32 elsewhere (cpu_features.auto_dtype). `pack_weights` keeps the linear
     layers' weights in oneDNN's packed layout on CPUs where that runs (packed_linear.py);
-    `fuse_layers` runs bf16 Llama/Mistral/Qwen2 models on CPUs with AVX512-BF16 through fused
-    decoder-layer kernels (fused_layers.py; the HF modules' outputs up to rare last-bit roundings).
+    `fuse_layers` runs Llama/Mistral/Qwen2 models through fused decoder layers on a GPU, and in bf16 on
+    CPUs with AVX512-BF16 (fused_layers.py; the HF modules' outputs up to rare last-bit roundings).
     `weights` int8/int4 holds the decoder layers' linear weights at 8 or 4 bits on the CPU
     (quantized_linear.py); int4 loads the built-in model's Q4_1 blocks as its GGUF file stores them.
     Raises ValueError for an unknown dtype, a malformed device string, or quantized weights off the CPU.
