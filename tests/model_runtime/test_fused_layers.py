@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import ModelRuntime, SamplingParams, wrap_model
@@ -28,6 +28,7 @@ from promptcache.model_runtime.loading.fused_layers import (
     fused_stack_forward,
 )
 from tests.model_factories import make_test_tokenizer, make_tiny_model
+from tests.model_runtime.test_torch_layer_ops import assert_rope_matches_hf
 
 pytestmark = pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
 
@@ -72,18 +73,7 @@ def test_gated_mlp_matches_llama_mlp(ops):
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (14, 2, 64), (4, 4, 128)])
 def test_rope_matches_apply_rotary_pos_emb_bit_for_bit(ops, heads, kv_heads, dim):
-    generator = torch.Generator().manual_seed(dim + heads)
-    rows = 133
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator).bfloat16()
-    angles = torch.arange(rows)[:, None] * torch.rand(dim // 2, generator=generator)[None] * 3  # [rows, D/2]
-    cos = torch.cat([angles.cos(), angles.cos()], -1).bfloat16()
-    sin = torch.cat([angles.sin(), angles.sin()], -1).bfloat16()
-    q = qkv[:, : heads * dim].view(1, rows, heads, dim).transpose(1, 2)
-    k = qkv[:, heads * dim: (heads + kv_heads) * dim].view(1, rows, kv_heads, dim).transpose(1, 2)
-    want_q, want_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
-    got_q, got_k = ops.rope_qk(qkv, cos, sin, heads, kv_heads)
-    assert torch.equal(got_q.view(1, rows, heads, dim).transpose(1, 2), want_q)
-    assert torch.equal(got_k.view(1, rows, kv_heads, dim).transpose(1, 2), want_k)
+    assert_rope_matches_hf(ops.rope_qk, heads, kv_heads, dim)
 
 
 def _model(arch: str, vocab_size: int) -> torch.nn.Module:

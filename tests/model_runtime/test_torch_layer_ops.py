@@ -28,10 +28,10 @@ def torch_ops_here(monkeypatch):
         monkeypatch.setattr(fused_layers, "_layer_ops", lambda parameter: torch_layer_ops)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128)])
-def test_rope_matches_apply_rotary_pos_emb_bit_for_bit(heads, kv_heads, dim):
+def assert_rope_matches_hf(rope_qk, heads: int, kv_heads: int, dim: int) -> None:
+    """`rope_qk` (the torch ops' or the bf16 kernels') equals `apply_rotary_pos_emb` bit for bit."""
     generator = torch.Generator().manual_seed(dim + heads)
-    rows = 77
+    rows = 133
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator).bfloat16()
     angles = torch.arange(rows)[:, None] * torch.rand(dim // 2, generator=generator)[None] * 3  # [rows, D/2]
     cos = torch.cat([angles.cos(), angles.cos()], -1).bfloat16()
@@ -39,9 +39,14 @@ def test_rope_matches_apply_rotary_pos_emb_bit_for_bit(heads, kv_heads, dim):
     q = qkv[:, : heads * dim].view(1, rows, heads, dim).transpose(1, 2)
     k = qkv[:, heads * dim: (heads + kv_heads) * dim].view(1, rows, kv_heads, dim).transpose(1, 2)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
-    got_q, got_k = torch_layer_ops.rope_qk(qkv, cos, sin, heads, kv_heads)
+    got_q, got_k = rope_qk(qkv, cos, sin, heads, kv_heads)
     assert torch.equal(got_q.reshape(1, rows, heads, dim).transpose(1, 2), want_q)
     assert torch.equal(got_k.reshape(1, rows, kv_heads, dim).transpose(1, 2), want_k)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128)])
+def test_rope_matches_apply_rotary_pos_emb_bit_for_bit(heads, kv_heads, dim):
+    assert_rope_matches_hf(torch_layer_ops.rope_qk, heads, kv_heads, dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
