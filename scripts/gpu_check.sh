@@ -67,7 +67,8 @@ DEVICE_TESTS=(tests/model_runtime/test_cuda.py tests/model_runtime/test_attentio
   tests/model_runtime/test_sampling_device.py tests/model_runtime/test_exactness.py
   tests/model_runtime/test_module_reuse.py tests/model_runtime/test_engine.py
   tests/model_runtime/test_prefix_reuse.py tests/model_runtime/test_generation.py
-  tests/model_runtime/test_kv_pool.py tests/model_runtime/test_torch_layer_ops.py)
+  tests/model_runtime/test_kv_pool.py tests/model_runtime/test_torch_layer_ops.py
+  tests/model_runtime/test_triton_decode.py)
 
 step_0() {
   DEVICE="$DEVICE" python3 - "$RESULTS/env.json" <<'EOF'

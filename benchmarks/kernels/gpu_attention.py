@@ -10,7 +10,9 @@ TinyLlama-1.1B head shape (32 query / 4 KV heads, head dim 64). Modes, side by s
   per pass; the shared KV once for all B queries, split over its keys when one call would not fill the
   GPU, merged with each sequence's own KV);
 - shared_unsplit: the same without split-K;
-- no_attention: the output is a copy of the queries (the floor: launch and copy cost only).
+- no_attention: the output is a copy of the queries (the floor: launch and copy cost only);
+- triton: the same arithmetic as `shared` in two Triton kernels (triton_decode.py, a prototype; on a
+  CUDA device with Triton only).
 Prints JSON lines (median of `--iters` timed calls after warm-up; CUDA events on a GPU) with the bytes
 each mode reads and the bandwidth that implies.
 """
@@ -86,6 +88,12 @@ def run(device: torch.device, dtype: torch.dtype, batch: int, shared: int, own: 
     kv_bytes["no_attention"] = 0
     modes: dict[str, Callable[[], object]] = {"per_sequence_sdpa": per_sequence, "shared": shared_call,
                                               "no_attention": queries.clone}
+    fused = _triton_call(queries, shared_k, shared_v, pool_k, pool_v, batch, own, scale)
+    if fused is not None:
+        modes["triton"] = fused
+        kv_bytes["triton"] = kv_bytes["shared"]
+    errors = {mode: round((fn().float() - reference).abs().max().item(), 5) for mode, fn in modes.items()
+              if mode not in ("per_sequence_sdpa", "no_attention")}
     times = {mode: time_ms(fn, device, iters) for mode, fn in modes.items()}
     keep = split_keys.MIN_KEYS_PER_SPLIT
     split_keys.MIN_KEYS_PER_SPLIT = 1 << 62  # no split-K
@@ -101,8 +109,25 @@ def run(device: torch.device, dtype: torch.dtype, batch: int, shared: int, own: 
             "head_dim": HEAD_DIM, "ms": round(ms, 4), "kv_bytes": kv_bytes[mode],
             "gb_per_s": round(kv_bytes[mode] / ms / 1e6, 1) if kv_bytes[mode] else None,
             "speedup_vs_per_sequence": round(times["per_sequence_sdpa"] / ms, 2),
-            "max_abs_error_vs_sdpa": round(error, 5), "iters": iters})
+            "max_abs_error_vs_sdpa": errors.get(mode, round(error, 5)), "iters": iters})
     return records
+
+
+def _triton_call(queries, shared_k, shared_v, pool_k, pool_v, batch: int, own: int,
+                 scale: float) -> Callable[[], torch.Tensor] | None:
+    """The `triton` mode's call, or None without a CUDA device or Triton."""
+    if queries.device.type != "cuda":
+        return None
+    try:
+        from benchmarks.kernels.triton_decode import BLOCK_ROWS, shared_decode_attention
+    except ImportError:
+        return None
+    first = torch.arange(batch, dtype=torch.int32, device=queries.device) * own
+    length = torch.full((batch,), own, dtype=torch.int32, device=queries.device)
+    # Key chunks enough for every SM: programs = KV heads x row blocks x chunks.
+    programs = KV_HEADS * -(-batch * (HEADS // KV_HEADS) // BLOCK_ROWS)
+    chunks = max(1, min(split_keys.num_sms(queries.device) // programs, shared_k.shape[1] // 256))
+    return lambda: shared_decode_attention(queries, shared_k, shared_v, pool_k, pool_v, first, length, scale, chunks)
 
 
 def main() -> None:

@@ -1,0 +1,50 @@
+"""The Triton prototype of a decode step's shared-module attention (benchmarks/kernels/triton_decode.py)
+against plain attention over each sequence's whole KV. On a GPU the kernels run compiled. Without one they
+run in Triton's interpreter, which must be on before Triton is first imported and needs NumPy < 2.4:
+`TRITON_INTERPRET=1 pytest tests/model_runtime/test_triton_decode.py`. Skipped otherwise, and where Triton
+is not installed."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available() and (os.environ.get("TRITON_INTERPRET") != "1"
+                                      or np.lib.NumpyVersion(np.__version__) >= "2.4.0"):
+    pytest.skip("no GPU, and no Triton interpreter (TRITON_INTERPRET=1, NumPy < 2.4)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from benchmarks.kernels.triton_decode import shared_decode_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunks", [1, 3, 16])  # 16 chunks of 150 keys: the last one holds none
+def test_matches_plain_attention_over_each_sequences_kv(dtype, chunks):
+    g = torch.Generator().manual_seed(chunks)
+    batch, heads, kv_heads, dim, shared, capacity = 5, 8, 2, 64, 150, 80
+    lengths = [0, 3, 70, 17, 1]  # own KV lengths, an empty one among them
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+
+    q = rand(batch, heads, dim)
+    shared_k, shared_v = rand(kv_heads, shared, dim), rand(kv_heads, shared, dim)
+    pool_k, pool_v = rand(kv_heads, batch * capacity, dim), rand(kv_heads, batch * capacity, dim)
+    first = torch.arange(batch, dtype=torch.int32, device=DEVICE) * capacity
+    length = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    got = shared_decode_attention(q, shared_k, shared_v, pool_k, pool_v, first, length, dim ** -0.5, chunks)
+    assert got.dtype == dtype and got.shape == q.shape
+    for b, n in enumerate(lengths):
+        own = slice(b * capacity, b * capacity + n)
+        k = torch.cat([shared_k, pool_k[:, own]], 1).float().repeat_interleave(heads // kv_heads, 0)
+        v = torch.cat([shared_v, pool_v[:, own]], 1).float().repeat_interleave(heads // kv_heads, 0)
+        want = torch.nn.functional.scaled_dot_product_attention(q[b].float()[:, None], k, v, scale=dim ** -0.5)
+        # fp32 on a GPU: Triton's dot takes fp32 inputs as TF32 (10-bit mantissas), as its default allows.
+        tolerance = 2e-2 if dtype == torch.bfloat16 else (5e-3 if DEVICE == "cuda" else 1e-5)
+        assert (got[b].float() - want[:, 0]).abs().max().item() <= tolerance
