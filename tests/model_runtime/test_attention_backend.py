@@ -152,6 +152,15 @@ def test_gpu_branch_matches_plain_attention(gpu_branch_on_cpu, name, dtype, tole
     assert (got - shared_module_attention(*case, backend="matmul").float()).abs().max().item() <= tolerance
 
 
+def test_a_lone_sequence_past_the_copy_bound_attends_segments_where_they_lie(gpu_branch_on_cpu, monkeypatch):
+    monkeypatch.setattr(shared_attention, "CONCATENATED_MAX_BYTES", 0)
+    spec, offsets = ALL_CASES["lone_prefill"]
+    case = make_extra(17, torch.float32, row_offsets=offsets, **spec)
+    got = shared_module_attention(*case)
+    assert gpu_branch_on_cpu.calls  # the segment-by-segment path: torch's ops, through their twins
+    assert (got - offset_reference(*case)).abs().max().item() <= 1e-5
+
+
 def test_a_row_that_sees_no_key_gets_zeros(gpu_branch_on_cpu):
     """Sequence 0 has no own KV yet and its one segment starts after its only row."""
     queries, lens, own_k, own_v, segments = make_case(16, num_heads=4, num_kv_heads=2, query_lens=[1, 1],

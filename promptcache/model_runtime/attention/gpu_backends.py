@@ -133,6 +133,16 @@ def gpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     return matmul_gpu_attend(q, k, v, scale, causal)
 
 
+# The concatenated path's KV copy, expanded to every query head, at most this large (bytes): beyond it the
+# copy's memory, not launches, is what a call costs, and segments are attended where they lie.
+CONCATENATED_MAX_BYTES = 256 << 20
+
+
+def concatenated_bytes(num_heads: int, num_keys: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of the K and V copies `attend_concatenated` makes for `num_keys` keys."""
+    return 2 * num_heads * num_keys * head_dim * torch.finfo(dtype).bits // 8
+
+
 def attend_concatenated(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                         scale: float) -> torch.Tensor:
     """q [T, H, D], one sequence's queries, attends the concatenation of `keys`/`values` ([H_kv, N_i, D]
