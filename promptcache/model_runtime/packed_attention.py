@@ -51,6 +51,19 @@ class BatchContext:
     decode: StepDecode | bool | None = field(default=None, repr=False)
     # A step that also prefills: the prefilling sequences' own index tensors (their rows renumbered).
     others_indices: StepIndices | None = field(default=None, repr=False)
+    # Per sequence attended by the general path, its own KV so far as (keys, values) views per layer.
+    layer_views: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = field(
+        default_factory=dict, repr=False)
+
+    def own_kv(self, seq: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence `seq`'s own keys and values so far at `layer`, [H_kv, n, D] views: one `unbind` per
+        sequence a pass instead of a slice per sequence a layer (host time that bounds a GPU step)."""
+        views = self.layer_views.get(seq)
+        if views is None:
+            n = self.own_starts[seq] + self.query_lens[seq]
+            views = self.layer_views[seq] = (self.own_keys[seq][:, :, :n].unbind(0),
+                                             self.own_values[seq][:, :, :n].unbind(0))
+        return views[0][layer], views[1][layer]
 
     def prepare(self, device: torch.device) -> StepIndices:
         """The pass's index tensors and own-KV writes (built at the first call)."""
@@ -134,8 +147,8 @@ def _attend(ctx: BatchContext, queries: torch.Tensor, layer: int, seqs: tuple[in
             indices: StepIndices, scaling: float | None) -> torch.Tensor:
     """The general path (`shared_module_attention`) for sequences `seqs` of the step, whose query rows
     `queries` [T, H, D] holds in order; `segments` as they see them (members numbered among `seqs`)."""
-    own_keys = [ctx.own_keys[i][layer, :, : ctx.own_starts[i] + ctx.query_lens[i]] for i in seqs]
-    own_values = [ctx.own_values[i][layer, :, : ctx.own_starts[i] + ctx.query_lens[i]] for i in seqs]
+    own = [ctx.own_kv(i, layer) for i in seqs]
+    own_keys, own_values = [k for k, _ in own], [v for _, v in own]
     layer_segments = [SharedSegment(keys=k[layer], values=v[layer], seq_indices=members, row_offsets=offsets)
                       for k, v, members, offsets in segments]
     pool = None

@@ -104,8 +104,8 @@ def shared_module_attention(
         merge(rows, *_attend_together(kernel, queries[rows], segs, own_keys[i], own_values[i], num_kv_heads, scale,
                                       with_lse=True))
     decode = [i for i, n in enumerate(query_lens) if n == 1 and own_keys[i].shape[1] > 0 and i not in private]
-    in_place = [i for i in decode if decode_in_place(backend, queries, own_keys[i].shape[1])]
-    padded = [i for i in decode if i not in set(in_place)]
+    chosen = {i for i in decode if decode_in_place(backend, queries, own_keys[i].shape[1])}
+    in_place, padded = [i for i in decode if i in chosen], [i for i in decode if i not in chosen]
     if padded:
         rows = indices.positions([starts[i] for i in padded])
         pool = None
