@@ -51,19 +51,20 @@ class BatchContext:
     decode: StepDecode | bool | None = field(default=None, repr=False)
     # A step that also prefills: the prefilling sequences' own index tensors (their rows renumbered).
     others_indices: StepIndices | None = field(default=None, repr=False)
-    # Per sequence attended by the general path, its own KV so far as (keys, values) views per layer.
-    layer_views: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = field(
+    # Per group of sequences attended by the general path: their own KV so far, per layer (keys, values).
+    layer_views: dict[tuple[int, ...], list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]] = field(
         default_factory=dict, repr=False)
 
-    def own_kv(self, seq: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence `seq`'s own keys and values so far at `layer`, [H_kv, n, D] views: one `unbind` per
-        sequence a pass instead of a slice per sequence a layer (host time that bounds a GPU step)."""
-        views = self.layer_views.get(seq)
-        if views is None:
-            n = self.own_starts[seq] + self.query_lens[seq]
-            views = self.layer_views[seq] = (self.own_keys[seq][:, :, :n].unbind(0),
-                                             self.own_values[seq][:, :, :n].unbind(0))
-        return views[0][layer], views[1][layer]
+    def own_kv(self, seqs: tuple[int, ...], layer: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """The own keys and values so far of sequences `seqs` at `layer`, [H_kv, n, D] views: made once a
+        pass (an `unbind` per sequence), not sliced per sequence per layer (host time bounds a GPU step)."""
+        by_layer = self.layer_views.get(seqs)
+        if by_layer is None:
+            lengths = [self.own_starts[i] + self.query_lens[i] for i in seqs]
+            keys = zip(*(self.own_keys[i][:, :, :n].unbind(0) for i, n in zip(seqs, lengths)))
+            values = zip(*(self.own_values[i][:, :, :n].unbind(0) for i, n in zip(seqs, lengths)))
+            by_layer = self.layer_views[seqs] = list(zip(keys, values))
+        return by_layer[layer]
 
     def prepare(self, device: torch.device) -> StepIndices:
         """The pass's index tensors and own-KV writes (built at the first call)."""
@@ -147,8 +148,7 @@ def _attend(ctx: BatchContext, queries: torch.Tensor, layer: int, seqs: tuple[in
             indices: StepIndices, scaling: float | None) -> torch.Tensor:
     """The general path (`shared_module_attention`) for sequences `seqs` of the step, whose query rows
     `queries` [T, H, D] holds in order; `segments` as they see them (members numbered among `seqs`)."""
-    own = [ctx.own_kv(i, layer) for i in seqs]
-    own_keys, own_values = [k for k, _ in own], [v for _, v in own]
+    own_keys, own_values = ctx.own_kv(seqs, layer)
     layer_segments = [SharedSegment(keys=k[layer], values=v[layer], seq_indices=members, row_offsets=offsets)
                       for k, v, members, offsets in segments]
     pool = None
@@ -156,7 +156,7 @@ def _attend(ctx: BatchContext, queries: torch.Tensor, layer: int, seqs: tuple[in
         pool = OwnPool(ctx.pool.keys[layer], ctx.pool.values[layer], tuple(ctx.own_slots))  # [H_kv, slots, D] x2
     return shared_module_attention(queries, [ctx.query_lens[i] for i in seqs], own_keys, own_values,
                                    layer_segments, scale=scaling, backend=ctx.backend, indices=indices,
-                                   own_pool=pool)
+                                   own_pool=pool, check=layer == 0)  # every layer's views share one layout
 
 
 def _own_writes(ctx: BatchContext, indices: StepIndices) -> list[OwnWrite]:

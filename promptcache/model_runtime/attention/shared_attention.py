@@ -47,14 +47,17 @@ def shared_module_attention(
     backend: str = "auto",
     indices: StepIndices | None = None,
     own_pool: OwnPool | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """queries [total_q, H, D] grouped by sequence; own_keys[i] [H_kv, S_i, D] (S_i >= T_i: the last
     T_i own keys are the queries' own tokens, attended causally). Returns [total_q, H, D]. `indices`:
     the forward pass's index tensors, shared by its layers (a fresh set when None). `own_pool`: where
     the own KV lies when (some of) own_keys are views of a pool's slots, so decoding sequences' KV is
-    gathered in one call rather than copied one by one."""
+    gathered in one call rather than copied one by one. `check=False` skips validating the arguments
+    (a forward pass's later layers, whose tensors have the first layer's layout)."""
     total_q, num_heads, head_dim = queries.shape
-    num_kv_heads = _validate(queries, query_lens, own_keys, own_values, segments)
+    num_kv_heads = (_validate(queries, query_lens, own_keys, own_values, segments) if check
+                    else own_keys[0].shape[0])
     if own_pool is not None and len(own_pool.first_slots) != len(query_lens):
         raise ValueError(f"own_pool has {len(own_pool.first_slots)} first slots for {len(query_lens)} sequences")
     group = num_heads // num_kv_heads
@@ -104,7 +107,8 @@ def shared_module_attention(
         merge(rows, *_attend_together(kernel, queries[rows], segs, own_keys[i], own_values[i], num_kv_heads, scale,
                                       with_lse=True))
     decode = [i for i, n in enumerate(query_lens) if n == 1 and own_keys[i].shape[1] > 0 and i not in private]
-    chosen = {i for i in decode if decode_in_place(backend, queries, own_keys[i].shape[1])}
+    chosen = ({i for i in decode if decode_in_place(backend, queries, own_keys[i].shape[1])}
+              if queries.device.type == "cpu" else set())  # in place: a CPU choice
     in_place, padded = [i for i in decode if i in chosen], [i for i in decode if i not in chosen]
     if padded:
         rows = indices.positions([starts[i] for i in padded])
