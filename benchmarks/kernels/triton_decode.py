@@ -27,6 +27,21 @@ MIN_OWN_ROWS = 16  # tl.dot needs 16 rows: a sequence's G rows are padded up to 
 
 
 @triton.jit
+def _online_block(q, k, v, key_ok, scale, top, total, acc):
+    """One block of keys into a running softmax: q [rows, D], k/v [keys, D] (`key_ok` masks keys); top,
+    total [rows] and acc [rows, D] (fp32) are the running max, sum of weights and weighted values."""
+    scores = tl.dot(q, tl.trans(k)) * scale                                # [rows, keys] fp32
+    scores = tl.where(key_ok[None, :], scores, float("-inf"))
+    new_top = tl.maximum(top, tl.max(scores, 1))
+    safe = tl.where(new_top == float("-inf"), 0.0, new_top)  # a block with no key left: weights 0
+    rescale = tl.exp(top - safe)
+    probs = tl.exp(scores - safe[:, None])
+    total = total * rescale + tl.sum(probs, 1)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
+    return new_top, total, acc
+
+
+@triton.jit
 def _shared_partials(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale, num_rows, keys_per_chunk, num_keys,
                      group: tl.constexpr, num_heads: tl.constexpr, head_dim: tl.constexpr,
                      block_rows: tl.constexpr, block_keys: tl.constexpr):
@@ -49,15 +64,7 @@ def _shared_partials(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale, num_rows, key
         kv_offsets = h * num_keys * head_dim + keys[:, None] * head_dim + dims[None, :]
         k = tl.load(k_ptr + kv_offsets, mask=key_ok[:, None], other=0.0)
         v = tl.load(v_ptr + kv_offsets, mask=key_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale                         # [rows, keys] fp32
-        scores = tl.where(key_ok[None, :], scores, float("-inf"))
-        new_top = tl.maximum(top, tl.max(scores, 1))
-        safe = tl.where(new_top == float("-inf"), 0.0, new_top)  # a block with no key left: weights 0
-        rescale = tl.exp(top - safe)
-        probs = tl.exp(scores - safe[:, None])
-        total = total * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
-        top = new_top
+        top, total, acc = _online_block(q, k, v, key_ok, scale, top, total, acc)
     # partials [chunks, H_kv, rows, D] and [chunks, H_kv, rows]
     base = (chunk * tl.num_programs(0) + h) * num_rows
     # A chunk past the last key (none left for it) stores zeros and lse -inf: it weighs nothing.
@@ -89,15 +96,7 @@ def _own_and_merge(q_ptr, k_ptr, v_ptr, first_ptr, length_ptr, shared_out_ptr, s
         kv_offsets = h * num_slots * head_dim + (first + keys)[:, None] * head_dim + dims[None, :]
         k = tl.load(k_ptr + kv_offsets, mask=key_ok[:, None], other=0.0)
         v = tl.load(v_ptr + kv_offsets, mask=key_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale
-        scores = tl.where(key_ok[None, :], scores, float("-inf"))
-        new_top = tl.maximum(top, tl.max(scores, 1))
-        safe = tl.where(new_top == float("-inf"), 0.0, new_top)  # a block with no key left: weights 0
-        rescale = tl.exp(top - safe)
-        probs = tl.exp(scores - safe[:, None])
-        total = total * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
-        top = new_top
+        top, total, acc = _online_block(q, k, v, key_ok, scale, top, total, acc)
     # The shared chunks' partials of this sequence's rows, merged in: each is (out, lse) over its keys.
     rows = b * group + g
     for chunk in range(0, num_chunks):
