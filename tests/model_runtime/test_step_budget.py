@@ -53,3 +53,16 @@ def test_steps_without_decoding_teach_nothing_and_no_slowdown_means_fixed_chunks
 def test_engine_config_rejects_a_slowdown_that_allows_no_prefill():
     with pytest.raises(ValueError, match="max_step_slowdown"):
         EngineConfig(max_step_slowdown=1.0)
+
+
+def test_more_sequences_waiting_than_decoding_buy_a_larger_step():
+    decode_ms, token_ms = 100.0, 10.0
+    budget = StepBudget(min_tokens=1, max_tokens=256, max_slowdown=1.6)
+    for _ in range(30):
+        budget.observe(4, 0, decode_ms)
+        n = budget.tokens()
+        budget.observe(4, n, decode_ms + n * token_ms)
+    assert budget.tokens(0.5) == budget.tokens() == 6  # fewer waiting than decoding: the slowdown as set
+    # 12 waiting behind 3 decoding: four times the slowdown's share, within the doubling guard's 4x.
+    assert budget.tokens(4.0) == 24
+    assert decode_ms + budget.tokens(4.0) * token_ms <= (1 + 0.6 * 4) * decode_ms

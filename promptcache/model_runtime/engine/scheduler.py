@@ -93,7 +93,9 @@ class Scheduler:
         max_rows = self._shared_rows()
         short = others_wait or max_rows is not None
         alone = self.config.max_prefill_tokens if short else self.config.max_prefill_tokens_alone
-        batch, budget = compose_step(self.running, mixed_budget=self.step_budget.tokens(), alone_budget=alone,
+        prefilling = sum(1 for s in self.running if s.status == SeqStatus.PREFILL)
+        mixed = self.step_budget.tokens(prefilling / max(1, len(self.running) - prefilling))
+        batch, budget = compose_step(self.running, mixed_budget=mixed, alone_budget=alone,
                                      max_rows=max_rows, min_tokens=self.config.min_prefill_tokens)
         fed = {id(s.seq) for s in batch if s.seq.status != SeqStatus.PREFILL}
         is_light = bool(batch) and not fed and any(s.status != SeqStatus.PREFILL for s in self.running)

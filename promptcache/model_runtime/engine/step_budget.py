@@ -38,16 +38,20 @@ class StepBudget:
             return None
         return max(self.added_ms / self.fed, 1e-3)
 
-    def tokens(self) -> int:
-        """The budget for the next step that has decoding sequences."""
+    def tokens(self, waiting_per_decoding: float = 0.0) -> int:
+        """The budget for the next step that has decoding sequences. `waiting_per_decoding`: sequences
+        waiting for their first token per decoding one. Above 1 the allowed slowdown grows with it: the
+        step's delay then falls on few streams while its tokens serve many (16 requests arriving
+        together behind a few decodes got one question a step: the last waited ~17 steps)."""
         if self.max_slowdown is None:
             return self.max_tokens
         token_ms = self.token_ms
         if self.decode_ms is None or token_ms is None:
             return self.min_tokens  # nothing measured yet: start small, learn from it
-        allowed = int((self.max_slowdown - 1.0) * self.decode_ms / token_ms)
+        pressure = max(1.0, waiting_per_decoding)
+        allowed = int((self.max_slowdown - 1.0) * pressure * self.decode_ms / token_ms)
         # At most double the chunks measured so far: one noisy step must not buy a huge chunk.
-        allowed = min(allowed, int(2 * max(self.fed or 0, self.min_tokens)))
+        allowed = min(allowed, int(2 * pressure * max(self.fed or 0, self.min_tokens)))
         return max(self.min_tokens, min(self.max_tokens, allowed))
 
     def observe(self, num_decoding: int, num_prefill_tokens: int, step_ms: float) -> None:
