@@ -17,12 +17,16 @@ def merge_partials(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -
     assert outs and len(outs) == len(lses)
     if len(outs) == 1:
         return outs[0].float()
-    lse = torch.stack([x.float() for x in lses])              # [parts, ..., rows]
-    top = lse.max(dim=0).values                                # [..., rows]
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    weights = torch.exp(lse - top)                             # [parts, ..., rows]
-    total = weights.sum(dim=0)                                 # [..., rows]
-    merged = sum(w.unsqueeze(-1) * o.float() for w, o in zip(weights, outs))
+    # Few ops (each one a kernel launch on a GPU): no stacking copies, the products summed pairwise.
+    lses = [x.float() for x in lses]
+    top = lses[0]
+    for lse in lses[1:]:
+        top = torch.maximum(top, lse)
+    top = top.nan_to_num(neginf=0.0)                           # [..., rows]; 0 where no part had a key
+    weights = [torch.exp(lse - top) for lse in lses]           # [..., rows] each
+    merged, total = weights[0].unsqueeze(-1) * outs[0], weights[0]
+    for w, out in zip(weights[1:], outs[1:]):
+        merged, total = merged + w.unsqueeze(-1) * out, total + w
     return merged / total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
 
 
@@ -82,15 +86,4 @@ class RowMerge:
             return self.acc[0].to(dtype)
         if not self.whole:
             return torch.zeros(self.shape, dtype=dtype, device=self.device)
-        if len(self.whole) == 1:
-            return self.whole[0][0].to(dtype)
-        lses = [lse.float() for _, lse in self.whole]
-        top = lses[0]
-        for lse in lses[1:]:
-            top = torch.maximum(top, lse)
-        top = top.nan_to_num(neginf=0.0)                                   # [Q, H]
-        weights = [torch.exp(lse - top) for lse in lses]                  # [Q, H] each
-        merged, total = weights[0].unsqueeze(-1) * self.whole[0][0], weights[0]
-        for w, (out, _) in zip(weights[1:], self.whole[1:]):
-            merged, total = merged + w.unsqueeze(-1) * out, total + w
-        return (merged / total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)).to(dtype)
+        return merge_partials([out for out, _ in self.whole], [lse for _, lse in self.whole]).to(dtype)
