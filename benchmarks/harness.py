@@ -34,8 +34,9 @@ def median_ms(fn: Callable[[], object], *, runs: int, warmup: int = 1) -> tuple[
 
 
 def emit(record: dict, out: Path | None = None) -> None:
-    """Print one JSON line (and append it to `out`)."""
-    record = {**record, "torch_threads": torch.get_num_threads(), "machine": platform.machine()}
+    """Print one JSON line (and append it to `out`). `torch_threads` is this thread's unless the record names it
+    (a benchmark whose engine thread runs the torch work, as in the server, gives the engine's)."""
+    record = {"torch_threads": torch.get_num_threads(), "machine": platform.machine(), **record}
     line = json.dumps(record, sort_keys=True)
     print(line, flush=True)
     if out is not None:

@@ -81,12 +81,16 @@ async def run_clients(url: str, path: str, make_body: Callable[[int], dict], *, 
 
 
 def summarize(samples: list[RequestSample], started: float, ends: float) -> dict:
-    """req/s: requests that finished inside the window; tok/s: text chunks that arrived inside it; TTFT
-    and inter-token gaps (ms) over requests that started inside it and finished without error."""
+    """req/s: requests that finished inside the window; tok/s: generated tokens (the usage count) that
+    arrived inside it, a request's tokens spread over its text chunks (a token with no text of its own, e.g.
+    an end-of-text token under `ignore_eos`, arrives in no chunk of its own, and a server that sends none
+    for it generated it all the same); TTFT and inter-token gaps (ms) between text chunks, over requests
+    that started inside it and finished without error."""
     duration = ends - started
     good = [s for s in samples if s.error is None and s.ended]
     done = [s for s in good if s.ended <= ends]
-    arrivals = sum(1 for s in good for t in s.token_times if t <= ends)
+    arrivals = sum(s.num_tokens * sum(1 for t in s.token_times if t <= ends) / len(s.token_times)
+                   for s in good if s.token_times)
     ttft = [(s.token_times[0] - s.started) * 1e3 for s in good if s.token_times]
     gaps = [(b - a) * 1e3 for s in good for a, b in zip(s.token_times, s.token_times[1:])]
     return {"duration_s": round(duration, 2), "num_requests": len(done), "num_errors": len(samples) - len(good),

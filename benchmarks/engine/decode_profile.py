@@ -32,7 +32,7 @@ import torch
 from benchmarks.engine.step_probes import KernelLabels, ModuleProbe, PhaseProbe
 from benchmarks.harness import RESULTS, emit, log
 from benchmarks.serving_workloads import build
-from promptcache.model_runtime import SamplingParams, load_model
+from promptcache.model_runtime import SamplingParams, confine_to_this_thread, load_model, run_in_passing_thread
 from promptcache.model_runtime.engine.request import SeqStatus
 from promptcache.server.app import GIL_SWITCH_INTERVAL_S
 from promptcache.server.service import PromptService
@@ -128,7 +128,7 @@ async def profile_batch(service: PromptService, batch: int, counts: dict[str, in
     return driver
 
 
-def report(driver: StepDriver, batch: int, out: Path) -> None:
+def report(driver: StepDriver, batch: int, out: Path, torch_threads: int) -> None:
     steps = driver.phases.per_step
     mean = {name: statistics.fmean(s.get(name, 0.0) for s in steps) * 1e3 for name in
             ("step", "between", "schedule", "run", "forward", "lm_head", "postprocess", "sample", "detokenize",
@@ -175,7 +175,7 @@ def report(driver: StepDriver, batch: int, out: Path) -> None:
           "cpu_ms": {k: round(v, 3) for k, v in cpu.items()},
           "modules_ms": {n: round(v, 3) for n, v in module_rows},
           "ops_ms": {n: round(v, 3) for n, v in op_rows[:30]}, "ops_step_ms": round(ops_wall, 3),
-          "aten_calls_per_step": round(num_calls)}, out)
+          "aten_calls_per_step": round(num_calls), "torch_threads": torch_threads}, out)
 
 
 def _table(title: str, rows: list[tuple[str, float]], total: float) -> None:
@@ -194,16 +194,18 @@ def main() -> None:
     args = parser.parse_args()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as the server runs its engine thread
     settings = ServerSettings(preload_examples=False)
-    service = PromptService(settings, load_model(settings.load_config()))
+    engine_threads = torch.get_num_threads()
+    confine_to_this_thread()  # as the server's threads: torch's parallel work is the engine thread's alone
+    service = asyncio.run(run_in_passing_thread(lambda: PromptService(settings, load_model(settings.load_config()))))
     log(f"model {service.model_name}, {service.runtime.model.loaded.model.dtype}, "
         f"attention {service.attention.path.value}, "
-        f"torch threads {torch.get_num_threads()}")
+        f"torch threads {engine_threads}")
     counts = {"warm": 3, "phases": args.steps, "modules": args.module_steps, "ops": args.op_steps}
     if min(counts.values()) < 1:
         parser.error("every pass needs at least one step")
     try:
         for batch in args.batches:
-            report(asyncio.run(profile_batch(service, batch, counts)), batch, args.out)
+            report(asyncio.run(profile_batch(service, batch, counts)), batch, args.out, engine_threads)
     finally:
         service.close()
 

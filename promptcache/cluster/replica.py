@@ -59,13 +59,14 @@ class PromptCacheReplica:
         of the replica's environment, as for `promptcache serve`)."""
         import torch
 
-        from promptcache.model_runtime import load_model
+        from promptcache.model_runtime import load_model, run_in_passing_thread
         from promptcache.server.settings import ServerSettings
 
         torch.set_num_threads(max(1, num_threads))
         self.settings = ServerSettings(**settings)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.loaded = await asyncio.to_thread(load_model, self.settings.load_config())
+        # a thread that exits afterwards: its OpenMP team does not outlive loading (model_runtime/intraop_threads.py)
+        self.loaded = await run_in_passing_thread(load_model, self.settings.load_config())
         self.fastapi: FastAPI | None = None  # built by Serve right after the constructor
 
     def __serve_build_asgi_app__(self) -> FastAPI:

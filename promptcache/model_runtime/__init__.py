@@ -14,6 +14,7 @@ from promptcache.model_runtime.errors import (
     UnsupportedModelError,
 )
 from promptcache.model_runtime.facade import PromptRuntime, RuntimeStats
+from promptcache.model_runtime.intraop_threads import confine_to_this_thread, confined_executor, run_in_passing_thread
 from promptcache.model_runtime.loading.loader import (
     SUPPORTED_ARCHITECTURES,
     LoadedModel,
@@ -40,5 +41,5 @@ __all__ = [
     "LoadedModel", "ModelConfig", "ModelLoadError", "ModelRuntime", "ModuleEncoder", "ModuleUse", "PositionMode",
     "PrefixUse", "PromptRuntime", "PromptTooLongError", "QueueFullError", "RequestReport", "RuntimeStats",
     "SamplingParams", "Timings", "TokenEvent", "TokenLogprobs", "UnsupportedModelError", "Usage", "WeightFormat",
-    "load_model", "wrap_model",
+    "confine_to_this_thread", "confined_executor", "load_model", "run_in_passing_thread", "wrap_model",
 ]

@@ -12,7 +12,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from promptcache.model_runtime import LoadedModel, load_model
+from promptcache.model_runtime import (
+    LoadedModel,
+    confine_to_this_thread,
+    confined_executor,
+    load_model,
+    run_in_passing_thread,
+)
 from promptcache.server import api_native, api_playground, api_system, api_tokenizer
 from promptcache.server.errors import install_error_handlers
 from promptcache.server.guard import RequestGuard
@@ -47,6 +53,10 @@ def create_app(settings: ServerSettings | None = None, *,
         # The engine thread and parsing workers run Python between tensor ops; handing the GIL back
         # every millisecond (default 5) keeps the event loop answering (/health, streams) meanwhile.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        # Torch's parallel work is the engine thread's alone (model_runtime/intraop_threads.py): this
+        # thread and the workers behind asyncio.to_thread run their torch ops serially.
+        confine_to_this_thread()
+        asyncio.get_running_loop().set_default_executor(confined_executor())
         task = asyncio.create_task(_start(app, settings, tenants, load))
         try:
             yield
@@ -73,8 +83,9 @@ def create_app(settings: ServerSettings | None = None, *,
 async def _start(app: FastAPI, settings: ServerSettings, tenants: TenantDirectory,
                  load: Callable[[], LoadedModel]) -> None:
     try:
-        loaded = await asyncio.to_thread(load)
-        service = await asyncio.to_thread(PromptService, settings, loaded, tenants)
+        # On threads that exit afterwards, with every core: no OpenMP team of theirs outlives the loading.
+        loaded = await run_in_passing_thread(load)
+        service = await run_in_passing_thread(PromptService, settings, loaded, tenants)
         await service.start()
         # Everything alive now (the model, tokenizer, libraries: ~470K objects) lives as long as the
         # process: out of the collector's sight, a full collection no longer walks it. Walked, it held the
