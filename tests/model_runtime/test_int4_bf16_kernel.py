@@ -63,6 +63,26 @@ def test_int4_mm_takes_any_scales_and_minimums_and_strided_rows(bf16_kernels):
     assert _close_to_bf16_rounding(got, x.float() @ blocks.dequantized().T)
 
 
+def test_int4_pack_holds_fp16_scales_only_where_exact(bf16_kernels):
+    """One scale or minimum that fp16 cannot hold keeps the layer's in fp32, and both holdings give the
+    same product (the epilogue's arithmetic is fp32 either way)."""
+    generator = torch.Generator().manual_seed(3)
+    out_features, in_features = 32, 2 * GROUP_SIZE
+    values = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+    scales = (torch.rand(out_features, 2, generator=generator) * 0.05).half().float()
+    minimums = (torch.randn(out_features, 2, generator=generator) * 0.3).half().float()
+    x = torch.randn(3, in_features, generator=generator).bfloat16()
+    as_fp16 = _ops().pack(values, scales, minimums)
+    inexact = minimums.clone()
+    inexact[5, 1] += 2.0 ** -20 * inexact[5, 1].abs()  # between two fp16 values
+    as_fp32 = _ops().pack(values, scales, inexact)
+    assert as_fp16[1].dtype == torch.float16 and as_fp32[1].dtype == as_fp32[2].dtype == torch.float32
+    got_fp32 = _ops().mm(x, *as_fp32)
+    assert _close_to_bf16_rounding(got_fp32, x.float() @ Int4Blocks(values, scales, inexact).dequantized().T)
+    exact_in_fp32 = _ops().pack(values, scales, minimums)[0], *(t.float() for t in as_fp16[1:])
+    assert torch.equal(_ops().mm(x, *as_fp16), _ops().mm(x, *exact_in_fp32))
+
+
 def test_int4_mm_multiplies_gguf_q4_1_blocks(bf16_kernels, tmp_path):
     """Blocks as a Q4_1 file stores them (read_q4_1) multiply by the weight gguf's dequantize gives."""
     weight = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32) * 0.02
@@ -76,7 +96,9 @@ def test_int4_mm_multiplies_gguf_q4_1_blocks(bf16_kernels, tmp_path):
     blocks = read_q4_1(tmp_path / "m.gguf", 4, 2)["model.layers.0.mlp.down_proj"]
     want_weight = torch.from_numpy(dequantize(stored, GGMLQuantizationType.Q4_1).copy())
     x = torch.randn(5, 256).bfloat16()
-    got = _ops().mm(x, *_ops().pack(blocks.values, blocks.scales, blocks.minimums))
+    packed = _ops().pack(blocks.values, blocks.scales, blocks.minimums)
+    assert packed[1].dtype == packed[2].dtype == torch.float16  # Q4_1's own fp16 d and m, as stored
+    got = _ops().mm(x, *packed)
     assert _close_to_bf16_rounding(got, x.float() @ want_weight.T)
 
 

@@ -63,7 +63,8 @@ class FusedOps:
 class Int4Ops:
     """The weight-only int4 product for few rows built with the kernel (csrc/int4_bf16.cpp):
     `pack(values uint8 [out, in], scales fp32 [out, in / 32], minimums fp32 [out, in / 32]) -> packed`
-    (three tensors, out % 16 == 0, in % 32 == 0) and `mm(x bf16 [rows, in], *packed) -> y bf16 [rows, out]`."""
+    (three tensors, out % 16 == 0, in % 32 == 0; scales and minimums held as fp16 where all are fp16 values,
+    as GGUF's Q4_1 stores them) and `mm(x bf16 [rows, in], *packed) -> y bf16 [rows, out]`."""
 
     pack: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], list[torch.Tensor]]
     mm: Callable[..., torch.Tensor]
