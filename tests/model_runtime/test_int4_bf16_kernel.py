@@ -14,8 +14,15 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from promptcache.model_runtime.attention import bf16_kernel
-from promptcache.model_runtime.loading.gguf_weights import read_q4_1
-from promptcache.model_runtime.loading.quantized_linear import GROUP_SIZE, INT4_BF16_KERNEL_ROWS, Int4Blocks, Int4Linear
+from promptcache.model_runtime.loading.gguf_weights import read_q4_1, read_q8_0_head
+from promptcache.model_runtime.loading.quantized_linear import (
+    GROUP_SIZE,
+    HEAD,
+    INT4_BF16_KERNEL_ROWS,
+    Int4Blocks,
+    Int4Linear,
+    SplitByteLinear,
+)
 
 pytestmark = pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
 
@@ -100,6 +107,40 @@ def test_int4_mm_multiplies_gguf_q4_1_blocks(bf16_kernels, tmp_path):
     assert packed[1].dtype == packed[2].dtype == torch.float16  # Q4_1's own fp16 d and m, as stored
     got = _ops().mm(x, *packed)
     assert _close_to_bf16_rounding(got, x.float() @ want_weight.T)
+
+
+def _write_gguf(path, name: str, weight: np.ndarray, kind) -> np.ndarray:
+    writer = GGUFWriter(path, "llama")
+    stored = quantize(weight, kind)
+    writer.add_tensor(name, stored, raw_shape=stored.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 12])
+def test_a_q8_0_head_multiplies_as_the_file_stores_it(bf16_kernels, tmp_path, num_rows):
+    """The tied embedding's Q8_0 blocks, split into two 4-bit planes, multiply by the weight gguf's
+    dequantize gives (one product, one rounding), held in fp16 scales."""
+    weight = np.random.default_rng(1).standard_normal((96, 128)).astype(np.float32) * 0.05
+    stored = _write_gguf(tmp_path / "m.gguf", "token_embd.weight", weight, GGMLQuantizationType.Q8_0)
+    blocks = read_q8_0_head(tmp_path / "m.gguf")[HEAD]
+    want_weight = torch.from_numpy(dequantize(stored, GGMLQuantizationType.Q8_0).copy())
+    assert torch.equal(blocks.dequantized()[:, :128] + blocks.dequantized()[:, 128:], want_weight)
+    head = SplitByteLinear(blocks, torch.bfloat16)
+    assert head.planes.bf16_scales is not None and head.planes.bf16_scales.dtype == torch.float16
+    x = torch.randn(num_rows, 128, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
+    got = head(x)
+    assert got.shape == (num_rows, 96)
+    assert _close_to_bf16_rounding(got, x.float() @ want_weight.T)
+
+
+def test_a_head_stored_otherwise_is_not_read(tmp_path):
+    weight = np.random.default_rng(2).standard_normal((64, 64)).astype(np.float32)
+    _write_gguf(tmp_path / "m.gguf", "token_embd.weight", weight, GGMLQuantizationType.Q4_1)
+    assert read_q8_0_head(tmp_path / "m.gguf") == {}
 
 
 @pytest.mark.parametrize("num_rows", [1, 4, 33, 100])

@@ -31,6 +31,7 @@ from promptcache.model_runtime.loading.quantized_linear import (
     Int4Blocks,
     Int4Linear,
     Int8Linear,
+    SplitByteLinear,
 )
 from tests.model_factories import make_test_tokenizer, make_tiny_model
 from tests.model_runtime.oracles import reference_greedy
@@ -154,10 +155,11 @@ def test_smollm2_q4_1_blocks_are_the_weights_transformers_loads(smollm2):
 
 
 def test_int4_smollm2_in_fp32_computes_the_native_model(smollm2):
-    """fp32 holds every Q4_1 weight exactly, so the int4 model (blocks as stored) is the native model:
+    """fp32 holds every Q4_1 and Q8_0 weight exactly, so the int4 model (blocks as stored) is the native model:
     logits as the native model's up to summation order, the same greedy tokens through the engine."""
     int4 = load_model(ModelConfig(weights=WeightFormat.INT4))
     assert int4.model_fingerprint != smollm2.model_fingerprint
+    assert isinstance(int4.model.lm_head, SplitByteLinear)  # the file's Q8_0 head, as stored
     ids = smollm2.tokenizer.encode("The Amazon river flows east across South America into the")
     positions = list(range(len(ids)))
     want = full_prefill_logits(smollm2.model, ids, positions)

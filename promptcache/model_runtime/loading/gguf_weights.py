@@ -1,4 +1,5 @@
-"""The Q4_1 blocks of a Llama-family GGUF checkpoint, read as stored, named as the Hugging Face model names them."""
+"""The 4-bit (Q4_1) and 8-bit (Q8_0) blocks of a Llama-family GGUF checkpoint, read as stored, named as the
+Hugging Face model names them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import torch
 
 from promptcache.model_runtime.errors import ModelLoadError
-from promptcache.model_runtime.loading.quantized_linear import GROUP_SIZE, Int4Blocks
+from promptcache.model_runtime.loading.quantized_linear import GROUP_SIZE, HEAD, Int4Blocks
 
 # GGUF tensor -> HF module (llama.cpp's names for the Llama family; transformers maps them the same way)
 _MODULES = {
@@ -19,6 +20,7 @@ _MODULES = {
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 _BLOCK_BYTES = 4 + GROUP_SIZE // 2  # fp16 d, fp16 m, 32 nibbles
+_Q8_0_BLOCK_BYTES = 2 + GROUP_SIZE  # fp16 d, 32 int8
 
 
 def read_q4_1(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, Int4Blocks]:
@@ -42,6 +44,32 @@ def read_q4_1(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, 
             layer = _unpermuted(layer, num_heads if match[2] == "attn_q" else num_kv_heads)
         blocks[f"model.layers.{match[1]}.{_MODULES[match[2]]}"] = layer
     return blocks
+
+
+def read_q8_0_head(path: str | Path) -> dict[str, Int4Blocks]:
+    """The output head's Q8_0 blocks (`output.weight`, else the tied `token_embd.weight`) as one int4 layer
+    over the input written twice, keyed HEAD; empty when the head is stored otherwise. Each 8-bit value
+    q = d * (16 h + l - 128) (h, l its high and low nibbles of q + 128) splits into a Q4_1 group of the
+    first copy (scale 16 d, minimum -128 d) and one of the second (scale d, minimum 0): the same weight,
+    read as 4.25 of bf16's 16 bits a weight (int4 layers' kernel, `SplitByteLinear`)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    try:
+        tensors = {t.name: t for t in GGUFReader(path).tensors}
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the GGUF file {path}: {exc}") from None
+    tensor = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    if tensor is None or tensor.tensor_type != GGMLQuantizationType.Q8_0:
+        return {}
+    data = torch.from_numpy(np.asarray(tensor.data).copy())
+    out_features = data.shape[0]
+    data = data.view(out_features, -1, _Q8_0_BLOCK_BYTES)  # [out, in / G, 34]
+    d = data[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()  # [out, in / G]
+    biased = (data[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)  # [out, in / G, G]
+    values = torch.cat([(biased >> 4).reshape(out_features, -1), (biased & 0x0F).reshape(out_features, -1)], dim=1)
+    scales = torch.cat([16 * d, d], dim=1)  # [out, 2 in / G]
+    minimums = torch.cat([-128 * d, torch.zeros_like(d)], dim=1)
+    return {HEAD: Int4Blocks(values, scales, minimums)}
 
 
 def _blocks(raw: np.ndarray) -> Int4Blocks:

@@ -142,9 +142,10 @@ def load_model(config: ModelConfig) -> LoadedModel:
     blocks = None
     if config.weights is WeightFormat.INT4 and config.name_or_path is None:  # the GGUF's own 4-bit blocks
         from promptcache.model_runtime.loading.default_model import gguf_path
-        from promptcache.model_runtime.loading.gguf_weights import read_q4_1
+        from promptcache.model_runtime.loading.gguf_weights import read_q4_1, read_q8_0_head
 
-        blocks = read_q4_1(gguf_path(), hf_config.num_attention_heads, hf_config.num_key_value_heads)
+        blocks = {**read_q4_1(gguf_path(), hf_config.num_attention_heads, hf_config.num_key_value_heads),
+                  **read_q8_0_head(gguf_path())}
     try:
         tokenizer = _load_tokenizer(path, options)
         model = AutoModelForCausalLM.from_pretrained(

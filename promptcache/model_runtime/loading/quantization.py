@@ -11,6 +11,7 @@ import torch
 from promptcache.model_runtime.errors import ModelLoadError
 from promptcache.model_runtime.loading.quantized_linear import (
     GROUP_SIZE,
+    HEAD,
     INT4_BF16_KERNEL_ROWS,
     INT4_DEQUANTIZE_ROWS,
     INT4_PACK_ROWS,
@@ -18,6 +19,7 @@ from promptcache.model_runtime.loading.quantized_linear import (
     Int4Blocks,
     Int4Linear,
     Int8Linear,
+    SplitByteLinear,
     WeightFormat,
     fits_int4,
 )
@@ -29,7 +31,8 @@ def quantize_linears(model: torch.nn.Module, weights: WeightFormat,
                      blocks: Mapping[str, Int4Blocks] | None = None) -> int:
     """Replace the `nn.Linear` layers of a CPU model's decoder layers with Int8Linear or Int4Linear, in place;
     returns how many were replaced. The output head (the model's largest matrix, often the embedding
-    itself, kept at 8 bits even by 4-bit GGUF files) stays as loaded. `blocks` (HF module name -> the
+    itself, kept at 8 bits even by 4-bit GGUF files) stays as loaded unless `blocks` holds its stored
+    8 bits (HEAD, gguf_weights.read_q8_0_head) for int4. `blocks` (HF module name -> the
     checkpoint's own 4-bit weights) are used as stored for int4 instead of quantizing the float weight;
     a fused projection (fused_layers.py) takes its source layers' blocks side by side. A layer the int4
     kernel cannot take (`fits_int4`) keeps its float weight. Call after fusing and before packing."""
@@ -37,13 +40,19 @@ def quantize_linears(model: torch.nn.Module, weights: WeightFormat,
         return 0
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
+    head_blocks = (blocks or {}).get(HEAD) if weights is WeightFormat.INT4 else None
     replaced = 0
     for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not torch.nn.Linear or child is head or child.weight.device.type != "cpu":
+            if type(child) is not torch.nn.Linear or child.weight.device.type != "cpu":
                 continue
-            if weights is WeightFormat.INT8:
-                layer: torch.nn.Module = Int8Linear(child)
+            dtype = child.weight.dtype
+            if child is head:
+                if head_blocks is None:
+                    continue
+                layer: torch.nn.Module = SplitByteLinear(head_blocks, dtype)  # the file's own 8 bits
+            elif weights is WeightFormat.INT8:
+                layer = Int8Linear(child)
             elif fits_int4(child):
                 sources = getattr(parent, "JOINED_PROJECTIONS", {}).get(name, (name,))
                 layer_blocks = _stored(blocks or {}, [f"{prefix}.{source}".lstrip(".") for source in sources])

@@ -41,6 +41,7 @@ INT4_DEQUANTIZE_ROWS = 80
 # call, kernel vs dequantized: 576 -> 3072 at 160 rows 0.85 vs 0.98, at 400 rows 2.11 vs 1.87; 1536 -> 576
 # 0.44 vs 0.53 and 1.10 vs 0.95; 576 -> 960 0.28 vs 0.35 and 0.69 vs 0.61).
 INT4_BF16_KERNEL_ROWS = 256
+HEAD = "lm_head"  # the output head's key in a mapping of stored blocks (gguf_weights.read_q8_0_head)
 INT4_PACK_ROWS = 16  # the int4 packing needs output features in multiples of this
 _PACK_BLOCK = 64  # output channels per block of the CPU int4 packing
 _INT4_OFFSET = 8  # the kernel's q - 8
@@ -186,6 +187,19 @@ class Int4Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class SplitByteLinear(torch.nn.Module):
+    """`y = x @ W^T` for an 8-bit weight held as two 4-bit planes (gguf_weights.read_q8_0_head): one
+    Int4Linear over the input written twice, `[x, x] @ [W_high | W_low]^T`, one product and one rounding."""
+
+    def __init__(self, blocks: Int4Blocks, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.planes = Int4Linear(blocks, None, dtype)
+        self.in_features, self.out_features = self.planes.in_features // 2, self.planes.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.planes(torch.cat([x, x], dim=-1))  # [..., 2 in] -> [..., out]
 
 
 def fits_int4(linear: torch.nn.Linear) -> bool:
