@@ -17,7 +17,7 @@ serially on the calling thread and start no team. The engine thread keeps torch'
 from __future__ import annotations
 
 import asyncio
-import threading
+import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -43,25 +43,8 @@ def confined_executor(thread_name_prefix: str = "promptcache-worker") -> ThreadP
 async def run_in_passing_thread(function: Callable[..., T], *args: object) -> T:
     """`function(*args)` on a new thread with torch's full thread count; the thread exits when it returns,
     and its OpenMP team with it (model loading: every core, then no second team left behind)."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
-
-    def run() -> None:
-        try:
-            result = function(*args)
-        except BaseException as exc:  # handed to the awaiting coroutine, which raises it
-            loop.call_soon_threadsafe(_settle, done, None, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, done, result, None)
-
-    threading.Thread(target=run, name="promptcache-passing", daemon=True).start()
-    return await done
-
-
-def _settle(future: asyncio.Future[T], result: T | None, error: BaseException | None) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)  # type: ignore[arg-type]
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-passing")
+    try:
+        return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(function, *args))
+    finally:
+        executor.shutdown(wait=False)  # its one thread exits once the function has returned

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,14 +29,10 @@ def read_q4_1(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, 
     (`model.layers.3.mlp.up_proj`); tensors of other types are left out. q and k rows are put back in the
     HF order (llama.cpp's converter interleaves the halves of each head for its RoPE; transformers'
     GGUF loader undoes it the same way). Raises ModelLoadError when the file cannot be read."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
 
-    try:
-        reader = GGUFReader(path)
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read the GGUF file {path}: {exc}") from None
     blocks: dict[str, Int4Blocks] = {}
-    for tensor in reader.tensors:
+    for tensor in _tensors(path).values():
         match = _LAYER_TENSOR.fullmatch(tensor.name)
         if tensor.tensor_type != GGMLQuantizationType.Q4_1 or match is None or match[2] not in _MODULES:
             continue
@@ -52,12 +49,9 @@ def read_q8_0_head(path: str | Path) -> dict[str, Int4Blocks]:
     q = d * (16 h + l - 128) (h, l its high and low nibbles of q + 128) splits into a Q4_1 group of the
     first copy (scale 16 d, minimum -128 d) and one of the second (scale d, minimum 0): the same weight,
     read as 4.25 of bf16's 16 bits a weight (int4 layers' kernel, `SplitByteLinear`)."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
 
-    try:
-        tensors = {t.name: t for t in GGUFReader(path).tensors}
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read the GGUF file {path}: {exc}") from None
+    tensors = _tensors(path)
     tensor = tensors.get("output.weight", tensors.get("token_embd.weight"))
     if tensor is None or tensor.tensor_type != GGMLQuantizationType.Q8_0:
         return {}
@@ -70,6 +64,16 @@ def read_q8_0_head(path: str | Path) -> dict[str, Int4Blocks]:
     scales = torch.cat([16 * d, d], dim=1)  # [out, 2 in / G]
     minimums = torch.cat([-128 * d, torch.zeros_like(d)], dim=1)
     return {HEAD: Int4Blocks(values, scales, minimums)}
+
+
+def _tensors(path: str | Path) -> dict[str, Any]:
+    """The file's tensors by GGUF name (memory-mapped). Raises ModelLoadError when it cannot be read."""
+    from gguf import GGUFReader
+
+    try:
+        return {tensor.name: tensor for tensor in GGUFReader(path).tensors}
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the GGUF file {path}: {exc}") from None
 
 
 def _blocks(raw: np.ndarray) -> Int4Blocks:
