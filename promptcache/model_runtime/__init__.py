@@ -25,8 +25,8 @@ from promptcache.model_runtime.loading.loader import (
 from promptcache.model_runtime.loading.quantized_linear import WeightFormat
 from promptcache.model_runtime.modes import ContextMode, FidelityMode, PositionMode
 from promptcache.model_runtime.module_encoder import EncodeReport, ModuleEncoder
-from promptcache.model_runtime.report import CacheReport
 from promptcache.model_runtime.results import (
+    CacheReport,
     ModuleUse,
     PrefixUse,
     Timings,

@@ -11,11 +11,10 @@ from promptcache.model_runtime.attention.selection import AttentionReport, descr
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, TokenEvent
 from promptcache.model_runtime.errors import InvalidRequestError
 from promptcache.model_runtime.loading.loader import LoadedModel
-from promptcache.model_runtime.module_encoder import EncodeReport
-from promptcache.model_runtime.report import CacheReport, planned_report
+from promptcache.model_runtime.module_encoder import EncodeReport, KVStore
+from promptcache.model_runtime.results import CacheReport, planned_report
 from promptcache.model_runtime.runtime import ModelRuntime
 from promptcache.model_runtime.sampling import SamplingParams
-from promptcache.model_runtime.store_protocol import KVStore
 from promptcache.pml import PmlLimits, PromptPlan, Schema, TextEncoder, token_plan
 
 # The empty schema that plain-text and chat prompts are resolved against, in a namespace of its own: no

@@ -10,17 +10,38 @@ positions.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Literal, Protocol, TypedDict
 
 import torch
 
-from promptcache.cache_store import BlockKind, KVBlock, make_kv_key
+from promptcache.cache_store import BlockKind, FetchPolicy, KVBlock, Tier, make_kv_key
 from promptcache.model_runtime.errors import PromptTooLongError
 from promptcache.model_runtime.loading.loader import LoadedModel
-from promptcache.model_runtime.store_protocol import KVStore
 from promptcache.pml import Schema, Segment
+
+
+class KVStore(Protocol):
+    """The store interface the runtime needs (cache_store.TieredStore implements it)."""
+
+    policy: FetchPolicy  # decides whether fetching from a shared tier beats recomputing
+
+    def get(self, key: str, *, num_tokens: int | None = None,
+            nbytes: int | None = None, promote: bool = True) -> tuple[KVBlock, str] | None: ...
+
+    def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
+            kind: Literal["module", "prefix"] = "module", owner: str | None = None, local: bool = True) -> None: ...
+
+    def tier_of(self, key: str) -> Tier | None: ...
+
+    def touch(self, keys: Iterable[str]) -> None: ...
+
+    def delete(self, key: str) -> bool: ...
+
+    def acquire(self, keys: Iterable[str]) -> None: ...
+
+    def release(self, keys: Iterable[str]) -> None: ...
 
 
 class _Cost(TypedDict):

@@ -10,10 +10,9 @@ from promptcache.model_runtime.engine.encoding import encode_now
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.errors import InvalidRequestError
 from promptcache.model_runtime.loading.loader import LoadedModel
-from promptcache.model_runtime.module_encoder import EncodeReport, ModuleEncoder
+from promptcache.model_runtime.module_encoder import EncodeReport, KVStore, ModuleEncoder
 from promptcache.model_runtime.packed_attention import install
 from promptcache.model_runtime.prompt_tokens import chat_tokens, completion_tokens
-from promptcache.model_runtime.store_protocol import KVStore
 from promptcache.pml import PmlLimits, PromptPlan, Schema, TextEncoder, parse_prompt, parse_schema
 
 

@@ -8,16 +8,14 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import replace
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 
 from promptcache.cache_store import BlockIndex
 from promptcache.model_runtime.engine.config import EngineConfig
 from promptcache.model_runtime.engine.encoding import EncodeQueue, ParkedEncodes, SchemaEncodes
-from promptcache.model_runtime.engine.inbox import Abort, EncodeSchema, Inbox, Submit
-from promptcache.model_runtime.engine.outputs import OutputProcessor
+from promptcache.model_runtime.engine.outputs import OutputProcessor, Write
 from promptcache.model_runtime.engine.prefix import PrefixReuse
-from promptcache.model_runtime.engine.prefix_writes import Write
 from promptcache.model_runtime.engine.reports import error_event
 from promptcache.model_runtime.engine.request import ErrorKind, Request, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan, resolve
@@ -28,6 +26,62 @@ from promptcache.model_runtime.sampling import SamplingParams
 from promptcache.pml import PromptPlan, Schema
 
 logger = logging.getLogger(__name__)
+
+
+# -- the inbox: typed messages callers post from any thread, taken by the engine thread ------------
+@dataclass(frozen=True, slots=True)
+class Submit:
+    request: Request  # its place in its tenant's queue is reserved
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeSchema:
+    """`Engine.encode_schema`: `future` resolves with its EncodeReport."""
+
+    schema: Schema
+    salt: str | None
+    owner: str | None
+    future: concurrent.futures.Future
+    keep_local: bool
+    second_encodings: bool
+
+
+Message = Submit | Abort | EncodeSchema
+
+
+class Inbox:
+    """Messages in posting order. `wakeup` guards them: a test holds it to post several as one batch."""
+
+    def __init__(self) -> None:
+        self.wakeup = threading.Condition()
+        self._messages: list[Message] = []
+        self.is_closed = False
+
+    def post(self, message: Message) -> None:
+        with self.wakeup:
+            self._messages.append(message)
+            self.wakeup.notify()
+
+    def close(self) -> None:
+        with self.wakeup:
+            self.is_closed = True
+            self.wakeup.notify()
+
+    def take(self, is_idle: Callable[[], bool], wait_s: float) -> list[Message] | None:
+        """Every message posted since the last take; while there is none and `is_idle()`, waits (checking
+        again every `wait_s`). None once closed."""
+        with self.wakeup:
+            while not self._messages and is_idle() and not self.is_closed:
+                self.wakeup.wait(wait_s)
+            if self.is_closed:
+                return None
+            messages, self._messages = self._messages, []
+            return messages
 
 
 class Engine:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,6 @@ from promptcache.cache_store import KVBlock
 from promptcache.model_runtime.detokenizer import Detokenizer
 from promptcache.model_runtime.engine.kv_view import KVView
 from promptcache.model_runtime.engine.prefix import PrefixReuse
-from promptcache.model_runtime.engine.prefix_writes import Write, logits_write, prompt_write, sample_write
 from promptcache.model_runtime.engine.reports import final_event
 from promptcache.model_runtime.engine.request import FinishReason, Request, SeqStatus, Sequence, SharedKV, TokenEvent
 from promptcache.model_runtime.engine.runner import RunOutput
@@ -19,11 +19,14 @@ from promptcache.model_runtime.engine.scheduler import Scheduler
 from promptcache.model_runtime.engine.step_plan import StepPlan
 from promptcache.model_runtime.sampling import Sampler, token_logprobs
 
+# A prefix-cache write a step leaves behind: the engine runs it after the step's events went out, so
+# storing blocks never delays a token.
+Write = Callable[[], None]
+
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """What a step leaves: events for the callers, then prefix-cache writes, which the engine runs after
-    the events went out (storing blocks never delays a token)."""
+    """What a step leaves: events for the callers, then prefix-cache writes (`Write`)."""
 
     events: tuple[TokenEvent, ...]
     prefix_writes: tuple[Write, ...]
@@ -129,6 +132,39 @@ class OutputProcessor:
             events.append(final_event(request, seq.index, token, text, finish, logprobs))
         else:
             events.append(TokenEvent(request.request_id, seq.index, token, text, finish, logprobs=logprobs))
+
+
+def prompt_write(seq: Sequence, prefix: PrefixReuse) -> Write | None:
+    """After prefill: store the prompt's blocks (its computed KV is seq's own [0, n))."""
+    stream, n = seq.owner.stream, seq.generated_offset
+    if stream is None:
+        return None
+    keys, values = seq.own_buffers()
+    computed = (stream.num_reused, keys[:, :, :n], values[:, :, :n])
+    salt, owner = seq.owner.cache_salt, seq.owner.tenant
+    return lambda: prefix.store_prompt(stream, computed, salt=salt, owner=owner)
+
+
+def logits_write(seq: Sequence, row: torch.Tensor, prefix: PrefixReuse) -> Write | None:
+    """After a prefill that computed the last prompt token: keep its logits `row` [vocab]."""
+    stream = seq.owner.stream
+    if stream is None or stream.logits is not None:
+        return None
+    logits, salt = row.clone(), seq.owner.cache_salt
+    return lambda: prefix.remember_logits(stream, logits, salt=salt)
+
+
+def sample_write(seq: Sequence, prefix: PrefixReuse) -> Write | None:
+    """After a sample finished: store its generated text's blocks."""
+    stream = seq.owner.stream
+    if stream is None:
+        return None
+    start, end = seq.generated_offset, seq.own_length
+    keys, values = seq.own_buffers()
+    generated = (len(stream.token_ids), keys[:, :, start:end], values[:, :, start:end])
+    output_ids, first = list(seq.output_ids), seq.first_position
+    salt, owner = seq.owner.cache_salt, seq.owner.tenant
+    return lambda: prefix.store_sample(stream, output_ids, first, generated, salt=salt, owner=owner)
 
 
 def _request(seq: Sequence) -> Request:

@@ -13,8 +13,7 @@ from promptcache.model_runtime.engine.prefix import prefix_use
 from promptcache.model_runtime.engine.request import ErrorKind, FinishReason, Request, RequestReport, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import ReusePlan
 from promptcache.model_runtime.errors import InvalidRequestError
-from promptcache.model_runtime.report import served_report
-from promptcache.model_runtime.results import PromptSpan, Timings, Usage
+from promptcache.model_runtime.results import PromptSpan, Timings, Usage, served_report
 from promptcache.model_runtime.sampling import TokenLogprobs
 from promptcache.pml import NewRun, PromptPlan
 

@@ -15,8 +15,7 @@ from promptcache.model_runtime.engine.prefix import Stream
 from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan
 from promptcache.model_runtime.kv_pool import KVPool
 from promptcache.model_runtime.modes import WireEnum
-from promptcache.model_runtime.report import CacheReport
-from promptcache.model_runtime.results import ModuleUse, Timings, Usage
+from promptcache.model_runtime.results import CacheReport, ModuleUse, Timings, Usage
 from promptcache.model_runtime.sampling import PromptTokens, Sampler, SamplingParams, TokenLogprobs
 from promptcache.pml import PromptPlan
 
