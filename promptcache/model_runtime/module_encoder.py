@@ -52,14 +52,6 @@ class _Cost(TypedDict):
 
 
 @dataclass(frozen=True, slots=True)
-class FetchedKV:
-    """A segment's KV and the tier it came from."""
-
-    block: KVBlock
-    tier: str
-
-
-@dataclass(frozen=True, slots=True)
 class ChainWork:
     """Encoding one missing segment: its context chain's stored links (`found`, in order), then the
     tail segments to compute, their store keys, and the tail's tokens and positions. `owner` is the
@@ -71,8 +63,8 @@ class ChainWork:
     keys: tuple[str, ...]
     token_ids: list[int]
     position_ids: list[int]
-    owner: str | None = None
-    kinds: tuple[BlockKind, ...] = ()  # per key; "prefix": a second encoding, evicted before first encodings
+    owner: str | None
+    kinds: tuple[BlockKind, ...]  # per key; "prefix": a second encoding, evicted before first encodings
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,12 +96,10 @@ class ModuleEncoder:
         )
 
     def fetch(self, schema: Schema, segment_id: int, context_ids: Sequence[int],
-              cache_salt: str | None = None) -> FetchedKV | None:
-        """KV of `segment_id` encoded after `context_ids` from the store, or None: no tier holds it, or
-        only one the fetch policy skips (recomputing measured faster). Computes nothing."""
-        target = self.key(schema, segment_id, context_ids, cache_salt)
-        hit = self.store.get(target, **self._cost(schema, segment_id))
-        return None if hit is None else FetchedKV(hit[0], hit[1])
+              cache_salt: str | None = None) -> tuple[KVBlock, str] | None:
+        """(KV, tier) of `segment_id` encoded after `context_ids` from the store, or None: no tier holds it,
+        or only one the fetch policy skips (recomputing measured faster). Computes nothing."""
+        return self.store.get(self.key(schema, segment_id, context_ids, cache_salt), **self._cost(schema, segment_id))
 
     def plan(self, schema: Schema, segment_id: int, context_ids: Sequence[int], cache_salt: str | None = None, *,
              owner: str | None = None, assume_missing: bool = False, local: bool = True) -> ChainWork | None:
@@ -136,15 +126,13 @@ class ModuleEncoder:
         keys = [self.key(schema, sid, chain[:index], cache_salt) for index, sid in tail]
         kinds: tuple[BlockKind, ...] = tuple(
             "prefix" if is_second_encoding(schema, sid, chain[:index]) else "module" for index, sid in tail)
-        return ChainWork(target, tuple(found), tuple(segments), tuple(keys), token_ids, position_ids,
-                         owner, kinds)
+        return ChainWork(target, tuple(found), tuple(segments), tuple(keys), token_ids, position_ids, owner, kinds)
 
     def store_tail(self, work: ChainWork, keys: torch.Tensor, values: torch.Tensor, *, local: bool = True) -> KVBlock:
         """Store the computed tail (`keys`/`values` [L, H_kv, tail tokens, D]) segment by segment;
         returns the target segment's block. `local=False`: in the shared tiers only (store.put)."""
         offset, block = 0, None
-        kinds: tuple[BlockKind, ...] = work.kinds or tuple("module" for _ in work.keys)
-        for segment, key, kind in zip(work.segments, work.keys, kinds):
+        for segment, key, kind in zip(work.segments, work.keys, work.kinds):
             n = len(segment.token_ids)
             positions = torch.tensor(list(segment.position_ids), dtype=torch.long)  # [n]
             block = KVBlock(keys[:, :, offset: offset + n].clone(), values[:, :, offset: offset + n].clone(), positions)

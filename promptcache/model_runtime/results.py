@@ -3,6 +3,7 @@ CacheReport of what a prompt reused, from where, and what it computed (built onc
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -118,15 +119,16 @@ class CacheReport:
 
 
 def served_report(plan: PromptPlan, reuse: ReusePlan | None, mode: FidelityMode, usage: Usage,
-                  modules: tuple[ModuleUse, ...], prefix: PrefixUse | None,
+                  modules: tuple[ModuleUse, ...], blocks: Sequence[tuple[str, int]],
                   spans: tuple[PromptSpan, ...] | None) -> CacheReport:
     """The report of a served request (engine/reports.py): `reuse` as resolved at admission (None: the
-    request ended before it was admitted), `mode` the fidelity mode it asked for, `usage` its counts."""
+    request ended before it was admitted), `mode` the fidelity mode it asked for, `usage` its counts,
+    `blocks` the (tier, tokens) of each stored prefix block it reused."""
     is_exact = reuse.is_exact if reuse is not None else plan.is_exact
     positions = reuse.positions if reuse is not None else PositionMode.LAYOUT
     context = reuse.context if reuse is not None else ContextMode.SCHEMA
     return CacheReport(plan.schema.name, is_exact, plan.generation_prompt_added, mode, positions, context,
-                       usage.recomputed_tokens, () if is_exact else plan.approximations, modules, prefix,
+                       usage.recomputed_tokens, () if is_exact else plan.approximations, modules, prefix_use(blocks),
                        usage.prompt_tokens, usage.cached_tokens, spans)
 
 
@@ -148,13 +150,16 @@ def planned_report(plan: PromptPlan, reuse: ReusePlan, use_tiers: Sequence[str |
         tier = None if not tiers or len(held) < len(tiers) else slowest_tier(held)
         modules.append(ModuleUse(path, used.get(path, 0), tier, recomputed.get(path, 0), after.get(path)))
     held_tokens = sum(u.last - u.first for u, t in zip(reuse.uses, use_tiers) if t is not None)
-    prefix = None
-    if blocks:
-        by_tier: dict[str, int] = {}
-        for tier_name, count in blocks:
-            by_tier[tier_name] = by_tier.get(tier_name, 0) + count
-        prefix = PrefixUse(sum(count for _, count in blocks), len(blocks), tuple(sorted(by_tier.items())))
+    prefix = prefix_use(blocks)
     num_cached = held_tokens + (prefix.num_tokens if prefix is not None else 0)
     return CacheReport(plan.schema.name, reuse.is_exact, plan.generation_prompt_added, reuse.mode, reuse.positions,
                        reuse.context, reuse.num_recomputed, () if reuse.is_exact else plan.approximations,
                        tuple(modules), prefix, plan.num_prompt_tokens, num_cached)
+
+
+def prefix_use(blocks: Sequence[tuple[str, int]]) -> PrefixUse | None:
+    """What a stream reuses of the stored prefix blocks `blocks`, each (tier, tokens); None for none."""
+    tiers: Counter[str] = Counter()
+    for tier, count in blocks:
+        tiers[tier] += count
+    return PrefixUse(sum(tiers.values()), len(blocks), tuple(sorted(tiers.items()))) if blocks else None

@@ -84,10 +84,6 @@ class ModelRuntime:
         assistant's reply. Raises ChatRenderError if the template refuses the messages."""
         return chat_tokens(self.loaded.tokenizer, messages)
 
-    def token_text(self, token_id: int) -> str:
-        """The text of one token decoded alone (special tokens included)."""
-        return cast(str, self.loaded.tokenizer.decode([token_id]))  # one sequence: one string
-
     def check_token_ids(self, token_ids: Sequence[int]) -> None:
         """Raises InvalidRequestError for an id outside the vocabulary."""
         vocab = len(self.loaded.tokenizer)

@@ -59,14 +59,10 @@ def build_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def module_name() -> str:
-    """The extension's module name for this key (its PyInit_ symbol carries it, so it names the file too)."""
-    return f"{NAME}_{build_key()}"
-
-
 def library_path(directory: Path | None = None) -> Path:
-    """Where this torch's library is, or would be, in `directory` (default `kernel_dir()`)."""
-    return (directory or kernel_dir()) / f"{module_name()}.so"
+    """Where this torch's library is, or would be, in `directory` (default `kernel_dir()`). The file is named
+    by the extension's module name, which carries the build key (so does its PyInit_ symbol)."""
+    return (directory or kernel_dir()) / f"{NAME}_{build_key()}.so"
 
 
 def compiler_missing() -> str | None:

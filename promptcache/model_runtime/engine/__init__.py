@@ -3,9 +3,9 @@
 from promptcache.model_runtime.engine.config import EngineConfig
 from promptcache.model_runtime.engine.engine import Engine
 from promptcache.model_runtime.engine.request import ErrorKind, FinishReason, RequestReport, TokenEvent
-from promptcache.model_runtime.engine.reuse_plan import FIDELITY_MODES, Fidelity, ReusePlan, resolve
+from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan, resolve
 
 __all__ = [
-    "FIDELITY_MODES", "Engine", "EngineConfig", "ErrorKind", "Fidelity", "FinishReason", "RequestReport", "ReusePlan",
-    "TokenEvent", "resolve",
+    "Engine", "EngineConfig", "ErrorKind", "Fidelity", "FinishReason", "RequestReport", "ReusePlan", "TokenEvent",
+    "resolve",
 ]

@@ -67,7 +67,7 @@ def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> A
             if fetched is None:
                 missing.append(use)
                 continue
-            block, tier = fetched.block, fetched.tier
+            block, tier = fetched
         block = block.to(device)
         # A range of the stored block is a distinct tensor; shifted keys move for this request only, when
         # the runner attends them.

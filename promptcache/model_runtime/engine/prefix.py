@@ -15,14 +15,13 @@ deterministic function of what the key covers, so this is exact, like the KV its
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from promptcache.cache_store import BlockIndex, Link, Match, chain_root
 from promptcache.model_runtime.engine.kv_view import KVView
-from promptcache.model_runtime.results import PrefixUse
 
 # A run of the stream's KV: (first stream index, keys, values), tensors [L, H_kv, n, D] (views).
 KVPiece = tuple[int, torch.Tensor, torch.Tensor]
@@ -129,7 +128,8 @@ class PrefixReuse:
         """Store the prompt's blocks (counted against `owner`'s byte share) once its computed part
         (`computed`, starting where reuse ended) exists. Remembers the prompt's KV pieces for
         `store_sample`."""
-        stream.prompt_pieces = [*(_piece(link) for link in stream.match.links), computed]
+        stream.prompt_pieces = [(link.start, link.block.keys, link.block.values) for link in stream.match.links]
+        stream.prompt_pieces.append(computed)
         if self.index is None:
             return
         stream.stored_upto = self.index.insert(stream.root, stream.token_ids, stream.position_ids,
@@ -149,23 +149,9 @@ class PrefixReuse:
                           salt=salt, owner=owner, stored_upto=stream.stored_upto)
 
 
-def prefix_use(match: Match) -> PrefixUse | None:
-    """The report of what a stream reused (None when nothing was)."""
-    if not match.links:
-        return None
-    tiers: Counter[str] = Counter()
-    for link in match.links:
-        tiers[link.tier] += link.num_tokens
-    return PrefixUse(num_tokens=match.num_tokens, num_blocks=len(match.links), tiers=tuple(sorted(tiers.items())))
-
-
 def link_view(link: Link) -> KVView:
     """The view of a reused link: a partly used block is a different tensor than the whole."""
     return KVView(link.key) if link.is_whole else KVView(link.key, 0, link.num_tokens)
-
-
-def _piece(link: Link) -> KVPiece:
-    return link.start, link.block.keys, link.block.values
 
 
 def _gather(pieces: list[KVPiece]):

@@ -9,7 +9,6 @@ import time
 import uuid
 
 from promptcache.cache_store import Link
-from promptcache.model_runtime.engine.prefix import prefix_use
 from promptcache.model_runtime.engine.request import ErrorKind, FinishReason, Request, RequestReport, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import ReusePlan
 from promptcache.model_runtime.errors import InvalidRequestError
@@ -43,7 +42,8 @@ def final_event(request: Request, index: int, token: int | None, text: str, fini
     spans = prompt_spans(plan, reuse, request.use_tiers, stream.match.links) \
         if request.report_spans and reuse is not None and stream is not None else None
     cache = served_report(plan, reuse, request.fidelity.mode, usage, request.modules,
-                          prefix_use(stream.match) if stream is not None else None, spans)
+                          [(link.tier, link.num_tokens) for link in stream.match.links] if stream is not None else (),
+                          spans)
     return TokenEvent(request.request_id, index, token, text, finish, logprobs,
                       RequestReport(usage, timings, cache, prompt_logprobs))
 

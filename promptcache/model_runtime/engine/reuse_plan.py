@@ -36,7 +36,6 @@ from typing import TypeVar
 from promptcache.model_runtime.modes import ContextMode, FidelityMode, PositionMode, WireEnum
 from promptcache.pml import CachedSegment, PromptPlan, Schema
 
-FIDELITY_MODES: tuple[FidelityMode, ...] = tuple(FidelityMode)
 _Mode = TypeVar("_Mode", bound=WireEnum)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -75,7 +76,7 @@ def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int
       (the scheduler moves those fed to the back, so they take turns), leaving room for `min_tokens`
       prompt tokens when any wait.
     """
-    load = _tenant_load(running)
+    load = Counter(_tenant(s) for s in running)  # running sequences per tenant
     decoding = [s for s in running if s.pending_ids and s.status != SeqStatus.PREFILL]
     prefills = sorted((s for s in running if s.pending_ids and s.status == SeqStatus.PREFILL),
                       key=lambda s: load[_tenant(s)])  # stable: the order of `running` kept
@@ -96,14 +97,6 @@ def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int
         scheduled.append(ScheduledSeq(seq, min(len(seq.pending_ids), budget)))
         budget -= scheduled[-1].num_tokens
     return tuple(scheduled), budget
-
-
-def _tenant_load(running: Seq[Sequence]) -> dict[str | None, int]:
-    """Running sequences per tenant."""
-    load: dict[str | None, int] = {}
-    for seq in running:
-        load[_tenant(seq)] = load.get(_tenant(seq), 0) + 1
-    return load
 
 
 def _tenant(seq: Sequence) -> str | None:
