@@ -173,16 +173,8 @@ def _own_writes(ctx: BatchContext, indices: StepIndices) -> list[OwnWrite]:
         row += n
     if pooled_rows:
         assert ctx.pool is not None, "pooled slots are slots of the pool"
-        writes.append(OwnWrite(ctx.pool.keys, ctx.pool.values, _span_index(pooled_rows, indices),
-                               _span_index(pooled_slots, indices)))
+        writes.append(OwnWrite(ctx.pool.keys, ctx.pool.values, indices.span(pooled_rows), indices.span(pooled_slots)))
     return writes
-
-
-def _span_index(spans: list[tuple[int, int]], indices: StepIndices) -> slice | torch.Tensor:
-    """(first, end) spans as one slice when they follow on from each other, else an index tensor."""
-    if all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1)):
-        return slice(spans[0][0], spans[-1][1])
-    return indices.rows(spans)
 
 
 def install(model) -> None:

@@ -12,6 +12,7 @@ sequences take this path and the prefilling ones the general one (`StepDecode.ot
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,9 +60,7 @@ def plan_step_decode(query: torch.Tensor, query_lens: Sequence[int], own_keys: S
     if batch is None:
         return None
     others = tuple(i for i, n in enumerate(query_lens) if n != 1)
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
+    starts = [0, *itertools.accumulate(query_lens)]
     rows = torch.tensor([starts[i] for i in decoding], dtype=torch.long, device=query.device)
     other_rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in others]).to(query.device)
     return StepDecode(batch, rows, others, other_rows, tuple(restricted(segments, others)))

@@ -16,6 +16,7 @@ host on a GPU.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -63,9 +64,7 @@ def shared_module_attention(
     group = num_heads // num_kv_heads
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     indices = indices if indices is not None else StepIndices(queries.device)
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
+    starts = [0, *itertools.accumulate(query_lens)]
 
     if (len(query_lens) == 1 and backend != "matmul" and dispatch.on_gpu(queries)
             and own_keys[0].shape[1] >= total_q and not any(any(s.row_offsets or ()) for s in segments)
@@ -251,15 +250,11 @@ def _make_causal_mask(n: int, group: int, device: torch.device) -> torch.Tensor:
 
 def _rows(seq_indices: Sequence[int], row_offsets: Sequence[int] | None, starts: list[int],
           indices: StepIndices) -> tuple[torch.Tensor | slice, int]:
-    """The query rows that see a segment and how many: a slice when they are one contiguous run (a
-    view, no gather and scatter copies), else an index tensor (built once per forward pass)."""
+    """The query rows that see a segment (`StepIndices.span`) and how many."""
     offsets = row_offsets or [0] * len(seq_indices)
     spans = [(min(starts[i] + off, starts[i + 1]), starts[i + 1]) for i, off in zip(seq_indices, offsets)]
     spans = [(first, end) for first, end in spans if first < end]
-    num_rows = sum(end - first for first, end in spans)
-    if spans and all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1)):
-        return slice(spans[0][0], spans[-1][1]), num_rows
-    return indices.rows(spans), num_rows
+    return indices.span(spans), sum(end - first for first, end in spans)
 
 
 def _fold(q: torch.Tensor, num_kv_heads: int, group: int) -> torch.Tensor:

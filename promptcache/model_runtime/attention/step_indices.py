@@ -42,6 +42,13 @@ class StepIndices:
         spans = tuple(spans)
         return self.get(("rows", spans), lambda: _span_rows(spans))
 
+    def span(self, spans: Sequence[tuple[int, int]]) -> slice | torch.Tensor:
+        """The rows of (first, end) `spans` as one slice when they follow on from each other (a view: no
+        gather and scatter copies), else as `rows`."""
+        if spans and all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1)):
+            return slice(spans[0][0], spans[-1][1])
+        return self.rows(spans)
+
     def positions(self, rows: Sequence[int]) -> torch.Tensor:
         """int64 [len(rows)]: the given rows."""
         rows = tuple(rows)
