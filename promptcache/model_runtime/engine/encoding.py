@@ -21,7 +21,7 @@ import torch
 
 from promptcache.model_runtime.engine.kv_view import KVView
 from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequence, SharedKV
-from promptcache.model_runtime.engine.runner import ModelRunner
+from promptcache.model_runtime.engine.runner import ModelRunner, RunOutput
 from promptcache.model_runtime.engine.step_plan import EncodeNeed, ScheduledSeq, StepPlan
 from promptcache.model_runtime.module_encoder import ChainWork, EncodeReport, ModuleEncoder
 from promptcache.pml import Schema
@@ -98,31 +98,27 @@ class EncodeQueue:
         seq = self._active.seq
         return ScheduledSeq(seq, min(len(seq.pending_ids), budget))
 
-    def after_step(self, chunk: ScheduledSeq, seconds: float) -> None:
-        """`chunk` ran in `seconds`: store and resolve the active job if it was its last."""
-        active = self._active
+    def after_run(self, chunk: ScheduledSeq, output: RunOutput) -> None:
+        """`chunk` ran in `output`'s pass: store and resolve the active job if it was its last; if the
+        chunk failed, fail the job's waiters and drop it."""
+        active, error = self._active, output.encoding_error
         if active is None or active.seq is not chunk.seq:
             return
-        active.compute_s += seconds
-        chunk.seq.advance(chunk.num_tokens)
-        if chunk.seq.pending_ids:
-            return
+        if error is None:
+            active.compute_s += output.encoding_s or 0.0
+            chunk.seq.advance(chunk.num_tokens)
+            if chunk.seq.pending_ids:
+                return
         self._active = None
         self._by_target.pop(active.job.target, None)
-        seq, work = active.seq, active.work
+        if error is not None:
+            active.job.done.set_exception(error)
+            return
+        work, n = active.work, len(active.work.token_ids)
         self.encoder.record(work, active.compute_s)
-        n = len(work.token_ids)
-        keys, values = seq.own_buffers()
-        block = self.encoder.store_tail(work, keys[:, :, :n], values[:, :, :n],
-                                        local=active.job.keep_local)
-        active.job.done.set_result(block)
-
-    def fail_active(self, exc: BaseException) -> None:
-        """The active job's chunk failed: fail its waiters, drop it."""
-        if self._active is not None:
-            job, self._active = self._active.job, None
-            self._by_target.pop(job.target, None)
-            job.done.set_exception(exc)
+        keys, values = active.seq.own_buffers()
+        active.job.done.set_result(self.encoder.store_tail(work, keys[:, :, :n], values[:, :, :n],
+                                                           local=active.job.keep_local))
 
     def _activate(self, job: EncodeJob) -> None:
         try:
@@ -234,11 +230,7 @@ def encode_now(encoder: ModuleEncoder, runner: ModelRunner, schema: Schema, jobs
     for done, (segment_id, context_ids) in enumerate(jobs, 1):
         future = queue.submit(schema, segment_id, context_ids, cache_salt)
         while (chunk := queue.next_chunk(_WHOLE)) is not None:
-            output = runner.run(StepPlan((), 0, encoding=chunk))
-            if output.encoding_error is not None:
-                queue.fail_active(output.encoding_error)
-            else:
-                queue.after_step(chunk, output.encoding_s or 0.0)
+            queue.after_run(chunk, runner.run(StepPlan((), 0, encoding=chunk)))
         future.result()
         if progress is not None:
             progress(done, len(jobs))

@@ -232,11 +232,8 @@ class Engine:
         self.parked_encodes.submit(plan.encodes)
         plan = replace(plan, encoding=self.encodes.next_chunk(plan.prefill_budget))
         output = self.runner.run(plan)
-        if plan.encoding is not None:
-            if output.encoding_error is not None:  # fails the requests and uploads waiting for it
-                self.encodes.fail_active(output.encoding_error)
-            else:
-                self.encodes.after_step(plan.encoding, output.encoding_s or 0.0)
+        if plan.encoding is not None:  # a failed chunk fails the requests and uploads waiting for it
+            self.encodes.after_run(plan.encoding, output)
         result = self.outputs.postprocess(plan, output)
         if plan.has_forward:
             self.num_steps += 1
