@@ -13,7 +13,7 @@ from promptcache.model_runtime.detokenizer import Detokenizer
 from promptcache.model_runtime.engine.kv_view import KVView
 from promptcache.model_runtime.engine.prefix import PrefixReuse
 from promptcache.model_runtime.engine.reports import final_event
-from promptcache.model_runtime.engine.request import FinishReason, Request, SeqStatus, Sequence, SharedKV, TokenEvent
+from promptcache.model_runtime.engine.request import FinishReason, SeqStatus, Sequence, SharedKV, TokenEvent
 from promptcache.model_runtime.engine.runner import RunOutput
 from promptcache.model_runtime.engine.scheduler import Scheduler
 from promptcache.model_runtime.engine.step_plan import StepPlan
@@ -53,7 +53,7 @@ class OutputProcessor:
         # Every row's argmax in one op: a greedy sample's token without a per-sequence copy of its logits.
         argmax = output.logits.argmax(dim=-1).tolist() if len(output.logits) else []
         for entry, row, found, best in zip(output.ran, output.logits, output.prompt_logprobs, argmax):
-            seq, request = entry.seq, _request(entry.seq)
+            seq, request = entry.seq, entry.seq.owner
             seq.advance(entry.num_tokens)
             if found is not None and request.prompt_logprobs is not None:
                 request.prompt_logprobs.extend(found)
@@ -62,7 +62,7 @@ class OutputProcessor:
             else:
                 rows.append((seq, row, output.step_ms, best))
         for seq, row, step_ms, best in rows:
-            request = _request(seq)
+            request = seq.owner
             if request.is_failed:
                 continue
             try:
@@ -79,7 +79,7 @@ class OutputProcessor:
 
     def _fork(self, prompt: Sequence, logits: torch.Tensor, events: list[TokenEvent],
               writes: list[Write | None]) -> None:
-        request = _request(prompt)
+        request = prompt.owner
         self.scheduler.finish(prompt)
         n = prompt.own_length
         assert prompt.own_keys is not None and prompt.own_values is not None
@@ -97,7 +97,7 @@ class OutputProcessor:
         """Pick the sample's next token from `logits` [vocab] (`argmax`: theirs, when known), stream its
         text, and finish the sample on an end-of-sequence token, a stop string, max_tokens or the model's
         last position."""
-        request = _request(seq)
+        request = seq.owner
         params, sampler, detokenizer = request.params, seq.sampler, seq.detokenizer
         if sampler is None or detokenizer is None:  # its first token: the prompt is computed
             if seq.status == SeqStatus.PREFILL:
@@ -165,8 +165,3 @@ def sample_write(seq: Sequence, prefix: PrefixReuse) -> Write | None:
     output_ids, first = list(seq.output_ids), seq.first_position
     salt, owner = seq.owner.cache_salt, seq.owner.tenant
     return lambda: prefix.store_sample(stream, output_ids, first, generated, salt=salt, owner=owner)
-
-
-def _request(seq: Sequence) -> Request:
-    assert seq.request is not None, "only module encodings run without a request, and they are not sampled"
-    return seq.request
