@@ -4,6 +4,7 @@ The only package that imports torch/transformers.
 """
 
 from promptcache.model_runtime.engine import EngineConfig, ErrorKind, Fidelity, FinishReason, RequestReport, TokenEvent
+from promptcache.model_runtime.engine.reuse_plan import ContextMode, FidelityMode, PositionMode
 from promptcache.model_runtime.errors import (
     ChatRenderError,
     EngineError,
@@ -23,7 +24,6 @@ from promptcache.model_runtime.loading.loader import (
     wrap_model,
 )
 from promptcache.model_runtime.loading.quantized_linear import WeightFormat
-from promptcache.model_runtime.modes import ContextMode, FidelityMode, PositionMode
 from promptcache.model_runtime.module_encoder import EncodeReport, ModuleEncoder
 from promptcache.model_runtime.results import (
     CacheReport,

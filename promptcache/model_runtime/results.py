@@ -7,8 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from promptcache.model_runtime.engine.reuse_plan import ReusePlan
-from promptcache.model_runtime.modes import ContextMode, FidelityMode, PositionMode
+from promptcache.model_runtime.engine.reuse_plan import ContextMode, FidelityMode, PositionMode, ReusePlan
 from promptcache.pml import PromptPlan
 
 # Slowest last: a module's reported tier is the slowest tier any of its segments came from.

@@ -12,9 +12,8 @@ from promptcache.cache_store import KVBlock
 from promptcache.model_runtime.detokenizer import Detokenizer
 from promptcache.model_runtime.engine.kv_view import KVView
 from promptcache.model_runtime.engine.prefix import Stream
-from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan
+from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan, WireEnum
 from promptcache.model_runtime.kv_pool import KVPool
-from promptcache.model_runtime.modes import WireEnum
 from promptcache.model_runtime.results import CacheReport, ModuleUse, Timings, Usage
 from promptcache.model_runtime.sampling import PromptTokens, Sampler, SamplingParams, TokenLogprobs
 from promptcache.pml import PromptPlan
