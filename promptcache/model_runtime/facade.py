@@ -12,6 +12,7 @@ from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, Tok
 from promptcache.model_runtime.errors import InvalidRequestError
 from promptcache.model_runtime.loading.loader import LoadedModel
 from promptcache.model_runtime.module_encoder import EncodeReport, KVStore
+from promptcache.model_runtime.prompt_tokens import chat_tokens, completion_tokens
 from promptcache.model_runtime.results import CacheReport, planned_report
 from promptcache.model_runtime.runtime import ModelRuntime
 from promptcache.model_runtime.sampling import SamplingParams
@@ -115,7 +116,7 @@ class PromptRuntime:
 
     def plan_text(self, text: str) -> PromptPlan:
         """A plain completion prompt: its tokens verbatim (no PML), reused through prefix blocks."""
-        return token_plan(self._plain, self.model.tokenize_completion(text))
+        return token_plan(self._plain, self.tokenize(text))
 
     def plan_tokens(self, token_ids: Sequence[int]) -> PromptPlan:
         """A prompt given as token ids. Raises InvalidRequestError for an id outside the vocabulary."""
@@ -124,14 +125,15 @@ class PromptRuntime:
 
     def plan_chat(self, messages: Sequence[Mapping[str, str]]) -> PromptPlan:
         """A plain chat rendered by the model's chat template (raises ChatRenderError)."""
-        return token_plan(self._plain, self.model.tokenize_chat(messages))
+        return token_plan(self._plain, self.tokenize(messages=messages))
 
     def tokenize(self, text: str | None = None, messages: Sequence[Mapping[str, str]] | None = None) -> tuple[int, ...]:
-        """Token ids exactly as `plan_text(text)` or `plan_chat(messages)` feeds them."""
+        """Token ids exactly as `plan_text(text)` (the text verbatim, no PML) or `plan_chat(messages)` (rendered
+        by the model's chat template, ready for the assistant's reply) feeds them."""
         if messages is not None:
-            return self.model.tokenize_chat(messages)
+            return chat_tokens(self.model.loaded.tokenizer, messages)
         assert text is not None, "tokenize takes a text or messages"
-        return self.model.tokenize_completion(text)
+        return completion_tokens(self.model.loaded.tokenizer, text)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.model.detokenize(token_ids)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from promptcache.model_runtime.engine.encoding import encode_now
@@ -12,7 +12,6 @@ from promptcache.model_runtime.errors import InvalidRequestError
 from promptcache.model_runtime.loading.loader import LoadedModel
 from promptcache.model_runtime.module_encoder import EncodeReport, KVStore, ModuleEncoder
 from promptcache.model_runtime.packed_attention import install
-from promptcache.model_runtime.prompt_tokens import chat_tokens, completion_tokens
 from promptcache.pml import PmlLimits, PromptPlan, Schema, TextEncoder, parse_prompt, parse_schema
 
 
@@ -74,15 +73,6 @@ class ModelRuntime:
             schemas = dict(self._schemas.get(namespace, {}))
         return parse_prompt(prompt, schemas, self.text_encoder, self.limits, isolated=isolated,
                             add_generation_prompt=add_generation_prompt)
-
-    def tokenize_completion(self, text: str) -> tuple[int, ...]:
-        """Token ids of a plain completion prompt (no PML: the text is used verbatim)."""
-        return completion_tokens(self.loaded.tokenizer, text)
-
-    def tokenize_chat(self, messages: Sequence[Mapping[str, str]]) -> tuple[int, ...]:
-        """Token ids of a chat (role/content dicts) rendered by the model's chat template, ready for the
-        assistant's reply. Raises ChatRenderError if the template refuses the messages."""
-        return chat_tokens(self.loaded.tokenizer, messages)
 
     def check_token_ids(self, token_ids: Sequence[int]) -> None:
         """Raises InvalidRequestError for an id outside the vocabulary."""
