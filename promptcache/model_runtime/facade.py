@@ -87,12 +87,12 @@ class PromptRuntime:
 
     def add_schema(self, schema: Schema, owner: str | None) -> None:
         """Register `schema` in the owner's namespace (replacing one of its name), without encoding."""
-        self.model.add_schema(schema, encode=False, namespace=_namespace(owner))
+        self.model.add_schema(schema, encode=False, namespace=owner or "")
 
     def forget_schema(self, name: str, owner: str | None, *, delete_kv: bool = True) -> Schema | None:
         """Unregister the owner's schema `name` and (`delete_kv`) delete the KV its upload encoded; copies
         salted by clients age out by LRU. Returns the schema, None if the owner had none of that name."""
-        schema = self.model.remove_schema(name, _namespace(owner))
+        schema = self.model.remove_schema(name, owner or "")
         if schema is None or not delete_kv:
             return schema
         encoder, salt = self.model.module_encoder, key_salt(owner, None)
@@ -103,16 +103,16 @@ class PromptRuntime:
         return schema
 
     def get_schema(self, name: str, owner: str | None = None) -> Schema | None:
-        return self.model.get_schema(name, _namespace(owner))
+        return self.model.get_schema(name, owner or "")
 
     def schema_names(self, owner: str | None = None) -> list[str]:
-        return self.model.schema_names(_namespace(owner))
+        return self.model.schema_names(owner or "")
 
     # -- prompts -----------------------------------------------------------------------------------
     def plan(self, prompt: str, owner: str | None = None, *, isolated: bool = False) -> PromptPlan:
         """A PML prompt resolved against the owner's schemas, the generation prompt opened after its last
         turn unless it ends in an open `<assistant>` turn. Raises PmlError (UnknownSchemaError)."""
-        return self.model.plan(prompt, isolated=isolated, namespace=_namespace(owner), add_generation_prompt=True)
+        return self.model.plan(prompt, isolated=isolated, namespace=owner or "", add_generation_prompt=True)
 
     def plan_text(self, text: str) -> PromptPlan:
         """A plain completion prompt: its tokens verbatim (no PML), reused through prefix blocks."""
@@ -166,7 +166,3 @@ class PromptRuntime:
         engine = self.engine
         return RuntimeStats(engine.num_running, engine.num_waiting, engine.scheduler.memory.used_bytes,
                             engine.prefix_store_s, self.model.module_encoder.num_encoded_segments)
-
-
-def _namespace(owner: str | None) -> str:
-    return "" if owner is None else owner

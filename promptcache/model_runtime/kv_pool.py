@@ -25,22 +25,17 @@ class KVPool:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.shape = (num_layers, num_kv_heads, num_slots, head_dim)
         self.dtype, self.device = dtype, torch.device(device)
-        self._keys: torch.Tensor | None = None
-        self._values: torch.Tensor | None = None
+        self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self._free: list[tuple[int, int]] = [(0, num_slots)]  # (first, end), sorted, never adjacent
         self._sizes: dict[int, int] = {}  # first slot of each allocated range -> its size
 
     @property
     def keys(self) -> torch.Tensor:
-        self._make()
-        assert self._keys is not None
-        return self._keys
+        return self._tensors()[0]
 
     @property
     def values(self) -> torch.Tensor:
-        self._make()
-        assert self._values is not None
-        return self._values
+        return self._tensors()[1]
 
     @property
     def num_free(self) -> int:
@@ -51,7 +46,7 @@ class KVPool:
         """The first slot of a free range of `num_slots` (first fit), or None when no range is that long."""
         for i, (first, end) in enumerate(self._free):
             if end - first >= num_slots:
-                self._make()
+                self._tensors()
                 if end - first == num_slots:
                     del self._free[i]
                 else:
@@ -76,10 +71,11 @@ class KVPool:
         (views of the pool)."""
         return self.keys[:, :, first: first + num_slots], self.values[:, :, first: first + num_slots]
 
-    def _make(self) -> None:
-        if self._keys is None:
-            self._keys = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            self._values = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._kv is None:
+            self._kv = (torch.empty(self.shape, dtype=self.dtype, device=self.device),
+                        torch.empty(self.shape, dtype=self.dtype, device=self.device))
+        return self._kv
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,9 @@ batch step (no active context) the function is plain SDPA, so the single-sequenc
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -185,15 +187,11 @@ def install(model) -> None:
         model.set_attn_implementation(ATTENTION_NAME)
 
 
-class active_batch:
-    """Context manager marking a packed batch forward pass on this thread."""
-
-    def __init__(self, context: BatchContext) -> None:
-        self.context = context
-
-    def __enter__(self) -> BatchContext:
-        _active.context = self.context
-        return self.context
-
-    def __exit__(self, *exc) -> None:
+@contextlib.contextmanager
+def active_batch(context: BatchContext) -> Iterator[BatchContext]:
+    """Marks a packed batch forward pass on this thread."""
+    _active.context = context
+    try:
+        yield context
+    finally:
         _active.context = None
