@@ -31,6 +31,5 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
 
 def auto_dtype(device: str, flags: frozenset[str] | None = None) -> str:
     """`bfloat16` on CUDA and on CPUs with native bf16 (BF16_CPU_FLAGS); `float32` otherwise."""
-    if device.startswith("cuda"):
-        return "bfloat16"
-    return "bfloat16" if BF16_CPU_FLAGS & (cpu_flags() if flags is None else flags) else "float32"
+    native = device.startswith("cuda") or BF16_CPU_FLAGS & (cpu_flags() if flags is None else flags)
+    return "bfloat16" if native else "float32"

@@ -34,9 +34,7 @@ class Detokenizer:
         self.text = text
         if self.is_stopped:
             return self._emit(len(text))
-        safe = len(text)
-        if text.endswith("\ufffd"):
-            safe = len(text.rstrip("\ufffd"))
+        safe = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes as U+FFFD
         for stop in self.stop:
             for k in range(min(len(stop) - 1, len(text)), 0, -1):
                 if text.endswith(stop[:k]):

@@ -139,9 +139,7 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, *, seed_offset: int = 0, prompt: PromptTokens | None = None) -> None:
         self.params = params
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed + seed_offset)
+        self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed + seed_offset)
         self.prompt = prompt if params.uses_prompt_tokens else None
         self._counts: torch.Tensor | None = None  # [vocab] float32: times each token was generated
         self._unseen: list[int] = []  # recorded tokens not yet added to _counts

@@ -120,9 +120,8 @@ class Scheduler:
         """The rows a step may run while light tenants are served beside busy ones (a light tenant got a
         step of its own within `shared_window_s`), else None: tenants that all keep sequences decoding
         gain nothing from short steps, and a single tenant's steps are never capped."""
-        if self.config.shared_step_ratio is None:
-            return None
-        if time.monotonic() - self._last_light_step > self.config.shared_window_s:
+        if (self.config.shared_step_ratio is None
+                or time.monotonic() - self._last_light_step > self.config.shared_window_s):
             return None
         return self.shared_cap.cap()
 

@@ -72,13 +72,9 @@ class WaitingRequests:
 
     def pop(self, request: Request) -> None:
         """Remove the head `request` (admitted or refused); the turn passes to the next tenant."""
-        tenant = request.tenant
-        queue = self._queues[tenant]
-        del queue[request.request_id]
-        if queue:
-            self._queues.move_to_end(tenant)
-        else:
-            del self._queues[tenant]
+        self._unqueue(request)
+        if request.tenant in self._queues:
+            self._queues.move_to_end(request.tenant)
         self._leave(request)
 
     def park(self, request: Request) -> None:
