@@ -13,7 +13,7 @@ from promptcache.model_runtime.errors import InvalidRequestError
 from promptcache.model_runtime.loading.loader import LoadedModel
 from promptcache.model_runtime.module_encoder import EncodeReport, KVStore
 from promptcache.model_runtime.prompt_tokens import chat_tokens, completion_tokens
-from promptcache.model_runtime.results import CacheReport, planned_report
+from promptcache.model_runtime.results import CacheReport
 from promptcache.model_runtime.runtime import ModelRuntime
 from promptcache.model_runtime.sampling import SamplingParams
 from promptcache.pml import PmlLimits, PromptPlan, Schema, TextEncoder, token_plan
@@ -154,13 +154,7 @@ class PromptRuntime:
     def explain(self, plan: PromptPlan, *, owner: str | None, salt: str | None, fidelity: Fidelity) -> CacheReport:
         """What serving `plan` now would reuse (from which tier) and compute, without doing it (no fetch,
         no promotion; tier lookups may reach shared storage: call it off the event loop)."""
-        salted = key_salt(owner, salt)
-        reuse, blocks = self.engine.explain(plan, cache_salt=salted, fidelity=fidelity)
-        encoder = self.model.module_encoder
-        held = [self._store.tier_of(encoder.key(plan.schema, u.cached.segment.segment_id, u.cached.context_ids,
-                                                salted)) for u in reuse.uses]
-        tiers = [None if tier is None else tier.name for tier in held]
-        return planned_report(plan, reuse, tiers, blocks)
+        return self.engine.explain(plan, cache_salt=key_salt(owner, salt), fidelity=fidelity)
 
     def stats(self) -> RuntimeStats:
         engine = self.engine

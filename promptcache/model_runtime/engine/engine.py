@@ -18,10 +18,11 @@ from promptcache.model_runtime.engine.outputs import OutputProcessor, Write
 from promptcache.model_runtime.engine.prefix import PrefixReuse
 from promptcache.model_runtime.engine.reports import error_event
 from promptcache.model_runtime.engine.request import ErrorKind, Request, TokenEvent
-from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan, resolve
+from promptcache.model_runtime.engine.reuse_plan import Fidelity, resolve
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.engine.scheduler import Scheduler
 from promptcache.model_runtime.module_encoder import EncodeReport, ModuleEncoder
+from promptcache.model_runtime.results import CacheReport, planned_report
 from promptcache.model_runtime.sampling import SamplingParams
 from promptcache.pml import PromptPlan, Schema
 
@@ -178,14 +179,16 @@ class Engine:
         self.inbox.post(Abort(request_id))
 
     def explain(self, plan: PromptPlan, *, cache_salt: str | None = None,
-                fidelity: Fidelity | None = None) -> tuple[ReusePlan, list[tuple[str, int]]]:
-        """What serving `plan` now would do, without doing it: its ReusePlan and (tier, tokens) of each
-        stored prefix block its stream would reuse (no fetch, no promotion; safe from any thread)."""
+                fidelity: Fidelity | None = None) -> CacheReport:
+        """What serving `plan` now would reuse (from which tier) and compute, without doing it (no fetch, no
+        promotion; safe from any thread, but tier lookups may reach shared storage)."""
         reuse = resolve(plan, fidelity or self.config.fidelity, can_shift=self.encoder.loaded.key_shifter is not None)
         module_keys = [self.encoder.key(plan.schema, u.cached.segment.segment_id, u.cached.context_ids, cache_salt)
                        for u in reuse.uses]
-        return reuse, self.prefix.peek(module_keys, list(reuse.token_ids), list(reuse.position_ids),
-                                       salt=cache_salt, variant=reuse.variant)
+        tiers = [self.encoder.store.tier_of(key) for key in module_keys]
+        blocks = self.prefix.peek(module_keys, list(reuse.token_ids), list(reuse.position_ids), salt=cache_salt,
+                                  variant=reuse.variant)
+        return planned_report(plan, reuse, [None if tier is None else tier.name for tier in tiers], blocks)
 
     @property
     def num_running(self) -> int:
