@@ -10,11 +10,8 @@ The same extension carries the decoder layers' fused element-wise ops (csrc/fuse
 used by model_runtime/loading/fused_layers.py): one build, one set of CPU requirements.
 
 `promptcache build-kernels` compiles it at install time (kernel_build.py); `prepare()` only loads that
-library, so the server never needs a compiler. It is called where a model is loaded or a runner built for
-bf16 on a CPU that has the instructions; attention code asks `loaded()`. Without the library (none built
-for this torch, or no compiler where it was installed) or the CPU flags, `prepare()` logs why and returns
-False, `unavailable_reason()` says why, attention keeps PyTorch's fused op and models keep the Hugging Face
-modules.
+library, so the server never needs a compiler. Without the library or the CPU flags, attention keeps
+PyTorch's fused op and models keep the Hugging Face modules.
 """
 
 from __future__ import annotations
@@ -109,8 +106,7 @@ def loaded() -> Kernel | None:
 
 
 def decode_loaded() -> DecodeKernel | None:
-    """The batch decode entry (one call for every decoding sequence of a layer) if `prepare()` loaded the
-    kernel in this process, else None."""
+    """The batch decode entry (one call for every decoding sequence of a layer) if loaded, else None."""
     return _state.get("decode")
 
 
