@@ -148,9 +148,8 @@ class ModuleEncoder:
             self.num_encoded_segments += len(work.segments)
 
     def _cost(self, schema: Schema, segment_id: int) -> _Cost:
-        loaded = self.loaded
         num_tokens = len(schema.segments[segment_id].token_ids)
-        per_token = loaded.kv_bytes_per_token + 8  # + the int64 position id
+        per_token = self.loaded.kv_bytes_per_token + 8  # + the int64 position id
         return {"num_tokens": num_tokens, "nbytes": num_tokens * per_token}
 
     def schema_jobs(self, schema: Schema, *, predecessors: bool = False) -> list[tuple[int, tuple[int, ...]]]:

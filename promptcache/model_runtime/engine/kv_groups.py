@@ -130,7 +130,7 @@ class AssembledGroups:
         """A [2, >= numel] buffer: a new one (with headroom) while the budget allows it, else the buffer
         of the least recently used group not in use that is large enough (that group is dropped)."""
         size = int(numel * HEADROOM)
-        if self.num_bytes + 2 * size * torch.empty((), dtype=dtype).element_size() > self.max_bytes:
+        if self.num_bytes + 2 * size * dtype.itemsize > self.max_bytes:
             for names, group in self._groups.items():
                 buffer = group.buffer
                 if (names not in self._live and buffer.shape[1] >= numel and buffer.dtype == dtype

@@ -82,10 +82,10 @@ class OutputProcessor:
         request = prompt.owner
         self.scheduler.finish(prompt)
         n = prompt.own_length
-        assert prompt.own_keys is not None and prompt.own_values is not None
+        keys, values = prompt.own_buffers()
         # The n samples reference the prompt's computed KV as one more shared block (a view, no copy).
         prompt_kv = SharedKV(KVView(f"{request.request_id}/prompt"), KVBlock(
-            prompt.own_keys[:, :, :n], prompt.own_values[:, :, :n], torch.arange(n, dtype=torch.long)))
+            keys[:, :, :n], values[:, :, :n], torch.arange(n, dtype=torch.long)))
         writes.append(prompt_write(prompt, self.prefix))
         for index in range(request.params.n):
             seq = self.scheduler.new_sequence(request, index, [*prompt.shared, prompt_kv], request.params.max_tokens)

@@ -109,8 +109,7 @@ class LoadedModel:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values one token takes across all layers, in the model's dtype."""
-        element = torch.empty((), dtype=self.model.dtype).element_size()
-        return self.num_layers * self.num_kv_heads * self.head_dim * 2 * element
+        return self.num_layers * self.num_kv_heads * self.head_dim * 2 * self.model.dtype.itemsize
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
