@@ -57,9 +57,9 @@ def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> A
     tiers: dict[str, list[str]] = {}
     use_tiers: list[str] = []
     missing: list[CachedUse] = []
-    for use in reuse.uses:
+    module_keys = [module_key(encoder, request, use) for use in reuse.uses]
+    for use, key in zip(reuse.uses, module_keys):
         segment = use.cached.segment
-        key = module_key(encoder, request, use)
         if key in request.computed_kv:
             block, tier = request.computed_kv[key], "computed"
         else:
@@ -83,7 +83,6 @@ def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> A
         return MissingModules(tuple(missing))
     request.computed_kv = {}  # held by its shared KV from here on
 
-    module_keys = [module_key(encoder, request, use) for use in reuse.uses]
     looked_up = time.perf_counter()
     stream = prefix.open(module_keys, list(reuse.token_ids), list(reuse.position_ids), salt=request.cache_salt,
                          variant=reuse.variant, match=request.params.prompt_logprobs is None)

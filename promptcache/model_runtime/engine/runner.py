@@ -90,8 +90,7 @@ class ModelRunner:
         done: list[tuple[str, ScheduledSeq, torch.Tensor, PromptLogprobs]] = []
         failed: dict[str, tuple[Request, BaseException]] = {}
         for entry in plan.batch:
-            request = entry.seq.request
-            assert request is not None  # a module encoding is never in the batch
+            request = entry.seq.owner  # a module encoding is never in the batch
             if request.request_id in failed:
                 continue
             try:
