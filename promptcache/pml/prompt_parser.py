@@ -16,6 +16,7 @@ sequence start; a schema piece there that was encoded as a continuation is repor
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -27,14 +28,12 @@ from promptcache.pml.errors import (
     UnknownSchemaError,
 )
 from promptcache.pml.limits import PmlLimits
-from promptcache.pml.occupancy import Occupancy
 from promptcache.pml.plan import CachedSegment, NewRun, PromptPlan, find_approximations
 from promptcache.pml.prompt_reader import ImportItem, PromptItems, PromptReader, TextPiece
 from promptcache.pml.schema import Scaffold, Schema, Segment
 from promptcache.pml.text_encoder import TextEncoder
-from promptcache.pml.xml_reader import parse_xml
+from promptcache.pml.xml_reader import XML_SPACE, parse_xml
 
-_XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
 GENERATION_PROMPT = "generation_prompt"  # the `source` of the run that opens the assistant turn
 
 
@@ -56,7 +55,7 @@ def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
     if root.tag != "prompt":
         raise PromptError(f"the root element is <{root.tag}>; expected <prompt schema=...>", line=root.sourceline)
     for attribute in root.attrib:
-        if attribute not in ("schema", _XML_SPACE):
+        if attribute not in ("schema", XML_SPACE):
             raise PromptError(f"<prompt> has unknown attribute {attribute!r}; expected: schema", line=root.sourceline)
     name = root.get("schema")
     if name is None:
@@ -232,3 +231,43 @@ def _check_free(piece: TextPiece, start: int, used: Occupancy, included: list[Se
         f"new text {piece.snippet!r} is {len(piece.token_ids)} tokens but only {clash - start} positions are "
         f"free at [{start}, {clash}) before {what} at position {clash}; add a <param> buffer to the schema "
         "there, or move the text after the last import", line=piece.line)
+
+
+class Occupancy:
+    """Used positions as sorted, disjoint, non-adjacent half-open intervals [start, end).
+
+    Placing the text of a long prompt asks, per text piece, for the highest used position below some
+    position and the first used position inside a range; with a set of positions both were linear,
+    which made placement quadratic in the prompt's length.
+    """
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def add(self, start: int, end: int) -> None:
+        """Mark [start, end) used (it may touch or overlap used intervals)."""
+        if start >= end:
+            return
+        i = bisect.bisect_left(self._ends, start)  # first interval that ends at or after start
+        j = bisect.bisect_right(self._starts, end)  # intervals [i, j) touch or overlap [start, end)
+        if i < j:
+            start, end = min(start, self._starts[i]), max(end, self._ends[j - 1])
+        self._starts[i:j] = [start]
+        self._ends[i:j] = [end]
+
+    def highest(self) -> int | None:
+        """The highest used position, or None."""
+        return self._ends[-1] - 1 if self._ends else None
+
+    def highest_below(self, limit: int) -> int | None:
+        """The highest used position < limit, or None."""
+        i = bisect.bisect_left(self._starts, limit) - 1  # last interval starting below limit
+        return None if i < 0 else min(self._ends[i], limit) - 1
+
+    def first_in(self, start: int, end: int) -> int | None:
+        """The lowest used position in [start, end), or None."""
+        i = bisect.bisect_right(self._ends, start)  # first interval ending after start
+        if i == len(self._starts) or self._starts[i] >= end:
+            return None
+        return max(self._starts[i], start)

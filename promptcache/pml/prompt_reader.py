@@ -21,9 +21,7 @@ from promptcache.pml.nodes import Module, RoleSection, Union
 from promptcache.pml.plan import NewRun
 from promptcache.pml.schema import Schema
 from promptcache.pml.text_encoder import TextEncoder
-from promptcache.pml.xml_reader import TextItem, iter_content
-
-_XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
+from promptcache.pml.xml_reader import XML_SPACE, TextItem, iter_content
 
 
 @dataclass(slots=True)
@@ -115,7 +113,7 @@ class PromptReader:
 
     def _role(self, element: etree._Element, *, is_last: bool) -> None:
         role, line = element.tag, element.sourceline
-        if set(element.attrib) - {_XML_SPACE}:
+        if set(element.attrib) - {XML_SPACE}:
             raise PromptError(f"<{role}> takes no attributes in a prompt (except xml:space)", line=line)
         content = list(iter_content(element))
         imports = [c for c in content if not isinstance(c, TextItem)]

@@ -13,9 +13,7 @@ from promptcache.pml.nodes import Module, Node, Param, RoleSection, TextRun, Uni
 from promptcache.pml.schema import Schema
 from promptcache.pml.segments import ContextBudget, build_scaffolds, build_segments
 from promptcache.pml.text_encoder import TextEncoder
-from promptcache.pml.xml_reader import TextItem, iter_content, parse_xml
-
-_XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
+from promptcache.pml.xml_reader import XML_SPACE, TextItem, iter_content, parse_xml
 
 
 def parse_schema(text: str, encoder: TextEncoder, limits: PmlLimits | None = None) -> Schema:
@@ -139,7 +137,7 @@ class _SchemaBuilder:
 
     def _child_module(self, element: etree._Element, *, parent: str, cursor: int, is_cached: bool,
                       scope: dict[str, Module], params: dict[str, Param]) -> Module:
-        _check_attributes(element, {"name", "cache", _XML_SPACE})
+        _check_attributes(element, {"name", "cache", XML_SPACE})
         name = check_name(element.get("name"), element="module", line=element.sourceline)
         _claim(name, scope, params, element)
         cache = element.get("cache", "true")
@@ -205,7 +203,7 @@ class _SchemaBuilder:
     def _role(self, element: etree._Element, *, path: str, cursor: int, is_cached: bool,
               scope: dict[str, Module], params: dict[str, Param], unions: list[Union],
               is_root: bool) -> RoleSection:
-        _check_attributes(element, {_XML_SPACE})
+        _check_attributes(element, {XML_SPACE})
         role, line = element.tag, element.sourceline
         fmt = self.encoder.role_format(line)
         section_id = len(self.sections)

@@ -11,7 +11,7 @@ from lxml import etree
 
 from promptcache.pml.errors import PmlLimitError, PmlSecurityError, PmlSyntaxError
 
-_XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
+XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
 # Any DTD can declare entities (billion laughs, XXE); PML never needs one, so it is refused before
 # lxml sees the document.
 _FORBIDDEN = re.compile(rb"<!DOCTYPE|<!ENTITY|<!ELEMENT|<!ATTLIST", re.IGNORECASE)
@@ -150,7 +150,7 @@ def iter_content(element: etree._Element) -> Iterator[TextItem | etree._Element]
 def _preserves_space(element: etree._Element) -> bool:
     node: etree._Element | None = element
     while node is not None:
-        value: str | None = node.get(_XML_SPACE)
+        value: str | None = node.get(XML_SPACE)
         if value is not None:
             return value == "preserve"
         node = node.getparent()
