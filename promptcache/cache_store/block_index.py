@@ -124,8 +124,9 @@ class BlockIndex:
         while start < limit:
             ids, pos = tuple(token_ids[start: start + size]), tuple(position_ids[start: start + size])
             link = self._fetch(self.key(parent, ids, pos, salt), start, min(len(ids), limit - start))
-            if link is None:
-                link = self._donor(_family(parent, salt), ids, pos, start, limit - start)
+            if link is None:  # a stored sibling block sharing a prefix with `ids`: its first tokens are ours too
+                donor = self._best_child(_family(parent, salt), ids, pos)
+                link = None if donor is None else self._fetch(donor[0], start, min(donor[1], limit - start))
                 if link is not None:
                     links.append(link)
                 break
@@ -196,15 +197,6 @@ class BlockIndex:
         if not is_whole:
             block = KVBlock(block.keys[:, :, :used], block.values[:, :, :used], block.position_ids[:used])
         return Link(key, start, used, block, tier, is_whole)
-
-    def _donor(self, parent: str, ids: tuple[int, ...], pos: tuple[int, ...], start: int,
-               limit: int) -> Link | None:
-        """A stored sibling block sharing a prefix with `ids`: its first tokens are ours too."""
-        best = self._best_child(parent, ids, pos)
-        if best is None:
-            return None
-        key, common = best
-        return self._fetch(key, start, min(common, limit))
 
     def _best_child(self, parent: str, ids: tuple[int, ...], pos: tuple[int, ...]) -> tuple[str, int] | None:
         with self._lock:

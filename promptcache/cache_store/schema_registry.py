@@ -97,8 +97,7 @@ class SchemaRegistry:
         if self._client is not None:
             try:
                 names = [k.decode()[len(self._prefix):] for k in self._client.scan_iter(self._prefix + "*")]
-                found = [s for s in (self.load(n) for n in sorted(names)) if s is not None]
-                return found
+                return [s for s in (self.load(n) for n in sorted(names)) if s is not None]
             except redis.RedisError as exc:
                 logger.warning("schema registry unavailable (%s); listing this process's copies", exc)
         with self._lock:
@@ -168,7 +167,9 @@ class SchemaRegistry:
         if value is None:
             return None
         try:
-            return _decode(value)
+            data = json.loads(value)
+            return StoredSchema(data["name"], data["pml_text"], data.get("metadata", {}), data.get("created_at", 0.0),
+                                data.get("version", ""))
         except (ValueError, KeyError, TypeError) as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
             logger.warning("schema registry entry %r cannot be decoded (%s: %s); treating it as absent", name,
                            type(exc).__name__, exc)
@@ -202,9 +203,3 @@ class RegistryState:
 def _encode(stored: StoredSchema) -> bytes:
     return json.dumps({"name": stored.name, "pml_text": stored.pml_text, "metadata": stored.metadata,
                        "created_at": stored.created_at, "version": stored.version}).encode()
-
-
-def _decode(raw: bytes) -> StoredSchema:
-    data = json.loads(raw)
-    return StoredSchema(data["name"], data["pml_text"], data.get("metadata", {}), data.get("created_at", 0.0),
-                        data.get("version", ""))

@@ -126,7 +126,8 @@ class PromptReader:
             if isinstance(item, TextItem) and index > last_import:
                 # The question asked inside the schema's own turn: the turn's cached closing markup
                 # moves behind the new text.
-                suffix = self.schema.segments[self._suffix_segment(section)].token_ids
+                assert section.section_id in self.suffix_of, "role sections always end with a suffix segment"
+                suffix = self.schema.segments[self.suffix_of[section.section_id]].token_ids
                 self.out.displaced_sections.add(section.section_id)
                 tokens = self.encoder.encode(item.text) + suffix
                 self.out.items.append(TextPiece(tokens, "text", item.line, item.text[:40],
@@ -162,10 +163,6 @@ class PromptReader:
             raise PromptError(f"<{role}> wraps modules of the schema's <{section.role}> section",
                               line=imports[0].sourceline)
         return section
-
-    def _suffix_segment(self, section: RoleSection) -> int:
-        assert section.section_id in self.suffix_of, "role sections always end with a suffix segment"
-        return self.suffix_of[section.section_id]
 
     def _import_top(self, element: etree._Element) -> ImportItem:
         item = ImportItem([], [], element.sourceline)
