@@ -247,21 +247,19 @@ class TieredStore:
         return found
 
     def pin(self, key: str) -> bool:
-        with self._lock:
-            found = any([tier.pin(key) for tier in self._local])
-        return self._shared_op(key, lambda tier: tier.pin(key)) or found
+        return self._on_tiers(key, lambda tier: tier.pin(key))
 
     def unpin(self, key: str) -> bool:
-        with self._lock:
-            found = any([tier.unpin(key) for tier in self._local])
-        return self._shared_op(key, lambda tier: tier.unpin(key)) or found
+        return self._on_tiers(key, lambda tier: tier.unpin(key))
 
-    def _shared_op(self, key: str, op: Callable[[Tier], bool]) -> bool:
-        """Run `op` on the shared tiers now, or behind the key's queued write so it applies after it."""
+    def _on_tiers(self, key: str, op: Callable[[Tier], bool]) -> bool:
+        """Run `op` on every tier: the shared ones now, or behind the key's queued write so it applies after it."""
+        with self._lock:
+            found = any([op(tier) for tier in self._local])
         if self._shared and self._writer.has_pending(key):
             self._writer.submit(key, 0, lambda: [op(tier) for tier in self._shared])
             return True
-        return any([op(tier) for tier in self._shared])
+        return any([op(tier) for tier in self._shared]) or found
 
     def touch(self, keys: Iterable[str]) -> None:
         """Mark `keys` as just used in the in-process tiers, in order (the last ends up most recent);
