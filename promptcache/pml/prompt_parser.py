@@ -32,7 +32,7 @@ from promptcache.pml.plan import CachedSegment, NewRun, PromptPlan, find_approxi
 from promptcache.pml.prompt_reader import ImportItem, PromptItems, PromptReader, TextPiece
 from promptcache.pml.schema import Scaffold, Schema, Segment
 from promptcache.pml.text_encoder import TextEncoder
-from promptcache.pml.xml_reader import XML_SPACE, parse_xml
+from promptcache.pml.xml_reader import XML_SPACE, check_attributes, parse_xml
 
 GENERATION_PROMPT = "generation_prompt"  # the `source` of the run that opens the assistant turn
 
@@ -54,9 +54,7 @@ def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
                      max_elements=limits.max_elements, what="prompt")
     if root.tag != "prompt":
         raise PromptError(f"the root element is <{root.tag}>; expected <prompt schema=...>", line=root.sourceline)
-    for attribute in root.attrib:
-        if attribute not in ("schema", XML_SPACE):
-            raise PromptError(f"<prompt> has unknown attribute {attribute!r}; expected: schema", line=root.sourceline)
+    check_attributes(root, {"schema", XML_SPACE}, PromptError)
     name = root.get("schema")
     if name is None:
         raise PromptError("<prompt> needs a schema attribute", line=root.sourceline)

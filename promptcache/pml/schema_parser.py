@@ -13,7 +13,7 @@ from promptcache.pml.nodes import Module, Node, Param, RoleSection, TextRun, Uni
 from promptcache.pml.schema import Schema
 from promptcache.pml.segments import ContextBudget, build_scaffolds, build_segments
 from promptcache.pml.text_encoder import TextEncoder
-from promptcache.pml.xml_reader import XML_SPACE, TextItem, iter_content, parse_xml
+from promptcache.pml.xml_reader import XML_SPACE, TextItem, check_attributes, iter_content, parse_xml
 
 
 def parse_schema(text: str, encoder: TextEncoder, limits: PmlLimits | None = None) -> Schema:
@@ -28,7 +28,7 @@ def parse_schema(text: str, encoder: TextEncoder, limits: PmlLimits | None = Non
                      max_elements=limits.max_elements, what="schema")
     if root.tag != "schema":
         raise SchemaError(f"the root element is <{root.tag}>; expected <schema name=...>", line=root.sourceline)
-    _check_attributes(root, {"name", "params"})
+    check_attributes(root, {"name", "params"})
     name = check_name(root.get("name"), element="schema", line=root.sourceline)
     params = root.get("params", "placeholder")
     if params not in ("placeholder", "skip"):
@@ -137,7 +137,7 @@ class _SchemaBuilder:
 
     def _child_module(self, element: etree._Element, *, parent: str, cursor: int, is_cached: bool,
                       scope: dict[str, Module], params: dict[str, Param]) -> Module:
-        _check_attributes(element, {"name", "cache", XML_SPACE})
+        check_attributes(element, {"name", "cache", XML_SPACE})
         name = check_name(element.get("name"), element="module", line=element.sourceline)
         _claim(name, scope, params, element)
         cache = element.get("cache", "true")
@@ -155,7 +155,7 @@ class _SchemaBuilder:
 
     def _union(self, element: etree._Element, *, parent: str, cursor: int, is_cached: bool,
                scope: dict[str, Module], params: dict[str, Param]) -> Union:
-        _check_attributes(element, {"default", "scaffold"})
+        check_attributes(element, {"default", "scaffold"})
         members: list[Module] = []
         for item in iter_content(element):
             if isinstance(item, TextItem):
@@ -183,7 +183,7 @@ class _SchemaBuilder:
         if not module_path:
             raise InvalidParamError(f"<{tag}> must be inside a <module>", line=line)
         length_attr = "len" if tag == "param" else "length"
-        _check_attributes(element, {"name", length_attr, "scaffold"}, InvalidParamError)
+        check_attributes(element, {"name", length_attr, "scaffold"}, InvalidParamError)
         name = check_name(element.get("name"), element=tag, line=line)
         raw = element.get(length_attr)
         if raw is None or not raw.isdigit() or not 0 < int(raw) <= self.limits.max_param_len:
@@ -203,7 +203,7 @@ class _SchemaBuilder:
     def _role(self, element: etree._Element, *, path: str, cursor: int, is_cached: bool,
               scope: dict[str, Module], params: dict[str, Param], unions: list[Union],
               is_root: bool) -> RoleSection:
-        _check_attributes(element, {XML_SPACE})
+        check_attributes(element, {XML_SPACE})
         role, line = element.tag, element.sourceline
         fmt = self.encoder.role_format(line)
         section_id = len(self.sections)
@@ -229,11 +229,3 @@ def _claim(name: str, scope: dict[str, Module], params: dict[str, Param], elemen
     if name in scope or name in params:
         raise InvalidNameError(f"<{element.tag}> name {name!r} is already declared in this scope "
                                "(union members share their parent's scope)", line=element.sourceline)
-
-
-def _check_attributes(element: etree._Element, allowed: set[str], error: type[SchemaError] = SchemaError) -> None:
-    for attribute in element.attrib:
-        if attribute not in allowed:
-            expected = ", ".join(sorted(a for a in allowed if not a.startswith("{"))) or "none"
-            raise error(f"<{element.tag}> has unknown attribute {attribute!r}; expected: {expected}",
-                        line=element.sourceline)

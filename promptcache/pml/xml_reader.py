@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from lxml import etree
 
-from promptcache.pml.errors import PmlLimitError, PmlSecurityError, PmlSyntaxError
+from promptcache.pml.errors import PmlError, PmlLimitError, PmlSecurityError, PmlSyntaxError, SchemaError
 
 XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
 # Any DTD can declare entities (billion laughs, XXE); PML never needs one, so it is refused before
@@ -130,6 +130,15 @@ def _check_tree(root: etree._Element, *, max_depth: int, what: str) -> None:
         if isinstance(node, etree._ProcessingInstruction):
             raise PmlSecurityError(f"{what} contains a processing instruction; PML forbids them", line=node.sourceline)
         raise PmlSecurityError(f"{what} contains an entity reference", line=node.sourceline)
+
+
+def check_attributes(element: etree._Element, allowed: set[str], error: type[PmlError] = SchemaError) -> None:
+    """Raise `error` naming the first attribute of `element` not in `allowed`."""
+    for attribute in element.attrib:
+        if attribute not in allowed:
+            expected = ", ".join(sorted(a for a in allowed if not a.startswith("{"))) or "none"
+            raise error(f"<{element.tag}> has unknown attribute {attribute!r}; expected: {expected}",
+                        line=element.sourceline)
 
 
 def iter_content(element: etree._Element) -> Iterator[TextItem | etree._Element]:
