@@ -59,9 +59,8 @@ class SchemaRegistry:
     def save(self, name: str, pml_text: str, metadata: dict[str, Any] | None = None) -> StoredSchema:
         stored = StoredSchema(name, pml_text, dict(metadata or {}), time.time(), uuid.uuid4().hex)
         if self._client is not None:
-            value = self._signer.seal(self._prefix + name, _encode(stored))
             try:
-                if not self._claim(name, value):
+                if not self._claim(stored):
                     raise SchemaExistsError(f"schema {name!r} already exists")
                 pipe = self._client.pipeline(transaction=True)
                 pipe.hset(self._index, name, stored.version)
@@ -125,9 +124,8 @@ class SchemaRegistry:
         no change), unless the name is taken meanwhile. True if written."""
         if self._client is None:
             return False
-        value = self._signer.seal(self._prefix + stored.name, _encode(stored))
         try:
-            if not self._claim(stored.name, value):
+            if not self._claim(stored):
                 return False
             self._client.hset(self._index, stored.name, stored.version)
         except redis.RedisError as exc:
@@ -137,11 +135,12 @@ class SchemaRegistry:
             self._local[stored.name] = stored
         return True
 
-    def _claim(self, name: str, value: bytes) -> bool:
-        """Write `value` under `name` unless it holds an entry that passes verification. An entry that
+    def _claim(self, stored: StoredSchema) -> bool:
+        """Write `stored` under its name unless that holds an entry that passes verification. An entry that
         fails is replaced only if it is still exactly the bytes checked, so a rightful write that lands
         meanwhile wins (and is checked in turn). Raises redis.RedisError."""
-        key = self._prefix + name
+        name, key = stored.name, self._prefix + stored.name
+        value = self._signer.seal(key, _encode(stored))
         assert self._client is not None, "only a registry on Redis claims names"
         for _ in range(8):  # each round, someone else wrote the name; give up (taken) after a few
             if self._client.set(key, value, nx=True):
