@@ -186,16 +186,11 @@ def _place_text(schema: Schema, items: PromptItems, included: list[Segment], use
         if item.after_section is not None:
             # Inside the section's turn: after its highest-positioned content (imports may come in any
             # order), where the displaced closing markup was.
-            below = used.highest_below(schema.role_sections[item.after_section].end)
-            start = below + 1 if below is not None else 0
+            start = used.end_below(schema.role_sections[item.after_section].end)
         elif later is not None and cursor is not None:
             start = cursor
-        elif later is not None:
-            below = used.highest_below(later[0])
-            start = below + 1 if below is not None else 0
         else:
-            highest = used.highest()
-            start = highest + 1 if highest is not None else 0
+            start = used.end_below(later[0] if later is not None else None)
         if start == first_position and item.after_section is None:
             item = replace(item, token_ids=encoder.encode(item.text, at_start=True))  # it starts the sequence
         _check_free(item, start, used, included)
@@ -254,14 +249,12 @@ class Occupancy:
         self._starts[i:j] = [start]
         self._ends[i:j] = [end]
 
-    def highest(self) -> int | None:
-        """The highest used position, or None."""
-        return self._ends[-1] - 1 if self._ends else None
-
-    def highest_below(self, limit: int) -> int | None:
-        """The highest used position < limit, or None."""
+    def end_below(self, limit: int | None) -> int:
+        """One past the highest used position < limit (None: any position), or 0 when there is none."""
+        if limit is None:
+            return self._ends[-1] if self._ends else 0
         i = bisect.bisect_left(self._starts, limit) - 1  # last interval starting below limit
-        return None if i < 0 else min(self._ends[i], limit) - 1
+        return 0 if i < 0 else min(self._ends[i], limit)
 
     def first_in(self, start: int, end: int) -> int | None:
         """The lowest used position in [start, end), or None."""

@@ -96,35 +96,31 @@ class _SchemaBuilder:
                     cursor = run.end
                 continue
             tag, line = item.tag, item.sourceline
+            child: Module | Union | Param | RoleSection
             if tag == "module":
                 child = self._child_module(item, parent=path, cursor=cursor, is_cached=is_cached,
                                            scope=scope, params=params)
-                children.append(child)
-                cursor = child.end
             elif tag == "union":
-                union = self._union(item, parent=path, cursor=cursor, is_cached=is_cached, scope=scope,
+                child = self._union(item, parent=path, cursor=cursor, is_cached=is_cached, scope=scope,
                                     params=params)
-                unions.append(union)
-                children.append(union)
-                cursor = union.end
+                unions.append(child)
             elif tag in ("param", "parameter"):
-                param = self._param(item, module_path=path, cursor=cursor, scope=scope, params=params)
-                children.append(param)
-                cursor = param.end
+                child = self._param(item, module_path=path, cursor=cursor, scope=scope, params=params)
             elif tag in ROLE_TAGS:
                 if role is not None:
                     raise SchemaError(f"<{tag}> cannot be nested inside <{role}>", line=line)
-                section = self._role(item, path=path, cursor=cursor, is_cached=is_cached, scope=scope,
-                                     params=params, unions=unions, is_root=is_root)
-                children.append(section)
-                cursor = section.end
+                child = self._role(item, path=path, cursor=cursor, is_cached=is_cached, scope=scope,
+                                   params=params, unions=unions, is_root=is_root)
             elif tag == "scaffold":
                 if not is_root or role is not None:
                     raise SchemaError("<scaffold> must be a direct child of <schema>", line=line)
                 self.scaffold_elements.append(item)
+                continue
             else:
                 raise SchemaError(f"unknown element <{tag}>; expected one of <module>, <union>, <param>, "
                                   "<system>, <user>, <assistant>, <scaffold>, or text", line=line)
+            children.append(child)
+            cursor = child.end
         return tuple(children), cursor
 
     def _text_run(self, text: str, cursor: int, line: int, role_suffix_of: int | None = None) -> TextRun:

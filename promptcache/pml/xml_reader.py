@@ -144,16 +144,10 @@ def check_attributes(element: etree._Element, allowed: set[str], error: type[Pml
 def iter_content(element: etree._Element) -> Iterator[TextItem | etree._Element]:
     """Yield the text runs and child elements of `element` in document order (comments are gone)."""
     preserve = _preserves_space(element)
-    if element.text:
-        item = _text_item(element.text, element.sourceline, preserve)
-        if item is not None:
-            yield item
+    yield from _text_item(element.text, element.sourceline, preserve)
     for child in element:
         yield child
-        if child.tail:
-            item = _text_item(child.tail, child.sourceline, preserve)
-            if item is not None:
-                yield item
+        yield from _text_item(child.tail, child.sourceline, preserve)
 
 
 def _preserves_space(element: etree._Element) -> bool:
@@ -166,9 +160,9 @@ def _preserves_space(element: etree._Element) -> bool:
     return False
 
 
-def _text_item(raw: str, line: int, preserve: bool) -> TextItem | None:
-    text = raw if preserve else normalize_whitespace(raw)
-    return TextItem(text, line) if text else None
+def _text_item(raw: str | None, line: int, preserve: bool) -> tuple[TextItem, ...]:
+    text = raw if preserve or not raw else normalize_whitespace(raw)
+    return (TextItem(text, line),) if text else ()
 
 
 def normalize_whitespace(raw: str) -> str:
