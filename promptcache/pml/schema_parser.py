@@ -90,10 +90,7 @@ class _SchemaBuilder:
         children: list[Node] = []
         for item in iter_content(element):
             if isinstance(item, TextItem):
-                run = self._text_run(item.text, cursor, item.line)
-                if run.token_ids:
-                    children.append(run)
-                    cursor = run.end
+                cursor = self._add_text(children, item.text, cursor, item.line)
                 continue
             tag, line = item.tag, item.sourceline
             child: Module | Union | Param | RoleSection
@@ -123,13 +120,17 @@ class _SchemaBuilder:
             cursor = child.end
         return tuple(children), cursor
 
-    def _text_run(self, text: str, cursor: int, line: int, role_suffix_of: int | None = None) -> TextRun:
+    def _add_text(self, children: list[Node], text: str, cursor: int, line: int,
+                  role_suffix_of: int | None = None) -> int:
+        """Append `text`'s run at `cursor` to `children` unless it has no tokens; returns the run's end."""
         # Text at the first position after BOS starts every sequence that includes it; any other text
         # is tokenized as it tokenizes after the text laid out before it (TextEncoder.encode).
         is_first = cursor == self.start
         token_ids = self.encoder.encode(text, at_start=is_first)
         is_continuation = not is_first and not self.encoder.starts_alike(text, token_ids)
-        return TextRun(token_ids, cursor, line, role_suffix_of, is_continuation)
+        if token_ids:
+            children.append(TextRun(token_ids, cursor, line, role_suffix_of, is_continuation))
+        return cursor + len(token_ids)
 
     def _child_module(self, element: etree._Element, *, parent: str, cursor: int, is_cached: bool,
                       scope: dict[str, Module], params: dict[str, Param]) -> Module:
@@ -205,17 +206,11 @@ class _SchemaBuilder:
         section_id = len(self.sections)
         start = cursor
         children: list[Node] = []
-        prefix = self._text_run(fmt.prefixes[role], cursor, line)
-        if prefix.token_ids:
-            children.append(prefix)
-            cursor = prefix.end
+        cursor = self._add_text(children, fmt.prefixes[role], cursor, line)
         inner, cursor = self._content(element, path=path, cursor=cursor, is_cached=is_cached, scope=scope,
                                       params=params, unions=unions, role=role, is_root=is_root)
         children.extend(inner)
-        suffix = self._text_run(fmt.suffixes[role], cursor, line, role_suffix_of=section_id)
-        if suffix.token_ids:
-            children.append(suffix)
-            cursor = suffix.end
+        cursor = self._add_text(children, fmt.suffixes[role], cursor, line, role_suffix_of=section_id)
         section = RoleSection(role, section_id, path, tuple(children), start, cursor, line)
         self.sections[section_id] = section
         return section
