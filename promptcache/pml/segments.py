@@ -202,7 +202,12 @@ def build_scaffolds(elements: Sequence[etree._Element], modules: Mapping[str, Mo
                 raise ScaffoldError(f"<scaffold> names module {path!r}, which has cache=\"false\"", line=line)
         group = {a for path in paths for a in ancestors_of(modules, path)}
         members = sorted((s for owner in group for s in owned.get(owner, ())), key=lambda s: s.start)
-        _check_no_overlap([s for s in members if s.owner], line)
+        for before, after in pairwise(s for s in members if s.owner):
+            if after.start < before.end:
+                raise ScaffoldError(
+                    f"<scaffold> modules {before.owner!r} and {after.owner!r} share positions "
+                    f"[{after.start}, {min(before.end, after.end)}) (members of one union cannot be scaffolded "
+                    "together)", line=line)
         name = element.get("name") or "+".join(paths)
         if name in names:
             raise ScaffoldError(f"<scaffold> name {name!r} is declared twice", line=line)
@@ -215,13 +220,3 @@ def build_scaffolds(elements: Sequence[etree._Element], modules: Mapping[str, Mo
                     for s in sorted(members, key=lambda s: s.segment_id)}
         scaffolds.append(Scaffold(name, paths, MappingProxyType(contexts), line))
     return tuple(scaffolds)
-
-
-def _check_no_overlap(members: list[Segment], line: int) -> None:
-    ordered = sorted(members, key=lambda s: s.start)
-    for before, after in pairwise(ordered):
-        if after.start < before.end:
-            raise ScaffoldError(
-                f"<scaffold> modules {before.owner!r} and {after.owner!r} share positions "
-                f"[{after.start}, {min(before.end, after.end)}) (members of one union cannot be scaffolded "
-                "together)", line=line)
