@@ -121,12 +121,17 @@ class BaseClient:
         return base * (0.75 + 0.5 * (rng or random).random())
 
     @staticmethod
-    def generate_body(prompt: str, *, stream: bool, return_spans: bool = False, **options: Any) -> dict[str, Any]:
-        unknown = sorted(set(options) - set(GenerateOptions.__annotations__))
-        if unknown:
-            raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
-        return BaseClient.body(prompt=prompt, **options, return_spans=True if return_spans else None,
-                               stream=True if stream else None)
+    def generate_body(prompt: str, *, stream: bool, max_tokens: int | None = None, temperature: float | None = None,
+                      top_p: float | None = None, top_k: int | None = None, n: int | None = None,
+                      stop: str | list[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
+                      fidelity: str | None = None, fidelity_head_tokens: int | None = None,
+                      fidelity_positions: str | None = None, fidelity_context: str | None = None,
+                      return_spans: bool = False) -> dict[str, Any]:
+        return BaseClient.body(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                               top_k=top_k, n=n, stop=stop, seed=seed, cache_salt=cache_salt,
+                               fidelity=fidelity, fidelity_head_tokens=fidelity_head_tokens,
+                               fidelity_positions=fidelity_positions, fidelity_context=fidelity_context,
+                               return_spans=True if return_spans else None, stream=True if stream else None)
 
     @staticmethod
     def fidelity_path(name: str, **options: Any) -> str:
