@@ -4,7 +4,6 @@ Imports only httpx and pydantic (the base install of `promptcache` is this SDK).
 """
 
 from promptcache.clients.async_client import AsyncClient
-from promptcache.clients.base import GenerateOptions
 from promptcache.clients.errors import (
     APIConnectionError,
     APIStatusError,
@@ -57,9 +56,9 @@ from promptcache.clients.types import (
 __all__ = [
     "APIConnectionError", "APIStatusError", "APITimeoutError", "Assistant", "AssistantTurn", "AsyncClient",
     "AsyncStream", "AuthenticationError", "BadRequestError", "CacheReport", "Choice", "Client", "ConflictError",
-    "Explanation", "FidelityModeStats", "FidelityReport", "FidelitySample", "GenerateOptions", "Generation",
-    "GenerationChunk", "Import", "InternalServerError", "Module", "ModuleInfo", "ModuleReport", "NotFoundError",
-    "Param", "PayloadTooLargeError", "PrefixReport", "Prompt", "PromptSpan", "PromptCacheError", "PromptProgram",
-    "RateLimitError", "Recorder", "Scaffold", "Schema", "SchemaInfo", "ServiceUnavailableError", "Stream", "System",
-    "Timings", "Union", "UnprocessableEntityError", "Usage", "User", "prompt",
+    "Explanation", "FidelityModeStats", "FidelityReport", "FidelitySample", "Generation", "GenerationChunk", "Import",
+    "InternalServerError", "Module", "ModuleInfo", "ModuleReport", "NotFoundError", "Param", "PayloadTooLargeError",
+    "PrefixReport", "Prompt", "PromptSpan", "PromptCacheError", "PromptProgram", "RateLimitError", "Recorder",
+    "Scaffold", "Schema", "SchemaInfo", "ServiceUnavailableError", "Stream", "System", "Timings", "Union",
+    "UnprocessableEntityError", "Usage", "User", "prompt",
 ]
