@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Literal, overload
+from typing import Literal, overload
 
 import httpx
 
-from promptcache.clients.base import DEFAULT_BASE_URL, BaseClient, GenerateOptions, RequestSpec
+from promptcache.clients.base import DEFAULT_BASE_URL, BaseClient, RequestSpec
 from promptcache.clients.streaming import AsyncStream
 from promptcache.clients.types import Explanation, FidelityReport, Generation, GenerationChunk, SchemaInfo
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 
 class AsyncSchemas:
@@ -23,7 +20,9 @@ class AsyncSchemas:
         self._client = client
 
     async def create(self, pml: str, *, fidelity_report: bool = False) -> SchemaInfo:
-        """Upload a schema; its modules are encoded before this returns (details: `Schemas.create`)."""
+        """Upload a schema; its modules are encoded before this returns. ConflictError if the name exists.
+        `fidelity_report=True`: the schema's fidelity report (see `fidelity`, default options) follows the
+        encoding, in `SchemaInfo.fidelity_report` (or why it failed, `fidelity_report_error`)."""
         body = BaseClient.body(pml=pml, fidelity_report=True if fidelity_report else None)
         return BaseClient.parse(await self._client._send(RequestSpec("POST", "/v1/schemas", body)), SchemaInfo)
 
@@ -42,8 +41,12 @@ class AsyncSchemas:
                  fidelity_head_tokens: int | None = None,
                  fidelity_positions: Literal["contiguous", "layout"] | None = None,
                  fidelity_context: Literal["schema", "predecessor"] | None = None) -> FidelityReport:
-        """The schema's fidelity report: each fidelity mode's first token against a full prefill on sampled
-        prompts (details: `Schemas.fidelity`)."""
+        """The schema's fidelity report: on `num_samples` seeded module combinations (server default 16,
+        capped by the server), each mode's (exact, fast, balanced) greedy first-token agreement with a full
+        prefill, its 95 % interval and first-token KL. Computed by the server's engine (seconds to minutes:
+        raise `timeout_s` for large schemas) or served from its cache of this schema version
+        (`cached`). `question` is asked after the modules (None: the server's generic one; "": none).
+        NotFoundError for a schema this key does not see; BadRequestError past the server's sample limit."""
         path = BaseClient.fidelity_path(name, num_samples=num_samples, seed=seed, question=question,
                                         max_imports=max_imports, fidelity_head_tokens=fidelity_head_tokens,
                                         fidelity_positions=fidelity_positions, fidelity_context=fidelity_context)
@@ -62,18 +65,42 @@ class AsyncClient(BaseClient):
         self.schemas = AsyncSchemas(self)
 
     @overload
-    async def generate(self, prompt: str, *, stream: Literal[False] = False,
-                 **options: Unpack[GenerateOptions]) -> Generation: ...
+    async def generate(self, prompt: str, *, max_tokens: int | None = None, temperature: float | None = None,
+                       top_p: float | None = None, top_k: int | None = None, n: int | None = None,
+                       stop: str | list[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
+                       fidelity: Literal["fast", "balanced", "exact"] | None = None,
+                       fidelity_head_tokens: int | None = None,
+                       fidelity_positions: Literal["contiguous", "layout"] | None = None,
+                       fidelity_context: Literal["schema", "predecessor"] | None = None,
+                       return_spans: bool = False, stream: Literal[False] = False) -> Generation: ...
 
     @overload
-    async def generate(self, prompt: str, *, stream: Literal[True],
-                 **options: Unpack[GenerateOptions]) -> AsyncStream[GenerationChunk]: ...
+    async def generate(self, prompt: str, *, max_tokens: int | None = None, temperature: float | None = None,
+                       top_p: float | None = None, top_k: int | None = None, n: int | None = None,
+                       stop: str | list[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
+                       fidelity: Literal["fast", "balanced", "exact"] | None = None,
+                       fidelity_head_tokens: int | None = None,
+                       fidelity_positions: Literal["contiguous", "layout"] | None = None,
+                       fidelity_context: Literal["schema", "predecessor"] | None = None,
+                       return_spans: bool = False, stream: Literal[True]) -> AsyncStream[GenerationChunk]: ...
 
-    async def generate(self, prompt: str, *, stream: bool = False,
-                 **options: Unpack[GenerateOptions]) -> Generation | AsyncStream[GenerationChunk]:
-        """Generate from a PML prompt (`<prompt schema="...">`) with `options` (sampling, cache salt, fidelity:
-        GenerateOptions). With `stream=True`, iterate chunks."""
-        body = self.generate_body(prompt, stream=stream, **options)
+    async def generate(self, prompt: str, *, max_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, n: int | None = None,
+                 stop: str | list[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
+                 fidelity: Literal["fast", "balanced", "exact"] | None = None, fidelity_head_tokens: int | None = None,
+                 fidelity_positions: Literal["contiguous", "layout"] | None = None,
+                 fidelity_context: Literal["schema", "predecessor"] | None = None,
+                 return_spans: bool = False, stream: bool = False) -> Generation | AsyncStream[GenerationChunk]:
+        """Generate from a PML prompt (`<prompt schema="...">`). With `stream=True`, iterate chunks. `fidelity`
+        (and k, `fidelity_head_tokens`; `fidelity_positions`: re-aligned or layout positions; `fidelity_context`:
+        which encoding of a module to reuse) says how module KV
+        reused out of context is treated (server default when None); `return_spans=True` adds `cache.spans`:
+        the prompt by where each token's KV came from."""
+        body = self.generate_body(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  n=n, stop=stop, seed=seed, cache_salt=cache_salt, stream=stream,
+                                  fidelity=fidelity, fidelity_head_tokens=fidelity_head_tokens,
+                                  fidelity_positions=fidelity_positions, fidelity_context=fidelity_context,
+                                  return_spans=return_spans)
         response = await self._send(RequestSpec("POST", "/v1/generate", body, stream=stream))
         return AsyncStream(response, GenerationChunk) if stream else self.parse(response, Generation)
 
@@ -96,13 +123,16 @@ class AsyncClient(BaseClient):
             try:
                 response = await self._http.send(request, stream=spec.stream)
             except httpx.TransportError as exc:  # timeouts included
-                await self._sleep(self.wait_after_error(attempt, spec, exc))
+                self.raise_unless_retried(attempt, spec, exc)
+                await self._sleep(self.backoff_s(attempt))
             else:
                 if response.status_code < 400:
                     return response
                 if spec.stream:
                     await response.aread()
-                await self._sleep(self.wait_after_response(attempt, spec, response))
+                if not self.should_retry(attempt, self.max_retries, method=spec.method, status=response.status_code):
+                    self.raise_for_status(response)
+                await self._sleep(self.backoff_s(attempt, response.headers.get("retry-after")))
                 await response.aclose()
             attempt += 1
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
-from typing import Any, Literal, TypedDict, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
 
 import httpx
@@ -23,25 +23,6 @@ INITIAL_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 8.0
 MAX_RETRY_AFTER_S = 60.0
 M = TypeVar("M", bound=BaseModel)
-
-
-class GenerateOptions(TypedDict, total=False):
-    """The keyword arguments of `Client.generate` / `AsyncClient.generate` besides `stream`; unset or None:
-    the server's default."""
-
-    max_tokens: int | None
-    temperature: float | None
-    top_p: float | None
-    top_k: int | None
-    n: int | None
-    stop: str | list[str] | None
-    seed: int | None
-    cache_salt: str | None
-    fidelity: Literal["fast", "balanced", "exact"] | None  # how module KV reused out of context is treated
-    fidelity_head_tokens: int | None  # its k
-    fidelity_positions: Literal["contiguous", "layout"] | None  # re-aligned or layout positions
-    fidelity_context: Literal["schema", "predecessor"] | None  # which encoding of a module to reuse
-    return_spans: bool  # adds `cache.spans`: the prompt by where each token's KV came from
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,24 +70,13 @@ class BaseClient:
             return idempotent and isinstance(error, (httpx.TransportError, httpx.TimeoutException))
         return status in NOT_PROCESSED_STATUSES or (idempotent and status in MAYBE_PROCESSED_STATUSES)
 
-    def wait_after_error(self, attempt: int, spec: RequestSpec, error: httpx.TransportError) -> float:
-        """Seconds to wait before retrying `spec` after `error`; raises the SDK's error for it when not retried."""
+    def raise_unless_retried(self, attempt: int, spec: RequestSpec, error: httpx.TransportError) -> None:
+        """After `error` sending `spec`: return when it should be retried, else raise the SDK's error for it."""
         if self.should_retry(attempt, self.max_retries, method=spec.method, error=error):
-            return self.backoff_s(attempt)
+            return
         if isinstance(error, httpx.TimeoutException):
             raise APITimeoutError(f"{spec.method} {spec.path} timed out") from error
         raise APIConnectionError(f"{spec.method} {spec.path}: {error}") from error
-
-    def wait_after_response(self, attempt: int, spec: RequestSpec, response: httpx.Response) -> float:
-        """Seconds to wait before retrying `spec` after the (read) error `response`; raises its error when
-        not retried."""
-        if self.should_retry(attempt, self.max_retries, method=spec.method, status=response.status_code):
-            return self.backoff_s(attempt, response.headers.get("retry-after"))
-        try:
-            body: Any = response.json()
-        except ValueError:
-            body = response.text
-        raise error_for(response.status_code, body)
 
     @staticmethod
     def backoff_s(attempt: int, retry_after: str | None = None, *, rng: random.Random | None = None) -> float:
@@ -121,12 +91,11 @@ class BaseClient:
         return base * (0.75 + 0.5 * (rng or random).random())
 
     @staticmethod
-    def generate_body(prompt: str, *, stream: bool, max_tokens: int | None = None, temperature: float | None = None,
-                      top_p: float | None = None, top_k: int | None = None, n: int | None = None,
-                      stop: str | list[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
-                      fidelity: str | None = None, fidelity_head_tokens: int | None = None,
-                      fidelity_positions: str | None = None, fidelity_context: str | None = None,
-                      return_spans: bool = False) -> dict[str, Any]:
+    def generate_body(prompt: str, *, max_tokens: int | None, temperature: float | None, top_p: float | None,
+                      top_k: int | None, n: int | None, stop: str | list[str] | None, seed: int | None,
+                      cache_salt: str | None, stream: bool, fidelity: str | None = None,
+                      fidelity_head_tokens: int | None = None, fidelity_positions: str | None = None,
+                      fidelity_context: str | None = None, return_spans: bool = False) -> dict[str, Any]:
         return BaseClient.body(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                top_k=top_k, n=n, stop=stop, seed=seed, cache_salt=cache_salt,
                                fidelity=fidelity, fidelity_head_tokens=fidelity_head_tokens,
@@ -140,6 +109,16 @@ class BaseClient:
         return f"/v1/schemas/{quote(name, safe='')}/fidelity" + (f"?{query}" if query else "")
 
     @staticmethod
+    def raise_for_status(response: httpx.Response) -> None:
+        if response.status_code < 400:
+            return
+        try:
+            body: Any = response.json()
+        except ValueError:
+            body = response.text
+        raise error_for(response.status_code, body)
+
+    @staticmethod
     def parse(response: httpx.Response, model: type[M]) -> M:
         return model.model_validate(response.json())
 
@@ -150,5 +129,6 @@ class BaseClient:
             return None
         payload = json.loads(data)
         if isinstance(payload, dict) and "error" in payload:
-            raise error_for(int(payload["error"].get("status", 500)), payload)
+            error = error_for(int(payload["error"].get("status", 500)), payload)
+            raise error
         return model.model_validate(payload)

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, overload
+from typing import Literal, overload
 
 import httpx
 
-from promptcache.clients.base import DEFAULT_BASE_URL, BaseClient, GenerateOptions, RequestSpec
+from promptcache.clients.base import DEFAULT_BASE_URL, BaseClient, RequestSpec
 from promptcache.clients.streaming import Stream
 from promptcache.clients.types import Explanation, FidelityReport, Generation, GenerationChunk, SchemaInfo
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 
 class Schemas:
@@ -68,18 +65,40 @@ class Client(BaseClient):
         self.schemas = Schemas(self)
 
     @overload
-    def generate(self, prompt: str, *, stream: Literal[False] = False,
-                 **options: Unpack[GenerateOptions]) -> Generation: ...
+    def generate(self, prompt: str, *, max_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, n: int | None = None,
+                 stop: str | list[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
+                 fidelity: Literal["fast", "balanced", "exact"] | None = None, fidelity_head_tokens: int | None = None,
+                 fidelity_positions: Literal["contiguous", "layout"] | None = None,
+                 fidelity_context: Literal["schema", "predecessor"] | None = None,
+                 return_spans: bool = False, stream: Literal[False] = False) -> Generation: ...
 
     @overload
-    def generate(self, prompt: str, *, stream: Literal[True],
-                 **options: Unpack[GenerateOptions]) -> Stream[GenerationChunk]: ...
+    def generate(self, prompt: str, *, max_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, n: int | None = None,
+                 stop: str | list[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
+                 fidelity: Literal["fast", "balanced", "exact"] | None = None, fidelity_head_tokens: int | None = None,
+                 fidelity_positions: Literal["contiguous", "layout"] | None = None,
+                 fidelity_context: Literal["schema", "predecessor"] | None = None,
+                 return_spans: bool = False, stream: Literal[True]) -> Stream[GenerationChunk]: ...
 
-    def generate(self, prompt: str, *, stream: bool = False,
-                 **options: Unpack[GenerateOptions]) -> Generation | Stream[GenerationChunk]:
-        """Generate from a PML prompt (`<prompt schema="...">`) with `options` (sampling, cache salt, fidelity:
-        GenerateOptions). With `stream=True`, iterate chunks."""
-        body = self.generate_body(prompt, stream=stream, **options)
+    def generate(self, prompt: str, *, max_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, n: int | None = None,
+                 stop: str | list[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
+                 fidelity: Literal["fast", "balanced", "exact"] | None = None, fidelity_head_tokens: int | None = None,
+                 fidelity_positions: Literal["contiguous", "layout"] | None = None,
+                 fidelity_context: Literal["schema", "predecessor"] | None = None,
+                 return_spans: bool = False, stream: bool = False) -> Generation | Stream[GenerationChunk]:
+        """Generate from a PML prompt (`<prompt schema="...">`). With `stream=True`, iterate chunks. `fidelity`
+        (and k, `fidelity_head_tokens`; `fidelity_positions`: re-aligned or layout positions; `fidelity_context`:
+        which encoding of a module to reuse) says how module KV
+        reused out of context is treated (server default when None); `return_spans=True` adds `cache.spans`:
+        the prompt by where each token's KV came from."""
+        body = self.generate_body(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  n=n, stop=stop, seed=seed, cache_salt=cache_salt, stream=stream,
+                                  fidelity=fidelity, fidelity_head_tokens=fidelity_head_tokens,
+                                  fidelity_positions=fidelity_positions, fidelity_context=fidelity_context,
+                                  return_spans=return_spans)
         response = self._send(RequestSpec("POST", "/v1/generate", body, stream=stream))
         return Stream(response, GenerationChunk) if stream else self.parse(response, Generation)
 
@@ -102,13 +121,16 @@ class Client(BaseClient):
             try:
                 response = self._http.send(request, stream=spec.stream)
             except httpx.TransportError as exc:  # timeouts included
-                self._sleep(self.wait_after_error(attempt, spec, exc))
+                self.raise_unless_retried(attempt, spec, exc)
+                self._sleep(self.backoff_s(attempt))
             else:
                 if response.status_code < 400:
                     return response
                 if spec.stream:
                     response.read()
-                self._sleep(self.wait_after_response(attempt, spec, response))
+                if not self.should_retry(attempt, self.max_retries, method=spec.method, status=response.status_code):
+                    self.raise_for_status(response)
+                self._sleep(self.backoff_s(attempt, response.headers.get("retry-after")))
                 response.close()
             attempt += 1
 
