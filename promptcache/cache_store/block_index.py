@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -118,33 +118,27 @@ class BlockIndex:
         Blocks are fetched (and promoted) through the store; a caller that uses them should
         `store.acquire` their keys while they are in use.
         """
-        size, limit = self.config.block_size, min(max_tokens, len(token_ids))
+        limit = min(max_tokens, len(token_ids))
         links: list[Link] = []
-        parent, start = root, 0
-        while start < limit:
-            ids, pos = tuple(token_ids[start: start + size]), tuple(position_ids[start: start + size])
-            link = self._fetch(self.key(parent, ids, pos, salt), start, min(len(ids), limit - start))
-            if link is None:
-                link = self._donor(_family(parent, salt), ids, pos, start, limit - start)
+        for parent, key, start, ids, pos in self._chain(root, token_ids, position_ids, salt, limit):
+            link = self._fetch(key, start, min(len(ids), limit - start))
+            if link is None:  # a stored sibling block sharing a prefix with `ids`: its first tokens are ours too
+                donor = self._best_child(_family(parent, salt), ids, pos)
+                link = None if donor is None else self._fetch(donor[0], start, min(donor[1], limit - start))
                 if link is not None:
                     links.append(link)
                 break
             links.append(link)
-            if len(ids) < size or link.num_tokens < len(ids):
+            if link.num_tokens < len(ids):
                 break
-            parent, start = link.key, start + size
         self.store.touch(link.key for link in reversed(links))  # keep the chain's root the most recent
         return Match(tuple(links))
 
     def peek(self, root: str, token_ids: Sequence[int], position_ids: Sequence[int], *,
              salt: str | None) -> list[tuple[str, int]]:
         """(tier, num_tokens) for each block `match` would reuse, without fetching anything."""
-        size = self.config.block_size
         found: list[tuple[str, int]] = []
-        parent, start = root, 0
-        while start < len(token_ids):
-            ids, pos = tuple(token_ids[start: start + size]), tuple(position_ids[start: start + size])
-            key = self.key(parent, ids, pos, salt)
+        for parent, key, _, ids, pos in self._chain(root, token_ids, position_ids, salt, len(token_ids)):
             tier = self.store.tier_of(key)
             if tier is None:
                 donor = self._best_child(_family(parent, salt), ids, pos)
@@ -153,9 +147,6 @@ class BlockIndex:
                     found.append((tier.name, donor[1]))
                 break
             found.append((tier.name, len(ids)))
-            if len(ids) < size:
-                break
-            parent, start = key, start + size
         return found
 
     def insert(self, root: str, token_ids: Sequence[int], position_ids: Sequence[int], gather: KVGather, *,
@@ -166,13 +157,7 @@ class BlockIndex:
         last full block."""
         size, n = self.config.block_size, len(token_ids)
         assert stored_upto % size == 0, "stored_upto must end a full block"
-        chain: list[tuple[str, str, int, tuple[int, ...], tuple[int, ...]]] = []  # (parent, key, start, ids, pos)
-        parent = root
-        for start in range(0, n, size):
-            ids, pos = tuple(token_ids[start: start + size]), tuple(position_ids[start: start + size])
-            key = self.key(parent, ids, pos, salt)
-            chain.append((parent, key, start, ids, pos))
-            parent = key
+        chain = list(self._chain(root, token_ids, position_ids, salt, n))
         # Leaf first: the last put is the most recently used, and LRU evicts a chain from its leaves
         # (a block is useless once the block it hangs from is gone).
         for parent, key, start, ids, pos in reversed(chain):
@@ -185,6 +170,17 @@ class BlockIndex:
         return n - n % size
 
     # -- internals ----------------------------------------------------------------------------------
+    def _chain(self, root: str, token_ids: Sequence[int], position_ids: Sequence[int], salt: str | None,
+               end: int) -> Iterator[tuple[str, str, int, tuple[int, ...], tuple[int, ...]]]:
+        """(parent, key, start, ids, pos) of each block of the stream that starts before token `end`; the
+        last block of the stream may be partial."""
+        size, parent = self.config.block_size, root
+        for start in range(0, end, size):
+            ids, pos = tuple(token_ids[start: start + size]), tuple(position_ids[start: start + size])
+            key = self.key(parent, ids, pos, salt)
+            yield parent, key, start, ids, pos
+            parent = key
+
     def _fetch(self, key: str, start: int, num_tokens: int) -> Link | None:
         size = self.config.block_size
         hit = self.store.get(key, num_tokens=size, nbytes=size * self.bytes_per_token)
@@ -196,15 +192,6 @@ class BlockIndex:
         if not is_whole:
             block = KVBlock(block.keys[:, :, :used], block.values[:, :, :used], block.position_ids[:used])
         return Link(key, start, used, block, tier, is_whole)
-
-    def _donor(self, parent: str, ids: tuple[int, ...], pos: tuple[int, ...], start: int,
-               limit: int) -> Link | None:
-        """A stored sibling block sharing a prefix with `ids`: its first tokens are ours too."""
-        best = self._best_child(parent, ids, pos)
-        if best is None:
-            return None
-        key, common = best
-        return self._fetch(key, start, min(common, limit))
 
     def _best_child(self, parent: str, ids: tuple[int, ...], pos: tuple[int, ...]) -> tuple[str, int] | None:
         with self._lock:

@@ -19,11 +19,8 @@ def make_kv_key(*, model_fingerprint: str, tokenizer_fingerprint: str, token_ids
     """64 hex chars naming one KV block. Every field is length-prefixed so no two inputs collide by
     concatenation; the version tag invalidates old keys when the format changes."""
     h = hashlib.sha256(KEY_VERSION)
-    for text in (model_fingerprint, tokenizer_fingerprint, context_digest,
-                 "" if cache_salt is None else "salt:" + cache_salt):
-        data = text.encode("utf-8")
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
+    _update_texts(h, (model_fingerprint, tokenizer_fingerprint, context_digest,
+                      "" if cache_salt is None else "salt:" + cache_salt))
     for ints in (token_ids, position_ids):
         values = list(ints)
         h.update(len(values).to_bytes(8, "little"))
@@ -43,11 +40,14 @@ def chain_root(link_keys: Sequence[str], *, variant: str = "") -> str:
     mode that recomputes part of the module KV), so such KV never shares keys with the plain reuse.
     """
     h = hashlib.sha256(CHAIN_ROOT_VERSION)
-    for text in (variant, *link_keys):
-        data = text.encode("utf-8")
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
+    _update_texts(h, (variant, *link_keys))
     return h.hexdigest()
+
+
+def _update_texts(h: hashlib._Hash, texts: Sequence[str]) -> None:
+    for text in texts:  # length-prefixed: no two text lists hash the same bytes
+        data = text.encode("utf-8")
+        h.update(len(data).to_bytes(8, "little") + data)
 
 
 OWNER_MARK = "\x00owner\x00"  # a client salt cannot contain NUL (the server refuses control characters)

@@ -13,10 +13,8 @@ it only if it is still exactly the bytes read (a rightful write that landed mean
 counts only verified values (verified_heads.py), so a failing value never blocks the write-through that
 replaces it, nor shows as cached in `explain`.
 
-Scores are a shared use counter (not wall-clock time, so replicas with skewed clocks still agree), plus
-`MODULE_SCORE_OFFSET` for "module" entries: every "prefix" entry ranks below every "module" entry, so
-eviction (lowest score first) takes prefix entries first, each kind in LRU order, and the kind of an
-entry is read back from its score.
+Scores are a shared use counter (not wall-clock time, so replicas with skewed clocks still agree), offset
+for "module" entries (redis_scripts.py): the kind of an entry is read back from its score.
 """
 
 from __future__ import annotations
@@ -50,9 +48,7 @@ class RedisTier(Tier):
 
     Evicts unpinned "prefix" entries (LRU) before unpinned "module" entries (LRU); pinned entries
     stay. Refcounts do not apply here (they protect in-process entries only). With a keyed `signer`,
-    every blob carries an HMAC (signing.py). A blob that fails verification — its HMAC (a forgery, or a
-    blob sealed under a previous key), its checksum, its key or its decoding — is a miss, is deleted,
-    and is never counted by `contains` nor marked as used.
+    every blob carries an HMAC (signing.py); one that fails it is handled as any failed verification.
 
     `url` may be `redis://`, `rediss://` (TLS; `?ssl_ca_certs=...&ssl_cert_reqs=...` as redis-py
     parses them) and may carry an ACL user and password (`redis://user:password@host:port/db`).

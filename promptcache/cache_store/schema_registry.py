@@ -59,9 +59,8 @@ class SchemaRegistry:
     def save(self, name: str, pml_text: str, metadata: dict[str, Any] | None = None) -> StoredSchema:
         stored = StoredSchema(name, pml_text, dict(metadata or {}), time.time(), uuid.uuid4().hex)
         if self._client is not None:
-            value = self._signer.seal(self._prefix + name, _encode(stored))
             try:
-                if not self._claim(name, value):
+                if not self._claim(stored):
                     raise SchemaExistsError(f"schema {name!r} already exists")
                 pipe = self._client.pipeline(transaction=True)
                 pipe.hset(self._index, name, stored.version)
@@ -97,8 +96,7 @@ class SchemaRegistry:
         if self._client is not None:
             try:
                 names = [k.decode()[len(self._prefix):] for k in self._client.scan_iter(self._prefix + "*")]
-                found = [s for s in (self.load(n) for n in sorted(names)) if s is not None]
-                return found
+                return [s for s in (self.load(n) for n in sorted(names)) if s is not None]
             except redis.RedisError as exc:
                 logger.warning("schema registry unavailable (%s); listing this process's copies", exc)
         with self._lock:
@@ -126,9 +124,8 @@ class SchemaRegistry:
         no change), unless the name is taken meanwhile. True if written."""
         if self._client is None:
             return False
-        value = self._signer.seal(self._prefix + stored.name, _encode(stored))
         try:
-            if not self._claim(stored.name, value):
+            if not self._claim(stored):
                 return False
             self._client.hset(self._index, stored.name, stored.version)
         except redis.RedisError as exc:
@@ -138,11 +135,12 @@ class SchemaRegistry:
             self._local[stored.name] = stored
         return True
 
-    def _claim(self, name: str, value: bytes) -> bool:
-        """Write `value` under `name` unless it holds an entry that passes verification. An entry that
+    def _claim(self, stored: StoredSchema) -> bool:
+        """Write `stored` under its name unless that holds an entry that passes verification. An entry that
         fails is replaced only if it is still exactly the bytes checked, so a rightful write that lands
         meanwhile wins (and is checked in turn). Raises redis.RedisError."""
-        key = self._prefix + name
+        name, key = stored.name, self._prefix + stored.name
+        value = self._signer.seal(key, _encode(stored))
         assert self._client is not None, "only a registry on Redis claims names"
         for _ in range(8):  # each round, someone else wrote the name; give up (taken) after a few
             if self._client.set(key, value, nx=True):
@@ -168,7 +166,9 @@ class SchemaRegistry:
         if value is None:
             return None
         try:
-            return _decode(value)
+            data = json.loads(value)
+            return StoredSchema(data["name"], data["pml_text"], data.get("metadata", {}), data.get("created_at", 0.0),
+                                data.get("version", ""))
         except (ValueError, KeyError, TypeError) as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
             logger.warning("schema registry entry %r cannot be decoded (%s: %s); treating it as absent", name,
                            type(exc).__name__, exc)
@@ -202,9 +202,3 @@ class RegistryState:
 def _encode(stored: StoredSchema) -> bytes:
     return json.dumps({"name": stored.name, "pml_text": stored.pml_text, "metadata": stored.metadata,
                        "created_at": stored.created_at, "version": stored.version}).encode()
-
-
-def _decode(raw: bytes) -> StoredSchema:
-    data = json.loads(raw)
-    return StoredSchema(data["name"], data["pml_text"], data.get("metadata", {}), data.get("created_at", 0.0),
-                        data.get("version", ""))

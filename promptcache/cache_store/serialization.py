@@ -14,6 +14,7 @@ Version 1 blobs are still read.
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 
 import torch
@@ -71,8 +72,7 @@ def loads(data: bytes | bytearray | memoryview, *, expect_key: str | None = None
     n_kv = layers * heads * tokens * dim * torch.empty((), dtype=dtype).element_size()
     if n_pos + 2 * n_kv != length:
         raise CorruptBlockError("shape does not match payload length")
-    positions = torch.frombuffer(buffer, dtype=torch.int64, count=tokens, offset=0) if tokens else \
-        torch.empty(0, dtype=torch.int64)
+    positions = _tensor(buffer, torch.int64, (tokens,), 0)
     shape = (layers, heads, tokens, dim)
     keys = _tensor(buffer, dtype, shape, n_pos)
     values = _tensor(buffer, dtype, shape, n_pos + n_kv)
@@ -87,7 +87,7 @@ def _raw(tensor: torch.Tensor) -> bytes:
 
 
 def _tensor(buffer: bytearray, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
-    count = shape[0] * shape[1] * shape[2] * shape[3]
+    count = math.prod(shape)
     if count == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)

@@ -50,12 +50,11 @@ class BlobSigner:
                                "as absent", storage_key)
                 return None
             return sealed
-        header = SEAL_BYTES
-        if len(sealed) < header or not sealed.startswith(MAGIC):
+        if len(sealed) < SEAL_BYTES or not sealed.startswith(MAGIC):
             logger.warning("unsigned value at %s ignored (a blob key is set: every value must carry a tag)",
                            storage_key)
             return None
-        tag, value = sealed[len(MAGIC):header], sealed[header:]
+        tag, value = sealed[len(MAGIC):SEAL_BYTES], sealed[SEAL_BYTES:]
         if not hmac.compare_digest(tag, self._tag(storage_key, value)):
             logger.warning("value at %s failed its HMAC check (forged, altered, moved or sealed under "
                            "another key); treating it as absent", storage_key)

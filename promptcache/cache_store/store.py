@@ -7,7 +7,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from promptcache.cache_store.block import KVBlock
@@ -55,13 +55,6 @@ class StoreStats:
     num_pending_writes: int = 0
 
 
-@dataclass(slots=True)
-class _Counters:
-    per_tier: dict[str, TierCounters] = field(default_factory=dict)
-    gets: int = 0
-    puts: int = 0
-
-
 class TieredStore:
     """KV blocks in tiers ordered fastest first: in-process tiers, then shared ones. Thread-safe.
 
@@ -92,7 +85,8 @@ class TieredStore:
         self.write_through_shared = write_through_shared
         self.policy = policy or FetchPolicy()
         self._lock = threading.RLock()
-        self._counters = _Counters({t.name: TierCounters() for t in self.tiers})
+        self._counters = {t.name: TierCounters() for t in self.tiers}
+        self._num_gets = self._num_puts = 0
         self._writer = WriteBehind(write_behind_max_bytes)
         self._held: dict[str, list[tuple[Tier, ...]]] = {}  # key -> tiers of each outstanding acquire
 
@@ -110,9 +104,9 @@ class TieredStore:
         than recomputing the block. `promote=False` reads a block from a slower tier without copying it
         into the faster ones (a block read for others: see `put`'s `local`)."""
         with self._lock:
-            self._counters.gets += 1
+            self._num_gets += 1
         for index, tier in enumerate(self.tiers):
-            counters = self._counters.per_tier[tier.name]
+            counters = self._counters[tier.name]
             if not tier.is_shared:
                 with self._lock:
                     hit = tier.lookup(key)
@@ -145,7 +139,7 @@ class TieredStore:
         kind = check_kind(kind)
         local = local or not self._shared
         with self._lock:
-            self._counters.puts += 1
+            self._num_puts += 1
             placed = self._place(0, key, block, pinned=pinned, ttl_s=ttl_s, kind=kind, owner=owner) if local else None
         if not self._shared:
             return
@@ -175,7 +169,7 @@ class TieredStore:
     def _demote(self, position: int, evicted: Iterable[Eviction]) -> None:
         """Move what tier `position` evicted to the next tier: in-process ones now (under the lock), shared
         ones through the writer (or directly when already on the writer, evicting from a shared tier)."""
-        counters, below = self._counters.per_tier[self.tiers[position].name], position + 1
+        counters, below = self._counters[self.tiers[position].name], position + 1
         for victim in evicted:
             key, block, kind, ttl_s, owner = victim.key, victim.block, victim.kind, victim.ttl_s, victim.owner
             with self._lock:
@@ -247,21 +241,19 @@ class TieredStore:
         return found
 
     def pin(self, key: str) -> bool:
-        with self._lock:
-            found = any([tier.pin(key) for tier in self._local])
-        return self._shared_op(key, lambda tier: tier.pin(key)) or found
+        return self._on_tiers(key, lambda tier: tier.pin(key))
 
     def unpin(self, key: str) -> bool:
-        with self._lock:
-            found = any([tier.unpin(key) for tier in self._local])
-        return self._shared_op(key, lambda tier: tier.unpin(key)) or found
+        return self._on_tiers(key, lambda tier: tier.unpin(key))
 
-    def _shared_op(self, key: str, op: Callable[[Tier], bool]) -> bool:
-        """Run `op` on the shared tiers now, or behind the key's queued write so it applies after it."""
+    def _on_tiers(self, key: str, op: Callable[[Tier], bool]) -> bool:
+        """Run `op` on every tier: the shared ones now, or behind the key's queued write so it applies after it."""
+        with self._lock:
+            found = any([op(tier) for tier in self._local])
         if self._shared and self._writer.has_pending(key):
             self._writer.submit(key, 0, lambda: [op(tier) for tier in self._shared])
             return True
-        return any([op(tier) for tier in self._shared])
+        return any([op(tier) for tier in self._shared]) or found
 
     def touch(self, keys: Iterable[str]) -> None:
         """Mark `keys` as just used in the in-process tiers, in order (the last ends up most recent);
@@ -306,8 +298,8 @@ class TieredStore:
 
     def stats(self) -> StoreStats:
         with self._lock:
-            counters = [(t, replace(self._counters.per_tier[t.name])) for t in self.tiers]
-            gets, puts = self._counters.gets, self._counters.puts
+            counters = [(t, replace(self._counters[t.name])) for t in self.tiers]
+            gets, puts = self._num_gets, self._num_puts
         tiers = []
         for t, c in counters:
             usage = t.usage()  # shared tiers do I/O: outside the lock

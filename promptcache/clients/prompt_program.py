@@ -41,9 +41,8 @@ class Recorder:
         self.root = _Node("root")
         self._stack = [self.root]
 
-    def _add(self, node: _Node) -> _Node:
+    def _add(self, node: _Node) -> None:
         self._stack[-1].children.append(node)
-        return node
 
     @contextmanager
     def _enter(self, node: _Node) -> Iterator[None]:
@@ -151,10 +150,8 @@ def _prompt(node: _Node) -> str:
                            if p.kind == "param" and p.value)
             inner = _prompt(child)
             out.append(f"<{child.name}{args}>{inner}</{child.name}>" if inner else f"<{child.name}{args}/>")
-        elif child.kind in ("union", "role"):
-            inner = _prompt(child)
-            if child.kind == "role" and inner:
-                out.append(f"<{child.name}>{inner}</{child.name}>")
-            elif child.kind == "union":
-                out.append(inner)
+        elif child.kind == "union":
+            out.append(_prompt(child))
+        elif child.kind == "role" and (inner := _prompt(child)):
+            out.append(f"<{child.name}>{inner}</{child.name}>")
     return "".join(out)

@@ -75,8 +75,11 @@ def affinity_key(request: ForwardedRequest, tenants: TenantDirectory,
         tenant = tenants.authenticate(request.header("authorization"))
     except UnauthorizedError:
         return None
-    body = _json_object(request.body)
-    if body is None:
+    try:
+        body = json.loads(request.body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(body, dict):
         return None
     owner = "" if tenant is None else tenant
     cache_salt = body.get("cache_salt")
@@ -167,14 +170,6 @@ def _start_tag_attribute(text: Any, tag: str, attribute: str, config: AffinityCo
             return match.group(2) if match.group(2) is not None else match.group(3)
         position = match.end()
     return None
-
-
-def _json_object(body: bytes) -> dict[str, Any] | None:
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _key(kind: KeyKind, *parts: str) -> AffinityKey:

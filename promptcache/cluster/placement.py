@@ -105,10 +105,7 @@ class KeyPlacement:
             self._key_load[key] = self._key_load.get(key, 0.0) + self._increment
         self._increment *= self._growth
         if self._increment > RESCALE_AT:
-            self._rescale()
-
-    def _rescale(self) -> None:
-        scale = 1.0 / self._increment
-        self._load = {r: v * scale for r, v in self._load.items()}
-        self._key_load = {k: v * scale for k, v in self._key_load.items()}
-        self._increment = 1.0
+            scale = 1.0 / self._increment
+            self._load = {r: v * scale for r, v in self._load.items()}
+            self._key_load = {k: v * scale for k, v in self._key_load.items()}
+            self._increment = 1.0

@@ -16,6 +16,7 @@ sequence start; a schema piece there that was encoded as a continuation is repor
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -27,14 +28,12 @@ from promptcache.pml.errors import (
     UnknownSchemaError,
 )
 from promptcache.pml.limits import PmlLimits
-from promptcache.pml.occupancy import Occupancy
 from promptcache.pml.plan import CachedSegment, NewRun, PromptPlan, find_approximations
 from promptcache.pml.prompt_reader import ImportItem, PromptItems, PromptReader, TextPiece
 from promptcache.pml.schema import Scaffold, Schema, Segment
 from promptcache.pml.text_encoder import TextEncoder
-from promptcache.pml.xml_reader import parse_xml
+from promptcache.pml.xml_reader import XML_SPACE, check_attributes, parse_xml
 
-_XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
 GENERATION_PROMPT = "generation_prompt"  # the `source` of the run that opens the assistant turn
 
 
@@ -55,9 +54,7 @@ def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
                      max_elements=limits.max_elements, what="prompt")
     if root.tag != "prompt":
         raise PromptError(f"the root element is <{root.tag}>; expected <prompt schema=...>", line=root.sourceline)
-    for attribute in root.attrib:
-        if attribute not in ("schema", _XML_SPACE):
-            raise PromptError(f"<prompt> has unknown attribute {attribute!r}; expected: schema", line=root.sourceline)
+    check_attributes(root, {"schema", XML_SPACE}, PromptError)
     name = root.get("schema")
     if name is None:
         raise PromptError("<prompt> needs a schema attribute", line=root.sourceline)
@@ -189,16 +186,11 @@ def _place_text(schema: Schema, items: PromptItems, included: list[Segment], use
         if item.after_section is not None:
             # Inside the section's turn: after its highest-positioned content (imports may come in any
             # order), where the displaced closing markup was.
-            below = used.highest_below(schema.role_sections[item.after_section].end)
-            start = below + 1 if below is not None else 0
+            start = used.end_below(schema.role_sections[item.after_section].end)
         elif later is not None and cursor is not None:
             start = cursor
-        elif later is not None:
-            below = used.highest_below(later[0])
-            start = below + 1 if below is not None else 0
         else:
-            highest = used.highest()
-            start = highest + 1 if highest is not None else 0
+            start = used.end_below(later[0] if later is not None else None)
         if start == first_position and item.after_section is None:
             item = replace(item, token_ids=encoder.encode(item.text, at_start=True))  # it starts the sequence
         _check_free(item, start, used, included)
@@ -232,3 +224,41 @@ def _check_free(piece: TextPiece, start: int, used: Occupancy, included: list[Se
         f"new text {piece.snippet!r} is {len(piece.token_ids)} tokens but only {clash - start} positions are "
         f"free at [{start}, {clash}) before {what} at position {clash}; add a <param> buffer to the schema "
         "there, or move the text after the last import", line=piece.line)
+
+
+class Occupancy:
+    """Used positions as sorted, disjoint, non-adjacent half-open intervals [start, end).
+
+    Placing the text of a long prompt asks, per text piece, for the highest used position below some
+    position and the first used position inside a range; with a set of positions both were linear,
+    which made placement quadratic in the prompt's length.
+    """
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def add(self, start: int, end: int) -> None:
+        """Mark [start, end) used (it may touch or overlap used intervals)."""
+        if start >= end:
+            return
+        i = bisect.bisect_left(self._ends, start)  # first interval that ends at or after start
+        j = bisect.bisect_right(self._starts, end)  # intervals [i, j) touch or overlap [start, end)
+        if i < j:
+            start, end = min(start, self._starts[i]), max(end, self._ends[j - 1])
+        self._starts[i:j] = [start]
+        self._ends[i:j] = [end]
+
+    def end_below(self, limit: int | None) -> int:
+        """One past the highest used position < limit (None: any position), or 0 when there is none."""
+        if limit is None:
+            return self._ends[-1] if self._ends else 0
+        i = bisect.bisect_left(self._starts, limit) - 1  # last interval starting below limit
+        return 0 if i < 0 else min(self._ends[i], limit)
+
+    def first_in(self, start: int, end: int) -> int | None:
+        """The lowest used position in [start, end), or None."""
+        i = bisect.bisect_right(self._ends, start)  # first interval ending after start
+        if i == len(self._starts) or self._starts[i] >= end:
+            return None
+        return max(self._starts[i], start)

@@ -21,9 +21,7 @@ from promptcache.pml.nodes import Module, RoleSection, Union
 from promptcache.pml.plan import NewRun
 from promptcache.pml.schema import Schema
 from promptcache.pml.text_encoder import TextEncoder
-from promptcache.pml.xml_reader import TextItem, iter_content
-
-_XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
+from promptcache.pml.xml_reader import XML_SPACE, TextItem, iter_content
 
 
 @dataclass(slots=True)
@@ -115,7 +113,7 @@ class PromptReader:
 
     def _role(self, element: etree._Element, *, is_last: bool) -> None:
         role, line = element.tag, element.sourceline
-        if set(element.attrib) - {_XML_SPACE}:
+        if set(element.attrib) - {XML_SPACE}:
             raise PromptError(f"<{role}> takes no attributes in a prompt (except xml:space)", line=line)
         content = list(iter_content(element))
         imports = [c for c in content if not isinstance(c, TextItem)]
@@ -128,7 +126,8 @@ class PromptReader:
             if isinstance(item, TextItem) and index > last_import:
                 # The question asked inside the schema's own turn: the turn's cached closing markup
                 # moves behind the new text.
-                suffix = self.schema.segments[self._suffix_segment(section)].token_ids
+                assert section.section_id in self.suffix_of, "role sections always end with a suffix segment"
+                suffix = self.schema.segments[self.suffix_of[section.section_id]].token_ids
                 self.out.displaced_sections.add(section.section_id)
                 tokens = self.encoder.encode(item.text) + suffix
                 self.out.items.append(TextPiece(tokens, "text", item.line, item.text[:40],
@@ -164,10 +163,6 @@ class PromptReader:
             raise PromptError(f"<{role}> wraps modules of the schema's <{section.role}> section",
                               line=imports[0].sourceline)
         return section
-
-    def _suffix_segment(self, section: RoleSection) -> int:
-        assert section.section_id in self.suffix_of, "role sections always end with a suffix segment"
-        return self.suffix_of[section.section_id]
 
     def _import_top(self, element: etree._Element) -> ImportItem:
         item = ImportItem([], [], element.sourceline)

@@ -94,11 +94,6 @@ class Schema:
             return None
         return tuple(sorted({*context, previous.segment_id}, key=lambda i: (self.segments[i].start, i)))
 
-    @property
-    def num_tokens(self) -> int:
-        """Positions the layout spans (the longest member counted for each union)."""
-        return self.num_positions
-
     def always_included(self) -> list[tuple[int, int]]:
         """Position ranges [start, end) of the text every prompt of this schema includes (system
         prompt, role tags, text outside modules), adjacent segments merged, in position order."""

@@ -13,9 +13,7 @@ from promptcache.pml.nodes import Module, Node, Param, RoleSection, TextRun, Uni
 from promptcache.pml.schema import Schema
 from promptcache.pml.segments import ContextBudget, build_scaffolds, build_segments
 from promptcache.pml.text_encoder import TextEncoder
-from promptcache.pml.xml_reader import TextItem, iter_content, parse_xml
-
-_XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
+from promptcache.pml.xml_reader import XML_SPACE, TextItem, check_attributes, iter_content, parse_xml
 
 
 def parse_schema(text: str, encoder: TextEncoder, limits: PmlLimits | None = None) -> Schema:
@@ -30,7 +28,7 @@ def parse_schema(text: str, encoder: TextEncoder, limits: PmlLimits | None = Non
                      max_elements=limits.max_elements, what="schema")
     if root.tag != "schema":
         raise SchemaError(f"the root element is <{root.tag}>; expected <schema name=...>", line=root.sourceline)
-    _check_attributes(root, {"name", "params"})
+    check_attributes(root, {"name", "params"})
     name = check_name(root.get("name"), element="schema", line=root.sourceline)
     params = root.get("params", "placeholder")
     if params not in ("placeholder", "skip"):
@@ -92,54 +90,51 @@ class _SchemaBuilder:
         children: list[Node] = []
         for item in iter_content(element):
             if isinstance(item, TextItem):
-                run = self._text_run(item.text, cursor, item.line)
-                if run.token_ids:
-                    children.append(run)
-                    cursor = run.end
+                cursor = self._add_text(children, item.text, cursor, item.line)
                 continue
             tag, line = item.tag, item.sourceline
+            child: Module | Union | Param | RoleSection
             if tag == "module":
                 child = self._child_module(item, parent=path, cursor=cursor, is_cached=is_cached,
                                            scope=scope, params=params)
-                children.append(child)
-                cursor = child.end
             elif tag == "union":
-                union = self._union(item, parent=path, cursor=cursor, is_cached=is_cached, scope=scope,
+                child = self._union(item, parent=path, cursor=cursor, is_cached=is_cached, scope=scope,
                                     params=params)
-                unions.append(union)
-                children.append(union)
-                cursor = union.end
+                unions.append(child)
             elif tag in ("param", "parameter"):
-                param = self._param(item, module_path=path, cursor=cursor, scope=scope, params=params)
-                children.append(param)
-                cursor = param.end
+                child = self._param(item, module_path=path, cursor=cursor, scope=scope, params=params)
             elif tag in ROLE_TAGS:
                 if role is not None:
                     raise SchemaError(f"<{tag}> cannot be nested inside <{role}>", line=line)
-                section = self._role(item, path=path, cursor=cursor, is_cached=is_cached, scope=scope,
-                                     params=params, unions=unions, is_root=is_root)
-                children.append(section)
-                cursor = section.end
+                child = self._role(item, path=path, cursor=cursor, is_cached=is_cached, scope=scope,
+                                   params=params, unions=unions, is_root=is_root)
             elif tag == "scaffold":
                 if not is_root or role is not None:
                     raise SchemaError("<scaffold> must be a direct child of <schema>", line=line)
                 self.scaffold_elements.append(item)
+                continue
             else:
                 raise SchemaError(f"unknown element <{tag}>; expected one of <module>, <union>, <param>, "
                                   "<system>, <user>, <assistant>, <scaffold>, or text", line=line)
+            children.append(child)
+            cursor = child.end
         return tuple(children), cursor
 
-    def _text_run(self, text: str, cursor: int, line: int, role_suffix_of: int | None = None) -> TextRun:
+    def _add_text(self, children: list[Node], text: str, cursor: int, line: int,
+                  role_suffix_of: int | None = None) -> int:
+        """Append `text`'s run at `cursor` to `children` unless it has no tokens; returns the run's end."""
         # Text at the first position after BOS starts every sequence that includes it; any other text
         # is tokenized as it tokenizes after the text laid out before it (TextEncoder.encode).
         is_first = cursor == self.start
         token_ids = self.encoder.encode(text, at_start=is_first)
         is_continuation = not is_first and not self.encoder.starts_alike(text, token_ids)
-        return TextRun(token_ids, cursor, line, role_suffix_of, is_continuation)
+        if token_ids:
+            children.append(TextRun(token_ids, cursor, line, role_suffix_of, is_continuation))
+        return cursor + len(token_ids)
 
     def _child_module(self, element: etree._Element, *, parent: str, cursor: int, is_cached: bool,
                       scope: dict[str, Module], params: dict[str, Param]) -> Module:
-        _check_attributes(element, {"name", "cache", _XML_SPACE})
+        check_attributes(element, {"name", "cache", XML_SPACE})
         name = check_name(element.get("name"), element="module", line=element.sourceline)
         _claim(name, scope, params, element)
         cache = element.get("cache", "true")
@@ -157,7 +152,7 @@ class _SchemaBuilder:
 
     def _union(self, element: etree._Element, *, parent: str, cursor: int, is_cached: bool,
                scope: dict[str, Module], params: dict[str, Param]) -> Union:
-        _check_attributes(element, {"default", "scaffold"})
+        check_attributes(element, {"default", "scaffold"})
         members: list[Module] = []
         for item in iter_content(element):
             if isinstance(item, TextItem):
@@ -185,7 +180,7 @@ class _SchemaBuilder:
         if not module_path:
             raise InvalidParamError(f"<{tag}> must be inside a <module>", line=line)
         length_attr = "len" if tag == "param" else "length"
-        _check_attributes(element, {"name", length_attr, "scaffold"}, InvalidParamError)
+        check_attributes(element, {"name", length_attr, "scaffold"}, InvalidParamError)
         name = check_name(element.get("name"), element=tag, line=line)
         raw = element.get(length_attr)
         if raw is None or not raw.isdigit() or not 0 < int(raw) <= self.limits.max_param_len:
@@ -205,23 +200,17 @@ class _SchemaBuilder:
     def _role(self, element: etree._Element, *, path: str, cursor: int, is_cached: bool,
               scope: dict[str, Module], params: dict[str, Param], unions: list[Union],
               is_root: bool) -> RoleSection:
-        _check_attributes(element, {_XML_SPACE})
+        check_attributes(element, {XML_SPACE})
         role, line = element.tag, element.sourceline
         fmt = self.encoder.role_format(line)
         section_id = len(self.sections)
         start = cursor
         children: list[Node] = []
-        prefix = self._text_run(fmt.prefixes[role], cursor, line)
-        if prefix.token_ids:
-            children.append(prefix)
-            cursor = prefix.end
+        cursor = self._add_text(children, fmt.prefixes[role], cursor, line)
         inner, cursor = self._content(element, path=path, cursor=cursor, is_cached=is_cached, scope=scope,
                                       params=params, unions=unions, role=role, is_root=is_root)
         children.extend(inner)
-        suffix = self._text_run(fmt.suffixes[role], cursor, line, role_suffix_of=section_id)
-        if suffix.token_ids:
-            children.append(suffix)
-            cursor = suffix.end
+        cursor = self._add_text(children, fmt.suffixes[role], cursor, line, role_suffix_of=section_id)
         section = RoleSection(role, section_id, path, tuple(children), start, cursor, line)
         self.sections[section_id] = section
         return section
@@ -231,11 +220,3 @@ def _claim(name: str, scope: dict[str, Module], params: dict[str, Param], elemen
     if name in scope or name in params:
         raise InvalidNameError(f"<{element.tag}> name {name!r} is already declared in this scope "
                                "(union members share their parent's scope)", line=element.sourceline)
-
-
-def _check_attributes(element: etree._Element, allowed: set[str], error: type[SchemaError] = SchemaError) -> None:
-    for attribute in element.attrib:
-        if attribute not in allowed:
-            expected = ", ".join(sorted(a for a in allowed if not a.startswith("{"))) or "none"
-            raise error(f"<{element.tag}> has unknown attribute {attribute!r}; expected: {expected}",
-                        line=element.sourceline)

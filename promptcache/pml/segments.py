@@ -27,6 +27,7 @@ from lxml import etree
 from promptcache.pml.errors import PmlLimitError, ScaffoldError
 from promptcache.pml.nodes import Module, Node, Param, RoleSection, TextRun, Union
 from promptcache.pml.schema import Scaffold, Segment, segment_digest
+from promptcache.pml.xml_reader import check_attributes
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +87,7 @@ def _context(prefixes: list[list[int]], budget: ContextBudget, line: int | None)
     return tuple(sorted(chain.from_iterable(prefixes)))  # ascending ids: the segments in layout order
 
 
-def build_segments(root: Module, placeholder_id: int | None = None,
-                   budget: ContextBudget | None = None) -> tuple[Segment, ...]:
+def build_segments(root: Module, placeholder_id: int | None, budget: ContextBudget) -> tuple[Segment, ...]:
     """Merge adjacent text runs of one owner into segments; compute default contexts.
 
     With `placeholder_id`, every parameter slot becomes a placeholder segment (that token repeated):
@@ -95,7 +95,6 @@ def build_segments(root: Module, placeholder_id: int | None = None,
     include placeholder segments (arguments take their positions). Without it, slots are skipped.
     Raises PmlLimitError when the contexts exceed `budget`.
     """
-    budget = budget or ContextBudget(1 << 62)
     leaves: list[_Leaf | None] = []  # None marks a skipped parameter slot, which ends a segment
     ancestry: dict[str, tuple[str, ...]] = {}
     scaffold_of: dict[str, tuple[tuple[str, int], ...]] = {}
@@ -179,10 +178,9 @@ def ancestors_of(modules: Mapping[str, Module], path: str) -> tuple[str, ...]:
 
 
 def build_scaffolds(elements: Sequence[etree._Element], modules: Mapping[str, Module],
-                    segments: tuple[Segment, ...], budget: ContextBudget | None = None) -> tuple[Scaffold, ...]:
+                    segments: tuple[Segment, ...], budget: ContextBudget) -> tuple[Scaffold, ...]:
     """Validate `<scaffold modules="a b.c"/>` declarations and compute their joint contexts. Raises
     ScaffoldError, or PmlLimitError when the contexts exceed `budget`."""
-    budget = budget or ContextBudget(1 << 62)
     owned: dict[str, list[Segment]] = {}
     for segment in segments:
         owned.setdefault(segment.owner, []).append(segment)
@@ -190,10 +188,7 @@ def build_scaffolds(elements: Sequence[etree._Element], modules: Mapping[str, Mo
     names: set[str] = set()
     for element in elements:
         line = element.sourceline
-        for attribute in element.attrib:
-            if attribute not in ("modules", "name"):
-                raise ScaffoldError(f"<scaffold> has unknown attribute {attribute!r}; expected: modules, name",
-                                    line=line)
+        check_attributes(element, {"modules", "name"}, ScaffoldError)
         paths = tuple((element.get("modules") or "").split())
         if len(paths) < 2:
             raise ScaffoldError("<scaffold modules=...> must name at least two module paths", line=line)
@@ -207,7 +202,12 @@ def build_scaffolds(elements: Sequence[etree._Element], modules: Mapping[str, Mo
                 raise ScaffoldError(f"<scaffold> names module {path!r}, which has cache=\"false\"", line=line)
         group = {a for path in paths for a in ancestors_of(modules, path)}
         members = sorted((s for owner in group for s in owned.get(owner, ())), key=lambda s: s.start)
-        _check_no_overlap([s for s in members if s.owner], line)
+        for before, after in pairwise(s for s in members if s.owner):
+            if after.start < before.end:
+                raise ScaffoldError(
+                    f"<scaffold> modules {before.owner!r} and {after.owner!r} share positions "
+                    f"[{after.start}, {min(before.end, after.end)}) (members of one union cannot be scaffolded "
+                    "together)", line=line)
         name = element.get("name") or "+".join(paths)
         if name in names:
             raise ScaffoldError(f"<scaffold> name {name!r} is declared twice", line=line)
@@ -220,13 +220,3 @@ def build_scaffolds(elements: Sequence[etree._Element], modules: Mapping[str, Mo
                     for s in sorted(members, key=lambda s: s.segment_id)}
         scaffolds.append(Scaffold(name, paths, MappingProxyType(contexts), line))
     return tuple(scaffolds)
-
-
-def _check_no_overlap(members: list[Segment], line: int) -> None:
-    ordered = sorted(members, key=lambda s: s.start)
-    for before, after in pairwise(ordered):
-        if after.start < before.end:
-            raise ScaffoldError(
-                f"<scaffold> modules {before.owner!r} and {after.owner!r} share positions "
-                f"[{after.start}, {min(before.end, after.end)}) (members of one union cannot be scaffolded "
-                "together)", line=line)

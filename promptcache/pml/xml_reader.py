@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 from lxml import etree
 
-from promptcache.pml.errors import PmlLimitError, PmlSecurityError, PmlSyntaxError
+from promptcache.pml.errors import PmlError, PmlLimitError, PmlSecurityError, PmlSyntaxError, SchemaError
 
-_XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
+XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
 # Any DTD can declare entities (billion laughs, XXE); PML never needs one, so it is refused before
 # lxml sees the document.
 _FORBIDDEN = re.compile(rb"<!DOCTYPE|<!ENTITY|<!ELEMENT|<!ATTLIST", re.IGNORECASE)
@@ -132,34 +132,37 @@ def _check_tree(root: etree._Element, *, max_depth: int, what: str) -> None:
         raise PmlSecurityError(f"{what} contains an entity reference", line=node.sourceline)
 
 
+def check_attributes(element: etree._Element, allowed: set[str], error: type[PmlError] = SchemaError) -> None:
+    """Raise `error` naming the first attribute of `element` not in `allowed`."""
+    for attribute in element.attrib:
+        if attribute not in allowed:
+            expected = ", ".join(sorted(a for a in allowed if not a.startswith("{"))) or "none"
+            raise error(f"<{element.tag}> has unknown attribute {attribute!r}; expected: {expected}",
+                        line=element.sourceline)
+
+
 def iter_content(element: etree._Element) -> Iterator[TextItem | etree._Element]:
     """Yield the text runs and child elements of `element` in document order (comments are gone)."""
     preserve = _preserves_space(element)
-    if element.text:
-        item = _text_item(element.text, element.sourceline, preserve)
-        if item is not None:
-            yield item
+    yield from _text_item(element.text, element.sourceline, preserve)
     for child in element:
         yield child
-        if child.tail:
-            item = _text_item(child.tail, child.sourceline, preserve)
-            if item is not None:
-                yield item
+        yield from _text_item(child.tail, child.sourceline, preserve)
 
 
 def _preserves_space(element: etree._Element) -> bool:
     node: etree._Element | None = element
     while node is not None:
-        value: str | None = node.get(_XML_SPACE)
+        value: str | None = node.get(XML_SPACE)
         if value is not None:
             return value == "preserve"
         node = node.getparent()
     return False
 
 
-def _text_item(raw: str, line: int, preserve: bool) -> TextItem | None:
-    text = raw if preserve else normalize_whitespace(raw)
-    return TextItem(text, line) if text else None
+def _text_item(raw: str | None, line: int, preserve: bool) -> tuple[TextItem, ...]:
+    text = raw if preserve or not raw else normalize_whitespace(raw)
+    return (TextItem(text, line),) if text else ()
 
 
 def normalize_whitespace(raw: str) -> str:

@@ -25,7 +25,7 @@ from promptcache.clients import (
     UnprocessableEntityError,
 )
 from promptcache.clients.base import MAX_BACKOFF_S, BaseClient
-from promptcache.clients.sse import SSEDecoder
+from promptcache.clients.streaming import SSEDecoder
 
 GENERATION = {"id": "g1", "choices": [{"index": 0, "text": "hi", "finish_reason": "stop"}],
               "usage": {"prompt_tokens": 5, "cached_tokens": 3, "completion_tokens": 1, "total_tokens": 6},
