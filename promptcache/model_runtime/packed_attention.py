@@ -15,6 +15,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
@@ -67,6 +68,22 @@ class BatchContext:
             values = zip(*(self.own_values[i][:, :, :n].unbind(0) for i, n in zip(seqs, lengths)))
             by_layer = self.layer_views[seqs] = list(zip(keys, values))
         return by_layer[layer]
+
+    def plan_decode(self, query: torch.Tensor) -> StepDecode | bool:
+        """The pass's decoding sequences as one kernel call per layer (planned at the first layer's
+        `query` [1, H, total_q, D]), or False where the kernel does not take them."""
+        if self.decode is None:
+            own_lens = [s + n for s, n in zip(self.own_starts, self.query_lens)]
+            self.decode = plan_step_decode(query, self.query_lens, self.own_keys, self.own_values, own_lens,
+                                           self.segments, self.backend) or False
+        return self.decode
+
+    def decode_batch(self, query: torch.Tensor) -> Any:
+        """The `DecodeBatch` of a pass in which every sequence decodes through the kernel (`query` the first
+        layer's [B, H, D]; `decode_batch.kernel_takes` must hold)."""
+        decode = self.plan_decode(query.transpose(0, 1).unsqueeze(0))
+        assert isinstance(decode, StepDecode) and decode.rows is None, "an all-decode step the kernel takes"
+        return decode.batch
 
     def prepare(self, device: torch.device) -> StepIndices:
         """The pass's index tensors and own-KV writes (built at the first call)."""
@@ -121,10 +138,7 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
                                       **kwargs)
     layer = module.layer_idx
     indices = ctx.prepare(query.device)
-    if ctx.decode is None:
-        own_lens = [s + n for s, n in zip(ctx.own_starts, ctx.query_lens)]
-        ctx.decode = plan_step_decode(query, ctx.query_lens, ctx.own_keys, ctx.own_values, own_lens, ctx.segments,
-                                      ctx.backend) or False
+    ctx.plan_decode(query)
     queries = query[0].transpose(0, 1)  # [1, H, total_q, D] -> [total_q, H, D]
     if not isinstance(ctx.decode, StepDecode):
         everyone = tuple(range(len(ctx.query_lens)))

@@ -24,6 +24,7 @@ from promptcache.model_runtime.loading.fused_layers import (
     FusedAttention,
     FusedGatedMLP,
     FusedRMSNorm,
+    decode_stack_forward,
     fuse_layers,
     fused_stack_forward,
 )
@@ -121,19 +122,37 @@ def test_engine_with_fused_layers_generates_the_unfused_tokens(ops):
     assert tokens[0] == tokens[1] and all(len(t) == 12 for t in tokens[0])
 
 
-def test_batch_steps_through_the_plain_layer_loop_equal_the_hf_forward(ops):
-    """The runner's plain loop over fused layers (`fused_stack_forward`) against the Hugging Face forward of
-    the same fused model, in the engine's batch steps (module reuse, packed prefill, decode): every token
-    and its top logprobs equal, bit for bit."""
+def test_batch_steps_through_the_plain_layer_loops_equal_the_hf_forward(ops):
+    """The runner's loops over fused layers — `fused_stack_forward` for any step, `decode_stack_forward` for
+    steps in which every sequence decodes — against the Hugging Face forward of the same fused model, in the
+    engine's batch steps (module reuse, packed prefill, decode): every token and its top logprobs equal, bit
+    for bit, whichever loops run."""
     outputs = []
-    for plain_loop in (True, False):  # a store each: the second run must not reuse the first one's KV
+    for loops in ("both", "stack", "none"):  # a store each: a run must not reuse another one's KV
         runtime = _runtime(True)
         engine = Engine(runtime.module_encoder, EngineConfig(max_num_seqs=4))
-        assert engine.runner.stack is not None
-        if not plain_loop:
-            engine.runner.stack = None  # the HF model's forward
+        runner = engine.runner
+        assert runner.stack is not None and runner.decode_stack is not None
+        decode_steps = []
+        if loops == "both":
+            runner.decode_stack = _counting(runner.decode_stack, decode_steps)
+        else:
+            runner.decode_stack = None
+            if loops == "none":
+                runner.stack = None  # the HF model's forward
         outputs.append(_generate(runtime, engine, SamplingParams(max_tokens=10, temperature=0, logprobs=5), _events))
-    assert outputs[0] == outputs[1] and all(len(events) == 10 for events in outputs[0])
+        if loops == "both":  # both prompts decode together after their prefills
+            assert decode_steps.count(2) >= 5, decode_steps
+    assert outputs[0] == outputs[1] == outputs[2] and all(len(events) == 10 for events in outputs[0])
+
+
+def _counting(forward, batch_sizes: list[int]):
+    """`forward`, recording the batch size (input_ids [1, B]) of each call."""
+    def counted(input_ids, *args):
+        batch_sizes.append(input_ids.shape[1])
+        return forward(input_ids, *args)
+
+    return counted
 
 
 def _runtime(fuse: bool) -> ModelRuntime:
@@ -180,7 +199,7 @@ def test_fuse_layers_leaves_other_models_alone(ops):
                   make_tiny_model("llama", vocab_size=len(tokenizer), dtype=torch.bfloat16),  # head dim 16
                   make_tiny_model("gpt2", vocab_size=len(tokenizer), dtype=torch.bfloat16)):
         assert fuse_layers(model) == 0
-        assert fused_stack_forward(model.base_model) is None
+        assert fused_stack_forward(model.base_model) is None and decode_stack_forward(model.base_model) is None
 
 
 def test_no_fusion_or_build_without_the_instructions(monkeypatch):

@@ -86,9 +86,7 @@ def plan_decode_batch(query: torch.Tensor, query_lens: Sequence[int], own_keys: 
     kernel, not bf16 on a CPU with the kernel's head dims, or some sequence feeds more than one token.
     `query` is one layer's [1, H, total_q, D]; own_keys[i] [L, H_kv, capacity, D] holds own_lens[i] keys;
     segments are (keys, values [L, H_kv, n, D], sequences, row offsets or None)."""
-    decode_batch = bf16_kernel.decode_batch_type()
-    if (decode_batch is None or backend != "auto" or query.device.type != "cpu" or query.dtype != torch.bfloat16
-            or query.shape[-1] not in bf16_kernel.HEAD_DIMS or any(n != 1 for n in query_lens)):
+    if not kernel_takes(query.dtype, query.device, query.shape[-1], query_lens, backend):
         return None
     seg_keys, seg_values, seg_members = [], [], []
     for keys, values, members, offsets in segments:
@@ -98,4 +96,13 @@ def plan_decode_batch(query: torch.Tensor, query_lens: Sequence[int], own_keys: 
             seg_keys.append(keys)
             seg_values.append(values)
             seg_members.append(seeing)
+    decode_batch = bf16_kernel.decode_batch_type()
     return decode_batch(list(own_keys), list(own_values), list(own_lens), seg_keys, seg_values, seg_members)
+
+
+def kernel_takes(dtype: torch.dtype, device: torch.device, head_dim: int, query_lens: Sequence[int],
+                 backend: str) -> bool:
+    """Whether the decode kernel takes a step: the `auto` backend, the kernel built, bf16 queries on a CPU,
+    one of its head dims, one token per sequence."""
+    return (bf16_kernel.decode_batch_type() is not None and backend == "auto" and device.type == "cpu"
+            and dtype == torch.bfloat16 and head_dim in bf16_kernel.HEAD_DIMS and all(n == 1 for n in query_lens))

@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 import torch
 
 from promptcache.model_runtime.attention import bf16_kernel
+from promptcache.model_runtime.attention.decode_batch import kernel_takes
 from promptcache.model_runtime.attention.step_indices import to_device
 from promptcache.model_runtime.engine.kv_groups import AssembledGroups
 from promptcache.model_runtime.engine.kv_view import KVView
 from promptcache.model_runtime.engine.request import Request, SeqStatus
 from promptcache.model_runtime.engine.step_plan import ScheduledSeq, StepPlan
 from promptcache.model_runtime.forward import cache_argument
-from promptcache.model_runtime.loading.fused_layers import fused_stack_forward
+from promptcache.model_runtime.loading.fused_layers import decode_stack_forward, fused_stack_forward
 from promptcache.model_runtime.loading.loader import LoadedModel
 from promptcache.model_runtime.packed_attention import BatchCache, BatchContext, active_batch, install
 from promptcache.model_runtime.sampling import TokenLogprobs, token_logprobs
@@ -54,6 +55,7 @@ class ModelRunner:
         self.groups = AssembledGroups(max_assembled_bytes, loaded.key_shifter)
         install(loaded.model)
         self.stack = fused_stack_forward(loaded.model.base_model)  # None: the HF forward
+        self.decode_stack = decode_stack_forward(loaded.model.base_model)  # None: `stack` for decodes too
         if backend == "auto" and loaded.model.dtype == torch.bfloat16 and loaded.model.device.type == "cpu":
             bf16_kernel.prepare()  # built here, at startup, never inside a request
 
@@ -127,7 +129,10 @@ class ModelRunner:
             pool=pool, own_slots=[s.own_slot if pool is not None and s.own_pool is pool else None for s in seqs])
         cache = BatchCache(context, self.loaded.num_layers)
         with active_batch(context):
-            if self.stack is not None:
+            if self.decode_stack is not None and kernel_takes(model.dtype, device, self.loaded.head_dim, query_lens,
+                                                              self.backend):
+                hidden = self.decode_stack(input_ids, positions, context)  # [1, Q, hidden]
+            elif self.stack is not None:
                 hidden = self.stack(input_ids, positions, cache)  # [1, Q, hidden]
             else:
                 hidden = model.base_model(input_ids=input_ids, position_ids=positions, use_cache=True,

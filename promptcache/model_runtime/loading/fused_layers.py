@@ -135,12 +135,8 @@ def fused_stack_forward(base_model: Any) -> StackForward | None:
     bit for bit). None where some layer is not fused. For the engine's batch steps, whose attention reads
     no mask: the HF forward's work around the layers (keyword plumbing, decorators, the causal mask, output
     records) took ~0.3-0.6 ms of a 21 ms decode step of SmolLM2 at batch 1 (docs/benchmarks.md's profile)."""
-    if not _fusable(base_model.config):  # another architecture (GPT-2's blocks are `h`, with other parts)
-        return None
-    layers = list(base_model.layers[: base_model.config.num_hidden_layers])
-    if not layers or not all(isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedGatedMLP)
-                             and isinstance(layer.input_layernorm, FusedRMSNorm)
-                             and isinstance(layer.post_attention_layernorm, FusedRMSNorm) for layer in layers):
+    layers = _fused_layers(base_model)
+    if layers is None:
         return None
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
@@ -153,6 +149,60 @@ def fused_stack_forward(base_model: Any) -> StackForward | None:
         return base_model.norm(hidden)
 
     return forward
+
+
+# (input_ids [1, B], position_ids [1, B], the step's BatchContext) -> the final norm's hidden states [1, B, hidden]
+DecodeForward = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
+
+
+def decode_stack_forward(base_model: Any) -> DecodeForward | None:
+    """The decoder stack for a step in which every sequence feeds one token and the decode kernel attends
+    (`decode_batch.kernel_takes`): `fused_stack_forward`'s arithmetic, op for op, called straight from one
+    loop (the new KV written through the step's `writes`, attention by its `DecodeBatch`) instead of through
+    the fused modules, the HF attention registry and the cache. A decode step of a small model is bound by
+    the per-op overhead around ~12 kernels a layer: this loop has none of the modules' reshapes, views and
+    calls in between. None where some layer is not fused."""
+    layers = _fused_layers(base_model)
+    if layers is None:
+        return None
+    first = layers[0].self_attn
+    heads, kv_heads, dim, scale = first.num_heads, first.num_key_value_heads, first.head_dim, first.scaling
+    ops = first.ops
+
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, context: Any) -> torch.Tensor:
+        rows = input_ids.shape[1]
+        hidden = base_model.embed_tokens(input_ids)                           # [1, B, hidden]
+        cos, sin = (t[0].contiguous() for t in base_model.rotary_emb(hidden, position_ids=position_ids))  # [B, D]
+        hidden = hidden[0]                                                    # [B, hidden]
+        context.prepare(hidden.device)
+        writes = context.writes
+        for layer in layers:
+            attention, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
+            qkv = attention.qkv_proj(ops.rms_norm(hidden, norm.weight, norm.eps))  # [B, (H + 2 H_kv) D]
+            query, key = ops.rope_qk(qkv, cos, sin, heads, kv_heads)             # [B, H, D], [B, H_kv, D]
+            value = qkv[:, (heads + kv_heads) * dim:].view(rows, kv_heads, dim)
+            for write in writes:  # [H_kv, B, D] views, as the cache's update receives them
+                write(attention.layer_idx, key.transpose(0, 1), value.transpose(0, 1))
+            attended = context.decode_batch(query).attend(query, attention.layer_idx, scale)[0]  # [B, H, D]
+            hidden = hidden + attention.o_proj(attended.view(rows, heads * dim))
+            norm = layer.post_attention_layernorm
+            hidden = hidden + mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(ops.rms_norm(hidden, norm.weight,
+                                                                                        norm.eps))))
+        return base_model.norm(hidden).unsqueeze(0)
+
+    return forward
+
+
+def _fused_layers(base_model: Any) -> list[Any] | None:
+    """The model's decoder layers when every one is fused, else None."""
+    if not _fusable(base_model.config):  # another architecture (GPT-2's blocks are `h`, with other parts)
+        return None
+    layers = list(base_model.layers[: base_model.config.num_hidden_layers])
+    if not layers or not all(isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedGatedMLP)
+                             and isinstance(layer.input_layernorm, FusedRMSNorm)
+                             and isinstance(layer.post_attention_layernorm, FusedRMSNorm) for layer in layers):
+        return None
+    return layers
 
 
 def fuse_layers(model: torch.nn.Module) -> int:
