@@ -167,10 +167,9 @@ def decode_stack_forward(base_model: Any) -> DecodeForward | None:
         return None
     first = layers[0].self_attn
     heads, kv_heads, dim, scale = first.num_heads, first.num_key_value_heads, first.head_dim, first.scaling
-    ops = first.ops
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, context: Any) -> torch.Tensor:
-        rows = input_ids.shape[1]
+        rows, ops = input_ids.shape[1], first.ops  # read per step: a profiler may swap in labelled ops
         hidden = base_model.embed_tokens(input_ids)                           # [1, B, hidden]
         cos, sin = (t[0].contiguous() for t in base_model.rotary_emb(hidden, position_ids=position_ids))  # [B, D]
         hidden = hidden[0]                                                    # [B, hidden]
