@@ -29,6 +29,7 @@ from promptcache.server.generation import (
 from promptcache.server.json_body import json_off_loop
 from promptcache.server.service import PromptService
 from promptcache.server.state import Rates, Service, Tenant
+from promptcache.server.tenants import registry_name
 from promptcache.server.wire import (
     Choice,
     ExplainRequest,
@@ -50,8 +51,8 @@ router = APIRouter(prefix="/v1")
 def schema_info(service: PromptService, schema: Schema, tenant: str | None) -> SchemaInfo:
     return SchemaInfo(name=schema.name, num_tokens=schema.num_positions,
                       modules=[ModuleInfo(**row, role=_role(schema, row)) for row in schema.module_table()],
-                      encode_ms=service.schema_encode_ms(schema.name, tenant), num_segments=len(schema.segments),
-                      scaffolds=[list(sc.module_paths) for sc in schema.scaffolds],
+                      encode_ms=service.encode_ms.get(registry_name(tenant, schema.name)),
+                      num_segments=len(schema.segments), scaffolds=[list(sc.module_paths) for sc in schema.scaffolds],
                       always_included=schema.always_included())
 
 
@@ -103,7 +104,7 @@ async def get_schema(name: str, service: Service, tenant: Tenant) -> SchemaInfo:
 
 @router.delete("/schemas/{name}", status_code=204)
 async def delete_schema(name: str, service: Service, tenant: Tenant) -> Response:
-    await service.delete_schema(name, tenant)
+    await asyncio.to_thread(service.delete_schema, name, tenant)
     return Response(status_code=204)
 
 
@@ -114,9 +115,7 @@ async def generate(body: GenerateRequest, service: Service, tenant: Tenant, rate
     params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs)
     request_id = f"gen-{uuid.uuid4().hex[:24]}"
     events = service.submit(plan, params, body.cache_salt, request_id,
-                            service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions,
-                                             body.fidelity_context), tenant,
-                            report_spans=body.return_spans)
+                            service.fidelity(body.fidelity, body), tenant, report_spans=body.return_spans)
     if params.logprobs is not None:  # streamed tokens are looked up on the event loop: the table must be there
         await service.token_strings.ready()
     if body.stream:
@@ -131,7 +130,7 @@ async def generate(body: GenerateRequest, service: Service, tenant: Tenant, rate
         spans = wire_spans(report, service.runtime.detokenize) if body.return_spans else None
         return GenerateResponse(
             id=request_id, model=service.model_name,
-            choices=[Choice(index=i, text=t, finish_reason=r, logprobs=wire_logprobs(e, service.token_text))
+            choices=[Choice(index=i, text=t, finish_reason=r, logprobs=wire_logprobs(e, service.token_strings.text))
                      for i, (t, r, e) in enumerate(zip(outcome.texts, outcome.finish_reasons, outcome.events))],
             usage=wire_usage(outcome.report),
             cache=to_wire(report, spans),
@@ -149,7 +148,7 @@ async def _stream(service: PromptService, events, request_id: str, tenant: str |
             raise_for_error(event)
             if event.finish_reason is not None:
                 reasons[event.index] = event.finish_reason
-            logprobs = wire_logprobs([event], service.token_text) if event.token_id is not None else None
+            logprobs = wire_logprobs([event], service.token_strings.text) if event.token_id is not None else None
             chunk = GenerateChunk(id=request_id, model=service.model_name,
                                   choices=[Choice(index=event.index, text=event.text,
                                                   finish_reason=event.finish_reason, logprobs=logprobs)])
@@ -180,9 +179,8 @@ async def explain(body: ExplainRequest, service: Service, tenant: Tenant) -> Exp
 
 def _explain(body: ExplainRequest, service: PromptService, tenant: str | None) -> Explanation:
     plan = service.plan(body.prompt, tenant=tenant)
-    fidelity = service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions,
-                                body.fidelity_context)
-    report = service.explain(plan, body.cache_salt, fidelity, tenant)
+    report = service.runtime.explain(plan, owner=tenant, salt=body.cache_salt,
+                                     fidelity=service.fidelity(body.fidelity, body))
     return Explanation(**to_wire(report).model_dump(), schema=report.schema_name,
                        prompt_tokens=report.num_prompt_tokens, cached_tokens=report.num_cached,
                        tokens_to_compute=report.num_to_compute)

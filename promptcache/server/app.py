@@ -41,10 +41,7 @@ def create_app(settings: ServerSettings | None = None, *,
         max_schemas=settings.tenant_max_schemas, max_schema_tokens=settings.tenant_max_schema_tokens,
         rate_limit=settings.tenant_rate_limit, cache_share=settings.tenant_cache_share))
 
-    def load() -> LoadedModel:
-        if model_loader is not None:
-            return model_loader()
-        return load_model(settings.load_config())
+    load = model_loader or (lambda: load_model(settings.load_config()))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -76,7 +75,6 @@ class Outcome:
     finish_reasons: list[str | None]
     report: RequestReport
     events: list[list[TokenEvent]] = field(default_factory=list)  # per sample, every token event
-    started: float = field(default_factory=time.perf_counter)
 
 
 async def collect(events: AsyncIterator[TokenEvent], n: int) -> Outcome:

@@ -22,9 +22,8 @@ from promptcache.server.generation import (
     sse_error,
 )
 from promptcache.server.json_body import json_off_loop
-from promptcache.server.openai.batch import run_completions
+from promptcache.server.openai.batch import extension, finish_reason, report_usage, run_completions
 from promptcache.server.openai.logprobs import chat_logprobs, completion_logprobs
-from promptcache.server.openai.shapes import extension, finish_reason, usage
 from promptcache.server.openai.wire import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -135,8 +134,7 @@ async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, pr
     request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     events = service.submit(plan, params, body.cache_salt, request_id,
-                            service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions,
-                                             body.fidelity_context), tenant)
+                            service.fidelity(body.fidelity, body), tenant)
     head = {"id": request_id, "object": obj, "created": created, "model": service.model_name}
     if params.logprobs is not None:  # streamed tokens are looked up on the event loop: the table must be there
         await service.token_strings.ready()
@@ -155,7 +153,7 @@ async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, pr
                       else None}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             choices.append(choice)
-        return {**head, "choices": choices, "usage": usage(outcome.report),
+        return {**head, "choices": choices, "usage": report_usage(outcome.report),
                 "promptcache": extension(outcome.report)}
 
     # Every token's logprobs (n samples, 20 alternatives each) are assembled off the event loop.
@@ -173,7 +171,7 @@ async def _stream(service, events, head: dict, chat: bool, include_usage: bool, 
             logprobs = None
             if event.logprobs is not None and event.token_id is not None:
                 logprobs = _logprobs([event], service, chat, offsets.get(event.index, 0))
-                offsets[event.index] = offsets.get(event.index, 0) + len(service.token_text(event.token_id))
+                offsets[event.index] = offsets.get(event.index, 0) + len(service.token_strings.text(event.token_id))
             choice: dict = {"index": event.index, "finish_reason": finish_reason(event.finish_reason),
                             "logprobs": logprobs}
             if chat:
@@ -190,7 +188,7 @@ async def _stream(service, events, head: dict, chat: bool, include_usage: bool, 
             if event.report is not None:
                 record(service.metrics, event.report, list(reasons.values()), tenant)
                 if include_usage:
-                    yield sse({**head, "object": obj, "choices": [], "usage": usage(event.report),
+                    yield sse({**head, "object": obj, "choices": [], "usage": report_usage(event.report),
                                "promptcache": extension(event.report)})
     except Exception as exc:
         yield sse_error(exc)
@@ -199,5 +197,5 @@ async def _stream(service, events, head: dict, chat: bool, include_usage: bool, 
 
 def _logprobs(events: list, service: PromptService, chat: bool, text_offset: int = 0) -> dict:
     if chat:
-        return chat_logprobs(events, service.token_text)
-    return completion_logprobs(events, service.token_text, text_offset=text_offset)
+        return chat_logprobs(events, service.token_strings.text)
+    return completion_logprobs(events, service.token_strings.text, text_offset=text_offset)
