@@ -144,7 +144,6 @@ async def _stream(service: PromptService, events, request_id: str, tenant: str |
     reasons: dict[int, str | None] = {}
     try:
         async for event in events:
-            spans = None
             raise_for_error(event)
             if event.finish_reason is not None:
                 reasons[event.index] = event.finish_reason

@@ -73,7 +73,8 @@ def create_app(settings: ServerSettings | None = None, *,
     app.include_router(openai_routes.router)
     app.include_router(api_tokenizer.router)
     app.include_router(api_playground.router)
-    app.mount(api_playground.PLAYGROUND_PATH + "/static", api_playground.static_files(), name="playground")
+    app.mount(api_playground.PLAYGROUND_PATH + "/static",
+              api_playground.SecureStaticFiles(directory=str(api_playground.STATIC_DIR)), name="playground")
     return app
 
 

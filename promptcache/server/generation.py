@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from promptcache.model_runtime import CacheReport, ErrorKind, RequestReport, SamplingParams, TokenEvent
 from promptcache.server.errors import (
@@ -125,8 +125,7 @@ def record(metrics: Metrics, report: RequestReport, finish_reasons: list[str | N
 def wire_usage(report: RequestReport) -> Usage:
     u = report.usage
     assert u is not None, "a served request reports usage"
-    return Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens, completion_tokens=u.completion_tokens,
-                 total_tokens=u.total_tokens, computed_tokens=u.computed_tokens)
+    return Usage(**asdict(u), total_tokens=u.total_tokens)  # the engine's other counts are not on the wire
 
 
 def to_wire(report: CacheReport, spans: list[PromptSpanReport] | None = None) -> WireCacheReport:
@@ -175,9 +174,7 @@ def span_texts(runs: Sequence[Sequence[int]], detokenize: Callable[[list[int]], 
 def wire_timings(report: RequestReport) -> Timings:
     t = report.timings
     assert t is not None, "a served request reports timings"
-    return Timings(ttft_ms=round(t.ttft_ms, 3), total_ms=round(t.total_ms, 3), encode_ms=round(t.encode_ms, 3),
-                   assembly_ms=round(t.assembly_ms, 3), lookup_ms=round(t.lookup_ms, 3),
-                   prefill_ms=round(t.prefill_ms, 3))
+    return Timings(**{name: round(ms, 3) for name, ms in asdict(t).items()})
 
 
 def sse(payload: dict) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -18,11 +18,13 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
 CACHE_SALT_PATTERN = r"^[^\x00-\x1f]*$"  # no control characters: server-derived tenant salts use them
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A request model: an unknown field is refused (a feature this server does not have), never ignored."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class FidelityKnobs(BaseModel):
+class FidelityKnobs(StrictModel):
     fidelity_head_tokens: int | None = Field(
         None, ge=0, le=4096, description="balanced: tokens recomputed at the start of each out-of-context module")
     fidelity_positions: Literal["contiguous", "layout"] | None = Field(
@@ -40,7 +42,7 @@ class PromptOptions(FidelityKnobs):
         None, description="how module KV reused outside its encoding context is treated (default: the server's)")
 
 
-class FidelityReportQuery(FidelityKnobs, _Strict):
+class FidelityReportQuery(FidelityKnobs):
     """What a schema's fidelity report samples and how its modes run (GET /v1/schemas/{name}/fidelity's
     query, or the upload's `fidelity_report` object); unset fields take the report's and server's defaults."""
 
@@ -99,7 +101,7 @@ class FidelityReport(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
 
 
-class SchemaCreate(_Strict):
+class SchemaCreate(StrictModel):
     pml: str = Field(..., description="the <schema> document")
     fidelity_report: bool | FidelityReportQuery = Field(
         False, description="true (or the report's options): the response carries the schema's fidelity report")
@@ -123,7 +125,24 @@ class ModuleInfo(BaseModel):
                           "inside an element of that role); null: outside any")
 
 
-class SchemaInfo(BaseModel):
+class _OmitUnasked(BaseModel):
+    """Leaves out the `UNASKED` fields while None: a request that did not ask for them gets the response it
+    always got."""
+
+    UNASKED: ClassVar[tuple[str, ...]] = ()
+
+    # No return annotation: the response schema stays the model's. (Field(exclude_if=...) needs pydantic 2.11.)
+    @model_serializer(mode="wrap")
+    def _omit_unasked(self, handler: SerializerFunctionWrapHandler):
+        data = handler(self)
+        for key in self.UNASKED:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class SchemaInfo(_OmitUnasked):
+    UNASKED = ("fidelity_report", "fidelity_report_error")
     name: str
     num_tokens: int
     modules: list[ModuleInfo]
@@ -135,14 +154,6 @@ class SchemaInfo(BaseModel):
     fidelity_report: FidelityReport | None = Field(None, description="on an upload that asked for it")
     fidelity_report_error: str | None = Field(None, description="why the report asked for at upload failed (the "
                                                                 "schema is uploaded all the same)")
-
-    @model_serializer(mode="wrap")
-    def _report_only_when_asked(self, handler: SerializerFunctionWrapHandler):
-        data = handler(self)
-        for key in ("fidelity_report", "fidelity_report_error"):
-            if data.get(key) is None:
-                data.pop(key, None)
-        return data
 
 
 class SchemaList(BaseModel):
@@ -198,7 +209,6 @@ class SamplingFields(PromptOptions):
 
 
 class GenerateRequest(SamplingFields):
-    model_config = ConfigDict(extra="forbid")
     prompt: str
     logprobs: int | None = Field(None, ge=0, le=20, description="return each token's logprob and this many "
                                                                  "top alternatives")
@@ -206,7 +216,7 @@ class GenerateRequest(SamplingFields):
                                                   "(cache.spans on the final response or chunk)")
 
 
-class ExplainRequest(PromptOptions, _Strict):
+class ExplainRequest(PromptOptions):
     prompt: str
 
 
@@ -286,17 +296,10 @@ class ReuseReport(BaseModel):
     prefix: PrefixReport | None = None
 
 
-class CacheReport(ReuseReport):
+class CacheReport(ReuseReport, _OmitUnasked):
+    UNASKED = ("spans",)
     spans: list[PromptSpanReport] | None = Field(
         None, description="every prompt token once, in position order; only when the request set return_spans")
-
-    # No return annotation: the response schema stays this model's. (Field(exclude_if=...) needs pydantic 2.11.)
-    @model_serializer(mode="wrap")
-    def _spans_only_when_asked(self, handler: SerializerFunctionWrapHandler):
-        data = handler(self)
-        if data.get("spans") is None:  # a request without return_spans gets the response it always got
-            data.pop("spans", None)
-        return data
 
 
 class Timings(BaseModel):

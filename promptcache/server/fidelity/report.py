@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 from promptcache.model_runtime import MAX_LOGPROBS, Fidelity, FidelityMode, SamplingParams, TokenEvent
@@ -97,8 +97,7 @@ async def build_report(service: PromptService, schema: Schema, tenant: str | Non
             calls = [asyncio.ensure_future(_first_token(service.submit(
                 full, FIRST_TOKEN, salt, _request_id(), Fidelity(FidelityMode.EXACT), tenant)))]
             for mode in MODES:
-                fidelity = Fidelity(FidelityMode(mode), options.fidelity.head_tokens, options.fidelity.positions,
-                                    options.fidelity.context)
+                fidelity = replace(options.fidelity, mode=FidelityMode(mode))
                 calls.append(asyncio.ensure_future(_first_token(service.submit(
                     plan, FIRST_TOKEN, None, _request_id(), fidelity, tenant))))
             reference, *answers = await asyncio.gather(*calls)
