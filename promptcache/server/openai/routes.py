@@ -30,7 +30,7 @@ from promptcache.server.openai.wire import (
     _OpenAIFields,
     chat_messages,
     is_pml,
-    refused_fields,
+    refuse_unsupported,
 )
 from promptcache.server.service import PromptService
 from promptcache.server.state import Rates, Service, Tenant
@@ -46,7 +46,7 @@ async def models(service: Service) -> dict:
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, service: Service, tenant: Tenant, rates: Rates):
-    _refuse_unsupported(body)
+    refuse_unsupported(body)
     prompts = body.prompts()
     if not prompts or any(not p for p in prompts):
         raise UnsupportedParameterError("prompt: expected a non-empty text, list of texts, token ids or list of "
@@ -84,7 +84,7 @@ def _completion_plan(service: PromptService, prompt: str | list[int], tenant: st
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, service: Service, tenant: Tenant, rates: Rates):
-    _refuse_unsupported(body)
+    refuse_unsupported(body)
     rates.check(tenant, body.n, already_counted=1)
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
@@ -112,12 +112,6 @@ def _chat_pml(schema: str, messages: list[dict[str, str]]) -> str:
         messages = [messages[leading], *messages[:leading], *messages[leading + 1:]]
     turns = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
     return f'<prompt schema="{escape(schema, {chr(34): "&quot;"})}" xml:space="preserve">{turns}<assistant/></prompt>'
-
-
-def _refuse_unsupported(body: _OpenAIFields) -> None:
-    refused = refused_fields(body)
-    if refused:
-        raise UnsupportedParameterError("; ".join(f"{field}: {reason}" for field, reason in refused))
 
 
 def _num_logprobs(body: _OpenAIFields) -> int | None:

@@ -139,8 +139,9 @@ def is_pml(prompt: str | list[int]) -> bool:
     return isinstance(prompt, str) and prompt.lstrip().startswith("<prompt")
 
 
-def refused_fields(body: BaseModel) -> list[tuple[str, str]]:
-    """(field, reason) for every field the client set to a value this server does not implement."""
+def refuse_unsupported(body: BaseModel) -> None:
+    """Raises UnsupportedParameterError naming every field the client set to a value this server does not
+    implement, and why."""
     refused = []
     for name in sorted(body.model_fields_set):
         rule = NEUTRAL.get(name)
@@ -161,4 +162,5 @@ def refused_fields(body: BaseModel) -> list[tuple[str, str]]:
             refused.append(("top_logprobs", "needs logprobs: true"))
         refused += [(f"messages[{i}].name", "participant names are not supported")
                     for i, m in enumerate(body.messages) if m.name]
-    return refused
+    if refused:
+        raise UnsupportedParameterError("; ".join(f"{field}: {reason}" for field, reason in refused))
