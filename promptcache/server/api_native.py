@@ -22,9 +22,7 @@ from promptcache.server.generation import (
     sse_error,
     to_wire,
     wire_logprobs,
-    wire_spans,
-    wire_timings,
-    wire_usage,
+    wire_report,
 )
 from promptcache.server.json_body import json_off_loop
 from promptcache.server.service import PromptService
@@ -123,18 +121,14 @@ async def generate(body: GenerateRequest, service: Service, tenant: Tenant, rate
                                  media_type="text/event-stream")
     outcome = await collect(events, params.n)
     record(service.metrics, outcome.report, outcome.finish_reasons, tenant)
-    report = outcome.report.cache
-    assert report is not None, "a served request reports its cache"
 
     def answer() -> GenerateResponse:  # decodes span texts and looks up every token's logprobs: off the loop
-        spans = wire_spans(report, service.runtime.detokenize) if body.return_spans else None
+        usage, cache, timings = wire_report(outcome.report, service.runtime.detokenize if body.return_spans else None)
         return GenerateResponse(
             id=request_id, model=service.model_name,
             choices=[Choice(index=i, text=t, finish_reason=r, logprobs=wire_logprobs(e, service.token_strings.text))
                      for i, (t, r, e) in enumerate(zip(outcome.texts, outcome.finish_reasons, outcome.events))],
-            usage=wire_usage(outcome.report),
-            cache=to_wire(report, spans),
-            timings=wire_timings(outcome.report))
+            usage=usage, cache=cache, timings=timings)
 
     return await json_off_loop(answer)
 
@@ -152,13 +146,8 @@ async def _stream(service: PromptService, events, request_id: str, tenant: str |
                                   choices=[Choice(index=event.index, text=event.text,
                                                   finish_reason=event.finish_reason, logprobs=logprobs)])
             if event.report is not None:
-                report = event.report.cache
-                assert report is not None, "a served request reports its cache"
-                spans = await asyncio.to_thread(wire_spans, report, service.runtime.detokenize) \
-                    if return_spans else None
-                chunk.usage = wire_usage(event.report)
-                chunk.cache = to_wire(report, spans)
-                chunk.timings = wire_timings(event.report)
+                chunk.usage, chunk.cache, chunk.timings = await asyncio.to_thread(
+                    wire_report, event.report, service.runtime.detokenize if return_spans else None)
                 record(service.metrics, event.report, list(reasons.values()), tenant)
             payload = chunk.model_dump(exclude_none=True)
             if chunk.cache is not None:  # the report whole (null encoded_after, module, tier), as in the JSON response

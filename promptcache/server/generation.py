@@ -122,10 +122,15 @@ def record(metrics: Metrics, report: RequestReport, finish_reasons: list[str | N
                     finish_reasons=[r or "unknown" for r in finish_reasons], reused=reused, tenant=tenant_label(tenant))
 
 
-def wire_usage(report: RequestReport) -> Usage:
-    u = report.usage
-    assert u is not None, "a served request reports usage"
-    return Usage(**asdict(u), total_tokens=u.total_tokens)  # the engine's other counts are not on the wire
+def wire_report(report: RequestReport,
+                detokenize: Callable[[list[int]], str] | None = None) -> tuple[Usage, WireCacheReport, Timings]:
+    """/v1/generate's usage, cache report and timings of a finished request. With `detokenize` the cache
+    report lists the prompt's spans with their text, which decodes every prompt token: off the event loop."""
+    usage, timings, cache = report.usage, report.timings, report.cache
+    assert usage is not None and timings is not None and cache is not None, "a served request reports all three"
+    spans = wire_spans(cache, detokenize) if detokenize is not None else None
+    return (Usage(**asdict(usage), total_tokens=usage.total_tokens),  # the engine's other counts stay off the wire
+            to_wire(cache, spans), Timings(**{name: round(ms, 3) for name, ms in asdict(timings).items()}))
 
 
 def to_wire(report: CacheReport, spans: list[PromptSpanReport] | None = None) -> WireCacheReport:
@@ -169,12 +174,6 @@ def span_texts(runs: Sequence[Sequence[int]], detokenize: Callable[[list[int]], 
         texts.append(whole[keep:])
         before += run
     return texts
-
-
-def wire_timings(report: RequestReport) -> Timings:
-    t = report.timings
-    assert t is not None, "a served request reports timings"
-    return Timings(**{name: round(ms, 3) for name, ms in asdict(t).items()})
 
 
 def sse(payload: dict) -> str:
