@@ -30,20 +30,18 @@ async def run_completions(service: PromptService, body: CompletionRequest, plans
     prompts' texts to prepend; with `prompt_ids` (echo with logprobs) the prompts' tokens get logprobs
     too, the first one None (nothing precedes it), as OpenAI reports them. The answer is assembled and
     rendered off the event loop."""
-    request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
-    created = int(time.time())
+    head = response_head(service, chat=False)
     outcomes: list[Outcome | None] = [None] * len(plans)
     if body.max_tokens > 0 or prompt_ids is not None:
         params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs,
                                  prompt_logprobs=body.logprobs if prompt_ids is not None else None)
         fidelity = service.fidelity(body.fidelity, body)
         streams = service.submit_many(plans, params, body.cache_salt,  # all queued, or a 429 and none
-                                      [f"{request_id}-{i}" for i in range(len(plans))], fidelity, tenant)
+                                      [f"{head['id']}-{i}" for i in range(len(plans))], fidelity, tenant)
         outcomes = list(await asyncio.gather(*(collect(events, params.n) for events in streams)))
     for outcome in outcomes:
         if outcome is not None:
             record(service.metrics, outcome.report, outcome.finish_reasons, tenant)
-    head = {"id": request_id, "object": "text_completion", "created": created, "model": service.model_name}
     return await json_off_loop(lambda: {**head, **_answer(service, body, plans, outcomes, echoes, prompt_ids)})
 
 
@@ -83,6 +81,13 @@ def _answer(service: PromptService, body: CompletionRequest, plans: list[PromptP
                             "finish_reason": finish_reason(reason) if generated else "length",
                             "logprobs": logprobs})
     return {"choices": choices, "usage": usage(**totals), "promptcache": {"prompts": reports}}
+
+
+def response_head(service: PromptService, *, chat: bool) -> dict:
+    """What an OpenAI response and each of its chunks start with: a new id, the object, the time, the model."""
+    prefix, obj = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
+    return {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "object": obj, "created": int(time.time()),
+            "model": service.model_name}
 
 
 def finish_reason(reason: str | None) -> str | None:

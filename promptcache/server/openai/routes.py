@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
-import uuid
 from xml.sax.saxutils import escape
 
 from fastapi import APIRouter
@@ -22,7 +20,7 @@ from promptcache.server.generation import (
     sse_error,
 )
 from promptcache.server.json_body import json_off_loop
-from promptcache.server.openai.batch import extension, finish_reason, report_usage, run_completions
+from promptcache.server.openai.batch import extension, finish_reason, report_usage, response_head, run_completions
 from promptcache.server.openai.logprobs import chat_logprobs, completion_logprobs
 from promptcache.server.openai.wire import (
     ChatCompletionRequest,
@@ -59,7 +57,7 @@ async def completions(body: CompletionRequest, service: Service, tenant: Tenant,
     # Parsing, tokenizing and detokenizing run off the event loop (a long prompt must not stall other clients).
     plans, echoes, prompt_ids = await asyncio.to_thread(_prepare, service, body, prompts, tenant)
     if len(plans) == 1 and not body.echo:
-        return await _run(service, body, plans[0], "cmpl", "text_completion", chat=False, tenant=tenant)
+        return await _run(service, body, plans[0], tenant)
     return await run_completions(service, body, plans, echoes, prompt_ids, tenant)
 
 
@@ -95,7 +93,7 @@ async def chat_completions(body: ChatCompletionRequest, service: Service, tenant
         plan = await asyncio.to_thread(lambda: service.plan(_chat_pml(schema_name, messages), tenant=tenant))
     else:
         plan = await asyncio.to_thread(service.runtime.plan_chat, messages)
-    return await _run(service, body, plan, "chatcmpl", "chat.completion", chat=True, tenant=tenant)
+    return await _run(service, body, plan, tenant)
 
 
 def _chat_pml(schema: str, messages: list[dict[str, str]]) -> str:
@@ -114,22 +112,16 @@ def _chat_pml(schema: str, messages: list[dict[str, str]]) -> str:
     return f'<prompt schema="{escape(schema, {chr(34): "&quot;"})}" xml:space="preserve">{turns}<assistant/></prompt>'
 
 
-def _num_logprobs(body: _OpenAIFields) -> int | None:
-    """How many alternatives each token's logprobs carry; None when the request wants no logprobs."""
+async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, tenant: str | None):
+    # The alternatives each token's logprobs carry; None: the request wants no logprobs.
     if isinstance(body, ChatCompletionRequest):
-        return (body.top_logprobs or 0) if body.logprobs else None
-    assert isinstance(body, CompletionRequest)
-    return body.logprobs
-
-
-async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, prefix: str, obj: str, *, chat: bool,
-               tenant: str | None):
-    params = sampling_params(body, service.settings.max_tokens_limit, _num_logprobs(body))
-    request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
-    created = int(time.time())
-    events = service.submit(plan, params, body.cache_salt, request_id,
-                            service.fidelity(body.fidelity, body), tenant)
-    head = {"id": request_id, "object": obj, "created": created, "model": service.model_name}
+        chat, num_logprobs = True, (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        assert isinstance(body, CompletionRequest)
+        chat, num_logprobs = False, body.logprobs
+    params = sampling_params(body, service.settings.max_tokens_limit, num_logprobs)
+    head = response_head(service, chat=chat)
+    events = service.submit(plan, params, body.cache_salt, head["id"], service.fidelity(body.fidelity, body), tenant)
     if params.logprobs is not None:  # streamed tokens are looked up on the event loop: the table must be there
         await service.token_strings.ready()
     if body.stream:
