@@ -66,7 +66,6 @@ def create_app(settings: ServerSettings | None = None, *,
 
     app = FastAPI(title="promptcache", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
-    app.state.tenants = tenants
     app.state.rates = RequestRateLimiter(tenants)
     install_error_handlers(app)
     app.add_middleware(RequestGuard, settings=settings, tenants=tenants, rates=app.state.rates)
