@@ -67,8 +67,7 @@ def _encode(value: Any, pieces: list[str]) -> None:
     elif isinstance(value, (list, tuple)) and _has_nested(value):
         pieces.append("[")
         for i, item in enumerate(value):
-            if i:
-                pieces.append(",")
+            pieces.append("," if i else "")
             _encode(item, pieces)
         pieces.append("]")
     elif isinstance(value, (list, tuple)) and len(value) > SLICE_ITEMS:
