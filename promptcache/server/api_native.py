@@ -146,8 +146,10 @@ async def _stream(service: PromptService, events, request_id: str, tenant: str |
                                   choices=[Choice(index=event.index, text=event.text,
                                                   finish_reason=event.finish_reason, logprobs=logprobs)])
             if event.report is not None:
-                chunk.usage, chunk.cache, chunk.timings = await asyncio.to_thread(
-                    wire_report, event.report, service.runtime.detokenize if return_spans else None)
+                # spans decode every prompt token: off the event loop; the rest is cheap enough to build on it
+                chunk.usage, chunk.cache, chunk.timings = (
+                    await asyncio.to_thread(wire_report, event.report, service.runtime.detokenize) if return_spans
+                    else wire_report(event.report))
                 record(service.metrics, event.report, list(reasons.values()), tenant)
             payload = chunk.model_dump(exclude_none=True)
             if chunk.cache is not None:  # the report whole (null encoded_after, module, tier), as in the JSON response
