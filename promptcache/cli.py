@@ -102,13 +102,6 @@ def _settings(args: argparse.Namespace):
     return ServerSettings(**_overrides(args))
 
 
-# Flags whose value is the setting of the same name; a subcommand without one leaves it unset.
-_VALUE_FLAGS = (
-    "model", "dtype", "device", "redis_url", "weights", "host", "port", "api_keys", "api_keys_file", "metrics_key",
-    "tenant_max_schemas", "tenant_max_schema_tokens", "tenant_rate_limit", "tenant_cache_share", "prefix_block_size",
-    "fidelity", "fidelity_positions", "fidelity_context", "max_prefill_tokens", "max_prefill_tokens_alone",
-    "min_prefill_tokens", "max_step_slowdown",
-)
 # Switches, by flag: the setting each sets and the value it sets when given.
 _SWITCHES = {"no_examples": ("preload_examples", False), "no_prefix_caching": ("prefix_caching", False),
              "no_weight_packing": ("pack_weights", False), "no_layer_fusion": ("fuse_layers", False),
@@ -116,10 +109,14 @@ _SWITCHES = {"no_examples": ("preload_examples", False), "no_prefix_caching": ("
 
 
 def _overrides(args: argparse.Namespace) -> dict:
-    """The settings given as flags; they win over PROMPTCACHE_* environment variables."""
-    given = {name: getattr(args, name, None) for name in _VALUE_FLAGS}
+    """The settings given as flags; they win over PROMPTCACHE_* environment variables. A flag other than a
+    switch sets the setting its value is named after; not given (None), it leaves it unset."""
+    from promptcache.server.settings import ServerSettings
+
+    given = {name: value for name, value in vars(args).items()
+             if name in ServerSettings.model_fields and name not in _SWITCHES and value is not None}
     given.update({setting: value for flag, (setting, value) in _SWITCHES.items() if getattr(args, flag, False)})
-    return {name: value for name, value in given.items() if value is not None}
+    return given
 
 
 def _build_kernels(args: argparse.Namespace) -> int:

@@ -22,13 +22,12 @@ from promptcache.server.generation import (
     sse_error,
     to_wire,
     wire_logprobs,
-    wire_spans,
-    wire_timings,
-    wire_usage,
+    wire_report,
 )
 from promptcache.server.json_body import json_off_loop
 from promptcache.server.service import PromptService
 from promptcache.server.state import Rates, Service, Tenant
+from promptcache.server.tenants import registry_name
 from promptcache.server.wire import (
     Choice,
     ExplainRequest,
@@ -50,8 +49,8 @@ router = APIRouter(prefix="/v1")
 def schema_info(service: PromptService, schema: Schema, tenant: str | None) -> SchemaInfo:
     return SchemaInfo(name=schema.name, num_tokens=schema.num_positions,
                       modules=[ModuleInfo(**row, role=_role(schema, row)) for row in schema.module_table()],
-                      encode_ms=service.schema_encode_ms(schema.name, tenant), num_segments=len(schema.segments),
-                      scaffolds=[list(sc.module_paths) for sc in schema.scaffolds],
+                      encode_ms=service.encode_ms.get(registry_name(tenant, schema.name)),
+                      num_segments=len(schema.segments), scaffolds=[list(sc.module_paths) for sc in schema.scaffolds],
                       always_included=schema.always_included())
 
 
@@ -103,7 +102,7 @@ async def get_schema(name: str, service: Service, tenant: Tenant) -> SchemaInfo:
 
 @router.delete("/schemas/{name}", status_code=204)
 async def delete_schema(name: str, service: Service, tenant: Tenant) -> Response:
-    await service.delete_schema(name, tenant)
+    await asyncio.to_thread(service.delete_schema, name, tenant)
     return Response(status_code=204)
 
 
@@ -114,9 +113,7 @@ async def generate(body: GenerateRequest, service: Service, tenant: Tenant, rate
     params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs)
     request_id = f"gen-{uuid.uuid4().hex[:24]}"
     events = service.submit(plan, params, body.cache_salt, request_id,
-                            service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions,
-                                             body.fidelity_context), tenant,
-                            report_spans=body.return_spans)
+                            service.fidelity(body.fidelity, body), tenant, report_spans=body.return_spans)
     if params.logprobs is not None:  # streamed tokens are looked up on the event loop: the table must be there
         await service.token_strings.ready()
     if body.stream:
@@ -124,18 +121,14 @@ async def generate(body: GenerateRequest, service: Service, tenant: Tenant, rate
                                  media_type="text/event-stream")
     outcome = await collect(events, params.n)
     record(service.metrics, outcome.report, outcome.finish_reasons, tenant)
-    report = outcome.report.cache
-    assert report is not None, "a served request reports its cache"
 
     def answer() -> GenerateResponse:  # decodes span texts and looks up every token's logprobs: off the loop
-        spans = wire_spans(report, service.runtime.detokenize) if body.return_spans else None
+        usage, cache, timings = wire_report(outcome.report, service.runtime.detokenize if body.return_spans else None)
         return GenerateResponse(
             id=request_id, model=service.model_name,
-            choices=[Choice(index=i, text=t, finish_reason=r, logprobs=wire_logprobs(e, service.token_text))
+            choices=[Choice(index=i, text=t, finish_reason=r, logprobs=wire_logprobs(e, service.token_strings.text))
                      for i, (t, r, e) in enumerate(zip(outcome.texts, outcome.finish_reasons, outcome.events))],
-            usage=wire_usage(outcome.report),
-            cache=to_wire(report, spans),
-            timings=wire_timings(outcome.report))
+            usage=usage, cache=cache, timings=timings)
 
     return await json_off_loop(answer)
 
@@ -145,22 +138,18 @@ async def _stream(service: PromptService, events, request_id: str, tenant: str |
     reasons: dict[int, str | None] = {}
     try:
         async for event in events:
-            spans = None
             raise_for_error(event)
             if event.finish_reason is not None:
                 reasons[event.index] = event.finish_reason
-            logprobs = wire_logprobs([event], service.token_text) if event.token_id is not None else None
+            logprobs = wire_logprobs([event], service.token_strings.text) if event.token_id is not None else None
             chunk = GenerateChunk(id=request_id, model=service.model_name,
                                   choices=[Choice(index=event.index, text=event.text,
                                                   finish_reason=event.finish_reason, logprobs=logprobs)])
             if event.report is not None:
-                report = event.report.cache
-                assert report is not None, "a served request reports its cache"
-                spans = await asyncio.to_thread(wire_spans, report, service.runtime.detokenize) \
-                    if return_spans else None
-                chunk.usage = wire_usage(event.report)
-                chunk.cache = to_wire(report, spans)
-                chunk.timings = wire_timings(event.report)
+                # spans decode every prompt token: off the event loop; the rest is cheap enough to build on it
+                chunk.usage, chunk.cache, chunk.timings = (
+                    await asyncio.to_thread(wire_report, event.report, service.runtime.detokenize) if return_spans
+                    else wire_report(event.report))
                 record(service.metrics, event.report, list(reasons.values()), tenant)
             payload = chunk.model_dump(exclude_none=True)
             if chunk.cache is not None:  # the report whole (null encoded_after, module, tier), as in the JSON response
@@ -180,9 +169,8 @@ async def explain(body: ExplainRequest, service: Service, tenant: Tenant) -> Exp
 
 def _explain(body: ExplainRequest, service: PromptService, tenant: str | None) -> Explanation:
     plan = service.plan(body.prompt, tenant=tenant)
-    fidelity = service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions,
-                                body.fidelity_context)
-    report = service.explain(plan, body.cache_salt, fidelity, tenant)
+    report = service.runtime.explain(plan, owner=tenant, salt=body.cache_salt,
+                                     fidelity=service.fidelity(body.fidelity, body))
     return Explanation(**to_wire(report).model_dump(), schema=report.schema_name,
                        prompt_tokens=report.num_prompt_tokens, cached_tokens=report.num_cached,
                        tokens_to_compute=report.num_to_compute)

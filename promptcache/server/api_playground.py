@@ -35,14 +35,11 @@ async def playground_index() -> FileResponse:
     return FileResponse(str(STATIC_DIR / "index.html"), media_type="text/html", headers=SECURITY_HEADERS)
 
 
-class _StaticFiles(StaticFiles):
+class SecureStaticFiles(StaticFiles):
+    """The page's scripts and styles (mounted under /playground/static), with SECURITY_HEADERS."""
+
     def file_response(self, full_path: str | os.PathLike[str], stat_result: os.stat_result, scope: Scope,
                       status_code: int = 200) -> Response:
         response = super().file_response(full_path, stat_result, scope, status_code)
         response.headers.update(SECURITY_HEADERS)
         return response
-
-
-def static_files() -> StaticFiles:
-    """The page's scripts and styles, mounted under /playground/static."""
-    return _StaticFiles(directory=str(STATIC_DIR))

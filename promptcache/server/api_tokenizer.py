@@ -35,7 +35,7 @@ def _tokenize(service: PromptService, body: TokenizeRequest, messages: list[dict
     tokens = service.runtime.tokenize(body.prompt, messages)
     reply: dict = {"count": len(tokens), "max_model_len": service.runtime.max_positions, "tokens": list(tokens)}
     if body.return_token_strs:
-        reply["token_strs"] = [service.token_text(t) for t in tokens]
+        reply["token_strs"] = [service.token_strings.text(t) for t in tokens]
     return reply
 
 

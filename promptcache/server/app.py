@@ -1,4 +1,5 @@
-"""The FastAPI app factory: lifespan (load model in the background, start the engine), auth, limits."""
+"""The FastAPI app factory: lifespan (load model in the background, start the engine), auth, limits; and the
+app's own routes, health and metrics (never behind the API key)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 
 from promptcache.model_runtime import (
     LoadedModel,
@@ -19,7 +21,7 @@ from promptcache.model_runtime import (
     load_model,
     run_in_passing_thread,
 )
-from promptcache.server import api_native, api_playground, api_system, api_tokenizer
+from promptcache.server import api_native, api_playground, api_tokenizer
 from promptcache.server.errors import install_error_handlers
 from promptcache.server.guard import RequestGuard
 from promptcache.server.openai import routes as openai_routes
@@ -41,10 +43,7 @@ def create_app(settings: ServerSettings | None = None, *,
         max_schemas=settings.tenant_max_schemas, max_schema_tokens=settings.tenant_max_schema_tokens,
         rate_limit=settings.tenant_rate_limit, cache_share=settings.tenant_cache_share))
 
-    def load() -> LoadedModel:
-        if model_loader is not None:
-            return model_loader()
-        return load_model(settings.load_config())
+    load = model_loader or (lambda: load_model(settings.load_config()))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -67,16 +66,16 @@ def create_app(settings: ServerSettings | None = None, *,
 
     app = FastAPI(title="promptcache", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
-    app.state.tenants = tenants
     app.state.rates = RequestRateLimiter(tenants)
     install_error_handlers(app)
     app.add_middleware(RequestGuard, settings=settings, tenants=tenants, rates=app.state.rates)
-    app.include_router(api_system.router)
+    app.include_router(system)
     app.include_router(api_native.router)
     app.include_router(openai_routes.router)
     app.include_router(api_tokenizer.router)
     app.include_router(api_playground.router)
-    app.mount(api_playground.PLAYGROUND_PATH + "/static", api_playground.static_files(), name="playground")
+    app.mount(api_playground.PLAYGROUND_PATH + "/static",
+              api_playground.SecureStaticFiles(directory=str(api_playground.STATIC_DIR)), name="playground")
     return app
 
 
@@ -100,3 +99,24 @@ async def _start(app: FastAPI, settings: ServerSettings, tenants: TenantDirector
     app.state.service = service
     logger.info("promptcache ready: model %s; attention %s (%s)", loaded.name, service.attention.path.value,
                 service.attention.reason)
+
+
+system = APIRouter()
+
+
+@system.get("/health")
+async def health(request: Request) -> JSONResponse:
+    service = getattr(request.app.state, "service", None)
+    if service is None:
+        error = getattr(request.app.state, "load_error", None)
+        body = {"status": "failed", "error": error} if error else {"status": "loading"}
+        return JSONResponse(body, status_code=503)
+    return JSONResponse({"status": "ok", "model": service.model_name, "attention": service.attention.as_dict()})
+
+
+@system.get("/metrics")
+async def metrics(request: Request) -> Response:
+    service = getattr(request.app.state, "service", None)
+    # Rendering reads tier sizes (a Redis call): off the event loop, never waiting on the engine.
+    body = await asyncio.to_thread(service.metrics.render) if service is not None else b""
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

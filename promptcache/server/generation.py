@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from promptcache.model_runtime import CacheReport, ErrorKind, RequestReport, SamplingParams, TokenEvent
 from promptcache.server.errors import (
@@ -76,7 +75,6 @@ class Outcome:
     finish_reasons: list[str | None]
     report: RequestReport
     events: list[list[TokenEvent]] = field(default_factory=list)  # per sample, every token event
-    started: float = field(default_factory=time.perf_counter)
 
 
 async def collect(events: AsyncIterator[TokenEvent], n: int) -> Outcome:
@@ -124,11 +122,15 @@ def record(metrics: Metrics, report: RequestReport, finish_reasons: list[str | N
                     finish_reasons=[r or "unknown" for r in finish_reasons], reused=reused, tenant=tenant_label(tenant))
 
 
-def wire_usage(report: RequestReport) -> Usage:
-    u = report.usage
-    assert u is not None, "a served request reports usage"
-    return Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens, completion_tokens=u.completion_tokens,
-                 total_tokens=u.total_tokens, computed_tokens=u.computed_tokens)
+def wire_report(report: RequestReport,
+                detokenize: Callable[[list[int]], str] | None = None) -> tuple[Usage, WireCacheReport, Timings]:
+    """/v1/generate's usage, cache report and timings of a finished request. With `detokenize` the cache
+    report lists the prompt's spans with their text, which decodes every prompt token: off the event loop."""
+    usage, timings, cache = report.usage, report.timings, report.cache
+    assert usage is not None and timings is not None and cache is not None, "a served request reports all three"
+    spans = wire_spans(cache, detokenize) if detokenize is not None else None
+    return (Usage(**asdict(usage), total_tokens=usage.total_tokens),  # the engine's other counts stay off the wire
+            to_wire(cache, spans), Timings(**{name: round(ms, 3) for name, ms in asdict(timings).items()}))
 
 
 def to_wire(report: CacheReport, spans: list[PromptSpanReport] | None = None) -> WireCacheReport:
@@ -172,14 +174,6 @@ def span_texts(runs: Sequence[Sequence[int]], detokenize: Callable[[list[int]], 
         texts.append(whole[keep:])
         before += run
     return texts
-
-
-def wire_timings(report: RequestReport) -> Timings:
-    t = report.timings
-    assert t is not None, "a served request reports timings"
-    return Timings(ttft_ms=round(t.ttft_ms, 3), total_ms=round(t.total_ms, 3), encode_ms=round(t.encode_ms, 3),
-                   assembly_ms=round(t.assembly_ms, 3), lookup_ms=round(t.lookup_ms, 3),
-                   prefill_ms=round(t.prefill_ms, 3))
 
 
 def sse(payload: dict) -> str:

@@ -26,11 +26,11 @@ PLAYGROUND_PREFIX = "/playground"  # static page and assets: no data; the page s
 
 class RequestGuard:
     def __init__(self, app: ASGIApp, settings: ServerSettings, tenants: TenantDirectory,
-                 rates: RequestRateLimiter | None = None) -> None:
+                 rates: RequestRateLimiter) -> None:
         self.app = app
         self.max_bytes = settings.max_request_bytes
         self.tenants = tenants
-        self.rates = rates or RequestRateLimiter(tenants)  # shared with the routes, which count samples past one
+        self.rates = rates  # shared with the routes, which count samples past one
         self.metrics_digest = hashlib.sha256(settings.metrics_key.encode()).digest() if settings.metrics_key else None
         self.is_metrics_closed = bool(settings.api_keys_file) and self.metrics_digest is None
 

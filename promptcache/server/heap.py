@@ -23,10 +23,9 @@ def heap_trimmer() -> Callable[[], None] | None:
     """A function that trims the process heap, or None where the C library has no `malloc_trim`."""
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = libc.malloc_trim if libc is not None else None
+        trim = ctypes.CDLL(name).malloc_trim if name else None
     except (OSError, AttributeError):
-        return None
+        trim = None
     if trim is None:
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int

@@ -25,14 +25,14 @@ _dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, sepa
                            default=jsonable_encoder)
 
 
-async def json_off_loop(build: Callable[[], Any], *, sliced_field: str = "choices") -> Response:
+async def json_off_loop(build: Callable[[], Any]) -> Response:
     """The JSON response of `build()`, built and encoded in a worker thread. A pydantic model is encoded as
-    its response model (pydantic's serializer), its `sliced_field` list one item at a time; anything else
-    as JSONResponse encodes it after jsonable_encoder."""
+    its response model (pydantic's serializer), its `choices` one at a time; anything else as JSONResponse
+    encodes it after jsonable_encoder."""
 
     def render() -> Response:
         value = build()
-        body = model_body(value, sliced_field) if isinstance(value, BaseModel) else json_body(value)
+        body = model_body(value, "choices") if isinstance(value, BaseModel) else json_body(value)
         return Response(body, media_type="application/json")
 
     return await asyncio.to_thread(render)
@@ -67,8 +67,7 @@ def _encode(value: Any, pieces: list[str]) -> None:
     elif isinstance(value, (list, tuple)) and _has_nested(value):
         pieces.append("[")
         for i, item in enumerate(value):
-            if i:
-                pieces.append(",")
+            pieces.append("," if i else "")
             _encode(item, pieces)
         pieces.append("]")
     elif isinstance(value, (list, tuple)) and len(value) > SLICE_ITEMS:

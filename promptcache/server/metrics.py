@@ -14,9 +14,10 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
 
 
 class Metrics:
-    """Request-level counters are updated by the service; engine and store state is read at scrape time."""
+    """Request-level counters are updated by the service; engine and store state is read at scrape time:
+    each of `sources` yields metric families describing it (engine queue, store tiers)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *sources: Callable[[], Iterator]) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.model_name = model_name
@@ -36,8 +37,8 @@ class Metrics:
                                      [*by_tenant, "kind", "tier"], registry=self.registry)
         self.requests = Counter("promptcache:request_success", "Finished requests by finish reason.",
                                 [*by_tenant, "finished_reason"], registry=self.registry)
-        self._sources: list[Callable[[], Iterator]] = []
-        self.registry.register(_Live(self))
+        self._sources = sources
+        self.registry.register(self)
 
     def observe(self, *, ttft_s: float, e2e_s: float, prompt_tokens: int, cached_tokens: int,
                 completion_tokens: int, finish_reasons: list[str],
@@ -54,21 +55,12 @@ class Metrics:
         for kind, tier, count in reused:
             self.reused_tokens.labels(m, tenant, kind, tier).inc(count)
 
-    def add_source(self, source: Callable[[], Iterator]) -> None:
-        """`source()` yields metric families describing live state (engine queue, store tiers)."""
-        self._sources.append(source)
+    def collect(self) -> Iterator:
+        for source in self._sources:
+            yield from source()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class _Live:
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-
-    def collect(self):
-        for source in self.metrics._sources:
-            yield from source()
 
 
 def engine_families(stats: RuntimeStats, model_name: str) -> Iterator:

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TypeVar, cast
 
 import redis
@@ -112,8 +112,9 @@ class QuotaLedger:
     async def _renew_every(self, reservation: Reservation) -> None:
         while True:
             await asyncio.sleep(self.lease_s / 3)
-            try:
-                await asyncio.to_thread(self.renew, reservation)
+            try:  # push the lease deadline `lease_s` from now, if the reservation is still held
+                await asyncio.to_thread(self._replace_own, reservation,
+                                        lambda e: replace(e, deadline=time.time() + self.lease_s))
             except RegistryUnavailableError as exc:  # the next renewal may get through before the lease ends
                 logger.warning("renewing the quota reservation of %r failed: %s", reservation.name, exc)
 
@@ -148,10 +149,6 @@ class QuotaLedger:
                                      f"(uploads in flight included); its quota is {quota.max_schema_tokens}")
         changes[name] = Entry(reservation.num_tokens, reservation.reservation_id, now + self.lease_s)
         return changes, reservation
-
-    def renew(self, reservation: Reservation) -> None:
-        """Push the reservation's lease deadline `lease_s` from now (if it is still held)."""
-        self._replace_own(reservation, lambda e: replace(e, deadline=time.time() + self.lease_s))
 
     def commit(self, reservation: Reservation, version: str) -> None:
         """The upload registered its schema as `version`: the reservation becomes the schema's share."""
@@ -250,7 +247,7 @@ class QuotaLedger:
 class Hold:
     """What the upload block of `QuotaLedger.hold` reports: the registered schema's version."""
 
-    version: str | None = field(default=None)
+    version: str | None = None
 
     def commit(self, version: str) -> None:
         self.version = version

@@ -24,7 +24,6 @@ from promptcache.cache_store import (
     build_store,
 )
 from promptcache.model_runtime import (
-    CacheReport,
     ContextMode,
     Fidelity,
     FidelityMode,
@@ -43,7 +42,7 @@ from promptcache.server.quota import QuotaLedger
 from promptcache.server.settings import ServerSettings
 from promptcache.server.tenants import TenantDirectory, registry_name, split_registry_name
 from promptcache.server.token_strings import TokenStrings
-from promptcache.server.wire import FidelityReport
+from promptcache.server.wire import FidelityKnobs, FidelityReport
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +66,8 @@ class PromptService:
         self.runtime = PromptRuntime(loaded, self.store, settings.engine_config(), settings.pml_limits())
         self.token_strings = TokenStrings.of(loaded.tokenizer)  # built on first use, off the event loop
         self.attention = self.runtime.attention
-        self.metrics = Metrics(self.model_name)
-        self.metrics.add_source(lambda: engine_families(self.runtime.stats(), self.model_name))
-        self.metrics.add_source(lambda: store_families(self.store))
+        self.metrics = Metrics(self.model_name, lambda: engine_families(self.runtime.stats(), self.model_name),
+                               lambda: store_families(self.store))
         self.encode_ms: dict[str, float] = {}  # registry name -> encoding time of its upload here
         self._versions: dict[str, str] = {}  # registry name -> registry version this process serves
         self._tasks: list[asyncio.Task] = []
@@ -163,9 +161,6 @@ class PromptService:
             raise SchemaNotFoundError(f"no schema named {name!r}")
         return schema
 
-    def schema_encode_ms(self, name: str, tenant: str | None = None) -> float | None:
-        return self.encode_ms.get(registry_name(tenant, name))
-
     async def fidelity_report(self, name: str, options: ReportOptions, tenant: str | None = None,
                               before_compute: Callable[[], None] = lambda: None) -> FidelityReport:
         """The tenant's schema's fidelity report (server/fidelity/report.py): from the cache of the schema's
@@ -176,10 +171,7 @@ class PromptService:
         return await self.fidelity_reports.get((qualified, self._versions.get(qualified), options),
                                                lambda: build_report(self, schema, tenant, options), before_compute)
 
-    async def delete_schema(self, name: str, tenant: str | None = None) -> None:
-        await asyncio.to_thread(self._delete_schema, name, tenant)
-
-    def _delete_schema(self, name: str, tenant: str | None) -> None:
+    def delete_schema(self, name: str, tenant: str | None = None) -> None:
         self.get_schema(name, tenant)  # raises SchemaNotFoundError (adopts one another replica uploaded)
         qualified = registry_name(tenant, name)
         self.runtime.forget_schema(name, tenant)  # and the KV its upload encoded
@@ -249,31 +241,26 @@ class PromptService:
                     self.quotas.record(tenant, {name: (schema.num_positions, version)})
 
     # -- prompts -----------------------------------------------------------------------------------
-    def plan(self, prompt: str, *, tenant: str | None = None, isolated: bool = False) -> PromptPlan:
+    def plan(self, prompt: str, *, tenant: str | None = None) -> PromptPlan:
         """A PML prompt resolved against the tenant's schemas (an unknown name lists only those; one
         another replica uploaded is adopted first). Unless it ends in an open `<assistant>` turn, the
         model's generation prompt follows its last turn (the plan's `generation_prompt_added`)."""
         try:
-            return self.runtime.plan(prompt, tenant, isolated=isolated)
+            return self.runtime.plan(prompt, tenant)
         except UnknownSchemaError as exc:
             if exc.schema_name and self.ensure_schema(exc.schema_name, tenant):
-                return self.runtime.plan(prompt, tenant, isolated=isolated)
+                return self.runtime.plan(prompt, tenant)
             raise
 
-    def fidelity(self, mode: str | None, head_tokens: int | None = None,
-                 positions: str | None = None, context: str | None = None) -> Fidelity:
+    def fidelity(self, mode: str | None, knobs: FidelityKnobs | None = None) -> Fidelity:
         """The request's fidelity from its wire fields (values the wire model checked): its mode, k,
         positions and module context, or the server's defaults."""
-        default = self.settings.default_fidelity()
+        default, knobs = self.settings.default_fidelity(), knobs or FidelityKnobs()
+        head_tokens = knobs.fidelity_head_tokens
         return Fidelity(FidelityMode(mode) if mode else default.mode,
                         default.head_tokens if head_tokens is None else head_tokens,
-                        PositionMode(positions) if positions else default.positions,
-                        ContextMode(context) if context else default.context)
-
-    def token_text(self, token_id: int) -> str:
-        """One token's text as the tokenizer decodes it alone (logprobs report tokens this way), from the
-        table of token strings: builds it on first use, so event-loop code awaits `token_strings.ready()`."""
-        return self.token_strings.text(token_id)
+                        PositionMode(knobs.fidelity_positions) if knobs.fidelity_positions else default.positions,
+                        ContextMode(knobs.fidelity_context) if knobs.fidelity_context else default.context)
 
     def submit(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None, request_id: str,
                fidelity: Fidelity, tenant: str | None = None, report_spans: bool = False) -> AsyncIterator[TokenEvent]:
@@ -289,8 +276,3 @@ class PromptService:
         """`submit` every plan, all or none (the tenant's queue has room for them all, or none is queued)."""
         return self.runtime.submit(plans, params, owner=tenant, salt=cache_salt, request_ids=request_ids,
                                    fidelity=fidelity, report_spans=report_spans)
-
-    def explain(self, plan: PromptPlan, cache_salt: str | None, fidelity: Fidelity,
-                tenant: str | None = None) -> CacheReport:
-        """What serving the plan would reuse (from which tier) and compute now."""
-        return self.runtime.explain(plan, owner=tenant, salt=cache_salt, fidelity=fidelity)

@@ -23,8 +23,8 @@ class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PROMPTCACHE_", extra="ignore")
 
     model: str | None = Field(None, description="HF model path or hub id; None serves SmolLM2-135M-Instruct")
-    dtype: str = Field("auto", description="auto (bf16 where the CPU/GPU computes it natively, else fp32), "
-                                            "float32, bfloat16 or float16")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bf16 where the CPU/GPU computes it natively, else fp32")
     device: str = "cpu"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -165,11 +165,4 @@ class ServerSettings(BaseSettings):
     def _split_keys(cls, value):
         if isinstance(value, str):  # PROMPTCACHE_API_KEYS="k1,k2"
             return [k.strip() for k in value.split(",") if k.strip()]
-        return value
-
-    @field_validator("dtype")
-    @classmethod
-    def _check_dtype(cls, value: str) -> str:
-        if value not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError("dtype must be auto, float32, bfloat16 or float16")
         return value

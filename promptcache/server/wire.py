@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -18,11 +18,31 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
 CACHE_SALT_PATTERN = r"^[^\x00-\x1f]*$"  # no control characters: server-derived tenant salts use them
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A request model: an unknown field is refused (a feature this server does not have), never ignored."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class FidelityReportQuery(_Strict):
+class FidelityKnobs(StrictModel):
+    fidelity_head_tokens: int | None = Field(
+        None, ge=0, le=4096, description="balanced: tokens recomputed at the start of each out-of-context module")
+    fidelity_positions: Literal["contiguous", "layout"] | None = Field(
+        None, description="fast/balanced: contiguous (reused keys re-aligned) or the schema layout's positions "
+                          "(default: the server's)")
+    fidelity_context: Literal["schema", "predecessor"] | None = Field(
+        None, description="fast/balanced: reuse an out-of-context module's KV encoded after its schema context "
+                          "(schema) or after that and the module before it in the schema (predecessor; "
+                          "default: the server's)")
+
+
+class PromptOptions(FidelityKnobs):
+    cache_salt: str | None = Field(None, max_length=256, pattern=CACHE_SALT_PATTERN)
+    fidelity: Literal["fast", "balanced", "exact"] | None = Field(
+        None, description="how module KV reused outside its encoding context is treated (default: the server's)")
+
+
+class FidelityReportQuery(FidelityKnobs):
     """What a schema's fidelity report samples and how its modes run (GET /v1/schemas/{name}/fidelity's
     query, or the upload's `fidelity_report` object); unset fields take the report's and server's defaults."""
 
@@ -31,9 +51,6 @@ class FidelityReportQuery(_Strict):
     question: str | None = Field(None, max_length=2000, description="asked after the modules in the user turn "
                                                                      "(default: a generic question; '': none)")
     max_imports: int | None = Field(None, ge=1, description="at most this many top-level modules per combination")
-    fidelity_head_tokens: int | None = Field(None, ge=0, le=4096, description="balanced: k (default: the server's)")
-    fidelity_positions: Literal["contiguous", "layout"] | None = None
-    fidelity_context: Literal["schema", "predecessor"] | None = None
 
 
 class FidelityModeStats(BaseModel):
@@ -84,7 +101,7 @@ class FidelityReport(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
 
 
-class SchemaCreate(_Strict):
+class SchemaCreate(StrictModel):
     pml: str = Field(..., description="the <schema> document")
     fidelity_report: bool | FidelityReportQuery = Field(
         False, description="true (or the report's options): the response carries the schema's fidelity report")
@@ -108,7 +125,24 @@ class ModuleInfo(BaseModel):
                           "inside an element of that role); null: outside any")
 
 
-class SchemaInfo(BaseModel):
+class _OmitUnasked(BaseModel):
+    """Leaves out the `UNASKED` fields while None: a request that did not ask for them gets the response it
+    always got."""
+
+    UNASKED: ClassVar[tuple[str, ...]] = ()
+
+    # No return annotation: the response schema stays the model's. (Field(exclude_if=...) needs pydantic 2.11.)
+    @model_serializer(mode="wrap")
+    def _omit_unasked(self, handler: SerializerFunctionWrapHandler):
+        data = handler(self)
+        for key in self.UNASKED:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class SchemaInfo(_OmitUnasked):
+    UNASKED = ("fidelity_report", "fidelity_report_error")
     name: str
     num_tokens: int
     modules: list[ModuleInfo]
@@ -121,21 +155,13 @@ class SchemaInfo(BaseModel):
     fidelity_report_error: str | None = Field(None, description="why the report asked for at upload failed (the "
                                                                 "schema is uploaded all the same)")
 
-    @model_serializer(mode="wrap")
-    def _report_only_when_asked(self, handler: SerializerFunctionWrapHandler):
-        data = handler(self)
-        for key in ("fidelity_report", "fidelity_report_error"):
-            if data.get(key) is None:
-                data.pop(key, None)
-        return data
-
 
 class SchemaList(BaseModel):
     object: Literal["list"] = "list"
     data: list[SchemaInfo]
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(PromptOptions):
     """Sampling fields shared by /v1/generate and the OpenAI endpoints."""
 
     max_tokens: int = Field(64, ge=1)
@@ -152,9 +178,6 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token (vLLM extension)")
-    cache_salt: str | None = Field(None, max_length=256, pattern=CACHE_SALT_PATTERN)
-    fidelity: Literal["fast", "balanced", "exact"] | None = Field(
-        None, description="how module KV reused outside its encoding context is treated (default: the server's)")
 
     @field_validator("temperature")
     @classmethod
@@ -183,19 +206,9 @@ class SamplingFields(BaseModel):
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
                              f"{MAX_STOP_CHARS} characters")
         return value
-    fidelity_head_tokens: int | None = Field(
-        None, ge=0, le=4096, description="balanced: tokens recomputed at the start of each out-of-context module")
-    fidelity_positions: Literal["contiguous", "layout"] | None = Field(
-        None, description="fast/balanced: contiguous (reused keys re-aligned) or the schema layout's positions "
-                          "(default: the server's)")
-    fidelity_context: Literal["schema", "predecessor"] | None = Field(
-        None, description="fast/balanced: reuse an out-of-context module's KV encoded after its schema context "
-                          "(schema) or after that and the module before it in the schema (predecessor; "
-                          "default: the server's)")
 
 
 class GenerateRequest(SamplingFields):
-    model_config = ConfigDict(extra="forbid")
     prompt: str
     logprobs: int | None = Field(None, ge=0, le=20, description="return each token's logprob and this many "
                                                                  "top alternatives")
@@ -203,13 +216,8 @@ class GenerateRequest(SamplingFields):
                                                   "(cache.spans on the final response or chunk)")
 
 
-class ExplainRequest(_Strict):
+class ExplainRequest(PromptOptions):
     prompt: str
-    cache_salt: str | None = Field(None, max_length=256, pattern=CACHE_SALT_PATTERN)
-    fidelity: Literal["fast", "balanced", "exact"] | None = None
-    fidelity_head_tokens: int | None = Field(None, ge=0, le=4096)
-    fidelity_positions: Literal["contiguous", "layout"] | None = None
-    fidelity_context: Literal["schema", "predecessor"] | None = None
 
 
 class Logprobs(BaseModel):
@@ -269,7 +277,9 @@ class PromptSpanReport(BaseModel):
     text: str = Field(..., description="the span's tokens decoded (the texts in order make the prompt text)")
 
 
-class CacheReport(BaseModel):
+class ReuseReport(BaseModel):
+    """What a prompt reuses (from which tier) and computes: /v1/generate's `cache`, /v1/prompts/explain's base."""
+
     exact: bool
     generation_prompt_added: bool = Field(
         False, description="the server opened the assistant turn after the prompt's last turn, as the chat "
@@ -284,16 +294,12 @@ class CacheReport(BaseModel):
     approximations: list[str] = Field(default_factory=list)
     modules: list[ModuleReport]
     prefix: PrefixReport | None = None
+
+
+class CacheReport(ReuseReport, _OmitUnasked):
+    UNASKED = ("spans",)
     spans: list[PromptSpanReport] | None = Field(
         None, description="every prompt token once, in position order; only when the request set return_spans")
-
-    # No return annotation: the response schema stays this model's. (Field(exclude_if=...) needs pydantic 2.11.)
-    @model_serializer(mode="wrap")
-    def _spans_only_when_asked(self, handler: SerializerFunctionWrapHandler):
-        data = handler(self)
-        if data.get("spans") is None:  # a request without return_spans gets the response it always got
-            data.pop("spans", None)
-        return data
 
 
 class Timings(BaseModel):
@@ -325,19 +331,10 @@ class GenerateChunk(BaseModel):
     timings: Timings | None = None
 
 
-class Explanation(BaseModel):
+class Explanation(ReuseReport):
     schema_name: str = Field(..., alias="schema")
-    exact: bool
-    generation_prompt_added: bool = Field(False, description="as in the cache report of /v1/generate")
-    fidelity: str
-    positions: str
-    context: str
-    recomputed_tokens: int
-    approximations: list[str]
-    modules: list[ModuleReport]
     prompt_tokens: int
     cached_tokens: int
     tokens_to_compute: int
-    prefix: PrefixReport | None = None
 
     model_config = ConfigDict(populate_by_name=True)

@@ -142,7 +142,7 @@ def test_completion_logprobs_match_the_model_streamed_or_not(client):
     prompt = "The quick brown fox"
     prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
     oracle = _greedy_oracle(server, prompt_ids, 4, 3)
-    text_of = server.app.state.service.token_text
+    text_of = server.app.state.service.token_strings.text
     completion = api.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0, logprobs=3)
     lp = completion.choices[0].logprobs
     assert lp.tokens == [text_of(t) for t, _, _ in oracle]
@@ -167,7 +167,7 @@ def test_chat_logprobs_and_top_logprobs(client):
     chat = api.chat.completions.create(model="m", messages=messages, max_tokens=3, temperature=0, logprobs=True,
                                        top_logprobs=2)
     content = chat.choices[0].logprobs.content
-    text_of = server.app.state.service.token_text
+    text_of = server.app.state.service.token_strings.text
     assert [c.token for c in content] == [text_of(t) for t, _, _ in oracle]
     assert [c.logprob for c in content] == pytest.approx([p for _, p, _ in oracle], abs=1e-4)
     assert [[a.token for a in c.top_logprobs] for c in content] == [[text_of(t) for t, _ in top] for *_, top in oracle]
@@ -232,7 +232,7 @@ def test_echo_with_logprobs_scores_every_prompt_token_like_the_model(client):
 
     text = "The quick brown fox jumps over the lazy dog"
     ids = httpx.post(server.url + "/tokenize", json={"prompt": text}).json()["tokens"]
-    model, text_of = server.app.state.service.runtime.model.loaded.model, server.app.state.service.token_text
+    model, text_of = server.app.state.service.runtime.model.loaded.model, server.app.state.service.token_strings.text
     with torch.no_grad():
         expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # [T, vocab]
     oracle = [float(expected[i, ids[i + 1]]) for i in range(len(ids) - 1)]

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 from promptcache.model_runtime import MAX_LOGPROBS, Fidelity, FidelityMode, SamplingParams, TokenEvent
@@ -72,7 +72,7 @@ def report_options(query: FidelityReportQuery, service: PromptService) -> Report
     if query.num_samples > MAX_SAMPLES:
         raise UnsupportedParameterError(f"num_samples is {query.num_samples}; this server allows at most "
                                         f"{MAX_SAMPLES} per fidelity report")
-    fidelity = service.fidelity("fast", query.fidelity_head_tokens, query.fidelity_positions, query.fidelity_context)
+    fidelity = service.fidelity("fast", query)
     question = DEFAULT_QUESTION if query.question is None else query.question
     return ReportOptions(query.num_samples, query.seed, question, query.max_imports, fidelity)
 
@@ -97,8 +97,7 @@ async def build_report(service: PromptService, schema: Schema, tenant: str | Non
             calls = [asyncio.ensure_future(_first_token(service.submit(
                 full, FIRST_TOKEN, salt, _request_id(), Fidelity(FidelityMode.EXACT), tenant)))]
             for mode in MODES:
-                fidelity = Fidelity(FidelityMode(mode), options.fidelity.head_tokens, options.fidelity.positions,
-                                    options.fidelity.context)
+                fidelity = replace(options.fidelity, mode=FidelityMode(mode))
                 calls.append(asyncio.ensure_future(_first_token(service.submit(
                     plan, FIRST_TOKEN, None, _request_id(), fidelity, tenant))))
             reference, *answers = await asyncio.gather(*calls)
@@ -168,12 +167,11 @@ def _request_id() -> str:
 
 
 class ReportCache:
-    """Reports by key (schema, its version, options), least recently used dropped past `max_entries`.
+    """Reports by key (schema, its version, options), least recently used dropped past MAX_CACHED_REPORTS.
     A report still being computed is shared by every caller asking for it meanwhile, and a caller that
     goes away does not cancel it."""
 
-    def __init__(self, max_entries: int = MAX_CACHED_REPORTS) -> None:
-        self.max_entries = max_entries
+    def __init__(self) -> None:
         self._done: OrderedDict[Hashable, FidelityReport] = OrderedDict()
         self._running: dict[Hashable, asyncio.Future[FidelityReport]] = {}
 
@@ -196,5 +194,5 @@ class ReportCache:
         self._running.pop(key, None)
         if not future.cancelled() and future.exception() is None:
             self._done[key] = future.result()
-            while len(self._done) > self.max_entries:
+            while len(self._done) > MAX_CACHED_REPORTS:
                 self._done.popitem(last=False)

@@ -1,3 +1,1 @@
-"""The OpenAI-compatible API: routes (`routes.py`), request models (`wire.py`), response shapes, logprobs and
-batched completions. Kept free of imports so the modules load on their own.
-"""
+"""The OpenAI-compatible API (routes, request models, logprobs, batches); no imports, so each module loads alone."""

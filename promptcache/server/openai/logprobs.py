@@ -9,7 +9,7 @@ offset in the returned text. Chat: `{"content": [{"token", "logprob", "bytes", "
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from promptcache.model_runtime import TokenEvent, TokenLogprobs
 
@@ -17,18 +17,14 @@ TokenText = Callable[[int], str]
 
 
 def completion_logprobs(events: list[TokenEvent], token_text: TokenText, *, text_offset: int = 0) -> dict:
-    """Legacy completions shape for one sample's token events (they must carry logprobs)."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    offset = text_offset
+    """Legacy completions shape for one sample's token events (they must carry logprobs), the first token at
+    character `text_offset`."""
+    texts, logprobs = [], []
     for event in events:
         assert event.logprobs is not None and event.token_id is not None
-        text = token_text(event.token_id)
-        tokens.append(text)
-        token_logprobs.append(event.logprobs.logprob)
-        top_logprobs.append(_legacy_top(text, event.logprobs, token_text))
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+        texts.append(token_text(event.token_id))
+        logprobs.append(event.logprobs)
+    return _legacy(texts, logprobs, token_text, text_offset)
 
 
 def prompt_logprobs(prompt_ids: list[int], prompt_logprobs: tuple[TokenLogprobs, ...] | list[TokenLogprobs],
@@ -36,22 +32,23 @@ def prompt_logprobs(prompt_ids: list[int], prompt_logprobs: tuple[TokenLogprobs,
     """Legacy shape over an echoed prompt's tokens: the first has no logprob (None), as OpenAI reports it.
     Built once per prompt; each of its samples appends its own tokens (`echoed_logprobs`)."""
     assert len(prompt_logprobs) == len(prompt_ids) - 1, "one logprob per prompt token after the first"
-    tokens = [token_text(t) for t in prompt_ids]
-    token_logprobs: list[float | None] = [None] + [lp.logprob for lp in prompt_logprobs]
-    top_logprobs: list[dict | None] = [None, *(_legacy_top(text, lp, token_text)
-                                               for text, lp in zip(tokens[1:], prompt_logprobs))]
-    offsets = [0, *itertools.accumulate(len(t) for t in tokens[:-1])]
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+    return _legacy([token_text(t) for t in prompt_ids], [None, *prompt_logprobs], token_text, 0)
 
 
 def echoed_logprobs(prompt: dict, generated: dict) -> dict:
     """The prompt's tokens (`prompt_logprobs`) then one sample's generated ones (`completion_logprobs`),
     the generated offsets shifted past the prompt's text."""
     shift = prompt["text_offset"][-1] + len(prompt["tokens"][-1])
-    return {"tokens": prompt["tokens"] + generated["tokens"],
-            "token_logprobs": prompt["token_logprobs"] + generated["token_logprobs"],
-            "top_logprobs": prompt["top_logprobs"] + generated["top_logprobs"],
+    return {**{key: prompt[key] + generated[key] for key in prompt},
             "text_offset": prompt["text_offset"] + [shift + o for o in generated["text_offset"]]}
+
+
+def _legacy(texts: list[str], logprobs: Sequence[TokenLogprobs | None], token_text: TokenText, offset: int) -> dict:
+    """Legacy shape of tokens with these texts and logprobs (None: a token without), the first at `offset`."""
+    return {"tokens": texts, "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+            "top_logprobs": [None if lp is None else _legacy_top(text, lp, token_text)
+                             for text, lp in zip(texts, logprobs)],
+            "text_offset": [offset + o for o in itertools.accumulate((len(t) for t in texts), initial=0)][:-1]}
 
 
 def _legacy_top(text: str, logprobs: TokenLogprobs, token_text: TokenText) -> dict[str, float]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
-import uuid
 from xml.sax.saxutils import escape
 
 from fastapi import APIRouter
@@ -22,16 +20,15 @@ from promptcache.server.generation import (
     sse_error,
 )
 from promptcache.server.json_body import json_off_loop
-from promptcache.server.openai.batch import run_completions
+from promptcache.server.openai.batch import extension, finish_reason, report_usage, response_head, run_completions
 from promptcache.server.openai.logprobs import chat_logprobs, completion_logprobs
-from promptcache.server.openai.shapes import extension, finish_reason, usage
 from promptcache.server.openai.wire import (
     ChatCompletionRequest,
     CompletionRequest,
     _OpenAIFields,
     chat_messages,
     is_pml,
-    refused_fields,
+    refuse_unsupported,
 )
 from promptcache.server.service import PromptService
 from promptcache.server.state import Rates, Service, Tenant
@@ -47,7 +44,7 @@ async def models(service: Service) -> dict:
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, service: Service, tenant: Tenant, rates: Rates):
-    _refuse_unsupported(body)
+    refuse_unsupported(body)
     prompts = body.prompts()
     if not prompts or any(not p for p in prompts):
         raise UnsupportedParameterError("prompt: expected a non-empty text, list of texts, token ids or list of "
@@ -60,7 +57,7 @@ async def completions(body: CompletionRequest, service: Service, tenant: Tenant,
     # Parsing, tokenizing and detokenizing run off the event loop (a long prompt must not stall other clients).
     plans, echoes, prompt_ids = await asyncio.to_thread(_prepare, service, body, prompts, tenant)
     if len(plans) == 1 and not body.echo:
-        return await _run(service, body, plans[0], "cmpl", "text_completion", chat=False, tenant=tenant)
+        return await _run(service, body, plans[0], tenant)
     return await run_completions(service, body, plans, echoes, prompt_ids, tenant)
 
 
@@ -85,7 +82,7 @@ def _completion_plan(service: PromptService, prompt: str | list[int], tenant: st
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, service: Service, tenant: Tenant, rates: Rates):
-    _refuse_unsupported(body)
+    refuse_unsupported(body)
     rates.check(tenant, body.n, already_counted=1)
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
@@ -96,7 +93,7 @@ async def chat_completions(body: ChatCompletionRequest, service: Service, tenant
         plan = await asyncio.to_thread(lambda: service.plan(_chat_pml(schema_name, messages), tenant=tenant))
     else:
         plan = await asyncio.to_thread(service.runtime.plan_chat, messages)
-    return await _run(service, body, plan, "chatcmpl", "chat.completion", chat=True, tenant=tenant)
+    return await _run(service, body, plan, tenant)
 
 
 def _chat_pml(schema: str, messages: list[dict[str, str]]) -> str:
@@ -115,29 +112,16 @@ def _chat_pml(schema: str, messages: list[dict[str, str]]) -> str:
     return f'<prompt schema="{escape(schema, {chr(34): "&quot;"})}" xml:space="preserve">{turns}<assistant/></prompt>'
 
 
-def _refuse_unsupported(body: _OpenAIFields) -> None:
-    refused = refused_fields(body)
-    if refused:
-        raise UnsupportedParameterError("; ".join(f"{field}: {reason}" for field, reason in refused))
-
-
-def _num_logprobs(body: _OpenAIFields) -> int | None:
-    """How many alternatives each token's logprobs carry; None when the request wants no logprobs."""
+async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, tenant: str | None):
+    # The alternatives each token's logprobs carry; None: the request wants no logprobs.
     if isinstance(body, ChatCompletionRequest):
-        return (body.top_logprobs or 0) if body.logprobs else None
-    assert isinstance(body, CompletionRequest)
-    return body.logprobs
-
-
-async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, prefix: str, obj: str, *, chat: bool,
-               tenant: str | None):
-    params = sampling_params(body, service.settings.max_tokens_limit, _num_logprobs(body))
-    request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
-    created = int(time.time())
-    events = service.submit(plan, params, body.cache_salt, request_id,
-                            service.fidelity(body.fidelity, body.fidelity_head_tokens, body.fidelity_positions,
-                                             body.fidelity_context), tenant)
-    head = {"id": request_id, "object": obj, "created": created, "model": service.model_name}
+        chat, num_logprobs = True, (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        assert isinstance(body, CompletionRequest)
+        chat, num_logprobs = False, body.logprobs
+    params = sampling_params(body, service.settings.max_tokens_limit, num_logprobs)
+    head = response_head(service, chat=chat)
+    events = service.submit(plan, params, body.cache_salt, head["id"], service.fidelity(body.fidelity, body), tenant)
     if params.logprobs is not None:  # streamed tokens are looked up on the event loop: the table must be there
         await service.token_strings.ready()
     if body.stream:
@@ -155,7 +139,7 @@ async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, pr
                       else None}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             choices.append(choice)
-        return {**head, "choices": choices, "usage": usage(outcome.report),
+        return {**head, "choices": choices, "usage": report_usage(outcome.report),
                 "promptcache": extension(outcome.report)}
 
     # Every token's logprobs (n samples, 20 alternatives each) are assembled off the event loop.
@@ -173,7 +157,7 @@ async def _stream(service, events, head: dict, chat: bool, include_usage: bool, 
             logprobs = None
             if event.logprobs is not None and event.token_id is not None:
                 logprobs = _logprobs([event], service, chat, offsets.get(event.index, 0))
-                offsets[event.index] = offsets.get(event.index, 0) + len(service.token_text(event.token_id))
+                offsets[event.index] = offsets.get(event.index, 0) + len(service.token_strings.text(event.token_id))
             choice: dict = {"index": event.index, "finish_reason": finish_reason(event.finish_reason),
                             "logprobs": logprobs}
             if chat:
@@ -190,7 +174,7 @@ async def _stream(service, events, head: dict, chat: bool, include_usage: bool, 
             if event.report is not None:
                 record(service.metrics, event.report, list(reasons.values()), tenant)
                 if include_usage:
-                    yield sse({**head, "object": obj, "choices": [], "usage": usage(event.report),
+                    yield sse({**head, "object": obj, "choices": [], "usage": report_usage(event.report),
                                "promptcache": extension(event.report)})
     except Exception as exc:
         yield sse_error(exc)
@@ -199,5 +183,5 @@ async def _stream(service, events, head: dict, chat: bool, include_usage: bool, 
 
 def _logprobs(events: list, service: PromptService, chat: bool, text_offset: int = 0) -> dict:
     if chat:
-        return chat_logprobs(events, service.token_text)
-    return completion_logprobs(events, service.token_text, text_offset=text_offset)
+        return chat_logprobs(events, service.token_strings.text)
+    return completion_logprobs(events, service.token_strings.text, text_offset=text_offset)

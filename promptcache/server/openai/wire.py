@@ -7,13 +7,12 @@ from typing import Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field
 
 from promptcache.server.errors import UnsupportedParameterError
-from promptcache.server.wire import SamplingFields
+from promptcache.server.wire import SamplingFields, StrictModel
 
 MAX_CHAT_MESSAGES = 1024  # a chat's turns; its tokens are bounded by the model's positions after rendering
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
@@ -21,8 +20,6 @@ class _OpenAIFields(SamplingFields):
     """Every field OpenAI defines for the route is declared; any other field is refused with a 400 naming
     it (extra="forbid"), so nothing a client asks for is silently dropped. Fields we do not implement are
     accepted only at values that ask for nothing (`NEUTRAL`)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int = Field(16, ge=1)
@@ -47,8 +44,7 @@ class CompletionRequest(_OpenAIFields):
     best_of: int | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -75,7 +71,7 @@ class ChatCompletionRequest(_OpenAIFields):
     service_tier: str | None = None
     web_search_options: Any = None
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
@@ -95,10 +91,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return rendered
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(StrictModel):
     """POST /tokenize (vLLM's shape): exactly one of `prompt` or `messages`."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -108,8 +103,7 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[int] = Field(..., max_length=1 << 20)
 
@@ -145,8 +139,9 @@ def is_pml(prompt: str | list[int]) -> bool:
     return isinstance(prompt, str) and prompt.lstrip().startswith("<prompt")
 
 
-def refused_fields(body: BaseModel) -> list[tuple[str, str]]:
-    """(field, reason) for every field the client set to a value this server does not implement."""
+def refuse_unsupported(body: BaseModel) -> None:
+    """Raises UnsupportedParameterError naming every field the client set to a value this server does not
+    implement, and why."""
     refused = []
     for name in sorted(body.model_fields_set):
         rule = NEUTRAL.get(name)
@@ -167,4 +162,5 @@ def refused_fields(body: BaseModel) -> list[tuple[str, str]]:
             refused.append(("top_logprobs", "needs logprobs: true"))
         refused += [(f"messages[{i}].name", "participant names are not supported")
                     for i, m in enumerate(body.messages) if m.name]
-    return refused
+    if refused:
+        raise UnsupportedParameterError("; ".join(f"{field}: {reason}" for field, reason in refused))
