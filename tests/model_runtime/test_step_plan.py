@@ -92,7 +92,8 @@ def test_headroom_lets_another_tenant_start_before_the_first_ones_batch_drains(e
         log: list = []
 
         async def main():
-            a_streams = [engine.submit(plan, long, tenant="a") for plan in a_plans]
+            with engine.inbox.wakeup:  # a's requests reach the engine together: a's first batch is full
+                a_streams = [engine.submit(plan, long, tenant="a") for plan in a_plans]
             tasks = [asyncio.create_task(_run(s, log, f"a{i}")) for i, s in enumerate(a_streams)]
             while ("a0", "token") not in log:  # a's first batch runs
                 await asyncio.sleep(0.005)
