@@ -37,21 +37,28 @@ class PhaseProbe:
         self._wrap_class(Sampler, "sample", "sample")
         self._wrap_class(Detokenizer, "push", "detokenize")
         model = engine.runner.loaded.model
-        if runner.stack is not None:  # batch steps of fused models run the layers as a plain loop
-            stack = runner.stack
-
-            def timed_stack(*args):
-                started = time.perf_counter()
-                try:
-                    return stack(*args)
-                finally:
-                    self._add("forward", time.perf_counter() - started)
-
-            runner.stack = timed_stack
-            self._undo.append(lambda: setattr(runner, "stack", stack))
+        if runner.stack is not None:  # batch steps of fused models run the layers as plain loops
+            for name in ("stack", "decode_stack"):
+                self._time_loop(runner, name)
         else:
             self._hook(model.base_model, "forward")
         self._hook(model.get_output_embeddings(), "lm_head")
+
+    def _time_loop(self, runner, name: str) -> None:
+        """Count the runner's layer loop `name` (if it has one) as the step's forward."""
+        loop = getattr(runner, name)
+        if loop is None:
+            return
+
+        def timed(*args):
+            started = time.perf_counter()
+            try:
+                return loop(*args)
+            finally:
+                self._add("forward", time.perf_counter() - started)
+
+        setattr(runner, name, timed)
+        self._undo.append(lambda: setattr(runner, name, loop))
 
     def begin_step(self) -> None:
         now = time.perf_counter()
