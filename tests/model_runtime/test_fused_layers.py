@@ -167,7 +167,10 @@ def _runtime(fuse: bool) -> ModelRuntime:
 def _generate(runtime: ModelRuntime, engine: Engine, params: SamplingParams, collect) -> list:
     """PROMPTS through `engine` at once, each stream gathered by `collect`; stops the engine."""
     async def run():
-        return await asyncio.gather(*(collect(engine.submit(runtime.plan(p), params)) for p in PROMPTS))
+        plans = [runtime.plan(p) for p in PROMPTS]
+        with engine.inbox.wakeup:  # taken together: every run batches the same steps (the same rows a product)
+            streams = [engine.submit(plan, params) for plan in plans]
+        return await asyncio.gather(*(collect(stream) for stream in streams))
 
     try:
         return asyncio.run(run())

@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -36,10 +37,13 @@ void attend_sets_d(const std::vector<RowSet>& sets, int64_t num_members, const Q
                    int64_t heads, int64_t kv_heads, float scale_log2) {
   const int64_t group = heads / kv_heads, num_sets = static_cast<int64_t>(sets.size());
   const int64_t members_per_block = std::max<int64_t>(1, kBlockM / group);
-  // About four items per thread over all sets; a chunk has at least 4 key steps (256 keys).
-  int64_t base_items = 0;
-  for (const auto& set : sets) base_items += kv_heads * ((static_cast<int64_t>(set.members.size()) + members_per_block - 1) / members_per_block);
-  const int64_t wanted = std::max<int64_t>(1, (4 * at::get_num_threads() + base_items - 1) / std::max<int64_t>(1, base_items));
+  const int64_t threads = at::get_num_threads();
+  // Work is split by cost (rows x key steps): a set's blocks get key chunks of about a quarter of a
+  // thread's share each (at least 4 key steps, 256 keys), so one set many sequences share is spread over
+  // every thread however many small own-KV sets sit beside it.
+  int64_t total_cost = 0;
+  for (const auto& set : sets) total_cost += static_cast<int64_t>(set.members.size()) * ((set.n + kBlockN - 1) / kBlockN);
+  const int64_t item_cost = std::max<int64_t>(1, kv_heads * total_cost / (4 * threads));
   std::vector<Split> splits(num_sets);
   int64_t items = 0;
   for (int64_t s = 0; s < num_sets; ++s) {
@@ -47,7 +51,8 @@ void attend_sets_d(const std::vector<RowSet>& sets, int64_t num_members, const Q
     Split& sp = splits[s];
     sp.members_per_block = members_per_block;
     sp.blocks = (static_cast<int64_t>(sets[s].members.size()) + members_per_block - 1) / members_per_block;
-    sp.chunks = std::max<int64_t>(1, std::min<int64_t>(wanted, steps / 4));
+    const int64_t block_cost = std::min<int64_t>(static_cast<int64_t>(sets[s].members.size()), members_per_block) * steps;
+    sp.chunks = std::max<int64_t>(1, std::min<int64_t>((block_cost + item_cost - 1) / item_cost, steps / 4));
     sp.chunk_steps = (steps + sp.chunks - 1) / sp.chunks;
     sp.first_item = items;
     items += kv_heads * sp.blocks * sp.chunks;
@@ -56,11 +61,14 @@ void attend_sets_d(const std::vector<RowSet>& sets, int64_t num_members, const Q
   static thread_local std::vector<RowState<D>> reused;
   if (static_cast<int64_t>(reused.size()) < items) reused.resize(items);
   RowState<D>* const states = reused.data();  // by pointer: worker threads see their own thread_locals
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  // Items are taken one at a time by whichever thread is free (a contiguous split by count put every
+  // item of a shared set on one thread and the small own-KV items on the other).
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     alignas(64) at::BFloat16 qbuf[kBlockM][D];
     alignas(64) at::BFloat16 kbuf[kBlockN * D], vbuf[kBlockN * D];
-    int64_t s = 0;
-    for (int64_t item = begin; item < end; ++item) {
+    int64_t s = 0;  // items come in increasing order on each thread: the set index only moves forward
+    for (int64_t item; (item = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
       while (s + 1 < num_sets && item >= splits[s + 1].first_item) ++s;
       const RowSet& set = sets[s];
       const Split& sp = splits[s];
