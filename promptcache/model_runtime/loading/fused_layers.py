@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -35,6 +35,9 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Q
 
 from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.loading import torch_layer_ops
+
+if TYPE_CHECKING:
+    from promptcache.model_runtime.packed_attention import BatchContext
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +155,7 @@ def fused_stack_forward(base_model: Any) -> StackForward | None:
 
 
 # (input_ids [1, B], position_ids [1, B], the step's BatchContext) -> the final norm's hidden states [1, B, hidden]
-DecodeForward = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
+DecodeForward = Callable[[torch.Tensor, torch.Tensor, "BatchContext"], torch.Tensor]
 
 
 def decode_stack_forward(base_model: Any) -> DecodeForward | None:
@@ -168,13 +171,14 @@ def decode_stack_forward(base_model: Any) -> DecodeForward | None:
     first = layers[0].self_attn
     heads, kv_heads, dim, scale = first.num_heads, first.num_key_value_heads, first.head_dim, first.scaling
 
-    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, context: Any) -> torch.Tensor:
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, context: BatchContext) -> torch.Tensor:
         rows, ops = input_ids.shape[1], first.ops  # read per step: a profiler may swap in labelled ops
         hidden = base_model.embed_tokens(input_ids)                           # [1, B, hidden]
         cos, sin = (t[0].contiguous() for t in base_model.rotary_emb(hidden, position_ids=position_ids))  # [B, D]
         hidden = hidden[0]                                                    # [B, hidden]
         context.prepare(hidden.device)
         writes = context.writes
+        assert writes is not None, "prepare() makes the pass's writes"
         for layer in layers:
             attention, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
             qkv = attention.qkv_proj(ops.rms_norm(hidden, norm.weight, norm.eps))  # [B, (H + 2 H_kv) D]
