@@ -157,8 +157,8 @@ def _serve_cluster(args: argparse.Namespace, settings) -> int:
     try:
         import ray.serve  # noqa: F401  (the optional extra)
 
+        from promptcache.cluster.app import serve_cluster
         from promptcache.cluster.errors import ClusterConfigError
-        from promptcache.cluster.launcher import serve_cluster
         from promptcache.cluster.options import ClusterOptions
     except ImportError as exc:
         print(f"promptcache: --replicas needs Ray Serve (pip install 'promptcache[cluster]'): {exc}", file=sys.stderr)

@@ -1,20 +1,8 @@
 """Affinity keys: what a request's reusable KV depends on, read from the HTTP request without tokenizing.
 
-Two requests with the same key would reuse the same cached KV, so sending them to the same replica finds
-it in that replica's device tier:
-
-- a PML prompt (`/v1/generate`, `/v1/prompts/explain`, a completion prompt starting with `<prompt`, a chat
-  with `schema`): (tenant, schema, the sorted set of module names it imports) — or, with
-  `pml_key="schema"`, (tenant, schema): every prompt of a schema on one replica, which then holds all of
-  its modules' KV and the prefix chains built on them (docs/scaling.md compares the two);
-- a plain completion or chat: (tenant, cache_salt, the first `prefix_chars` characters of its text — for a
-  chat, of its messages up to and including the first user message, which every later turn of the same
-  conversation repeats); a prompt given as token ids: its first `prefix_chars // 4` ids;
-- a schema upload: (tenant, schema name).
-
-Everything else (schema listing, deletes, tokenize, health, metrics) has no key. The tenant comes from the
-API key through the same TenantDirectory the replicas use, never from the body; an unknown key gets no key
-(the replica answers 401). Keys are digests: nothing of the prompt is kept.
+Requests with the same key would reuse the same cached KV, so the router sends them to the same replica (the
+keys by route are tabled in docs/scaling.md). The tenant comes from the API key through the replicas'
+TenantDirectory, never from the body; an unknown key gets no key. Keys are digests: no prompt text is kept.
 """
 
 from __future__ import annotations
@@ -81,20 +69,20 @@ def affinity_key(request: ForwardedRequest, tenants: TenantDirectory,
         return None
     if not isinstance(body, dict):
         return None
-    owner = "" if tenant is None else tenant
+    owner = tenant or ""
     cache_salt = body.get("cache_salt")
     salt = cache_salt if isinstance(cache_salt, str) else ""
     if request.path == "/v1/schemas":
         name = _start_tag_attribute(body.get("pml"), "schema", "name", config)
         return None if name is None else _key("schema", owner, name)
     if request.path in PML_ROUTES:
-        return _pml_key(owner, body.get("prompt"), config)
+        return _prompt_key(owner, body.get("prompt"), config)
     if request.path == "/v1/completions":
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # several prompts: the first one decides
         if isinstance(prompt, str) and prompt.lstrip().startswith("<prompt"):
-            return _pml_key(owner, prompt, config)
+            return _prompt_key(owner, prompt, config)
         if isinstance(prompt, str) and prompt:
             return _key("prefix", owner, salt, "text", prompt[:config.prefix_chars])
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -105,15 +93,18 @@ def affinity_key(request: ForwardedRequest, tenants: TenantDirectory,
     return None
 
 
-def _pml_key(owner: str, prompt: Any, config: AffinityConfig) -> AffinityKey | None:
-    if not isinstance(prompt, str):
-        return None
+def _prompt_key(owner: str, prompt: Any, config: AffinityConfig) -> AffinityKey | None:
     schema = _start_tag_attribute(prompt, "prompt", "schema", config)
-    if schema is None:
-        return None
+    return None if schema is None else _pml_key(owner, schema, prompt, config)
+
+
+def _pml_key(owner: str, schema: str, pml: str, config: AffinityConfig) -> AffinityKey:
+    """(tenant, schema) with `pml_key="schema"`, else also the sorted names of the modules `pml` imports (every
+    tag that is not PML's own)."""
     if config.pml_key == "schema":
         return _key("pml", owner, schema)
-    return _key("pml", owner, schema, *_module_names(prompt[:config.max_scan_chars]))
+    names = {name for name in OPEN_TAG.findall(pml[:config.max_scan_chars]) if name not in RESERVED_NAMES}
+    return _key("pml", owner, schema, *sorted(names))
 
 
 def _chat_key(owner: str, salt: str, body: dict[str, Any], config: AffinityConfig) -> AffinityKey | None:
@@ -122,10 +113,8 @@ def _chat_key(owner: str, salt: str, body: dict[str, Any], config: AffinityConfi
         return None
     schema = body.get("schema")
     if isinstance(schema, str):  # message content is PML: its tags import the schema's modules
-        if config.pml_key == "schema":
-            return _key("pml", owner, schema)
         text = "".join(_content_text(m.get("content")) for m in messages if isinstance(m, dict))
-        return _key("pml", owner, schema, *_module_names(text[:config.max_scan_chars]))
+        return _pml_key(owner, schema, text, config)
     head = []
     for message in messages:
         if not isinstance(message, dict):
@@ -134,11 +123,6 @@ def _chat_key(owner: str, salt: str, body: dict[str, Any], config: AffinityConfi
         if message.get("role") == "user":
             break
     return _key("prefix", owner, salt, "chat", "".join(head)[:config.prefix_chars])
-
-
-def _module_names(pml: str) -> list[str]:
-    """Names of the elements a prompt imports: every tag that is not PML's own, sorted, once each."""
-    return sorted({name for name in OPEN_TAG.findall(pml) if name not in RESERVED_NAMES})
 
 
 def _content_text(content: Any) -> str:

@@ -1,13 +1,14 @@
-"""The Ray Serve application: a gateway in front of N promptcache replicas sharing one Redis.
-
-`build_application` is what `promptcache serve --replicas N` deploys; `build` is the same as an
-application builder for `serve run` / `serve deploy` config files (deploy/ray/serve_config.yaml).
-"""
+"""The Ray Serve application: a gateway in front of N promptcache replicas sharing one Redis. `serve_cluster`
+runs it for `promptcache serve --replicas N`; `build` is its builder for Serve config files (deploy/ray/)."""
 
 from __future__ import annotations
 
+import logging
+import signal
+import time
 from typing import Any
 
+import ray
 from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
@@ -20,6 +21,7 @@ from promptcache.cluster.replica import PromptCacheReplica
 from promptcache.cluster.router import CacheAffinityRouter
 from promptcache.server.settings import ServerSettings
 
+APP_NAME = "promptcache"
 REPLICA_DEPLOYMENT = "PromptCacheReplica"
 GATEWAY_DEPLOYMENT = "Gateway"
 
@@ -52,10 +54,8 @@ def build_application(settings: dict[str, Any], options: ClusterOptions | None =
         replica_options["request_router_config"] = RequestRouterConfig(
             request_router_class=CacheAffinityRouter,  # type: ignore[arg-type]  # Ray types **kwargs as dicts
             request_router_kwargs={"settings": settings, "prefix_chars": options.prefix_chars,
-                                   "pml_key": options.pml_key,
-                                   "abs_threshold": options.abs_threshold,
-                                   "rel_threshold": options.rel_threshold,
-                                   "balance_factor": options.balance_factor})
+                                   "pml_key": options.pml_key, "abs_threshold": options.abs_threshold,
+                                   "rel_threshold": options.rel_threshold, "balance_factor": options.balance_factor})
     replicas = serve.deployment(**replica_options)(PromptCacheReplica).bind(settings, options.num_threads)
     gateway = serve.deployment(name=GATEWAY_DEPLOYMENT, num_replicas=options.num_gateways,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)(Gateway)
@@ -65,8 +65,32 @@ def build_application(settings: dict[str, Any], options: ClusterOptions | None =
 def build(args: dict[str, Any]) -> Application:
     """Application builder for Serve config files: `args` has `settings` (ServerSettings fields) and
     `cluster` (ClusterOptions fields), both optional."""
-    unknown = sorted(set(args) - {"settings", "cluster"})
-    if unknown:
+    if unknown := sorted(set(args) - {"settings", "cluster"}):
         raise ClusterConfigError(f"unknown application args {unknown}; expected 'settings' and/or 'cluster'")
     options = ClusterOptions.from_dict(dict(args.get("cluster") or {}))
     return build_application(dict(args.get("settings") or {}), options)
+
+
+def serve_cluster(settings: dict[str, Any], options: ClusterOptions, *, host: str, port: int,
+                  log_level: str = "info") -> int:
+    """Start Ray on this machine, deploy the application on http://host:port and block until interrupted
+    (Ctrl-C or SIGTERM); Ray then stops the replicas. Raises ClusterConfigError for invalid settings."""
+    application = build_application(settings, options)  # invalid settings fail before Ray starts
+    ray.init(include_dashboard=False, logging_level=getattr(logging, log_level.upper(), logging.INFO))
+    signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which installs its own: stop Ray cleanly
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
+        print(f"promptcache: {options.num_replicas} replica(s) on http://{host}:{port} (router: {options.router})",
+              flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

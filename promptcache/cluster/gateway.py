@@ -1,13 +1,7 @@
-"""Gateway: the application's HTTP ingress. Reads each request whole and hands it to a replica through a
-deployment handle, so the request router sees the body (schema, modules, prefix text) before choosing.
-(Ray's HTTP proxy routes on the URL and headers only: the body reaches a replica after it was chosen.)
-A plain deployment, not a FastAPI ingress: Serve allows one of those per application, and the replicas
-are it; the gateway relays the replica's ASGI messages as they come (streams included).
-
-No model and no state: several gateways can run side by side. A request whose replica died before it
-answered anything is sent again (Ray has stopped routing to the dead replica by then); a stream whose
-replica died mid-way ends with an error event and `[DONE]`, never silently cut. /health answers 503 until
-Ray runs every replica the deployment targets (readiness.py), then the replica's own /health.
+"""Gateway: the application's HTTP ingress. It reads each request whole and hands it to a replica through a
+deployment handle, so the request router sees the body before choosing (Ray's HTTP proxy routes on URL and
+headers only), then relays the replica's ASGI messages as they come (docs/scaling.md). No model, no state.
+A plain deployment, not a FastAPI ingress: Serve allows one of those per application, and the replicas are it.
 """
 
 from __future__ import annotations
@@ -46,7 +40,8 @@ class Gateway:
         return _AsgiResponse(self.relay)
 
     async def relay(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Read the request, forward it to the replica the router picks, relay the answer."""
+        """Read the request, forward it to the replica the router picks (again, up to `max_attempts` times, while
+        replicas die before answering), relay the answer."""
         try:
             body = await self._read_body(receive)
         except RequestTooLargeError as exc:
@@ -82,19 +77,14 @@ class Gateway:
 
     async def _read_body(self, receive: Receive) -> bytes:
         """The whole body, refusing more than the replicas' request limit (they check it again)."""
-        chunks: list[bytes] = []
-        received = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return b"".join(chunks)
-            chunk = message.get("body", b"")
-            received += len(chunk)
-            if received > self.max_request_bytes:
+        body = bytearray()
+        while (message := await receive())["type"] == "http.request":
+            body += message.get("body", b"")
+            if len(body) > self.max_request_bytes:
                 raise RequestTooLargeError(f"request body exceeds the limit of {self.max_request_bytes} bytes")
-            chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks)
+                break
+        return bytes(body)
 
 
 class _Relayed:

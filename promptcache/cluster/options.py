@@ -48,8 +48,7 @@ class ClusterOptions:
     def from_dict(cls, values: dict[str, Any]) -> ClusterOptions:
         """From a config file's mapping; an unknown name is an error naming it."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
+        if unknown := sorted(set(values) - known):
             raise ClusterConfigError(f"unknown cluster option(s) {unknown}; expected some of {sorted(known)}")
         return cls(**values)
 

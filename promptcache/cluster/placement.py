@@ -1,25 +1,8 @@
 """KeyPlacement: which replica owns an affinity key, rendezvous order first, within a bound on recent load.
 
-Rendezvous hashing alone spreads keys evenly only when there are many of them: with the handful of hot keys
-real PML traffic has (one per schema), the hash can give one replica three of four schemas, and the in-flight
-load guard (policy.LoadGuard) never fires below saturation, so that replica serves three times the other's
-requests for good. This is consistent hashing with bounded loads (Mirrokni, Thorup & Zadimoghaddam, 2018),
-weighted by traffic instead of key counts:
-
-- every request counts towards the replica that served it and towards its key, exponentially decayed
-  (`half_life` requests), so loads are each replica's share of recent traffic and a key's weight its own;
-- a replica has room for a key while its recent load stays within `factor` times the mean (plus `slack`
-  requests, so the first requests are not judged on counts of 1 or 2) — counting the key's weight if the
-  key is not already there;
-- a key belongs to the first replica in its rendezvous order that has room for it. With even traffic that
-  is the hash's choice, as without a bound; when its owner carries more than its share, the key moves, with
-  its weight, to the next replica in its order that has room (a consistent second choice, and moving the
-  weight stops further moves at once: no cascade); it returns only once its first choice would stay
-  within the mean (plus `slack`) with it again — a replica that joins, or traffic that cooled — a stricter
-  test than the bound, so a moved key does not flap back and forth. If no replica has room (a key hotter
-  than the bound allows anywhere) it stays: splitting one hot key is the load guard's job.
-
-State is per router: two routers (two gateways) place independently from what each sees.
+Consistent hashing with bounded loads (Mirrokni, Thorup & Zadimoghaddam, 2018), weighted by traffic instead of
+key counts: with the few hot keys real PML traffic has, rendezvous hashing alone can give one replica most of
+them, and the load guard never fires below saturation (docs/scaling.md). State is per router.
 """
 
 from __future__ import annotations
@@ -52,6 +35,11 @@ class BalanceBound:
 
 
 class KeyPlacement:
+    """Requests count towards their replica and key, decayed (`half_life` requests). A key belongs to the first
+    replica in its rendezvous order whose recent load, with the key's weight, stays within `factor` x the mean
+    (+ `slack`); a moved key takes its weight along and returns only once its first choice would stay within the
+    mean (+ `slack`) with it. When no replica has room the key stays: splitting one hot key is the guard's job."""
+
     def __init__(self, bound: BalanceBound = BalanceBound(), max_keys: int = 1 << 16) -> None:
         self.bound = bound
         self._max_keys = max_keys
@@ -71,7 +59,6 @@ class KeyPlacement:
         # A known key's weight is its recent traffic (a new one's: this request); it moves with the key.
         weight = self._key_load.get(key, self._increment)
         before_owner = current in ranked
-        target = None
         for replica in ranked:
             load = self._load.get(replica, 0.0)
             if replica == current:
@@ -85,7 +72,7 @@ class KeyPlacement:
                 # bound, and pushes another key out (flapping, each move a cache miss).
                 target = replica
                 break
-        if target is None:  # nowhere has room for this key: it stays, or goes where its hash says
+        else:  # nowhere has room for this key: it stays, or goes where its hash says
             target = current if current is not None and current in ranked else ranked[0]
         if target != current and key in self._key_load:
             if current is not None:

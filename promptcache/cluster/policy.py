@@ -1,18 +1,5 @@
-"""RoutingPolicy: which replica serves a request, from its affinity key and the replicas' loads.
-
-Pure (no Ray): the Ray request router (router.py), the routing simulator and the unit tests all call it.
-
-- A request with a key goes to the key's owner: the replica that ranks highest for that key by rendezvous
-  hashing (highest-random-weight), so every router computes the same owner with no shared state and when
-  a replica joins or leaves only the keys it owned move — unless that replica carries more than its share
-  of recent traffic, in which case the key moves to the next replica in its order that has room
-  (placement.KeyPlacement: consistent hashing with bounded loads; `balance=None` turns it off).
-- Load guard (SGLang's cache-aware router uses the same two-threshold test on its workers' loads, with
-  defaults abs 64 / rel 1.5 sized for big GPU batches): the owner is skipped for the least-loaded replica
-  when it is busier than that one by more than `abs_threshold` requests AND more than `rel_threshold`
-  times as busy. Ties between equally loaded replicas go to the one ranking higher for the key, so a hot
-  key spills onto a consistent second replica, whose cache then warms up too.
-- A request without a key goes to the least-loaded replica (ties: random).
+"""RoutingPolicy: which replica serves a request, from its affinity key and the replicas' loads. Pure (no Ray):
+the Ray request router, the routing simulator and the unit tests all call it (docs/scaling.md explains it).
 """
 
 from __future__ import annotations
@@ -27,7 +14,6 @@ from typing import Literal
 from promptcache.cluster.errors import ClusterConfigError, NoReplicaError
 from promptcache.cluster.placement import BalanceBound, KeyPlacement
 
-Reason = Literal["affinity", "load_guard", "least_loaded"]
 DEFAULT_BALANCE = BalanceBound()
 
 
@@ -51,11 +37,17 @@ class LoadGuard:
 @dataclass(frozen=True, slots=True)
 class Choice:
     replica_id: str
-    reason: Reason
+    reason: Literal["affinity", "load_guard", "least_loaded"]
     owner_id: str | None  # the key's rendezvous owner (None: no key)
 
 
 class RoutingPolicy:
+    """A request with a key goes to the key's owner: the first replica in the key's rendezvous (highest-random-
+    weight) order that KeyPlacement finds room on (`balance=None`: always the first). The load guard skips an
+    owner much busier than the least-loaded replica (SGLang's two-threshold test), for the least loaded, ties
+    going to the replica ranking higher for the key: a hot key spills onto a consistent second replica.
+    A request without a key goes to the least-loaded replica (ties: random)."""
+
     def __init__(self, guard: LoadGuard = LoadGuard(), balance: BalanceBound | None = DEFAULT_BALANCE,
                  rng: random.Random | None = None) -> None:
         self.guard = guard

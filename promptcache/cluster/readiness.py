@@ -1,9 +1,6 @@
-"""Readiness of the replicas, as the gateway's /health reports it.
-
-The cluster is ready once Ray runs every replica its deployment targets. A replica counts as running only
-after its engine has started (replica.py's `check_health` waits for it before Ray routes anything there),
-so a deploy or a client that waits for /health never sends its first requests to a half-started cluster:
-all to the one replica that happened to be up, or an upload to a replica still starting.
+"""Readiness of the replicas for the gateway's /health: ready once Ray runs every replica its deployment
+targets. A replica runs only once its engine started (replica.py's `check_health`), so a client waiting for
+/health never sends its first requests to a half-started cluster.
 """
 
 from __future__ import annotations
@@ -12,9 +9,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-# Deployment statuses at or above the target: a deployment scaling up (autoscaling, more replicas asked
-# for) serves with the replicas it had; UPDATING (starting, replacing a dead replica), UNHEALTHY and
-# DEPLOY_FAILED are below it.
+# At or above the target: a deployment scaling up serves with the replicas it had; UPDATING (starting, replacing
+# a dead replica), UNHEALTHY and DEPLOY_FAILED are below it.
 READY_STATUSES = frozenset({"HEALTHY", "UPSCALING", "DOWNSCALING"})
 RUNNING = "RUNNING"
 

@@ -1,10 +1,6 @@
-"""PromptCacheReplica: one Ray Serve replica running the promptcache FastAPI app with its model and engine.
-
-The app is `promptcache.server.create_app(settings)` unchanged (Serve's FastAPI ingress, built at replica
-start), plus ReplicaHeader, which names the replica on every response. The model loads in the constructor
-and Ray's first health check waits for the engine to start, so Ray routes nothing to a replica (a new one,
-or the replacement of a dead one) before it can serve. The gateway calls `forward` with the whole request;
-the replica replays it into the app and streams the ASGI messages back.
+"""PromptCacheReplica: one Ray Serve replica running `promptcache.server.create_app(settings)` unchanged, with
+its model and engine, plus ReplicaHeader. The gateway calls `forward` with the whole request; the replica
+replays it into the app and streams the ASGI messages back.
 """
 
 from __future__ import annotations
@@ -99,8 +95,7 @@ class PromptCacheReplica:
         async def receive() -> Message:
             if body:
                 return body.pop()
-            await asyncio.Future()  # a client disconnect reaches us as a cancellation instead
-            raise AssertionError("unreachable")
+            return await asyncio.Future()  # never: a client disconnect reaches us as a cancellation instead
 
         async def send(message: Message) -> None:
             messages.put_nowait(message)

@@ -1,10 +1,6 @@
-"""CacheAffinityRouter: Ray Serve's request-router extension point around the pure RoutingPolicy.
-
-Ray builds one per caller of the replicas' deployment handle (the gateway) and calls `choose_replicas`
-for each request; the request's first argument is the ForwardedRequest, body included. Loads are Ray's
-own per-replica counts of requests in flight (its queue-length cache, updated on every send and
-completion, probed when stale). The replica this returns first gets the request unless its queue is full
-(`max_ongoing_requests`), in which case Ray takes the least loaded of the rest.
+"""CacheAffinityRouter: Ray Serve's request-router extension point around the pure RoutingPolicy. Ray builds one
+per caller of the replicas' deployment handle (the gateway) and calls `choose_replicas` for each request,
+whose first argument is the ForwardedRequest. The first replica returned gets it unless its queue is full.
 """
 
 from __future__ import annotations
@@ -35,10 +31,8 @@ class CacheAffinityRouter(RequestRouter):
                          abs_threshold: int = DEFAULT_GUARD.abs_threshold,
                          rel_threshold: float = DEFAULT_GUARD.rel_threshold,
                          balance_factor: float | None = DEFAULT_BALANCE.factor) -> None:
-        """Called by Ray with the deployment's `request_router_kwargs`. `settings` are the replicas'
-        explicit ServerSettings fields: the API keys resolve to tenants here exactly as in the replicas.
-        `balance_factor` bounds a replica's share of recent requests (placement.BalanceBound; None: keys
-        stay where rendezvous hashing puts them)."""
+        """Called by Ray with the deployment's `request_router_kwargs`. `settings`: the replicas' explicit
+        ServerSettings fields (API keys resolve to tenants as in the replicas). `balance_factor`: BalanceBound."""
         resolved = ServerSettings(**(settings or {}))
         self.tenants = TenantDirectory.load(resolved.api_keys_file, resolved.api_keys, Quota())
         self.affinity = AffinityConfig(prefix_chars=prefix_chars, pml_key=pml_key)
@@ -81,15 +75,9 @@ class CacheAffinityRouter(RequestRouter):
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Requests in flight per replica: Ray's cached counts, probing the replicas that have none."""
-        loads: dict[str, int] = {}
-        missing = []
-        for replica in replicas:
-            queue_len = self.replica_queue_len_cache.get(replica.replica_id)
-            if queue_len is None:
-                missing.append(replica)
-            else:
-                loads[replica.replica_id.unique_id] = queue_len
-        if missing:
+        cached = {r.replica_id.unique_id: self.replica_queue_len_cache.get(r.replica_id) for r in replicas}
+        loads = {replica_id: n for replica_id, n in cached.items() if n is not None}
+        if missing := [r for r in replicas if r.replica_id.unique_id not in loads]:
             for replica, queue_len in await self._probe_queue_lens(missing, 0):
-                loads[replica.replica_id.unique_id] = queue_len if queue_len is not None else 0
+                loads[replica.replica_id.unique_id] = queue_len or 0
         return loads

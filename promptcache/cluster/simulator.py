@@ -1,10 +1,8 @@
 """Routing simulator: the real RoutingPolicy against Ray's default policy, with no model and no Ray.
 
-Replicas are servers with a few parallel slots and an LRU device tier counted in modules. Requests arrive
-as a Poisson stream; each picks a schema by Zipf popularity and one of the schema's module sets (its
-affinity key; `affinity_schema` keys on the schema alone, as `pml_key="schema"`), needs those modules'
-KV, and takes `base_s` plus `miss_s` per module its replica's device tier lacks (a fetch from Redis or a
-recompute). Loads are requests queued or running, as Ray counts them.
+Replicas have a few slots and an LRU device tier counted in modules. Poisson arrivals pick a schema by Zipf
+popularity and one of its module sets (the affinity key; `affinity_schema` keys on the schema alone), and take
+`base_s` plus `miss_s` per module their replica's device tier lacks. Loads are requests queued or running.
 `python -m promptcache.cluster.simulator --replicas 16 64` prints one JSON line per (replicas, policy).
 """
 
@@ -19,7 +17,7 @@ import random
 import statistics
 import sys
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from promptcache.cluster.errors import ClusterConfigError
 from promptcache.cluster.placement import BalanceBound
@@ -67,14 +65,14 @@ class SimulationResult:
     p99_latency_s: float
 
 
+@dataclass
 class _Replica:
-    def __init__(self, capacity: int, slots: int) -> None:
-        self.cache: OrderedDict[tuple[int, int], None] = OrderedDict()
-        self.capacity = capacity
-        self.slots = slots
-        self.running = 0
-        self.waiting: list[tuple[float, int, float]] = []  # FIFO of (arrival, id, service_s)
-        self.num_served = 0
+    capacity: int
+    slots: int
+    cache: OrderedDict[tuple[int, int], None] = field(default_factory=OrderedDict)
+    running: int = 0
+    waiting: list[tuple[float, int, float]] = field(default_factory=list)  # FIFO of (arrival, id, service_s)
+    num_served: int = 0
 
     @property
     def load(self) -> int:
