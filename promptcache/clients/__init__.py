@@ -1,7 +1,5 @@
 """promptcache Python SDK: sync and async clients, streaming, PML builder, @prompt programs.
-
-Imports only httpx and pydantic (the base install of `promptcache` is this SDK).
-"""
+Imports only httpx and pydantic (the base install of `promptcache` is this SDK)."""
 
 from promptcache.clients.async_client import AsyncClient
 from promptcache.clients.errors import (

@@ -20,9 +20,7 @@ class AsyncSchemas:
         self._client = client
 
     async def create(self, pml: str, *, fidelity_report: bool = False) -> SchemaInfo:
-        """Upload a schema; its modules are encoded before this returns. ConflictError if the name exists.
-        `fidelity_report=True`: the schema's fidelity report (see `fidelity`, default options) follows the
-        encoding, in `SchemaInfo.fidelity_report` (or why it failed, `fidelity_report_error`)."""
+        """Upload a schema (see `Client.schemas.create`)."""
         body = BaseClient.body(pml=pml, fidelity_report=True if fidelity_report else None)
         return BaseClient.parse(await self._client._send(RequestSpec("POST", "/v1/schemas", body)), SchemaInfo)
 
@@ -41,12 +39,7 @@ class AsyncSchemas:
                  fidelity_head_tokens: int | None = None,
                  fidelity_positions: Literal["contiguous", "layout"] | None = None,
                  fidelity_context: Literal["schema", "predecessor"] | None = None) -> FidelityReport:
-        """The schema's fidelity report: on `num_samples` seeded module combinations (server default 16,
-        capped by the server), each mode's (exact, fast, balanced) greedy first-token agreement with a full
-        prefill, its 95 % interval and first-token KL. Computed by the server's engine (seconds to minutes:
-        raise `timeout_s` for large schemas) or served from its cache of this schema version
-        (`cached`). `question` is asked after the modules (None: the server's generic one; "": none).
-        NotFoundError for a schema this key does not see; BadRequestError past the server's sample limit."""
+        """The schema's fidelity report (see `Client.schemas.fidelity`)."""
         path = BaseClient.fidelity_path(name, num_samples=num_samples, seed=seed, question=question,
                                         max_imports=max_imports, fidelity_head_tokens=fidelity_head_tokens,
                                         fidelity_positions=fidelity_positions, fidelity_context=fidelity_context)
@@ -91,11 +84,7 @@ class AsyncClient(BaseClient):
                  fidelity_positions: Literal["contiguous", "layout"] | None = None,
                  fidelity_context: Literal["schema", "predecessor"] | None = None,
                  return_spans: bool = False, stream: bool = False) -> Generation | AsyncStream[GenerationChunk]:
-        """Generate from a PML prompt (`<prompt schema="...">`). With `stream=True`, iterate chunks. `fidelity`
-        (and k, `fidelity_head_tokens`; `fidelity_positions`: re-aligned or layout positions; `fidelity_context`:
-        which encoding of a module to reuse) says how module KV
-        reused out of context is treated (server default when None); `return_spans=True` adds `cache.spans`:
-        the prompt by where each token's KV came from."""
+        """Generate from a PML prompt; with `stream=True`, iterate chunks (the options: see `Client.generate`)."""
         body = self.generate_body(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   n=n, stop=stop, seed=seed, cache_salt=cache_salt, stream=stream,
                                   fidelity=fidelity, fidelity_head_tokens=fidelity_head_tokens,

@@ -91,16 +91,10 @@ class BaseClient:
         return base * (0.75 + 0.5 * (rng or random).random())
 
     @staticmethod
-    def generate_body(prompt: str, *, max_tokens: int | None, temperature: float | None, top_p: float | None,
-                      top_k: int | None, n: int | None, stop: str | list[str] | None, seed: int | None,
-                      cache_salt: str | None, stream: bool, fidelity: str | None = None,
-                      fidelity_head_tokens: int | None = None, fidelity_positions: str | None = None,
-                      fidelity_context: str | None = None, return_spans: bool = False) -> dict[str, Any]:
-        return BaseClient.body(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                               top_k=top_k, n=n, stop=stop, seed=seed, cache_salt=cache_salt,
-                               fidelity=fidelity, fidelity_head_tokens=fidelity_head_tokens,
-                               fidelity_positions=fidelity_positions, fidelity_context=fidelity_context,
-                               return_spans=True if return_spans else None, stream=True if stream else None)
+    def generate_body(prompt: str, *, stream: bool, return_spans: bool = False, **options: Any) -> dict[str, Any]:
+        """The /v1/generate body: `options` are generate's other keyword arguments (None: unset)."""
+        return BaseClient.body(prompt=prompt, **options, return_spans=True if return_spans else None,
+                               stream=True if stream else None)
 
     @staticmethod
     def fidelity_path(name: str, **options: Any) -> str:
@@ -129,6 +123,5 @@ class BaseClient:
             return None
         payload = json.loads(data)
         if isinstance(payload, dict) and "error" in payload:
-            error = error_for(int(payload["error"].get("status", 500)), payload)
-            raise error
+            raise error_for(int(payload["error"].get("status", 500)), payload)
         return model.model_validate(payload)

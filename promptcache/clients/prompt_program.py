@@ -1,13 +1,9 @@
 """`@prompt`: a Python prompt function becomes a PML schema plus a prompt builder (paper §3.2.4).
 
-The function declares its prompt with a recorder `p`: `p.text(...)` for fixed text; `with p.module(name,
-when=cond):` for an `if` (the prompt imports the module when `cond` is true); `with p.union(name):` and
-`with p.case(member, when=cond):` for if/elif/else or match chains; `p.call(other_program, **kwargs)` for
-a call (a nested module); `p.param(name, max_len=N, value=...)` for a length-bounded parameter; role
-sections `with p.user():`; and `p.ask(text)` for per-request text (new text, never cached).
-
-`program.schema_pml()` runs the function once with every branch recorded; `program.prompt_pml(**kwargs)`
-runs it with real arguments and emits the imports whose conditions held.
+The function writes into a Recorder `p`: `p.text(...)` (fixed text); `with p.module(name, when=cond):` (an `if`);
+`with p.union(name):` + `with p.case(member, when=cond):` (if/elif/else, match); `p.call(program, **kwargs)` (a
+nested module); `p.param(name, max_len=N, value=...)`; role sections `with p.user():`; `p.ask(text)` (new text,
+never cached). `schema_pml()` records every branch; `prompt_pml(**kwargs)` emits the imports whose conditions held.
 """
 
 from __future__ import annotations

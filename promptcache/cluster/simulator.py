@@ -71,7 +71,7 @@ class _Replica:
     slots: int
     cache: OrderedDict[tuple[int, int], None] = field(default_factory=OrderedDict)
     running: int = 0
-    waiting: list[tuple[float, int, float]] = field(default_factory=list)  # FIFO of (arrival, id, service_s)
+    waiting: list[tuple[float, float]] = field(default_factory=list)  # FIFO of (arrival, service_s)
     num_served: int = 0
 
     @property
@@ -117,11 +117,10 @@ def simulate(config: SimulationConfig, policy_name: str) -> SimulationResult:
     for _ in range(num_requests):
         now += rng.expovariate(rate)
         heapq.heappush(events, (now, next(seq), "arrive", None))
-    request_ids = itertools.count()
 
     def start(replica: _Replica, replica_id: str, t: float) -> None:
         while replica.running < replica.slots and replica.waiting:
-            arrival, _, service_s = replica.waiting.pop(0)
+            arrival, service_s = replica.waiting.pop(0)
             replica.running += 1
             latencies.append(t + service_s - arrival)
             heapq.heappush(events, (t + service_s, next(seq), "finish", replica_id))
@@ -152,7 +151,7 @@ def simulate(config: SimulationConfig, policy_name: str) -> SimulationResult:
         found = replica.lookup(modules)
         hits, needed = hits + found, needed + len(modules)
         replica.num_served += 1
-        replica.waiting.append((t, next(request_ids), config.base_s + config.miss_s * (len(modules) - found)))
+        replica.waiting.append((t, config.base_s + config.miss_s * (len(modules) - found)))
         start(replica, replica_id, t)
     served = [r.num_served for r in replicas.values()]
     quantiles = statistics.quantiles(latencies, n=100)
