@@ -3,8 +3,7 @@
 The function writes into a Recorder `p`: `p.text(...)` (fixed text); `with p.module(name, when=cond):` (an `if`);
 `with p.union(name):` + `with p.case(member, when=cond):` (if/elif/else, match); `p.call(program, **kwargs)` (a
 nested module); `p.param(name, max_len=N, value=...)`; role sections `with p.user():`; `p.ask(text)` (new text,
-never cached). `schema_pml()` records every branch; `prompt_pml(**kwargs)` emits the imports whose conditions held.
-"""
+never cached). `schema_pml()` records every branch; `prompt_pml(**kwargs)` emits the imports whose conditions held."""
 
 from __future__ import annotations
 

@@ -38,11 +38,8 @@ class SSEDecoder:
             # other fields (event:, id:, retry:) are not used by this API
 
     def flush(self) -> Iterator[str]:
-        if self._buffer:
-            yield from self.feed("\n")
-        if self._data:
-            yield "\n".join(self._data)
-            self._data = []
+        """The end of the stream ends its last line and event."""
+        return self.feed("\n\n")
 
 
 class _ChunkParser(Generic[T]):

@@ -1,9 +1,7 @@
 """Scale-out on Ray Serve: N promptcache replicas on one Redis behind a cache-affinity request router.
 
-The names here are pure (no Ray import) so the routing simulator and tests use the same policy code.
-The Ray side lives in `promptcache.cluster.app` (the application), `.router` (the request router),
-`.replica`, `.gateway` and `.launcher`; they need the `cluster` extra (`pip install 'promptcache[cluster]'`).
-"""
+The names here are pure (no Ray import), shared by the routing simulator and tests. The Ray side (`.app`,
+`.router`, `.replica`, `.gateway`) needs the `cluster` extra (`pip install 'promptcache[cluster]'`)."""
 
 from promptcache.cluster.affinity import AffinityConfig, AffinityKey, affinity_key
 from promptcache.cluster.errors import (

@@ -2,8 +2,7 @@
 
 Requests with the same key would reuse the same cached KV, so the router sends them to the same replica (the
 keys by route are tabled in docs/scaling.md). The tenant comes from the API key through the replicas'
-TenantDirectory, never from the body; an unknown key gets no key. Keys are digests: no prompt text is kept.
-"""
+TenantDirectory, never from the body; an unknown key gets no key. Keys are digests: no prompt text is kept."""
 
 from __future__ import annotations
 

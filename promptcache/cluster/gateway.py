@@ -1,8 +1,7 @@
 """Gateway: the application's HTTP ingress. It reads each request whole and hands it to a replica through a
 deployment handle, so the request router sees the body before choosing (Ray's HTTP proxy routes on URL and
 headers only), then relays the replica's ASGI messages as they come (docs/scaling.md). No model, no state.
-A plain deployment, not a FastAPI ingress: Serve allows one of those per application, and the replicas are it.
-"""
+A plain deployment, not a FastAPI ingress: Serve allows one of those per application, and the replicas are it."""
 
 from __future__ import annotations
 

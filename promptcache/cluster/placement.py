@@ -2,8 +2,7 @@
 
 Consistent hashing with bounded loads (Mirrokni, Thorup & Zadimoghaddam, 2018), weighted by traffic instead of
 key counts: with the few hot keys real PML traffic has, rendezvous hashing alone can give one replica most of
-them, and the load guard never fires below saturation (docs/scaling.md). State is per router.
-"""
+them, and the load guard never fires below saturation (docs/scaling.md). State is per router."""
 
 from __future__ import annotations
 

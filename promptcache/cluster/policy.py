@@ -1,6 +1,5 @@
 """RoutingPolicy: which replica serves a request, from its affinity key and the replicas' loads. Pure (no Ray):
-the Ray request router, the routing simulator and the unit tests all call it (docs/scaling.md explains it).
-"""
+the Ray request router, the routing simulator and the unit tests all call it (docs/scaling.md explains it)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Readiness of the replicas for the gateway's /health: ready once Ray runs every replica its deployment
 targets. A replica runs only once its engine started (replica.py's `check_health`), so a client waiting for
-/health never sends its first requests to a half-started cluster.
-"""
+/health never sends its first requests to a half-started cluster."""
 
 from __future__ import annotations
 

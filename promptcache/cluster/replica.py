@@ -1,7 +1,6 @@
 """PromptCacheReplica: one Ray Serve replica running `promptcache.server.create_app(settings)` unchanged, with
 its model and engine, plus ReplicaHeader. The gateway calls `forward` with the whole request; the replica
-replays it into the app and streams the ASGI messages back.
-"""
+replays it into the app and streams the ASGI messages back."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """CacheAffinityRouter: Ray Serve's request-router extension point around the pure RoutingPolicy. Ray builds one
 per caller of the replicas' deployment handle (the gateway) and calls `choose_replicas` for each request,
-whose first argument is the ForwardedRequest. The first replica returned gets it unless its queue is full.
-"""
+whose first argument is the ForwardedRequest. The first replica returned gets it unless its queue is full."""
 
 from __future__ import annotations
 

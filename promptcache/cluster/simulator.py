@@ -3,8 +3,7 @@
 Replicas have a few slots and an LRU device tier counted in modules. Poisson arrivals pick a schema by Zipf
 popularity and one of its module sets (the affinity key; `affinity_schema` keys on the schema alone), and take
 `base_s` plus `miss_s` per module their replica's device tier lacks. Loads are requests queued or running.
-`python -m promptcache.cluster.simulator --replicas 16 64` prints one JSON line per (replicas, policy).
-"""
+`python -m promptcache.cluster.simulator --replicas 16 64` prints one JSON line per (replicas, policy)."""
 
 from __future__ import annotations
 
