@@ -2,6 +2,7 @@
 Imports only httpx and pydantic (the base install of `promptcache` is this SDK)."""
 
 from promptcache.clients.async_client import AsyncClient
+from promptcache.clients.base import AsyncStream, Stream
 from promptcache.clients.errors import (
     APIConnectionError,
     APIStatusError,
@@ -24,14 +25,15 @@ from promptcache.clients.pml_builder import (
     Module,
     Param,
     Prompt,
+    PromptProgram,
+    Recorder,
     Scaffold,
     Schema,
     System,
     Union,
     User,
+    prompt,
 )
-from promptcache.clients.prompt_program import PromptProgram, Recorder, prompt
-from promptcache.clients.streaming import AsyncStream, Stream
 from promptcache.clients.sync_client import Client
 from promptcache.clients.types import (
     CacheReport,

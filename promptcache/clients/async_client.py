@@ -8,8 +8,7 @@ from typing import Literal, overload
 
 import httpx
 
-from promptcache.clients.base import DEFAULT_BASE_URL, BaseClient, RequestSpec
-from promptcache.clients.streaming import AsyncStream
+from promptcache.clients.base import DEFAULT_BASE_URL, AsyncStream, BaseClient, RequestSpec
 from promptcache.clients.types import Explanation, FidelityReport, Generation, GenerationChunk, SchemaInfo
 
 

@@ -1,11 +1,13 @@
-"""The SDK's pure logic, shared by Client and AsyncClient: requests, responses, retries, streams."""
+"""The SDK's pure logic, shared by Client and AsyncClient: requests, responses, retries, and the iterators over
+streamed generations with the server-sent events they are decoded from (the subset the server emits)."""
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote, urlencode
 
 import httpx
@@ -125,3 +127,111 @@ class BaseClient:
         if isinstance(payload, dict) and "error" in payload:
             raise error_for(int(payload["error"].get("status", 500)), payload)
         return model.model_validate(payload)
+
+
+class SSEDecoder:
+    """Feed text chunks (any split); yields each event's data string. Comment lines are skipped,
+    multi-line data is joined with newlines, events end at a blank line."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._data: list[str] = []
+
+    def feed(self, chunk: str) -> Iterator[str]:
+        self._buffer += chunk.replace("\r\n", "\n").replace("\r", "\n")
+        while "\n" in self._buffer:
+            line, self._buffer = self._buffer.split("\n", 1)
+            if line == "":
+                if self._data:
+                    yield "\n".join(self._data)
+                    self._data = []
+            elif line.startswith(":"):
+                continue
+            elif line.startswith("data:"):
+                value = line[5:]
+                self._data.append(value[1:] if value.startswith(" ") else value)
+            # other fields (event:, id:, retry:) are not used by this API
+
+    def flush(self) -> Iterator[str]:
+        """The end of the stream ends its last line and event."""
+        return self.feed("\n\n")
+
+
+class _ChunkParser(Generic[M]):
+    """SSE text in, typed chunks out; `done` once [DONE] arrives."""
+
+    def __init__(self, model: type[M]) -> None:
+        self.model = model
+        self.decoder = SSEDecoder()
+        self.done = False
+
+    def feed(self, text: str | None) -> list[M]:
+        chunks: list[M] = []
+        events = self.decoder.feed(text) if text is not None else self.decoder.flush()
+        for data in events:
+            if self.done:
+                break
+            chunk = BaseClient.decode_event(data, self.model)
+            if chunk is None:
+                self.done = True
+            else:
+                chunks.append(chunk)
+        return chunks
+
+
+class Stream(Generic[M]):
+    """Iterate chunks of a streamed response; closes the connection at the end or on `close()`."""
+
+    def __init__(self, response: httpx.Response, model: type[M]) -> None:
+        self.response = response
+        self.model = model
+
+    def __iter__(self) -> Iterator[M]:
+        parser = _ChunkParser(self.model)
+        try:
+            for text in self.response.iter_text():
+                yield from parser.feed(text)
+                if parser.done:
+                    return
+            yield from parser.feed(None)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.response.close()
+
+    def __enter__(self) -> Stream[M]:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncStream(Generic[M]):
+    """Async iteration over streamed chunks."""
+
+    def __init__(self, response: httpx.Response, model: type[M]) -> None:
+        self.response = response
+        self.model = model
+
+    async def __aiter__(self) -> AsyncIterator[M]:
+        parser = _ChunkParser(self.model)
+        try:
+            async for text in self.response.aiter_text():
+                for chunk in parser.feed(text):
+                    yield chunk
+                if parser.done:
+                    return
+            for chunk in parser.feed(None):
+                yield chunk
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        await self.response.aclose()
+
+    async def __aenter__(self) -> AsyncStream[M]:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -8,8 +8,7 @@ from typing import Literal, overload
 
 import httpx
 
-from promptcache.clients.base import DEFAULT_BASE_URL, BaseClient, RequestSpec
-from promptcache.clients.streaming import Stream
+from promptcache.clients.base import DEFAULT_BASE_URL, BaseClient, RequestSpec, Stream
 from promptcache.clients.types import Explanation, FidelityReport, Generation, GenerationChunk, SchemaInfo
 
 

@@ -24,8 +24,7 @@ from promptcache.clients import (
     ServiceUnavailableError,
     UnprocessableEntityError,
 )
-from promptcache.clients.base import MAX_BACKOFF_S, BaseClient
-from promptcache.clients.streaming import SSEDecoder
+from promptcache.clients.base import MAX_BACKOFF_S, BaseClient, SSEDecoder
 
 GENERATION = {"id": "g1", "choices": [{"index": 0, "text": "hi", "finish_reason": "stop"}],
               "usage": {"prompt_tokens": 5, "cached_tokens": 3, "completion_tokens": 1, "total_tokens": 6},
