@@ -37,10 +37,7 @@ class ForwardedRequest:
     def header(self, name: str) -> str:
         """The first value of header `name` (case-insensitive), '' when absent."""
         wanted = name.lower().encode("latin-1")
-        for key, value in self.headers:
-            if key.lower() == wanted:
-                return value.decode("latin-1")
-        return ""
+        return next((value.decode("latin-1") for key, value in self.headers if key.lower() == wanted), "")
 
     def asgi_scope(self) -> dict[str, Any]:
         """An ASGI http scope that replays this request into an app."""

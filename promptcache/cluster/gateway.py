@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from promptcache.cluster.errors import ReplicaLostError, ReplicasBusyError, RequestTooLargeError
+from promptcache.cluster.errors import ClusterError, ReplicaLostError, ReplicasBusyError, RequestTooLargeError
 from promptcache.cluster.forwarded import ForwardedRequest
 from promptcache.cluster.readiness import ReplicaReadiness
 from promptcache.server.errors import response_for
@@ -68,11 +68,11 @@ class Gateway:
                 logger.warning("replica lost before answering %s %s (attempt %d of %d): %s", request.method,
                                request.path, attempt, self.max_attempts, exc)
             except BackPressureError:
-                busy = ReplicasBusyError("every replica is busy; retry shortly", retry_after_s=1)
-                await response_for(busy, f"{request.method} {request.path}")(scope, receive, send)
-                return
-        lost = ReplicaLostError("no replica could serve the request; retry shortly", retry_after_s=1)
-        await response_for(lost, f"{request.method} {request.path}")(scope, receive, send)
+                error: ClusterError = ReplicasBusyError("every replica is busy; retry shortly", retry_after_s=1)
+                break
+        else:
+            error = ReplicaLostError("no replica could serve the request; retry shortly", retry_after_s=1)
+        await response_for(error, f"{request.method} {request.path}")(scope, receive, send)
 
     async def _read_body(self, receive: Receive) -> bytes:
         """The whole body, refusing more than the replicas' request limit (they check it again)."""
@@ -101,9 +101,8 @@ class _Relayed:
             self.is_complete = True
 
     async def end_cut_short(self, send: Send) -> None:
-        """End a response whose replica died after it started: a stream gets an error event and [DONE]; any
-        other body cannot say so in-band, so the connection is dropped (a truncated body is never ended as
-        if whole)."""
+        """End a response whose replica died after it started: a stream gets an error event and [DONE]; any other
+        body cannot say so in-band, so the connection is dropped (a truncated body is never ended as if whole)."""
         if self.is_complete:
             return
         if not self.is_event_stream:

@@ -80,8 +80,7 @@ class PromptCacheReplica:
             return
         if not await self._wait_ready():
             raise ReplicaStartError(f"replica {self.replica_id} did not start within {READY_TIMEOUT_S:.0f} s")
-        error = getattr(self.fastapi.state, "load_error", None)
-        if error:
+        if error := getattr(self.fastapi.state, "load_error", None):
             raise ReplicaStartError(f"replica {self.replica_id} failed to start: {error}")
 
     async def forward(self, request: ForwardedRequest) -> AsyncIterator[Message]:
@@ -96,13 +95,10 @@ class PromptCacheReplica:
                 return body.pop()
             return await asyncio.Future()  # never: a client disconnect reaches us as a cancellation instead
 
-        async def send(message: Message) -> None:
-            messages.put_nowait(message)
-
         async def run() -> None:
             try:
                 assert self.fastapi is not None, "Serve builds the app before any request"
-                await self.fastapi(request.asgi_scope(), receive, send)
+                await self.fastapi(request.asgi_scope(), receive, messages.put)  # unbounded: never waits
             except Exception:  # Starlette has answered 500 already and re-raises; it is in the log
                 logger.exception("%s %s failed on replica %s", request.method, request.path, self.replica_id)
             finally:
@@ -113,8 +109,7 @@ class PromptCacheReplica:
             while (message := await messages.get()) is not None:
                 yield message
         finally:
-            if not task.done():
-                task.cancel()
+            task.cancel()  # no-op once it is done
 
     async def _wait_ready(self) -> bool:
         """Wait until the app's service started or failed to; False if neither happened in time."""
