@@ -38,12 +38,9 @@ def build_application(settings: dict[str, Any], options: ClusterOptions | None =
     except ValidationError as exc:
         raise ClusterConfigError(f"invalid replica settings: {exc}") from None
     replica_options: dict[str, Any] = {
-        "name": REPLICA_DEPLOYMENT,
-        "max_ongoing_requests": options.max_ongoing_requests,
+        "name": REPLICA_DEPLOYMENT, "max_ongoing_requests": options.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": options.num_cpus_per_replica, "num_gpus": options.num_gpus_per_replica},
-        "health_check_period_s": options.health_check_period_s,
-        "graceful_shutdown_timeout_s": 5,
-    }
+        "health_check_period_s": options.health_check_period_s, "graceful_shutdown_timeout_s": 5}
     if options.max_replicas is not None and options.max_replicas > options.num_replicas:
         replica_options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=options.num_replicas, initial_replicas=options.num_replicas,
