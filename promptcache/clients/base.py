@@ -82,8 +82,7 @@ class BaseClient:
 
     @staticmethod
     def backoff_s(attempt: int, retry_after: str | None = None, *, rng: random.Random | None = None) -> float:
-        """Seconds to wait before retry `attempt + 1`: Retry-After if the server sent one (capped),
-        else exponential with jitter, capped."""
+        """Seconds before retry `attempt + 1`: the server's Retry-After, else exponential with jitter; capped."""
         if retry_after is not None:
             try:
                 return min(max(float(retry_after), 0.0), MAX_RETRY_AFTER_S)

@@ -98,8 +98,7 @@ def _prompt_key(owner: str, prompt: Any, config: AffinityConfig) -> AffinityKey 
 
 
 def _pml_key(owner: str, schema: str, pml: str, config: AffinityConfig) -> AffinityKey:
-    """(tenant, schema) with `pml_key="schema"`, else also the sorted names of the modules `pml` imports (every
-    tag that is not PML's own)."""
+    """(tenant, schema), with `pml_key="modules"` also the sorted names of the modules `pml` imports (its tags)."""
     if config.pml_key == "schema":
         return _key("pml", owner, schema)
     names = {name for name in OPEN_TAG.findall(pml[:config.max_scan_chars]) if name not in RESERVED_NAMES}

@@ -59,8 +59,7 @@ class RoutingPolicy:
         return list(_rank(key, tuple(replica_ids)))
 
     def choose(self, key: bytes | None, loads: Mapping[str, int]) -> Choice:
-        """The replica for a request with `key` given each candidate's load (requests in flight).
-        Raises NoReplicaError when there is no candidate."""
+        """The replica for `key` given each candidate's load (requests in flight); NoReplicaError if none."""
         return self.order(key, loads)[0]
 
     def order(self, key: bytes | None, loads: Mapping[str, int]) -> list[Choice]:
