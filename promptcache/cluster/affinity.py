@@ -98,7 +98,7 @@ def _prompt_key(owner: str, prompt: Any, config: AffinityConfig) -> AffinityKey 
 
 
 def _pml_key(owner: str, schema: str, pml: str, config: AffinityConfig) -> AffinityKey:
-    """(tenant, schema), with `pml_key="modules"` also the sorted names of the modules `pml` imports (its tags)."""
+    """(tenant, schema), with `pml_key="modules"` also the sorted module names `pml` imports (its non-PML tags)."""
     if config.pml_key == "schema":
         return _key("pml", owner, schema)
     names = {name for name in OPEN_TAG.findall(pml[:config.max_scan_chars]) if name not in RESERVED_NAMES}
