@@ -25,7 +25,7 @@ from promptcache.cluster.policy import LoadGuard, RoutingPolicy
 from promptcache.server.errors import ERROR_TABLE, status_for
 
 CLUSTER = Path(promptcache.cluster.__file__).parent
-NEEDS_RAY = {"app", "gateway", "replica", "router", "launcher", "readiness"}
+NEEDS_RAY = {"app", "gateway", "replica", "router", "readiness"}
 
 
 def _raised_names(path: Path) -> list[tuple[int, str]]:
