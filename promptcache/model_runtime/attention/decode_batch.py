@@ -1,13 +1,9 @@
 """A decode step's attention for every layer as one kernel object (bf16 kernel, `decode_bf16.cpp`).
 
-When sequences of a step decode one token, the layers differ only in which layer of each KV tensor they
-read. `plan_decode_batch` hands the kernel the step's KV once ([L, H_kv, N, D] tensors: each
-sequence's own KV, each module or prefix segment with the sequences that see it); each layer is then one
-`attend(q, layer, scale)` call that attends a sequence's own KV and its private segments together,
-every shared segment once for all its sequences' rows, and merges them in C++. The per-layer Python of
-`shared_module_attention` (slicing each sequence's KV, grouping, merges by torch ops) grew with the batch
-and cost more than the attention itself from 4 sequences up. In a step that also prefills, the decoding
-sequences take this path and the prefilling ones the general one (`StepDecode.others`).
+`plan_decode_batch` hands the kernel the step's KV once ([L, H_kv, N, D]: each sequence's own KV, each segment
+with the sequences that see it); each layer is then one `attend(q, layer, scale)` call that merges in C++. The
+per-layer Python of `shared_module_attention` cost more than the attention itself from 4 sequences up. In a step
+that also prefills, the decoding sequences take this path and the prefilling ones the general one.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Attention kernels for GPUs returning (out, natural-log lse), like the CPU kernels in backends.py.
 
-torch alone is enough: its fused CUDA ops `_scaled_dot_product_flash_attention` (fp16/bf16, head dim
-<= 256 and a multiple of 8) and `_scaled_dot_product_efficient_attention` (fp32 too; its lse comes
-padded to a multiple of 32 rows and is sliced), then the plain matmul. flash-attn and FlashInfer are
-optional first choices, used only when importable and applicable; a library whose call fails is turned
-off for the process with a warning and the call falls through to torch's ops. FlashInfer's lse is base
-2 and is converted.
-
-All take q [B, H, M, D] and k/v [B, H, N, D] with N > 0 and equal head counts (callers fold a GQA group
-into query rows, or expand the KV), a scale, and `causal` (square blocks only, M == N). They return
-out [B, H, M, D] and lse [B, H, M] (fp32).
+torch's fused CUDA ops (flash: fp16/bf16, head dim <= 256 and a multiple of 8; memory-efficient: fp32 too, lse
+padded to 32 rows and sliced), then the plain matmul. flash-attn and FlashInfer (base-2 lse, converted) go first
+when importable and applicable; one whose call fails is turned off for the process with a warning. All take
+q [B, H, M, D], k/v [B, H, N, D] (N > 0, equal head counts: callers fold a GQA group into query rows or expand
+the KV), a scale and `causal` (square blocks only, M == N); out [B, H, M, D], lse [B, H, M] fp32.
 """
 
 from __future__ import annotations
@@ -57,8 +52,7 @@ def aten_flash_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def aten_efficient_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                           causal: bool = False) -> Result:
-    """torch's memory-efficient op (fp32/fp16/bf16). Its lse is [B, H, ceil(M / 32) * 32]: the rows past
-    M are padding."""
+    """torch's memory-efficient op (fp32/fp16/bf16); its lse is [B, H, ceil(M / 32) * 32], sliced to M rows."""
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, None, True, 0.0, causal, scale=scale)[:2]  # [B, H, M, D], [B, H, M_padded]
     return out, lse[..., : q.shape[2]]
@@ -123,7 +117,7 @@ def gpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
         except (RuntimeError, ValueError, TypeError) as error:  # an unsupported case: torch's ops take it
             log.warning("%s failed (%s); using torch's attention ops from now on", name, error)
             _libraries[name] = None
-            found = None
+            continue
         if found is not None:
             return found
     if flash_applicable(q):
@@ -145,11 +139,9 @@ def concatenated_bytes(num_heads: int, num_keys: int, head_dim: int, dtype: torc
 
 def attend_concatenated(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                         scale: float) -> torch.Tensor:
-    """q [T, H, D], one sequence's queries, attends the concatenation of `keys`/`values` ([H_kv, N_i, D]
-    each, N = sum N_i >= T), its last T keys being the queries' own tokens: causal aligned bottom-right
-    (every earlier key in full). One fused call through torch SDPA (`causal_lower_right` takes the flash
-    or efficient kernel on a GPU): on a GPU a copy of the KV costs microseconds where each call and
-    merge of the segment-by-segment path costs a kernel launch. Returns out [T, H, D] (q's dtype)."""
+    """q [T, H, D], one sequence's queries, attends the concatenation of `keys`/`values` ([H_kv, N_i, D], N >= T)
+    whose last T keys are its own tokens (causal, bottom-right) in one SDPA call: on a GPU the KV copy costs
+    microseconds where each call and merge per segment costs a launch. Returns out [T, H, D] (q's dtype)."""
     num_rows, num_heads, _ = q.shape
     k = torch.cat(keys, dim=1) if len(keys) > 1 else keys[0]             # [H_kv, N, D]
     v = torch.cat(values, dim=1) if len(values) > 1 else values[0]

@@ -1,14 +1,9 @@
 """Ahead-of-time build of the bf16 CPU kernels (csrc/*.cpp) into a shared library the server only loads.
 
-`promptcache build-kernels` compiles the extension once, at install time (scripts/install.sh, the Docker
-builder stage), with torch's own extension toolchain (g++ and ninja, the flags below); the server's
-`bf16_kernel.prepare()` then imports the library with no compiler on the machine. Nothing the server runs
-compiles code.
-
-A library is usable only with the torch build, Python and sources it was compiled from, so its file name
-carries a key over all of them (`promptcache_bf16_<key>.so`): upgrading torch or the sources asks for a new
-build instead of loading a stale one. Libraries live in `$PROMPTCACHE_KERNEL_DIR`, else
-`$XDG_CACHE_HOME/promptcache/kernels` (`~/.cache/promptcache/kernels`).
+`promptcache build-kernels` compiles it once at install time with torch's extension toolchain (g++, ninja).
+The file name carries a key over torch's build, Python and the sources (`promptcache_bf16_<key>.so`), so an
+upgrade asks for a new build instead of loading a stale one. Libraries live in `$PROMPTCACHE_KERNEL_DIR`,
+else `$XDG_CACHE_HOME/promptcache/kernels` (`~/.cache/promptcache/kernels`).
 """
 
 from __future__ import annotations
@@ -60,8 +55,8 @@ def build_key() -> str:
 
 
 def library_path(directory: Path | None = None) -> Path:
-    """Where this torch's library is, or would be, in `directory` (default `kernel_dir()`). The file is named
-    by the extension's module name, which carries the build key (so does its PyInit_ symbol)."""
+    """Where this torch's library is, or would be, in `directory` (default `kernel_dir()`), named by the
+    extension's module name, which carries the build key (so does its PyInit_ symbol)."""
     return (directory or kernel_dir()) / f"{NAME}_{build_key()}.so"
 
 

@@ -22,10 +22,8 @@ class OwnPool(NamedTuple):
 
 def own_decode_in_place(queries: torch.Tensor, rows: Sequence[int], own_keys: Sequence[torch.Tensor],
                         own_values: Sequence[torch.Tensor], num_kv_heads: int, scale: float):
-    """One fused CPU call per single-token sequence (query row rows[b]), reading its own KV where it lies
-    (a strided view of its buffer, no copy): for long own KV, copying it into a padded batch costs more
-    than the calls. (With the bf16 kernel these sequences go through `_attend_together` instead.)
-    Returns out [B, H, D], lse [B, H]."""
+    """One fused CPU call per single-token sequence (query row rows[b]) over its own KV where it lies: for long
+    own KV, copying it into a padded batch costs more than the calls. Returns out [B, H, D], lse [B, H]."""
     head_dim = queries.shape[-1]
     outs, lses = [], []
     for row, keys, values in zip(rows, own_keys, own_values):
@@ -40,12 +38,10 @@ def own_decode_in_place(queries: torch.Tensor, rows: Sequence[int], own_keys: Se
 def own_decode(queries: torch.Tensor, rows: torch.Tensor | None, own_keys: Sequence[torch.Tensor],
                own_values: Sequence[torch.Tensor], num_kv_heads: int, group: int, scale: float,
                indices: StepIndices, pool: OwnPool | None = None):
-    """One batched call for single-token sequences (query rows `rows`; None: every row of `queries`, in
-    order) with short own KV: padded to the longest, masked. With `pool` (these sequences' slots, every
-    one in it) the padded KV is gathered by one index_select for the keys and one for the values;
-    otherwise copied sequence by sequence. Lengths are host ints and the index tensors are built on the
-    host once per forward pass, so nothing here waits for the device. Returns out [B, H, D], lse [B, H]
-    (fp32)."""
+    """One batched call for single-token sequences (query rows `rows`; None: every row, in order) with short own
+    KV, padded to the longest and masked: gathered by one index_select each for keys and values from `pool`
+    (these sequences' slots), else copied one by one. Nothing waits for the device. Returns out [B, H, D],
+    lse [B, H] (fp32)."""
     lengths = tuple(k.shape[1] for k in own_keys)
     longest, batch, head_dim = max(lengths), len(lengths), queries.shape[-1]
     if pool is not None:
@@ -68,7 +64,7 @@ def own_decode(queries: torch.Tensor, rows: torch.Tensor | None, own_keys: Seque
 
 def _gather(pool: OwnPool, lengths: tuple[int, ...], indices: StepIndices) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [B, H_kv, S_max, D] of the sequences' own KV, read from the pool's [H_kv * num_slots, D]
-    rows by one index (the same for keys and values and for every layer)."""
+    rows by one index (the same for keys, values and every layer)."""
     num_kv_heads, num_slots, head_dim = pool.keys.shape
     longest = max(lengths)
 

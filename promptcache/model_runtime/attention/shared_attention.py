@@ -1,16 +1,11 @@
 """Shared-module attention: Hydragen's shared-prefix decomposition generalised to shared *sets*.
 
-Per call (one layer): each shared segment is attended ONCE by the queries of every sequence that
-includes it, with sequences and the GQA group folded into the query axis (matrix-matrix, not
-matrix-vector); each sequence's own KV (new text + generated tokens) is attended causally; the
-partial results are merged exactly with log-sum-exp rescaling in fp32. With the bf16 kernel, the
-segments only one sequence sees (every segment of a lone request) join that sequence's own call: the
-kernel takes KV as a list of segments, so one call and one softmax replace a call and a merge each.
-
-Device-generic: the kernels come from dispatch.py (CPU ops, or on a GPU torch's flash/efficient ops,
-split over the keys when a call would not fill the GPU; a lone sequence's KV concatenated for one call).
-Index tensors come from a `StepIndices` built on the host once per forward pass, so no layer blocks the
-host on a GPU.
+Per call (one layer): each shared segment is attended ONCE by the queries of every sequence that includes it
+(sequences and the GQA group folded into the query axis: matrix-matrix, not matrix-vector); each sequence's own
+KV is attended causally; the partial results are merged exactly by log-sum-exp rescaling in fp32. With the bf16
+kernel, which takes KV as a list of segments, the segments only one sequence sees join that sequence's own call.
+Kernels come from dispatch.py (CPU or GPU); index tensors from a `StepIndices` built once per forward pass, so
+no layer blocks the host on a GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +14,7 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -33,8 +29,19 @@ from promptcache.model_runtime.attention.gpu_backends import (
 )
 from promptcache.model_runtime.attention.lse_merge import RowMerge
 from promptcache.model_runtime.attention.own_decode import OwnPool, own_decode, own_decode_in_place
-from promptcache.model_runtime.attention.segments import SharedSegment
 from promptcache.model_runtime.attention.step_indices import StepIndices
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SharedSegment:
+    """KV attended in full by the queries of the sequences in `seq_indices` (referenced, not copied).
+    `row_offsets[j]` (default all 0) skips the first queries of sequence `seq_indices[j]`: they are positioned
+    before this KV and must not see it (a prefill that recomputes tokens among cached ones)."""
+
+    keys: torch.Tensor     # [num_kv_heads, seg_len, head_dim]
+    values: torch.Tensor   # [num_kv_heads, seg_len, head_dim]
+    seq_indices: tuple[int, ...]
+    row_offsets: tuple[int, ...] | None = None
 
 
 def shared_module_attention(
@@ -57,8 +64,7 @@ def shared_module_attention(
     gathered in one call rather than copied one by one. `check=False` skips validating the arguments
     (a forward pass's later layers, whose tensors have the first layer's layout)."""
     total_q, num_heads, head_dim = queries.shape
-    num_kv_heads = (_validate(queries, query_lens, own_keys, own_values, segments) if check
-                    else own_keys[0].shape[0])
+    num_kv_heads = _validate(queries, query_lens, own_keys, own_values, segments) if check else own_keys[0].shape[0]
     if own_pool is not None and len(own_pool.first_slots) != len(query_lens):
         raise ValueError(f"own_pool has {len(own_pool.first_slots)} first slots for {len(query_lens)} sequences")
     group = num_heads // num_kv_heads
@@ -95,10 +101,13 @@ def shared_module_attention(
         merge(rows, *_unfold(out, lse, num_rows, num_kv_heads, group), whole=whole)
 
     decoding = [i for i in private if query_lens[i] == 1]
-    if decoding:  # every decoding sequence's own KV and segments of its own: one kernel call for the batch
+    if decoding:  # every decoding sequence's own KV and segments of its own: one batch-decode kernel call
+        decode_kernel = bf16_kernel.decode_loaded()
+        assert decode_kernel is not None  # private sequences exist only where the kernel is loaded
         rows = indices.positions([starts[i] for i in decoding])
-        merge(rows, *_decode_together(queries[rows], [(private[i], own_keys[i], own_values[i]) for i in decoding],
-                                      scale))
+        # q [B, H, D], each sequence over its segments and own KV -> out [B, H, D], lse [B, H]
+        merge(rows, *decode_kernel(queries[rows], [[*(s.keys for s in private[i]), own_keys[i]] for i in decoding],
+                                   [[*(s.values for s in private[i]), own_values[i]] for i in decoding], scale))
     for i, segs in private.items():
         if query_lens[i] == 1:
             continue
@@ -140,11 +149,9 @@ def shared_module_attention(
 
 
 def _split(kernel, queries, query_lens, own_keys, own_values, segments, backend):
-    """(private, shared): with the bf16 kernel, a sequence attends the segments only it sees (all of them
-    for a lone request, each from its row offset on) and its own KV in ONE call, the segments read where
-    they lie: no per-segment calls, no merges; the decoding sequences among them share one call
-    (`_decode_together`). `private` maps each such sequence to its segments. `shared` holds every other
-    non-empty segment, attended once by all of its sequences' queries and merged."""
+    """(private, shared): with the bf16 kernel, a sequence attends the segments only it sees (each from its row
+    offset on) and its own KV in ONE call, no merges (decoding ones: one call for all); `private` maps each such
+    sequence to its segments. `shared` holds every other non-empty segment, attended once by all its sequences."""
     joinable = {i for i in range(len(query_lens))
                 if kernel is not None and bf16_kernel.eligible(queries, own_keys[i], own_values[i]) is not None}
     private: dict[int, list[SharedSegment]] = {}
@@ -164,9 +171,8 @@ def _split(kernel, queries, query_lens, own_keys, own_values, segments, backend)
 
 
 def _by_rows(shared: Sequence[SharedSegment], queries: torch.Tensor | None) -> list[list[SharedSegment]]:
-    """Shared segments in groups seen by the same query rows (same sequences and row offsets): with the
-    kernel (`queries` given), segments it can read are grouped, a group is one call over their list;
-    otherwise one call each."""
+    """Shared segments grouped by the query rows that see them: with the kernel (`queries` given), the segments it
+    can read are grouped, each group one call over their list; otherwise one call each."""
     if queries is None:
         return [[segment] for segment in shared]
     groups: dict[object, list[SharedSegment]] = {}
@@ -175,19 +181,6 @@ def _by_rows(shared: Sequence[SharedSegment], queries: torch.Tensor | None) -> l
         key = (segment.seq_indices, segment.row_offsets or (0,) * len(segment.seq_indices)) if eligible else id(segment)
         groups.setdefault(key, []).append(segment)
     return list(groups.values())
-
-
-def _decode_together(q: torch.Tensor, parts: Sequence[tuple[Sequence[SharedSegment], torch.Tensor, torch.Tensor]],
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, H, D]: one query row per decoding sequence; parts[b] = (its own segments, its own keys and
-    values [H_kv, S, D]). One batch-decode kernel call, each sequence over the concatenation of its
-    segments and own KV. Returns out [B, H, D] (q's dtype), lse [B, H]."""
-    decode = bf16_kernel.decode_loaded()
-    assert decode is not None  # private sequences exist only where the kernel is loaded
-    keys = [[*(s.keys for s in segments), k] for segments, k, _ in parts]
-    values = [[*(s.values for s in segments), v] for segments, _, v in parts]
-    out, lse = decode(q, keys, values, scale)  # [B, H, D], [B, H]
-    return out, lse
 
 
 def _attend_together(kernel, q: torch.Tensor, segments: Sequence[SharedSegment], keys: torch.Tensor,
@@ -214,8 +207,7 @@ def _first_row(segment: SharedSegment) -> int:
 
 def _causal_square(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: int, scale: float,
                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D] attends causally to keys/values [H_kv, T, D]; returns out [T, H, D], lse [T, H]. (With
-    the bf16 kernel, a sequence's new tokens go through `_attend_together` instead.)"""
+    """q [T, H, D] attends causally to keys/values [H_kv, T, D]; returns out [T, H, D], lse [T, H]."""
     n = q.shape[0]
     if backend != "matmul" and dispatch.on_gpu(q):
         # The fused ops need equal head counts: expand the T own tokens' KV (small next to the shared KV).
@@ -238,8 +230,7 @@ def _causal_square(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gr
 
 @functools.lru_cache(maxsize=64)
 def _causal_mask(n: int, group: int) -> torch.Tensor:
-    """`_make_causal_mask` on the CPU, built once per size: every layer of every step with T new tokens
-    asks for the same one (only the matmul backend comes here, see CAUSAL_FUSED_MIN_WORK)."""
+    """`_make_causal_mask` on the CPU, built once per size: every layer of every step with T new tokens asks."""
     return _make_causal_mask(n, group, torch.device("cpu"))
 
 
