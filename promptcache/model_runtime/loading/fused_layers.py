@@ -1,19 +1,13 @@
-"""Fused decoder layers: one projection for q|k|v and one for gate|up, RMSNorm, RoPE and the SiLU-gated
-product as single-pass kernels for bf16 on CPUs with AVX512-BF16 (model_runtime/attention/csrc/fused_bf16.cpp),
-and as fewer PyTorch ops on a GPU (torch_layer_ops.py), where each op is a kernel launch.
+"""Fused decoder layers: one projection for q|k|v and one for gate|up; RMSNorm, RoPE and the SiLU-gated product
+as one-pass kernels for bf16 on AVX512-BF16 CPUs (attention/csrc/fused_bf16.cpp), or as fewer PyTorch ops on a
+GPU (torch_layer_ops.py), where each op is a kernel launch.
 
-Why: once attention ran on the bf16 kernel, the ops bf16 did not speed up were a quarter of SmolLM2's
-2K-token prefill: PyTorch runs RMSNorm as seven passes over the activations, RoPE as six (slices, a
-concatenation, a negation, products, a sum) and the gated MLP's SiLU and product as two, each upcasting
-bf16 to fp32 on the way. The kernels do each in one pass and round to bf16 where the Hugging Face modules
-do, so a fused model's outputs equal the unfused model's (RoPE bit for bit; RMSNorm and SiLU where fp32
-sums and exponentials round alike, i.e. all but rare last-bit ties; tests/model_runtime/test_fused_layers.py).
-Concatenating the q, k and v (and gate and up) weights gives the same products as the separate layers
-(oneDNN sums each output over the same inputs in the same order; measured bit-identical) in fewer calls.
-
-Applied by `fuse_layers(model)` at load, for Llama, Mistral and Qwen2 models on a GPU, or in bf16 on the
-CPU where the kernel library is built and loads (bf16_kernel.prepare); any other model, dtype or device
-keeps the Hugging Face modules.
+Why: once attention ran on the bf16 kernel, the ops bf16 did not speed up (RMSNorm in seven passes, RoPE in six,
+SiLU and product in two, each upcasting to fp32) were a quarter of SmolLM2's 2K-token prefill. The kernels round
+to bf16 where the Hugging Face modules do, so outputs are equal (RoPE bit for bit; RMSNorm and SiLU but for rare
+last-bit ties; tests/model_runtime/test_fused_layers.py); the joined projections' products are bit-identical.
+Applied by `fuse_layers(model)` at load to Llama, Mistral and Qwen2 models on a GPU, or in bf16 on a CPU where
+the kernel library loads; anything else keeps the Hugging Face modules.
 """
 
 from __future__ import annotations
@@ -102,8 +96,7 @@ class FusedAttention(torch.nn.Module):
         config = attention.config
         self.config, self.layer_idx, self.ops = config, attention.layer_idx, ops
         self.head_dim, self.scaling = attention.head_dim, attention.scaling
-        self.num_heads = config.num_attention_heads
-        self.num_key_value_heads = config.num_key_value_heads
+        self.num_heads, self.num_key_value_heads = config.num_attention_heads, config.num_key_value_heads
         self.num_key_value_groups = attention.num_key_value_groups
         self.is_causal = True
         self.qkv_proj = _concatenated(attention.q_proj, attention.k_proj, attention.v_proj)
@@ -132,12 +125,9 @@ StackForward = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
 
 
 def fused_stack_forward(base_model: Any) -> StackForward | None:
-    """The decoder stack of a model whose layers are all fused, as one plain loop: embedding, RoPE tables,
-    per layer `x + attn(norm(x))` then `x + mlp(norm(x))`, the final norm — the Hugging Face model's and
-    decoder layers' own arithmetic, in the same order (tests/model_runtime/test_fused_layers.py checks it
-    bit for bit). None where some layer is not fused. For the engine's batch steps, whose attention reads
-    no mask: the HF forward's work around the layers (keyword plumbing, decorators, the causal mask, output
-    records) took ~0.3-0.6 ms of a 21 ms decode step of SmolLM2 at batch 1 (docs/benchmarks.md's profile)."""
+    """The decoder stack of a model whose layers are all fused as one plain loop, the HF model's arithmetic in
+    its order (checked bit for bit), or None where some layer is not fused. For the engine's batch steps (no
+    mask): the HF forward's plumbing took ~0.3-0.6 ms of a 21 ms SmolLM2 decode step (docs/benchmarks.md)."""
     layers = _fused_layers(base_model)
     if layers is None:
         return None
@@ -159,12 +149,10 @@ DecodeForward = Callable[[torch.Tensor, torch.Tensor, "BatchContext"], torch.Ten
 
 
 def decode_stack_forward(base_model: Any) -> DecodeForward | None:
-    """The decoder stack for a step in which every sequence feeds one token and the decode kernel attends
-    (`decode_batch.kernel_takes`): `fused_stack_forward`'s arithmetic, op for op, called straight from one
-    loop (the new KV written through the step's `writes`, attention by its `DecodeBatch`) instead of through
-    the fused modules, the HF attention registry and the cache. A decode step of a small model is bound by
-    the per-op overhead around ~12 kernels a layer: this loop has none of the modules' reshapes, views and
-    calls in between. None where some layer is not fused."""
+    """The decoder stack for a step where every sequence feeds one token and the decode kernel attends
+    (`decode_batch.kernel_takes`): `fused_stack_forward`'s ops in one loop (KV written through the step's
+    `writes`, attention by its `DecodeBatch`) without the modules' reshapes and calls, which bind a small
+    model's decode step. None where some layer is not fused."""
     layers = _fused_layers(base_model)
     if layers is None:
         return None
@@ -209,10 +197,9 @@ def _fused_layers(base_model: Any) -> list[Any] | None:
 
 
 def fuse_layers(model: torch.nn.Module) -> int:
-    """Swap the norms, attention blocks and gated MLPs of a Llama/Mistral/Qwen2 model on a GPU, or in bf16
-    on a CPU with the kernels, for their fused versions, in place; returns how many modules were swapped
-    (0 where no ops apply or its shapes are not the kernels'). Call before packing weights: the fused
-    projections are plain `nn.Linear` layers that packing then picks up."""
+    """Swap a Llama/Mistral/Qwen2 model's norms, attention blocks and gated MLPs for fused ones in place (on a
+    GPU, or in bf16 on a CPU with the kernels); returns how many (0 where no ops or shapes apply). Call before
+    packing weights: the fused projections are plain `nn.Linear` layers that packing then picks up."""
     parameter = next(model.parameters())
     ops = _layer_ops(parameter) if _fusable(model.config) else None
     if ops is None:
@@ -229,8 +216,8 @@ def fuse_layers(model: torch.nn.Module) -> int:
 
 
 def _layer_ops(parameter: torch.Tensor) -> LayerOps | None:
-    """The ops for a model whose weights are like `parameter`: torch's on a GPU (launches bind a step
-    there, so fewer ops pay in any dtype), the bf16 kernels in bf16 on a CPU that runs them, else None."""
+    """The ops for weights like `parameter`: torch's on a GPU (launches bind a step there, so fewer ops pay in
+    any dtype), the bf16 kernels in bf16 on a CPU that runs them, else None."""
     if parameter.device.type == "cuda":
         return torch_layer_ops
     if parameter.dtype != torch.bfloat16 or parameter.device.type != "cpu" or not bf16_kernel.prepare():
@@ -261,8 +248,7 @@ def _concatenated(*linears: torch.nn.Linear) -> torch.nn.Linear:
     """One Linear whose output is the given layers' outputs side by side (weights and biases stacked)."""
     weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum(out), in]
     has_bias = linears[0].bias is not None
-    joined = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, dtype=weight.dtype,
-                             device=weight.device)
+    joined = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, dtype=weight.dtype, device=weight.device)
     with torch.no_grad():
         joined.weight.copy_(weight)
         if has_bias:

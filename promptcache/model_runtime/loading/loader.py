@@ -1,10 +1,8 @@
 """Load Hugging Face causal LMs (local directory or hub id) and describe them for the runtime.
 
-Supported: Llama, Mistral, Qwen2 (RoPE, grouped-query attention) and GPT-2 (learned positions), with
-full attention only. A model whose sliding window is active (Mistral's `sliding_window`, Qwen2's
-sliding layers) and shorter than its context is refused: module KV encoded at arbitrary positions
-assumes every token can see every earlier one. Unsupported models are refused from their config,
-before any weight is read.
+Supported: Llama, Mistral, Qwen2 and GPT-2, with full attention only: an active sliding window shorter than the
+context is refused (module KV encoded at arbitrary positions assumes every token sees every earlier one).
+Unsupported models are refused from their config, before any weight is read.
 """
 
 from __future__ import annotations
@@ -43,18 +41,12 @@ _VOLATILE_CONFIG_KEYS = frozenset({
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Which model to load and how.
-
-    `name_or_path=None` is the built-in SmolLM2-135M-Instruct; `cache_dir` is where its converted
-    weights are kept (None: ~/.cache/promptcache/models). `dtype="auto"` is bf16 where the hardware
-    computes it natively and fp32 elsewhere (cpu_features.auto_dtype). `pack_weights` keeps the linear
-    layers' weights in oneDNN's packed layout on CPUs where that runs (packed_linear.py);
-    `fuse_layers` runs Llama/Mistral/Qwen2 models through fused decoder layers on a GPU, and in bf16 on
-    CPUs with AVX512-BF16 (fused_layers.py; the HF modules' outputs up to rare last-bit roundings).
-    `weights` int8/int4 holds the decoder layers' linear weights at 8 or 4 bits on the CPU
-    (quantized_linear.py); int4 loads the built-in model's Q4_1 blocks as its GGUF file stores them.
-    Raises ValueError for an unknown dtype, a malformed device string, or quantized weights off the CPU.
-    """
+    """Which model to load and how. `name_or_path=None` is the built-in SmolLM2-135M-Instruct (converted into
+    `cache_dir`, None: ~/.cache/promptcache/models). `dtype="auto"` is bf16 where the hardware computes it
+    natively, else fp32. `pack_weights`: oneDNN-packed linear weights (packed_linear.py); `fuse_layers`: fused
+    decoder layers (fused_layers.py); `weights` int8/int4: quantized linear weights on the CPU (int4 loads the
+    built-in model's Q4_1 blocks as stored). Raises ValueError for an unknown dtype, a malformed device, or
+    quantized weights off the CPU."""
 
     name_or_path: str | None = None
     dtype: str = "float32"
@@ -83,12 +75,8 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class LoadedModel:
-    """A model in eval mode on its device, its tokenizer, and the facts the runtime needs about them.
-
-    Fingerprints are SHA-256 hex digests that go into every KV cache key: `model_fingerprint` covers
-    name/path, the config (volatile keys removed) and dtype; `tokenizer_fingerprint` covers the full
-    tokenizer definition and the chat template.
-    """
+    """A model in eval mode on its device, its tokenizer, and the facts the runtime needs about them. The
+    fingerprints (SHA-256 hex, part of every KV cache key) are `model_fingerprint`'s and `tokenizer_fingerprint`'s."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
@@ -113,12 +101,9 @@ class LoadedModel:
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
-    """Load model + tokenizer from a local directory, a hub id, or (None) the built-in default model.
-
-    The architecture is checked from the config before weights are read. Raises UnsupportedModelError
-    for an unsupported or sliding-window model, ModelLoadError (naming the path) for anything else
-    that prevents loading, including an unavailable CUDA device.
-    """
+    """Load model + tokenizer from a local directory, a hub id, or (None) the built-in default model, checking
+    the architecture before weights are read. Raises UnsupportedModelError for an unsupported or sliding-window
+    model, ModelLoadError (naming the path) for anything else, an unavailable CUDA device included."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _check_device(config.device)
@@ -160,16 +145,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
 def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str,
                pack_weights: bool = False, fuse_layers: bool = False, weights: WeightFormat = WeightFormat.NATIVE,
                blocks: Mapping[str, Int4Blocks] | None = None) -> LoadedModel:
-    """Describe an in-process model (tests, benchmarks) exactly as `load_model` would.
-
-    Applies the same checks as `load_model` and puts the model in eval mode; the tokenizer is not
-    modified. `pack_weights` replaces the model's linear layers in place (packed_linear.pack_linears)
-    after its weights were fingerprinted, so packed and plain servers share KV keys; `fuse_layers`
-    likewise swaps in fused decoder modules where they apply (fused_layers.fuse_layers); `weights`
-    int8/int4 then quantizes the linear layers (quantization.quantize_linears, using `blocks` as
-    stored) and is part of the fingerprint. Raises UnsupportedModelError or ModelLoadError (slow
-    tokenizer, vocabulary mismatch, quantized weights this torch build or CPU cannot run).
-    """
+    """Check and describe an in-process model exactly as `load_model` does, in eval mode. After fingerprinting
+    the weights (so packed, fused and plain servers share KV keys), it fuses layers, quantizes to `weights` (using
+    `blocks` as stored; the format is part of the fingerprint) and packs, all in place. Raises
+    UnsupportedModelError or ModelLoadError (slow tokenizer, vocabulary mismatch, quantized weights this torch
+    build or CPU cannot run)."""
     config = model.config
     check_architecture(config)
     if not getattr(tokenizer, "is_fast", False):
@@ -193,8 +173,7 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
         pack_linears(model)
     return LoadedModel(
         model=model.eval(), tokenizer=tokenizer, architecture=config.model_type, name=name,
-        model_fingerprint=fingerprint,
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        model_fingerprint=fingerprint, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         num_layers=config.num_hidden_layers, num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
         uses_rope=config.model_type != "gpt2", max_positions=_max_positions(config),
@@ -218,9 +197,8 @@ def check_architecture(hf_config: PretrainedConfig) -> None:
 
 
 def model_fingerprint(name: str, hf_config: PretrainedConfig, dtype: str, weights: str) -> str:
-    """SHA-256 over name/path, the canonical JSON of the config (volatile keys removed), dtype, the
-    revision the weights came from (when the hub says) and the digest of the weights themselves: KV
-    computed by other weights under the same name is never served."""
+    """SHA-256 over name/path, the config's canonical JSON (volatile keys removed), dtype, the hub revision
+    and the weights' digest: KV computed by other weights under the same name is never served."""
     data = {k: v for k, v in hf_config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     revision = getattr(hf_config, "_commit_hash", None) or ""
     digest = hashlib.sha256(b"promptcache-model-v2\0")

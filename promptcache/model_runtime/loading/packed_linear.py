@@ -1,14 +1,8 @@
-"""Linear layers whose weights are prepacked once into oneDNN's layout (CPU): the same products, faster.
-
-`torch.nn.Linear` on CPU hands oneDNN a plain weight on every call. Reordering it once at load time
-(`torch.ops.mkldnn._reorder_linear_weight`, the op PyTorch's own Inductor CPU backend uses for frozen
-weights) and calling `_linear_pointwise` measured, on 2 Zen 4 cores for SmolLM2-135M's 576 x 1536
-projection: bf16 0.036 vs 0.078 ms at 1 row, 0.065 vs 0.12 ms at 9 rows, 9.3 vs 11.0 ms at 2,048 rows
-(bit-identical outputs); fp32 0.10 vs 0.29 ms at 9 rows (results within 2e-6: a different summation
-order). Decode and cached prefill feed a handful of rows per step, where this matters most.
-
-The ops are internal to PyTorch, so packing is used only where a probe on this machine shows it runs
-and agrees with `torch.nn.functional.linear`; anything else keeps the plain layer. CPU only, fp32 and bf16.
+"""Linear layers whose weights are prepacked once into oneDNN's layout (CPU, fp32 and bf16): the same products,
+faster. `nn.Linear` hands oneDNN a plain weight every call; reordered once (`mkldnn._reorder_linear_weight`, as
+Inductor does for frozen weights), SmolLM2's 576 x 1536 projection took, bf16 on 2 Zen 4 cores, 0.036 vs 0.078
+ms at 1 row, 0.065 vs 0.12 at 9, 9.3 vs 11.0 at 2,048 (bit-identical; fp32 0.10 vs 0.29 ms at 9 rows, within
+2e-6). The ops are internal to PyTorch: used only where a probe here shows they run and agree with `F.linear`.
 """
 
 from __future__ import annotations
@@ -65,10 +59,8 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 def pack_linears(model: torch.nn.Module) -> int:
-    """Replace every `nn.Linear` of a CPU model (in fp32 or bf16) with a PackedLinear, in place; returns
-    how many were replaced (0 where packing is unavailable or the model is not on the CPU). A weight
-    tied to another module (an LM head sharing the embedding) is copied into the packed layout: the
-    other module keeps the original."""
+    """Replace every `nn.Linear` of a CPU model (fp32 or bf16) with a PackedLinear in place; returns how many.
+    A tied weight (an LM head sharing the embedding) is copied into the packed layout; the other module keeps it."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -29,13 +29,11 @@ logger = logging.getLogger(__name__)
 
 def quantize_linears(model: torch.nn.Module, weights: WeightFormat,
                      blocks: Mapping[str, Int4Blocks] | None = None) -> int:
-    """Replace the `nn.Linear` layers of a CPU model's decoder layers with Int8Linear or Int4Linear, in place;
-    returns how many were replaced. The output head (the model's largest matrix, often the embedding
-    itself, kept at 8 bits even by 4-bit GGUF files) stays as loaded unless `blocks` holds its stored
-    8 bits (HEAD, gguf_weights.read_q8_0_head) for int4. `blocks` (HF module name -> the
-    checkpoint's own 4-bit weights) are used as stored for int4 instead of quantizing the float weight;
-    a fused projection (fused_layers.py) takes its source layers' blocks side by side. A layer the int4
-    kernel cannot take (`fits_int4`) keeps its float weight. Call after fusing and before packing."""
+    """Replace a CPU model's decoder `nn.Linear` layers with Int8Linear or Int4Linear in place; returns how many.
+    For int4, `blocks` (HF module name -> the checkpoint's 4-bit weights; a fused projection takes its sources'
+    side by side) are used as stored; a layer the kernel cannot take (`fits_int4`) stays float. The output head
+    (often the embedding, 8 bits even in 4-bit GGUF files) stays as loaded unless `blocks` holds its 8 bits
+    (HEAD). Call after fusing and before packing."""
     if weights is WeightFormat.NATIVE:
         return 0
     get_head = getattr(model, "get_output_embeddings", None)

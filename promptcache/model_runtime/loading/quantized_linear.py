@@ -1,25 +1,16 @@
 """Linear layers with int8 or int4 weights on the CPU, run by PyTorch's own weight-only kernels.
 
 `int8`: one symmetric scale per output channel, `y = x @ (q * s)^T` (`aten._weight_int8pack_mm`).
-`int4`: groups of GROUP_SIZE inputs per output channel, each with a scale and a minimum, `w = d * q + m`
-for q in 0..15 — GGUF's Q4_1 block, so a Q4_1 checkpoint's blocks load as they are stored
-(gguf_weights.py). The kernel (`aten._weight_int4pack_mm_for_cpu`) dequantizes `(q - 8) * s + z`, so a
-block maps onto it as s = d, z = m + 8 d: equal in exact arithmetic, and in fp32 the same rounded value
-(q * d is exact, z is exact for fp16 d and m of GGUF's ranges, and both sides round the one sum once;
-tests/model_runtime/test_quantized_linear.py checks it against gguf's own dequantization). The kernels
-take scales in the activations' dtype: for a bf16 model s and z are rounded to bf16.
+`int4`: groups of GROUP_SIZE inputs per output channel, `w = d * q + m` for q in 0..15: GGUF's Q4_1 block, so
+its blocks load as stored (gguf_weights.py). The kernel (`aten._weight_int4pack_mm_for_cpu`) computes
+`(q - 8) * s + z`, so s = d, z = m + 8 d: the same rounded value in fp32 (test_quantized_linear.py checks it
+against gguf's dequantization); for a bf16 model s and z are rounded to bf16.
 
-The kernels read a weight at 1/2 (int8) or 1/4 (int4) of bf16's bytes, which is what decode at small
-batches waits on, but their time grows with every row (they are fast for bf16 activations and run a slow
-scalar path for fp32). From *_DEQUANTIZE_ROWS rows on (prefill), a layer multiplies a dequantized copy
-through oneDNN instead: the same weights, rounded once to the activations' dtype.
-
-With bf16 activations on a CPU where the bf16 kernels are built (attention/bf16_kernel.py), an int4 layer
-also holds its blocks in the layout of the extension's own int4 product (csrc/int4_bf16.cpp, vdpbf16ps on
-the nibbles, scales and minimums kept in fp32) and runs it for few rows: 1.6-2.3x
-faster than PyTorch's int4 kernel per SmolLM2 layer at 1-16 rows, 2-3x faster than the dequantized copy
-at 48-80 rows (2 threads, Zen 4); its time grows linearly with the rows, so it runs below
-INT4_BF16_KERNEL_ROWS, where the dequantized copy takes over.
+The kernels read 1/2 (int8) or 1/4 (int4) of bf16's bytes, which small-batch decode waits on, but their time
+grows with every row (and fp32 runs a slow scalar path): from *_DEQUANTIZE_ROWS rows on, a layer multiplies a
+dequantized copy through oneDNN instead. In bf16 where the bf16 kernels are built, an int4 layer also holds its
+blocks in the extension's own layout (csrc/int4_bf16.cpp) and runs it below INT4_BF16_KERNEL_ROWS: 1.6-2.3x
+faster than PyTorch's int4 kernel at 1-16 rows, 2-3x faster than the dequantized copy at 48-80 rows (Zen 4).
 """
 
 from __future__ import annotations
@@ -127,9 +118,8 @@ class Int8Linear(torch.nn.Module):
 
 
 class Int4Linear(torch.nn.Module):
-    """`y = x @ W^T + b` with W held as Int4Blocks in the CPU int4 kernel's packed layout, and for bf16
-    where the bf16 kernels are loaded also in the extension's int4 layout (`bf16_values`, `bf16_scales`,
-    `bf16_minimums`; else None), which runs instead below INT4_BF16_KERNEL_ROWS rows."""
+    """`y = x @ W^T + b` with W held as Int4Blocks in the CPU int4 kernel's packed layout, and in bf16 with the
+    bf16 kernels also in the extension's layout (`bf16_values`, `bf16_scales`, `bf16_minimums`; else None)."""
 
     weight_int4: torch.Tensor
     scales_and_zeros: torch.Tensor
