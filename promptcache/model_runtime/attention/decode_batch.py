@@ -66,34 +66,25 @@ def restricted(segments: Sequence[Segment], seqs: Sequence[int]) -> list[Segment
     """The segments as the sequences `seqs` (in that order) see them: members among them renumbered by
     their place in `seqs`, their row offsets kept; a segment none of them sees is left out."""
     number = {seq: j for j, seq in enumerate(seqs)}
-    kept = []
-    for keys, values, members, offsets in segments:
-        seen = [j for j, m in enumerate(members) if m in number]
-        if seen:
-            kept.append((keys, values, tuple(number[members[j]] for j in seen),
-                         None if offsets is None else tuple(offsets[j] for j in seen)))
-    return kept
+    return [(keys, values, tuple(number[members[j]] for j in seen),
+             None if offsets is None else tuple(offsets[j] for j in seen))
+            for keys, values, members, offsets in segments
+            if (seen := [j for j, m in enumerate(members) if m in number])]
 
 
 def plan_decode_batch(query: torch.Tensor, query_lens: Sequence[int], own_keys: Sequence[torch.Tensor],
                       own_values: Sequence[torch.Tensor], own_lens: Sequence[int], segments: Sequence[Segment],
                       backend: str) -> Any | None:
-    """The step's `DecodeBatch`, or None where the kernel does not take it: not the `auto` backend, no
-    kernel, not bf16 on a CPU with the kernel's head dims, or some sequence feeds more than one token.
-    `query` is one layer's [1, H, total_q, D]; own_keys[i] [L, H_kv, capacity, D] holds own_lens[i] keys;
-    segments are (keys, values [L, H_kv, n, D], sequences, row offsets or None)."""
+    """The step's `DecodeBatch`, or None where the kernel does not take it (`kernel_takes`). `query` is one
+    layer's [1, H, total_q, D]; own_keys[i] [L, H_kv, capacity, D] holds own_lens[i] keys; segments are
+    (keys, values [L, H_kv, n, D], sequences, row offsets or None)."""
     if not kernel_takes(query.dtype, query.device, query.shape[-1], query_lens, backend):
         return None
-    seg_keys, seg_values, seg_members = [], [], []
-    for keys, values, members, offsets in segments:
-        # A row offset of 1 or more hides the segment from a sequence whose one row is row 0.
-        seeing = [m for j, m in enumerate(members) if not offsets or offsets[j] == 0]
-        if seeing and keys.shape[2] > 0:
-            seg_keys.append(keys)
-            seg_values.append(values)
-            seg_members.append(seeing)
-    decode_batch = bf16_kernel.decode_batch_type()
-    return decode_batch(list(own_keys), list(own_values), list(own_lens), seg_keys, seg_values, seg_members)
+    # A row offset of 1 or more hides the segment from a sequence whose one row is row 0.
+    kept = [(keys, values, seeing) for keys, values, members, offsets in segments
+            if keys.shape[2] > 0 and (seeing := [m for j, m in enumerate(members) if not offsets or offsets[j] == 0])]
+    return bf16_kernel.decode_batch_type()(list(own_keys), list(own_values), list(own_lens), [s[0] for s in kept],
+                                           [s[1] for s in kept], [s[2] for s in kept])
 
 
 def kernel_takes(dtype: torch.dtype, device: torch.device, head_dim: int, query_lens: Sequence[int],

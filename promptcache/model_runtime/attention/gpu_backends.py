@@ -37,13 +37,7 @@ def flash_applicable(q: torch.Tensor) -> bool:
     return q.dtype in FLASH_DTYPES and head_dim <= FLASH_MAX_HEAD_DIM and head_dim % 8 == 0
 
 
-def efficient_applicable(q: torch.Tensor) -> bool:
-    """Whether torch's memory-efficient kernel takes this dtype and head dim."""
-    return q.dtype in EFFICIENT_DTYPES and q.shape[-1] % (EFFICIENT_ALIGNMENT_BYTES // q.element_size()) == 0
-
-
-def aten_flash_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      causal: bool = False) -> Result:
+def aten_flash_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False) -> Result:
     """torch's flash-attention op (fp16/bf16): lse [B, H, M] fp32, natural log."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, causal, False, scale=scale)[:2]  # [B, H, M, D], [B, H, M]
@@ -56,15 +50,6 @@ def aten_efficient_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, None, True, 0.0, causal, scale=scale)[:2]  # [B, H, M, D], [B, H, M_padded]
     return out, lse[..., : q.shape[2]]
-
-
-def matmul_gpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      causal: bool = False) -> Result:
-    """The reference kernel for what no fused op takes; a causal mask is made per call, never cached
-    (a cache would keep [M, N] masks in GPU memory)."""
-    m, n = q.shape[-2], k.shape[-2]
-    mask = torch.ones((m, n), dtype=torch.bool, device=q.device).tril(n - m) if causal else None  # [M, N]
-    return matmul_attend(q, k, v, scale, mask)
 
 
 _libraries: dict[str, Any] = {}  # module name -> module, or None when not importable or turned off
@@ -122,9 +107,12 @@ def gpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
             return found
     if flash_applicable(q):
         return aten_flash_attend(q, k, v, scale, causal)
-    if efficient_applicable(q):
+    if q.dtype in EFFICIENT_DTYPES and q.shape[-1] % (EFFICIENT_ALIGNMENT_BYTES // q.element_size()) == 0:
         return aten_efficient_attend(q, k, v, scale, causal)
-    return matmul_gpu_attend(q, k, v, scale, causal)
+    # The reference kernel; a causal mask is made per call (a cache would keep [M, N] masks in GPU memory).
+    m, n = q.shape[-2], k.shape[-2]
+    mask = torch.ones((m, n), dtype=torch.bool, device=q.device).tril(n - m) if causal else None  # [M, N]
+    return matmul_attend(q, k, v, scale, mask)
 
 
 # The concatenated path's KV copy, expanded to every query head, at most this large (bytes): beyond it the

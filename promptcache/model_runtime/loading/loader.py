@@ -115,9 +115,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         path, is_local = _resolve(config.name_or_path)
         name = path
     # A local directory must never fall back to the hub (a typo would otherwise become a download).
-    options: dict[str, Any] = {"trust_remote_code": config.trust_remote_code}
-    if is_local:
-        options["local_files_only"] = True
+    options: dict[str, Any] = ({"trust_remote_code": config.trust_remote_code}
+                               | ({"local_files_only": True} if is_local else {}))
     try:
         hf_config = AutoConfig.from_pretrained(path, **options)
     except Exception as exc:
@@ -136,8 +135,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
             path, config=hf_config, dtype=config.torch_dtype, attn_implementation="sdpa", **options)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model at {path!r}: {exc}") from None
-    # Called through the class: transformers' @wraps(Module.to) hides from type checkers that the
-    # instance binds self; the call is the same.
+    # Called through the class: transformers' @wraps(Module.to) hides from type checkers that it binds self.
     return wrap_model(type(model).to(model, config.device), tokenizer, name=name, pack_weights=config.pack_weights,
                       fuse_layers=config.fuse_layers, weights=config.weights, blocks=blocks)
 
@@ -155,13 +153,12 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
     if not getattr(tokenizer, "is_fast", False):
         raise ModelLoadError(f"{name}: promptcache needs a fast (Rust-backed) tokenizer")
     if len(tokenizer) > config.vocab_size:
-        raise ModelLoadError(f"{name}: tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
-                             f"has only {config.vocab_size}")
+        raise ModelLoadError(f"{name}: tokenizer has {len(tokenizer)} tokens but the model's vocabulary has only "
+                             f"{config.vocab_size}")
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     dtype = str(model.dtype).removeprefix("torch.")
-    problem = kernel_problem(weights, model.dtype)
-    if problem is not None:
+    if (problem := kernel_problem(weights, model.dtype)) is not None:
         raise ModelLoadError(f"{name}: {weights.value} weights cannot run here: {problem}")
     # KV computed with quantized weights is not the float model's: the format is part of the key.
     stored_as = dtype if weights is WeightFormat.NATIVE else f"{dtype}:{weights.value}"
@@ -251,10 +248,9 @@ def _load_tokenizer(path: str, options: dict[str, Any]) -> PreTrainedTokenizerBa
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
-    # transformers 5 swaps in the model type's own tokenizer class for some types (qwen2 among them)
-    # even when tokenizer_config.json declares the generic one, and that class rebuilds the
-    # normalizer and pre-tokenizer: a generic tokenizer.json saved next to a Qwen2 model would then
-    # tokenize differently from what was saved. A declared generic class is honoured as declared.
+    # transformers 5 swaps in the model type's own tokenizer class for some types (qwen2 among them) even when
+    # tokenizer_config.json declares the generic one, and that class rebuilds the normalizer and pre-tokenizer:
+    # a generic tokenizer.json saved next to a Qwen2 model would tokenize otherwise. A declared one is honoured.
     declared = get_tokenizer_config(path, **options).get("tokenizer_class")
     if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
         return PreTrainedTokenizerFast.from_pretrained(path, **options)
@@ -262,12 +258,9 @@ def _load_tokenizer(path: str, options: dict[str, Any]) -> PreTrainedTokenizerBa
 
 
 def _check_device(device: str) -> None:
-    if device == "cpu":
-        return
-    if not torch.cuda.is_available():
+    if device != "cpu" and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
-    index = int(device.partition(":")[2] or 0)
-    if index >= torch.cuda.device_count():
+    if device != "cpu" and int(device.partition(":")[2] or 0) >= torch.cuda.device_count():
         raise ModelLoadError(f"device {device!r} requested but only {torch.cuda.device_count()} CUDA devices exist")
 
 
