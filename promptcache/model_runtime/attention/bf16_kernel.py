@@ -33,8 +33,7 @@ HEAD_DIMS = (64, 128)
 Kernel = Callable[..., list[torch.Tensor]]
 # (q [B, H, D] one query row per decoding sequence, [[k segments] per sequence], [[v segments]], scale)
 #   -> [out [B, H, D], lse [B, H] fp32]: each sequence attends the concatenation of its own segments.
-DecodeKernel = Callable[[torch.Tensor, list[list[torch.Tensor]], list[list[torch.Tensor]], float],
-                        list[torch.Tensor]]
+DecodeKernel = Callable[[torch.Tensor, list[list[torch.Tensor]], list[list[torch.Tensor]], float], list[torch.Tensor]]
 
 
 @dataclass(frozen=True, slots=True)

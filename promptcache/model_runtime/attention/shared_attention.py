@@ -53,19 +53,10 @@ class OwnPool(NamedTuple):
     first_slots: tuple[int | None, ...]
 
 
-def shared_module_attention(
-    queries: torch.Tensor,
-    query_lens: Sequence[int],
-    own_keys: Sequence[torch.Tensor],
-    own_values: Sequence[torch.Tensor],
-    segments: Sequence[SharedSegment],
-    *,
-    scale: float | None = None,
-    backend: str = "auto",
-    indices: StepIndices | None = None,
-    own_pool: OwnPool | None = None,
-    check: bool = True,
-) -> torch.Tensor:
+def shared_module_attention(queries: torch.Tensor, query_lens: Sequence[int], own_keys: Sequence[torch.Tensor],
+                            own_values: Sequence[torch.Tensor], segments: Sequence[SharedSegment], *,
+                            scale: float | None = None, backend: str = "auto", indices: StepIndices | None = None,
+                            own_pool: OwnPool | None = None, check: bool = True) -> torch.Tensor:
     """queries [total_q, H, D] grouped by sequence; own_keys[i] [H_kv, S_i, D] (S_i >= T_i: the last
     T_i own keys are the queries' own tokens, attended causally). Returns [total_q, H, D]. `indices`:
     the forward pass's index tensors, shared by its layers (a fresh set when None). `own_pool`: where
@@ -163,7 +154,7 @@ def _split(kernel, queries, query_lens, own_keys, own_values, segments, backend)
     sequence to its segments. `shared` holds every other non-empty segment, attended once by all its sequences."""
     joinable = {i for i in range(len(query_lens))
                 if kernel is not None and bf16_kernel.eligible(queries, own_keys[i], own_values[i]) is not None}
-    private: dict[int, list[SharedSegment]] = {}
+    private: dict[int, list[SharedSegment]] = {i: [] for i in joinable}
     shared = []
     for segment in segments:
         if segment.keys.shape[1] == 0:
@@ -171,11 +162,9 @@ def _split(kernel, queries, query_lens, own_keys, own_values, segments, backend)
         if (len(segment.seq_indices) == 1 and segment.seq_indices[0] in joinable
                 and bf16_kernel.eligible(queries, segment.keys, segment.values) is not None):
             if _first_row(segment) < query_lens[segment.seq_indices[0]]:  # else no query of this step sees it
-                private.setdefault(segment.seq_indices[0], []).append(segment)
+                private[segment.seq_indices[0]].append(segment)
         else:
             shared.append(segment)
-    for i in joinable:
-        private.setdefault(i, [])
     return private, shared
 
 

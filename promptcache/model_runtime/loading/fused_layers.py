@@ -18,12 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
-    LlamaMLP,
-    LlamaRMSNorm,
-    eager_attention_forward,  # Mistral's and Qwen2's are the same function
-)
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, eager_attention_forward
 from transformers.models.mistral.modeling_mistral import MistralAttention, MistralMLP, MistralRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm
 
@@ -48,7 +43,7 @@ class LayerOps(Protocol):
 
 _NORMS = (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm)
 _MLPS = (LlamaMLP, MistralMLP, Qwen2MLP)
-_ATTENTIONS = (LlamaAttention, MistralAttention, Qwen2Attention)
+_ATTENTIONS = (LlamaAttention, MistralAttention, Qwen2Attention)  # all use Llama's eager_attention_forward
 _LANES = 16  # the kernels' vector width in elements: feature sizes must be multiples of it
 
 
@@ -57,9 +52,7 @@ class FusedRMSNorm(torch.nn.Module):
 
     def __init__(self, norm: Any, ops: LayerOps) -> None:  # a Hugging Face RMSNorm (duck-typed)
         super().__init__()
-        self.weight = norm.weight
-        self.eps = float(norm.variance_epsilon)
-        self.ops = ops
+        self.weight, self.eps, self.ops = norm.weight, float(norm.variance_epsilon), ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., H] -> [..., H]
@@ -75,8 +68,7 @@ class FusedGatedMLP(torch.nn.Module):
     def __init__(self, mlp: Any, ops: LayerOps) -> None:  # a Hugging Face gated MLP (duck-typed)
         super().__init__()
         self.gate_up_proj = _concatenated(mlp.gate_proj, mlp.up_proj)
-        self.down_proj = mlp.down_proj
-        self.ops = ops
+        self.down_proj, self.ops = mlp.down_proj, ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., hidden] -> gate|up [rows, 2 * inter] -> [rows, inter] -> [..., hidden]
@@ -200,8 +192,7 @@ def fuse_layers(model: torch.nn.Module) -> int:
     """Swap a Llama/Mistral/Qwen2 model's norms, attention blocks and gated MLPs for fused ones in place (on a
     GPU, or in bf16 on a CPU with the kernels); returns how many (0 where no ops or shapes apply). Call before
     packing weights: the fused projections are plain `nn.Linear` layers that packing then picks up."""
-    parameter = next(model.parameters())
-    ops = _layer_ops(parameter) if _fusable(model.config) else None
+    ops = _layer_ops(next(model.parameters())) if _fusable(model.config) else None
     if ops is None:
         return 0
     swapped = 0

@@ -18,9 +18,8 @@ import torch
 
 from promptcache.model_runtime.cpu_features import auto_dtype
 from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
-from promptcache.model_runtime.loading import fused_layers
+from promptcache.model_runtime.loading import fused_layers, quantized_linear
 from promptcache.model_runtime.loading.packed_linear import pack_linears
-from promptcache.model_runtime.loading.quantization import kernel_problem, quantize_linears
 from promptcache.model_runtime.loading.quantized_linear import Int4Blocks, WeightFormat
 from promptcache.model_runtime.rope_shift import KeyShifter
 
@@ -158,14 +157,14 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     dtype = str(model.dtype).removeprefix("torch.")
-    if (problem := kernel_problem(weights, model.dtype)) is not None:
+    if (problem := quantized_linear.kernel_problem(weights, model.dtype)) is not None:
         raise ModelLoadError(f"{name}: {weights.value} weights cannot run here: {problem}")
     # KV computed with quantized weights is not the float model's: the format is part of the key.
     stored_as = dtype if weights is WeightFormat.NATIVE else f"{dtype}:{weights.value}"
     fingerprint = model_fingerprint(name, config, stored_as, weights_digest(model))
     if fuse_layers:
         fused_layers.fuse_layers(model)  # before quantizing and packing: they pick up the fused projections
-    quantize_linears(model, weights, blocks)
+    quantized_linear.quantize_linears(model, weights, blocks)
     if pack_weights:
         pack_linears(model)
     return LoadedModel(
