@@ -23,8 +23,7 @@ def matmul_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 def fused_cpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's fused CPU flash attention. Pitfalls handled: it crashes on empty KV (callers never pass
-    one) and reports lse = 0 for fully masked rows (masked calls go to matmul instead)."""
+    """torch's fused CPU flash attention; masked or empty-KV calls (lse = 0 for masked rows, a crash) take matmul."""
     if mask is not None or k.shape[1] == 0:
         return matmul_attend(q, k, v, scale, mask)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

@@ -1,11 +1,7 @@
-"""The bf16 flash-attention kernel for CPUs with AVX512-BF16 (csrc/flash_bf16.cpp), built ahead of time.
-
-PyTorch's fused CPU attention runs bf16 at fp32 speed without AMX (Zen 4, Cooper Lake); this kernel does QK^T
-and PV on `vdpbf16ps`: 2.6-2.8x faster on a 2K-token causal prefill, 2x on decode rows over 8K shared keys
-(docs/benchmarks.md). K and V come as lists of segments read where they lie, so a request's modules and tokens
-are one call with one softmax. The same library carries the decoder layers' fused ops (`fused_ops()`) and the
-int4 product (`int4_ops()`). `promptcache build-kernels` compiles it (kernel_build.py); `prepare()` only loads
-it, so the server never needs a compiler. Without it, attention keeps PyTorch's fused op.
+"""The bf16 flash-attention kernel for AVX512-BF16 CPUs (csrc/), built ahead of time by `promptcache build-kernels`
+(kernel_build.py) and only loaded here. Without AMX, PyTorch's fused op runs bf16 at fp32 speed; this one is 2-2.8x
+faster (docs/benchmarks.md) and takes K/V as lists of segments read where they lie (one call, one softmax). The same
+library carries the decoder layers' fused ops and the int4 product. Without it, attention keeps PyTorch's fused op.
 """
 
 from __future__ import annotations
@@ -117,8 +113,7 @@ def int4_ops() -> Int4Ops | None:
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> Kernel | None:
-    """The kernel when it can run this call (bf16 on CPU, head dim 64 or 128, last dims contiguous);
-    v defaults to k's layout (a dispatcher that only sees q and k)."""
+    """The kernel when it can run this call (bf16 on CPU, HEAD_DIMS, last dims contiguous); v defaults to k's layout."""
     kernel = loaded()
     v = k if v is None else v
     if kernel is None or q.device.type != "cpu" or q.shape[-1] not in HEAD_DIMS or k.shape[1] == 0:

@@ -1,9 +1,7 @@
-"""A decode step's attention for every layer as one kernel object (bf16 kernel, `decode_bf16.cpp`).
-
-`plan_decode_batch` hands the kernel the step's KV once ([L, H_kv, N, D]: each sequence's own KV, each segment
-with the sequences that see it); each layer is then one `attend(q, layer, scale)` call that merges in C++. The
-per-layer Python of `shared_module_attention` cost more than the attention itself from 4 sequences up. In a step
-that also prefills, the decoding sequences take this path and the prefilling ones the general one.
+"""A decode step's attention for every layer as one kernel object (bf16 kernel, `decode_bf16.cpp`): the step's KV
+is handed over once ([L, H_kv, N, D]), then each layer is one `attend(q, layer, scale)` call merging in C++ (the
+per-layer Python of `shared_module_attention` cost more than the attention from 4 sequences up). In a step that
+also prefills, the decoding sequences take this path and the prefilling ones the general one.
 """
 
 from __future__ import annotations
@@ -42,8 +40,8 @@ MIN_SPLIT_DECODES = 2
 def plan_step_decode(query: torch.Tensor, query_lens: Sequence[int], own_keys: Sequence[torch.Tensor],
                      own_values: Sequence[torch.Tensor], own_lens: Sequence[int], segments: Sequence[Segment],
                      backend: str) -> StepDecode | None:
-    """`plan_decode_batch` for the step's decoding sequences (arguments as there, for every sequence),
-    or None where the kernel does not take them or too few decode beside a prefill."""
+    """`plan_decode_batch` for the step's decoding sequences (arguments as there), or None where it gives None or
+    too few decode beside a prefill."""
     decoding = [i for i, n in enumerate(query_lens) if n == 1]
     if len(decoding) == len(query_lens):
         batch = plan_decode_batch(query, query_lens, own_keys, own_values, own_lens, segments, backend)
@@ -89,7 +87,6 @@ def plan_decode_batch(query: torch.Tensor, query_lens: Sequence[int], own_keys: 
 
 def kernel_takes(dtype: torch.dtype, device: torch.device, head_dim: int, query_lens: Sequence[int],
                  backend: str) -> bool:
-    """Whether the decode kernel takes a step: the `auto` backend, the kernel built, bf16 queries on a CPU,
-    one of its head dims, one token per sequence."""
+    """Whether the decode kernel takes a step: `auto`, the kernel loaded, bf16 on a CPU, HEAD_DIMS, one token each."""
     return (bf16_kernel.decode_batch_type() is not None and backend == "auto" and device.type == "cpu"
             and dtype == torch.bfloat16 and head_dim in bf16_kernel.HEAD_DIMS and all(n == 1 for n in query_lens))

@@ -1,9 +1,7 @@
-"""Pick a kernel per call. On a CPU the fused op beat the plain matmul at every size measured
-(benchmarks/kernels/attention_thresholds.py, docs/benchmarks.md), and in bf16 with AVX512-BF16 `auto` uses our
-kernel (bf16_kernel.py), faster still at every shape measured; the matmul stays for masked calls, tiny work and
-as the reference. On a GPU (GPU_DEVICE_TYPES) every backend but `matmul` runs `gpu_segment_attend`, split over
-the keys (split_keys.py) when one call would leave SMs idle. Tests add "meta" to GPU_DEVICE_TYPES to run that
-branch's op calls on the meta device, where any host sync raises."""
+"""Pick a kernel per call. On a CPU the fused op beat the plain matmul at every size measured, and in bf16 with
+AVX512-BF16 our kernel beat both (docs/benchmarks.md); the matmul stays for masked calls, tiny work and as the
+reference. On a GPU (GPU_DEVICE_TYPES; tests add "meta", where any host sync raises) every backend but `matmul`
+runs `gpu_segment_attend`, split over the keys (split_keys.py) when one call would leave SMs idle."""
 
 from __future__ import annotations
 
@@ -44,8 +42,8 @@ def decode_in_place(backend: str, q: torch.Tensor, num_own_keys: int) -> bool:
 
 def gpu_segment_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [H_kv, M, D] attends k/v [H_kv, N, D] on a GPU: out [H_kv, M, D], lse [H_kv, M] (fp32). Split
-    over the keys when one call would leave SMs idle; masked calls take the matmul."""
+    """q [H_kv, M, D] attends k/v [H_kv, N, D] on a GPU, split over the keys when one call would leave SMs idle
+    (masked calls: the matmul); out [H_kv, M, D], lse [H_kv, M] fp32."""
     if mask is not None:
         return matmul_attend(q, k, v, scale, mask)
     num_blocks = q.shape[0] * -(-q.shape[1] // kernel_block_rows(q))

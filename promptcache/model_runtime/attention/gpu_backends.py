@@ -1,10 +1,7 @@
-"""Attention kernels for GPUs returning (out, natural-log lse), like the CPU kernels in backends.py.
-
-torch's fused CUDA ops (flash: fp16/bf16, head dim <= 256 and a multiple of 8; memory-efficient: fp32 too, lse
-padded to 32 rows and sliced), then the plain matmul. flash-attn and FlashInfer (base-2 lse, converted) go first
-when importable and applicable; one whose call fails is turned off for the process with a warning. All take
-q [B, H, M, D], k/v [B, H, N, D] (N > 0, equal head counts: callers fold a GQA group into query rows or expand
-the KV), a scale and `causal` (square blocks only, M == N); out [B, H, M, D], lse [B, H, M] fp32.
+"""GPU attention kernels returning (out, natural-log lse), like backends.py's: flash-attn and FlashInfer first
+when importable and applicable (one whose call fails is turned off with a warning), then torch's flash and
+memory-efficient CUDA ops, then the matmul. All take q [B, H, M, D], k/v [B, H, N, D] (N > 0, equal head counts),
+a scale and `causal` (square blocks only); out [B, H, M, D], lse [B, H, M] fp32.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Shared-module attention: Hydragen's shared-prefix decomposition generalised to shared *sets*.
-
-Per call (one layer): each shared segment is attended ONCE by the queries of every sequence that includes it
-(sequences and the GQA group folded into the query axis: matrix-matrix, not matrix-vector); each sequence's own
-KV is attended causally; the partial results are merged exactly by log-sum-exp rescaling in fp32. With the bf16
-kernel, which takes KV as a list of segments, the segments only one sequence sees join that sequence's own call.
-Kernels come from dispatch.py (CPU or GPU); index tensors from a `StepIndices` built once per forward pass, so
-no layer blocks the host on a GPU.
+"""Shared-module attention: Hydragen's shared-prefix decomposition generalised to shared *sets*. Per layer, each
+shared segment is attended ONCE by the queries of every sequence that includes it (sequences and GQA group folded
+into the query axis), each sequence's own KV causally, and the parts merged exactly by log-sum-exp in fp32; with the
+bf16 kernel, the segments only one sequence sees join its own call. Kernels come from dispatch.py.
 """
 
 from __future__ import annotations
@@ -57,12 +53,10 @@ def shared_module_attention(queries: torch.Tensor, query_lens: Sequence[int], ow
                             own_values: Sequence[torch.Tensor], segments: Sequence[SharedSegment], *,
                             scale: float | None = None, backend: str = "auto", indices: StepIndices | None = None,
                             own_pool: OwnPool | None = None, check: bool = True) -> torch.Tensor:
-    """queries [total_q, H, D] grouped by sequence; own_keys[i] [H_kv, S_i, D] (S_i >= T_i: the last
-    T_i own keys are the queries' own tokens, attended causally). Returns [total_q, H, D]. `indices`:
-    the forward pass's index tensors, shared by its layers (a fresh set when None). `own_pool`: where
-    the own KV lies when (some of) own_keys are views of a pool's slots, so decoding sequences' KV is
-    gathered in one call rather than copied one by one. `check=False` skips validating the arguments
-    (a forward pass's later layers, whose tensors have the first layer's layout)."""
+    """queries [total_q, H, D] grouped by sequence; own_keys[i] [H_kv, S_i, D] (its last T_i keys are the queries'
+    own tokens, attended causally). Returns [total_q, H, D]. `indices`: the pass's index tensors (None: fresh).
+    `own_pool`: the pool own_keys are views of, so decoding sequences' KV is gathered in one call. `check=False`
+    skips validation (a pass's later layers)."""
     total_q, num_heads, head_dim = queries.shape
     num_kv_heads = _validate(queries, query_lens, own_keys, own_values, segments) if check else own_keys[0].shape[0]
     if own_pool is not None and len(own_pool.first_slots) != len(query_lens):
@@ -183,9 +177,8 @@ def _by_rows(shared: Sequence[SharedSegment], queries: torch.Tensor | None) -> l
 
 def _attend_together(kernel, q: torch.Tensor, segments: Sequence[SharedSegment], keys: torch.Tensor,
                      values: torch.Tensor, num_kv_heads: int, scale: float, *, with_lse: bool = False):
-    """q [T, H, D] (one sequence) attends `segments` (each from its row offset on) and its own keys/values
-    [H_kv, S, D], whose last T are its own tokens (causal), in one bf16-kernel call. Returns out [T, H, D]
-    (q's dtype), and lse [T, H] with `with_lse`."""
+    """q [T, H, D] (one sequence) attends `segments` (each from its row offset on) and its own KV [H_kv, S, D]
+    (causal) in one bf16-kernel call. Returns out [T, H, D] (q's dtype), and lse [T, H] with `with_lse`."""
     n, num_heads, head_dim = q.shape
     all_keys, all_values = [*(s.keys for s in segments), keys], [*(s.values for s in segments), values]
     first_rows = [*(_first_row(s) for s in segments), 0]
@@ -300,10 +293,8 @@ def own_decode_in_place(queries: torch.Tensor, rows: Sequence[int], own_keys: Se
 def own_decode(queries: torch.Tensor, rows: torch.Tensor | None, own_keys: Sequence[torch.Tensor],
                own_values: Sequence[torch.Tensor], num_kv_heads: int, group: int, scale: float,
                indices: StepIndices, pool: OwnPool | None = None):
-    """One batched call for single-token sequences (query rows `rows`; None: every row, in order) with short own
-    KV, padded to the longest and masked: gathered by one index_select each for keys and values from `pool`
-    (these sequences' slots), else copied one by one. Nothing waits for the device. Returns out [B, H, D],
-    lse [B, H] (fp32)."""
+    """One batched call for single-token sequences (query rows `rows`; None: all, in order) with short own KV padded
+    and masked: gathered from `pool` by one index_select each, else copied. Returns out [B, H, D], lse [B, H] fp32."""
     lengths = tuple(k.shape[1] for k in own_keys)
     longest, batch, head_dim = max(lengths), len(lengths), queries.shape[-1]
     if pool is not None:

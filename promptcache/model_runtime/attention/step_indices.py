@@ -10,8 +10,7 @@ import torch
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor on `device` without a host sync: pinned, then copied asynchronously (stream-ordered before
-    any kernel that reads it); on the CPU as it is."""
+    """A CPU tensor on `device` without a host sync (pinned, copied asynchronously); on the CPU as it is."""
     if device.type == "cpu":
         return host
     if device.type == "cuda":
@@ -39,8 +38,7 @@ class StepIndices:
         return self.get(("rows", spans), lambda: _span_rows(spans))
 
     def span(self, spans: Sequence[tuple[int, int]]) -> slice | torch.Tensor:
-        """The rows of (first, end) `spans` as one slice where they follow on (a view: no gather and scatter
-        copies), else as `rows`."""
+        """The rows of (first, end) `spans` as one slice where they follow on (a view: no copies), else `rows`."""
         if spans and all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1)):
             return slice(spans[0][0], spans[-1][1])
         return self.rows(spans)

@@ -1,13 +1,7 @@
-"""Fused decoder layers: one projection for q|k|v and one for gate|up; RMSNorm, RoPE and the SiLU-gated product
-as one-pass kernels for bf16 on AVX512-BF16 CPUs (attention/csrc/fused_bf16.cpp), or as fewer PyTorch ops on a
-GPU (torch_layer_ops.py), where each op is a kernel launch.
-
-Why: once attention ran on the bf16 kernel, the ops bf16 did not speed up (RMSNorm in seven passes, RoPE in six,
-SiLU and product in two, each upcasting to fp32) were a quarter of SmolLM2's 2K-token prefill. The kernels round
-to bf16 where the Hugging Face modules do, so outputs are equal (RoPE bit for bit; RMSNorm and SiLU but for rare
-last-bit ties; tests/model_runtime/test_fused_layers.py); the joined projections' products are bit-identical.
-Applied by `fuse_layers(model)` at load to Llama, Mistral and Qwen2 models on a GPU, or in bf16 on a CPU where
-the kernel library loads; anything else keeps the Hugging Face modules.
+"""Fused Llama/Mistral/Qwen2 decoder layers (`fuse_layers`, at load): q|k|v and gate|up as one projection each,
+RMSNorm, RoPE and the SiLU gate as one-pass kernels in bf16 on AVX512-BF16 CPUs (attention/csrc/fused_bf16.cpp) or
+as fewer torch ops on a GPU (torch_layer_ops.py). PyTorch's many passes were a quarter of SmolLM2's bf16 prefill;
+the kernels round where the HF modules do, so outputs are equal but for rare last-bit ties (test_fused_layers.py).
 """
 
 from __future__ import annotations
@@ -77,9 +71,8 @@ class FusedGatedMLP(torch.nn.Module):
 
 
 class FusedAttention(torch.nn.Module):
-    """The attention block of a Llama/Mistral/Qwen2 layer with q|k|v as one projection and RoPE applied to
-    q and k in one pass; the cache update and the attention function are the model's, called as the
-    Hugging Face module calls them (so the engine's shared-module attention sees the same tensors)."""
+    """A Llama/Mistral/Qwen2 attention block with q|k|v as one projection and RoPE on q and k in one pass; the cache
+    update and attention function are the model's, called as the HF module calls them (the same tensors)."""
 
     JOINED_PROJECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
@@ -141,10 +134,9 @@ DecodeForward = Callable[[torch.Tensor, torch.Tensor, "BatchContext"], torch.Ten
 
 
 def decode_stack_forward(base_model: Any) -> DecodeForward | None:
-    """The decoder stack for a step where every sequence feeds one token and the decode kernel attends
-    (`decode_batch.kernel_takes`): `fused_stack_forward`'s ops in one loop (KV written through the step's
-    `writes`, attention by its `DecodeBatch`) without the modules' reshapes and calls, which bind a small
-    model's decode step. None where some layer is not fused."""
+    """`fused_stack_forward`'s ops in one loop for a step the decode kernel attends (`decode_batch.kernel_takes`),
+    KV written through the step's `writes`, without the modules' calls that bind a small model's decode step.
+    None where some layer is not fused."""
     layers = _fused_layers(base_model)
     if layers is None:
         return None
@@ -189,9 +181,8 @@ def _fused_layers(base_model: Any) -> list[Any] | None:
 
 
 def fuse_layers(model: torch.nn.Module) -> int:
-    """Swap a Llama/Mistral/Qwen2 model's norms, attention blocks and gated MLPs for fused ones in place (on a
-    GPU, or in bf16 on a CPU with the kernels); returns how many (0 where no ops or shapes apply). Call before
-    packing weights: the fused projections are plain `nn.Linear` layers that packing then picks up."""
+    """Swap a Llama/Mistral/Qwen2 model's norms, attention blocks and gated MLPs for fused ones in place; returns how
+    many (0 where no ops or shapes apply). Call before packing: the joined projections are plain `nn.Linear`s."""
     ops = _layer_ops(next(model.parameters())) if _fusable(model.config) else None
     if ops is None:
         return 0
@@ -207,8 +198,7 @@ def fuse_layers(model: torch.nn.Module) -> int:
 
 
 def _layer_ops(parameter: torch.Tensor) -> LayerOps | None:
-    """The ops for weights like `parameter`: torch's on a GPU (launches bind a step there, so fewer ops pay in
-    any dtype), the bf16 kernels in bf16 on a CPU that runs them, else None."""
+    """The ops for weights like `parameter`: torch's on a GPU (any dtype), the bf16 kernels in bf16 on a CPU."""
     if parameter.device.type == "cuda":
         return torch_layer_ops
     if parameter.dtype != torch.bfloat16 or parameter.device.type != "cpu" or not bf16_kernel.prepare():
@@ -227,8 +217,7 @@ def _fused(module: torch.nn.Module, ops: LayerOps) -> torch.nn.Module | None:
 
 
 def _fusable(config) -> bool:
-    """Shapes and options the kernels implement: SiLU gating, RoPE over the whole head, head dim a multiple
-    of 32, hidden and intermediate sizes multiples of 16 (sliding windows are refused at load)."""
+    """Shapes the kernels implement: SiLU gating, full-head RoPE, head dim % 32, hidden and intermediate % 16."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return (config.model_type in ("llama", "mistral", "qwen2") and config.hidden_act == "silu"
             and head_dim % (2 * _LANES) == 0 and config.hidden_size % _LANES == 0

@@ -204,8 +204,7 @@ def model_fingerprint(name: str, hf_config: PretrainedConfig, dtype: str, weight
 
 
 def weights_digest(model: PreTrainedModel) -> str:
-    """SHA-256 over every parameter and buffer (name, dtype, shape, bytes), tied tensors once.
-    About a second per GB of weights on one core."""
+    """SHA-256 over every parameter and buffer (name, dtype, shape, bytes), tied tensors once (~1 s per GB)."""
     digest = hashlib.sha256(b"promptcache-weights-v1\0")
     seen: set[int] = set()
     for name, tensor in sorted(model.state_dict().items()):

@@ -1,8 +1,7 @@
-"""Linear layers whose weights are prepacked once into oneDNN's layout (CPU, fp32 and bf16): the same products,
-faster. `nn.Linear` hands oneDNN a plain weight every call; reordered once (`mkldnn._reorder_linear_weight`, as
-Inductor does for frozen weights), SmolLM2's 576 x 1536 projection took, bf16 on 2 Zen 4 cores, 0.036 vs 0.078
-ms at 1 row, 0.065 vs 0.12 at 9, 9.3 vs 11.0 at 2,048 (bit-identical; fp32 0.10 vs 0.29 ms at 9 rows, within
-2e-6). The ops are internal to PyTorch: used only where a probe here shows they run and agree with `F.linear`.
+"""Linear layers whose weights are prepacked once into oneDNN's layout (CPU, fp32 and bf16; as Inductor does for
+frozen weights): the same products, faster (SmolLM2's 576 x 1536 on 2 Zen 4 cores, bf16: 0.036 vs 0.078 ms at 1
+row, 0.065 vs 0.12 at 9, 9.3 vs 11.0 at 2,048; fp32 0.10 vs 0.29 at 9). The ops are internal to PyTorch: used only
+where a probe here shows they run and agree with `F.linear`.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ _PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 class PackedLinear(torch.nn.Module):
-    """`y = x @ W^T + b` with W held only in oneDNN's packed layout. Inference only: no gradients, and
-    the packed weight is not a parameter (it cannot be moved to another device or saved)."""
+    """`y = x @ W^T + b` with W only in oneDNN's packed layout: inference only, not movable or saved."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()

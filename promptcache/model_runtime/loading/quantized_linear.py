@@ -1,17 +1,9 @@
-"""Linear layers with int8 or int4 weights on the CPU, run by PyTorch's own weight-only kernels; `quantize_linears`
-puts them into a loaded model and `kernel_problem` says whether this machine can run them.
-
-`int8`: one symmetric scale per output channel, `y = x @ (q * s)^T` (`aten._weight_int8pack_mm`).
-`int4`: groups of GROUP_SIZE inputs per output channel, `w = d * q + m` for q in 0..15: GGUF's Q4_1 block, so
-its blocks load as stored (gguf_weights.py). The kernel (`aten._weight_int4pack_mm_for_cpu`) computes
-`(q - 8) * s + z`, so s = d, z = m + 8 d: the same rounded value in fp32 (test_quantized_linear.py checks it
-against gguf's dequantization); for a bf16 model s and z are rounded to bf16.
-
-The kernels read 1/2 (int8) or 1/4 (int4) of bf16's bytes, which small-batch decode waits on, but their time
-grows with every row (and fp32 runs a slow scalar path): from *_DEQUANTIZE_ROWS rows on, a layer multiplies a
-dequantized copy through oneDNN instead. In bf16 where the bf16 kernels are built, an int4 layer also holds its
-blocks in the extension's own layout (csrc/int4_bf16.cpp) and runs it below INT4_BF16_KERNEL_ROWS: 1.6-2.3x
-faster than PyTorch's int4 kernel at 1-16 rows, 2-3x faster than the dequantized copy at 48-80 rows (Zen 4).
+"""int8 / int4 weight-only linear layers on the CPU (PyTorch's kernels), `quantize_linears` to put them into a
+loaded model and `kernel_problem` to say whether this machine runs them. int4 is GGUF's Q4_1 (`w = d * q + m` per
+GROUP_SIZE inputs; the kernel's `(q - 8) * s + z` with s = d, z = m + 8 d: the same value in fp32), so its blocks
+load as stored. The kernels' time grows with the rows (fp32: a slow scalar path): from *_DEQUANTIZE_ROWS on, a
+dequantized copy runs through oneDNN. In bf16 the extension's int4 product (csrc/int4_bf16.cpp, 1.6-2.3x faster
+than PyTorch's at 1-16 rows) runs below INT4_BF16_KERNEL_ROWS.
 """
 
 from __future__ import annotations
@@ -69,8 +61,7 @@ class Int4Blocks:
 
     @classmethod
     def of(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int4Blocks:
-        """Quantize a float weight [out, in]: per group, the minimum and (max - min) / 15 as the scale,
-        both as `dtype` will hold them (so the values are rounded against what the kernel uses)."""
+        """Quantize a weight [out, in]: per group, scale (max - min) / 15 and minimum, as `dtype` holds them."""
         out_features, in_features = weight.shape
         groups = weight.detach().float().reshape(out_features, -1, GROUP_SIZE)  # [out, in / G, G]
         low, high = groups.amin(-1), groups.amax(-1)
@@ -187,8 +178,7 @@ class Int4Linear(torch.nn.Module):
 
 
 class SplitByteLinear(torch.nn.Module):
-    """`y = x @ W^T` for an 8-bit weight held as two 4-bit planes (gguf_weights.read_q8_0_head): one
-    Int4Linear over the input written twice, `[x, x] @ [W_high | W_low]^T`, one product and one rounding."""
+    """`y = x @ W^T` for an 8-bit weight as two 4-bit planes (read_q8_0_head): `[x, x] @ [W_high | W_low]^T`."""
 
     def __init__(self, blocks: Int4Blocks, dtype: torch.dtype) -> None:
         super().__init__()
@@ -201,11 +191,9 @@ class SplitByteLinear(torch.nn.Module):
 
 def quantize_linears(model: torch.nn.Module, weights: WeightFormat,
                      blocks: Mapping[str, Int4Blocks] | None = None) -> int:
-    """Replace a CPU model's decoder `nn.Linear` layers with Int8Linear or Int4Linear in place; returns how many.
-    For int4, `blocks` (HF module name -> the checkpoint's 4-bit weights; a fused projection takes its sources'
-    side by side) are used as stored; a layer the kernel cannot take (`fits_int4`) stays float. The output head
-    (often the embedding, 8 bits even in 4-bit GGUF files) stays as loaded unless `blocks` holds its 8 bits
-    (HEAD). Call after fusing and before packing."""
+    """Replace a CPU model's `nn.Linear` layers with Int8Linear or Int4Linear in place (after fusing, before packing);
+    returns how many. int4 uses `blocks` (HF module name -> the checkpoint's 4-bit weights) as stored; a layer not
+    `fits_int4` stays float. The output head stays as loaded unless `blocks` holds its 8 bits (HEAD)."""
     if weights is WeightFormat.NATIVE:
         return 0
     get_head = getattr(model, "get_output_embeddings", None)

@@ -1,7 +1,7 @@
-"""The fused decoder layers' element-wise ops as PyTorch ops, for GPUs, where a decode step is bound by kernel
-launches (HF runs RMSNorm as eight ops, RoPE as ~seven per tensor): the same arithmetic in the same dtypes and
-order (RoPE bit for bit, RMSNorm up to the fp32 sum's order) in fewer launches. `bf16_kernel.FusedOps` (CPU)
-implements the same three signatures."""
+"""The fused decoder layers' element-wise ops as PyTorch ops for GPUs, where a step is bound by kernel launches:
+the Hugging Face modules' arithmetic in the same dtypes and order, in fewer launches. `bf16_kernel.FusedOps` (CPU)
+implements the same three signatures.
+"""
 
 from __future__ import annotations
 
