@@ -36,8 +36,7 @@ def on_gpu(t: torch.Tensor) -> bool:
 
 def decode_in_place(backend: str, q: torch.Tensor, num_own_keys: int) -> bool:
     """Whether a decoding sequence's own KV is attended in place by a fused call of its own (CPU only)."""
-    return (backend in ("auto", "fused_cpu") and q.device.type == "cpu"
-            and num_own_keys >= OWN_DECODE_FUSED_MIN_KEYS)
+    return backend in ("auto", "fused_cpu") and q.device.type == "cpu" and num_own_keys >= OWN_DECODE_FUSED_MIN_KEYS
 
 
 def gpu_segment_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -36,9 +36,8 @@ def flash_applicable(q: torch.Tensor) -> bool:
 
 def aten_flash_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False) -> Result:
     """torch's flash-attention op (fp16/bf16): lse [B, H, M] fp32, natural log."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, k, v, 0.0, causal, False, scale=scale)[:2]  # [B, H, M, D], [B, H, M]
-    return out, lse
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return out, lse  # [B, H, M, D], [B, H, M]
 
 
 def aten_efficient_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -115,11 +114,6 @@ def gpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
 # The concatenated path's KV copy, expanded to every query head, at most this large (bytes): beyond it the
 # copy's memory, not launches, is what a call costs, and segments are attended where they lie.
 CONCATENATED_MAX_BYTES = 256 << 20
-
-
-def concatenated_bytes(num_heads: int, num_keys: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of the K and V copies `attend_concatenated` makes for `num_keys` keys."""
-    return 2 * num_heads * num_keys * head_dim * torch.finfo(dtype).bits // 8
 
 
 def attend_concatenated(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],

@@ -53,8 +53,7 @@ def default_model_path(cache_dir: str | Path | None = None) -> Path:
     import transformers
 
     source = gguf_path()
-    stat = source.stat()
-    major = transformers.__version__.split(".")[0]
+    stat, major = source.stat(), transformers.__version__.split(".")[0]
     identity = f"{stat.st_size}:{stat.st_mtime_ns}:{_CONVERTER_VERSION}:{major}"
     root = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "promptcache" / "models"
     target = root / f"{DEFAULT_MODEL_NAME}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
@@ -82,8 +81,7 @@ def default_model_path(cache_dir: str | Path | None = None) -> Path:
 
 
 def _is_complete(directory: Path) -> bool:
-    # The rename is atomic, so a directory under the final name is whole; still check the key files
-    # in case someone copied or pruned the cache by hand.
+    # The rename is atomic, so a directory under the final name is whole; the files are checked against hand edits.
     return all((directory / name).is_file() for name in _REQUIRED_FILES)
 
 

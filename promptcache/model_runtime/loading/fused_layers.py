@@ -121,8 +121,7 @@ def fused_stack_forward(base_model: Any) -> StackForward | None:
         hidden = base_model.embed_tokens(input_ids)                           # [1, Q, hidden]
         position_embeddings = base_model.rotary_emb(hidden, position_ids=position_ids)
         for layer in layers:
-            attended, _ = layer.self_attn(layer.input_layernorm(hidden), position_embeddings, None, cache)
-            hidden = hidden + attended
+            hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), position_embeddings, None, cache)[0]
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return base_model.norm(hidden)
 
@@ -161,8 +160,7 @@ def decode_stack_forward(base_model: Any) -> DecodeForward | None:
             attended = context.decode_batch(query).attend(query, attention.layer_idx, scale)[0]  # [B, H, D]
             hidden = hidden + attention.o_proj(attended.view(rows, heads * dim))
             norm = layer.post_attention_layernorm
-            hidden = hidden + mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(ops.rms_norm(hidden, norm.weight,
-                                                                                        norm.eps))))
+            hidden = hidden + mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(ops.rms_norm(hidden, norm.weight, norm.eps))))
         return base_model.norm(hidden).unsqueeze(0)
 
     return forward

@@ -270,8 +270,7 @@ def _max_positions(hf_config: PretrainedConfig) -> int:
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     ids: list[int] = []
-    generation = getattr(model, "generation_config", None)
-    for source in (getattr(generation, "eos_token_id", None), tokenizer.eos_token_id):
+    for source in (getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer.eos_token_id):
         if isinstance(source, int):
             ids.append(source)
         elif source:

@@ -62,8 +62,7 @@ def pack_linears(model: torch.nn.Module) -> int:
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (type(child) is torch.nn.Linear and child.weight.device.type == "cpu"
-                    and can_pack(child.weight.dtype)):
+            if type(child) is torch.nn.Linear and child.weight.device.type == "cpu" and can_pack(child.weight.dtype):
                 setattr(parent, name, PackedLinear(child))
                 replaced += 1
     return replaced
