@@ -1,9 +1,7 @@
-"""CPU attention kernels returning (out, lse): plain matmul (also the reference kernel on any device),
-the fused CPU op and our bf16 CPU kernel. The GPU kernels are in gpu_backends.py.
-
-All take q [G_kv, M, D] (query rows folded per KV head), k/v [G_kv, N, D] with N > 0, and an optional
-boolean mask [M, N] (True = attend). They return out [G_kv, M, D] and lse [G_kv, M] (fp32).
-"""
+"""CPU attention kernels returning (out, lse): plain matmul (also the reference on any device), the fused
+CPU op and our bf16 kernel (GPU kernels: gpu_backends.py). All take q [G_kv, M, D] (query rows folded per KV
+head), k/v [G_kv, N, D] with N > 0 and an optional bool mask [M, N] (True = attend); out [G_kv, M, D], lse
+[G_kv, M] fp32."""
 
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ def matmul_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 def fused_cpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's fused CPU flash attention. Pitfalls handled: it crashes on empty KV (callers never pass
-    one) and reports lse = 0 for fully masked rows (masked calls go to matmul instead)."""
+    """torch's fused CPU flash attention; masked or empty-KV calls (lse = 0 for masked rows, a crash) take matmul."""
     if mask is not None or k.shape[1] == 0:
         return matmul_attend(q, k, v, scale, mask)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

@@ -1,17 +1,7 @@
-"""The bf16 flash-attention kernel for CPUs with AVX512-BF16 (csrc/flash_bf16.cpp), built ahead of time.
-
-PyTorch's fused CPU attention runs bf16 on bf16 tiles only with AMX; on AVX512-BF16 CPUs without AMX
-(AMD Zen 4, Intel Cooper Lake) it computes at fp32 speed, which held `--dtype auto` to 1.4-1.9x over fp32
-on a 2K-token prefill. This kernel does QK^T and PV on `vdpbf16ps`: 2.6-2.8x faster than the
-fused op on a 2K-token causal prefill, 2x on decode rows over 8K shared keys (docs/benchmarks.md). It takes
-K and V as lists of segments (csrc/pack_bf16.h reads each where it lies), so a request's modules, its
-earlier tokens and its new ones are one call with one softmax instead of a call and a merge each.
-The same extension carries the decoder layers' fused element-wise ops (csrc/fused_bf16.cpp, `fused_ops()`,
-used by model_runtime/loading/fused_layers.py): one build, one set of CPU requirements.
-
-`promptcache build-kernels` compiles it at install time (kernel_build.py); `prepare()` only loads that
-library, so the server never needs a compiler. Without the library or the CPU flags, attention keeps
-PyTorch's fused op and models keep the Hugging Face modules.
+"""The bf16 flash-attention kernel for AVX512-BF16 CPUs (csrc/), built ahead of time by `promptcache build-kernels`
+(kernel_build.py) and only loaded here. Without AMX, PyTorch's fused op runs bf16 at fp32 speed; this one is 2-2.8x
+faster (docs/benchmarks.md) and takes K/V as lists of segments read where they lie (one call, one softmax). The same
+library carries the decoder layers' fused ops and the int4 product. Without it, attention keeps PyTorch's fused op.
 """
 
 from __future__ import annotations
@@ -39,8 +29,7 @@ HEAD_DIMS = (64, 128)
 Kernel = Callable[..., list[torch.Tensor]]
 # (q [B, H, D] one query row per decoding sequence, [[k segments] per sequence], [[v segments]], scale)
 #   -> [out [B, H, D], lse [B, H] fp32]: each sequence attends the concatenation of its own segments.
-DecodeKernel = Callable[[torch.Tensor, list[list[torch.Tensor]], list[list[torch.Tensor]], float],
-                        list[torch.Tensor]]
+DecodeKernel = Callable[[torch.Tensor, list[list[torch.Tensor]], list[list[torch.Tensor]], float], list[torch.Tensor]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,14 +56,13 @@ class Int4Ops:
     mm: Callable[..., torch.Tensor]
 
 
-# "kernel", "decode", "decode_batch", "ops" and "int4" once prepare() has run: each None if unavailable, and then
-# "reason" says why.
+# "kernel", "decode", "decode_batch", "ops" and "int4" once prepare() has run (None if unavailable: "reason" says why)
 _state: dict[str, Any] = {}
 
 
-def supported(flags: frozenset[str] | None = None) -> bool:
+def supported() -> bool:
     """Whether this CPU has the instructions the kernel is compiled for."""
-    return (cpu_flags() if flags is None else flags) >= REQUIRED_FLAGS
+    return cpu_flags() >= REQUIRED_FLAGS
 
 
 def prepare() -> bool:
@@ -82,12 +70,10 @@ def prepare() -> bool:
     if "kernel" not in _state:
         missing = sorted(REQUIRED_FLAGS - cpu_flags())
         module = _load() if not missing else None
-        _state["kernel"] = None if module is None else module.flash_bf16
-        _state["decode"] = None if module is None else module.decode_bf16
-        _state["decode_batch"] = None if module is None else module.DecodeBatch
-        _state["ops"] = None if module is None else FusedOps(module.rms_norm, module.silu_mul, module.rope_qk,
-                                                              module.shift_keys)
-        _state["int4"] = None if module is None else Int4Ops(module.int4_pack, module.int4_mm)
+        _state.update(dict.fromkeys(("kernel", "decode", "decode_batch", "ops", "int4")) if module is None else {
+            "kernel": module.flash_bf16, "decode": module.decode_bf16, "decode_batch": module.DecodeBatch,
+            "ops": FusedOps(module.rms_norm, module.silu_mul, module.rope_qk, module.shift_keys),
+            "int4": Int4Ops(module.int4_pack, module.int4_mm)})
         if missing:
             _state["reason"] = f"the CPU lacks {', '.join(missing)}"
             log.info("bf16 attention kernel not used: %s", _state["reason"])
@@ -95,8 +81,7 @@ def prepare() -> bool:
 
 
 def unavailable_reason() -> str | None:
-    """Why `prepare()` did not load the kernel (no file paths: /health shows it), None if it did or has
-    not run."""
+    """Why `prepare()` did not load the kernel (no file paths: /health shows it), None if it did or has not run."""
     return None if _state.get("kernel") is not None else _state.get("reason")
 
 
@@ -111,32 +96,30 @@ def decode_loaded() -> DecodeKernel | None:
 
 
 def decode_batch_type() -> Any:
-    """The kernel's `DecodeBatch` class if `prepare()` loaded it, else None: built once per decode step from
-    every layer's KV (`DecodeBatch(own_keys, own_values, own_lens, segment_keys, segment_values,
-    segment_members)`, tensors [L, H_kv, N, D]), `attend(q [B, H, D], layer, scale) -> [out, lse]` per layer."""
+    """The kernel's `DecodeBatch` class if loaded, else None: `DecodeBatch(own_keys, own_values, own_lens,
+    segment_keys, segment_values, segment_members)` (tensors [L, H_kv, N, D]), then per layer
+    `attend(q [B, H, D], layer, scale) -> [out, lse]`."""
     return _state.get("decode_batch")
 
 
 def fused_ops() -> FusedOps | None:
-    """The fused element-wise ops if `prepare()` loaded the kernel in this process, else None."""
+    """The fused element-wise ops if `prepare()` loaded the kernel, else None."""
     return _state.get("ops")
 
 
 def int4_ops() -> Int4Ops | None:
-    """The int4 product for few rows if `prepare()` loaded the kernel in this process, else None."""
+    """The int4 product for few rows if `prepare()` loaded the kernel, else None."""
     return _state.get("int4")
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> Kernel | None:
-    """The kernel when it can run this call (bf16 on CPU, head dim 64 or 128, last dims contiguous);
-    v defaults to k's layout (a dispatcher that only sees q and k)."""
+    """The kernel when it can run this call (bf16 on CPU, HEAD_DIMS, last dims contiguous); v defaults to k's layout."""
     kernel = loaded()
     v = k if v is None else v
     if kernel is None or q.device.type != "cpu" or q.shape[-1] not in HEAD_DIMS or k.shape[1] == 0:
         return None
-    if not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
-        return None
-    return kernel if q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 else None
+    bf16 = q.dtype == k.dtype == v.dtype == torch.bfloat16
+    return kernel if bf16 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 else None
 
 
 def _load() -> Any:

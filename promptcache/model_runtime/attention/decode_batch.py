@@ -1,13 +1,7 @@
-"""A decode step's attention for every layer as one kernel object (bf16 kernel, `decode_bf16.cpp`).
-
-When sequences of a step decode one token, the layers differ only in which layer of each KV tensor they
-read. `plan_decode_batch` hands the kernel the step's KV once ([L, H_kv, N, D] tensors: each
-sequence's own KV, each module or prefix segment with the sequences that see it); each layer is then one
-`attend(q, layer, scale)` call that attends a sequence's own KV and its private segments together,
-every shared segment once for all its sequences' rows, and merges them in C++. The per-layer Python of
-`shared_module_attention` (slicing each sequence's KV, grouping, merges by torch ops) grew with the batch
-and cost more than the attention itself from 4 sequences up. In a step that also prefills, the decoding
-sequences take this path and the prefilling ones the general one (`StepDecode.others`).
+"""A decode step's attention for every layer as one kernel object (bf16 kernel, `decode_bf16.cpp`): the step's KV
+is handed over once ([L, H_kv, N, D]), then each layer is one `attend(q, layer, scale)` call merging in C++ (the
+per-layer Python of `shared_module_attention` cost more than the attention from 4 sequences up). In a step that
+also prefills, the decoding sequences take this path and the prefilling ones the general one.
 """
 
 from __future__ import annotations
@@ -46,8 +40,8 @@ MIN_SPLIT_DECODES = 2
 def plan_step_decode(query: torch.Tensor, query_lens: Sequence[int], own_keys: Sequence[torch.Tensor],
                      own_values: Sequence[torch.Tensor], own_lens: Sequence[int], segments: Sequence[Segment],
                      backend: str) -> StepDecode | None:
-    """`plan_decode_batch` for the step's decoding sequences (arguments as there, for every sequence),
-    or None where the kernel does not take them or too few decode beside a prefill."""
+    """`plan_decode_batch` for the step's decoding sequences (arguments as there), or None where it gives None or
+    too few decode beside a prefill."""
     decoding = [i for i, n in enumerate(query_lens) if n == 1]
     if len(decoding) == len(query_lens):
         batch = plan_decode_batch(query, query_lens, own_keys, own_values, own_lens, segments, backend)
@@ -70,39 +64,29 @@ def restricted(segments: Sequence[Segment], seqs: Sequence[int]) -> list[Segment
     """The segments as the sequences `seqs` (in that order) see them: members among them renumbered by
     their place in `seqs`, their row offsets kept; a segment none of them sees is left out."""
     number = {seq: j for j, seq in enumerate(seqs)}
-    kept = []
-    for keys, values, members, offsets in segments:
-        seen = [j for j, m in enumerate(members) if m in number]
-        if seen:
-            kept.append((keys, values, tuple(number[members[j]] for j in seen),
-                         None if offsets is None else tuple(offsets[j] for j in seen)))
-    return kept
+    return [(keys, values, tuple(number[members[j]] for j in seen),
+             None if offsets is None else tuple(offsets[j] for j in seen))
+            for keys, values, members, offsets in segments
+            if (seen := [j for j, m in enumerate(members) if m in number])]
 
 
 def plan_decode_batch(query: torch.Tensor, query_lens: Sequence[int], own_keys: Sequence[torch.Tensor],
                       own_values: Sequence[torch.Tensor], own_lens: Sequence[int], segments: Sequence[Segment],
                       backend: str) -> Any | None:
-    """The step's `DecodeBatch`, or None where the kernel does not take it: not the `auto` backend, no
-    kernel, not bf16 on a CPU with the kernel's head dims, or some sequence feeds more than one token.
-    `query` is one layer's [1, H, total_q, D]; own_keys[i] [L, H_kv, capacity, D] holds own_lens[i] keys;
-    segments are (keys, values [L, H_kv, n, D], sequences, row offsets or None)."""
+    """The step's `DecodeBatch`, or None where the kernel does not take it (`kernel_takes`). `query` is one
+    layer's [1, H, total_q, D]; own_keys[i] [L, H_kv, capacity, D] holds own_lens[i] keys; segments are
+    (keys, values [L, H_kv, n, D], sequences, row offsets or None)."""
     if not kernel_takes(query.dtype, query.device, query.shape[-1], query_lens, backend):
         return None
-    seg_keys, seg_values, seg_members = [], [], []
-    for keys, values, members, offsets in segments:
-        # A row offset of 1 or more hides the segment from a sequence whose one row is row 0.
-        seeing = [m for j, m in enumerate(members) if not offsets or offsets[j] == 0]
-        if seeing and keys.shape[2] > 0:
-            seg_keys.append(keys)
-            seg_values.append(values)
-            seg_members.append(seeing)
-    decode_batch = bf16_kernel.decode_batch_type()
-    return decode_batch(list(own_keys), list(own_values), list(own_lens), seg_keys, seg_values, seg_members)
+    # A row offset of 1 or more hides the segment from a sequence whose one row is row 0.
+    kept = [(keys, values, seeing) for keys, values, members, offsets in segments
+            if keys.shape[2] > 0 and (seeing := [m for j, m in enumerate(members) if not offsets or offsets[j] == 0])]
+    return bf16_kernel.decode_batch_type()(list(own_keys), list(own_values), list(own_lens), [s[0] for s in kept],
+                                           [s[1] for s in kept], [s[2] for s in kept])
 
 
 def kernel_takes(dtype: torch.dtype, device: torch.device, head_dim: int, query_lens: Sequence[int],
                  backend: str) -> bool:
-    """Whether the decode kernel takes a step: the `auto` backend, the kernel built, bf16 queries on a CPU,
-    one of its head dims, one token per sequence."""
+    """Whether the decode kernel takes a step: `auto`, the kernel loaded, bf16 on a CPU, HEAD_DIMS, one token each."""
     return (bf16_kernel.decode_batch_type() is not None and backend == "auto" and device.type == "cpu"
             and dtype == torch.bfloat16 and head_dim in bf16_kernel.HEAD_DIMS and all(n == 1 for n in query_lens))

@@ -1,14 +1,7 @@
-"""Pick a kernel per call. Thresholds measured by benchmarks/kernels/attention_thresholds.py (2 threads, fp32,
-head_dim 64): the fused CPU op beat the plain matmul at every measured size, from 1 query row x 16 keys
-(24 us vs 54 us) to 256 rows x 4096 keys (4.1 ms vs 26.9 ms) — see docs/benchmarks.md. The matmul path
-stays for masked calls, for work below the smallest size measured, and as the reference kernel. In bf16
-on a CPU with AVX512-BF16, `auto` uses our kernel (bf16_kernel.py) wherever the fused op would run: it was
-faster at every shape measured, from 8 causal tokens to 224 rows x 8K keys (docs/benchmarks.md).
-
-On a GPU (device types in GPU_DEVICE_TYPES) every backend but `matmul` runs `gpu_segment_attend`:
-gpu_backends.py's first applicable kernel, split over the keys (split_keys.py) when one call would
-launch fewer thread blocks than the GPU has SMs. Tests add "meta" to GPU_DEVICE_TYPES to run that
-branch's op calls on the meta device, where any host sync raises."""
+"""Pick a kernel per call. On a CPU the fused op beat the plain matmul at every size measured, and in bf16 with
+AVX512-BF16 our kernel beat both (docs/benchmarks.md); the matmul stays for masked calls, tiny work and as the
+reference. On a GPU (GPU_DEVICE_TYPES; tests add "meta", where any host sync raises) every backend but `matmul`
+runs `gpu_segment_attend`, split over the keys (split_keys.py) when one call would leave SMs idle."""
 
 from __future__ import annotations
 
@@ -24,18 +17,15 @@ from promptcache.model_runtime.attention.split_keys import num_sms, num_splits, 
 # Device types whose calls take the GPU kernels.
 GPU_DEVICE_TYPES = frozenset({"cuda"})
 
-# rows x keys per KV group from which the fused CPU op wins (the smallest size measured).
+# rows x keys per KV group from which the fused CPU op wins (the smallest size measured: 1 row x 16 keys).
 FUSED_MIN_WORK = 16
 # T x T x G for a causal block of T new tokens: below it the masked matmul instead of the fused op on KV
-# expanded to every head. On the AVX2 EPYC the masked matmul was cheaper below 64K; on the Zen 4 (AVX-512)
-# the fused op won at every size measured, 1.4-2.4x, T = 2..128 in fp32 and bf16
-# (benchmarks/kernels/attention_thresholds.py --causal, results/causal_threshold.jsonl): 9 new tokens, bf16,
-# 61 vs 107 us a layer. The fused op is used throughout; the matmul stays the reference kernel.
+# expanded to every head. On Zen 4 the fused op won at every size measured, 1.4-2.4x for T = 2..128
+# (attention_thresholds.py --causal; on an AVX2 EPYC the matmul won below 64K): used throughout.
 CAUSAL_FUSED_MIN_WORK = 0
 # Decode: a sequence with at least this many own keys attends them in place with one fused call of its own;
-# shorter ones share one padded batch call. Measured (Qwen2.5-0.5B head shape, 2 threads, batch 32, per
-# layer): 64 own keys padded 1.06 ms vs fused per sequence 1.26 ms; 128: 2.36 vs 1.50; 1024: 24.4 vs 7.0;
-# 2048: 46.8 vs 12.2 (the padded call copies every sequence's KV each layer of each step).
+# shorter ones share one padded batch call (which copies every sequence's KV each layer). Per layer, batch 32:
+# 64 own keys padded 1.06 ms vs fused per sequence 1.26 ms; 128: 2.36 vs 1.50; 2048: 46.8 vs 12.2.
 OWN_DECODE_FUSED_MIN_KEYS = 128
 
 
@@ -46,14 +36,13 @@ def on_gpu(t: torch.Tensor) -> bool:
 
 def decode_in_place(backend: str, q: torch.Tensor, num_own_keys: int) -> bool:
     """Whether a decoding sequence's own KV is attended in place by a fused call of its own (CPU only)."""
-    return (backend in ("auto", "fused_cpu") and q.device.type == "cpu"
-            and num_own_keys >= OWN_DECODE_FUSED_MIN_KEYS)
+    return backend in ("auto", "fused_cpu") and q.device.type == "cpu" and num_own_keys >= OWN_DECODE_FUSED_MIN_KEYS
 
 
 def gpu_segment_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [H_kv, M, D] attends k/v [H_kv, N, D] on a GPU: out [H_kv, M, D], lse [H_kv, M] (fp32). Split
-    over the keys when one call would leave SMs idle; masked calls take the matmul."""
+    """q [H_kv, M, D] attends k/v [H_kv, N, D] on a GPU, split over the keys when one call would leave SMs idle
+    (masked calls: the matmul); out [H_kv, M, D], lse [H_kv, M] fp32."""
     if mask is not None:
         return matmul_attend(q, k, v, scale, mask)
     num_blocks = q.shape[0] * -(-q.shape[1] // kernel_block_rows(q))
@@ -64,9 +53,8 @@ def gpu_segment_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return out[0], lse[0]
 
 
-# Named backends on a CPU. On a GPU every name but "matmul" means gpu_segment_attend (flash-attn first
-# when importable), so a "flash" or "fused_cpu" config works on either device; "flash" on a CPU is the
-# reference kernel (its segments; causal blocks take the fused op).
+# Named backends on a CPU. On a GPU every name but "matmul" means gpu_segment_attend, so a "flash" or
+# "fused_cpu" config works on either device; "flash" on a CPU is the reference kernel (causal blocks: fused op).
 BACKENDS = {"matmul": matmul_attend, "fused_cpu": fused_cpu_attend, "flash": matmul_attend}
 
 

@@ -1,15 +1,7 @@
-"""Attention kernels for GPUs returning (out, natural-log lse), like the CPU kernels in backends.py.
-
-torch alone is enough: its fused CUDA ops `_scaled_dot_product_flash_attention` (fp16/bf16, head dim
-<= 256 and a multiple of 8) and `_scaled_dot_product_efficient_attention` (fp32 too; its lse comes
-padded to a multiple of 32 rows and is sliced), then the plain matmul. flash-attn and FlashInfer are
-optional first choices, used only when importable and applicable; a library whose call fails is turned
-off for the process with a warning and the call falls through to torch's ops. FlashInfer's lse is base
-2 and is converted.
-
-All take q [B, H, M, D] and k/v [B, H, N, D] with N > 0 and equal head counts (callers fold a GQA group
-into query rows, or expand the KV), a scale, and `causal` (square blocks only, M == N). They return
-out [B, H, M, D] and lse [B, H, M] (fp32).
+"""GPU attention kernels returning (out, natural-log lse), like backends.py's: flash-attn and FlashInfer first
+when importable and applicable (one whose call fails is turned off with a warning), then torch's flash and
+memory-efficient CUDA ops, then the matmul. All take q [B, H, M, D], k/v [B, H, N, D] (N > 0, equal head counts),
+a scale and `causal` (square blocks only); out [B, H, M, D], lse [B, H, M] fp32.
 """
 
 from __future__ import annotations
@@ -42,35 +34,18 @@ def flash_applicable(q: torch.Tensor) -> bool:
     return q.dtype in FLASH_DTYPES and head_dim <= FLASH_MAX_HEAD_DIM and head_dim % 8 == 0
 
 
-def efficient_applicable(q: torch.Tensor) -> bool:
-    """Whether torch's memory-efficient kernel takes this dtype and head dim."""
-    return q.dtype in EFFICIENT_DTYPES and q.shape[-1] % (EFFICIENT_ALIGNMENT_BYTES // q.element_size()) == 0
-
-
-def aten_flash_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      causal: bool = False) -> Result:
+def aten_flash_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False) -> Result:
     """torch's flash-attention op (fp16/bf16): lse [B, H, M] fp32, natural log."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, k, v, 0.0, causal, False, scale=scale)[:2]  # [B, H, M, D], [B, H, M]
-    return out, lse
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return out, lse  # [B, H, M, D], [B, H, M]
 
 
 def aten_efficient_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                           causal: bool = False) -> Result:
-    """torch's memory-efficient op (fp32/fp16/bf16). Its lse is [B, H, ceil(M / 32) * 32]: the rows past
-    M are padding."""
+    """torch's memory-efficient op (fp32/fp16/bf16); its lse is [B, H, ceil(M / 32) * 32], sliced to M rows."""
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, None, True, 0.0, causal, scale=scale)[:2]  # [B, H, M, D], [B, H, M_padded]
     return out, lse[..., : q.shape[2]]
-
-
-def matmul_gpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      causal: bool = False) -> Result:
-    """The reference kernel for what no fused op takes; a causal mask is made per call, never cached
-    (a cache would keep [M, N] masks in GPU memory)."""
-    m, n = q.shape[-2], k.shape[-2]
-    mask = torch.ones((m, n), dtype=torch.bool, device=q.device).tril(n - m) if causal else None  # [M, N]
-    return matmul_attend(q, k, v, scale, mask)
 
 
 _libraries: dict[str, Any] = {}  # module name -> module, or None when not importable or turned off
@@ -123,14 +98,17 @@ def gpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
         except (RuntimeError, ValueError, TypeError) as error:  # an unsupported case: torch's ops take it
             log.warning("%s failed (%s); using torch's attention ops from now on", name, error)
             _libraries[name] = None
-            found = None
+            continue
         if found is not None:
             return found
     if flash_applicable(q):
         return aten_flash_attend(q, k, v, scale, causal)
-    if efficient_applicable(q):
+    if q.dtype in EFFICIENT_DTYPES and q.shape[-1] % (EFFICIENT_ALIGNMENT_BYTES // q.element_size()) == 0:
         return aten_efficient_attend(q, k, v, scale, causal)
-    return matmul_gpu_attend(q, k, v, scale, causal)
+    # The reference kernel; a causal mask is made per call (a cache would keep [M, N] masks in GPU memory).
+    m, n = q.shape[-2], k.shape[-2]
+    mask = torch.ones((m, n), dtype=torch.bool, device=q.device).tril(n - m) if causal else None  # [M, N]
+    return matmul_attend(q, k, v, scale, mask)
 
 
 # The concatenated path's KV copy, expanded to every query head, at most this large (bytes): beyond it the
@@ -138,18 +116,11 @@ def gpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
 CONCATENATED_MAX_BYTES = 256 << 20
 
 
-def concatenated_bytes(num_heads: int, num_keys: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of the K and V copies `attend_concatenated` makes for `num_keys` keys."""
-    return 2 * num_heads * num_keys * head_dim * torch.finfo(dtype).bits // 8
-
-
 def attend_concatenated(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                         scale: float) -> torch.Tensor:
-    """q [T, H, D], one sequence's queries, attends the concatenation of `keys`/`values` ([H_kv, N_i, D]
-    each, N = sum N_i >= T), its last T keys being the queries' own tokens: causal aligned bottom-right
-    (every earlier key in full). One fused call through torch SDPA (`causal_lower_right` takes the flash
-    or efficient kernel on a GPU): on a GPU a copy of the KV costs microseconds where each call and
-    merge of the segment-by-segment path costs a kernel launch. Returns out [T, H, D] (q's dtype)."""
+    """q [T, H, D], one sequence's queries, attends the concatenation of `keys`/`values` ([H_kv, N_i, D], N >= T)
+    whose last T keys are its own tokens (causal, bottom-right) in one SDPA call: on a GPU the KV copy costs
+    microseconds where each call and merge per segment costs a launch. Returns out [T, H, D] (q's dtype)."""
     num_rows, num_heads, _ = q.shape
     k = torch.cat(keys, dim=1) if len(keys) > 1 else keys[0]             # [H_kv, N, D]
     v = torch.cat(values, dim=1) if len(values) > 1 else values[0]

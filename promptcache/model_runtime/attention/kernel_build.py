@@ -1,14 +1,6 @@
-"""Ahead-of-time build of the bf16 CPU kernels (csrc/*.cpp) into a shared library the server only loads.
-
-`promptcache build-kernels` compiles the extension once, at install time (scripts/install.sh, the Docker
-builder stage), with torch's own extension toolchain (g++ and ninja, the flags below); the server's
-`bf16_kernel.prepare()` then imports the library with no compiler on the machine. Nothing the server runs
-compiles code.
-
-A library is usable only with the torch build, Python and sources it was compiled from, so its file name
-carries a key over all of them (`promptcache_bf16_<key>.so`): upgrading torch or the sources asks for a new
-build instead of loading a stale one. Libraries live in `$PROMPTCACHE_KERNEL_DIR`, else
-`$XDG_CACHE_HOME/promptcache/kernels` (`~/.cache/promptcache/kernels`).
+"""Ahead-of-time build of the bf16 CPU kernels (csrc/*.cpp), by `promptcache build-kernels` at install time, into
+`promptcache_bf16_<key>.so` (the key covers torch's build, Python and the sources: an upgrade asks for a rebuild) in
+`$PROMPTCACHE_KERNEL_DIR`, else `$XDG_CACHE_HOME/promptcache/kernels` (`~/.cache/promptcache/kernels`).
 """
 
 from __future__ import annotations
@@ -47,8 +39,8 @@ def kernel_dir() -> Path:
 
 
 def build_key() -> str:
-    """Hash of everything the library's binary compatibility depends on: torch's version and build,
-    its C++ ABI, the Python ABI, the machine, the sources and the flags."""
+    """Hash of what the library's binary compatibility depends on: torch's build and ABI, Python's, the machine,
+    the sources and flags."""
     digest = hashlib.sha256()
     for part in (torch.__version__, torch.version.git_version, str(torch._C._GLIBCXX_USE_CXX11_ABI),
                  sysconfig.get_config_var("EXT_SUFFIX") or sys.implementation.cache_tag, platform.machine(),
@@ -60,8 +52,8 @@ def build_key() -> str:
 
 
 def library_path(directory: Path | None = None) -> Path:
-    """Where this torch's library is, or would be, in `directory` (default `kernel_dir()`). The file is named
-    by the extension's module name, which carries the build key (so does its PyInit_ symbol)."""
+    """Where this torch's library is, or would be, in `directory` (default `kernel_dir()`), named by the
+    extension's module name, which carries the build key (so does its PyInit_ symbol)."""
     return (directory or kernel_dir()) / f"{NAME}_{build_key()}.so"
 
 
@@ -78,8 +70,8 @@ def compiler_missing() -> str | None:
 
 
 def build(directory: Path | None = None, *, force: bool = False, verbose: bool = False) -> Path:
-    """Compile the kernels into `directory` (default `kernel_dir()`) unless this key's library is there
-    already; returns its path. Raises KernelBuildError when it cannot be built."""
+    """Compile the kernels into `directory` (default `kernel_dir()`) unless there already; returns the library's
+    path. Raises KernelBuildError when it cannot be built."""
     target = library_path(directory)
     if target.exists() and not force:
         return target

@@ -2,27 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 
 
 def merge_partials(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Combine attention over disjoint KV parts into attention over their union.
-
-    outs[j]: [..., rows, head_dim] softmax-weighted values over part j; lses[j]: [..., rows] the
-    log-sum-exp of part j's scores (-inf where a row saw no key of that part). Computed in fp32;
-    returns fp32 [..., rows, head_dim].
-    """
+    """Attention over disjoint KV parts merged into attention over their union, in fp32: outs[j] [..., rows, D]
+    over part j, lses[j] [..., rows] its scores' log-sum-exp (-inf: no key of that part). Returns [..., rows, D]."""
     assert outs and len(outs) == len(lses)
     if len(outs) == 1:
         return outs[0].float()
     # Few ops (each one a kernel launch on a GPU): no stacking copies, the products summed pairwise.
     lses = [x.float() for x in lses]
-    top = lses[0]
-    for lse in lses[1:]:
-        top = torch.maximum(top, lse)
-    top = top.nan_to_num(neginf=0.0)                           # [..., rows]; 0 where no part had a key
+    top = functools.reduce(torch.maximum, lses).nan_to_num(neginf=0.0)  # [..., rows]; 0 where no part had a key
     weights = [torch.exp(lse - top) for lse in lses]           # [..., rows] each
     merged, total = weights[0].unsqueeze(-1) * outs[0], weights[0]
     for w, out in zip(weights[1:], outs[1:]):
@@ -31,12 +25,8 @@ def merge_partials(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -
 
 
 def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`merge_partials` over a stacked leading dimension, also returning the merged lse.
-
-    outs [parts, ..., rows, head_dim], lses [parts, ..., rows] (-inf: a part with no key for that row).
-    Returns fp32 out [..., rows, head_dim] and lse [..., rows] (-inf where no part had a key). Few ops: on a
-    GPU each one is a kernel launch.
-    """
+    """`merge_partials` over a stacked leading dimension (outs [parts, ..., rows, D], lses [parts, ..., rows]),
+    also returning the merged lse: fp32 out [..., rows, D], lse [..., rows] (-inf where no part had a key)."""
     lse = lses.float()
     top = lse.amax(dim=0).nan_to_num(neginf=0.0)                         # [..., rows]; 0 where no part had a key
     weights = torch.exp(lse - top)                                       # [parts, ..., rows]
@@ -47,12 +37,10 @@ def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor,
 
 
 class RowMerge:
-    """Partial results over disjoint KV parts, merged by LSE into [Q, H, D] (Hydragen eq. 5).
-
-    A part covering every row in order (`whole`) is kept aside and merged once at the end with the other
-    whole parts; a part of some rows is folded into a running fp32 result at those rows. In a decode step
-    where every sequence sees the same segments, every part is whole: no running buffers, no gathers or
-    scatters of rows. Rows no part covers come out as zeros."""
+    """Partial results over disjoint KV parts, merged by LSE into [Q, H, D] (Hydragen eq. 5). A part of every row
+    in order (`whole`) is merged once at the end (a decode step where all sequences see the same segments needs
+    no running buffers, gathers or scatters); a part of some rows is folded into a running fp32 result. Rows no
+    part covers come out as zeros."""
 
     def __init__(self, total_q: int, num_heads: int, head_dim: int, device: torch.device) -> None:
         self.shape, self.device = (total_q, num_heads, head_dim), device

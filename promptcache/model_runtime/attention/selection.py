@@ -31,8 +31,7 @@ class AttentionReport:
 
 
 def describe(backend: str, device: torch.device, dtype: torch.dtype) -> AttentionReport:
-    """The path prompts take for a model on `device` in `dtype` with the configured `backend`. The bf16
-    kernel counts only once `bf16_kernel.prepare()` has run (the engine's runner calls it)."""
+    """The path prompts take on `device` in `dtype` with `backend` (the bf16 kernel counts once prepare() ran)."""
     if backend == "matmul":
         return AttentionReport(AttentionPath.MATMUL, "attention backend 'matmul' configured")
     if device.type in dispatch.GPU_DEVICE_TYPES:

@@ -1,16 +1,7 @@
-"""Shared-module attention: Hydragen's shared-prefix decomposition generalised to shared *sets*.
-
-Per call (one layer): each shared segment is attended ONCE by the queries of every sequence that
-includes it, with sequences and the GQA group folded into the query axis (matrix-matrix, not
-matrix-vector); each sequence's own KV (new text + generated tokens) is attended causally; the
-partial results are merged exactly with log-sum-exp rescaling in fp32. With the bf16 kernel, the
-segments only one sequence sees (every segment of a lone request) join that sequence's own call: the
-kernel takes KV as a list of segments, so one call and one softmax replace a call and a merge each.
-
-Device-generic: the kernels come from dispatch.py (CPU ops, or on a GPU torch's flash/efficient ops,
-split over the keys when a call would not fill the GPU; a lone sequence's KV concatenated for one call).
-Index tensors come from a `StepIndices` built on the host once per forward pass, so no layer blocks the
-host on a GPU.
+"""Shared-module attention: Hydragen's shared-prefix decomposition generalised to shared *sets*. Per layer, each
+shared segment is attended ONCE by the queries of every sequence that includes it (sequences and GQA group folded
+into the query axis), each sequence's own KV causally, and the parts merged exactly by log-sum-exp in fp32; with the
+bf16 kernel, the segments only one sequence sees join its own call. Kernels come from dispatch.py.
 """
 
 from __future__ import annotations
@@ -19,46 +10,50 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from promptcache.model_runtime.attention import bf16_kernel, dispatch
 from promptcache.model_runtime.attention.backends import matmul_attend
 from promptcache.model_runtime.attention.dispatch import CAUSAL_FUSED_MIN_WORK, choose, decode_in_place
-from promptcache.model_runtime.attention.gpu_backends import (
-    CONCATENATED_MAX_BYTES,
-    attend_concatenated,
-    concatenated_bytes,
-    gpu_attend,
-)
+from promptcache.model_runtime.attention.gpu_backends import CONCATENATED_MAX_BYTES, attend_concatenated, gpu_attend
 from promptcache.model_runtime.attention.lse_merge import RowMerge
-from promptcache.model_runtime.attention.own_decode import OwnPool, own_decode, own_decode_in_place
-from promptcache.model_runtime.attention.segments import SharedSegment
 from promptcache.model_runtime.attention.step_indices import StepIndices
 
 
-def shared_module_attention(
-    queries: torch.Tensor,
-    query_lens: Sequence[int],
-    own_keys: Sequence[torch.Tensor],
-    own_values: Sequence[torch.Tensor],
-    segments: Sequence[SharedSegment],
-    *,
-    scale: float | None = None,
-    backend: str = "auto",
-    indices: StepIndices | None = None,
-    own_pool: OwnPool | None = None,
-    check: bool = True,
-) -> torch.Tensor:
-    """queries [total_q, H, D] grouped by sequence; own_keys[i] [H_kv, S_i, D] (S_i >= T_i: the last
-    T_i own keys are the queries' own tokens, attended causally). Returns [total_q, H, D]. `indices`:
-    the forward pass's index tensors, shared by its layers (a fresh set when None). `own_pool`: where
-    the own KV lies when (some of) own_keys are views of a pool's slots, so decoding sequences' KV is
-    gathered in one call rather than copied one by one. `check=False` skips validating the arguments
-    (a forward pass's later layers, whose tensors have the first layer's layout)."""
+@dataclass(frozen=True, slots=True, eq=False)
+class SharedSegment:
+    """KV attended in full by the queries of the sequences in `seq_indices` (referenced, not copied).
+    `row_offsets[j]` (default all 0) skips the first queries of sequence `seq_indices[j]`: they are positioned
+    before this KV and must not see it (a prefill that recomputes tokens among cached ones)."""
+
+    keys: torch.Tensor     # [num_kv_heads, seg_len, head_dim]
+    values: torch.Tensor   # [num_kv_heads, seg_len, head_dim]
+    seq_indices: tuple[int, ...]
+    row_offsets: tuple[int, ...] | None = None
+
+
+class OwnPool(NamedTuple):
+    """Sequences' own KV as slots of one pool, one layer of it: keys/values [H_kv, num_slots, D];
+    sequence i's own KV position p is slot first_slots[i] + p (None: that sequence is not in the pool)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    first_slots: tuple[int | None, ...]
+
+
+def shared_module_attention(queries: torch.Tensor, query_lens: Sequence[int], own_keys: Sequence[torch.Tensor],
+                            own_values: Sequence[torch.Tensor], segments: Sequence[SharedSegment], *,
+                            scale: float | None = None, backend: str = "auto", indices: StepIndices | None = None,
+                            own_pool: OwnPool | None = None, check: bool = True) -> torch.Tensor:
+    """queries [total_q, H, D] grouped by sequence; own_keys[i] [H_kv, S_i, D] (its last T_i keys are the queries'
+    own tokens, attended causally). Returns [total_q, H, D]. `indices`: the pass's index tensors (None: fresh).
+    `own_pool`: the pool own_keys are views of, so decoding sequences' KV is gathered in one call. `check=False`
+    skips validation (a pass's later layers)."""
     total_q, num_heads, head_dim = queries.shape
-    num_kv_heads = (_validate(queries, query_lens, own_keys, own_values, segments) if check
-                    else own_keys[0].shape[0])
+    num_kv_heads = _validate(queries, query_lens, own_keys, own_values, segments) if check else own_keys[0].shape[0]
     if own_pool is not None and len(own_pool.first_slots) != len(query_lens):
         raise ValueError(f"own_pool has {len(own_pool.first_slots)} first slots for {len(query_lens)} sequences")
     group = num_heads // num_kv_heads
@@ -68,8 +63,9 @@ def shared_module_attention(
 
     if (len(query_lens) == 1 and backend != "matmul" and dispatch.on_gpu(queries)
             and own_keys[0].shape[1] >= total_q and not any(any(s.row_offsets or ()) for s in segments)
-            and concatenated_bytes(num_heads, own_keys[0].shape[1] + sum(s.keys.shape[1] for s in segments),
-                                   head_dim, queries.dtype) <= CONCATENATED_MAX_BYTES):
+            # the K and V copies `attend_concatenated` makes, expanded to every query head, in bytes
+            and 2 * num_heads * (own_keys[0].shape[1] + sum(s.keys.shape[1] for s in segments)) * head_dim
+            * queries.element_size() <= CONCATENATED_MAX_BYTES):
         # A lone sequence on a GPU: its KV concatenated, one fused call instead of a call and merge each.
         return attend_concatenated(queries, [*(s.keys for s in segments), own_keys[0]],
                                    [*(s.values for s in segments), own_values[0]], scale)
@@ -95,10 +91,13 @@ def shared_module_attention(
         merge(rows, *_unfold(out, lse, num_rows, num_kv_heads, group), whole=whole)
 
     decoding = [i for i in private if query_lens[i] == 1]
-    if decoding:  # every decoding sequence's own KV and segments of its own: one kernel call for the batch
+    if decoding:  # every decoding sequence's own KV and segments of its own: one batch-decode kernel call
+        decode_kernel = bf16_kernel.decode_loaded()
+        assert decode_kernel is not None  # private sequences exist only where the kernel is loaded
         rows = indices.positions([starts[i] for i in decoding])
-        merge(rows, *_decode_together(queries[rows], [(private[i], own_keys[i], own_values[i]) for i in decoding],
-                                      scale))
+        # q [B, H, D], each sequence over its segments and own KV -> out [B, H, D], lse [B, H]
+        merge(rows, *decode_kernel(queries[rows], [[*(s.keys for s in private[i]), own_keys[i]] for i in decoding],
+                                   [[*(s.values for s in private[i]), own_values[i]] for i in decoding], scale))
     for i, segs in private.items():
         if query_lens[i] == 1:
             continue
@@ -140,14 +139,12 @@ def shared_module_attention(
 
 
 def _split(kernel, queries, query_lens, own_keys, own_values, segments, backend):
-    """(private, shared): with the bf16 kernel, a sequence attends the segments only it sees (all of them
-    for a lone request, each from its row offset on) and its own KV in ONE call, the segments read where
-    they lie: no per-segment calls, no merges; the decoding sequences among them share one call
-    (`_decode_together`). `private` maps each such sequence to its segments. `shared` holds every other
-    non-empty segment, attended once by all of its sequences' queries and merged."""
+    """(private, shared): with the bf16 kernel, a sequence attends the segments only it sees (each from its row
+    offset on) and its own KV in ONE call, no merges (decoding ones: one call for all); `private` maps each such
+    sequence to its segments. `shared` holds every other non-empty segment, attended once by all its sequences."""
     joinable = {i for i in range(len(query_lens))
                 if kernel is not None and bf16_kernel.eligible(queries, own_keys[i], own_values[i]) is not None}
-    private: dict[int, list[SharedSegment]] = {}
+    private: dict[int, list[SharedSegment]] = {i: [] for i in joinable}
     shared = []
     for segment in segments:
         if segment.keys.shape[1] == 0:
@@ -155,18 +152,15 @@ def _split(kernel, queries, query_lens, own_keys, own_values, segments, backend)
         if (len(segment.seq_indices) == 1 and segment.seq_indices[0] in joinable
                 and bf16_kernel.eligible(queries, segment.keys, segment.values) is not None):
             if _first_row(segment) < query_lens[segment.seq_indices[0]]:  # else no query of this step sees it
-                private.setdefault(segment.seq_indices[0], []).append(segment)
+                private[segment.seq_indices[0]].append(segment)
         else:
             shared.append(segment)
-    for i in joinable:
-        private.setdefault(i, [])
     return private, shared
 
 
 def _by_rows(shared: Sequence[SharedSegment], queries: torch.Tensor | None) -> list[list[SharedSegment]]:
-    """Shared segments in groups seen by the same query rows (same sequences and row offsets): with the
-    kernel (`queries` given), segments it can read are grouped, a group is one call over their list;
-    otherwise one call each."""
+    """Shared segments grouped by the query rows that see them: with the kernel (`queries` given), the segments it
+    can read are grouped, each group one call over their list; otherwise one call each."""
     if queries is None:
         return [[segment] for segment in shared]
     groups: dict[object, list[SharedSegment]] = {}
@@ -177,24 +171,10 @@ def _by_rows(shared: Sequence[SharedSegment], queries: torch.Tensor | None) -> l
     return list(groups.values())
 
 
-def _decode_together(q: torch.Tensor, parts: Sequence[tuple[Sequence[SharedSegment], torch.Tensor, torch.Tensor]],
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, H, D]: one query row per decoding sequence; parts[b] = (its own segments, its own keys and
-    values [H_kv, S, D]). One batch-decode kernel call, each sequence over the concatenation of its
-    segments and own KV. Returns out [B, H, D] (q's dtype), lse [B, H]."""
-    decode = bf16_kernel.decode_loaded()
-    assert decode is not None  # private sequences exist only where the kernel is loaded
-    keys = [[*(s.keys for s in segments), k] for segments, k, _ in parts]
-    values = [[*(s.values for s in segments), v] for segments, _, v in parts]
-    out, lse = decode(q, keys, values, scale)  # [B, H, D], [B, H]
-    return out, lse
-
-
 def _attend_together(kernel, q: torch.Tensor, segments: Sequence[SharedSegment], keys: torch.Tensor,
                      values: torch.Tensor, num_kv_heads: int, scale: float, *, with_lse: bool = False):
-    """q [T, H, D] (one sequence) attends `segments` (each from its row offset on) and its own keys/values
-    [H_kv, S, D], whose last T are its own tokens (causal), in one bf16-kernel call. Returns out [T, H, D]
-    (q's dtype), and lse [T, H] with `with_lse`."""
+    """q [T, H, D] (one sequence) attends `segments` (each from its row offset on) and its own KV [H_kv, S, D]
+    (causal) in one bf16-kernel call. Returns out [T, H, D] (q's dtype), and lse [T, H] with `with_lse`."""
     n, num_heads, head_dim = q.shape
     all_keys, all_values = [*(s.keys for s in segments), keys], [*(s.values for s in segments), values]
     first_rows = [*(_first_row(s) for s in segments), 0]
@@ -214,20 +194,15 @@ def _first_row(segment: SharedSegment) -> int:
 
 def _causal_square(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: int, scale: float,
                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D] attends causally to keys/values [H_kv, T, D]; returns out [T, H, D], lse [T, H]. (With
-    the bf16 kernel, a sequence's new tokens go through `_attend_together` instead.)"""
-    n = q.shape[0]
-    if backend != "matmul" and dispatch.on_gpu(q):
+    """q [T, H, D] attends causally to keys/values [H_kv, T, D]; returns out [T, H, D], lse [T, H]."""
+    n, on_gpu = q.shape[0], dispatch.on_gpu(q)
+    if backend != "matmul" and (on_gpu or (q.device.type == "cpu" and n * n * group >= CAUSAL_FUSED_MIN_WORK)):
         # The fused ops need equal head counts: expand the T own tokens' KV (small next to the shared KV).
         k = (keys if group == 1 else keys.repeat_interleave(group, dim=0)).unsqueeze(0)      # [1, H, T, D]
         v = (values if group == 1 else values.repeat_interleave(group, dim=0)).unsqueeze(0)
-        out, lse = gpu_attend(q.transpose(0, 1).unsqueeze(0), k, v, scale, causal=True)  # [1, H, T, D], [1, H, T]
-        return out[0].transpose(0, 1), lse[0].transpose(0, 1)
-    if backend != "matmul" and q.device.type == "cpu" and n * n * group >= CAUSAL_FUSED_MIN_WORK:
-        k = keys.repeat_interleave(group, dim=0).unsqueeze(0)        # [1, H, T, D]
-        v = values.repeat_interleave(group, dim=0).unsqueeze(0)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.transpose(0, 1).unsqueeze(0), k, v, 0.0, True, scale=scale)  # [1, H, T, D], [1, H, T]
+        q4 = q.transpose(0, 1).unsqueeze(0)                                                  # [1, H, T, D]
+        out, lse = (gpu_attend(q4, k, v, scale, causal=True) if on_gpu  # [1, H, T, D], [1, H, T]
+                    else torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k, v, 0.0, True, scale=scale))
         return out[0].transpose(0, 1), lse[0].transpose(0, 1)
     num_kv_heads = keys.shape[0]
     # Masks are cached for CPU tensors only: on a GPU a cache would hold [T*G, T] masks in its memory.
@@ -238,8 +213,7 @@ def _causal_square(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gr
 
 @functools.lru_cache(maxsize=64)
 def _causal_mask(n: int, group: int) -> torch.Tensor:
-    """`_make_causal_mask` on the CPU, built once per size: every layer of every step with T new tokens
-    asks for the same one (only the matmul backend comes here, see CAUSAL_FUSED_MIN_WORK)."""
+    """`_make_causal_mask` on the CPU, built once per size: every layer of every step with T new tokens asks."""
     return _make_causal_mask(n, group, torch.device("cpu"))
 
 
@@ -295,3 +269,63 @@ def _validate(queries, query_lens, own_keys, own_values, segments) -> int:
                                                 or min(segment.row_offsets) < 0):
             raise ValueError(f"segment row_offsets {segment.row_offsets} must be >= 0, one per sequence")
     return num_kv_heads
+
+
+def own_decode_in_place(queries: torch.Tensor, rows: Sequence[int], own_keys: Sequence[torch.Tensor],
+                        own_values: Sequence[torch.Tensor], num_kv_heads: int, scale: float):
+    """One fused CPU call per single-token sequence (query row rows[b]) over its own KV where it lies: for long
+    own KV, copying it into a padded batch costs more than the calls. Returns out [B, H, D], lse [B, H]."""
+    head_dim = queries.shape[-1]
+    outs, lses = [], []
+    for row, keys, values in zip(rows, own_keys, own_values):
+        q = queries[row].view(1, num_kv_heads, -1, head_dim)                                  # [1, H_kv, G, D]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, keys.unsqueeze(0), values.unsqueeze(0), 0.0, False, scale=scale)[:2]
+        outs.append(out.reshape(-1, head_dim))                                                # [H, D]
+        lses.append(lse.reshape(-1))                                                          # [H]
+    return torch.stack(outs), torch.stack(lses)                                               # [B, H, D], [B, H]
+
+
+def own_decode(queries: torch.Tensor, rows: torch.Tensor | None, own_keys: Sequence[torch.Tensor],
+               own_values: Sequence[torch.Tensor], num_kv_heads: int, group: int, scale: float,
+               indices: StepIndices, pool: OwnPool | None = None):
+    """One batched call for single-token sequences (query rows `rows`; None: all, in order) with short own KV padded
+    and masked: gathered from `pool` by one index_select each, else copied. Returns out [B, H, D], lse [B, H] fp32."""
+    lengths = tuple(k.shape[1] for k in own_keys)
+    longest, batch, head_dim = max(lengths), len(lengths), queries.shape[-1]
+    if pool is not None:
+        keys, values = _gather(pool, lengths, indices)                     # [B, H_kv, S_max, D]
+    else:
+        keys = queries.new_zeros((batch, num_kv_heads, longest, head_dim))  # [B, H_kv, S_max, D]
+        values = queries.new_zeros((batch, num_kv_heads, longest, head_dim))
+        for b, (k, v) in enumerate(zip(own_keys, own_values)):
+            keys[b, :, : k.shape[1]] = k
+            values[b, :, : v.shape[1]] = v
+    q = (queries if rows is None else queries[rows]).view(batch, num_kv_heads, group, head_dim)  # [B, H_kv, G, D]
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale           # [B, H_kv, G, S_max]
+    padding = indices.get(("own_padding", lengths), lambda: torch.arange(longest)[None, :]
+                          >= torch.tensor(lengths)[:, None])                            # [B, S_max] bool
+    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                                # [B, H_kv, G]
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())           # [B, H_kv, G, D]
+    return out.reshape(batch, -1, head_dim), lse.reshape(batch, -1)                     # [B, H, D], [B, H]
+
+
+def _gather(pool: OwnPool, lengths: tuple[int, ...], indices: StepIndices) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [B, H_kv, S_max, D] of the sequences' own KV, read from the pool's [H_kv * num_slots, D]
+    rows by one index (the same for keys, values and every layer)."""
+    num_kv_heads, num_slots, head_dim = pool.keys.shape
+    longest = max(lengths)
+
+    def build() -> torch.Tensor:
+        # Row of key j of KV head h of sequence b: h * num_slots + first_slots[b] + j. Past a sequence's
+        # length it repeats its last key (masked out by the caller): real KV, where an unwritten slot
+        # could hold NaN, which a zero softmax weight would not cancel.
+        steps = torch.minimum(torch.arange(longest)[None, :], torch.tensor(lengths)[:, None] - 1)   # [B, S_max]
+        slots = torch.tensor(pool.first_slots)[:, None] + steps                                      # [B, S_max]
+        return (torch.arange(num_kv_heads)[None, :, None] * num_slots + slots[:, None, :]).reshape(-1)
+
+    flat = indices.get(("own_gather", pool.first_slots, lengths, num_slots), build)  # [B * H_kv * S_max]
+    shape = (len(lengths), num_kv_heads, longest, head_dim)
+    return (pool.keys.view(-1, head_dim).index_select(0, flat).view(shape),
+            pool.values.view(-1, head_dim).index_select(0, flat).view(shape))

@@ -1,7 +1,6 @@
-"""Split-K for shared KV on a GPU: one call over a long shared segment with few query rows launches too
-few thread blocks to fill the GPU (B = 32 decoding sequences over 8K shared keys, 4 KV heads: about 8
-blocks on 132 SMs). The keys are cut into equal chunks run as the batch dimension of one call, and the
-partial results are merged in fp32 by their log-sum-exp (Hydragen eq. 5)."""
+"""Split-K for shared KV on a GPU: few query rows over a long segment launch too few thread blocks (32 decoding
+sequences over 8K keys, 4 KV heads: ~8 blocks on 132 SMs), so the keys are cut into equal chunks run as one
+call's batch dimension, the partial results merged in fp32 by their log-sum-exp (Hydragen eq. 5)."""
 
 from __future__ import annotations
 
@@ -32,9 +31,8 @@ def _cuda_sms(index: int) -> int:
 
 
 def num_splits(num_blocks: int, num_keys: int, sms: int) -> int:
-    """Chunks to cut `num_keys` keys into so that `num_blocks` thread blocks per chunk fill `sms` SMs:
-    a power of two (equal chunks for power-of-two lengths), each of at least MIN_KEYS_PER_SPLIT keys;
-    1 when one call fills the GPU already."""
+    """Chunks (a power of two, each of at least MIN_KEYS_PER_SPLIT keys) to cut `num_keys` into so that
+    `num_blocks` thread blocks per chunk fill `sms` SMs; 1 when one call fills the GPU already."""
     if num_blocks >= sms:
         return 1
     wanted = min(-(-sms // num_blocks), num_keys // MIN_KEYS_PER_SPLIT)
@@ -43,9 +41,8 @@ def num_splits(num_blocks: int, num_keys: int, sms: int) -> int:
 
 def split_attend(attend: Attend4, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [H, M, D] attends k/v [H, N, D] (non-causal) in `splits` key chunks; returns out [H, M, D] fp32
-    and lse [H, M] fp32, equal to one unsplit call. Chunks are views of k/v (no copy); q is repeated
-    per chunk (small next to the keys). Keys not viewable as chunks go unsplit."""
+    """q [H, M, D] attends k/v [H, N, D] (non-causal) in `splits` key chunks (views of k/v; keys not viewable
+    as chunks go unsplit); returns out [H, M, D] and lse [H, M] fp32, equal to one unsplit call."""
     heads, n, head_dim = k.shape
     length = -(-n // splits)
     chunks = n // length

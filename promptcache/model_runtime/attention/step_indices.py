@@ -1,10 +1,6 @@
-"""Index tensors of one forward pass, built on the host once and reused by every layer.
-
-On a GPU, a tensor made from a Python list (`torch.tensor(list, device=cuda)`) or a length read back
-(`int(tensor)`) stalls the host until the device catches up: once per layer, per step, that serialises
-the step. Everything the attention layers index with is known on the host before the pass, so each
-index tensor is built there once, copied from pinned memory without blocking, and kept for the pass.
-"""
+"""Index tensors of one forward pass, built on the host once and reused by every layer: on a GPU a tensor made
+from a Python list, or a length read back, stalls the host each layer; these are copied from pinned memory
+without blocking, once per pass."""
 
 from __future__ import annotations
 
@@ -14,8 +10,7 @@ import torch
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor on `device` without a host sync: pinned, then copied asynchronously (stream-ordered
-    before any kernel that reads it). CPU tensors are returned as they are."""
+    """A CPU tensor on `device` without a host sync (pinned, copied asynchronously); on the CPU as it is."""
     if device.type == "cpu":
         return host
     if device.type == "cuda":
@@ -43,8 +38,7 @@ class StepIndices:
         return self.get(("rows", spans), lambda: _span_rows(spans))
 
     def span(self, spans: Sequence[tuple[int, int]]) -> slice | torch.Tensor:
-        """The rows of (first, end) `spans` as one slice when they follow on from each other (a view: no
-        gather and scatter copies), else as `rows`."""
+        """The rows of (first, end) `spans` as one slice where they follow on (a view: no copies), else `rows`."""
         if spans and all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1)):
             return slice(spans[0][0], spans[-1][1])
         return self.rows(spans)

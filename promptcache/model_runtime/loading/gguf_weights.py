@@ -25,10 +25,9 @@ _Q8_0_BLOCK_BYTES = 2 + GROUP_SIZE  # fp16 d, 32 int8
 
 
 def read_q4_1(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, Int4Blocks]:
-    """Every Q4_1 tensor of the decoder layers in the GGUF file at `path`, keyed by the HF module name
-    (`model.layers.3.mlp.up_proj`); tensors of other types are left out. q and k rows are put back in the
-    HF order (llama.cpp's converter interleaves the halves of each head for its RoPE; transformers'
-    GGUF loader undoes it the same way). Raises ModelLoadError when the file cannot be read."""
+    """The decoder layers' Q4_1 tensors in the GGUF file at `path` by HF module name (`model.layers.3.mlp.up_proj`),
+    q and k rows put back in HF order (llama.cpp interleaves each head's halves for its RoPE). Raises
+    ModelLoadError when the file cannot be read."""
     from gguf import GGMLQuantizationType
 
     blocks: dict[str, Int4Blocks] = {}
@@ -44,11 +43,9 @@ def read_q4_1(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, 
 
 
 def read_q8_0_head(path: str | Path) -> dict[str, Int4Blocks]:
-    """The output head's Q8_0 blocks (`output.weight`, else the tied `token_embd.weight`) as one int4 layer
-    over the input written twice, keyed HEAD; empty when the head is stored otherwise. Each 8-bit value
-    q = d * (16 h + l - 128) (h, l its high and low nibbles of q + 128) splits into a Q4_1 group of the
-    first copy (scale 16 d, minimum -128 d) and one of the second (scale d, minimum 0): the same weight,
-    read as 4.25 of bf16's 16 bits a weight (int4 layers' kernel, `SplitByteLinear`)."""
+    """The output head's Q8_0 blocks (`output.weight`, else the tied `token_embd.weight`) keyed HEAD, as one int4
+    layer over the input written twice (`SplitByteLinear`); empty when stored otherwise. q = d * (16 h + l - 128)
+    (h, l: q + 128's nibbles) splits into groups of scale 16 d, minimum -128 d and of scale d, minimum 0."""
     from gguf import GGMLQuantizationType
 
     tensors = _tensors(path)
@@ -77,8 +74,7 @@ def _tensors(path: str | Path) -> dict[str, Any]:
 
 
 def _blocks(raw: np.ndarray) -> Int4Blocks:
-    """Q4_1 bytes [out, in / 32 * 20] -> Int4Blocks. A block: fp16 d, fp16 m, then 16 bytes whose low
-    nibbles are the block's values 0..15 and high nibbles its values 16..31."""
+    """Q4_1 bytes [out, in / 32 * 20] -> Int4Blocks (a block: fp16 d, fp16 m, nibbles of values 0..15 | 16..31)."""
     data = torch.from_numpy(raw.copy())
     out_features = data.shape[0]
     data = data.view(out_features, -1, _BLOCK_BYTES)  # [out, in / G, 20]

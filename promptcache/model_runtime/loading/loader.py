@@ -1,10 +1,8 @@
 """Load Hugging Face causal LMs (local directory or hub id) and describe them for the runtime.
 
-Supported: Llama, Mistral, Qwen2 (RoPE, grouped-query attention) and GPT-2 (learned positions), with
-full attention only. A model whose sliding window is active (Mistral's `sliding_window`, Qwen2's
-sliding layers) and shorter than its context is refused: module KV encoded at arbitrary positions
-assumes every token can see every earlier one. Unsupported models are refused from their config,
-before any weight is read.
+Supported: Llama, Mistral, Qwen2 and GPT-2, with full attention only: an active sliding window shorter than the
+context is refused (module KV encoded at arbitrary positions assumes every token sees every earlier one).
+Unsupported models are refused from their config, before any weight is read.
 """
 
 from __future__ import annotations
@@ -20,9 +18,8 @@ import torch
 
 from promptcache.model_runtime.cpu_features import auto_dtype
 from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
-from promptcache.model_runtime.loading import fused_layers
+from promptcache.model_runtime.loading import fused_layers, quantized_linear
 from promptcache.model_runtime.loading.packed_linear import pack_linears
-from promptcache.model_runtime.loading.quantization import kernel_problem, quantize_linears
 from promptcache.model_runtime.loading.quantized_linear import Int4Blocks, WeightFormat
 from promptcache.model_runtime.rope_shift import KeyShifter
 
@@ -43,18 +40,12 @@ _VOLATILE_CONFIG_KEYS = frozenset({
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Which model to load and how.
-
-    `name_or_path=None` is the built-in SmolLM2-135M-Instruct; `cache_dir` is where its converted
-    weights are kept (None: ~/.cache/promptcache/models). `dtype="auto"` is bf16 where the hardware
-    computes it natively and fp32 elsewhere (cpu_features.auto_dtype). `pack_weights` keeps the linear
-    layers' weights in oneDNN's packed layout on CPUs where that runs (packed_linear.py);
-    `fuse_layers` runs Llama/Mistral/Qwen2 models through fused decoder layers on a GPU, and in bf16 on
-    CPUs with AVX512-BF16 (fused_layers.py; the HF modules' outputs up to rare last-bit roundings).
-    `weights` int8/int4 holds the decoder layers' linear weights at 8 or 4 bits on the CPU
-    (quantized_linear.py); int4 loads the built-in model's Q4_1 blocks as its GGUF file stores them.
-    Raises ValueError for an unknown dtype, a malformed device string, or quantized weights off the CPU.
-    """
+    """Which model to load and how. `name_or_path=None` is the built-in SmolLM2-135M-Instruct (converted into
+    `cache_dir`, None: ~/.cache/promptcache/models). `dtype="auto"` is bf16 where the hardware computes it
+    natively, else fp32. `pack_weights`: oneDNN-packed linear weights (packed_linear.py); `fuse_layers`: fused
+    decoder layers (fused_layers.py); `weights` int8/int4: quantized linear weights on the CPU (int4 loads the
+    built-in model's Q4_1 blocks as stored). Raises ValueError for an unknown dtype, a malformed device, or
+    quantized weights off the CPU."""
 
     name_or_path: str | None = None
     dtype: str = "float32"
@@ -83,12 +74,8 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class LoadedModel:
-    """A model in eval mode on its device, its tokenizer, and the facts the runtime needs about them.
-
-    Fingerprints are SHA-256 hex digests that go into every KV cache key: `model_fingerprint` covers
-    name/path, the config (volatile keys removed) and dtype; `tokenizer_fingerprint` covers the full
-    tokenizer definition and the chat template.
-    """
+    """A model in eval mode on its device, its tokenizer, and the facts the runtime needs about them. The
+    fingerprints (SHA-256 hex, part of every KV cache key) are `model_fingerprint`'s and `tokenizer_fingerprint`'s."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
@@ -113,12 +100,9 @@ class LoadedModel:
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
-    """Load model + tokenizer from a local directory, a hub id, or (None) the built-in default model.
-
-    The architecture is checked from the config before weights are read. Raises UnsupportedModelError
-    for an unsupported or sliding-window model, ModelLoadError (naming the path) for anything else
-    that prevents loading, including an unavailable CUDA device.
-    """
+    """Load model + tokenizer from a local directory, a hub id, or (None) the built-in default model, checking
+    the architecture before weights are read. Raises UnsupportedModelError for an unsupported or sliding-window
+    model, ModelLoadError (naming the path) for anything else, an unavailable CUDA device included."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _check_device(config.device)
@@ -130,9 +114,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         path, is_local = _resolve(config.name_or_path)
         name = path
     # A local directory must never fall back to the hub (a typo would otherwise become a download).
-    options: dict[str, Any] = {"trust_remote_code": config.trust_remote_code}
-    if is_local:
-        options["local_files_only"] = True
+    options: dict[str, Any] = ({"trust_remote_code": config.trust_remote_code}
+                               | ({"local_files_only": True} if is_local else {}))
     try:
         hf_config = AutoConfig.from_pretrained(path, **options)
     except Exception as exc:
@@ -151,8 +134,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
             path, config=hf_config, dtype=config.torch_dtype, attn_implementation="sdpa", **options)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model at {path!r}: {exc}") from None
-    # Called through the class: transformers' @wraps(Module.to) hides from type checkers that the
-    # instance binds self; the call is the same.
+    # Called through the class: transformers' @wraps(Module.to) hides from type checkers that it binds self.
     return wrap_model(type(model).to(model, config.device), tokenizer, name=name, pack_weights=config.pack_weights,
                       fuse_layers=config.fuse_layers, weights=config.weights, blocks=blocks)
 
@@ -160,41 +142,34 @@ def load_model(config: ModelConfig) -> LoadedModel:
 def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str,
                pack_weights: bool = False, fuse_layers: bool = False, weights: WeightFormat = WeightFormat.NATIVE,
                blocks: Mapping[str, Int4Blocks] | None = None) -> LoadedModel:
-    """Describe an in-process model (tests, benchmarks) exactly as `load_model` would.
-
-    Applies the same checks as `load_model` and puts the model in eval mode; the tokenizer is not
-    modified. `pack_weights` replaces the model's linear layers in place (packed_linear.pack_linears)
-    after its weights were fingerprinted, so packed and plain servers share KV keys; `fuse_layers`
-    likewise swaps in fused decoder modules where they apply (fused_layers.fuse_layers); `weights`
-    int8/int4 then quantizes the linear layers (quantization.quantize_linears, using `blocks` as
-    stored) and is part of the fingerprint. Raises UnsupportedModelError or ModelLoadError (slow
-    tokenizer, vocabulary mismatch, quantized weights this torch build or CPU cannot run).
-    """
+    """Check and describe an in-process model exactly as `load_model` does, in eval mode. After fingerprinting
+    the weights (so packed, fused and plain servers share KV keys), it fuses layers, quantizes to `weights` (using
+    `blocks` as stored; the format is part of the fingerprint) and packs, all in place. Raises
+    UnsupportedModelError or ModelLoadError (slow tokenizer, vocabulary mismatch, quantized weights this torch
+    build or CPU cannot run)."""
     config = model.config
     check_architecture(config)
     if not getattr(tokenizer, "is_fast", False):
         raise ModelLoadError(f"{name}: promptcache needs a fast (Rust-backed) tokenizer")
     if len(tokenizer) > config.vocab_size:
-        raise ModelLoadError(f"{name}: tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
-                             f"has only {config.vocab_size}")
+        raise ModelLoadError(f"{name}: tokenizer has {len(tokenizer)} tokens but the model's vocabulary has only "
+                             f"{config.vocab_size}")
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     dtype = str(model.dtype).removeprefix("torch.")
-    problem = kernel_problem(weights, model.dtype)
-    if problem is not None:
+    if (problem := quantized_linear.kernel_problem(weights, model.dtype)) is not None:
         raise ModelLoadError(f"{name}: {weights.value} weights cannot run here: {problem}")
     # KV computed with quantized weights is not the float model's: the format is part of the key.
     stored_as = dtype if weights is WeightFormat.NATIVE else f"{dtype}:{weights.value}"
     fingerprint = model_fingerprint(name, config, stored_as, weights_digest(model))
     if fuse_layers:
         fused_layers.fuse_layers(model)  # before quantizing and packing: they pick up the fused projections
-    quantize_linears(model, weights, blocks)
+    quantized_linear.quantize_linears(model, weights, blocks)
     if pack_weights:
         pack_linears(model)
     return LoadedModel(
         model=model.eval(), tokenizer=tokenizer, architecture=config.model_type, name=name,
-        model_fingerprint=fingerprint,
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        model_fingerprint=fingerprint, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         num_layers=config.num_hidden_layers, num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
         uses_rope=config.model_type != "gpt2", max_positions=_max_positions(config),
@@ -218,9 +193,8 @@ def check_architecture(hf_config: PretrainedConfig) -> None:
 
 
 def model_fingerprint(name: str, hf_config: PretrainedConfig, dtype: str, weights: str) -> str:
-    """SHA-256 over name/path, the canonical JSON of the config (volatile keys removed), dtype, the
-    revision the weights came from (when the hub says) and the digest of the weights themselves: KV
-    computed by other weights under the same name is never served."""
+    """SHA-256 over name/path, the config's canonical JSON (volatile keys removed), dtype, the hub revision
+    and the weights' digest: KV computed by other weights under the same name is never served."""
     data = {k: v for k, v in hf_config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     revision = getattr(hf_config, "_commit_hash", None) or ""
     digest = hashlib.sha256(b"promptcache-model-v2\0")
@@ -230,8 +204,7 @@ def model_fingerprint(name: str, hf_config: PretrainedConfig, dtype: str, weight
 
 
 def weights_digest(model: PreTrainedModel) -> str:
-    """SHA-256 over every parameter and buffer (name, dtype, shape, bytes), tied tensors once.
-    About a second per GB of weights on one core."""
+    """SHA-256 over every parameter and buffer (name, dtype, shape, bytes), tied tensors once (~1 s per GB)."""
     digest = hashlib.sha256(b"promptcache-weights-v1\0")
     seen: set[int] = set()
     for name, tensor in sorted(model.state_dict().items()):
@@ -273,10 +246,9 @@ def _load_tokenizer(path: str, options: dict[str, Any]) -> PreTrainedTokenizerBa
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
-    # transformers 5 swaps in the model type's own tokenizer class for some types (qwen2 among them)
-    # even when tokenizer_config.json declares the generic one, and that class rebuilds the
-    # normalizer and pre-tokenizer: a generic tokenizer.json saved next to a Qwen2 model would then
-    # tokenize differently from what was saved. A declared generic class is honoured as declared.
+    # transformers 5 swaps in the model type's own tokenizer class for some types (qwen2 among them) even when
+    # tokenizer_config.json declares the generic one, and that class rebuilds the normalizer and pre-tokenizer:
+    # a generic tokenizer.json saved next to a Qwen2 model would tokenize otherwise. A declared one is honoured.
     declared = get_tokenizer_config(path, **options).get("tokenizer_class")
     if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
         return PreTrainedTokenizerFast.from_pretrained(path, **options)
@@ -284,12 +256,9 @@ def _load_tokenizer(path: str, options: dict[str, Any]) -> PreTrainedTokenizerBa
 
 
 def _check_device(device: str) -> None:
-    if device == "cpu":
-        return
-    if not torch.cuda.is_available():
+    if device != "cpu" and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
-    index = int(device.partition(":")[2] or 0)
-    if index >= torch.cuda.device_count():
+    if device != "cpu" and int(device.partition(":")[2] or 0) >= torch.cuda.device_count():
         raise ModelLoadError(f"device {device!r} requested but only {torch.cuda.device_count()} CUDA devices exist")
 
 
@@ -301,8 +270,7 @@ def _max_positions(hf_config: PretrainedConfig) -> int:
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     ids: list[int] = []
-    generation = getattr(model, "generation_config", None)
-    for source in (getattr(generation, "eos_token_id", None), tokenizer.eos_token_id):
+    for source in (getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer.eos_token_id):
         if isinstance(source, int):
             ids.append(source)
         elif source:

@@ -1,14 +1,7 @@
-"""Linear layers whose weights are prepacked once into oneDNN's layout (CPU): the same products, faster.
-
-`torch.nn.Linear` on CPU hands oneDNN a plain weight on every call. Reordering it once at load time
-(`torch.ops.mkldnn._reorder_linear_weight`, the op PyTorch's own Inductor CPU backend uses for frozen
-weights) and calling `_linear_pointwise` measured, on 2 Zen 4 cores for SmolLM2-135M's 576 x 1536
-projection: bf16 0.036 vs 0.078 ms at 1 row, 0.065 vs 0.12 ms at 9 rows, 9.3 vs 11.0 ms at 2,048 rows
-(bit-identical outputs); fp32 0.10 vs 0.29 ms at 9 rows (results within 2e-6: a different summation
-order). Decode and cached prefill feed a handful of rows per step, where this matters most.
-
-The ops are internal to PyTorch, so packing is used only where a probe on this machine shows it runs
-and agrees with `torch.nn.functional.linear`; anything else keeps the plain layer. CPU only, fp32 and bf16.
+"""Linear layers whose weights are prepacked once into oneDNN's layout (CPU, fp32 and bf16; as Inductor does for
+frozen weights): the same products, faster (SmolLM2's 576 x 1536 on 2 Zen 4 cores, bf16: 0.036 vs 0.078 ms at 1
+row, 0.065 vs 0.12 at 9, 9.3 vs 11.0 at 2,048; fp32 0.10 vs 0.29 at 9). The ops are internal to PyTorch: used only
+where a probe here shows they run and agree with `F.linear`.
 """
 
 from __future__ import annotations
@@ -24,8 +17,7 @@ _PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 class PackedLinear(torch.nn.Module):
-    """`y = x @ W^T + b` with W held only in oneDNN's packed layout. Inference only: no gradients, and
-    the packed weight is not a parameter (it cannot be moved to another device or saved)."""
+    """`y = x @ W^T + b` with W only in oneDNN's packed layout: inference only, not movable or saved."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -65,15 +57,12 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 def pack_linears(model: torch.nn.Module) -> int:
-    """Replace every `nn.Linear` of a CPU model (in fp32 or bf16) with a PackedLinear, in place; returns
-    how many were replaced (0 where packing is unavailable or the model is not on the CPU). A weight
-    tied to another module (an LM head sharing the embedding) is copied into the packed layout: the
-    other module keeps the original."""
+    """Replace every `nn.Linear` of a CPU model (fp32 or bf16) with a PackedLinear in place; returns how many.
+    A tied weight (an LM head sharing the embedding) is copied into the packed layout; the other module keeps it."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (type(child) is torch.nn.Linear and child.weight.device.type == "cpu"
-                    and can_pack(child.weight.dtype)):
+            if type(child) is torch.nn.Linear and child.weight.device.type == "cpu" and can_pack(child.weight.dtype):
                 setattr(parent, name, PackedLinear(child))
                 replaced += 1
     return replaced

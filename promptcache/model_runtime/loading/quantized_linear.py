@@ -1,35 +1,25 @@
-"""Linear layers with int8 or int4 weights on the CPU, run by PyTorch's own weight-only kernels.
-
-`int8`: one symmetric scale per output channel, `y = x @ (q * s)^T` (`aten._weight_int8pack_mm`).
-`int4`: groups of GROUP_SIZE inputs per output channel, each with a scale and a minimum, `w = d * q + m`
-for q in 0..15 — GGUF's Q4_1 block, so a Q4_1 checkpoint's blocks load as they are stored
-(gguf_weights.py). The kernel (`aten._weight_int4pack_mm_for_cpu`) dequantizes `(q - 8) * s + z`, so a
-block maps onto it as s = d, z = m + 8 d: equal in exact arithmetic, and in fp32 the same rounded value
-(q * d is exact, z is exact for fp16 d and m of GGUF's ranges, and both sides round the one sum once;
-tests/model_runtime/test_quantized_linear.py checks it against gguf's own dequantization). The kernels
-take scales in the activations' dtype: for a bf16 model s and z are rounded to bf16.
-
-The kernels read a weight at 1/2 (int8) or 1/4 (int4) of bf16's bytes, which is what decode at small
-batches waits on, but their time grows with every row (they are fast for bf16 activations and run a slow
-scalar path for fp32). From *_DEQUANTIZE_ROWS rows on (prefill), a layer multiplies a dequantized copy
-through oneDNN instead: the same weights, rounded once to the activations' dtype.
-
-With bf16 activations on a CPU where the bf16 kernels are built (attention/bf16_kernel.py), an int4 layer
-also holds its blocks in the layout of the extension's own int4 product (csrc/int4_bf16.cpp, vdpbf16ps on
-the nibbles, scales and minimums kept in fp32) and runs it for few rows: 1.6-2.3x
-faster than PyTorch's int4 kernel per SmolLM2 layer at 1-16 rows, 2-3x faster than the dequantized copy
-at 48-80 rows (2 threads, Zen 4); its time grows linearly with the rows, so it runs below
-INT4_BF16_KERNEL_ROWS, where the dequantized copy takes over.
+"""int8 / int4 weight-only linear layers on the CPU (PyTorch's kernels), `quantize_linears` to put them into a
+loaded model and `kernel_problem` to say whether this machine runs them. int4 is GGUF's Q4_1 (`w = d * q + m` per
+GROUP_SIZE inputs; the kernel's `(q - 8) * s + z` with s = d, z = m + 8 d: the same value in fp32), so its blocks
+load as stored. The kernels' time grows with the rows (fp32: a slow scalar path): from *_DEQUANTIZE_ROWS on, a
+dequantized copy runs through oneDNN. In bf16 the extension's int4 product (csrc/int4_bf16.cpp, 1.6-2.3x faster
+than PyTorch's at 1-16 rows) runs below INT4_BF16_KERNEL_ROWS.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from promptcache.model_runtime.attention import bf16_kernel
+from promptcache.model_runtime.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32  # inputs per int4 group: GGUF's Q4_1 block
 # From this many rows on, dequantizing and multiplying through oneDNN beats the kernel (SmolLM2's 3072 x 576,
@@ -71,8 +61,7 @@ class Int4Blocks:
 
     @classmethod
     def of(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int4Blocks:
-        """Quantize a float weight [out, in]: per group, the minimum and (max - min) / 15 as the scale,
-        both as `dtype` will hold them (so the values are rounded against what the kernel uses)."""
+        """Quantize a weight [out, in]: per group, scale (max - min) / 15 and minimum, as `dtype` holds them."""
         out_features, in_features = weight.shape
         groups = weight.detach().float().reshape(out_features, -1, GROUP_SIZE)  # [out, in / G, G]
         low, high = groups.amin(-1), groups.amax(-1)
@@ -127,9 +116,8 @@ class Int8Linear(torch.nn.Module):
 
 
 class Int4Linear(torch.nn.Module):
-    """`y = x @ W^T + b` with W held as Int4Blocks in the CPU int4 kernel's packed layout, and for bf16
-    where the bf16 kernels are loaded also in the extension's int4 layout (`bf16_values`, `bf16_scales`,
-    `bf16_minimums`; else None), which runs instead below INT4_BF16_KERNEL_ROWS rows."""
+    """`y = x @ W^T + b` with W held as Int4Blocks in the CPU int4 kernel's packed layout, and in bf16 with the
+    bf16 kernels also in the extension's layout (`bf16_values`, `bf16_scales`, `bf16_minimums`; else None)."""
 
     weight_int4: torch.Tensor
     scales_and_zeros: torch.Tensor
@@ -190,8 +178,7 @@ class Int4Linear(torch.nn.Module):
 
 
 class SplitByteLinear(torch.nn.Module):
-    """`y = x @ W^T` for an 8-bit weight held as two 4-bit planes (gguf_weights.read_q8_0_head): one
-    Int4Linear over the input written twice, `[x, x] @ [W_high | W_low]^T`, one product and one rounding."""
+    """`y = x @ W^T` for an 8-bit weight as two 4-bit planes (read_q8_0_head): `[x, x] @ [W_high | W_low]^T`."""
 
     def __init__(self, blocks: Int4Blocks, dtype: torch.dtype) -> None:
         super().__init__()
@@ -200,6 +187,83 @@ class SplitByteLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.planes(torch.cat([x, x], dim=-1))  # [..., 2 in] -> [..., out]
+
+
+def quantize_linears(model: torch.nn.Module, weights: WeightFormat,
+                     blocks: Mapping[str, Int4Blocks] | None = None) -> int:
+    """Replace a CPU model's `nn.Linear` layers with Int8Linear or Int4Linear in place (after fusing, before packing);
+    returns how many. int4 uses `blocks` (HF module name -> the checkpoint's 4-bit weights) as stored; a layer not
+    `fits_int4` stays float. The output head stays as loaded unless `blocks` holds its 8 bits (HEAD)."""
+    if weights is WeightFormat.NATIVE:
+        return 0
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    head_blocks = (blocks or {}).get(HEAD) if weights is WeightFormat.INT4 else None
+    replaced = 0
+    for prefix, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or child.weight.device.type != "cpu":
+                continue
+            dtype = child.weight.dtype
+            if child is head:
+                if head_blocks is None:
+                    continue
+                layer: torch.nn.Module = SplitByteLinear(head_blocks, dtype)  # the file's own 8 bits
+            elif weights is WeightFormat.INT8:
+                layer = Int8Linear(child)
+            elif fits_int4(child):
+                sources = getattr(parent, "JOINED_PROJECTIONS", {}).get(name, (name,))
+                stored = _stored(blocks or {}, [f"{prefix}.{source}".lstrip(".") for source in sources])
+                layer = Int4Linear(stored or Int4Blocks.of(child.weight, dtype), child.bias, dtype)
+            else:
+                logger.info("%s.%s keeps its float weight: %s x %s is not an int4 kernel shape",
+                            prefix, name, child.out_features, child.in_features)
+                continue
+            setattr(parent, name, layer)
+            replaced += 1
+    return replaced
+
+
+@functools.cache
+def kernel_problem(weights: WeightFormat, dtype: torch.dtype) -> str | None:
+    """Why `weights` cannot run here for `dtype` activations (a missing op, a refusing CPU, wrong results
+    on a probe), or None when it runs and agrees with a float matmul of the dequantized weight."""
+    if weights is WeightFormat.NATIVE:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(2 * GROUP_SIZE, 4 * INT4_PACK_ROWS, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(4 * INT4_PACK_ROWS, 2 * GROUP_SIZE, generator=generator))
+    try:
+        layer: torch.nn.Module
+        if weights is WeightFormat.INT8:
+            int8 = Int8Linear(linear)
+            layer, weight = int8, int8.dequantized()
+        else:
+            blocks = Int4Blocks.of(linear.weight, dtype)
+            layer, weight = Int4Linear(blocks, linear.bias, dtype), blocks.dequantized()
+        # the kernel, the dequantized copy
+        for num_rows in (3, max(INT8_DEQUANTIZE_ROWS, INT4_DEQUANTIZE_ROWS, INT4_BF16_KERNEL_ROWS)):
+            x = torch.randn(num_rows, 2 * GROUP_SIZE, generator=generator).to(dtype)  # [rows, in]
+            with torch.no_grad():
+                got = layer(x).float()
+            expected = torch.nn.functional.linear(x.float(), weight, linear.bias.detach().float())
+            if (got - expected).abs().max() > 0.02 * expected.abs().max():  # bf16: ~0.5 %; a bad layout: ~100 %
+                return f"the {weights.value} layer disagrees with a float matmul on a probe of {num_rows} rows"
+    except Exception as exc:  # an op missing from this torch build or refusing this CPU
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _stored(blocks: Mapping[str, Int4Blocks], names: list[str]) -> Int4Blocks | None:
+    """The checkpoint's blocks of the layers `names` side by side; None when it stores none of them as
+    blocks. Some but not all would mix rounding schemes inside one layer: refused."""
+    found = [blocks[n] for n in names if n in blocks]
+    if not found:
+        return None
+    if len(found) < len(names):
+        raise ModelLoadError(f"the checkpoint stores 4-bit blocks for only some of {names}")
+    return found[0] if len(found) == 1 else Int4Blocks.concatenated(found)
 
 
 def fits_int4(linear: torch.nn.Linear) -> bool:

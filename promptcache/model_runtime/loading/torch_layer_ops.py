@@ -1,10 +1,6 @@
-"""The fused decoder layers' element-wise ops written with PyTorch ops, for GPUs.
-
-On a GPU a decode step or a cached prefill is bound by kernel launches, not arithmetic: the Hugging Face
-modules run RMSNorm as eight ops, RoPE as about seven per tensor and q, k, v as three projections. These
-do the same arithmetic in the same dtypes and order (RoPE bit for bit, RMSNorm up to the fp32 sum's
-order) with fewer launches, and `fused_layers` joins the projections. The bf16 CPU kernels
-(`bf16_kernel.FusedOps`) implement the same three signatures.
+"""The fused decoder layers' element-wise ops as PyTorch ops for GPUs, where a step is bound by kernel launches:
+the Hugging Face modules' arithmetic in the same dtypes and order, in fewer launches. `bf16_kernel.FusedOps` (CPU)
+implements the same three signatures.
 """
 
 from __future__ import annotations
