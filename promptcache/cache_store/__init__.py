@@ -15,14 +15,13 @@ from promptcache.cache_store.errors import (
     RegistryUnavailableError,
     SchemaExistsError,
 )
-from promptcache.cache_store.fetch_policy import FetchPolicy
 from promptcache.cache_store.keys import chain_root, make_kv_key, owned_salt
 from promptcache.cache_store.memory_tier import MemoryTier
 from promptcache.cache_store.redis_tier import RedisTier
 from promptcache.cache_store.schema_registry import RegistryState, SchemaRegistry, StoredSchema
 from promptcache.cache_store.serialization import dumps, loads
 from promptcache.cache_store.signing import BlobSigner
-from promptcache.cache_store.store import StoreStats, TieredStore, TierStats
+from promptcache.cache_store.store import FetchPolicy, StoreStats, TieredStore, TierStats
 from promptcache.cache_store.tier import BlockKind, Eviction, OwnerShares, Tier, TierHit, TierUsage
 
 __all__ = [

@@ -7,17 +7,56 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from promptcache.cache_store.block import KVBlock
 from promptcache.cache_store.errors import CapacityError
-from promptcache.cache_store.fetch_policy import FetchPolicy
 from promptcache.cache_store.redis_guard import logger
-from promptcache.cache_store.tier import BlockKind, Eviction, Tier, check_kind
+from promptcache.cache_store.tier import BLOCK_KINDS, BlockKind, Eviction, Tier
 from promptcache.cache_store.write_behind import WriteBehind
 
 T = TypeVar("T")
+
+
+@dataclass
+class Throughput:
+    """EMA of a rate; `None` until the first sample."""
+
+    alpha: float = 0.2
+    value: float | None = None
+
+    def add(self, amount: float, seconds: float) -> None:
+        if seconds > 0 and amount > 0:
+            rate = amount / seconds
+            self.value = rate if self.value is None else (1 - self.alpha) * self.value + self.alpha * rate
+
+
+@dataclass
+class FetchPolicy:
+    """Whether reading a block of `nbytes` from a tier beats the `num_tokens` of prefill that recompute it,
+    from online averages of each tier's read rate (bytes/s) and the runtime's prefill rate (tokens/s).
+    Unknown rates are optimistic (fetch), so measurements can accumulate."""
+
+    margin: float = 1.0  # fetch only if fetch_s * margin < recompute_s
+    tiers: dict[str, Throughput] = field(default_factory=dict)
+    recompute: Throughput = field(default_factory=Throughput)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record_fetch(self, tier: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.tiers.setdefault(tier, Throughput()).add(nbytes, seconds)
+
+    def record_recompute(self, num_tokens: int, seconds: float) -> None:
+        with self._lock:
+            self.recompute.add(num_tokens, seconds)
+
+    def worth_fetching(self, tier: str, nbytes: int, num_tokens: int | None) -> bool:
+        with self._lock:
+            read = self.tiers.get(tier)
+            if num_tokens is None or read is None or read.value is None or self.recompute.value is None:
+                return True
+            return nbytes / read.value * self.margin < num_tokens / self.recompute.value
 
 
 @dataclass(slots=True)
@@ -58,18 +97,13 @@ class StoreStats:
 class TieredStore:
     """KV blocks in tiers ordered fastest first: in-process tiers, then shared ones. Thread-safe.
 
-    `get` looks tier by tier, returns the block on the first tier's device and the name of the tier it
-    was found in, and promotes it (keeping its kind and TTL) to the faster tiers. `put` writes the first
-    tier synchronously (evictions are demoted down the chain, what falls off the last tier is dropped);
-    every write into a shared tier (write-through with `write_through_shared`, and demotions) goes to one
-    background writer whose queue holds at most `write_behind_max_bytes` (more is dropped and counted in
-    `stats().dropped_writes`); `flush` waits for it. Serialization and Redis/disk I/O never run under
-    the store's lock. A `delete` cancels the key's queued writes and is ordered after a running one, so
-    a late write never resurrects a deleted key.
-
-    Each entry has a kind (`"module"` or `"prefix"`): every tier evicts unpinned, unreferenced prefix
-    entries (LRU) before module entries (LRU). `acquire`/`release` count users of in-process entries,
-    which are not evicted while in use.
+    `get` returns the block and the name of the tier it was found in, promoting it (with its kind and TTL)
+    to the faster tiers. `put` writes the first tier synchronously; evictions are demoted down the chain
+    (what falls off the last tier is dropped). Every shared-tier write goes to one background writer whose
+    queue holds at most `write_behind_max_bytes` (more is dropped, `stats().dropped_writes`); `flush` waits
+    for it. Serialization and I/O never run under the store's lock. A `delete` cancels the key's queued
+    writes and follows a running one, so a late write never resurrects the key. Every tier evicts "prefix"
+    entries before "module" ones; `acquire`/`release` keep in-process entries from eviction while in use.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, write_through_shared: bool = True,
@@ -133,10 +167,10 @@ class TieredStore:
             kind: BlockKind = "module", owner: str | None = None, local: bool = True) -> None:
         """Store `block` under `key`: synchronously in the first tier that takes it, and queued for the
         shared tiers. A re-put keeps an existing pin, refcount and "module" kind. `owner` (a tenant) is
-        whose byte share the entry counts against in tiers that have shares. `local=False` is for a block
-        this process computed for others (a replica encoding an uploaded schema): it goes to the shared
-        tiers only, unless there are none."""
-        kind = check_kind(kind)
+        whose byte share the entry counts against. `local=False`: a block computed for others (a replica
+        encoding an uploaded schema) goes to the shared tiers only, unless there are none."""
+        if kind not in BLOCK_KINDS:
+            raise ValueError(f"block kind must be one of {BLOCK_KINDS}, got {kind!r}")
         local = local or not self._shared
         with self._lock:
             self._num_puts += 1
@@ -149,7 +183,7 @@ class TieredStore:
                                 lambda: self._write_through(key, block, pinned, kind, deadline, owner))
         elif placed is None:
             self._writer.submit(key, block.nbytes, lambda: self._demote_shared(
-                self._num_local, key, block, kind, deadline, pinned=pinned, owner=owner))
+                self._num_local, key, block, kind, deadline, owner, pinned=pinned))
 
     def _place(self, index: int, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
                kind: BlockKind = "module", stop: int | None = None, owner: str | None = None) -> KVBlock | None:
@@ -181,42 +215,40 @@ class TieredStore:
                 self._place(below, key, block, kind=kind, ttl_s=ttl_s, owner=owner)
                 continue
             deadline = None if ttl_s is None else time.monotonic() + ttl_s
+            demote = functools.partial(self._demote_shared, below, key, block, kind, deadline, owner)
             if position >= self._num_local:
-                self._demote_shared(below, key, block, kind, deadline, owner=owner)
+                demote()
             else:
-                self._writer.submit(key, block.nbytes, functools.partial(self._demote_shared, below, key, block,
-                                                                         kind, deadline, owner=owner))
+                self._writer.submit(key, block.nbytes, demote)
 
     def _write_through(self, key: str, block: KVBlock, pinned: bool, kind: BlockKind,
                        deadline: float | None, owner: str | None) -> None:
         """On the writer: put into every shared tier that lacks the key."""
         for position in range(self._num_local, len(self.tiers)):
-            if self.tiers[position].contains(key):
-                if pinned:
-                    self.tiers[position].pin(key)
-                continue
-            self._store_shared(position, key, block, pinned, kind, deadline, owner, fall_through=False)
+            if not self.tiers[position].contains(key):
+                self._store_shared([position], key, block, pinned, kind, deadline, owner)
+            elif pinned:
+                self.tiers[position].pin(key)
 
     def _demote_shared(self, position: int, key: str, block: KVBlock, kind: BlockKind, deadline: float | None,
-                       *, pinned: bool = False, owner: str | None = None) -> None:
+                       owner: str | None, *, pinned: bool = False) -> None:
         """On the writer: put into the first shared tier from `position` that takes it, unless already there."""
         if not self.tiers[position].contains(key):
-            self._store_shared(position, key, block, pinned, kind, deadline, owner, fall_through=True)
+            self._store_shared(range(position, len(self.tiers)), key, block, pinned, kind, deadline, owner)
 
-    def _store_shared(self, position: int, key: str, block: KVBlock, pinned: bool, kind: BlockKind,
-                      deadline: float | None, owner: str | None, *, fall_through: bool) -> None:
+    def _store_shared(self, positions: Iterable[int], key: str, block: KVBlock, pinned: bool, kind: BlockKind,
+                      deadline: float | None, owner: str | None) -> None:
+        """Put into the first tier of `positions` that takes the block."""
         ttl_s = None if deadline is None else deadline - time.monotonic()
         if ttl_s is not None and ttl_s <= 0:
             return  # expired while queued
-        for index in range(position, len(self.tiers)):
+        for index in positions:
             tier = self.tiers[index]
             try:
                 evicted = _shared_call(tier, "write", functools.partial(
                     tier.put, key, block, pinned=pinned, ttl_s=ttl_s, kind=kind, owner=owner), None)
             except CapacityError:
-                if fall_through:
-                    continue
-                return
+                continue
             if evicted is not None:  # None: the tier failed (warned); the block stays where it was
                 self._demote(index, evicted)
             return

@@ -16,18 +16,6 @@ Every tier evicts unpinned, unreferenced "prefix" entries (LRU) before any "modu
 BLOCK_KINDS: tuple[BlockKind, ...] = get_args(BlockKind)
 
 
-def check_kind(kind: str) -> BlockKind:
-    """`kind` if it is a BlockKind; ValueError naming the accepted values otherwise."""
-    if kind not in BLOCK_KINDS:
-        raise ValueError(f"block kind must be one of {BLOCK_KINDS}, got {kind!r}")
-    return kind
-
-
-def merge_kind(old: BlockKind | None, new: BlockKind) -> BlockKind:
-    """The kind a re-put keeps: a re-put never downgrades a "module" entry to "prefix" (like pins)."""
-    return "module" if old == "module" else new
-
-
 class TierHit(NamedTuple):
     """A block found in a tier, with its kind, remaining time to live (None: no TTL) and owner (the tenant
     whose byte share it counts against; None: nobody's)."""
@@ -48,8 +36,8 @@ class TierUsage(NamedTuple):
 
 
 class Eviction(tuple[str, KVBlock]):
-    """An entry a tier evicted. Unpacks as `(key, block)` as before; also carries its kind, remaining
-    TTL and owner so a demotion keeps them."""
+    """An entry a tier evicted. Unpacks as `(key, block)`; also carries its kind, remaining TTL and owner so
+    a demotion keeps them."""
 
     kind: BlockKind
     ttl_s: float | None
@@ -73,14 +61,11 @@ class Eviction(tuple[str, KVBlock]):
 class Tier(ABC):
     """One level of the KV store with a byte budget.
 
-    `put` returns the entries it evicted to make room (as `Eviction`s), so the TieredStore can demote
-    them to the next tier instead of losing them. `is_shared` tiers (Redis, disk) are visible to other
-    processes; the TieredStore only touches them outside its lock (they do I/O). Refcounts
-    (`acquire`/`release`) only matter to in-process tiers; shared tiers ignore them.
-
-    An entry may have an `owner` (a tenant). Tiers given `OwnerShares` keep an owner within its share of
-    the budget by evicting that owner's own entries first, so a tenant at its share never evicts another
-    tenant's entries; tiers without shares ignore owners.
+    `put` returns the entries it evicted (as `Eviction`s) so the TieredStore can demote them. `is_shared`
+    tiers (Redis, disk) are visible to other processes and do I/O: the TieredStore calls them outside its
+    lock. Refcounts (`acquire`/`release`) only matter to in-process tiers. Tiers given `OwnerShares` keep
+    an owner (a tenant) within its share by evicting that owner's own entries first, so a tenant at its
+    share never evicts another's; tiers without shares ignore owners.
     """
 
     name: str
