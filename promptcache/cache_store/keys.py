@@ -1,8 +1,7 @@
 """Cache keys: SHA-256 over everything that determines a link's KV (docs/architecture.md).
 
-One key function names every KV link: a module segment after its encoding context, or a prefix block
-of a token stream after its parent link (the previous block, or the chain root of the modules it
-follows). The parent goes in as `context_digest`, so a key covers the whole chain before it.
+One key function names every KV link (a module segment after its encoding context, or a prefix block after
+its parent link); the parent goes in as `context_digest`, so a key covers the whole chain before it.
 """
 
 from __future__ import annotations
@@ -12,6 +11,8 @@ import struct
 from collections.abc import Sequence
 
 KEY_VERSION = b"promptcache-kv-key-v1"
+CHAIN_ROOT_VERSION = b"promptcache-chain-root-v1"
+OWNER_MARK = "\x00owner\x00"  # a client salt cannot contain NUL (the server refuses control characters)
 
 
 def make_kv_key(*, model_fingerprint: str, tokenizer_fingerprint: str, token_ids: Sequence[int],
@@ -28,17 +29,10 @@ def make_kv_key(*, model_fingerprint: str, tokenizer_fingerprint: str, token_ids
     return h.hexdigest()
 
 
-CHAIN_ROOT_VERSION = b"promptcache-chain-root-v1"
-
-
 def chain_root(link_keys: Sequence[str], *, variant: str = "") -> str:
-    """The parent key of the first prefix block of a token stream (docs/architecture.md).
-
-    A stream computed after cached module links hangs off the digest of those links' keys, in the
-    order they precede it; a plain prompt (no modules) hangs off the digest of the empty chain.
-    `variant` names anything else that changes what the stream's KV attends to (e.g. a fidelity
-    mode that recomputes part of the module KV), so such KV never shares keys with the plain reuse.
-    """
+    """The parent key of the first prefix block of a token stream: the digest of the keys of the module links
+    before it, in order (none for a plain prompt). `variant` names anything else that changes what the
+    stream's KV attends to (e.g. a fidelity mode), so such KV never shares keys with the plain reuse."""
     h = hashlib.sha256(CHAIN_ROOT_VERSION)
     _update_texts(h, (variant, *link_keys))
     return h.hexdigest()
@@ -48,9 +42,6 @@ def _update_texts(h: hashlib._Hash, texts: Sequence[str]) -> None:
     for text in texts:  # length-prefixed: no two text lists hash the same bytes
         data = text.encode("utf-8")
         h.update(len(data).to_bytes(8, "little") + data)
-
-
-OWNER_MARK = "\x00owner\x00"  # a client salt cannot contain NUL (the server refuses control characters)
 
 
 def owned_salt(owner: str, salt: str | None) -> str:

@@ -1,38 +1,30 @@
-"""The shared tier: KV blocks in Redis, visible to every replica and surviving restarts.
+"""The shared tier: KV blocks in Redis under `promptcache:<namespace>:`, visible to every replica.
 
-Keys live under `promptcache:<namespace>:`. The byte budget is enforced by an LRU index kept in Redis:
-a sorted set ranking entries by last use, a hash of sizes, byte counters (all, and prefix entries), a set
-of pinned keys, a use counter, and per owner (tenant) a sorted set and a byte count. Writes, touches and
-deletes each run as one Lua script (redis_scripts.py), so replicas sharing the server see one consistent
-index.
-
-A read GETs the blob (with its kind, TTL and owner, in one MULTI), verifies it (HMAC tag when a blob key is
-set, checksum, key, decoding), and only then marks it as used, by a script that checks the value is still
-the one verified. A value that fails verification is never touched: it is deleted, by a script that deletes
-it only if it is still exactly the bytes read (a rightful write that landed meanwhile stays). `contains`
-counts only verified values (verified_heads.py), so a failing value never blocks the write-through that
-replaces it, nor shows as cached in `explain`.
-
-Scores are a shared use counter (not wall-clock time, so replicas with skewed clocks still agree), offset
-for "module" entries (redis_scripts.py): the kind of an entry is read back from its score.
+The byte budget is kept by an LRU index in Redis (sorted set by use counter, sizes, byte counters, pins, and per
+owner a sorted set and a byte count), changed only by Lua scripts (redis_scripts.py). A read verifies the blob
+(HMAC tag, checksum, key, decoding) before a script marks it used if it is still the value verified; a failing
+value is deleted only if it is still the bytes read. `contains` counts only verified values (verified_heads.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
 from promptcache.cache_store.block import KVBlock
-from promptcache.cache_store.errors import CacheStoreError
-from promptcache.cache_store.redis_guard import RedisGuard, logger
+from promptcache.cache_store.errors import CacheStoreError, logger
 from promptcache.cache_store.redis_scripts import DELETE, DROP_IF_UNCHANGED, MODULE_SCORE_OFFSET, PUT, TOUCH
 from promptcache.cache_store.serialization import dumps, loads
 from promptcache.cache_store.signing import BlobSigner
 from promptcache.cache_store.tier import BlockKind, Eviction, OwnerShares, Tier, TierHit, TierUsage
 from promptcache.cache_store.verified_heads import HEAD_BYTES, VerifiedHeads, fingerprint
 
+T = TypeVar("T")
 
 def redacted(url: str) -> str:
     """`url` without its password, for logs and messages."""
@@ -43,16 +35,39 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+class RedisGuard:
+    """Runs Redis calls: a failure is a miss plus a rate-limited warning, and Redis is skipped for
+    `retry_interval_s` so a dead server costs at most one bounded timeout per interval."""
+
+    def __init__(self, what: str, retry_interval_s: float = 2.0, warn_interval_s: float = 30.0) -> None:
+        self.what = what
+        self.retry_interval_s = retry_interval_s
+        self.warn_interval_s = warn_interval_s
+        self._down_until = 0.0
+        self._last_warning = -1e9
+        self._lock = threading.Lock()
+
+    def call(self, fn: Callable[[], T], default: T) -> T:
+        if time.monotonic() < self._down_until:
+            return default
+        try:
+            return fn()
+        except (redis.RedisError, OSError) as exc:
+            now = time.monotonic()
+            with self._lock:
+                self._down_until = now + self.retry_interval_s
+                if now - self._last_warning >= self.warn_interval_s:
+                    self._last_warning = now
+                    logger.warning("%s unavailable (%s: %s); treating as a miss, retrying in %.1fs",
+                                   self.what, type(exc).__name__, exc, self.retry_interval_s)
+            return default
+
+
 class RedisTier(Tier):
-    """KV blocks serialized into Redis under a byte budget. Redis failures are misses, never errors.
-
-    Evicts unpinned "prefix" entries (LRU) before unpinned "module" entries (LRU); pinned entries
-    stay. Refcounts do not apply here (they protect in-process entries only). With a keyed `signer`,
-    every blob carries an HMAC (signing.py); one that fails it is handled as any failed verification.
-
-    `url` may be `redis://`, `rediss://` (TLS; `?ssl_ca_certs=...&ssl_cert_reqs=...` as redis-py
-    parses them) and may carry an ACL user and password (`redis://user:password@host:port/db`).
-    """
+    """KV blocks serialized into Redis under a byte budget; Redis failures are misses, never errors. Evicts
+    unpinned "prefix" entries (LRU) before unpinned "module" ones; no refcounts. With a keyed `signer`, every
+    blob carries an HMAC (signing.py). `url`: `redis://` or `rediss://` (TLS, `?ssl_ca_certs=...` as redis-py
+    parses it), with an optional ACL user and password (`redis://user:password@host:port/db`)."""
 
     is_shared = True
 
@@ -66,15 +81,12 @@ class RedisTier(Tier):
         self.prefix = f"promptcache:{namespace}:"
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.guard = RedisGuard(f"Redis tier at {redacted(url)}", retry_interval_s)
-        self._put = self.client.register_script(PUT)
-        self._touch = self.client.register_script(TOUCH)
-        self._delete = self.client.register_script(DELETE)
-        self._drop_if_unchanged = self.client.register_script(DROP_IF_UNCHANGED)
+        self._put, self._touch, self._delete, self._drop_if_unchanged = (
+            self.client.register_script(script) for script in (PUT, TOUCH, DELETE, DROP_IF_UNCHANGED))
         self.heads = VerifiedHeads()
         self._lru, self._sizes, self._pins, self._total, self._prefix_total, self._seq = (
             self.prefix + s for s in ("lru", "size", "pins", "bytes", "prefix_bytes", "seq"))
-        self._owners, self._owner_bytes, self._own_prefix = (
-            self.prefix + s for s in ("owner", "owner_bytes", "lru@"))
+        self._owners, self._owner_bytes, self._own_prefix = (self.prefix + s for s in ("owner", "owner_bytes", "lru@"))
 
     def _blob_key(self, key: str) -> str:
         return f"{self.prefix}kv:{key}"
@@ -105,8 +117,8 @@ class RedisTier(Tier):
         return TierHit(block, kind, None if ttl_ms < 0 else ttl_ms / 1000, owner or None)
 
     def _verify(self, key: str, sealed: bytes) -> KVBlock | None:
-        """The block in `sealed` (the blob just read for `key`), or None: then it failed verification
-        (logged) and is deleted unless a write replaced it meanwhile."""
+        """The block in `sealed` (just read for `key`), or None: it failed verification (logged) and is
+        deleted unless a write replaced it meanwhile."""
         data = self.signer.open(self._blob_key(key), sealed)  # None: no valid tag (logged)
         try:
             block = None if data is None else loads(data, expect_key=key)
@@ -140,9 +152,8 @@ class RedisTier(Tier):
         return []  # the last shared tier: evicted blocks are dropped
 
     def contains(self, key: str) -> bool:
-        """True if `key` holds a value that passes verification. One round trip (its length and first
-        bytes) for a value verified here before; any other value is read and verified in full, and
-        deleted if it fails. Never marks the entry as used."""
+        """True if `key` holds a value that passes verification: one round trip (length and first bytes) for
+        a value verified here before, else a full read. Never marks the entry as used."""
         blob_key = self._blob_key(key)
 
         def head() -> tuple[int, bytes]:

@@ -11,8 +11,7 @@ from typing import Any, cast
 
 import redis
 
-from promptcache.cache_store.errors import RegistryUnavailableError, SchemaExistsError
-from promptcache.cache_store.redis_guard import logger
+from promptcache.cache_store.errors import RegistryUnavailableError, SchemaExistsError, logger
 from promptcache.cache_store.redis_scripts import REPLACE_IF_UNCHANGED
 from promptcache.cache_store.signing import BlobSigner
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 
-logger = logging.getLogger("promptcache.cache_store")
+from promptcache.cache_store.errors import logger
 
 MAGIC = b"PCMAC1"  # marks a sealed value (and its format version)
 TAG_BYTES = hashlib.sha256().digest_size

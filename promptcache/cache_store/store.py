@@ -11,8 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from promptcache.cache_store.block import KVBlock
-from promptcache.cache_store.errors import CapacityError
-from promptcache.cache_store.redis_guard import logger
+from promptcache.cache_store.errors import CapacityError, logger
 from promptcache.cache_store.tier import BLOCK_KINDS, BlockKind, Eviction, Tier
 from promptcache.cache_store.write_behind import WriteBehind
 

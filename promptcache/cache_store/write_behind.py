@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from promptcache.cache_store.redis_guard import logger
+from promptcache.cache_store.errors import logger
 
 EXIT_FLUSH_TIMEOUT_S = 30.0  # how long interpreter exit waits for queued shared writes
 

@@ -51,8 +51,7 @@ class _SchemaBuilder:
         bos = self.encoder.bos_token_ids
         self.start = len(bos)  # the first position after BOS: text there starts the sequence
         head: tuple[Node, ...] = (TextRun(bos, 0, element.sourceline),) if bos else ()
-        root = self._module(element, name=name, path="", cursor=len(bos), is_cached=True,
-                            lead=head, is_root=True)
+        root = self._module(element, name=name, path="", cursor=len(bos), is_cached=True, lead=head, is_root=True)
         if root.end > self.limits.max_schema_tokens:
             raise PmlLimitError(f"schema {name!r} spans {root.end} token positions; the limit is "
                                 f"{self.limits.max_schema_tokens}")
@@ -98,8 +97,7 @@ class _SchemaBuilder:
                 child = self._child_module(item, parent=path, cursor=cursor, is_cached=is_cached,
                                            scope=scope, params=params)
             elif tag == "union":
-                child = self._union(item, parent=path, cursor=cursor, is_cached=is_cached, scope=scope,
-                                    params=params)
+                child = self._union(item, parent=path, cursor=cursor, is_cached=is_cached, scope=scope, params=params)
                 unions.append(child)
             elif tag in ("param", "parameter"):
                 child = self._param(item, module_path=path, cursor=cursor, scope=scope, params=params)
@@ -159,8 +157,7 @@ class _SchemaBuilder:
                 raise SchemaError(f"<union> contains text {item.text[:40]!r}; a union holds only <module>s",
                                   line=item.line)
             if item.tag != "module":
-                raise SchemaError(f"<union> contains <{item.tag}>; a union holds only <module>s",
-                                  line=item.sourceline)
+                raise SchemaError(f"<union> contains <{item.tag}>; a union holds only <module>s", line=item.sourceline)
             members.append(self._child_module(item, parent=parent, cursor=cursor, is_cached=is_cached,
                                               scope=scope, params=params))
         if not members:
