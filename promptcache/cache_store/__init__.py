@@ -1,7 +1,5 @@
 """Tiered KV store: device -> host -> Redis (and/or disk); keys, budgets, eviction, serialization.
-
-Knows nothing about HTTP or requests; may hold tensors but never imports transformers.
-"""
+Knows nothing about HTTP or requests; may hold tensors but never imports transformers."""
 
 from promptcache.cache_store.block import KVBlock
 from promptcache.cache_store.block_index import BlockIndex, BlockIndexConfig, Link, Match

@@ -47,8 +47,7 @@ class KVBlock:
 
     def to(self, device: torch.device | str, *, pin_memory: bool = False) -> KVBlock:
         """This block on `device` (self if already there); `pin_memory` for host copies of GPU data: one
-        asynchronous copy straight into pinned memory, waited for on an event (the copy to pageable
-        memory and then into pinned memory took two)."""
+        asynchronous copy straight into pinned memory (not two, through pageable memory), then waited for."""
         if torch.device(device) == self.keys.device and not pin_memory:
             return self
         if not pin_memory:

@@ -45,9 +45,7 @@ class StoreConfig:
 
 
 DEFAULT_DEVICE_MAX_BYTES = 1 << 30
-# The device tier's share of a GPU's free memory when no budget is set: the rest stays for the engine's
-# own KV (`max_kv_bytes`) and activations.
-DEVICE_FREE_FRACTION = 0.25
+DEVICE_FREE_FRACTION = 0.25  # of a GPU's free memory; the rest stays for the engine's own KV and activations
 
 
 def device_budget(max_bytes: int | None, device: str) -> int:

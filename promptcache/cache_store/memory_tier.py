@@ -1,5 +1,4 @@
-"""An in-process tier (the model's device, or host memory): LRU per kind under a byte budget, pins,
-refcounts, TTLs."""
+"""An in-process tier (the model's device, or host memory): LRU per kind under a byte budget, pins, refcounts."""
 
 from __future__ import annotations
 
@@ -45,17 +44,14 @@ class MemoryTier(Tier):
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
-        # Only evictable keys (unpinned, unreferenced) are in these, oldest first, one per kind, so
-        # eviction pops from the front instead of scanning past pinned data.
+        # Only evictable (unpinned, unreferenced) keys, oldest first: eviction pops the front, never scans.
         self._lru: dict[BlockKind, OrderedDict[str, None]] = {kind: OrderedDict() for kind in BLOCK_KINDS}
         self._shares = shares or OwnerShares()
         self._owner_lru: dict[str, dict[BlockKind, OrderedDict[str, None]]] = {}  # the same, per owner
         self._owner_bytes: dict[str, int] = {}
         # Refcounts are per key, not per entry, so they survive a delete or re-put of the key.
         self._refs: dict[str, int] = {}
-        self._used = 0
-        self._evictable_bytes = 0
-        self._prefix_bytes = 0
+        self._used = self._evictable_bytes = self._prefix_bytes = 0
         self._lock = threading.Lock()
 
     def lookup(self, key: str) -> TierHit | None:

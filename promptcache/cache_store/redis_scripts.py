@@ -1,11 +1,9 @@
-"""The Redis tier's Lua scripts: each write, touch and delete runs as one script, so replicas sharing the
-server see one consistent LRU index (redis_tier.py has the layout); and the compare-and-set that replaces a
-schema registry entry failing verification.
+"""The Redis tier's Lua scripts (each write, touch and delete is one, so replicas see one consistent LRU
+index), and the compare-and-set that replaces a schema registry entry failing verification.
 
-Scores are a shared use counter plus `MODULE_SCORE_OFFSET` for "module" entries, so every "prefix" entry
-ranks below every "module" entry and eviction (lowest first) takes prefix entries first, each kind in LRU
-order. An entry with an owner (a tenant) is also ranked, with the same score, in its owner's sorted set
-`<own_prefix><owner>`, and its bytes are counted per owner: a write that takes its owner past the owner's
+Scores are a shared use counter (clock skew cannot matter), plus `MODULE_SCORE_OFFSET` for "module" entries,
+so eviction (lowest first) takes "prefix" entries first, each kind in LRU order. An owner's entries are also
+ranked in its sorted set `<own_prefix><owner>` and their bytes counted: a write that takes its owner past its
 share evicts that owner's own entries first (pinned ones and the entry just written excepted).
 """
 
@@ -108,10 +106,8 @@ return evicted
 """
 
 # KEYS: blob, lru, seq, owners. ARGV: member, own_prefix, length, head. Marks the entry as just used (keeping
-# its kind) if its value is still the one the caller verified — same length, same first bytes (its HMAC tag
-# and checksum) — so a value that failed verification, or replaced meanwhile, is never made hot. Returns 1 if
-# touched. The reader GETs the blob first (plain GET: passed through Lua, a multi-MB value is copied twice
-# more, which made a read script 2.5x slower than a plain GET of a 14 MB module), verifies, then touches.
+# its kind) if its value still has the length and first bytes (HMAC tag, checksum) the caller verified.
+# Returns 1 if touched. Reads are a plain GET first: through Lua, a 14 MB module read 2.5x slower.
 TOUCH = _PRELUDE + """
 local head = ARGV[4]
 if redis.call('STRLEN', KEYS[1]) ~= tonumber(ARGV[3])

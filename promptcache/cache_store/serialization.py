@@ -1,14 +1,9 @@
 """A compact, versioned binary format for KV blocks, with a checksum and the key it belongs to.
 
 Layout (little endian): magic "PCKV" | u16 version | u8 dtype code | u8 reserved | 64-byte key (ascii hex,
-zero-padded) | 4 x u32 shape (layers, kv_heads, tokens, head_dim) | u64 payload length | 32-byte
-checksum field | payload = position ids (int64) + keys + values (raw bytes).
-
-The checksum detects damage (a torn disk write, a truncated or bit-flipped value); authenticity is the
-HMAC's job (signing.py), so it need not be cryptographic. Version 2 (written now) holds the 16-byte XXH3-128
-of the payload, zero-padded: ~10 GB/s, where version 1's blake2b-256 ran at ~0.7-1 GB/s and was most of
-the CPU cost of reading a module from Redis or disk (docs/experiments/benchmarks-log.md, "Shared-tier reads").
-Version 1 blobs are still read.
+zero-padded) | 4 x u32 shape (layers, kv_heads, tokens, head_dim) | u64 payload length | 32-byte checksum
+| payload = position ids (int64) + keys + values. The checksum detects damage (authenticity is signing.py's
+job): version 2 writes XXH3-128 (~10 GB/s; version 1's blake2b-256, still read, was most of a shared read).
 """
 
 from __future__ import annotations
@@ -39,12 +34,9 @@ def dumps(block: KVBlock, key: str = "") -> bytes:
     """Serialize `block` (stored under `key`)."""
     if block.dtype not in _CODES:
         raise BlockMismatchError(f"cannot serialize dtype {block.dtype}; supported: {list(_CODES)}")
-    parts = [_raw(block.position_ids.to(torch.int64)), _raw(block.keys), _raw(block.values)]
-    payload = b"".join(parts)
-    digest = _CHECKSUMS[VERSION](payload)
-    header = _HEADER.pack(MAGIC, VERSION, _CODES[block.dtype], 0, key.encode("ascii").ljust(64, b"\0"),
-                          *block.keys.shape, len(payload), digest)
-    return header + payload
+    payload = b"".join(map(_raw, (block.position_ids.to(torch.int64), block.keys, block.values)))
+    return _HEADER.pack(MAGIC, VERSION, _CODES[block.dtype], 0, key.encode("ascii").ljust(64, b"\0"),
+                        *block.keys.shape, len(payload), _CHECKSUMS[VERSION](payload)) + payload
 
 
 def loads(data: bytes | bytearray | memoryview, *, expect_key: str | None = None) -> KVBlock:
@@ -66,17 +58,13 @@ def loads(data: bytes | bytearray | memoryview, *, expect_key: str | None = None
     stored_key = key.rstrip(b"\0").decode("ascii")
     if expect_key is not None and stored_key != expect_key:
         raise BlockMismatchError(f"blob belongs to key {stored_key[:12]}..., not {expect_key[:12]}...")
-    dtype = _DTYPES[code]
-    buffer = bytearray(payload)  # one copy, writable, so tensors can own it
-    n_pos = tokens * 8
-    n_kv = layers * heads * tokens * dim * torch.empty((), dtype=dtype).element_size()
+    dtype, shape = _DTYPES[code], (layers, heads, tokens, dim)
+    n_pos, n_kv = tokens * 8, math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if n_pos + 2 * n_kv != length:
         raise CorruptBlockError("shape does not match payload length")
-    positions = _tensor(buffer, torch.int64, (tokens,), 0)
-    shape = (layers, heads, tokens, dim)
-    keys = _tensor(buffer, dtype, shape, n_pos)
-    values = _tensor(buffer, dtype, shape, n_pos + n_kv)
-    return KVBlock(keys, values, positions)
+    buffer = bytearray(payload)  # one copy, writable, so tensors can own it
+    return KVBlock(_tensor(buffer, dtype, shape, n_pos), _tensor(buffer, dtype, shape, n_pos + n_kv),
+                   _tensor(buffer, torch.int64, (tokens,), 0))
 
 
 def _raw(tensor: torch.Tensor) -> bytes:
