@@ -9,11 +9,8 @@ from typing import TypeAlias
 
 @dataclass(frozen=True, slots=True)
 class TextRun:
-    """Literal schema text (or compiled role markup) at positions [start, end).
-
-    `is_continuation`: the text was tokenized as following the text laid out before it, and at the
-    start of a sequence it tokenizes differently (SentencePiece's dummy "▁" prefix, TextEncoder).
-    """
+    """Literal schema text (or compiled role markup) at positions [start, end). `is_continuation`: tokenized
+    as following the text before it, it tokenizes differently at a sequence start (TextEncoder)."""
 
     token_ids: tuple[int, ...]
     start: int
@@ -28,12 +25,8 @@ class TextRun:
 
 @dataclass(frozen=True, slots=True)
 class Param:
-    """A slot of `length` positions for a runtime argument of module `module_path`.
-
-    `scaffold_ids`: the tokens of its `scaffold="..."` text, which stand in the slot's first positions
-    while the module is encoded (the rest of the slot holds the placeholder token, or nothing when the
-    schema skips slots).
-    """
+    """A slot of `length` positions for a runtime argument of module `module_path`. `scaffold_ids`: the
+    tokens of its `scaffold="..."` text, in the slot's first positions while the module is encoded."""
 
     name: str
     length: int
@@ -49,11 +42,8 @@ class Param:
 
 @dataclass(frozen=True, slots=True)
 class Union:
-    """Mutually exclusive member modules sharing one start; spans the longest member.
-
-    `scaffold` names the member that stands in the union's positions when the content after the union
-    is encoded (`<union scaffold="member">`, segments.py); None: nothing does.
-    """
+    """Mutually exclusive member modules sharing one start; spans the longest member. `scaffold` names the
+    member standing in the union's positions when the content after it is encoded (segments.py), if any."""
 
     members: tuple[Module, ...]
     default: str | None
@@ -78,11 +68,8 @@ class RoleSection:
 
 @dataclass(frozen=True, slots=True)
 class Module:
-    """A named prompt module (the schema root is the module with path "").
-
-    `scope` maps the names importable inside this module (child modules, union members, through
-    role sections and unions) to their module; `params` maps its own parameters by name.
-    """
+    """A named prompt module (the schema root has path ""). `scope` maps the names importable inside it
+    (child modules and union members, through role sections) to their module; `params` its own parameters."""
 
     name: str
     path: str

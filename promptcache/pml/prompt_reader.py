@@ -1,7 +1,5 @@
-"""Read a `<prompt>` document against its schema: resolve imports, arguments and role elements.
-
-The result is a list of items in document order; placement (prompt_parser) assigns positions.
-"""
+"""Read a `<prompt>` document against its schema: imports, arguments and role elements resolved into items in
+document order; placement (prompt_parser) assigns positions."""
 
 from __future__ import annotations
 
@@ -68,8 +66,7 @@ class PromptReader:
         self.out = PromptItems()
         self.union_choice: dict[int, str] = {}  # id(Union) -> chosen member path
         self.section_of = _sections_by_module(schema)
-        # Looked up once per import or role element: a scan of the schema for each would make a prompt
-        # importing many modules quadratic.
+        # Indexed once: a scan of the schema per import would make a prompt importing many modules quadratic.
         self.union_of = {id(member): union for module in schema.modules.values() for union in module.unions
                          for member in union.members}
         self.suffix_of = {s.role_suffix_of: s.segment_id for s in schema.segments if s.role_suffix_of is not None}
@@ -96,12 +93,10 @@ class PromptReader:
         return self.out
 
     def _open_generation_prompt(self, line: int, *, uses_roles: bool) -> None:
-        # As a chat template's add_generation_prompt does. A model without a usable template gets it only
-        # where the prompt or its schema has role turns: plain text then stays a plain continuation.
+        # Without a chat template, only where the prompt or its schema has role turns: plain text stays plain.
         fmt = self.encoder.chat_format
-        if self.encoder.chat_format_error is not None or not fmt.generation_prompt:
-            return
-        if fmt.is_fallback and not uses_roles and not self.schema.role_sections:
+        if self.encoder.chat_format_error is not None or not fmt.generation_prompt or (
+                fmt.is_fallback and not uses_roles and not self.schema.role_sections):
             return
         tokens = self.encoder.encode(fmt.generation_prompt)
         self.out.items.append(TextPiece(tokens, "role", line, fmt.generation_prompt[:40],
@@ -124,8 +119,7 @@ class PromptReader:
         last_import = max(i for i, c in enumerate(content) if not isinstance(c, TextItem))
         for index, item in enumerate(content):
             if isinstance(item, TextItem) and index > last_import:
-                # The question asked inside the schema's own turn: the turn's cached closing markup
-                # moves behind the new text.
+                # Text inside the schema's own turn: the turn's cached closing markup moves behind it.
                 assert section.section_id in self.suffix_of, "role sections always end with a suffix segment"
                 suffix = self.schema.segments[self.suffix_of[section.section_id]].token_ids
                 self.out.displaced_sections.add(section.section_id)

@@ -12,14 +12,9 @@ from promptcache.pml.nodes import Module, RoleSection
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """A maximal run of schema tokens owned by one module, at contiguous positions [start, end).
-
-    Segments are the units whose KV is encoded and cached. `owner` is the owning module's path
-    ("" for always-included text). `context_ids` lists the segments guaranteed to precede this one
-    in every prompt that includes it — the context its default KV is encoded after.
-    `is_continuation` says that its tokens differ from its text's tokenization at the start of a
-    sequence (its first run's flag, see TextRun): a plan that begins with it reports so.
-    """
+    """A maximal run of schema tokens owned by one module (path `owner`, "" for always-included text) at
+    positions [start, end): the unit whose KV is cached. `context_ids`: the segments guaranteed to precede
+    it in every prompt that includes it, its default KV's context. `is_continuation`: see TextRun."""
 
     segment_id: int
     token_ids: tuple[int, ...]
@@ -77,11 +72,10 @@ class Schema:
         return h.hexdigest()
 
     def predecessor_context(self, segment_id: int, context_ids: Iterable[int]) -> tuple[int, ...] | None:
-        """The context of a module segment's second encoding (fidelity context "predecessor"): its
-        `context_ids` and the last segment of another module (not a parameter placeholder) that ends
-        before it starts, in position order. None for text outside modules, with no such segment, or
-        when that segment's own context is not what this context has before it (then its KV in the
-        chain would not be its stored encoding)."""
+        """The context of a module segment's second encoding (fidelity "predecessor"): `context_ids` and the
+        last other module's segment (not a placeholder) ending before it, in position order. None for text
+        outside modules, without such a segment, or when that segment's own context is not what this context
+        has before it (its KV in the chain would not be its stored encoding)."""
         segment, context = self.segments[segment_id], set(context_ids)
         if not segment.owner:
             return None
@@ -107,8 +101,7 @@ class Schema:
         return ranges
 
     def module_table(self) -> list[dict[str, object]]:
-        """One row per module: name, dotted path, start, end (exclusive), positions spanned, and its own
-        parameter slots (name, start, length)."""
+        """One row per module: name, path, start, end (exclusive), positions spanned, its own param slots."""
         return [
             {"name": m.name, "path": m.path, "start": m.start, "end": m.end, "num_tokens": m.num_positions,
              "params": [{"name": p.name, "start": p.start, "length": p.length} for p in m.params.values()]}
