@@ -25,11 +25,9 @@ from promptcache.pml.errors import (
     UnknownSchemaError,
 )
 from promptcache.pml.limits import PmlLimits
-from promptcache.pml.names import is_valid_name
-from promptcache.pml.nodes import Module, Param, RoleSection, TextRun, Union
 from promptcache.pml.plan import CachedSegment, NewRun, PromptPlan, token_plan
 from promptcache.pml.prompt_parser import parse_prompt
-from promptcache.pml.schema import Scaffold, Schema, Segment
+from promptcache.pml.schema import Module, Param, RoleSection, Scaffold, Schema, Segment, TextRun, Union, is_valid_name
 from promptcache.pml.schema_parser import parse_schema
 from promptcache.pml.text_encoder import TextEncoder
 

@@ -14,10 +14,8 @@ from promptcache.pml.errors import (
     UnknownModuleError,
     UnknownParamError,
 )
-from promptcache.pml.names import ROLE_TAGS
-from promptcache.pml.nodes import Module, RoleSection, Union
 from promptcache.pml.plan import NewRun
-from promptcache.pml.schema import Schema
+from promptcache.pml.schema import ROLE_TAGS, Module, RoleSection, Schema, Union
 from promptcache.pml.text_encoder import TextEncoder
 from promptcache.pml.xml_reader import XML_SPACE, TextItem, iter_content
 

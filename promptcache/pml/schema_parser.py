@@ -8,9 +8,7 @@ from lxml import etree
 
 from promptcache.pml.errors import InvalidNameError, InvalidParamError, PmlLimitError, SchemaError
 from promptcache.pml.limits import PmlLimits
-from promptcache.pml.names import ROLE_TAGS, check_name
-from promptcache.pml.nodes import Module, Node, Param, RoleSection, TextRun, Union
-from promptcache.pml.schema import Schema
+from promptcache.pml.schema import ROLE_TAGS, Module, Node, Param, RoleSection, Schema, TextRun, Union, check_name
 from promptcache.pml.segments import ContextBudget, build_scaffolds, build_segments
 from promptcache.pml.text_encoder import TextEncoder
 from promptcache.pml.xml_reader import XML_SPACE, TextItem, check_attributes, iter_content, parse_xml

@@ -25,8 +25,7 @@ from types import MappingProxyType
 from lxml import etree
 
 from promptcache.pml.errors import PmlLimitError, ScaffoldError
-from promptcache.pml.nodes import Module, Node, Param, RoleSection, TextRun, Union
-from promptcache.pml.schema import Scaffold, Segment, segment_digest
+from promptcache.pml.schema import Module, Node, Param, RoleSection, Scaffold, Segment, TextRun, Union, segment_digest
 from promptcache.pml.xml_reader import check_attributes
 
 
