@@ -24,12 +24,12 @@ from promptcache.pml.errors import (
     UnknownParamError,
     UnknownSchemaError,
 )
-from promptcache.pml.limits import PmlLimits
 from promptcache.pml.plan import CachedSegment, NewRun, PromptPlan, token_plan
 from promptcache.pml.prompt_parser import parse_prompt
 from promptcache.pml.schema import Module, Param, RoleSection, Scaffold, Schema, Segment, TextRun, Union, is_valid_name
 from promptcache.pml.schema_parser import parse_schema
 from promptcache.pml.text_encoder import TextEncoder
+from promptcache.pml.xml_reader import PmlLimits
 
 __all__ = [
     "PLAIN_CHAT_FORMAT", "ArgumentTooLongError", "CachedSegment", "ChatFormat", "ChatTemplateError",

@@ -20,12 +20,11 @@ from promptcache.pml.errors import (
     PromptError,
     UnknownSchemaError,
 )
-from promptcache.pml.limits import PmlLimits
 from promptcache.pml.plan import CachedSegment, NewRun, PromptPlan, find_approximations
 from promptcache.pml.prompt_reader import ImportItem, PromptItems, PromptReader, TextPiece
 from promptcache.pml.schema import Scaffold, Schema, Segment
 from promptcache.pml.text_encoder import TextEncoder
-from promptcache.pml.xml_reader import XML_SPACE, check_attributes, parse_xml
+from promptcache.pml.xml_reader import XML_SPACE, PmlLimits, check_attributes, parse_xml
 
 GENERATION_PROMPT = "generation_prompt"  # the `source` of the run that opens the assistant turn
 
@@ -41,8 +40,7 @@ def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
     Raises a PmlError subclass for invalid prompts.
     """
     limits = limits or PmlLimits()
-    root = parse_xml(text, max_bytes=limits.max_prompt_bytes, max_depth=limits.max_depth,
-                     max_elements=limits.max_elements, what="prompt")
+    root = parse_xml(text, limits, max_bytes=limits.max_prompt_bytes, what="prompt")
     if root.tag != "prompt":
         raise PromptError(f"the root element is <{root.tag}>; expected <prompt schema=...>", line=root.sourceline)
     check_attributes(root, {"schema", XML_SPACE}, PromptError)

@@ -1,20 +1,41 @@
-"""Hardened XML reading for PML: lxml parsing (strict; bare `<` and `&` in text taken verbatim), the whitespace
-rule."""
+"""Hardened XML reading for PML: size limits, lxml parsing (strict; bare `<` and `&` in text taken verbatim),
+the whitespace rule."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from lxml import etree
 
 from promptcache.pml.errors import PmlError, PmlLimitError, PmlSecurityError, PmlSyntaxError, SchemaError
 
 XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
-# Any DTD can declare entities (billion laughs, XXE); PML never needs one, so it is refused before
-# lxml sees the document.
+# Any DTD can declare entities (billion laughs, XXE); PML needs none: refused before lxml sees the document.
 _FORBIDDEN = re.compile(rb"<!DOCTYPE|<!ENTITY|<!ELEMENT|<!ATTLIST", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class PmlLimits:
+    """Upper bounds for one PML document; every one is a user-configurable setting."""
+
+    max_schema_bytes: int = 4 * 1024 * 1024
+    max_prompt_bytes: int = 1024 * 1024
+    max_depth: int = 32
+    max_elements: int = 16384  # in one document: every element costs Python work, text does not
+    max_modules: int = 4096
+    max_scaffolds: int = 1024  # each is encoded jointly on upload, besides the modules' own encodings
+    max_param_len: int = 8192
+    max_schema_tokens: int = 1_000_000
+    # Segment ids listed by all of a schema's encoding contexts together; they grow with the square of
+    # the number of text pieces (docs/pml.md), this keeps a schema's layout to tens of MiB.
+    max_context_ids: int = 1 << 22
+
+    def __post_init__(self) -> None:
+        for name in (limit.name for limit in fields(self)):
+            if not isinstance(value := getattr(self, name), int) or value <= 0:
+                raise ValueError(f"PmlLimits.{name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,12 +46,9 @@ class TextItem:
     line: int
 
 
-def parse_xml(text: str | bytes, *, max_bytes: int, max_depth: int, max_elements: int, what: str) -> etree._Element:
-    """Parse `text` strictly (no recovery, DTD, entities, network, or processing instructions).
-    libxml2 parses in linear time; the element count is checked (in C) before any Python walks the tree.
-
-    Raises PmlLimitError, PmlSecurityError or PmlSyntaxError (with the line) on bad input.
-    """
+def parse_xml(text: str | bytes, limits: PmlLimits, *, max_bytes: int, what: str) -> etree._Element:
+    """Parse `text` strictly (no recovery, DTD, entities, network, or processing instructions), in linear time.
+    Raises PmlLimitError, PmlSecurityError or PmlSyntaxError (with the line) on bad input."""
     data = _utf8(text, what) if isinstance(text, str) else text
     if len(data) > max_bytes:
         raise PmlLimitError(f"{what} is {len(data)} bytes; the limit is {max_bytes} bytes")
@@ -43,16 +61,15 @@ def parse_xml(text: str | bytes, *, max_bytes: int, max_depth: int, max_elements
         recover=False, huge_tree=False, remove_comments=True, remove_pis=False, collect_ids=False,
     )
     root = _parse_lenient(data, parser, what)
-    num_elements = int(root.xpath("count(//*)"))
-    if num_elements > max_elements:
-        raise PmlLimitError(f"{what} has {num_elements} elements; the limit is {max_elements}")
-    _check_tree(root, max_depth=max_depth, what=what)
+    num_elements = int(root.xpath("count(//*)"))  # in C, before any Python walks the tree
+    if num_elements > limits.max_elements:
+        raise PmlLimitError(f"{what} has {num_elements} elements; the limit is {limits.max_elements}")
+    _check_tree(root, max_depth=limits.max_depth, what=what)
     return root
 
 
 def _utf8(text: str, what: str) -> bytes:
-    """`text` as UTF-8. A lone surrogate (JSON's "\\ud800" decodes to one) is no Unicode character: a
-    PmlSyntaxError naming its line."""
+    """`text` as UTF-8; a lone surrogate (JSON's "\\ud800" decodes to one) is a PmlSyntaxError naming its line."""
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -62,10 +79,9 @@ def _utf8(text: str, what: str) -> bytes:
 
 
 def _parse_lenient(data: bytes, parser: etree.XMLParser, what: str) -> etree._Element:
-    """Parse strictly; a document that fails is parsed again with its bare `<` and `&` (ones that begin
-    no markup, see `escape_bare_markup`) escaped, so code such as `0 <= i < n` in module text is taken
-    verbatim. What still fails is a PmlSyntaxError naming the line, the `<` or `&` nearest before the
-    error, and the fix. Escaping inserts no line break: lxml's line numbers are the document's."""
+    """Parse strictly, then (if that fails) again with bare `<` and `&` escaped (`escape_bare_markup`), so
+    code such as `0 <= i < n` is taken verbatim. What still fails is a PmlSyntaxError naming the line (escaping
+    inserts no line break), the `<` or `&` nearest before the error, and the fix."""
     try:
         return etree.fromstring(data, parser)
     except etree.XMLSyntaxError as exc:
@@ -80,10 +96,9 @@ def _parse_lenient(data: bytes, parser: etree.XMLParser, what: str) -> etree._El
 
 
 def escape_bare_markup(data: bytes) -> bytes:
-    """`data` with every `<` that begins no markup (one not followed by a name character, `/`, `!` or
-    `?`: `0 <= i`, `a < b`) written `&lt;`, and every `&` that begins no entity or character reference
-    (`Q&A`, `a && b`) written `&amp;`. CDATA sections are left as they are. Linear: the patterns look
-    ahead a bounded distance (to the end of one name) and CDATA is found with `bytes.find`."""
+    """`data` with every `<` that begins no markup (not followed by a name character, `/`, `!` or `?`)
+    written `&lt;`, and every `&` that begins no entity or character reference written `&amp;`, outside
+    CDATA sections. Linear: the patterns look ahead to the end of one name at most."""
     pieces: list[bytes] = []
     at = 0
     while (start := data.find(b"<![CDATA[", at)) >= 0:
@@ -166,12 +181,10 @@ def _text_item(raw: str | None, line: int, preserve: bool) -> tuple[TextItem, ..
 
 
 def normalize_whitespace(raw: str) -> str:
-    """Drop layout whitespace: a leading or trailing whitespace run that spans a line break goes,
-    and the common indentation of the lines is removed (the first line's counts when the dropped run
-    ended it; otherwise only the lines after the first). Spaces that do
-    not span a line break are content and stay ("of <param/> days")."""
-    # str.strip's whitespace is re's \s; a regex anchored at the end (r"\s*$" with search) retries at
-    # every position of a long whitespace run, quadratic in its length.
+    """Drop layout whitespace: a leading or trailing whitespace run that spans a line break goes, and the
+    lines' common indentation (the first line's only when the dropped run ended it). Spaces that do not span
+    a line break are content and stay ("of <param/> days")."""
+    # str.strip, not a regex: r"\s*$" with search is quadratic in the length of a whitespace run.
     leading_end = len(raw) - len(raw.lstrip())
     trailing_start = len(raw.rstrip())
     start = leading_end if "\n" in raw[:leading_end] else 0
@@ -181,9 +194,7 @@ def normalize_whitespace(raw: str) -> str:
         return text
     first, *rest = text.split("\n")
     indents = [len(line) - len(line.lstrip(" \t")) for line in rest if line.strip()]
-    if start:
-        # The first line's own indentation ended the dropped run: it counts too, so code laid out from
-        # the margin keeps its relative indentation (`class A:` / `    def f` stays nested).
+    if start:  # the first line's indentation ended the dropped run: it counts (`class A:` / `    def f` stays nested)
         indents.append(start - raw.rfind("\n", 0, start) - 1)
     cut = min(indents, default=0)
     return "\n".join([first, *(line[cut:] for line in rest)])
