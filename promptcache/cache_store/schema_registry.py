@@ -76,12 +76,11 @@ class SchemaRegistry:
                 logger.warning("schema registry unavailable (%s); using this process's copy", exc)
             else:
                 stored = None if raw is None else self._verified(name, raw)
-                if stored is None:  # absent, or failed verification (logged): never adopt it
-                    with self._lock:
-                        self._local.pop(name, None)
-                    return None
                 with self._lock:
-                    self._local[name] = stored
+                    if stored is None:  # absent, or failed verification (logged): never adopt it
+                        self._local.pop(name, None)
+                    else:
+                        self._local[name] = stored
                 return stored
         with self._lock:
             return self._local.get(name)

@@ -1,8 +1,5 @@
-"""PML: Prompt Markup Language schemas and prompts -> typed trees, position layouts and plans.
-
-Pure Python + lxml; no torch. Public API: parse_schema, parse_prompt, the Schema/PromptPlan data
-types, TextEncoder (the tokenizer view PML needs), PmlLimits, and the PmlError tree.
-"""
+"""PML: Prompt Markup Language schemas and prompts -> typed trees, position layouts and plans (pure Python +
+lxml, no torch): parse_schema, parse_prompt, Schema/PromptPlan, TextEncoder, PmlLimits, the PmlError tree."""
 
 from promptcache.pml.chat_format import PLAIN_CHAT_FORMAT, ChatFormat, chat_format_from_tokenizer
 from promptcache.pml.errors import (
