@@ -30,9 +30,7 @@ class BlobSigner:
 
     def seal(self, storage_key: str, value: bytes) -> bytes:
         """`value` with its tag in front (unchanged when no key is set)."""
-        if self._key is None:
-            return value
-        return MAGIC + self._tag(storage_key, value) + value
+        return value if self._key is None else MAGIC + self._tag(storage_key, value) + value
 
     def open(self, storage_key: str, sealed: bytes) -> bytes | None:
         """The value if its tag checks out (or no key is set and the value is unsealed); None otherwise,

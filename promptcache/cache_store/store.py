@@ -187,9 +187,8 @@ class FetchPolicy:
     def worth_fetching(self, tier: str, nbytes: int, num_tokens: int | None) -> bool:
         with self._lock:
             read = self.tiers.get(tier)
-            if num_tokens is None or read is None or read.value is None or self.recompute.value is None:
-                return True
-            return nbytes / read.value * self.margin < num_tokens / self.recompute.value
+            return (num_tokens is None or read is None or read.value is None or self.recompute.value is None
+                    or nbytes / read.value * self.margin < num_tokens / self.recompute.value)
 
 
 @dataclass(slots=True)

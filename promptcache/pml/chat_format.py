@@ -49,7 +49,6 @@ def chat_format_from_tokenizer(tokenizer: Any, *, adds_bos: bool = False) -> Cha
     sys_only = _render(tokenizer, [("system", s["system0"])], generation=False)
     sys_user = _render(tokenizer, [("system", s["system0"]), ("user", s["user0"])], generation=False)
     with_gen = _render(tokenizer, [("system", s["system0"]), ("user", s["user0"])], generation=True)
-
     head, sys_rest = _split_once(full, s["system0"])
     bos = (getattr(tokenizer, "bos_token", None) or "") if adds_bos else ""
     system_prefix = head[len(bos):] if bos and head.startswith(bos) else head
@@ -57,7 +56,6 @@ def chat_format_from_tokenizer(tokenizer: Any, *, adds_bos: bool = False) -> Cha
     between_user_asst, rest = _split_once(rest, s["assistant0"])
     between_asst_user, rest = _split_once(rest, s["user1"])
     between_user_asst2, assistant_suffix = _split_once(rest, s["assistant1"])
-
     system_suffix = _split_once(sys_only, s["system0"])[1]
     user_suffix = _split_once(sys_user, s["user0"])[1]
     user_prefix = _strip_prefix(between_sys_user, system_suffix, "system suffix")

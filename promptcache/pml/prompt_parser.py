@@ -33,7 +33,6 @@ def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
                  limits: PmlLimits | None = None, *, isolated: bool = False,
                  add_generation_prompt: bool = False) -> PromptPlan:
     """Resolve a `<prompt schema="...">` document against `schemas` (by name; parsed with `encoder`).
-
     `isolated=True`: the paper's literal masking (each module encoded seeing only itself) instead of
     guaranteed-context encoding. `add_generation_prompt=True` opens the assistant turn after the prompt, as
     a chat template does, unless it ends in an open `<assistant>` turn (`generation_prompt_added` says).
@@ -242,6 +241,4 @@ class Occupancy:
     def first_in(self, start: int, end: int) -> int | None:
         """The lowest used position in [start, end), or None."""
         i = bisect.bisect_right(self._ends, start)  # first interval ending after start
-        if i == len(self._starts) or self._starts[i] >= end:
-            return None
-        return max(self._starts[i], start)
+        return None if i == len(self._starts) or self._starts[i] >= end else max(self._starts[i], start)

@@ -82,7 +82,6 @@ def build_segments(root: Module, placeholder_id: int | None, budget: ContextBudg
     ancestry: dict[str, tuple[str, ...]] = {}
     scaffold_of: dict[str, tuple[tuple[str, int], ...]] = {}
     _flatten(root, root, (), leaves, ancestry, scaffold_of, placeholder_id)
-
     groups: list[list[_Leaf]] = []
     for leaf in leaves:
         previous = groups[-1][-1] if groups and groups[-1] else None
@@ -90,13 +89,11 @@ def build_segments(root: Module, placeholder_id: int | None, budget: ContextBudg
             groups.append([])
         elif leaf.is_placeholder:
             groups += [[leaf], []]
-        elif (previous is not None and previous.owner == leaf.owner and previous.run.end == leaf.run.start
-              and not previous.is_placeholder
-              and previous.run.role_suffix_of is None and leaf.run.role_suffix_of is None):
+        elif (previous is not None and not previous.is_placeholder and previous.run.role_suffix_of is None
+              and leaf.run.role_suffix_of is None and previous.owner == leaf.owner and previous.run.end == leaf.run.start):
             groups[-1].append(leaf)
         else:
             groups.append([leaf])
-
     segments: list[Segment] = []
     index = _PrefixIndex()
     # Union scaffold content by the module the union is in, filed under the union's end: a segment
