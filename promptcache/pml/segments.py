@@ -89,8 +89,9 @@ def build_segments(root: Module, placeholder_id: int | None, budget: ContextBudg
             groups.append([])
         elif leaf.is_placeholder:
             groups += [[leaf], []]
-        elif (previous is not None and not previous.is_placeholder and previous.run.role_suffix_of is None
-              and leaf.run.role_suffix_of is None and previous.owner == leaf.owner and previous.run.end == leaf.run.start):
+        elif (previous is not None and previous.owner == leaf.owner and previous.run.end == leaf.run.start
+              and not previous.is_placeholder
+              and previous.run.role_suffix_of is None and leaf.run.role_suffix_of is None):
             groups[-1].append(leaf)
         else:
             groups.append([leaf])
