@@ -16,8 +16,7 @@ from typing import Protocol
 
 import torch
 
-from promptcache.cache_store.block import KVBlock
-from promptcache.cache_store.keys import make_kv_key
+from promptcache.cache_store.block import KVBlock, make_kv_key
 from promptcache.cache_store.tier import BlockKind, Tier
 
 # Returns keys and values [num_layers, num_kv_heads, end - start, head_dim] of stream tokens [start, end).
