@@ -12,8 +12,15 @@ from typing import Any, cast
 import redis
 
 from promptcache.cache_store.errors import RegistryUnavailableError, SchemaExistsError, logger
-from promptcache.cache_store.redis_scripts import REPLACE_IF_UNCHANGED
 from promptcache.cache_store.signing import BlobSigner
+
+# KEYS: entry. ARGV: expected value, new value. Sets the entry only if it still holds exactly the expected
+# value (a registry entry that failed verification). Returns 1 if set.
+REPLACE_IF_UNCHANGED = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
+return 1
+"""
 
 
 @dataclass(frozen=True, slots=True)
