@@ -44,8 +44,7 @@ class WriteBehind:
     def __init__(self, max_bytes: int, idle_exit_s: float = 2.0) -> None:
         self.max_bytes = max_bytes
         self.idle_exit_s = idle_exit_s
-        self.num_dropped = 0
-        self.pending_bytes = 0
+        self.num_dropped = self.pending_bytes = 0
         self._cond = threading.Condition()
         self._jobs: deque[_Job] = deque()
         self._queued: dict[str, list[_Job]] = {}  # key -> its live queued jobs, oldest first
@@ -233,16 +232,11 @@ class StoreStats:
 
 
 class TieredStore:
-    """KV blocks in tiers ordered fastest first: in-process tiers, then shared ones. Thread-safe.
-
-    `get` returns the block and the name of the tier it was found in, promoting it (with its kind and TTL)
-    to the faster tiers. `put` writes the first tier synchronously; evictions are demoted down the chain
-    (what falls off the last tier is dropped). Every shared-tier write goes to one background writer whose
-    queue holds at most `write_behind_max_bytes` (more is dropped, `stats().dropped_writes`); `flush` waits
-    for it. Serialization and I/O never run under the store's lock. A `delete` cancels the key's queued
-    writes and follows a running one, so a late write never resurrects the key. Every tier evicts "prefix"
-    entries before "module" ones; `acquire`/`release` keep in-process entries from eviction while in use.
-    """
+    """KV blocks in tiers ordered fastest first: in-process tiers, then shared ones. Thread-safe. `get` promotes
+    a hit (with its kind and TTL) to the faster tiers; `put` writes the first tier synchronously, and demotes
+    evictions down the chain. Shared-tier writes queue on a WriteBehind of `write_behind_max_bytes` (more is
+    dropped, `stats().dropped_writes`), never under the store's lock; a `delete` cancels the key's queued
+    writes and follows a running one. `acquire`/`release` keep in-process entries from eviction while in use."""
 
     def __init__(self, tiers: Sequence[Tier], *, write_through_shared: bool = True,
                  policy: FetchPolicy | None = None, write_behind_max_bytes: int = 1 << 30) -> None:
@@ -272,9 +266,8 @@ class TieredStore:
 
     def get(self, key: str, *, num_tokens: int | None = None, nbytes: int | None = None,
             promote: bool = True) -> tuple[KVBlock, str] | None:
-        """`num_tokens`/`nbytes` (optional) let the fetch policy skip a shared tier that would be slower
-        than recomputing the block. `promote=False` reads a block from a slower tier without copying it
-        into the faster ones (a block read for others: see `put`'s `local`)."""
+        """The block and the name of its tier. `num_tokens`/`nbytes` let the fetch policy skip a shared tier
+        slower than recomputing; `promote=False` copies no hit into faster tiers (see `put`'s `local`)."""
         with self._lock:
             self._num_gets += 1
         for index, tier in enumerate(self.tiers):
@@ -340,7 +333,7 @@ class TieredStore:
 
     def _demote(self, position: int, evicted: Iterable[Eviction]) -> None:
         """Move what tier `position` evicted to the next tier: in-process ones now (under the lock), shared
-        ones through the writer (or directly when already on the writer, evicting from a shared tier)."""
+        ones through the writer (directly when already on it)."""
         counters, below = self._counters[self.tiers[position].name], position + 1
         for victim in evicted:
             key, block, kind, ttl_s, owner = victim.key, victim.block, victim.kind, victim.ttl_s, victim.owner
@@ -392,8 +385,7 @@ class TieredStore:
             return
 
     def tier_of(self, key: str) -> Tier | None:
-        """The fastest tier holding `key` (no promotion, no counters), or None. A shared tier that cannot
-        be reached holds nothing."""
+        """The fastest (reachable) tier holding `key`, or None; no promotion, no counters."""
         with self._lock:
             local = next((t for t in self._local if t.contains(key)), None)
         return local or next((t for t in self._shared
@@ -426,17 +418,15 @@ class TieredStore:
         return any([op(tier) for tier in self._shared]) or found
 
     def touch(self, keys: Iterable[str]) -> None:
-        """Mark `keys` as just used in the in-process tiers, in order (the last ends up most recent);
-        no promotion, no counters, no I/O. Chains of prefix links should be touched leaf first, so that
-        LRU eviction takes leaves before the links they hang from (a chain is useless without its root)."""
+        """Mark `keys` as just used in the in-process tiers, in order (the last ends up most recent), no I/O.
+        Touch prefix chains leaf first, so that LRU eviction takes leaves before the links they hang from."""
         with self._lock:
             for key in keys:
                 for tier in self._local:
                     tier.touch(key)
 
     def acquire(self, keys: Iterable[str]) -> None:
-        """Mark `keys` in use: their entries in in-process tiers are not evicted until `release`. A key
-        held by no in-process tier is skipped (and its later release is a no-op)."""
+        """Mark `keys` in use: their in-process entries are not evicted until `release` (others are skipped)."""
         with self._lock:
             for key in keys:
                 holders = tuple(tier for tier in self._local if tier.contains(key))
@@ -462,8 +452,8 @@ class TieredStore:
         return self._writer.flush(timeout_s)
 
     def close(self, timeout_s: float | None = 10.0) -> bool:
-        """Flush (bounded by `timeout_s`), drop what is still queued, stop the writer thread. The store
-        stays usable (a later shared write starts a new writer). False if writes were dropped."""
+        """Flush (bounded by `timeout_s`), drop what is still queued, stop the writer thread (a later shared write
+        starts it again). False if writes were dropped."""
         return self._writer.close(timeout_s)
 
     def stats(self) -> StoreStats:
@@ -495,10 +485,9 @@ def _shared_call(tier: Tier, what: str, fn: Callable[[], T], default: T) -> T:
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
-    """Budgets and backends. The device tier holds blocks on the model's device; the host tier in CPU
-    memory (pinned when the device is a GPU); Redis and disk tiers are shared and persistent.
-    `device_max_bytes` None: DEFAULT_DEVICE_MAX_BYTES on a CPU, on a GPU DEVICE_FREE_FRACTION of the memory
-    free when the store is built (after the model is loaded)."""
+    """Budgets and backends: the device tier on the model's device, the host tier in CPU memory (pinned for a
+    GPU), shared Redis and disk tiers. `device_max_bytes` None: DEFAULT_DEVICE_MAX_BYTES on a CPU, on a GPU
+    DEVICE_FREE_FRACTION of the memory free when the store is built (after the model is loaded)."""
 
     device_max_bytes: int | None = None
     host_max_bytes: int = 4 << 30

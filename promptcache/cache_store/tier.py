@@ -9,16 +9,14 @@ from typing import Literal, NamedTuple, get_args
 from promptcache.cache_store.block import KVBlock
 
 BlockKind = Literal["module", "prefix"]
-"""What a block is: a module's KV ("module"), or KV that is only a cache of work done for requests
-("prefix": a link of automatic prefix caching, or a module's second encoding, model_runtime/module_encoder.py).
-Every tier evicts unpinned, unreferenced "prefix" entries (LRU) before any "module" entry."""
+"""A module's KV ("module"), or a cache of work done for requests ("prefix": a prefix block, or a module's second
+encoding): every tier evicts unpinned, unreferenced "prefix" entries (LRU) before any "module" entry."""
 
 BLOCK_KINDS: tuple[BlockKind, ...] = get_args(BlockKind)
 
 
 class TierHit(NamedTuple):
-    """A block found in a tier, with its kind, remaining time to live (None: no TTL) and owner (the tenant
-    whose byte share it counts against; None: nobody's)."""
+    """A block found in a tier, with its kind, remaining TTL (None: none) and owner (whose share it counts in)."""
 
     block: KVBlock
     kind: BlockKind = "module"
@@ -59,14 +57,10 @@ class Eviction(tuple[str, KVBlock]):
 
 
 class Tier(ABC):
-    """One level of the KV store with a byte budget.
-
-    `put` returns the entries it evicted (as `Eviction`s) so the TieredStore can demote them. `is_shared`
-    tiers (Redis, disk) are visible to other processes and do I/O: the TieredStore calls them outside its
-    lock. Refcounts (`acquire`/`release`) only matter to in-process tiers. Tiers given `OwnerShares` keep
-    an owner (a tenant) within its share by evicting that owner's own entries first, so a tenant at its
-    share never evicts another's; tiers without shares ignore owners.
-    """
+    """One level of the KV store with a byte budget. `put` returns the entries it evicted, to be demoted.
+    `is_shared` tiers (Redis, disk) are visible to other processes and do I/O (called outside the store's lock);
+    refcounts (`acquire`/`release`) only matter to in-process tiers. Tiers given `OwnerShares` keep an owner (a
+    tenant) within its share by evicting its own entries first, never another tenant's."""
 
     name: str
     max_bytes: int

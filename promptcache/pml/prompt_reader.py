@@ -131,10 +131,8 @@ class PromptReader:
 
     def _new_turn(self, role: str, text: str, line: int, *, is_last: bool) -> None:
         fmt = self.encoder.role_format(line)
-        if role == "assistant" and is_last:
-            markup = fmt.generation_prompt + text  # an open turn for the model to continue
-        else:
-            markup = fmt.prefixes[role] + text + fmt.suffixes[role]
+        is_open = role == "assistant" and is_last  # an open turn for the model to continue
+        markup = fmt.generation_prompt + text if is_open else fmt.prefixes[role] + text + fmt.suffixes[role]
         self._text(markup, line, kind="role")
 
     def _bound_section(self, role: str, imports: list[etree._Element]) -> RoleSection:
@@ -214,9 +212,7 @@ class PromptReader:
                 self.out.argument_values[source] = (param.length, value)
 
     def _apply_union_defaults(self, module: Module, item: ImportItem) -> None:
-        for union in module.unions:
-            if union.default is None or id(union) in self.union_choice:
-                continue
+        for union in (u for u in module.unions if u.default is not None and id(u) not in self.union_choice):
             member = next(m for m in union.members if m.name == union.default)
             self.union_choice[id(union)] = member.path
             self.out.imported[member.path] = union.line
@@ -227,9 +223,7 @@ class PromptReader:
 def _sections_by_module(schema: Schema) -> dict[str, int]:
     """Module path -> id of the root-level role section that contains it."""
     found: dict[str, int] = {}
-    for section in schema.role_sections.values():
-        if section.owner_path:
-            continue
+    for section in (s for s in schema.role_sections.values() if not s.owner_path):
         stack = list(section.children)
         while stack:
             node = stack.pop()

@@ -28,8 +28,7 @@ class PmlLimits:
     max_scaffolds: int = 1024  # each is encoded jointly on upload, besides the modules' own encodings
     max_param_len: int = 8192
     max_schema_tokens: int = 1_000_000
-    # Segment ids listed by all of a schema's encoding contexts together; they grow with the square of
-    # the number of text pieces (docs/pml.md), this keeps a schema's layout to tens of MiB.
+    # Segment ids in all of a schema's encoding contexts (quadratic in its text pieces): tens of MiB at most.
     max_context_ids: int = 1 << 22
 
     def __post_init__(self) -> None:
@@ -52,14 +51,11 @@ def parse_xml(text: str | bytes, limits: PmlLimits, *, max_bytes: int, what: str
     data = _utf8(text, what) if isinstance(text, str) else text
     if len(data) > max_bytes:
         raise PmlLimitError(f"{what} is {len(data)} bytes; the limit is {max_bytes} bytes")
-    match = _FORBIDDEN.search(data)
-    if match:
+    if match := _FORBIDDEN.search(data):
         line = data.count(b"\n", 0, match.start()) + 1
         raise PmlSecurityError(f"{what} contains a DTD or entity declaration; PML forbids them", line=line)
-    parser = etree.XMLParser(
-        resolve_entities=False, no_network=True, load_dtd=False, dtd_validation=False,
-        recover=False, huge_tree=False, remove_comments=True, remove_pis=False, collect_ids=False,
-    )
+    parser = etree.XMLParser(resolve_entities=False, no_network=True, load_dtd=False, dtd_validation=False,
+                             recover=False, huge_tree=False, remove_comments=True, remove_pis=False, collect_ids=False)
     root = _parse_lenient(data, parser, what)
     num_elements = int(root.xpath("count(//*)"))  # in C, before any Python walks the tree
     if num_elements > limits.max_elements:
@@ -73,9 +69,8 @@ def _utf8(text: str, what: str) -> bytes:
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        line = text.count("\n", 0, exc.start) + 1
         raise PmlSyntaxError(f"{what} is not valid Unicode text: lone surrogate U+{ord(text[exc.start]):04X}",
-                             line=line) from None
+                             line=text.count("\n", 0, exc.start) + 1) from None
 
 
 def _parse_lenient(data: bytes, parser: etree.XMLParser, what: str) -> etree._Element:
