@@ -1,7 +1,7 @@
 """Tiered KV store: device -> host -> Redis (and/or disk); keys, budgets, eviction, serialization.
 Knows nothing about HTTP or requests; may hold tensors but never imports transformers."""
 
-from promptcache.cache_store.block import KVBlock, chain_root, make_kv_key, owned_salt
+from promptcache.cache_store.block import KVBlock, chain_root, dumps, loads, make_kv_key, owned_salt
 from promptcache.cache_store.block_index import BlockIndex, BlockIndexConfig, Link, Match
 from promptcache.cache_store.disk_tier import DiskTier
 from promptcache.cache_store.errors import (
@@ -15,7 +15,6 @@ from promptcache.cache_store.errors import (
 from promptcache.cache_store.memory_tier import MemoryTier
 from promptcache.cache_store.redis_tier import RedisTier
 from promptcache.cache_store.schema_registry import RegistryState, SchemaRegistry, StoredSchema
-from promptcache.cache_store.serialization import dumps, loads
 from promptcache.cache_store.signing import BlobSigner
 from promptcache.cache_store.store import FetchPolicy, StoreConfig, StoreStats, TieredStore, TierStats, build_store
 from promptcache.cache_store.tier import BlockKind, Eviction, OwnerShares, Tier, TierHit, TierUsage

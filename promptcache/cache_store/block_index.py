@@ -92,8 +92,7 @@ class BlockIndex:
         self.model_fingerprint = model_fingerprint
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.bytes_per_token = bytes_per_token
-        # parent key -> {child key: packed (token id, position) pairs}, parents in LRU order, for partial-block
-        # reuse only. Packed: tuples of ints cost ~3 KB per block (benchmarks/prefix_memory.py).
+        # parent -> {child key: packed (token id, position) pairs} in LRU order (tuples cost ~3 KB per block).
         self._children: OrderedDict[str, dict[str, bytes]] = OrderedDict()
         self._num_children = 0
         self._lock = threading.Lock()

@@ -13,9 +13,8 @@ import threading
 import time
 from pathlib import Path
 
-from promptcache.cache_store.block import KVBlock
+from promptcache.cache_store.block import HEADER_BYTES, KVBlock, dumps, loads
 from promptcache.cache_store.errors import CacheStoreError, logger
-from promptcache.cache_store.serialization import HEADER_BYTES, dumps, loads
 from promptcache.cache_store.tier import BlockKind, Eviction, Tier, TierHit, TierUsage
 from promptcache.cache_store.verified_heads import VerifiedHeads, fingerprint
 
@@ -62,8 +61,7 @@ class DiskTier(Tier):
     def _verify(self, key: str, kind: BlockKind, path: Path, stat: os.stat_result, data: bytes) -> TierHit | None:
         """The entry in `data` (the file at `path`, whose stat is `stat`), or None: expired or failed
         verification (logged), and removed unless replaced meanwhile."""
-        ttl_s = None
-        blob = memoryview(data)
+        ttl_s, blob = None, memoryview(data)
         try:
             if data[:4] == _EXPIRY_MAGIC:
                 if len(data) < _EXPIRY.size:

@@ -19,9 +19,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from promptcache.cache_store.block import KVBlock
+from promptcache.cache_store.block import KVBlock, dumps, loads
 from promptcache.cache_store.errors import CacheStoreError, logger
-from promptcache.cache_store.serialization import dumps, loads
 from promptcache.cache_store.signing import BlobSigner
 from promptcache.cache_store.tier import BlockKind, Eviction, OwnerShares, Tier, TierHit, TierUsage
 from promptcache.cache_store.verified_heads import HEAD_BYTES, VerifiedHeads, fingerprint

@@ -9,7 +9,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 
-from promptcache.cache_store.serialization import HEADER_BYTES
+from promptcache.cache_store.block import HEADER_BYTES
 from promptcache.cache_store.signing import SEAL_BYTES
 
 HEAD_BYTES = SEAL_BYTES + HEADER_BYTES  # the seal (when signed) and the block header: tag and checksum

@@ -53,8 +53,7 @@ def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
     items = PromptReader(schema, encoder).read(root, add_generation_prompt=add_generation_prompt)
     plan, first = _build_plan(schema, items, encoder, isolated=isolated)
     if isinstance(first, NewRun) and first.kind == "argument":
-        # The argument starts the sequence: encode it as a sequence start and place everything again
-        # (only its length can change, and nothing is placed before a position it starts).
+        # The argument starts the sequence: encode it so and place again (only its length can change).
         length, value = items.argument_values[first.source]
         token_ids = encoder.encode(value, at_start=True)
         if token_ids != first.token_ids:
@@ -170,8 +169,7 @@ def _place_text(schema: Schema, items: PromptItems, included: list[Segment], use
             continue
         later = next_span[index]
         if item.after_section is not None:
-            # Inside the section's turn: after its highest-positioned content (imports may come in any
-            # order), where the displaced closing markup was.
+            # After the highest-positioned content of the section's turn, where the displaced closing markup was.
             start = used.end_below(schema.role_sections[item.after_section].end)
         elif later is not None and cursor is not None:
             start = cursor

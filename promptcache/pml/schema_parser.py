@@ -174,8 +174,7 @@ class _SchemaBuilder:
                                     f"from 1 to {self.limits.max_param_len}, got {raw!r}", line=line)
         if len(element) or (element.text or "").strip():
             raise InvalidParamError(f"<{tag} name={name!r}> must be empty", line=line)
-        # The scaffold stands in the slot only while modules are encoded (never in a prompt): one longer
-        # than the slot keeps its first tokens, as many as the slot has positions (docs/pml.md).
+        # Stands in the slot only while modules are encoded; one longer than the slot keeps its first tokens.
         scaffold = element.get("scaffold") or ""
         scaffold_ids = self.encoder.encode(scaffold, at_start=cursor == self.start)[:int(raw)] if scaffold else ()
         _claim(name, scope, params, element)

@@ -97,8 +97,7 @@ def build_segments(root: Module, placeholder_id: int | None, budget: ContextBudg
             groups.append([leaf])
     segments: list[Segment] = []
     index = _PrefixIndex()
-    # Union scaffold content by the module the union is in, filed under the union's end: a segment
-    # sees the content of its enclosing modules' unions that end by its start.
+    # Union scaffold content by the union's module, filed under the union's end (seen by segments after it).
     scaffolds = _PrefixIndex()
     for group in filter(None, groups):
         token_ids = tuple(chain.from_iterable(leaf.run.token_ids for leaf in group))
@@ -192,8 +191,7 @@ def build_scaffolds(elements: Sequence[etree._Element], modules: Mapping[str, Mo
         if name in names:
             raise ScaffoldError(f"<scaffold> name {name!r} is declared twice", line=line)
         names.add(name)
-        # Every segment of the group (scaffold modules, their ancestors, the root) gets its joint context.
-        # The members do not overlap, so in start order the ones ending by a segment's start are a prefix.
+        # Every segment of the group gets its joint context: the members ending by its start (a prefix of them).
         ends, ids = [s.end for s in members], [s.segment_id for s in members]
         contexts = {s.segment_id: _context([ids[:bisect.bisect_right(ends, s.start)]], budget, line)
                     for s in sorted(members, key=lambda s: s.segment_id)}

@@ -106,8 +106,7 @@ def escape_bare_markup(data: bytes) -> bytes:
     return b"".join(pieces)
 
 
-# Each lookahead stops at the first character that cannot continue a name or a number, and a name never
-# contains `&`, so no position is scanned by two matches: linear in the document.
+# Each lookahead stops where a name or number ends, and names never contain `&`: linear in the document.
 _BARE_AMPERSAND = re.compile(rb"&(?!#[0-9]+;|#x[0-9A-Fa-f]+;|[A-Za-z_:\x80-\xff][A-Za-z0-9_.:\x80-\xff-]*;)")
 _BARE_LESS_THAN = re.compile(rb"<(?![A-Za-z_:/!?\x80-\xff])")
 
@@ -122,8 +121,7 @@ def _syntax_message(data: bytes, error: etree.XMLSyntaxError, what: str) -> str:
     lines = data.split(b"\n", line)  # at most `line` splits: the lines up to the error's
     if line and len(lines) >= line:
         text = lines[line - 1].decode("utf-8", "replace")
-        # lxml's (1-based) column is in the escaped line and at or past the token it choked on, which may
-        # be the `<` of the markup after it: name the last `<` or `&` of the original line before it.
+        # lxml's column (in the escaped line) may be past the culprit: name the last `<` or `&` before it.
         culprit = max(text.rfind("<", 0, column - 1), text.rfind("&", 0, column - 1))
         if culprit >= 0:
             message += f" (the {text[culprit]!r} at column {culprit + 1}: {text[culprit:culprit + 24]!r})"
