@@ -1,14 +1,8 @@
 """BlockIndex: automatic prefix reuse as chains of fixed-size KV blocks in the tiered store (docs/architecture.md).
 
-A token stream (a plain prompt, a chat, the new text of a PML prompt after its modules, and the text
-generated after it) is cut into blocks of `block_size` tokens. Block i's key is SHA-256 over its parent
-(block i-1's key, or the stream's chain root), its token ids and position ids, the model and tokenizer
-fingerprints and the salt — the same key function as module KV, so one store, one set of tiers and one
-budget hold both. A request reuses the longest chain of present blocks; where its tokens diverge inside
-a block, any stored block with the same parent that shares a prefix with them donates that prefix (a
-token's KV depends only on the tokens before it), so reuse is token-exact, like a radix tree.
-
-Knows nothing about requests: it sees token ids, positions, and a function that returns computed KV.
+A token stream is cut into blocks of `block_size` tokens, each keyed (like module KV) by its parent's key, its
+tokens and positions. A request reuses the longest chain of stored blocks; where its tokens diverge inside a
+block, a stored sibling sharing a prefix with them donates that prefix, so reuse is token-exact.
 """
 
 from __future__ import annotations
@@ -22,8 +16,7 @@ from typing import Protocol
 
 import torch
 
-from promptcache.cache_store.block import KVBlock
-from promptcache.cache_store.keys import make_kv_key
+from promptcache.cache_store.block import KVBlock, make_kv_key
 from promptcache.cache_store.tier import BlockKind, Tier
 
 # Returns keys and values [num_layers, num_kv_heads, end - start, head_dim] of stream tokens [start, end).
@@ -99,10 +92,7 @@ class BlockIndex:
         self.model_fingerprint = model_fingerprint
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.bytes_per_token = bytes_per_token
-        # parent key -> {child key: packed (token id, position) pairs}, parents in LRU order. Local to
-        # this process: only partial-block reuse needs it; full blocks are found by key in any tier.
-        # Packed, not tuples of ints: a pair of tuples cost ~3 KB per block, which at 64K blocks was
-        # most of the server's growth under many distinct prompts (benchmarks/prefix_memory.py).
+        # parent -> {child key: packed (token id, position) pairs} in LRU order (tuples cost ~3 KB per block).
         self._children: OrderedDict[str, dict[str, bytes]] = OrderedDict()
         self._num_children = 0
         self._lock = threading.Lock()
@@ -113,11 +103,8 @@ class BlockIndex:
 
     def match(self, root: str, token_ids: Sequence[int], position_ids: Sequence[int], *, salt: str | None,
               max_tokens: int) -> Match:
-        """Fetch the longest stored prefix of the stream, at most `max_tokens` tokens long.
-
-        Blocks are fetched (and promoted) through the store; a caller that uses them should
-        `store.acquire` their keys while they are in use.
-        """
+        """Fetch (and promote) the longest stored prefix of the stream, at most `max_tokens` tokens long; a
+        caller should `store.acquire` their keys while they are in use."""
         limit = min(max_tokens, len(token_ids))
         links: list[Link] = []
         for parent, key, start, ids, pos in self._chain(root, token_ids, position_ids, salt, limit):
@@ -125,11 +112,9 @@ class BlockIndex:
             if link is None:  # a stored sibling block sharing a prefix with `ids`: its first tokens are ours too
                 donor = self._best_child(_family(parent, salt), ids, pos)
                 link = None if donor is None else self._fetch(donor[0], start, min(donor[1], limit - start))
-                if link is not None:
-                    links.append(link)
-                break
-            links.append(link)
-            if link.num_tokens < len(ids):
+            if link is not None:
+                links.append(link)
+            if link is None or link.num_tokens < len(ids):
                 break
         self.store.touch(link.key for link in reversed(links))  # keep the chain's root the most recent
         return Match(tuple(links))
@@ -151,15 +136,12 @@ class BlockIndex:
 
     def insert(self, root: str, token_ids: Sequence[int], position_ids: Sequence[int], gather: KVGather, *,
                salt: str | None, owner: str | None = None, stored_upto: int = 0) -> int:
-        """Store the stream's blocks from token `stored_upto` on (a multiple of the block size: the
-        full blocks before it are already stored), counted against `owner`'s byte share (None: the
-        default owner). The last block may be partial. Returns the new `stored_upto`: the end of the
-        last full block."""
+        """Store the stream's blocks from token `stored_upto` on (the end of the full blocks already stored),
+        counted against `owner`'s byte share; the last may be partial. Returns the new `stored_upto`."""
         size, n = self.config.block_size, len(token_ids)
         assert stored_upto % size == 0, "stored_upto must end a full block"
         chain = list(self._chain(root, token_ids, position_ids, salt, n))
-        # Leaf first: the last put is the most recently used, and LRU evicts a chain from its leaves
-        # (a block is useless once the block it hangs from is gone).
+        # Leaf first: the last put is the most recently used, so LRU evicts a chain from its leaves.
         for parent, key, start, ids, pos in reversed(chain):
             if start >= stored_upto:
                 keys, values = gather(start, start + len(ids))
@@ -169,11 +151,9 @@ class BlockIndex:
         self.store.touch(key for _, key, *_ in reversed(chain))
         return n - n % size
 
-    # -- internals ----------------------------------------------------------------------------------
     def _chain(self, root: str, token_ids: Sequence[int], position_ids: Sequence[int], salt: str | None,
                end: int) -> Iterator[tuple[str, str, int, tuple[int, ...], tuple[int, ...]]]:
-        """(parent, key, start, ids, pos) of each block of the stream that starts before token `end`; the
-        last block of the stream may be partial."""
+        """(parent, key, start, ids, pos) of each block of the stream that starts before token `end`."""
         size, parent = self.config.block_size, root
         for start in range(0, end, size):
             ids, pos = tuple(token_ids[start: start + size]), tuple(position_ids[start: start + size])
@@ -201,12 +181,8 @@ class BlockIndex:
             self._children.move_to_end(parent)
             candidates = list(children.items())
         ours = _pack(ids, pos)
-        best: tuple[str, int] | None = None
-        for key, packed in candidates:
-            common = _common_prefix(packed, ours)
-            if common and (best is None or common > best[1]):
-                best = (key, common)
-        return best
+        common, key = max(((_common_prefix(packed, ours), key) for key, packed in candidates), key=lambda c: c[0])
+        return (key, common) if common else None
 
     def _remember(self, parent: str, key: str, ids: tuple[int, ...], pos: tuple[int, ...]) -> None:
         if self.config.max_children == 0:
@@ -235,8 +211,7 @@ def _pack(ids: Sequence[int], pos: Sequence[int]) -> bytes:
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
-    """How many leading (id, position) pairs two packed blocks share: a binary search over prefix
-    equality (each test one memcmp)."""
+    """How many leading (id, position) pairs two packed blocks share (a binary search, each test one memcmp)."""
     low, high = 0, min(len(a), len(b)) // 8  # a[:8*low] == b[:8*low] holds; find the largest such low
     while low < high:
         mid = (low + high + 1) // 2

@@ -1,13 +1,8 @@
 """A shared tier on local disk: one file per block (same format as Redis), LRU per kind by access time.
 
-`<key>.kv` holds a "module" entry, `<key>.pkv` a "prefix" entry (so eviction can rank files by kind
-from a directory listing alone). A file with a TTL starts with `PCEX` and its expiry (wall-clock
-seconds, f64) before the blob; expired files are removed when read or evicted like any other.
-
-A file that fails verification (damaged: checksum, length, key, decoding) is a miss and is removed — unless
-a write replaced it meanwhile (files are replaced whole, by rename, so a path still naming the inode that
-was read still holds the bytes that failed). It is never marked as used, and `contains` counts only
-verified files (verified_heads.py).
+`<key>.kv` holds a "module" entry, `<key>.pkv` a "prefix" one (eviction ranks files from a listing alone). A
+file with a TTL starts with `PCEX` and its expiry (wall-clock seconds, f64). A file that fails verification
+is a miss, never marked as used, and is removed unless a write replaced it meanwhile (writes rename whole files).
 """
 
 from __future__ import annotations
@@ -18,10 +13,8 @@ import threading
 import time
 from pathlib import Path
 
-from promptcache.cache_store.block import KVBlock
-from promptcache.cache_store.errors import CacheStoreError
-from promptcache.cache_store.redis_guard import logger
-from promptcache.cache_store.serialization import HEADER_BYTES, dumps, loads
+from promptcache.cache_store.block import HEADER_BYTES, KVBlock, dumps, loads
+from promptcache.cache_store.errors import CacheStoreError, logger
 from promptcache.cache_store.tier import BlockKind, Eviction, Tier, TierHit, TierUsage
 from promptcache.cache_store.verified_heads import VerifiedHeads, fingerprint
 
@@ -33,11 +26,8 @@ _HEAD_BYTES = _EXPIRY.size + HEADER_BYTES  # the expiry (if any) and the block h
 
 
 class DiskTier(Tier):
-    """Blocks as files under `directory`; survives restarts; shared by processes on one host.
-
-    Evicts "prefix" files (oldest access first) before "module" files. Disk entries are never pinned:
-    the disk tier is the last resort.
-    """
+    """Blocks as files under `directory`, shared by processes on one host. Evicts "prefix" files (oldest
+    access first) before "module" files; never pins (the disk tier is the last resort)."""
 
     is_shared = True
 
@@ -69,10 +59,9 @@ class DiskTier(Tier):
         return None
 
     def _verify(self, key: str, kind: BlockKind, path: Path, stat: os.stat_result, data: bytes) -> TierHit | None:
-        """The entry in `data` (all of the file at `path`, whose stat is `stat`), or None: then it was
-        expired or failed verification (logged), and is removed unless replaced meanwhile."""
-        ttl_s = None
-        blob = memoryview(data)
+        """The entry in `data` (the file at `path`, whose stat is `stat`), or None: expired or failed
+        verification (logged), and removed unless replaced meanwhile."""
+        ttl_s, blob = None, memoryview(data)
         try:
             if data[:4] == _EXPIRY_MAGIC:
                 if len(data) < _EXPIRY.size:
@@ -140,8 +129,8 @@ class DiskTier(Tier):
         return found
 
     def contains(self, key: str) -> bool:
-        """True if `key` has an unexpired file that passes verification: its first bytes for a file
-        verified here before, all of it (removed if it fails) otherwise. Never marks it as used."""
+        """True if `key` has an unexpired file that passes verification (only its first bytes for a file
+        verified here before). Never marks it as used."""
         for kind in ("module", "prefix"):
             path = self._path(key, kind)
             try:
@@ -158,10 +147,9 @@ class DiskTier(Tier):
 
     def delete(self, key: str) -> bool:
         self._heads.forget(key)
-        existed = False
-        for kind in ("module", "prefix"):
-            path = self._path(key, kind)
-            existed = path.is_file() or existed
+        paths = [self._path(key, kind) for kind in _SUFFIXES]
+        existed = any([path.is_file() for path in paths])
+        for path in paths:
             path.unlink(missing_ok=True)
         return existed
 
@@ -184,15 +172,14 @@ class DiskTier(Tier):
 
 
 def _touch(path: Path) -> None:
-    """Mark `path` as just used. Explicit nanosecond times: the kernel's own "now" for file times is
-    coarse (a few ms), which would tie entries written in a burst."""
+    """Mark `path` as just used, in nanoseconds: the kernel's own "now" for file times (a few ms) would tie
+    entries written in a burst."""
     now = time.time_ns()
     os.utime(path, ns=(now, now))
 
 
 def _unlink_if_unchanged(path: Path, stat: os.stat_result) -> None:
-    """Remove `path` if it still is the file `stat` describes. Writers replace files whole (rename), so a
-    rightful write that landed since names another inode and stays."""
+    """Remove `path` if it still is the file `stat` describes (a rightful write since is another inode)."""
     try:
         now = os.stat(path)
     except OSError:

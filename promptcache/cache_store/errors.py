@@ -1,6 +1,10 @@
-"""The cache store's error tree."""
+"""The cache store's error tree, and the logger its tolerated failures (a miss, a dropped write) go to."""
 
 from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("promptcache.cache_store")
 
 
 class CacheStoreError(Exception):

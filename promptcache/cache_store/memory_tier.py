@@ -1,5 +1,4 @@
-"""An in-process tier (the model's device, or host memory): LRU per kind under a byte budget, pins,
-refcounts, TTLs."""
+"""An in-process tier (the model's device, or host memory): LRU per kind under a byte budget, pins, refcounts."""
 
 from __future__ import annotations
 
@@ -13,16 +12,7 @@ import torch
 
 from promptcache.cache_store.block import KVBlock
 from promptcache.cache_store.errors import CapacityError
-from promptcache.cache_store.tier import (
-    BLOCK_KINDS,
-    BlockKind,
-    Eviction,
-    OwnerShares,
-    Tier,
-    TierHit,
-    TierUsage,
-    merge_kind,
-)
+from promptcache.cache_store.tier import BLOCK_KINDS, BlockKind, Eviction, OwnerShares, Tier, TierHit, TierUsage
 
 
 @dataclass(slots=True)
@@ -36,16 +26,12 @@ class _Entry:
 
 
 class MemoryTier(Tier):
-    """Blocks held as tensors on `device`. Thread-safe.
+    """Blocks held as tensors on `device`. Thread-safe; every operation O(1) amortized.
 
-    Eviction takes the least recently used unpinned, unreferenced "prefix" entry first, then the least
-    recently used such "module" entry. Pinned entries and entries with a positive refcount (`acquire`)
-    are never evicted; when only those are left and a block does not fit, `put` raises CapacityError
-    instead of overflowing. Every operation is O(1) amortized (no scan of the entries per put).
-
-    With `shares`, a put by an owner that would take it past its share first evicts that owner's own
-    least recently used entries (prefix first); if they are all pinned or in use, the put is refused
-    (CapacityError) rather than evicting another owner's entries beyond the share.
+    Evicts the least recently used unpinned, unreferenced "prefix" entry first, then such "module" entries.
+    Pinned and acquired entries are never evicted: when only those are left, `put` raises CapacityError.
+    With `shares`, an owner past its share evicts its own entries (prefix first), or is refused
+    (CapacityError) when they are all pinned or in use, never another owner's.
     """
 
     def __init__(self, name: str, max_bytes: int, device: str = "cpu", *, pin_memory: bool = False,
@@ -58,38 +44,34 @@ class MemoryTier(Tier):
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
-        # Only evictable keys (unpinned, unreferenced) are in these, oldest first, one per kind, so
-        # eviction pops from the front instead of scanning past pinned data.
+        # Only evictable (unpinned, unreferenced) keys, oldest first: eviction pops the front, never scans.
         self._lru: dict[BlockKind, OrderedDict[str, None]] = {kind: OrderedDict() for kind in BLOCK_KINDS}
         self._shares = shares or OwnerShares()
         self._owner_lru: dict[str, dict[BlockKind, OrderedDict[str, None]]] = {}  # the same, per owner
         self._owner_bytes: dict[str, int] = {}
         # Refcounts are per key, not per entry, so they survive a delete or re-put of the key.
         self._refs: dict[str, int] = {}
-        self._used = 0
-        self._evictable_bytes = 0
-        self._prefix_bytes = 0
+        self._used = self._evictable_bytes = self._prefix_bytes = 0
         self._lock = threading.Lock()
 
     def lookup(self, key: str) -> TierHit | None:
         with self._lock:
-            entry = self._live(key)
+            entry = self._touch(key)
             if entry is None:
                 return None
-            self._mark_used(key, entry)
             ttl = None if entry.expires_at is None else entry.expires_at - self._clock()
             return TierHit(entry.block, entry.kind, ttl, entry.owner)
 
     def touch(self, key: str) -> None:
         with self._lock:
-            entry = self._live(key)
-            if entry is not None:
-                self._mark_used(key, entry)
+            self._touch(key)
 
-    def _mark_used(self, key: str, entry: _Entry) -> None:
-        for lru in self._lrus(entry):
+    def _touch(self, key: str) -> _Entry | None:
+        entry = self._live(key)
+        for lru in self._lrus(entry) if entry is not None else ():
             if key in lru:
                 lru.move_to_end(key)
+        return entry
 
     def _lrus(self, entry: _Entry) -> list[OrderedDict[str, None]]:
         """The LRU lists `entry` belongs in: its kind's, and its owner's of that kind."""
@@ -106,9 +88,8 @@ class MemoryTier(Tier):
             old = self._remove(key)  # even a refused put drops the old value: it must not be served as current
             if nbytes > self.max_bytes:
                 raise CapacityError(f"a {nbytes}-byte block exceeds tier {self.name!r}'s budget of {self.max_bytes}")
-            if old is not None:
-                pinned = pinned or old.pinned
-                kind = merge_kind(old.kind, kind)
+            if old is not None:  # a re-put keeps the pin and never downgrades a "module" entry
+                pinned, kind = pinned or old.pinned, "module" if old.kind == "module" else kind
             if self._used - self._evictable_bytes + nbytes > self.max_bytes:
                 raise CapacityError(f"tier {self.name!r} holds {self._used - self._evictable_bytes} pinned or "
                                     f"referenced bytes; a {nbytes}-byte block does not fit in {self.max_bytes}")
@@ -160,15 +141,10 @@ class MemoryTier(Tier):
 
     def release(self, key: str) -> None:
         with self._lock:
-            count = self._refs.get(key, 0)
-            if count == 0:
-                return
+            count = self._refs.pop(key, 0)
             if count > 1:
                 self._refs[key] = count - 1
-                return
-            del self._refs[key]
-            entry = self._entries.get(key)
-            if entry is not None and not entry.pinned:
+            elif count == 1 and (entry := self._entries.get(key)) is not None and not entry.pinned:
                 self._set_evictable(key, entry, True)
 
     @property

@@ -1,37 +1,158 @@
-"""The shared tier: KV blocks in Redis, visible to every replica and surviving restarts.
+"""The shared tier: KV blocks in Redis under `promptcache:<namespace>:`, visible to every replica.
 
-Keys live under `promptcache:<namespace>:`. The byte budget is enforced by an LRU index kept in Redis:
-a sorted set ranking entries by last use, a hash of sizes, byte counters (all, and prefix entries), a set
-of pinned keys, a use counter, and per owner (tenant) a sorted set and a byte count. Writes, touches and
-deletes each run as one Lua script (redis_scripts.py), so replicas sharing the server see one consistent
-index.
-
-A read GETs the blob (with its kind, TTL and owner, in one MULTI), verifies it (HMAC tag when a blob key is
-set, checksum, key, decoding), and only then marks it as used, by a script that checks the value is still
-the one verified. A value that fails verification is never touched: it is deleted, by a script that deletes
-it only if it is still exactly the bytes read (a rightful write that landed meanwhile stays). `contains`
-counts only verified values (verified_heads.py), so a failing value never blocks the write-through that
-replaces it, nor shows as cached in `explain`.
-
-Scores are a shared use counter (not wall-clock time, so replicas with skewed clocks still agree), offset
-for "module" entries (redis_scripts.py): the kind of an entry is read back from its score.
+The byte budget is kept by an LRU index in Redis (sorted set, sizes, byte counters, pins, and per owner a sorted
+set and a byte count), changed only by the Lua scripts below, so replicas see one consistent index. Scores are a
+shared use counter (clock skew cannot matter), plus `MODULE_SCORE_OFFSET` for "module" entries: eviction (lowest
+first) takes "prefix" entries first, each kind in LRU order, and a write past its owner's share evicts that
+owner's own entries first. A read verifies the blob (HMAC tag, checksum, key, decoding) before a script marks it
+used if it is still the value verified; a failing value is deleted only if it is still the bytes read.
+`contains` counts only verified values (verified_heads.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from promptcache.cache_store.block import KVBlock
-from promptcache.cache_store.errors import CacheStoreError
-from promptcache.cache_store.redis_guard import RedisGuard, logger
-from promptcache.cache_store.redis_scripts import DELETE, DROP_IF_UNCHANGED, MODULE_SCORE_OFFSET, PUT, TOUCH
-from promptcache.cache_store.serialization import dumps, loads
+from promptcache.cache_store.block import KVBlock, dumps, loads
+from promptcache.cache_store.errors import CacheStoreError, logger
 from promptcache.cache_store.signing import BlobSigner
 from promptcache.cache_store.tier import BlockKind, Eviction, OwnerShares, Tier, TierHit, TierUsage
 from promptcache.cache_store.verified_heads import HEAD_BYTES, VerifiedHeads, fingerprint
+
+T = TypeVar("T")
+MODULE_SCORE_OFFSET = 10**15  # above any use count; scores stay exact integers in a double (< 2**53)
+
+_PRELUDE = f"local OFFSET = {MODULE_SCORE_OFFSET}\n" + """
+-- KEYS[8]: member -> owner hash, KEYS[9]: owner -> bytes hash; own_prefix names each owner's sorted set.
+local function drop_owner(owners, owner_bytes, own_prefix, k, size)
+  local o = redis.call('HGET', owners, k)
+  if o then
+    redis.call('HINCRBY', owner_bytes, o, -size)
+    redis.call('ZREM', own_prefix .. o, k)
+    redis.call('HDEL', owners, k)
+  end
+end
+-- Remove `member` (its blob and index entries); KEYS as DELETE's. Returns 1 if the blob existed.
+local function drop(member, own_prefix)
+  local existed = redis.call('DEL', KEYS[1])
+  local size = tonumber(redis.call('HGET', KEYS[3], member) or '0')
+  local score = redis.call('ZSCORE', KEYS[2], member)
+  if score and tonumber(score) < OFFSET then redis.call('DECRBY', KEYS[6], size) end
+  drop_owner(KEYS[8], KEYS[9], own_prefix, member, size)
+  redis.call('HDEL', KEYS[3], member)
+  redis.call('ZREM', KEYS[2], member)
+  redis.call('SREM', KEYS[4], member)
+  redis.call('DECRBY', KEYS[5], size)
+  return existed
+end
+"""
+
+# KEYS: blob, lru, sizes, pins, total, prefix_total, seq, owners, owner_bytes. ARGV: member, blob, ttl_ms
+# (0: none), pinned (0/1), kind, max_bytes, blob key prefix, owner ('' : none), owner limit (0: none),
+# own_prefix. Returns the evicted members.
+PUT = _PRELUDE + """
+local lru, sizes, pins, owners, owner_bytes = KEYS[2], KEYS[3], KEYS[4], KEYS[8], KEYS[9]
+local member, blob, ttl_ms, kind = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[5]
+local max, kv = tonumber(ARGV[6]), ARGV[7]
+local owner, limit, own_prefix = ARGV[8], tonumber(ARGV[9]), ARGV[10]
+local total = tonumber(redis.call('GET', KEYS[5]) or '0')
+local prefix_total = tonumber(redis.call('GET', KEYS[6]) or '0')
+local old_score = redis.call('ZSCORE', lru, member)
+local old_size = tonumber(redis.call('HGET', sizes, member) or '0')
+if old_score then
+  if tonumber(old_score) >= OFFSET then kind = 'module' else prefix_total = prefix_total - old_size end
+end
+drop_owner(owners, owner_bytes, own_prefix, member, old_size)
+if ttl_ms > 0 then redis.call('SET', KEYS[1], blob, 'PX', ttl_ms) else redis.call('SET', KEYS[1], blob) end
+local size = string.len(blob)
+local score = redis.call('INCR', KEYS[7])
+if kind == 'module' then score = score + OFFSET else prefix_total = prefix_total + size end
+local scored = string.format('%.0f', score)
+redis.call('HSET', sizes, member, size)
+redis.call('ZADD', lru, scored, member)
+if owner ~= '' then
+  redis.call('HSET', owners, member, owner)
+  redis.call('HINCRBY', owner_bytes, owner, size)
+  redis.call('ZADD', own_prefix .. owner, scored, member)
+end
+if ARGV[4] == '1' then redis.call('SADD', pins, member) end
+total = total - old_size + size
+local evicted = {}
+local function evict(k, k_score)
+  local s = tonumber(redis.call('HGET', sizes, k) or '0')
+  total = total - s
+  if k_score < OFFSET then prefix_total = prefix_total - s end
+  redis.call('DEL', kv .. k)
+  redis.call('HDEL', sizes, k)
+  redis.call('ZREM', lru, k)
+  drop_owner(owners, owner_bytes, own_prefix, k, s)
+  table.insert(evicted, k)
+end
+-- Evict lowest scores of `ranking` first while `over()` holds, skipping pins and the entry just written.
+-- `rank` counts skipped entries, which is where the next unvisited entry sits once removed ones are gone.
+local function evict_from(ranking, over)
+  local rank = 0
+  while over() do
+    local batch = redis.call('ZRANGE', ranking, rank, rank + 63, 'WITHSCORES')
+    if #batch == 0 then break end
+    for i = 1, #batch, 2 do
+      if not over() then break end
+      local k = batch[i]
+      if k == member or redis.call('SISMEMBER', pins, k) == 1 then
+        rank = rank + 1
+      else
+        evict(k, tonumber(batch[i + 1]))
+      end
+    end
+  end
+end
+if owner ~= '' and limit > 0 then  -- within its share, an owner makes room from its own entries only
+  evict_from(own_prefix .. owner, function()
+    return tonumber(redis.call('HGET', owner_bytes, owner) or '0') > limit end)
+end
+evict_from(lru, function() return total > max end)
+redis.call('SET', KEYS[5], string.format('%.0f', total))
+redis.call('SET', KEYS[6], string.format('%.0f', prefix_total))
+return evicted
+"""
+
+# KEYS: blob, lru, seq, owners. ARGV: member, own_prefix, length, head. Marks the entry as just used (keeping
+# its kind) if its value still has the length and first bytes (HMAC tag, checksum) the caller verified.
+# Returns 1 if touched. Reads are a plain GET first: through Lua, a 14 MB module read 2.5x slower.
+TOUCH = _PRELUDE + """
+local head = ARGV[4]
+if redis.call('STRLEN', KEYS[1]) ~= tonumber(ARGV[3])
+    or redis.call('GETRANGE', KEYS[1], 0, string.len(head) - 1) ~= head then return 0 end
+local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
+if score then
+  local seq = redis.call('INCR', KEYS[3])
+  if tonumber(score) >= OFFSET then seq = seq + OFFSET end
+  local scored = string.format('%.0f', seq)
+  redis.call('ZADD', KEYS[2], scored, ARGV[1])
+  local owner = redis.call('HGET', KEYS[4], ARGV[1])
+  if owner then redis.call('ZADD', ARGV[2] .. owner, scored, ARGV[1]) end
+end
+return 1
+"""
+
+# KEYS: blob, lru, sizes, pins, total, prefix_total, (unused), owners, owner_bytes. ARGV: member, own_prefix.
+# Returns 1 if the blob existed.
+DELETE = _PRELUDE + """
+return drop(ARGV[1], ARGV[2])
+"""
+
+# KEYS as DELETE's. ARGV: member, own_prefix, value. Deletes the entry only if its blob is still exactly
+# `value` (one that failed verification): a rightful write that landed since is kept. Returns 1 if deleted.
+DROP_IF_UNCHANGED = _PRELUDE + """
+if redis.call('GET', KEYS[1]) ~= ARGV[3] then return 0 end
+return drop(ARGV[1], ARGV[2])
+"""
 
 
 def redacted(url: str) -> str:
@@ -43,16 +164,39 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+class RedisGuard:
+    """Runs Redis calls: a failure is a miss plus a rate-limited warning, and Redis is skipped for
+    `retry_interval_s` so a dead server costs at most one bounded timeout per interval."""
+
+    def __init__(self, what: str, retry_interval_s: float = 2.0, warn_interval_s: float = 30.0) -> None:
+        self.what = what
+        self.retry_interval_s = retry_interval_s
+        self.warn_interval_s = warn_interval_s
+        self._down_until = 0.0
+        self._last_warning = -1e9
+        self._lock = threading.Lock()
+
+    def call(self, fn: Callable[[], T], default: T) -> T:
+        if time.monotonic() < self._down_until:
+            return default
+        try:
+            return fn()
+        except (redis.RedisError, OSError) as exc:
+            now = time.monotonic()
+            with self._lock:
+                self._down_until = now + self.retry_interval_s
+                if now - self._last_warning >= self.warn_interval_s:
+                    self._last_warning = now
+                    logger.warning("%s unavailable (%s: %s); treating as a miss, retrying in %.1fs",
+                                   self.what, type(exc).__name__, exc, self.retry_interval_s)
+            return default
+
+
 class RedisTier(Tier):
-    """KV blocks serialized into Redis under a byte budget. Redis failures are misses, never errors.
-
-    Evicts unpinned "prefix" entries (LRU) before unpinned "module" entries (LRU); pinned entries
-    stay. Refcounts do not apply here (they protect in-process entries only). With a keyed `signer`,
-    every blob carries an HMAC (signing.py); one that fails it is handled as any failed verification.
-
-    `url` may be `redis://`, `rediss://` (TLS; `?ssl_ca_certs=...&ssl_cert_reqs=...` as redis-py
-    parses them) and may carry an ACL user and password (`redis://user:password@host:port/db`).
-    """
+    """KV blocks serialized into Redis under a byte budget; Redis failures are misses, never errors. Evicts
+    unpinned "prefix" entries (LRU) before unpinned "module" ones; no refcounts. With a keyed `signer`, every
+    blob carries an HMAC (signing.py). `url`: `redis://` or `rediss://` (TLS, `?ssl_ca_certs=...` as redis-py
+    parses it), with an optional ACL user and password (`redis://user:password@host:port/db`)."""
 
     is_shared = True
 
@@ -66,15 +210,12 @@ class RedisTier(Tier):
         self.prefix = f"promptcache:{namespace}:"
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.guard = RedisGuard(f"Redis tier at {redacted(url)}", retry_interval_s)
-        self._put = self.client.register_script(PUT)
-        self._touch = self.client.register_script(TOUCH)
-        self._delete = self.client.register_script(DELETE)
-        self._drop_if_unchanged = self.client.register_script(DROP_IF_UNCHANGED)
+        self._put, self._touch, self._delete, self._drop_if_unchanged = (
+            self.client.register_script(script) for script in (PUT, TOUCH, DELETE, DROP_IF_UNCHANGED))
         self.heads = VerifiedHeads()
         self._lru, self._sizes, self._pins, self._total, self._prefix_total, self._seq = (
             self.prefix + s for s in ("lru", "size", "pins", "bytes", "prefix_bytes", "seq"))
-        self._owners, self._owner_bytes, self._own_prefix = (
-            self.prefix + s for s in ("owner", "owner_bytes", "lru@"))
+        self._owners, self._owner_bytes, self._own_prefix = (self.prefix + s for s in ("owner", "owner_bytes", "lru@"))
 
     def _blob_key(self, key: str) -> str:
         return f"{self.prefix}kv:{key}"
@@ -105,8 +246,8 @@ class RedisTier(Tier):
         return TierHit(block, kind, None if ttl_ms < 0 else ttl_ms / 1000, owner or None)
 
     def _verify(self, key: str, sealed: bytes) -> KVBlock | None:
-        """The block in `sealed` (the blob just read for `key`), or None: then it failed verification
-        (logged) and is deleted unless a write replaced it meanwhile."""
+        """The block in `sealed` (just read for `key`), or None: it failed verification (logged) and is
+        deleted unless a write replaced it meanwhile."""
         data = self.signer.open(self._blob_key(key), sealed)  # None: no valid tag (logged)
         try:
             block = None if data is None else loads(data, expect_key=key)
@@ -122,7 +263,7 @@ class RedisTier(Tier):
         return block
 
     def _entry_keys(self, key: str) -> list[str]:
-        """The Redis keys a write or delete of `key` touches (redis_scripts.py's PUT/DELETE layout)."""
+        """The Redis keys a write or delete of `key` touches (PUT/DELETE's layout)."""
         return [self._blob_key(key), self._lru, self._sizes, self._pins, self._total, self._prefix_total, self._seq,
                 self._owners, self._owner_bytes]
 
@@ -140,9 +281,8 @@ class RedisTier(Tier):
         return []  # the last shared tier: evicted blocks are dropped
 
     def contains(self, key: str) -> bool:
-        """True if `key` holds a value that passes verification. One round trip (its length and first
-        bytes) for a value verified here before; any other value is read and verified in full, and
-        deleted if it fails. Never marks the entry as used."""
+        """True if `key` holds a value that passes verification: one round trip (length and first bytes) for
+        a value verified here before, else a full read. Never marks the entry as used."""
         blob_key = self._blob_key(key)
 
         def head() -> tuple[int, bytes]:

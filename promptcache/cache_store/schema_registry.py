@@ -11,10 +11,16 @@ from typing import Any, cast
 
 import redis
 
-from promptcache.cache_store.errors import RegistryUnavailableError, SchemaExistsError
-from promptcache.cache_store.redis_guard import logger
-from promptcache.cache_store.redis_scripts import REPLACE_IF_UNCHANGED
+from promptcache.cache_store.errors import RegistryUnavailableError, SchemaExistsError, logger
 from promptcache.cache_store.signing import BlobSigner
+
+# KEYS: entry. ARGV: expected value, new value. Sets the entry only if it still holds exactly the expected
+# value (a registry entry that failed verification). Returns 1 if set.
+REPLACE_IF_UNCHANGED = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
+return 1
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,19 +33,14 @@ class StoredSchema:
 
 
 class SchemaRegistry:
-    """Schema documents by name. In memory always; in Redis too when `redis_url` is given.
+    """Schema documents by (opaque) name: in memory, and in Redis too when `redis_url` is given.
 
-    `save` raises SchemaExistsError for a taken name and RegistryUnavailableError
-    when Redis cannot be written; `load`/`list` fall back to what this process knows, with a warning.
-    `state` (one Redis round trip) lets replicas notice deletes and replacements made elsewhere. A delete
-    leaves a tombstone for `tombstone_s`, so a follower can tell a schema someone deleted from one Redis
-    lost (a restart without persistence, a flush): only the first is dropped; the second is `restore`d.
-    With a keyed `signer`, entries carry an HMAC (signing.py). An entry that fails verification — its
-    HMAC (a forgery, or an entry sealed under a previous key) or its decoding — reads as absent, is not
-    listed, and does not hold its name: a `save` or `restore` replaces it (unless a rightful write lands
-    first). It is not deleted on read: a schema document is not cache, and an operator who rotated the key
-    by mistake gets the entries back by restoring the old key.
-    Names are opaque strings here (the server qualifies them by tenant).
+    `save` raises SchemaExistsError for a taken name, RegistryUnavailableError when Redis cannot be written;
+    `load`/`list` fall back to this process's copies, with a warning. `state` lets replicas follow deletes
+    and replacements; a delete leaves a tombstone for `tombstone_s`, so a schema deleted is told from one
+    Redis lost (that one is `restore`d). An entry that fails verification (HMAC under a keyed `signer`, or
+    decoding) reads as absent and a `save` or `restore` may replace it; it is not deleted on read (a schema
+    is not cache: restoring a key rotated by mistake brings the entries back).
     """
 
     def __init__(self, redis_url: str | None = None, *, namespace: str = "default", timeout_s: float = 0.5,
@@ -82,12 +83,11 @@ class SchemaRegistry:
                 logger.warning("schema registry unavailable (%s); using this process's copy", exc)
             else:
                 stored = None if raw is None else self._verified(name, raw)
-                if stored is None:  # absent, or failed verification (logged): never adopt it
-                    with self._lock:
-                        self._local.pop(name, None)
-                    return None
                 with self._lock:
-                    self._local[name] = stored
+                    if stored is None:  # absent, or failed verification (logged): never adopt it
+                        self._local.pop(name, None)
+                    else:
+                        self._local[name] = stored
                 return stored
         with self._lock:
             return self._local.get(name)
@@ -120,8 +120,8 @@ class SchemaRegistry:
         return removed
 
     def restore(self, stored: StoredSchema) -> bool:
-        """Write back a schema the shared registry lost, with its version (so replicas that serve it see
-        no change), unless the name is taken meanwhile. True if written."""
+        """Write back a schema the shared registry lost, with its version (replicas serving it see no change),
+        unless the name is taken meanwhile. True if written."""
         if self._client is None:
             return False
         try:
@@ -136,9 +136,8 @@ class SchemaRegistry:
         return True
 
     def _claim(self, stored: StoredSchema) -> bool:
-        """Write `stored` under its name unless that holds an entry that passes verification. An entry that
-        fails is replaced only if it is still exactly the bytes checked, so a rightful write that lands
-        meanwhile wins (and is checked in turn). Raises redis.RedisError."""
+        """Write `stored` under its name unless that holds an entry that passes verification; a failing entry
+        is replaced only if it is still the bytes checked (a rightful write meanwhile wins). Raises RedisError."""
         name, key = stored.name, self._prefix + stored.name
         value = self._signer.seal(key, _encode(stored))
         assert self._client is not None, "only a registry on Redis claims names"
@@ -175,8 +174,8 @@ class SchemaRegistry:
             return None
 
     def state(self) -> RegistryState | None:
-        """Versions and recent deletes of the shared registry, or None when there is none (or it cannot be
-        reached: then nobody can have changed it through it either)."""
+        """Versions and recent deletes of the shared registry; None without one (or when it cannot be reached:
+        then nobody changed it either)."""
         if self._client is None:
             return None
         try:

@@ -1,21 +1,14 @@
 """Authenticated values in shared storage: an HMAC-SHA256 over (storage key, value) on everything written to
-Redis, checked on read (docs/security.md).
-
-Anyone who can write to Redis could otherwise plant KV that a server serves as a cache hit, or a schema
-it adopts. With a blob key configured, a value without a valid tag — forged, altered, copied from
-another key, or sealed under a previous key — reads as absent (a miss) and is logged; the tiers drop it
-and the registry lets the next rightful write replace it (docs/security.md, "Rotating the blob key").
-Binding the storage key into the tag stops a valid blob from being replayed under another key (e.g. one
-tenant's KV under another tenant's key).
+Redis, checked on read (docs/security.md). With a blob key set, a value without a valid tag (forged, altered,
+sealed under a previous key, or replayed under another storage key) reads as absent and is logged.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 
-logger = logging.getLogger("promptcache.cache_store")
+from promptcache.cache_store.errors import logger
 
 MAGIC = b"PCMAC1"  # marks a sealed value (and its format version)
 TAG_BYTES = hashlib.sha256().digest_size
@@ -37,9 +30,7 @@ class BlobSigner:
 
     def seal(self, storage_key: str, value: bytes) -> bytes:
         """`value` with its tag in front (unchanged when no key is set)."""
-        if self._key is None:
-            return value
-        return MAGIC + self._tag(storage_key, value) + value
+        return value if self._key is None else MAGIC + self._tag(storage_key, value) + value
 
     def open(self, storage_key: str, sealed: bytes) -> bytes | None:
         """The value if its tag checks out (or no key is set and the value is unsealed); None otherwise,
@@ -63,9 +54,7 @@ class BlobSigner:
 
     def _tag(self, storage_key: str, value: bytes) -> bytes:
         assert self._key is not None
-        mac = hmac.new(self._key, digestmod=hashlib.sha256)
         key = storage_key.encode()
-        mac.update(len(key).to_bytes(8, "little"))
-        mac.update(key)
-        mac.update(value)
+        mac = hmac.new(self._key, len(key).to_bytes(8, "little") + key, hashlib.sha256)
+        mac.update(value)  # not concatenated: values are blobs of megabytes
         return mac.digest()

@@ -9,28 +9,14 @@ from typing import Literal, NamedTuple, get_args
 from promptcache.cache_store.block import KVBlock
 
 BlockKind = Literal["module", "prefix"]
-"""What a block is: a module's KV ("module"), or KV that is only a cache of work done for requests
-("prefix": a link of automatic prefix caching, or a module's second encoding, model_runtime/module_encoder.py).
-Every tier evicts unpinned, unreferenced "prefix" entries (LRU) before any "module" entry."""
+"""A module's KV ("module"), or a cache of work done for requests ("prefix": a prefix block, or a module's second
+encoding): every tier evicts unpinned, unreferenced "prefix" entries (LRU) before any "module" entry."""
 
 BLOCK_KINDS: tuple[BlockKind, ...] = get_args(BlockKind)
 
 
-def check_kind(kind: str) -> BlockKind:
-    """`kind` if it is a BlockKind; ValueError naming the accepted values otherwise."""
-    if kind not in BLOCK_KINDS:
-        raise ValueError(f"block kind must be one of {BLOCK_KINDS}, got {kind!r}")
-    return kind
-
-
-def merge_kind(old: BlockKind | None, new: BlockKind) -> BlockKind:
-    """The kind a re-put keeps: a re-put never downgrades a "module" entry to "prefix" (like pins)."""
-    return "module" if old == "module" else new
-
-
 class TierHit(NamedTuple):
-    """A block found in a tier, with its kind, remaining time to live (None: no TTL) and owner (the tenant
-    whose byte share it counts against; None: nobody's)."""
+    """A block found in a tier, with its kind, remaining TTL (None: none) and owner (whose share it counts in)."""
 
     block: KVBlock
     kind: BlockKind = "module"
@@ -48,8 +34,8 @@ class TierUsage(NamedTuple):
 
 
 class Eviction(tuple[str, KVBlock]):
-    """An entry a tier evicted. Unpacks as `(key, block)` as before; also carries its kind, remaining
-    TTL and owner so a demotion keeps them."""
+    """An entry a tier evicted. Unpacks as `(key, block)`; also carries its kind, remaining TTL and owner so
+    a demotion keeps them."""
 
     kind: BlockKind
     ttl_s: float | None
@@ -71,17 +57,10 @@ class Eviction(tuple[str, KVBlock]):
 
 
 class Tier(ABC):
-    """One level of the KV store with a byte budget.
-
-    `put` returns the entries it evicted to make room (as `Eviction`s), so the TieredStore can demote
-    them to the next tier instead of losing them. `is_shared` tiers (Redis, disk) are visible to other
-    processes; the TieredStore only touches them outside its lock (they do I/O). Refcounts
-    (`acquire`/`release`) only matter to in-process tiers; shared tiers ignore them.
-
-    An entry may have an `owner` (a tenant). Tiers given `OwnerShares` keep an owner within its share of
-    the budget by evicting that owner's own entries first, so a tenant at its share never evicts another
-    tenant's entries; tiers without shares ignore owners.
-    """
+    """One level of the KV store with a byte budget. `put` returns the entries it evicted, to be demoted.
+    `is_shared` tiers (Redis, disk) are visible to other processes and do I/O (called outside the store's lock);
+    refcounts (`acquire`/`release`) only matter to in-process tiers. Tiers given `OwnerShares` keep an owner (a
+    tenant) within its share by evicting its own entries first, never another tenant's."""
 
     name: str
     max_bytes: int

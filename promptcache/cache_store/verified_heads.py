@@ -1,11 +1,6 @@
-"""What a shared tier has verified in full: for each key, a fingerprint (length and first bytes) of the
-value it last read and checked, or wrote itself, so `contains` can vouch for that value again without
-fetching and checking all of it.
-
-The first bytes hold the HMAC tag (signing.py) and the block header with its payload checksum
-(serialization.py), so a different value — another key's, a forged one, one sealed under an old key — has
-another fingerprint and is verified in full before `contains` counts it. A value altered behind an
-unchanged head (only someone who can write to Redis can do that) is caught, and dropped, when it is read.
+"""What a shared tier has verified in full: per key, a fingerprint (length and first bytes: the HMAC tag and
+the block header with its checksum) of the value it last checked or wrote, so `contains` can vouch for that
+value again without fetching it. A value altered behind an unchanged head is caught when it is read.
 """
 
 from __future__ import annotations
@@ -14,7 +9,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 
-from promptcache.cache_store.serialization import HEADER_BYTES
+from promptcache.cache_store.block import HEADER_BYTES
 from promptcache.cache_store.signing import SEAL_BYTES
 
 HEAD_BYTES = SEAL_BYTES + HEADER_BYTES  # the seal (when signed) and the block header: tag and checksum
@@ -26,8 +21,7 @@ def fingerprint(length: int, head: bytes) -> bytes:
 
 
 class VerifiedHeads:
-    """Fingerprints of verified values by key, the `max_entries` most recent (a forgotten one is only
-    verified again). Thread-safe."""
+    """Fingerprints of verified values by key, the `max_entries` most recent. Thread-safe."""
 
     def __init__(self, max_entries: int = 1 << 15) -> None:
         self.max_entries = max_entries

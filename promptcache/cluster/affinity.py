@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from promptcache.cluster.errors import ClusterConfigError
 from promptcache.cluster.forwarded import ForwardedRequest
-from promptcache.pml.names import RESERVED_NAMES
+from promptcache.pml.schema import RESERVED_NAMES
 
 if TYPE_CHECKING:  # the server package imports the model runtime: the simulator does without it
     from promptcache.server.tenants import TenantDirectory

@@ -1,8 +1,5 @@
-"""PML: Prompt Markup Language schemas and prompts -> typed trees, position layouts and plans.
-
-Pure Python + lxml; no torch. Public API: parse_schema, parse_prompt, the Schema/PromptPlan data
-types, TextEncoder (the tokenizer view PML needs), PmlLimits, and the PmlError tree.
-"""
+"""PML: Prompt Markup Language schemas and prompts -> typed trees, position layouts and plans (pure Python +
+lxml, no torch): parse_schema, parse_prompt, Schema/PromptPlan, TextEncoder, PmlLimits, the PmlError tree."""
 
 from promptcache.pml.chat_format import PLAIN_CHAT_FORMAT, ChatFormat, chat_format_from_tokenizer
 from promptcache.pml.errors import (
@@ -24,14 +21,12 @@ from promptcache.pml.errors import (
     UnknownParamError,
     UnknownSchemaError,
 )
-from promptcache.pml.limits import PmlLimits
-from promptcache.pml.names import is_valid_name
-from promptcache.pml.nodes import Module, Param, RoleSection, TextRun, Union
 from promptcache.pml.plan import CachedSegment, NewRun, PromptPlan, token_plan
 from promptcache.pml.prompt_parser import parse_prompt
-from promptcache.pml.schema import Scaffold, Schema, Segment
+from promptcache.pml.schema import Module, Param, RoleSection, Scaffold, Schema, Segment, TextRun, Union, is_valid_name
 from promptcache.pml.schema_parser import parse_schema
 from promptcache.pml.text_encoder import TextEncoder
+from promptcache.pml.xml_reader import PmlLimits
 
 __all__ = [
     "PLAIN_CHAT_FORMAT", "ArgumentTooLongError", "CachedSegment", "ChatFormat", "ChatTemplateError",

@@ -22,12 +22,9 @@ class CachedSegment:
 
 @dataclass(frozen=True, slots=True)
 class NewRun:
-    """Tokens computed for this request at positions [start, start + len(token_ids)).
-
-    kind: "text" (prompt text), "argument" (a param's value), "role" (role markup the prompt adds),
-    or "module" (a cache="false" module's tokens). `source` names the param or module path; for text and
-    role markup it is "text", or "generation_prompt" for the assistant turn the parser opened.
-    """
+    """Tokens computed for this request at positions [start, start + len(token_ids)). `kind`: "text", "argument"
+    (a param's value), "role" (role markup the prompt adds) or "module" (a cache="false" module's tokens);
+    `source`: the param or module path, else "text" ("generation_prompt" for the turn the parser opened)."""
 
     token_ids: tuple[int, ...]
     start: int
@@ -42,14 +39,9 @@ class NewRun:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class PromptPlan:
-    """A prompt resolved against its schema. Cached segments and new runs are in position order.
-
-    `is_exact` is true when serving the plan from cache gives the same result as a full prefill of
-    `token_ids()` at `position_ids()`; otherwise `approximations` says which attention is missing, or
-    that a schema piece starting the prompt was tokenized as a continuation (prompt_parser).
-    `generation_prompt_added`: the parser opened the assistant turn after the prompt's last turn (the
-    last new run is the chat template's generation prompt), see `parse_prompt(add_generation_prompt=)`.
-    """
+    """A prompt resolved against its schema; cached segments and new runs in position order. `is_exact`:
+    serving it from cache equals a full prefill of `token_ids()` at `position_ids()`; else `approximations`
+    says why. `generation_prompt_added`: the last new run opens the assistant turn (`parse_prompt`)."""
 
     schema: Schema
     cached: tuple[CachedSegment, ...]
@@ -95,20 +87,14 @@ class PromptPlan:
 
 def find_approximations(cached: tuple[CachedSegment, ...], new_runs: tuple[NewRun, ...],
                         absent_owner: Callable[[int], str | None] | None = None) -> tuple[str, ...]:
-    """Why serving this plan from cache differs from a full prefill (empty tuple: it does not).
-
-    A cached segment is exact when the segments it was encoded after are exactly the cached segments
-    positioned before it in this plan and no new token precedes it; new tokens are exact when none
-    is positioned before a cached token (a full prefill would not let them see later tokens).
-    `absent_owner(segment_id)` names the module of a context segment this plan leaves out (the content
-    of a union scaffold member, the only module a default context holds without its import), else None.
-    """
+    """Why serving this plan from cache differs from a full prefill (empty: it does not). A cached segment is
+    exact when it was encoded after exactly the cached segments before it and no new token precedes it; new
+    tokens when none is before a cached token. `absent_owner(segment_id)` names the module of a context
+    segment this plan leaves out (a union scaffold member's content), else None."""
     reasons: list[str] = []
     # The first run (in `new_runs` order) starting below p is the first whose running minimum start is.
     lowest = list(accumulate((run.start for run in new_runs), min))
-    # A plan's cached segments never share a position: in start order, the ones ending before a
-    # segment are exactly the ones listed before it.
-    before: set[int] = set()
+    before: set[int] = set()  # cached segments never share a position: those before one in start order
     for item in sorted(cached, key=lambda c: c.segment.start):
         segment = item.segment
         if len(item.context_ids) != len(before) or not before.issuperset(item.context_ids):
@@ -135,12 +121,8 @@ def find_approximations(cached: tuple[CachedSegment, ...], new_runs: tuple[NewRu
 
 
 def token_plan(schema: Schema, token_ids: tuple[int, ...]) -> PromptPlan:
-    """A plan that computes `token_ids` at positions 0..n-1 with nothing cached from `schema`.
-
-    Plain completions and chat prompts are token sequences, never PML: their text reaches the
-    tokenizer unchanged (no XML escaping or whitespace rules) and reuse comes from prefix blocks.
-    `schema` only names where the plan belongs (the server's empty plain schema).
-    """
+    """A plan that computes `token_ids` at positions 0..n-1 with nothing cached: plain completions and chats
+    (never PML; reuse comes from prefix blocks). `schema` only names where it belongs (the empty plain one)."""
     if not token_ids:
         raise EmptyPromptError("the prompt has no tokens; send at least one")
     return PromptPlan(schema=schema, cached=(), new_runs=(NewRun(tuple(token_ids), 0, "text", "", 1),),

@@ -1,17 +1,10 @@
 """PML prompt text -> PromptPlan: imports resolved, new text placed at positions (docs/pml.md, "Positions").
 
-Placement rules:
-- Imports take their layout positions; import order never changes a position.
-- Text between imports (or before the first) starts right after the preceding import's last
-  included position (or after the used positions below the next import) and must fit before any
-  used position; otherwise PositionConflictError names the room there and suggests a <param>.
-- Text after the last import starts after the highest position used so far.
-- The tail of a `<user>` (etc.) that imports modules of a schema section goes right after its last
-  import, followed by the section's closing markup.
-
-Sequence start: with a tokenizer that writes a piece differently at the start of a sequence
-(SentencePiece's "▁", TextEncoder), new text or an argument positioned first after BOS is encoded as a
-sequence start; a schema piece there that was encoded as a continuation is reported in `approximations`.
+Imports take their layout positions. Text before an import starts after the preceding import (or the used
+positions below the next import) and must fit before any used position (else PositionConflictError); text
+after the last import starts after the highest used position; the tail of a role element that imports a
+schema section's modules goes after its last import, before the section's closing markup. New text or an
+argument first after BOS is encoded as a sequence start (TextEncoder).
 """
 
 from __future__ import annotations
@@ -27,12 +20,11 @@ from promptcache.pml.errors import (
     PromptError,
     UnknownSchemaError,
 )
-from promptcache.pml.limits import PmlLimits
 from promptcache.pml.plan import CachedSegment, NewRun, PromptPlan, find_approximations
 from promptcache.pml.prompt_reader import ImportItem, PromptItems, PromptReader, TextPiece
 from promptcache.pml.schema import Scaffold, Schema, Segment
 from promptcache.pml.text_encoder import TextEncoder
-from promptcache.pml.xml_reader import XML_SPACE, check_attributes, parse_xml
+from promptcache.pml.xml_reader import XML_SPACE, PmlLimits, check_attributes, parse_xml
 
 GENERATION_PROMPT = "generation_prompt"  # the `source` of the run that opens the assistant turn
 
@@ -40,18 +32,14 @@ GENERATION_PROMPT = "generation_prompt"  # the `source` of the run that opens th
 def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
                  limits: PmlLimits | None = None, *, isolated: bool = False,
                  add_generation_prompt: bool = False) -> PromptPlan:
-    """Resolve a `<prompt schema="...">` document into a PromptPlan.
-
-    `schemas` maps loaded schema names to schemas; `encoder` must be the one the schema was parsed
-    with. `isolated=True` asks for the paper's literal masking (each module encoded seeing only
-    itself) instead of guaranteed-context encoding. `add_generation_prompt=True` (what the server
-    asks) opens the model's assistant turn after the prompt, as a chat template's
-    `add_generation_prompt` does, unless the prompt ends in an open `<assistant>` turn; the plan's
-    `generation_prompt_added` says whether it did. Raises a PmlError subclass for invalid prompts.
+    """Resolve a `<prompt schema="...">` document against `schemas` (by name; parsed with `encoder`).
+    `isolated=True`: the paper's literal masking (each module encoded seeing only itself) instead of
+    guaranteed-context encoding. `add_generation_prompt=True` opens the assistant turn after the prompt, as
+    a chat template does, unless it ends in an open `<assistant>` turn (`generation_prompt_added` says).
+    Raises a PmlError subclass for invalid prompts.
     """
     limits = limits or PmlLimits()
-    root = parse_xml(text, max_bytes=limits.max_prompt_bytes, max_depth=limits.max_depth,
-                     max_elements=limits.max_elements, what="prompt")
+    root = parse_xml(text, limits, max_bytes=limits.max_prompt_bytes, what="prompt")
     if root.tag != "prompt":
         raise PromptError(f"the root element is <{root.tag}>; expected <prompt schema=...>", line=root.sourceline)
     check_attributes(root, {"schema", XML_SPACE}, PromptError)
@@ -65,8 +53,7 @@ def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
     items = PromptReader(schema, encoder).read(root, add_generation_prompt=add_generation_prompt)
     plan, first = _build_plan(schema, items, encoder, isolated=isolated)
     if isinstance(first, NewRun) and first.kind == "argument":
-        # The argument starts the sequence: encode it as a sequence start and place everything again
-        # (only its length can change, and nothing is placed before a position it starts).
+        # The argument starts the sequence: encode it so and place again (only its length can change).
         length, value = items.argument_values[first.source]
         token_ids = encoder.encode(value, at_start=True)
         if token_ids != first.token_ids:
@@ -116,10 +103,9 @@ def _build_plan(schema: Schema, items: PromptItems, encoder: TextEncoder, *,
     items_after_bos: list[Segment | NewRun] = [s for s in included if s.end > first_position]
     items_after_bos += [r for r in runs if r.kind != "module" and r.token_ids]
     first = min(items_after_bos, key=lambda x: x.start, default=None)
-    segments = schema.segments
 
     def absent_owner(segment_id: int) -> str | None:  # a default context's module not imported: a union scaffold
-        owner = segments[segment_id].owner
+        owner = schema.segments[segment_id].owner
         return owner if owner and owner not in imported else None
 
     plan = PromptPlan(schema, tuple(sorted(cached, key=lambda c: c.segment.start)), runs, module_paths,
@@ -138,8 +124,7 @@ def _start_notes(first: Segment | NewRun | None) -> tuple[str, ...]:
 
 
 def _best_scaffolds(schema: Schema, imported: set[str]) -> dict[int, Scaffold]:
-    """Segment id -> the scaffold its KV is encoded in: of those whose modules are all imported, the one
-    with the most modules (the first declared on a tie)."""
+    """Segment id -> its scaffold: of those with all modules imported, the one with most (first on a tie)."""
     best: dict[int, Scaffold] = {}
     for scaffold in schema.scaffolds:
         if not imported.issuperset(scaffold.module_paths):
@@ -184,8 +169,7 @@ def _place_text(schema: Schema, items: PromptItems, included: list[Segment], use
             continue
         later = next_span[index]
         if item.after_section is not None:
-            # Inside the section's turn: after its highest-positioned content (imports may come in any
-            # order), where the displaced closing markup was.
+            # After the highest-positioned content of the section's turn, where the displaced closing markup was.
             start = used.end_below(schema.role_sections[item.after_section].end)
         elif later is not None and cursor is not None:
             start = cursor
@@ -227,12 +211,8 @@ def _check_free(piece: TextPiece, start: int, used: Occupancy, included: list[Se
 
 
 class Occupancy:
-    """Used positions as sorted, disjoint, non-adjacent half-open intervals [start, end).
-
-    Placing the text of a long prompt asks, per text piece, for the highest used position below some
-    position and the first used position inside a range; with a set of positions both were linear,
-    which made placement quadratic in the prompt's length.
-    """
+    """Used positions as sorted, disjoint, non-adjacent half-open intervals [start, end): both queries
+    placement makes per text piece are logarithmic (with a set of positions, placement was quadratic)."""
 
     def __init__(self) -> None:
         self._starts: list[int] = []
@@ -259,6 +239,4 @@ class Occupancy:
     def first_in(self, start: int, end: int) -> int | None:
         """The lowest used position in [start, end), or None."""
         i = bisect.bisect_right(self._ends, start)  # first interval ending after start
-        if i == len(self._starts) or self._starts[i] >= end:
-            return None
-        return max(self._starts[i], start)
+        return None if i == len(self._starts) or self._starts[i] >= end else max(self._starts[i], start)

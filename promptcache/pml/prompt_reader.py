@@ -1,7 +1,5 @@
-"""Read a `<prompt>` document against its schema: resolve imports, arguments and role elements.
-
-The result is a list of items in document order; placement (prompt_parser) assigns positions.
-"""
+"""Read a `<prompt>` document against its schema: imports, arguments and role elements resolved into items in
+document order; placement (prompt_parser) assigns positions."""
 
 from __future__ import annotations
 
@@ -16,10 +14,8 @@ from promptcache.pml.errors import (
     UnknownModuleError,
     UnknownParamError,
 )
-from promptcache.pml.names import ROLE_TAGS
-from promptcache.pml.nodes import Module, RoleSection, Union
 from promptcache.pml.plan import NewRun
-from promptcache.pml.schema import Schema
+from promptcache.pml.schema import ROLE_TAGS, Module, RoleSection, Schema, Union
 from promptcache.pml.text_encoder import TextEncoder
 from promptcache.pml.xml_reader import XML_SPACE, TextItem, iter_content
 
@@ -68,8 +64,7 @@ class PromptReader:
         self.out = PromptItems()
         self.union_choice: dict[int, str] = {}  # id(Union) -> chosen member path
         self.section_of = _sections_by_module(schema)
-        # Looked up once per import or role element: a scan of the schema for each would make a prompt
-        # importing many modules quadratic.
+        # Indexed once: a scan of the schema per import would make a prompt importing many modules quadratic.
         self.union_of = {id(member): union for module in schema.modules.values() for union in module.unions
                          for member in union.members}
         self.suffix_of = {s.role_suffix_of: s.segment_id for s in schema.segments if s.role_suffix_of is not None}
@@ -96,12 +91,10 @@ class PromptReader:
         return self.out
 
     def _open_generation_prompt(self, line: int, *, uses_roles: bool) -> None:
-        # As a chat template's add_generation_prompt does. A model without a usable template gets it only
-        # where the prompt or its schema has role turns: plain text then stays a plain continuation.
+        # Without a chat template, only where the prompt or its schema has role turns: plain text stays plain.
         fmt = self.encoder.chat_format
-        if self.encoder.chat_format_error is not None or not fmt.generation_prompt:
-            return
-        if fmt.is_fallback and not uses_roles and not self.schema.role_sections:
+        if self.encoder.chat_format_error is not None or not fmt.generation_prompt or (
+                fmt.is_fallback and not uses_roles and not self.schema.role_sections):
             return
         tokens = self.encoder.encode(fmt.generation_prompt)
         self.out.items.append(TextPiece(tokens, "role", line, fmt.generation_prompt[:40],
@@ -124,8 +117,7 @@ class PromptReader:
         last_import = max(i for i, c in enumerate(content) if not isinstance(c, TextItem))
         for index, item in enumerate(content):
             if isinstance(item, TextItem) and index > last_import:
-                # The question asked inside the schema's own turn: the turn's cached closing markup
-                # moves behind the new text.
+                # Text inside the schema's own turn: the turn's cached closing markup moves behind it.
                 assert section.section_id in self.suffix_of, "role sections always end with a suffix segment"
                 suffix = self.schema.segments[self.suffix_of[section.section_id]].token_ids
                 self.out.displaced_sections.add(section.section_id)
@@ -139,10 +131,8 @@ class PromptReader:
 
     def _new_turn(self, role: str, text: str, line: int, *, is_last: bool) -> None:
         fmt = self.encoder.role_format(line)
-        if role == "assistant" and is_last:
-            markup = fmt.generation_prompt + text  # an open turn for the model to continue
-        else:
-            markup = fmt.prefixes[role] + text + fmt.suffixes[role]
+        is_open = role == "assistant" and is_last  # an open turn for the model to continue
+        markup = fmt.generation_prompt + text if is_open else fmt.prefixes[role] + text + fmt.suffixes[role]
         self._text(markup, line, kind="role")
 
     def _bound_section(self, role: str, imports: list[etree._Element]) -> RoleSection:
@@ -222,9 +212,7 @@ class PromptReader:
                 self.out.argument_values[source] = (param.length, value)
 
     def _apply_union_defaults(self, module: Module, item: ImportItem) -> None:
-        for union in module.unions:
-            if union.default is None or id(union) in self.union_choice:
-                continue
+        for union in (u for u in module.unions if u.default is not None and id(u) not in self.union_choice):
             member = next(m for m in union.members if m.name == union.default)
             self.union_choice[id(union)] = member.path
             self.out.imported[member.path] = union.line
@@ -235,9 +223,7 @@ class PromptReader:
 def _sections_by_module(schema: Schema) -> dict[str, int]:
     """Module path -> id of the root-level role section that contains it."""
     found: dict[str, int] = {}
-    for section in schema.role_sections.values():
-        if section.owner_path:
-            continue
+    for section in (s for s in schema.role_sections.values() if not s.owner_path):
         stack = list(section.children)
         while stack:
             node = stack.pop()

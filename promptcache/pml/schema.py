@@ -1,25 +1,130 @@
-"""A parsed schema: its tree, its cacheable segments, their encoding contexts, and scaffolds."""
+"""A parsed schema: name rules, the typed immutable tree (positions are token positions; `end` is exclusive),
+its cacheable segments with their encoding contexts, and scaffolds."""
 
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeAlias
 
-from promptcache.pml.nodes import Module, RoleSection
+from promptcache.pml.errors import InvalidNameError
+
+# Matched with fullmatch: `$` would also match before a final "\n", letting "kb\n" through.
+NAME_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+ROLE_TAGS = frozenset({"system", "user", "assistant"})
+RESERVED_NAMES = frozenset({"schema", "prompt", "module", "union", "param", "parameter", "scaffold"}) | ROLE_TAGS
+
+
+def is_valid_name(name: str) -> bool:
+    """Whether `name` can name a schema, module or param (reserved tag names aside)."""
+    return NAME_PATTERN.fullmatch(name) is not None
+
+
+def check_name(name: str | None, *, element: str, line: int | None) -> str:
+    """Return `name` if it is a valid module/param/schema name, else raise InvalidNameError."""
+    if name is None:
+        raise InvalidNameError(f"<{element}> needs a name attribute", line=line)
+    if not is_valid_name(name):
+        raise InvalidNameError(
+            f"<{element}> name {name!r} is invalid: expected a letter or '_' followed by letters, "
+            "digits, '_', '.' or '-'", line=line)
+    if name in RESERVED_NAMES:
+        raise InvalidNameError(f"<{element}> name {name!r} is a reserved PML tag name", line=line)
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class TextRun:
+    """Literal schema text (or compiled role markup) at positions [start, end). `is_continuation`: tokenized
+    as following the text before it, it tokenizes differently at a sequence start (TextEncoder)."""
+
+    token_ids: tuple[int, ...]
+    start: int
+    line: int
+    role_suffix_of: int | None = None  # section_id when this run closes a role section
+    is_continuation: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """A slot of `length` positions for a runtime argument of module `module_path`. `scaffold_ids`: the
+    tokens of its `scaffold="..."` text, in the slot's first positions while the module is encoded."""
+
+    name: str
+    length: int
+    start: int
+    line: int
+    module_path: str
+    scaffold_ids: tuple[int, ...] = ()
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class Union:
+    """Mutually exclusive member modules sharing one start; spans the longest member. `scaffold` names the
+    member standing in the union's positions when the content after it is encoded (segments.py), if any."""
+
+    members: tuple[Module, ...]
+    default: str | None
+    start: int
+    end: int
+    line: int
+    scaffold: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSection:
+    """A `<system>`/`<user>`/`<assistant>` section: prefix run, children, suffix run."""
+
+    role: str
+    section_id: int
+    owner_path: str
+    children: tuple[Node, ...]
+    start: int
+    end: int
+    line: int
+
+
+@dataclass(frozen=True, slots=True)
+class Module:
+    """A named prompt module (the schema root has path ""). `scope` maps the names importable inside it
+    (child modules and union members, through role sections) to their module; `params` its own parameters."""
+
+    name: str
+    path: str
+    parent_path: str | None  # None for the root
+    children: tuple[Node, ...]
+    start: int
+    end: int
+    is_cached: bool
+    line: int
+    scope: Mapping[str, Module]
+    params: Mapping[str, Param]
+    unions: tuple[Union, ...]
+
+    @property
+    def num_positions(self) -> int:
+        return self.end - self.start
+
+
+Node: TypeAlias = "TextRun | Param | Union | RoleSection | Module"
 
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """A maximal run of schema tokens owned by one module, at contiguous positions [start, end).
-
-    Segments are the units whose KV is encoded and cached. `owner` is the owning module's path
-    ("" for always-included text). `context_ids` lists the segments guaranteed to precede this one
-    in every prompt that includes it — the context its default KV is encoded after.
-    `is_continuation` says that its tokens differ from its text's tokenization at the start of a
-    sequence (its first run's flag, see TextRun): a plan that begins with it reports so.
-    """
+    """A maximal run of schema tokens owned by one module (path `owner`, "" for always-included text) at
+    positions [start, end): the unit whose KV is cached. `context_ids`: the segments guaranteed to precede
+    it in every prompt that includes it, its default KV's context. `is_continuation`: see TextRun."""
 
     segment_id: int
     token_ids: tuple[int, ...]
@@ -77,11 +182,10 @@ class Schema:
         return h.hexdigest()
 
     def predecessor_context(self, segment_id: int, context_ids: Iterable[int]) -> tuple[int, ...] | None:
-        """The context of a module segment's second encoding (fidelity context "predecessor"): its
-        `context_ids` and the last segment of another module (not a parameter placeholder) that ends
-        before it starts, in position order. None for text outside modules, with no such segment, or
-        when that segment's own context is not what this context has before it (then its KV in the
-        chain would not be its stored encoding)."""
+        """The context of a module segment's second encoding (fidelity "predecessor"): `context_ids` and the
+        last other module's segment (not a placeholder) ending before it, in position order. None for text
+        outside modules, without such a segment, or when that segment's own context is not what this context
+        has before it (its KV in the chain would not be its stored encoding)."""
         segment, context = self.segments[segment_id], set(context_ids)
         if not segment.owner:
             return None
@@ -107,8 +211,7 @@ class Schema:
         return ranges
 
     def module_table(self) -> list[dict[str, object]]:
-        """One row per module: name, dotted path, start, end (exclusive), positions spanned, and its own
-        parameter slots (name, start, length)."""
+        """One row per module: name, path, start, end (exclusive), positions spanned, its own param slots."""
         return [
             {"name": m.name, "path": m.path, "start": m.start, "end": m.end, "num_tokens": m.num_positions,
              "params": [{"name": p.name, "start": p.start, "length": p.length} for p in m.params.values()]}

@@ -7,25 +7,18 @@ from types import MappingProxyType
 from lxml import etree
 
 from promptcache.pml.errors import InvalidNameError, InvalidParamError, PmlLimitError, SchemaError
-from promptcache.pml.limits import PmlLimits
-from promptcache.pml.names import ROLE_TAGS, check_name
-from promptcache.pml.nodes import Module, Node, Param, RoleSection, TextRun, Union
-from promptcache.pml.schema import Schema
+from promptcache.pml.schema import ROLE_TAGS, Module, Node, Param, RoleSection, Schema, TextRun, Union, check_name
 from promptcache.pml.segments import ContextBudget, build_scaffolds, build_segments
 from promptcache.pml.text_encoder import TextEncoder
-from promptcache.pml.xml_reader import XML_SPACE, TextItem, check_attributes, iter_content, parse_xml
+from promptcache.pml.xml_reader import XML_SPACE, PmlLimits, TextItem, check_attributes, iter_content, parse_xml
 
 
 def parse_schema(text: str, encoder: TextEncoder, limits: PmlLimits | None = None) -> Schema:
-    """Parse and validate a PML schema, tokenize its text and lay out every position.
-
-    Positions: text takes its tokens, a param its `len`, a module the sum of its children, a union
-    the longest member; offsets are running sums from 0 (after the tokenizer's BOS tokens, if any).
-    Raises a PmlError subclass naming the element and line for any invalid input.
-    """
+    """Parse and validate a PML schema, tokenize its text and lay out every position: text takes its tokens,
+    a param its `len`, a module the sum of its children, a union the longest member, as running sums from 0
+    (BOS first, if any). Raises a PmlError subclass naming the element and line for any invalid input."""
     limits = limits or PmlLimits()
-    root = parse_xml(text, max_bytes=limits.max_schema_bytes, max_depth=limits.max_depth,
-                     max_elements=limits.max_elements, what="schema")
+    root = parse_xml(text, limits, max_bytes=limits.max_schema_bytes, what="schema")
     if root.tag != "schema":
         raise SchemaError(f"the root element is <{root.tag}>; expected <schema name=...>", line=root.sourceline)
     check_attributes(root, {"name", "params"})
@@ -45,14 +38,12 @@ class _SchemaBuilder:
         self.modules: dict[str, Module] = {}
         self.sections: dict[int, RoleSection] = {}
         self.scaffold_elements: list[etree._Element] = []
-        self.start = 0  # set by build: the first position after BOS
+        self.start = len(encoder.bos_token_ids)  # the first position after BOS: text there starts the sequence
 
     def build(self, element: etree._Element, name: str, text: str, *, placeholders: bool) -> Schema:
         bos = self.encoder.bos_token_ids
-        self.start = len(bos)  # the first position after BOS: text there starts the sequence
         head: tuple[Node, ...] = (TextRun(bos, 0, element.sourceline),) if bos else ()
-        root = self._module(element, name=name, path="", cursor=len(bos), is_cached=True,
-                            lead=head, is_root=True)
+        root = self._module(element, name=name, path="", cursor=len(bos), is_cached=True, lead=head, is_root=True)
         if root.end > self.limits.max_schema_tokens:
             raise PmlLimitError(f"schema {name!r} spans {root.end} token positions; the limit is "
                                 f"{self.limits.max_schema_tokens}")
@@ -72,13 +63,12 @@ class _SchemaBuilder:
         scope: dict[str, Module] = {}
         params: dict[str, Param] = {}
         unions: list[Union] = []
-        start = 0 if is_root else cursor
         children, end = self._content(element, path=path, cursor=cursor, is_cached=is_cached, scope=scope,
                                       params=params, unions=unions, role=None, is_root=is_root)
-        module = Module(name=name, path=path, parent_path=parent_path, children=lead + children, start=start, end=end,
-                        is_cached=is_cached, line=element.sourceline, scope=MappingProxyType(scope),
-                        params=MappingProxyType(params), unions=tuple(unions))
-        self.modules[path] = module
+        self.modules[path] = module = Module(
+            name=name, path=path, parent_path=parent_path, children=lead + children, start=0 if is_root else cursor,
+            end=end, is_cached=is_cached, line=element.sourceline, scope=MappingProxyType(scope),
+            params=MappingProxyType(params), unions=tuple(unions))
         if len(self.modules) > self.limits.max_modules + 1:
             raise PmlLimitError(f"the schema declares more than {self.limits.max_modules} modules",
                                 line=element.sourceline)
@@ -98,8 +88,7 @@ class _SchemaBuilder:
                 child = self._child_module(item, parent=path, cursor=cursor, is_cached=is_cached,
                                            scope=scope, params=params)
             elif tag == "union":
-                child = self._union(item, parent=path, cursor=cursor, is_cached=is_cached, scope=scope,
-                                    params=params)
+                child = self._union(item, parent=path, cursor=cursor, is_cached=is_cached, scope=scope, params=params)
                 unions.append(child)
             elif tag in ("param", "parameter"):
                 child = self._param(item, module_path=path, cursor=cursor, scope=scope, params=params)
@@ -123,8 +112,7 @@ class _SchemaBuilder:
     def _add_text(self, children: list[Node], text: str, cursor: int, line: int,
                   role_suffix_of: int | None = None) -> int:
         """Append `text`'s run at `cursor` to `children` unless it has no tokens; returns the run's end."""
-        # Text at the first position after BOS starts every sequence that includes it; any other text
-        # is tokenized as it tokenizes after the text laid out before it (TextEncoder.encode).
+        # Text first after BOS starts every sequence; other text tokenizes as after the text before it.
         is_first = cursor == self.start
         token_ids = self.encoder.encode(text, at_start=is_first)
         is_continuation = not is_first and not self.encoder.starts_alike(text, token_ids)
@@ -145,9 +133,8 @@ class _SchemaBuilder:
         if path in self.modules:
             raise InvalidNameError(f"<module name={name!r}> has the dotted path {path!r}, which another "
                                    "module already has", line=element.sourceline)
-        module = self._module(element, name=name, path=path, cursor=cursor, parent_path=parent,
-                              is_cached=is_cached and cache == "true")
-        scope[name] = module
+        scope[name] = module = self._module(element, name=name, path=path, cursor=cursor, parent_path=parent,
+                                            is_cached=is_cached and cache == "true")
         return module
 
     def _union(self, element: etree._Element, *, parent: str, cursor: int, is_cached: bool,
@@ -159,8 +146,7 @@ class _SchemaBuilder:
                 raise SchemaError(f"<union> contains text {item.text[:40]!r}; a union holds only <module>s",
                                   line=item.line)
             if item.tag != "module":
-                raise SchemaError(f"<union> contains <{item.tag}>; a union holds only <module>s",
-                                  line=item.sourceline)
+                raise SchemaError(f"<union> contains <{item.tag}>; a union holds only <module>s", line=item.sourceline)
             members.append(self._child_module(item, parent=parent, cursor=cursor, is_cached=is_cached,
                                               scope=scope, params=params))
         if not members:
@@ -188,13 +174,11 @@ class _SchemaBuilder:
                                     f"from 1 to {self.limits.max_param_len}, got {raw!r}", line=line)
         if len(element) or (element.text or "").strip():
             raise InvalidParamError(f"<{tag} name={name!r}> must be empty", line=line)
-        # The scaffold stands in the slot only while modules are encoded (never in a prompt): one longer
-        # than the slot keeps its first tokens, as many as the slot has positions (docs/pml.md).
+        # Stands in the slot only while modules are encoded; one longer than the slot keeps its first tokens.
         scaffold = element.get("scaffold") or ""
         scaffold_ids = self.encoder.encode(scaffold, at_start=cursor == self.start)[:int(raw)] if scaffold else ()
         _claim(name, scope, params, element)
-        param = Param(name, int(raw), cursor, line, module_path, scaffold_ids)
-        params[name] = param
+        params[name] = param = Param(name, int(raw), cursor, line, module_path, scaffold_ids)
         return param
 
     def _role(self, element: etree._Element, *, path: str, cursor: int, is_cached: bool,
@@ -204,15 +188,13 @@ class _SchemaBuilder:
         role, line = element.tag, element.sourceline
         fmt = self.encoder.role_format(line)
         section_id = len(self.sections)
-        start = cursor
         children: list[Node] = []
-        cursor = self._add_text(children, fmt.prefixes[role], cursor, line)
-        inner, cursor = self._content(element, path=path, cursor=cursor, is_cached=is_cached, scope=scope,
-                                      params=params, unions=unions, role=role, is_root=is_root)
+        end = self._add_text(children, fmt.prefixes[role], cursor, line)
+        inner, end = self._content(element, path=path, cursor=end, is_cached=is_cached, scope=scope,
+                                   params=params, unions=unions, role=role, is_root=is_root)
         children.extend(inner)
-        cursor = self._add_text(children, fmt.suffixes[role], cursor, line, role_suffix_of=section_id)
-        section = RoleSection(role, section_id, path, tuple(children), start, cursor, line)
-        self.sections[section_id] = section
+        end = self._add_text(children, fmt.suffixes[role], end, line, role_suffix_of=section_id)
+        self.sections[section_id] = section = RoleSection(role, section_id, path, tuple(children), cursor, end, line)
         return section
 
 

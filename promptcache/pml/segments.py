@@ -1,17 +1,10 @@
 """Cut a schema tree into cacheable segments and give each its encoding contexts (docs/pml.md).
 
-A segment's default context is every segment guaranteed to precede it whenever it is included:
-always-included text before it and the text of its enclosing modules before it — never optional
-siblings, union members or parameter slots — plus, for each union before it in an enclosing module
-(or at the root) with a `scaffold` member, that member's content (its own text and, recursively, the
-scaffold members of its unions): the reference implementation's rule that the scaffold member stands
-in the union's positions when what follows is encoded. Contexts are prefix-closed (a context segment's own
-context is the part of this context before it), so encoding a segment after the concatenated KV of
-its context equals a full prefill of context + segment.
-
-Contexts are listed in full on every segment, so their total length can grow with the square of the
-number of segments (text between many role sections): `ContextBudget` bounds it, and each context is
-built from per-owner prefixes rather than by rescanning every segment.
+A segment's default context is every segment guaranteed to precede it whenever it is included: the
+always-included text and its enclosing modules' text before it, plus the content of the `scaffold` member of
+each union before it in an enclosing module (recursively). Contexts are prefix-closed, so encoding a segment
+after its context's KV equals a full prefill of context + segment. Their total length can grow with the
+square of the number of segments: `ContextBudget` bounds it.
 """
 
 from __future__ import annotations
@@ -25,8 +18,7 @@ from types import MappingProxyType
 from lxml import etree
 
 from promptcache.pml.errors import PmlLimitError, ScaffoldError
-from promptcache.pml.nodes import Module, Node, Param, RoleSection, TextRun, Union
-from promptcache.pml.schema import Scaffold, Segment, segment_digest
+from promptcache.pml.schema import Module, Node, Param, RoleSection, Scaffold, Segment, TextRun, Union, segment_digest
 from promptcache.pml.xml_reader import check_attributes
 
 
@@ -55,8 +47,7 @@ class ContextBudget:
 
 
 class _PrefixIndex:
-    """Segments by owner, each owner's in position order (an owner's own text pieces never overlap),
-    so "the owner's segments ending by position p" is a prefix found by bisection."""
+    """Segments by owner in position order, so "the owner's segments ending by p" is a prefix (bisection)."""
 
     def __init__(self) -> None:
         self._ends: dict[str, list[int]] = {}
@@ -74,12 +65,8 @@ class _PrefixIndex:
 
     def ending_by(self, owners: Iterable[str], position: int) -> list[list[int]]:
         """For each owner, the ids of its segments that end at or before `position`."""
-        found = []
-        for owner in owners:
-            ends = self._ends.get(owner)
-            if ends:
-                found.append(self._ids[owner][:bisect.bisect_right(ends, position)])
-        return found
+        return [self._ids[owner][:bisect.bisect_right(self._ends[owner], position)]
+                for owner in owners if self._ends.get(owner)]
 
 
 def _context(prefixes: list[list[int]], budget: ContextBudget, line: int | None) -> tuple[int, ...]:
@@ -88,37 +75,29 @@ def _context(prefixes: list[list[int]], budget: ContextBudget, line: int | None)
 
 
 def build_segments(root: Module, placeholder_id: int | None, budget: ContextBudget) -> tuple[Segment, ...]:
-    """Merge adjacent text runs of one owner into segments; compute default contexts.
-
-    With `placeholder_id`, every parameter slot becomes a placeholder segment (that token repeated):
-    the module text after a slot is encoded after the placeholders, as in the paper; plans never
-    include placeholder segments (arguments take their positions). Without it, slots are skipped.
-    Raises PmlLimitError when the contexts exceed `budget`.
-    """
+    """Merge adjacent text runs of one owner into segments; compute default contexts. With `placeholder_id`,
+    every parameter slot becomes a placeholder segment (that token repeated, never in a plan) the text
+    after it is encoded after, as in the paper; without, slots are skipped. PmlLimitError past `budget`."""
     leaves: list[_Leaf | None] = []  # None marks a skipped parameter slot, which ends a segment
     ancestry: dict[str, tuple[str, ...]] = {}
     scaffold_of: dict[str, tuple[tuple[str, int], ...]] = {}
     _flatten(root, root, (), leaves, ancestry, scaffold_of, placeholder_id)
-
     groups: list[list[_Leaf]] = []
     for leaf in leaves:
         previous = groups[-1][-1] if groups and groups[-1] else None
         if leaf is None:
             groups.append([])
         elif leaf.is_placeholder:
-            groups.append([leaf])
-            groups.append([])
+            groups += [[leaf], []]
         elif (previous is not None and previous.owner == leaf.owner and previous.run.end == leaf.run.start
               and not previous.is_placeholder
               and previous.run.role_suffix_of is None and leaf.run.role_suffix_of is None):
             groups[-1].append(leaf)
         else:
             groups.append([leaf])
-
     segments: list[Segment] = []
     index = _PrefixIndex()
-    # Union scaffold content by the module the union is in, filed under the union's end: a segment
-    # sees the content of its enclosing modules' unions that end by its start.
+    # Union scaffold content by the union's module, filed under the union's end (seen by segments after it).
     scaffolds = _PrefixIndex()
     for group in filter(None, groups):
         token_ids = tuple(chain.from_iterable(leaf.run.token_ids for leaf in group))
@@ -142,7 +121,7 @@ def _flatten(node: Node, owner: Module, ancestors: tuple[str, ...], leaves: list
              placeholder_id: int | None) -> None:
     """Leaves in layout order. `ancestry[path]`: the module paths enclosing `path` (itself included);
     `scaffold_of[path]`: (module a union is in, the union's end) for each union whose scaffold content
-    the module is (a scaffold member, or a scaffold member of a union inside one), innermost first."""
+    the module is, innermost first."""
     if isinstance(node, TextRun):
         leaves.append(_Leaf(node, owner.path, owner.is_cached))
     elif isinstance(node, Param):
@@ -212,9 +191,7 @@ def build_scaffolds(elements: Sequence[etree._Element], modules: Mapping[str, Mo
         if name in names:
             raise ScaffoldError(f"<scaffold> name {name!r} is declared twice", line=line)
         names.add(name)
-        # Every segment of the group (scaffold modules, their ancestors, the root) gets its joint
-        # context: root text between two scaffold modules is encoded after the first one too. The
-        # members do not overlap, so in start order the ones ending by a segment's start are a prefix.
+        # Every segment of the group gets its joint context: the members ending by its start (a prefix of them).
         ends, ids = [s.end for s in members], [s.segment_id for s in members]
         contexts = {s.segment_id: _context([ids[:bisect.bisect_right(ends, s.start)]], budget, line)
                     for s in sorted(members, key=lambda s: s.segment_id)}

@@ -18,16 +18,11 @@ CONTINUATION_SENTINEL = "\n"  # kept by every tokenizer's normalizer, merges wit
 class TextEncoder:
     """Everything PML asks of a tokenizer; built once per model with `from_tokenizer`.
 
-    `bos_token_ids` are the tokens the tokenizer puts at the start of every sequence (Llama's `<s>`;
-    none for GPT-2/ChatML models); a schema's layout starts with them.
-
-    PML tokenizes each text piece on its own (its positions are fixed). Byte-level BPE tokenizes a piece
-    the same wherever it stands; SentencePiece tokenizers (Llama-2, Mistral) prepend a "▁" to every
-    encoded text (the dummy prefix), which would insert a space at every piece boundary. For those,
-    `continuation_ids` holds the ids of a sentinel ("\n"): a piece not at the start of the sequence is
-    encoded after the sentinel, which is then cut off, so it tokenizes as it does inside the full text.
-    Callers say which pieces start the sequence (`at_start`): schema text at the first position after
-    BOS, and new text or an argument a prompt puts there (docs/pml.md).
+    `bos_token_ids`: the tokens every sequence starts with (Llama's `<s>`), and so does a schema's layout.
+    PML tokenizes each text piece on its own. SentencePiece tokenizers (Llama-2, Mistral) prepend a "▁" to
+    every encoded text, a space at every piece boundary: for those, `continuation_ids` holds the ids of a
+    sentinel ("\n") a piece is encoded after (then cut off) unless the caller says it starts the sequence
+    (`at_start`), so it tokenizes as it does inside the full text (docs/pml.md).
     """
 
     encode_fn: Callable[[str], list[int]]
@@ -39,8 +34,8 @@ class TextEncoder:
     _cache: _EncodeCache = field(default_factory=lambda: _EncodeCache(), repr=False, compare=False)
 
     def role_format(self, line: int | None = None) -> ChatFormat:
-        """The per-role markup for role tags; raises ChatTemplateError (a 4xx naming the line) when the
-        model's chat template cannot be split per role."""
+        """The per-role markup for role tags; ChatTemplateError naming the line when the model's chat template
+        cannot be split per role."""
         if self.chat_format_error is not None:
             raise ChatTemplateError(f"role tags cannot be used with this model: {self.chat_format_error}; "
                                     "send the conversation through /v1/chat/completions without a schema",
@@ -59,8 +54,7 @@ class TextEncoder:
         return self._encode(text)  # the sentinel merged with the text: no clean cut, encode it alone
 
     def starts_alike(self, text: str, token_ids: tuple[int, ...]) -> bool:
-        """Whether `token_ids`, `text` encoded inside a longer text, are also its encoding at the
-        sequence start (always, with no continuation sentinel: then nothing is encoded again)."""
+        """Whether `token_ids` (`text` encoded inside a longer text) are also its encoding at the sequence start."""
         return self.continuation_ids is None or self.encode(text, at_start=True) == token_ids
 
     def _encode(self, text: str) -> tuple[int, ...]:
@@ -73,13 +67,10 @@ class TextEncoder:
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> TextEncoder:
         """Wrap a Hugging Face tokenizer (duck-typed: PML does not import transformers)."""
-
         backend = getattr(tokenizer, "backend_tokenizer", None)
 
         def encode_fn(text: str) -> list[int]:
-            # The Rust backend directly: the same ids as tokenizer.encode for fast tokenizers, without
-            # the Python wrapper's per-call overhead (a prompt of thousands of turns encodes thousands
-            # of short texts).
+            # A fast tokenizer's Rust backend directly: the same ids without the per-call Python overhead.
             if backend is not None:
                 ids: list[int] = backend.encode(text, add_special_tokens=False).ids
                 return ids
@@ -105,8 +96,7 @@ class TextEncoder:
 
 
 class _EncodeCache:
-    """LRU of short texts' token ids, bounded in characters (texts from requests must not grow it
-    without bound). Thread-safe: parsing runs in worker threads."""
+    """LRU of short texts' token ids, bounded in characters (requests must not grow it). Thread-safe."""
 
     MAX_TEXT_CHARS = 4096
     MAX_TOTAL_CHARS = 4 << 20
@@ -118,8 +108,7 @@ class _EncodeCache:
 
     def get(self, text: str) -> tuple[int, ...] | None:
         with self._lock:
-            ids = self._entries.get(text)
-            if ids is not None:
+            if (ids := self._entries.get(text)) is not None:
                 self._entries.move_to_end(text)
             return ids
 

@@ -1,20 +1,40 @@
-"""Hardened XML reading for PML: lxml parsing (strict; bare `<` and `&` in text taken verbatim), the whitespace
-rule."""
+"""Hardened XML reading for PML: size limits, lxml parsing (strict; bare `<` and `&` in text taken verbatim),
+the whitespace rule."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from lxml import etree
 
 from promptcache.pml.errors import PmlError, PmlLimitError, PmlSecurityError, PmlSyntaxError, SchemaError
 
 XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
-# Any DTD can declare entities (billion laughs, XXE); PML never needs one, so it is refused before
-# lxml sees the document.
+# Any DTD can declare entities (billion laughs, XXE); PML needs none: refused before lxml sees the document.
 _FORBIDDEN = re.compile(rb"<!DOCTYPE|<!ENTITY|<!ELEMENT|<!ATTLIST", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class PmlLimits:
+    """Upper bounds for one PML document; every one is a user-configurable setting."""
+
+    max_schema_bytes: int = 4 * 1024 * 1024
+    max_prompt_bytes: int = 1024 * 1024
+    max_depth: int = 32
+    max_elements: int = 16384  # in one document: every element costs Python work, text does not
+    max_modules: int = 4096
+    max_scaffolds: int = 1024  # each is encoded jointly on upload, besides the modules' own encodings
+    max_param_len: int = 8192
+    max_schema_tokens: int = 1_000_000
+    # Segment ids in all of a schema's encoding contexts (quadratic in its text pieces): tens of MiB at most.
+    max_context_ids: int = 1 << 22
+
+    def __post_init__(self) -> None:
+        for name in (limit.name for limit in fields(self)):
+            if not isinstance(value := getattr(self, name), int) or value <= 0:
+                raise ValueError(f"PmlLimits.{name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,47 +45,38 @@ class TextItem:
     line: int
 
 
-def parse_xml(text: str | bytes, *, max_bytes: int, max_depth: int, max_elements: int, what: str) -> etree._Element:
-    """Parse `text` strictly (no recovery, DTD, entities, network, or processing instructions).
-    libxml2 parses in linear time; the element count is checked (in C) before any Python walks the tree.
-
-    Raises PmlLimitError, PmlSecurityError or PmlSyntaxError (with the line) on bad input.
-    """
+def parse_xml(text: str | bytes, limits: PmlLimits, *, max_bytes: int, what: str) -> etree._Element:
+    """Parse `text` strictly (no recovery, DTD, entities, network, or processing instructions), in linear time.
+    Raises PmlLimitError, PmlSecurityError or PmlSyntaxError (with the line) on bad input."""
     data = _utf8(text, what) if isinstance(text, str) else text
     if len(data) > max_bytes:
         raise PmlLimitError(f"{what} is {len(data)} bytes; the limit is {max_bytes} bytes")
-    match = _FORBIDDEN.search(data)
-    if match:
+    if match := _FORBIDDEN.search(data):
         line = data.count(b"\n", 0, match.start()) + 1
         raise PmlSecurityError(f"{what} contains a DTD or entity declaration; PML forbids them", line=line)
-    parser = etree.XMLParser(
-        resolve_entities=False, no_network=True, load_dtd=False, dtd_validation=False,
-        recover=False, huge_tree=False, remove_comments=True, remove_pis=False, collect_ids=False,
-    )
+    parser = etree.XMLParser(resolve_entities=False, no_network=True, load_dtd=False, dtd_validation=False,
+                             recover=False, huge_tree=False, remove_comments=True, remove_pis=False, collect_ids=False)
     root = _parse_lenient(data, parser, what)
-    num_elements = int(root.xpath("count(//*)"))
-    if num_elements > max_elements:
-        raise PmlLimitError(f"{what} has {num_elements} elements; the limit is {max_elements}")
-    _check_tree(root, max_depth=max_depth, what=what)
+    num_elements = int(root.xpath("count(//*)"))  # in C, before any Python walks the tree
+    if num_elements > limits.max_elements:
+        raise PmlLimitError(f"{what} has {num_elements} elements; the limit is {limits.max_elements}")
+    _check_tree(root, max_depth=limits.max_depth, what=what)
     return root
 
 
 def _utf8(text: str, what: str) -> bytes:
-    """`text` as UTF-8. A lone surrogate (JSON's "\\ud800" decodes to one) is no Unicode character: a
-    PmlSyntaxError naming its line."""
+    """`text` as UTF-8; a lone surrogate (JSON's "\\ud800" decodes to one) is a PmlSyntaxError naming its line."""
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        line = text.count("\n", 0, exc.start) + 1
         raise PmlSyntaxError(f"{what} is not valid Unicode text: lone surrogate U+{ord(text[exc.start]):04X}",
-                             line=line) from None
+                             line=text.count("\n", 0, exc.start) + 1) from None
 
 
 def _parse_lenient(data: bytes, parser: etree.XMLParser, what: str) -> etree._Element:
-    """Parse strictly; a document that fails is parsed again with its bare `<` and `&` (ones that begin
-    no markup, see `escape_bare_markup`) escaped, so code such as `0 <= i < n` in module text is taken
-    verbatim. What still fails is a PmlSyntaxError naming the line, the `<` or `&` nearest before the
-    error, and the fix. Escaping inserts no line break: lxml's line numbers are the document's."""
+    """Parse strictly, then (if that fails) again with bare `<` and `&` escaped (`escape_bare_markup`), so
+    code such as `0 <= i < n` is taken verbatim. What still fails is a PmlSyntaxError naming the line (escaping
+    inserts no line break), the `<` or `&` nearest before the error, and the fix."""
     try:
         return etree.fromstring(data, parser)
     except etree.XMLSyntaxError as exc:
@@ -80,10 +91,9 @@ def _parse_lenient(data: bytes, parser: etree.XMLParser, what: str) -> etree._El
 
 
 def escape_bare_markup(data: bytes) -> bytes:
-    """`data` with every `<` that begins no markup (one not followed by a name character, `/`, `!` or
-    `?`: `0 <= i`, `a < b`) written `&lt;`, and every `&` that begins no entity or character reference
-    (`Q&A`, `a && b`) written `&amp;`. CDATA sections are left as they are. Linear: the patterns look
-    ahead a bounded distance (to the end of one name) and CDATA is found with `bytes.find`."""
+    """`data` with every `<` that begins no markup (not followed by a name character, `/`, `!` or `?`)
+    written `&lt;`, and every `&` that begins no entity or character reference written `&amp;`, outside
+    CDATA sections. Linear: the patterns look ahead to the end of one name at most."""
     pieces: list[bytes] = []
     at = 0
     while (start := data.find(b"<![CDATA[", at)) >= 0:
@@ -96,8 +106,7 @@ def escape_bare_markup(data: bytes) -> bytes:
     return b"".join(pieces)
 
 
-# Each lookahead stops at the first character that cannot continue a name or a number, and a name never
-# contains `&`, so no position is scanned by two matches: linear in the document.
+# Each lookahead stops where a name or number ends, and names never contain `&`: linear in the document.
 _BARE_AMPERSAND = re.compile(rb"&(?!#[0-9]+;|#x[0-9A-Fa-f]+;|[A-Za-z_:\x80-\xff][A-Za-z0-9_.:\x80-\xff-]*;)")
 _BARE_LESS_THAN = re.compile(rb"<(?![A-Za-z_:/!?\x80-\xff])")
 
@@ -112,8 +121,7 @@ def _syntax_message(data: bytes, error: etree.XMLSyntaxError, what: str) -> str:
     lines = data.split(b"\n", line)  # at most `line` splits: the lines up to the error's
     if line and len(lines) >= line:
         text = lines[line - 1].decode("utf-8", "replace")
-        # lxml's (1-based) column is in the escaped line and at or past the token it choked on, which may
-        # be the `<` of the markup after it: name the last `<` or `&` of the original line before it.
+        # lxml's column (in the escaped line) may be past the culprit: name the last `<` or `&` before it.
         culprit = max(text.rfind("<", 0, column - 1), text.rfind("&", 0, column - 1))
         if culprit >= 0:
             message += f" (the {text[culprit]!r} at column {culprit + 1}: {text[culprit:culprit + 24]!r})"
@@ -166,12 +174,10 @@ def _text_item(raw: str | None, line: int, preserve: bool) -> tuple[TextItem, ..
 
 
 def normalize_whitespace(raw: str) -> str:
-    """Drop layout whitespace: a leading or trailing whitespace run that spans a line break goes,
-    and the common indentation of the lines is removed (the first line's counts when the dropped run
-    ended it; otherwise only the lines after the first). Spaces that do
-    not span a line break are content and stay ("of <param/> days")."""
-    # str.strip's whitespace is re's \s; a regex anchored at the end (r"\s*$" with search) retries at
-    # every position of a long whitespace run, quadratic in its length.
+    """Drop layout whitespace: a leading or trailing whitespace run that spans a line break goes, and the
+    lines' common indentation (the first line's only when the dropped run ended it). Spaces that do not span
+    a line break are content and stay ("of <param/> days")."""
+    # str.strip, not a regex: r"\s*$" with search is quadratic in the length of a whitespace run.
     leading_end = len(raw) - len(raw.lstrip())
     trailing_start = len(raw.rstrip())
     start = leading_end if "\n" in raw[:leading_end] else 0
@@ -181,9 +187,7 @@ def normalize_whitespace(raw: str) -> str:
         return text
     first, *rest = text.split("\n")
     indents = [len(line) - len(line.lstrip(" \t")) for line in rest if line.strip()]
-    if start:
-        # The first line's own indentation ended the dropped run: it counts too, so code laid out from
-        # the margin keeps its relative indentation (`class A:` / `    def f` stays nested).
+    if start:  # the first line's indentation ended the dropped run: it counts (`class A:` / `    def f` stays nested)
         indents.append(start - raw.rfind("\n", 0, start) - 1)
     cut = min(indents, default=0)
     return "\n".join([first, *(line[cut:] for line in rest)])
