@@ -3,6 +3,7 @@ Knows nothing about HTTP or requests; may hold tensors but never imports transfo
 
 from promptcache.cache_store.block import KVBlock, chain_root, dumps, loads, make_kv_key, owned_salt
 from promptcache.cache_store.block_index import BlockIndex, BlockIndexConfig, Link, Match
+from promptcache.cache_store.config import StoreConfig, build_store
 from promptcache.cache_store.disk_tier import DiskTier
 from promptcache.cache_store.errors import (
     BlockMismatchError,
@@ -12,11 +13,12 @@ from promptcache.cache_store.errors import (
     RegistryUnavailableError,
     SchemaExistsError,
 )
+from promptcache.cache_store.fetch_policy import FetchPolicy
 from promptcache.cache_store.memory_tier import MemoryTier
 from promptcache.cache_store.redis_tier import RedisTier
 from promptcache.cache_store.schema_registry import RegistryState, SchemaRegistry, StoredSchema
 from promptcache.cache_store.signing import BlobSigner
-from promptcache.cache_store.store import FetchPolicy, StoreConfig, StoreStats, TieredStore, TierStats, build_store
+from promptcache.cache_store.store import StoreStats, TieredStore, TierStats
 from promptcache.cache_store.tier import BlockKind, Eviction, OwnerShares, Tier, TierHit, TierUsage
 
 __all__ = [

@@ -1,199 +1,22 @@
 """TieredStore: device -> host -> shared (Redis / disk) with promotion on hit, demotion on eviction,
-refcounts on in-process entries, and write-behind to the shared tiers (one background thread runs their
-writes in FIFO order: a put never waits on I/O, and the store lock is never held across it); its config."""
+refcounts on in-process entries, and write-behind to the shared tiers (write_behind.py)."""
 
 from __future__ import annotations
 
-import atexit
 import functools
 import threading
 import time
-import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
-import torch
-
 from promptcache.cache_store.block import KVBlock
-from promptcache.cache_store.disk_tier import DiskTier
 from promptcache.cache_store.errors import CapacityError, logger
-from promptcache.cache_store.memory_tier import MemoryTier
-from promptcache.cache_store.redis_tier import RedisTier
-from promptcache.cache_store.signing import BlobSigner
-from promptcache.cache_store.tier import BLOCK_KINDS, BlockKind, Eviction, OwnerShares, Tier
+from promptcache.cache_store.fetch_policy import FetchPolicy
+from promptcache.cache_store.tier import BLOCK_KINDS, BlockKind, Eviction, Tier
+from promptcache.cache_store.write_behind import WriteBehind
 
 T = TypeVar("T")
-EXIT_FLUSH_TIMEOUT_S = 30.0  # how long interpreter exit waits for queued shared writes
-
-
-@dataclass(slots=True, eq=False)
-class _Job:
-    key: str
-    nbytes: int
-    run: Callable[[], object]
-    is_cancelled: bool = False
-
-
-class WriteBehind:
-    """Runs shared-tier writes (and, behind them, other operations on the same key) in FIFO order on one thread,
-    started by the first job and gone after `idle_exit_s` idle. A write that would take the queue past
-    `max_bytes` is dropped and counted (it is a cache); at interpreter exit the queue is flushed (bounded)."""
-
-    def __init__(self, max_bytes: int, idle_exit_s: float = 2.0) -> None:
-        self.max_bytes = max_bytes
-        self.idle_exit_s = idle_exit_s
-        self.num_dropped = self.pending_bytes = 0
-        self._cond = threading.Condition()
-        self._jobs: deque[_Job] = deque()
-        self._queued: dict[str, list[_Job]] = {}  # key -> its live queued jobs, oldest first
-        self._running: _Job | None = None
-        self._thread: threading.Thread | None = None
-        self._exit_hook: Callable[[], None] | None = None
-        self._is_closing = False
-
-    @property
-    def num_pending(self) -> int:
-        with self._cond:
-            return sum(map(len, self._queued.values())) + (self._running is not None)
-
-    def submit(self, key: str, nbytes: int, run: Callable[[], object]) -> bool:
-        with self._cond:
-            if nbytes and self.pending_bytes + nbytes > self.max_bytes:
-                self.num_dropped += 1
-                return False
-            job = _Job(key, nbytes, run)
-            self._jobs.append(job)
-            self._queued.setdefault(key, []).append(job)
-            self.pending_bytes += nbytes
-            if self._thread is None:
-                self._start()
-            self._cond.notify_all()
-            return True
-
-    def cancel(self, key: str) -> bool:
-        """Drop the queued jobs of `key`; True if one of its jobs is running right now."""
-        with self._cond:
-            for job in self._queued.pop(key, ()):
-                job.is_cancelled = True
-                self.pending_bytes -= job.nbytes
-            return self._running is not None and self._running.key == key
-
-    def has_pending(self, key: str) -> bool:
-        with self._cond:
-            return key in self._queued or (self._running is not None and self._running.key == key)
-
-    def flush(self, timeout_s: float | None = None) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._queued and self._running is None, timeout_s)
-
-    def close(self, timeout_s: float | None) -> bool:
-        """Flush (bounded), drop what is left (counted), stop the thread. A later submit restarts it."""
-        is_flushed = self.flush(timeout_s)
-        with self._cond:
-            for key in list(self._queued):
-                self.num_dropped += len(self._queued[key])
-                self.cancel(key)
-            self._is_closing = True
-            self._cond.notify_all()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout_s)
-        with self._cond:
-            self._is_closing = False
-        if self._exit_hook is not None:
-            atexit.unregister(self._exit_hook)
-            self._exit_hook = None
-        return is_flushed
-
-    def _start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="promptcache-write-behind", daemon=True)
-        self._thread.start()
-        if self._exit_hook is None:
-            ref = weakref.ref(self)  # the hook must not keep the writer (and its store) alive
-
-            def flush_at_exit() -> None:
-                writer = ref()
-                if writer is not None and not writer.flush(EXIT_FLUSH_TIMEOUT_S):
-                    logger.warning("exiting with %d shared-tier writes not done", writer.num_pending)
-
-            self._exit_hook = flush_at_exit
-            atexit.register(flush_at_exit)
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                job = self._next()
-                if job is None:
-                    self._thread = None
-                    return
-                self._running = job
-            try:
-                job.run()
-            except Exception:  # a cache write must never kill the writer
-                logger.exception("write-behind of %s failed", job.key[:12])
-            finally:
-                with self._cond:
-                    self._running = None
-                    self.pending_bytes -= job.nbytes
-                    self._cond.notify_all()
-
-    def _next(self) -> _Job | None:
-        """With the lock held: the oldest live job, or None after `idle_exit_s` without one."""
-        while True:
-            while self._jobs:
-                job = self._jobs.popleft()
-                if job.is_cancelled:
-                    continue
-                same_key = self._queued[job.key]
-                same_key.pop(0)  # FIFO: a key's oldest live job is the one leaving the queue
-                if not same_key:
-                    del self._queued[job.key]
-                return job
-            self._cond.notify_all()  # idle: wake flush()
-            if self._is_closing or (not self._cond.wait(self.idle_exit_s) and not self._jobs):
-                return None
-
-
-
-@dataclass
-class Throughput:
-    """EMA of a rate; `None` until the first sample."""
-
-    alpha: float = 0.2
-    value: float | None = None
-
-    def add(self, amount: float, seconds: float) -> None:
-        if seconds > 0 and amount > 0:
-            rate = amount / seconds
-            self.value = rate if self.value is None else (1 - self.alpha) * self.value + self.alpha * rate
-
-
-@dataclass
-class FetchPolicy:
-    """Whether reading a block of `nbytes` from a tier beats the `num_tokens` of prefill that recompute it,
-    from online averages of each tier's read rate (bytes/s) and the runtime's prefill rate (tokens/s).
-    Unknown rates are optimistic (fetch), so measurements can accumulate."""
-
-    margin: float = 1.0  # fetch only if fetch_s * margin < recompute_s
-    tiers: dict[str, Throughput] = field(default_factory=dict)
-    recompute: Throughput = field(default_factory=Throughput)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def record_fetch(self, tier: str, nbytes: int, seconds: float) -> None:
-        with self._lock:
-            self.tiers.setdefault(tier, Throughput()).add(nbytes, seconds)
-
-    def record_recompute(self, num_tokens: int, seconds: float) -> None:
-        with self._lock:
-            self.recompute.add(num_tokens, seconds)
-
-    def worth_fetching(self, tier: str, nbytes: int, num_tokens: int | None) -> bool:
-        with self._lock:
-            read = self.tiers.get(tier)
-            return (num_tokens is None or read is None or read.value is None or self.recompute.value is None
-                    or nbytes / read.value * self.margin < num_tokens / self.recompute.value)
 
 
 @dataclass(slots=True)
@@ -481,63 +304,3 @@ def _shared_call(tier: Tier, what: str, fn: Callable[[], T], default: T) -> T:
         logger.warning("%s tier failed to %s a block (%s: %s); treating it as a miss", tier.name, what,
                        type(exc).__name__, exc)
         return default
-
-
-@dataclass(frozen=True, slots=True)
-class StoreConfig:
-    """Budgets and backends: the device tier on the model's device, the host tier in CPU memory (pinned for a
-    GPU), shared Redis and disk tiers. `device_max_bytes` None: DEFAULT_DEVICE_MAX_BYTES on a CPU, on a GPU
-    DEVICE_FREE_FRACTION of the memory free when the store is built (after the model is loaded)."""
-
-    device_max_bytes: int | None = None
-    host_max_bytes: int = 4 << 30
-    redis_url: str | None = None
-    redis_max_bytes: int = 8 << 30
-    redis_namespace: str = "default"
-    redis_timeout_s: float = 0.5
-    redis_retry_interval_s: float = 2.0
-    disk_dir: str | None = None
-    disk_max_bytes: int = 16 << 30
-    write_through_shared: bool = True
-    write_behind_max_bytes: int = 1 << 30  # queue for shared-tier writes; more is dropped (and counted)
-    blob_key: bytes | None = None  # HMAC key: Redis blobs carry a tag checked on read (signing.py)
-    owner_shares: tuple[tuple[str, float], ...] = ()  # (owner, fraction of each tier's budget): tier.OwnerShares
-
-    def __post_init__(self) -> None:
-        for name in ("device_max_bytes", "host_max_bytes", "redis_max_bytes", "disk_max_bytes",
-                     "write_behind_max_bytes"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ValueError(f"StoreConfig.{name} must be > 0")
-        if self.redis_timeout_s <= 0:
-            raise ValueError("StoreConfig.redis_timeout_s must be > 0")
-
-
-DEFAULT_DEVICE_MAX_BYTES = 1 << 30
-DEVICE_FREE_FRACTION = 0.25  # of a GPU's free memory; the rest stays for the engine's own KV and activations
-
-
-def device_budget(max_bytes: int | None, device: str) -> int:
-    """The device tier's byte budget: `max_bytes` when set, else see StoreConfig."""
-    if max_bytes is not None:
-        return max_bytes
-    if torch.device(device).type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(torch.device(device))
-        return max(1, int(free_bytes * DEVICE_FREE_FRACTION))
-    return DEFAULT_DEVICE_MAX_BYTES
-
-
-def build_store(config: StoreConfig, device: str = "cpu") -> TieredStore:
-    """device -> host -> [redis] -> [disk]."""
-    shares = OwnerShares(dict(config.owner_shares))
-    tiers: list[Tier] = [
-        MemoryTier("device", device_budget(config.device_max_bytes, device), device, shares=shares),
-        MemoryTier("host", config.host_max_bytes, "cpu", pin_memory=device != "cpu", shares=shares),
-    ]
-    if config.redis_url:
-        tiers.append(RedisTier(config.redis_url, max_bytes=config.redis_max_bytes, namespace=config.redis_namespace,
-                               timeout_s=config.redis_timeout_s, retry_interval_s=config.redis_retry_interval_s,
-                               signer=BlobSigner(config.blob_key), shares=shares))
-    if config.disk_dir:
-        tiers.append(DiskTier(config.disk_dir, max_bytes=config.disk_max_bytes))
-    return TieredStore(tiers, write_through_shared=config.write_through_shared,
-                       write_behind_max_bytes=config.write_behind_max_bytes)

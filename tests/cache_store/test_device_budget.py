@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from promptcache.cache_store import StoreConfig, build_store
-from promptcache.cache_store.store import DEFAULT_DEVICE_MAX_BYTES, device_budget
+from promptcache.cache_store.config import DEFAULT_DEVICE_MAX_BYTES, device_budget
 
 
 def test_a_set_budget_is_kept_and_an_unset_one_is_the_cpu_default():
