@@ -6,12 +6,9 @@ from collections.abc import Sequence
 
 
 class Detokenizer:
-    """Turns generated token ids into text deltas for one sequence.
-
-    Text is held back while it ends in an incomplete UTF-8 character or in a prefix of a stop string,
-    so a streamed delta never has to be taken back. When a stop string appears, the text is cut before
-    it and `is_stopped` becomes true.
-    """
+    """Generated token ids as text deltas for one sequence. Text that ends in an incomplete UTF-8 character or a
+    stop string's prefix is held back, so a delta is never taken back; a stop string cuts the text before it
+    and sets `is_stopped`."""
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
@@ -47,8 +44,6 @@ class Detokenizer:
         return self._emit(len(self.text))
 
     def _emit(self, upto: int) -> str:
-        if upto <= self.num_emitted:
-            return ""
         delta = self.text[self.num_emitted: upto]
-        self.num_emitted = upto
+        self.num_emitted = max(self.num_emitted, upto)
         return delta

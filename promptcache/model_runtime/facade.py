@@ -18,10 +18,6 @@ from promptcache.model_runtime.runtime import ModelRuntime
 from promptcache.model_runtime.sampling import SamplingParams
 from promptcache.pml import PmlLimits, PromptPlan, Schema, TextEncoder, token_plan
 
-# The empty schema that plain-text and chat prompts are resolved against, in a namespace of its own: no
-# owner's namespace ('' or the owner's name, which never starts with '_') lists it.
-PLAIN_SCHEMA, PLAIN_NAMESPACE = "plain", "_plain"
-
 
 @dataclass(frozen=True, slots=True)
 class RuntimeStats:
@@ -41,13 +37,9 @@ def key_salt(owner: str | None, salt: str | None) -> str | None:
 
 
 class PromptRuntime:
-    """Schemas, plans and generation of one loaded model over one KV store.
-
-    Every call that touches schemas or KV names the `owner` (a tenant; None: the default one): schemas
-    live in the owner's namespace and every KV key is salted with it, so nothing one owner computed can be
-    read, or probed for, by another, whatever `salt` its client sends. `start` runs the engine thread;
-    `submit` must be called on a running asyncio loop; the rest is safe from any thread.
-    """
+    """Schemas, plans and generation of one loaded model over one KV store. Calls name the `owner` (a tenant;
+    None: the default one): its schemas live in its namespace and its KV keys are salted with it, so no owner
+    reads or probes another's KV, whatever `salt` its client sends. `submit` needs a running asyncio loop."""
 
     def __init__(self, loaded: LoadedModel, store: KVStore, config: EngineConfig,
                  limits: PmlLimits | None = None) -> None:
@@ -56,8 +48,10 @@ class PromptRuntime:
         # After the engine: its runner loads the bf16 kernel where it applies.
         self.attention: AttentionReport = describe(config.attention_backend, loaded.model.device, loaded.model.dtype)
         self._store = store
-        self._plain = self.model.parse_schema(f'<schema name="{PLAIN_SCHEMA}"/>')
-        self.model.add_schema(self._plain, encode=False, namespace=PLAIN_NAMESPACE)
+        # Plain-text and chat prompts' empty schema, in a namespace no owner's ('' or a name never starting
+        # with '_') is.
+        self._plain = self.model.parse_schema('<schema name="plain"/>')
+        self.model.add_schema(self._plain, encode=False, namespace="_plain")
 
     @property
     def max_positions(self) -> int:
@@ -90,8 +84,8 @@ class PromptRuntime:
         self.model.add_schema(schema, encode=False, namespace=owner or "")
 
     def forget_schema(self, name: str, owner: str | None, *, delete_kv: bool = True) -> Schema | None:
-        """Unregister the owner's schema `name` and (`delete_kv`) delete the KV its upload encoded; copies
-        salted by clients age out by LRU. Returns the schema, None if the owner had none of that name."""
+        """Unregister the owner's schema `name` (None if none) and (`delete_kv`) delete the KV its upload
+        encoded; copies salted by clients age out by LRU."""
         schema = self.model.remove_schema(name, owner or "")
         if schema is None or not delete_kv:
             return schema
@@ -128,8 +122,7 @@ class PromptRuntime:
         return token_plan(self._plain, self.tokenize(messages=messages))
 
     def tokenize(self, text: str | None = None, messages: Sequence[Mapping[str, str]] | None = None) -> tuple[int, ...]:
-        """Token ids exactly as `plan_text(text)` (the text verbatim, no PML) or `plan_chat(messages)` (rendered
-        by the model's chat template, ready for the assistant's reply) feeds them."""
+        """Token ids exactly as `plan_text(text)` or `plan_chat(messages)` feeds them."""
         if messages is not None:
             return chat_tokens(self.model.loaded.tokenizer, messages)
         assert text is not None, "tokenize takes a text or messages"
@@ -147,9 +140,8 @@ class PromptRuntime:
             self.model.check_token_ids([token for token, _ in params.logit_bias])
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"logit_bias: {exc}") from None
-        return self.engine.submit_many(list(plans), params, cache_salt=key_salt(owner, salt),
-                                       request_ids=list(request_ids), fidelity=fidelity, report_spans=report_spans,
-                                       tenant=owner)
+        return self.engine.submit_many(list(plans), params, cache_salt=key_salt(owner, salt), tenant=owner,
+                                       request_ids=list(request_ids), fidelity=fidelity, report_spans=report_spans)
 
     def explain(self, plan: PromptPlan, *, owner: str | None, salt: str | None, fidelity: Fidelity) -> CacheReport:
         """What serving `plan` now would reuse (from which tier) and compute, without doing it (no fetch,

@@ -11,13 +11,9 @@ import torch
 
 
 class KVPool:
-    """`keys`/`values`: [num_layers, num_kv_heads, num_slots, head_dim]. A sequence owns a contiguous
-    range of slots from `allocate` until `free`; its own KV is the view `keys[:, :, first: first + n]`.
-
-    The tensors are made at the first `allocate` (an engine that never runs a request holds none); on a
-    CPU their pages are touched only as slots are written, so an unused budget costs address space
-    only. Freed slots are reused at once: the caller frees a range only when nothing reads it any more.
-    """
+    """`keys`/`values` [num_layers, num_kv_heads, num_slots, head_dim], made at the first `allocate` (on a CPU
+    an unused budget costs address space only). A sequence owns slots [first, first + n) from `allocate` until
+    `free`; freed slots are reused at once, so free a range only when nothing reads it any more."""
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
@@ -67,8 +63,7 @@ class KVPool:
         self._free.insert(i, (first, end))
 
     def slots(self, first: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [num_layers, num_kv_heads, num_slots, head_dim] of slots [first, first + num_slots)
-        (views of the pool)."""
+        """Views of the keys and values of slots [first, first + num_slots)."""
         return self.keys[:, :, first: first + num_slots], self.values[:, :, first: first + num_slots]
 
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,13 +1,9 @@
 """Shared-module attention inside HF models, through transformers' attention-function registry.
 
-Every forward pass of the runtime (a batch step, a single request's prefill, module encoding) feeds
-its sequences' tokens as ONE packed row. `BatchCache` stands in for
-the HF cache: it writes each sequence's new keys/values into that sequence's own KV, with one
-`index_copy_` per layer for all the sequences whose own KV lives in one KVPool (kv_pool.py). The
-registered attention function then attends, per layer, every shared KV segment once for all queries
-that include it, plus each sequence's own KV, merged exactly (model_runtime.attention). Outside a
-batch step (no active context) the function is plain SDPA, so the single-sequence path is unchanged.
-"""
+A forward pass feeds its sequences' tokens as ONE packed row. `BatchCache` stands in for the HF cache and writes
+each sequence's new KV into its own KV (one `index_copy_` per layer for those in one KVPool); the registered
+function attends each shared segment once for all its queries plus each own KV, merged exactly
+(model_runtime.attention). Outside a batch step (no active context) it is plain SDPA."""
 
 from __future__ import annotations
 
@@ -59,8 +55,8 @@ class BatchContext:
         default_factory=dict, repr=False)
 
     def own_kv(self, seqs: tuple[int, ...], layer: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """The own keys and values so far of sequences `seqs` at `layer`, [H_kv, n, D] views: made once a
-        pass (an `unbind` per sequence), not sliced per sequence per layer (host time bounds a GPU step)."""
+        """The own keys and values so far of sequences `seqs` at `layer`, [H_kv, n, D] views made once a pass
+        (host time bounds a GPU step)."""
         by_layer = self.layer_views.get(seqs)
         if by_layer is None:
             lengths = [self.own_starts[i] + self.query_lens[i] for i in seqs]

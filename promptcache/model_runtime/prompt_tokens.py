@@ -1,9 +1,5 @@
-"""Token ids of plain prompts: completion text and chat conversations, exactly as the tokenizer sees them.
-
-No PML and no XML on this path: text reaches the tokenizer unchanged (`\\r\\n`, control characters and
-markup-like text included). Chats are rendered by the model's own chat template (the Hugging Face
-convention, what vLLM does); a model without one gets PML's documented plain turn format.
-"""
+"""Token ids of plain prompts (completion text, chats): no PML, text reaches the tokenizer unchanged. Chats are
+rendered by the model's chat template (as HF and vLLM do); a model without one gets PML's plain turn format."""
 
 from __future__ import annotations
 

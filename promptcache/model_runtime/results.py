@@ -38,13 +38,10 @@ class PrefixUse:
 
 @dataclass(frozen=True, slots=True)
 class PromptSpan:
-    """Prompt tokens at consecutive layout positions [start, start + num_tokens) whose KV came from one
-    place. `origin`: "module" (a module's cached KV, from `tier`), "prefix" (an automatic prefix block,
-    from `tier`), "recomputed" (a module's tokens computed for this request instead of reused: fidelity
-    balanced / exact) or "computed" (new text, arguments, uncached modules, computed now). `module` names
-    the module the tokens belong to (None: the prompt's own text or the schema's always-included text).
-    Positions are the schema layout's (exact fidelity computes the tokens after its reused lead at
-    contiguous positions; the layout position is still reported)."""
+    """Prompt tokens at consecutive layout positions [start, end) whose KV came from one place. `origin`: "module"
+    or "prefix" (cached module KV or a prefix block, from `tier`), "recomputed" (module tokens computed instead
+    of reused) or "computed" (new text, arguments, uncached modules). `module`: the module they belong to (None:
+    the prompt's or schema's own text). Positions are the layout's, even where exact fidelity moves them."""
 
     start: int
     token_ids: tuple[int, ...]
@@ -91,12 +88,8 @@ def slowest_tier(tiers: list[str]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class CacheReport:
-    """The cache side of one prompt: served (a request's final report) or planned (`explain`).
-
-    `modules` follow the plan's module paths; a planned module's `tier` is None when some of its KV is in
-    no tier (it would be computed). `approximations` is empty for an exact prompt. `spans` only when the
-    request asked for them.
-    """
+    """The cache side of one prompt, served or planned (`explain`). `modules` follow the plan's module paths (a
+    planned one's `tier` None: some of its KV is in no tier); `approximations` empty for an exact prompt."""
 
     schema_name: str
     is_exact: bool
@@ -120,12 +113,10 @@ class CacheReport:
 def served_report(plan: PromptPlan, reuse: ReusePlan | None, mode: FidelityMode, usage: Usage,
                   modules: tuple[ModuleUse, ...], blocks: Sequence[tuple[str, int]],
                   spans: tuple[PromptSpan, ...] | None) -> CacheReport:
-    """The report of a served request (engine/reports.py): `reuse` as resolved at admission (None: the
-    request ended before it was admitted), `mode` the fidelity mode it asked for, `usage` its counts,
-    `blocks` the (tier, tokens) of each stored prefix block it reused."""
-    is_exact = reuse.is_exact if reuse is not None else plan.is_exact
-    positions = reuse.positions if reuse is not None else PositionMode.LAYOUT
-    context = reuse.context if reuse is not None else ContextMode.SCHEMA
+    """The report of a served request: `reuse` as resolved at admission (None: never admitted), `mode` the
+    fidelity mode it asked for, `blocks` the (tier, tokens) of each stored prefix block it reused."""
+    is_exact, positions, context = ((plan.is_exact, PositionMode.LAYOUT, ContextMode.SCHEMA) if reuse is None
+                                    else (reuse.is_exact, reuse.positions, reuse.context))
     return CacheReport(plan.schema.name, is_exact, plan.generation_prompt_added, mode, positions, context,
                        usage.recomputed_tokens, () if is_exact else plan.approximations, modules, prefix_use(blocks),
                        usage.prompt_tokens, usage.cached_tokens, spans)

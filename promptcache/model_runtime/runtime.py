@@ -16,12 +16,8 @@ from promptcache.pml import PmlLimits, PromptPlan, Schema, TextEncoder, parse_pr
 
 
 class ModelRuntime:
-    """Owns the parsed schemas of one model and serves prompts against them.
-
-    `add_schema` parses and encodes a schema (its modules' KV go into `store`); `plan` resolves a
-    prompt, which the engine (engine/engine.py) serves. Schema bookkeeping is thread-safe; model
-    compute must run on one thread at a time (the engine's).
-    """
+    """The schemas of one model (their module KV encoded into `store`) and prompts planned against them. Schema
+    bookkeeping is thread-safe; model compute runs on one thread at a time (the engine's)."""
 
     def __init__(self, loaded: LoadedModel, store: KVStore, limits: PmlLimits | None = None) -> None:
         self.loaded = loaded
@@ -40,9 +36,8 @@ class ModelRuntime:
 
     def add_schema(self, schema: Schema, *, encode: bool = True, cache_salt: str | None = None,
                    progress: Callable[[int, int], None] | None = None, namespace: str = "") -> EncodeReport | None:
-        """Encode `schema`'s modules (unless told not to), then register it in `namespace` (replacing one
-        of the same name there). A failed encoding registers nothing. Namespaces keep schemas of
-        different owners (tenants) apart: a prompt only sees the schemas of the namespace it is planned in."""
+        """Encode `schema`'s modules (unless told not to), then register it in `namespace` (an owner's, replacing
+        one of its name); a failed encoding registers nothing. A prompt sees the schemas of its namespace only."""
         report = None
         if encode:  # before serving: on this thread, through the engine's encode queue and runner
             if self._runner is None:

@@ -25,20 +25,15 @@ class TokenLogprobs:
 def token_logprobs(logits: torch.Tensor, token: int, num_top: int) -> TokenLogprobs:
     """`logits`: [vocab]. The log-softmax of the raw logits at `token` and its `num_top` largest."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [vocab]
-    top = torch.topk(logprobs, num_top) if num_top else None
-    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
-    return TokenLogprobs(float(logprobs[token]), pairs)
+    top = torch.topk(logprobs, num_top)
+    return TokenLogprobs(float(logprobs[token]), tuple(zip(top.indices.tolist(), top.values.tolist())))
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick tokens. `temperature == 0` is greedy; `n` samples share the prompt's KV.
-
-    Logits processors run first, in Hugging Face's order (`logit_bias` as SequenceBiasLogitsProcessor with
-    single tokens, then `repetition_penalty` over prompt and generated tokens), then OpenAI's
-    `presence_penalty`/`frequency_penalty` over generated tokens; greedy picks the argmax of those. Sampling
-    then applies HF's warpers in order: temperature, `top_k`, `top_p`, `min_p`.
-    """
+    """How to pick tokens (`temperature == 0`: greedy; `n` samples share the prompt's KV). In HF's order:
+    `logit_bias`, `repetition_penalty` (prompt and generated tokens), then OpenAI's presence/frequency penalties
+    (generated tokens); greedy takes the argmax, sampling applies temperature, `top_k`, `top_p`, `min_p`."""
 
     max_tokens: int = 64
     temperature: float = 1.0
@@ -111,10 +106,8 @@ class SamplingParams:
 
 
 class PromptTokens:
-    """A prompt's token ids as `repetition_penalty` reads them: a [vocab] mask built once, on first use,
-    and shared by every sample of the request (n > 1 samples never copy the prompt). The mask follows
-    the device it is asked for (an exact repeat's first token is sampled from cached CPU logits, the
-    next ones from the model's device)."""
+    """A prompt's token ids as `repetition_penalty` reads them: a [vocab] mask built on first use, shared by the
+    request's samples, on the device last asked for (cached CPU logits, then the model's)."""
 
     def __init__(self, token_ids: Sequence[int]) -> None:
         self._token_ids = torch.tensor(list(token_ids), dtype=torch.long)  # [num_prompt_tokens]
@@ -123,19 +116,15 @@ class PromptTokens:
     def mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
         """[vocab_size] bool: True at every id that occurs in the prompt (reused or computed)."""
         if self._mask is None:
-            mask = torch.zeros(vocab_size, dtype=torch.bool)  # [vocab]
-            mask[self._token_ids] = True
-            self._mask = mask
+            self._mask = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, self._token_ids, True)  # [vocab]
         if self._mask.device != torch.device(device):
             self._mask = self._mask.to(device)
         return self._mask
 
 
 class Sampler:
-    """Picks the next token from logits; one instance per sequence. It owns the RNG state and the
-    generated-token counts the penalties read; the prompt's tokens come as a shared `PromptTokens`
-    (without one, `repetition_penalty` covers the generated tokens only). Its state follows the device
-    of the logits it is given, which may change between calls (cached CPU logits, then GPU ones)."""
+    """Picks one sequence's next token from logits (whose device may change between calls). Owns the RNG and the
+    generated-token counts; without `prompt`, `repetition_penalty` covers the generated tokens only."""
 
     def __init__(self, params: SamplingParams, *, seed_offset: int = 0, prompt: PromptTokens | None = None) -> None:
         self.params = params
@@ -149,10 +138,8 @@ class Sampler:
                           torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32))  # [num_biased]
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [vocab] -> processed scores [vocab] float32 (-inf: excluded). HF's order: logits
-        processors (`logit_bias`, `repetition_penalty`), then OpenAI's presence/frequency penalties, then
-        (unless temperature is 0) the warpers: temperature, top-k, top-p, min-p. `sample` draws from the
-        softmax of the result (or takes its argmax when greedy). Records nothing."""
+        """`logits` [vocab] -> processed scores [vocab] float32 (-inf: excluded), in SamplingParams' order (the
+        warpers unless temperature is 0). Records nothing."""
         params = self.params
         scores = logits.float().clone()  # [vocab]
         if self._bias is not None:

@@ -10,27 +10,17 @@ from promptcache.model_runtime.engine.reuse_plan import Fidelity
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Limits of the batch engine.
-
-    `max_kv_bytes` bounds the KV the running batch holds: every sequence's own KV (its computed prompt
-    tokens plus room for `max_tokens`) and, once each, every shared module or prefix block it references.
-    `prefix` configures automatic prefix reuse (docs/architecture.md); None turns it off. `fidelity` is the
-    mode of requests that name none (docs/fidelity.md). Prompt prefills and module encodings advance
-    in chunks: `max_prefill_tokens_alone` tokens a step when nothing decodes; while something decodes,
-    as many as keep a step within `max_step_slowdown` times a decode-only step (learned from step
-    times, engine/step_budget.py), between `min_prefill_tokens` (capped at `max_prefill_tokens`) and
-    `max_prefill_tokens`. With `max_step_slowdown` None, always `max_prefill_tokens`.
-    `logits_cache_bytes` keeps the last-token logits of recent prompts so an exact repeat whose KV is all
-    stored runs no forward pass before its first token (engine/prefix.py); 0 turns that off.
-    `max_waiting_per_tenant` bounds the requests one tenant has submitted and not yet admitted; past it,
-    `submit` raises QueueFullError (engine/waiting.py). `tenant_headroom_seqs` sequence slots are ones a
-    tenant cannot take while it already runs `max_num_seqs - tenant_headroom_seqs` sequences: they stay
-    free for other tenants, so one tenant's full batch does not make another's request wait for it to
-    drain (0: no headroom, as on a single-tenant server). Within `shared_window_s` of a step that a light
-    tenant's prompt got of its own (engine/step_plan.py), the others' steps are held to
-    `shared_step_ratio` times such a step (learned from step times, engine/shared_step.py): decodes take
-    turns and prompt tokens fill what is left, so a light tenant's first token waits for a short step
-    of another's, not a full batch. None: no cap.
+    """Limits of the batch engine. `max_kv_bytes` bounds the running batch's KV: each sequence's own (computed
+    prompt tokens plus room for `max_tokens`) and each shared module or prefix block once. `prefix`: automatic
+    prefix reuse (None: off); `fidelity`: the mode of requests that name none (docs/fidelity.md). Prefills and
+    module encodings advance in chunks: `max_prefill_tokens_alone` tokens a step when nothing decodes, else as
+    many as keep a step within `max_step_slowdown` times a decode-only step (engine/step_budget.py; None: always
+    `max_prefill_tokens`), between `min_prefill_tokens` and `max_prefill_tokens`. `logits_cache_bytes`: last-token
+    logits kept so an exact repeat whose KV is stored runs no pass before its first token (0: off).
+    `max_waiting_per_tenant`: a tenant's unadmitted requests before `submit` raises QueueFullError. A tenant
+    running `max_num_seqs - tenant_headroom_seqs` sequences takes no more (the rest stay free for other
+    tenants). Within `shared_window_s` of a light tenant's step of its own (engine/step_plan.py), the others'
+    steps are held to `shared_step_ratio` times such a step (engine/step_budget.py; None: no cap).
     """
 
     max_num_seqs: int = 64

@@ -11,17 +11,9 @@ from promptcache.model_runtime.engine.config import EngineConfig
 from promptcache.model_runtime.engine.memory import KVMemory, OwnKV, held_bytes, request_bytes
 from promptcache.model_runtime.engine.prefix import PrefixReuse
 from promptcache.model_runtime.engine.reports import failure_event, final_event, rejection_event
-from promptcache.model_runtime.engine.request import (
-    FinishReason,
-    Request,
-    SeqStatus,
-    Sequence,
-    SharedKV,
-    TokenEvent,
-)
+from promptcache.model_runtime.engine.request import FinishReason, Request, SeqStatus, Sequence, SharedKV, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import CachedUse, resolve
-from promptcache.model_runtime.engine.shared_step import SharedStepCap
-from promptcache.model_runtime.engine.step_budget import StepBudget
+from promptcache.model_runtime.engine.step_budget import SharedStepCap, StepBudget
 from promptcache.model_runtime.engine.step_plan import EncodeNeed, StepPlan, compose_step
 from promptcache.model_runtime.engine.waiting import WaitingRequests
 from promptcache.model_runtime.module_encoder import ModuleEncoder

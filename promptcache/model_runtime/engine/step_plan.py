@@ -71,7 +71,7 @@ def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int
       others decode: its first token then waits for one short step rather than for a full batch step
       of the busy tenant. Each such step delays the others' next token once; a tenant gets it only
       while none of its sequences decodes, so it cannot hold the others back for long.
-    - Under `max_rows` (while a light tenant is served, engine/shared_step.py), a step with decodes runs at most
+    - Under `max_rows` (while a light tenant is served, engine/step_budget.py), a step with decodes runs at most
       that many decodes and prompt tokens: decodes of lighter tenants first, then in `running` order
       (the scheduler moves those fed to the back, so they take turns), leaving room for `min_tokens`
       prompt tokens when any wait.
