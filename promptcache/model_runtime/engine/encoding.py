@@ -1,11 +1,6 @@
-"""Module encoding inside engine steps: missing module KV computed in chunks between decode steps.
-
-Schema uploads and modules that no tier holds (a replica adopted the schema, an eviction, a new salt)
-are never encoded in one pass on the engine thread, which would freeze every stream for its duration:
-each encoding is a pseudo-sequence that takes a chunk of the step's prefill budget, like a long prompt.
-Jobs run one at a time, in order: a job is planned when it starts, so it reuses the links that earlier
-jobs stored (two segments after the same missing context compute that context once).
-"""
+"""Module encoding inside engine steps: schema uploads and module KV no tier holds are pseudo-sequences fed in
+chunks of the step's prefill budget (one pass would freeze every stream). Jobs run one at a time, planned when
+they start, so a job reuses the links earlier ones stored (a shared missing context is computed once)."""
 
 from __future__ import annotations
 
@@ -34,11 +29,9 @@ _seq_ids = itertools.count()
 
 @dataclass(eq=False)
 class EncodeJob:
-    """Encode (segment, context) of a schema unless stored; `done` resolves with the target's block when
-    it is computed (None: it was stored meanwhile). `owner`: the tenant whose byte share it counts
-    against (its salt scopes the key to the same one). `keep_local`: stored in this process's tiers too,
-    not only the shared ones (False only while nobody here needs it: a schema upload's encoding on a
-    cluster replica). `recompute`: computed even if a tier holds it (a request's fetch of it was refused)."""
+    """Encode (segment, context) of a schema for `owner` unless stored; `done` resolves with the target's block
+    (None: stored meanwhile). `keep_local`: in this process's tiers too, not only the shared ones. `recompute`:
+    computed even if a tier holds it (a request's fetch of it was refused)."""
 
     target: str  # its store key
     schema: Schema
@@ -73,10 +66,8 @@ class EncodeQueue:
         return bool(self._jobs or self._active)
 
     def submit(self, schema: Schema, segment_id: int, context_ids: tuple[int, ...], salt: str | None, *,
-               owner: str | None = None, keep_local: bool = True,
-               recompute: bool = False) -> concurrent.futures.Future:
-        """Queue an encoding (once per target: a job already queued is shared, kept locally and
-        recomputed if any of its submitters asks for that)."""
+               owner: str | None = None, keep_local: bool = True, recompute: bool = False) -> concurrent.futures.Future:
+        """Queue an encoding once per target (kept locally, recomputed if any submitter asks)."""
         target = self.encoder.key(schema, segment_id, context_ids, salt)
         job = self._by_target.get(target)
         if job is None:
@@ -146,11 +137,8 @@ class EncodeQueue:
 
 
 class ParkedEncodes:
-    """The module encodings of requests parked at admission (scheduler.py), queued once per request.
-    A request is settled once: when its last encoding is stored, or its first fails. The blocks computed
-    for it are handed to it (`Request.computed_kv`: reported as computed, read from no tier), and the
-    time it waited is its `encode_ms`. Futures resolve on the engine thread (EncodeQueue), so settling
-    costs nothing per step for requests still waiting."""
+    """The module encodings of requests parked at admission, each settled once: when its last encoding is stored
+    (the blocks go to `Request.computed_kv`, the wait to its `encode_ms`) or its first fails."""
 
     def __init__(self, encodes: EncodeQueue) -> None:
         self.encodes = encodes
@@ -222,9 +210,8 @@ class SchemaEncodes:
 
 def encode_now(encoder: ModuleEncoder, runner: ModelRunner, schema: Schema, jobs: list[tuple[int, tuple[int, ...]]],
                cache_salt: str | None = None, progress: Callable[[int, int], None] | None = None) -> EncodeReport:
-    """Encode the (segment, context) `jobs` of `schema` that no tier holds, now, on this thread, each in
-    one pass of `runner`: for schemas added before serving (the CLI). The engine encodes
-    between its steps instead. Raises what failed."""
+    """Encode the (segment, context) `jobs` of `schema` that no tier holds now, on this thread, each in one pass
+    of `runner` (schemas added before serving). Raises what failed."""
     started, before = time.perf_counter(), encoder.num_encoded_segments
     queue = EncodeQueue(encoder)
     for done, (segment_id, context_ids) in enumerate(jobs, 1):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import functools
 import itertools
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from concurrent.futures import Future
+from dataclasses import replace
 
 from promptcache.cache_store import BlockIndex
 from promptcache.model_runtime.engine.config import EngineConfig
@@ -29,30 +30,8 @@ from promptcache.pml import PromptPlan, Schema
 logger = logging.getLogger(__name__)
 
 
-# -- the inbox: typed messages callers post from any thread, taken by the engine thread ------------
-@dataclass(frozen=True, slots=True)
-class Submit:
-    request: Request  # its place in its tenant's queue is reserved
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class EncodeSchema:
-    """`Engine.encode_schema`: `future` resolves with its EncodeReport."""
-
-    schema: Schema
-    salt: str | None
-    owner: str | None
-    future: concurrent.futures.Future
-    keep_local: bool
-    second_encodings: bool
-
-
-Message = Submit | Abort | EncodeSchema
+# What callers post from any thread, run on the engine thread in posting order.
+Message = Callable[[], None]
 
 
 class Inbox:
@@ -86,15 +65,10 @@ class Inbox:
 
 
 class Engine:
-    """Serves prompt plans with continuous batching and shared-module attention.
-
-    `submit` is called from an asyncio loop and returns an async iterator of TokenEvents (the last one
-    carries the request's `report`); `abort` stops a request within one step and frees its KV. Each
-    tenant's requests wait in a bounded queue of their own, admitted round-robin across tenants
-    (engine/waiting.py). All model compute runs on the engine's own thread — the event loop never
-    blocks on it. Each step is `scheduler.schedule()` -> StepPlan, `runner.run(plan)` -> RunOutput,
-    `outputs.postprocess(plan, output)` -> StepResult, with data passed one way.
-    """
+    """Serves prompt plans with continuous batching and shared-module attention, all model compute on a thread
+    of its own. `submit` (on an asyncio loop) returns an async iterator of TokenEvents, the last with the report;
+    `abort` stops a request within one step. A step is `scheduler.schedule()` -> StepPlan, `runner.run(plan)` ->
+    RunOutput, `outputs.postprocess(plan, output)` -> StepResult, data passed one way."""
 
     def __init__(self, encoder: ModuleEncoder, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
@@ -133,10 +107,8 @@ class Engine:
     def submit(self, plan: PromptPlan, params: SamplingParams, *, cache_salt: str | None = None,
                request_id: str | None = None, fidelity: Fidelity | None = None,
                report_spans: bool = False, tenant: str | None = None) -> AsyncIterator[TokenEvent]:
-        """Queue a request in `tenant`'s queue; iterate the result for its events (must be called on a
-        running loop). `fidelity` (default: the engine's) says how module KV reused out of context is
-        treated; `report_spans` puts the prompt's spans by KV origin on the final event. Raises
-        QueueFullError when the tenant already has `max_waiting_per_tenant` requests waiting."""
+        """Queue a request in `tenant`'s queue (on a running loop) and iterate the result for its events.
+        `report_spans`: the prompt's spans by KV origin on the final event. Raises QueueFullError."""
         [events] = self.submit_many([plan], params, cache_salt=cache_salt, request_ids=[request_id],
                                     fidelity=fidelity, report_spans=report_spans, tenant=tenant)
         return events
@@ -153,30 +125,27 @@ class Engine:
         for plan, request_id in zip(plans, ids):
             queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
             self._sinks[request_id] = (loop, queue)
-            self.inbox.post(Submit(Request(request_id, plan, params, cache_salt, fidelity or self.config.fidelity,
-                                           tenant=tenant, report_spans=report_spans)))
+            request = Request(request_id, plan, params, cache_salt, fidelity or self.config.fidelity, tenant=tenant,
+                              report_spans=report_spans)
+            self.inbox.post(functools.partial(self.scheduler.add, request, is_reserved=True))  # its place reserved
             streams.append(self._events(request_id, queue))
         self.start()
         return streams
 
     def encode_schema(self, schema: Schema, cache_salt: str | None = None, *, owner: str | None = None,
-                      keep_local: bool = True,
-                      second_encodings: bool = False) -> concurrent.futures.Future[EncodeReport]:
-        """Encode every module KV of `schema` that no tier holds, in chunks between decode steps (no
-        stream stalls for it), stored for `owner` (a tenant's byte share; None: the default owner).
-        Await the result with `asyncio.wrap_future`; it raises what failed. `keep_local=False` stores
-        it in the shared tiers only (if there are any) unless a request here needs it meanwhile: for a
-        replica whose uploads other replicas serve. `second_encodings`: also each module's encoding
-        after the module before it (fidelity context "predecessor"), which is otherwise made on a
-        module's first such use, through the same chunked queue."""
-        future: concurrent.futures.Future[EncodeReport] = concurrent.futures.Future()
-        self.inbox.post(EncodeSchema(schema, cache_salt, owner, future, keep_local, second_encodings))
+                      keep_local: bool = True, second_encodings: bool = False) -> Future[EncodeReport]:
+        """Encode `schema`'s module KV that no tier holds, for `owner`, in chunks between decode steps; the future
+        raises what failed. `keep_local=False`: shared tiers only unless a request here needs it (a replica whose
+        uploads others serve). `second_encodings`: also each module's "predecessor" encoding."""
+        future: Future[EncodeReport] = Future()
+        self.inbox.post(functools.partial(self.schema_encodes.submit, schema, cache_salt, owner, future,
+                                          keep_local=keep_local, second_encodings=second_encodings))
         self.start()
         return future
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its last event has finish_reason "abort" unless it already finished."""
-        self.inbox.post(Abort(request_id))
+        self.inbox.post(functools.partial(self.scheduler.abort, request_id))
 
     def explain(self, plan: PromptPlan, *, cache_salt: str | None = None,
                 fidelity: Fidelity | None = None) -> CacheReport:
@@ -216,13 +185,7 @@ class Engine:
 
         while (messages := self.inbox.take(is_idle, self.config.idle_wait_s)) is not None:
             for message in messages:
-                if isinstance(message, Submit):
-                    self.scheduler.add(message.request, is_reserved=True)
-                elif isinstance(message, Abort):
-                    self.scheduler.abort(message.request_id)
-                else:
-                    self.schema_encodes.submit(message.schema, message.salt, message.owner, message.future,
-                                               keep_local=message.keep_local, second_encodings=message.second_encodings)
+                message()
             try:
                 self._step()
             except Exception:  # a bug must not kill the engine silently: fail the running requests

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,24 +28,13 @@ class _Group:
 
 
 class AssembledGroups:
-    """Concatenations of shared blocks that the same sequences attend together, named by their blocks.
-
-    Attention over one [L, H_kv, n, D] tensor costs one kernel call per layer instead of one per block,
-    but the concatenation copies every block. A group is kept while in use and, after that, least
-    recently used within `max_bytes`, so the next request over the same document (the same chain of
-    prefix blocks) or the same set of modules attends the copy made for an earlier one. Once the budget
-    is used, a new group takes over the buffer of an old one rather than a fresh tensor: tens of MB are
-    served by mmap and page-fault on first touch (on 2 cores ~15 ms for the 2.3K-token prompt of a 135M
-    model, more than the copy itself).
-
-    `split` keeps a group's whole blocks apart from views (the partly reused last block of a chain, a
-    module with its head cut off for recompute), which differ from request to request: the whole blocks
-    then form a group the next request finds. Names identify contents (store keys are content hashes;
-    a view's name adds its range or its shift), so a kept group never goes stale.
-
-    A block with a shift (fidelity's contiguous positions) is attended with its keys moved by that many
-    positions: the group holds the moved keys, written by `shifter` in place of the plain copy, so a
-    shifted block alone is a group too.
+    """Concatenations of shared blocks that the same sequences attend together, named by their blocks: one kernel
+    call per layer instead of one per block, for a copy. A group is kept while in use, then LRU within `max_bytes`,
+    so the next request over the same document or modules attends the same copy; past the budget a new group takes
+    an old one's buffer (a fresh one page-faults: ~15 ms on 2 cores for a 2.3K-token prompt of a 135M model, more
+    than the copy). `split` keeps whole blocks apart from views (a chain's partly reused last block, a module with
+    its head recomputed), which differ per request. Names identify contents, so a kept group never goes stale. A
+    view's `shift` (fidelity's contiguous positions) is applied by `shifter` as the group's keys are written.
     """
 
     def __init__(self, max_bytes: int, shifter: KeyShifter | None = None) -> None:
@@ -78,9 +68,8 @@ class AssembledGroups:
         return [tuple(sorted(names, key=KVView.order))]
 
     def get(self, names: tuple[KVView, ...], blocks: Mapping[KVView, KVBlock]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [L, H_kv, sum n, D] of the blocks `names` (one unshifted block: its own
-        tensors, no copy), each block's keys moved by its view's `shift`. Marks the group in
-        use until the next `trim`."""
+        """Keys and values [L, H_kv, sum n, D] of the blocks `names`, keys moved by each view's `shift` (one
+        unshifted block: its own tensors). Marks the group in use until the next `trim`."""
         if len(names) == 1 and not names[0].shift:
             block = blocks[names[0]]
             return block.keys, block.values
@@ -92,19 +81,18 @@ class AssembledGroups:
         parts = [blocks[n] for n in names]
         first = parts[0].keys
         num_layers, num_heads, _, head_dim = first.shape
-        num_tokens = sum(p.keys.shape[2] for p in parts)
-        numel = num_layers * num_heads * num_tokens * head_dim
+        shape = (num_layers, num_heads, sum(p.keys.shape[2] for p in parts), head_dim)
+        numel = math.prod(shape)
         buffer = self._buffer(numel, first.dtype, first.device)
-        keys = buffer[0, :numel].view(num_layers, num_heads, num_tokens, head_dim)  # contiguous views
-        values = buffer[1, :numel].view(num_layers, num_heads, num_tokens, head_dim)
+        keys, values = buffer[0, :numel].view(shape), buffer[1, :numel].view(shape)  # contiguous views
         if any(n.shift for n in names):
             assert self.shifter is not None, "shifted blocks need a model whose positions are RoPE"
             offset = 0
             for name, part in zip(names, parts):
-                n, shift = part.keys.shape[2], name.shift
+                n = part.keys.shape[2]
                 target = keys[:, :, offset: offset + n]
-                if shift:
-                    self.shifter.shift_into(target, part.keys, torch.full((n,), shift, device=target.device))
+                if name.shift:
+                    self.shifter.shift_into(target, part.keys, torch.full((n,), name.shift, device=target.device))
                 else:
                     target.copy_(part.keys)
                 offset += n
@@ -115,9 +103,8 @@ class AssembledGroups:
         return keys, values
 
     def trim(self) -> None:
-        """Called once a step's groups were all got: drops the least recently used groups that step did
-        not use while over budget, and forgets what it used. Groups in use are never dropped (the budget
-        may be exceeded while they are)."""
+        """After a step's last `get`: while over budget, drop the least recently used groups the step did not
+        use (groups in use may exceed it), and forget what it used."""
         live, self._live = self._live, set()
         held = self.num_bytes
         for names in list(self._groups):

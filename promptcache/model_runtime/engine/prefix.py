@@ -1,16 +1,10 @@
 """Automatic prefix reuse for engine requests: look up a request's token stream, store what it computed.
 
-A request's *stream* is every token the engine computes for it, in order: the plan's new tokens (all of
-a plain or chat prompt; the text of a PML prompt after its cached modules) and then the tokens it
-generates. The stream hangs off a chain root naming the module links it attends to, so the same text
-after different modules never shares KV. Lookup happens at admission; the prompt's blocks are stored
-once its prefill step ran (so a concurrent repeat can hit them), and each finished sample stores the
-blocks of its generated text (so the next chat turn reuses the reply it was sent).
-
-A prompt's last token is computed for its logits, unless the same stream (tokens, positions, chain root,
-salt) was prefilled before and its logits are still in the `LogitsCache`: then, if the stored blocks cover
-every token, an exact repeat runs no forward pass before its first token at all. Logits are a
-deterministic function of what the key covers, so this is exact, like the KV itself.
+A *stream* is every token the engine computes for a request: the plan's new tokens, then the generated ones,
+hung off a chain root naming the module links it attends to. Lookup is at admission; the prompt's blocks are
+stored after its prefill step, each finished sample's after it (the next chat turn reuses the reply). The
+`LogitsCache` keeps prefilled streams' last-token logits, so an exact repeat whose blocks cover every token runs
+no forward pass before its first token (exact: logits are a function of what the key covers).
 """
 
 from __future__ import annotations
@@ -83,10 +77,8 @@ class PrefixReuse:
 
     def open(self, module_keys: list[str], token_ids: list[int], position_ids: list[int], *,
              salt: str | None, variant: str = "", match: bool = True) -> Stream:
-        """A stream for these tokens with its longest stored prefix fetched (none unless `match`: a
-        request that needs every token's logits computes them all). At least the last token is left to
-        compute (its logits are the first sample's input) unless its logits are cached and the stored
-        blocks cover every token: then `stream.logits` is set and nothing is left."""
+        """A stream with its longest stored prefix fetched (none unless `match`). The last token is left to
+        compute for its logits unless they are cached and stored blocks cover every token (`stream.logits`)."""
         stream = Stream(chain_root(module_keys, variant=variant), list(token_ids), list(position_ids))
         if self.index is not None and token_ids and match:
             logits = self.logits.get(self._terminal_key(stream, salt)) if self.logits is not None else None
@@ -125,9 +117,8 @@ class PrefixReuse:
         return result
 
     def store_prompt(self, stream: Stream, computed: KVPiece, *, salt: str | None, owner: str | None) -> None:
-        """Store the prompt's blocks (counted against `owner`'s byte share) once its computed part
-        (`computed`, starting where reuse ended) exists. Remembers the prompt's KV pieces for
-        `store_sample`."""
+        """Store the prompt's blocks for `owner` once its `computed` part (from where reuse ended) exists;
+        remembers the prompt's KV pieces for `store_sample`."""
         stream.prompt_pieces = [(link.start, link.block.keys, link.block.values) for link in stream.match.links]
         stream.prompt_pieces.append(computed)
         if self.index is None:

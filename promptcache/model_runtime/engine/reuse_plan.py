@@ -1,28 +1,14 @@
 """ReusePlan: which cached module KV a request reuses and which tokens it computes, per fidelity mode.
 
-Reusing a module outside the context it was encoded in is approximate (docs/fidelity.md). The mode says
-how much of that approximation a request accepts:
-- fast:     every cached segment is reused as encoded; new text attends to all of it (the paper).
-- balanced: segments not encoded after exactly what precedes them now get their first k tokens
-            recomputed in their actual context (attention sinks at chunk starts, as in EPIC/LegoLink);
-            recomputed and new tokens attend causally by position. The recomputed KV serves this
-            request (and its own prefix chain) only; it never replaces the module's stored KV.
-- exact:    only a leading run of segments whose context and positions equal a full prefill's is
-            reused; every other token is computed at contiguous positions: a full prefill's answer.
-
-Positions (fast and balanced, when the prompt is approximate anyway): "layout" keeps every token at
-the schema layout's position, with gaps where the modules the prompt does not import would be (the
-paper's choice). "contiguous" (the server's default) moves every token to its rank among the prompt's
-positions, as a full prefill has them: the stream is computed there, and each reused segment's keys are
-rotated by its `shift` for this request (rope_shift.py; the stored KV is never changed). Retrieval accuracy
-measured 32.5 % -> 54.5 % (full prefill 61.0 %) with it on SmolLM2-135M (docs/fidelity.md).
-
-Context (fast and balanced, when a module is out of its encoding context anyway): "schema" reuses the
-KV encoded after what the schema guarantees precedes the module (the paper); "predecessor" reuses the
-KV encoded after that and the module positioned just before it in the schema, so the module's KV was
-computed as a document among documents rather than as the first one after the system prompt — a
-second encoding per module, stored under its own key (encoded at upload or on first use), never
-written over the first. Used as is, in its own context, it stays exact.
+Reusing a module out of its encoding context is approximate (docs/fidelity.md); the mode says how much of that
+a request accepts. fast: every cached segment reused as encoded (the paper). balanced: out-of-context segments
+get their first k tokens recomputed in their actual context (attention sinks, as in EPIC/LegoLink), for this
+request only. exact: only a leading run of segments a full prefill computes identically is reused; the rest is
+computed at contiguous positions. Positions (fast, balanced): "layout" keeps the schema's, with gaps for modules
+not imported; "contiguous" ranks them as a full prefill would, rotating reused keys by `shift` (rope_shift.py;
+retrieval 32.5 % -> 54.5 %, full prefill 61.0 %, on SmolLM2-135M). Context: "schema" reuses the KV encoded after
+what the schema guarantees precedes a module; "predecessor" the second encoding after that and the module just
+before it in the schema (stored under its own key, at upload or on first use).
 """
 
 from __future__ import annotations
@@ -30,6 +16,7 @@ from __future__ import annotations
 import bisect
 import enum
 import itertools
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -145,11 +132,7 @@ class ReusePlan:
         """What the stream tokens from `index` on recompute, per module: the request's own recompute when
         its first `index` stream tokens come from the prefix index (stored by an earlier request that
         recomputed them in the same context, same mode)."""
-        counts: dict[str, int] = {}
-        for owner in self.recomputes[index:]:
-            if owner is not None:
-                counts[owner] = counts.get(owner, 0) + 1
-        return tuple(counts.items())
+        return tuple(Counter(owner for owner in self.recomputes[index:] if owner is not None).items())
 
     def encoded_after(self, schema: Schema) -> dict[str, str]:
         """Module path -> the module after which the KV it reuses was encoded, for the uses of a
@@ -173,7 +156,10 @@ def resolve(plan: PromptPlan, fidelity: Fidelity, *, can_shift: bool = True) -> 
     if fidelity.mode == FidelityMode.EXACT:
         reuse = _exact(plan)
     elif fidelity.mode == FidelityMode.BALANCED and not plan.is_exact:
-        reuse = _balanced(plan, fidelity.head_tokens)
+        k = fidelity.head_tokens
+        heads = {i: range(min(k, len(c.segment.token_ids))) for i, c in enumerate(plan.cached)
+                 if not in_context(plan, c)}
+        reuse = recompute_selected(plan, heads, f"balanced:{k}")
     else:
         token_ids = tuple(plan.new_token_ids())
         reuse = ReusePlan(fidelity.mode, tuple(CachedUse(c, 0, len(c.segment.token_ids)) for c in plan.cached),
@@ -231,15 +217,10 @@ def with_predecessors(plan: PromptPlan) -> PromptPlan:
     return replace(plan, cached=tuple(cached))
 
 
-def _balanced(plan: PromptPlan, k: int) -> ReusePlan:
-    heads = {i: range(min(k, len(c.segment.token_ids))) for i, c in enumerate(plan.cached) if not in_context(plan, c)}
-    return recompute_selected(plan, heads, f"balanced:{k}")
-
-
 def recompute_selected(plan: PromptPlan, chosen: Mapping[int, Iterable[int]], variant: str) -> ReusePlan:
     """A balanced ReusePlan recomputing, of each cached segment `plan.cached[i]`, the token indices
     `chosen[i]` at their positions; the rest of the segment is reused as stored, in runs between them.
-    The first k of every out-of-context segment is `balanced`; any other selection (CacheBlend's, a
+    The first k of every out-of-context segment is balanced; any other selection (CacheBlend's, a
     query-aware one) is expressed the same way."""
     # (position, token, the module whose KV it recomputes or None: new text)
     pieces: list[tuple[int, int, str | None]] = [

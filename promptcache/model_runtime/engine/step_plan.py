@@ -60,35 +60,27 @@ class StepPlan:
 
 def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int,
                  max_rows: int | None = None, min_tokens: int = 1) -> tuple[tuple[ScheduledSeq, ...], int]:
-    """The step's batch and the prefill budget it leaves.
-
-    - Decoding sequences run, and prefills share `mixed_budget` tokens with them (so no stream stalls
-      for a long prompt); with nothing decoding, prefills share `alone_budget`.
-    - Prefills of tenants with fewer running sequences are fed first (admission order within a tenant):
-      a tenant flooding the engine has many prefills in flight, and in admission order alone another
-      tenant's short prompt would wait for all of them to be fed, chunk by chunk.
-    - A tenant with nothing decoding whose prompts fit `alone_budget` whole gets a step of its own while
-      others decode: its first token then waits for one short step rather than for a full batch step
-      of the busy tenant. Each such step delays the others' next token once; a tenant gets it only
-      while none of its sequences decodes, so it cannot hold the others back for long.
-    - Under `max_rows` (while a light tenant is served, engine/step_budget.py), a step with decodes runs at most
-      that many decodes and prompt tokens: decodes of lighter tenants first, then in `running` order
-      (the scheduler moves those fed to the back, so they take turns), leaving room for `min_tokens`
-      prompt tokens when any wait.
+    """The step's batch and the prefill budget it leaves. Decodes run, and prefills share `mixed_budget` tokens
+    with them (`alone_budget` with nothing decoding), tenants with fewer running sequences first: a flooding
+    tenant's many prefills would hold another's short prompt back chunk by chunk. A tenant with nothing decoding
+    whose prompts fit `alone_budget` gets a step of its own (its first token waits one short step, not a full
+    batch; it delays the others once). Under `max_rows` (engine/step_budget.py) a step with decodes runs at most
+    that many rows: lighter tenants' decodes first, then in `running` order (the scheduler moves those fed to
+    the back, so they take turns), leaving room for `min_tokens` prompt tokens when any wait.
     """
-    load = Counter(_tenant(s) for s in running)  # running sequences per tenant
+    load = Counter(s.owner.tenant for s in running)  # running sequences per tenant
     decoding = [s for s in running if s.pending_ids and s.status != SeqStatus.PREFILL]
     prefills = sorted((s for s in running if s.pending_ids and s.status == SeqStatus.PREFILL),
-                      key=lambda s: load[_tenant(s)])  # stable: the order of `running` kept
-    busy = {_tenant(s) for s in decoding}
-    light = [s for s in prefills if _tenant(s) not in busy]
+                      key=lambda s: load[s.owner.tenant])  # stable: the order of `running` kept
+    busy = {s.owner.tenant for s in decoding}
+    light = [s for s in prefills if s.owner.tenant not in busy]
     if decoding and light and sum(len(s.pending_ids) for s in light) <= alone_budget:
         batch = tuple(ScheduledSeq(s, len(s.pending_ids)) for s in light)
         return batch, alone_budget - sum(s.num_tokens for s in batch)
     budget = mixed_budget if decoding else alone_budget
     if max_rows is not None and decoding:
         reserve = min(budget, sum(len(s.pending_ids) for s in prefills), min_tokens)
-        decoding = sorted(decoding, key=lambda s: load[_tenant(s)])[:max(1, max_rows - reserve)]
+        decoding = sorted(decoding, key=lambda s: load[s.owner.tenant])[:max(1, max_rows - reserve)]
         budget = min(budget, max(reserve, max_rows - len(decoding)))
     scheduled = [ScheduledSeq(s, len(s.pending_ids)) for s in decoding]
     for seq in prefills:
@@ -98,10 +90,3 @@ def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int
         budget -= scheduled[-1].num_tokens
     return tuple(scheduled), budget
 
-
-def _tenant(seq: Sequence) -> str | None:
-    """The tenant of a running sequence's request (only request sequences run in the batch)."""
-    request = seq.request
-    if request is None:
-        raise ValueError(f"sequence {seq.seq_id} encodes a module and belongs to no request")
-    return request.tenant

@@ -12,17 +12,11 @@ RETRY_AFTER_S = 1  # a full queue drains as fast as the engine admits: a short w
 
 
 class WaitingRequests:
-    """Requests submitted and not yet admitted, by tenant.
-
-    Each tenant (the request's `tenant`, None for the default one) has its own FCFS queue; `head` is
-    the first request of the tenant whose turn it is, and `pop` passes the turn to the next tenant with
-    requests queued, so one tenant's backlog delays another's requests by at most one admission per
-    tenant ahead of it. A request whose module KV is being encoded is `park`ed, out of line (so
-    requests that need no encoding overtake it), and `resume`d at the front of its tenant's queue.
-    A tenant holds at most `max_per_tenant` requests, counted from `reserve` (on the submitting thread,
-    before the request reaches the engine thread) until the request leaves (`pop`, `remove`, `drain`).
-    Every operation is O(1) in the number of waiting requests. Only `reserve` is thread-safe; the rest
-    runs on the engine thread.
+    """Requests submitted and not yet admitted, in one FCFS queue per tenant (None: the default one). `head` is
+    the first of the tenant whose turn it is and `pop` passes the turn on, so a tenant's backlog delays another's
+    requests by one admission per tenant ahead. A request whose module KV is encoded is `park`ed out of line and
+    `resume`d at its queue's front. A tenant holds at most `max_per_tenant` requests, counted from `reserve` (on
+    the submitting thread; the only thread-safe call) until they leave. Every operation is O(1) in requests.
     """
 
     def __init__(self, max_per_tenant: int) -> None:
