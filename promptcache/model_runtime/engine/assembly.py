@@ -41,11 +41,9 @@ def module_key(encoder: ModuleEncoder, request: Request, use: CachedUse) -> str:
 
 
 def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> Assembled | MissingModules:
-    """Fetch the module KV of the request's ReusePlan (or take what was encoded for the request while it
-    waited), look up the stream's stored prefix, and set the request's stream, held store keys, module
-    report, tier of each use and timings. Computes nothing: KV no tier gives comes back as MissingModules.
-    Raises PromptTooLongError for positions past the model, InvalidRequestError for prompt logprobs of a
-    prompt that reuses module KV."""
+    """Fetch the module KV of the request's ReusePlan (or what was encoded for it while it waited), look up its
+    stream's stored prefix, and set its stream, held keys, module report and timings. Computes nothing (KV no
+    tier gives: MissingModules). Raises PromptTooLongError, InvalidRequestError (prompt logprobs with modules)."""
     plan, loaded, reuse, params = request.plan, encoder.loaded, request.reuse, request.params
     assert reuse is not None
     if params.prompt_logprobs is not None and reuse.uses:

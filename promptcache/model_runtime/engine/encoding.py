@@ -191,8 +191,7 @@ class SchemaEncodes:
     def submit(self, schema: Schema, salt: str | None, owner: str | None, future: concurrent.futures.Future, *,
                keep_local: bool, second_encodings: bool) -> None:
         jobs = self.encodes.encoder.schema_jobs(schema, predecessors=second_encodings)
-        futures = [self.encodes.submit(schema, sid, ctx, salt, owner=owner, keep_local=keep_local)
-                   for sid, ctx in jobs]
+        futures = [self.encodes.submit(schema, sid, ctx, salt, owner=owner, keep_local=keep_local) for sid, ctx in jobs]
         self._pending.append((futures, future, time.perf_counter(), self.encodes.encoder.num_encoded_segments))
 
     def settle(self) -> None:

@@ -49,8 +49,8 @@ class KVMemory:
 
 
 def request_bytes(request: Request, encoder: ModuleEncoder) -> tuple[int, dict[str, int]]:
-    """Before assembly, an upper bound of the own KV bytes `request` adds and the bytes of each shared
-    block it holds, by key: reused prefix tokens move from own KV to shared blocks, never adding bytes."""
+    """Before assembly, a bound of the own KV bytes `request` adds and each shared block's bytes, by key (reused
+    prefix tokens move from own KV to shared blocks, never adding bytes)."""
     reuse, params, per_token = request.reuse, request.params, encoder.loaded.kv_bytes_per_token
     assert reuse is not None
     shared: dict[str, int] = {}
@@ -70,9 +70,8 @@ def held_bytes(shared: list[SharedKV], bytes_per_token: int) -> dict[str, int]:
 
 
 class OwnKV:
-    """Running requests' own KV: slots of one KVPool as large as the KV budget (the own KV admitted never
-    exceeds it), held per request until `release`. A sequence that finds no free range long enough (a
-    fragmented pool) gets buffers of its own, written by a copy of their own each layer."""
+    """Running requests' own KV: slots of one KVPool as large as the KV budget, held per request until `release`;
+    a sequence that finds no free range long enough (fragmentation) gets buffers of its own."""
 
     def __init__(self, loaded: LoadedModel, max_bytes: int) -> None:
         model = loaded.model
@@ -86,8 +85,7 @@ class OwnKV:
         capacity = max(capacity, 1)
         first = self.pool.allocate(capacity)
         if first is None:
-            num_layers, num_kv_heads, _, head_dim = self.pool.shape
-            shape = (num_layers, num_kv_heads, capacity, head_dim)
+            shape = (*self.pool.shape[:2], capacity, self.pool.shape[3])
             seq.own_keys = torch.empty(shape, dtype=self.pool.dtype, device=self.pool.device)
             seq.own_values = torch.empty(shape, dtype=self.pool.dtype, device=self.pool.device)
             return
@@ -96,8 +94,7 @@ class OwnKV:
         seq.own_pool, seq.own_slot = self.pool, first
 
     def release(self, request_id: str) -> None:
-        """Free the slots of a request's sequences; they are reused from the next `attach` on. Safe when
-        called as the scheduler does: a released request's last readers are the prefix writes queued in
-        the same step, which the engine runs before the next forward pass writes any KV."""
+        """Free the slots of a request's sequences for the next `attach` (safe: a released request's last readers
+        are the step's prefix writes, which run before the next pass writes any KV)."""
         for first in self._held.pop(request_id, ()):
             self.pool.free(first)

@@ -33,9 +33,8 @@ class StepResult:
 
 
 class OutputProcessor:
-    """Advances the sequences that ran, samples and detokenizes their next tokens, forks n > 1 samples
-    from their prompt, and finishes samples (freeing their request's KV through the scheduler). Used only
-    on the engine thread."""
+    """Advances the sequences that ran, samples and detokenizes their next tokens, forks n > 1 samples from their
+    prompt, and finishes samples (through the scheduler). Engine thread only."""
 
     def __init__(self, scheduler: Scheduler, prefix: PrefixReuse) -> None:
         self.scheduler = scheduler
@@ -43,9 +42,8 @@ class OutputProcessor:
         self.loaded = scheduler.loaded
 
     def postprocess(self, plan: StepPlan, output: RunOutput) -> StepResult:
-        """Fail the requests that broke the pass alone, then sample a token for each sequence whose
-        prompt is now computed (`plan.ready` first: their logits needed no pass); a chunk of a long
-        prefill only counts its time. A failure while sampling or detokenizing fails its request only."""
+        """Fail the requests that broke the pass alone, then sample for each sequence whose prompt is computed
+        (`plan.ready` first); a failure while sampling or detokenizing fails its request only."""
         events: list[TokenEvent] = [self.scheduler.fail(request, exc) for request, exc in output.failures]
         writes: list[Write | None] = []
         rows: list[tuple[Sequence, torch.Tensor, float, int | None]] = [(seq, logits, 0.0, None)
@@ -94,9 +92,8 @@ class OutputProcessor:
 
     def _sample(self, seq: Sequence, logits: torch.Tensor, events: list[TokenEvent],
                 writes: list[Write | None], *, argmax: int | None = None) -> None:
-        """Pick the sample's next token from `logits` [vocab] (`argmax`: theirs, when known), stream its
-        text, and finish the sample on an end-of-sequence token, a stop string, max_tokens or the model's
-        last position."""
+        """Pick the next token from `logits` [vocab] (`argmax`: theirs, when known), stream its text, and finish
+        on an end-of-sequence token, a stop string, max_tokens or the model's last position."""
         request = seq.owner
         params, sampler, detokenizer = request.params, seq.sampler, seq.detokenizer
         if sampler is None or detokenizer is None:  # its first token: the prompt is computed

@@ -21,8 +21,7 @@ logger = logging.getLogger(__name__)
 
 def final_event(request: Request, index: int, token: int | None, text: str, finish: FinishReason,
                 logprobs: TokenLogprobs | None = None) -> TokenEvent:
-    """The request's last event, with its report: usage, timings, and the cache report (module and
-    prefix reuse, prompt spans, exactness, fidelity mode)."""
+    """The request's last event, with its report: usage, timings and the cache report."""
     plan, reuse, stream = request.plan, request.reuse, request.stream
     now = time.perf_counter()
     from_prefix = stream.num_reused if stream is not None else 0
@@ -50,10 +49,9 @@ def final_event(request: Request, index: int, token: int | None, text: str, fini
 
 def prompt_spans(plan: PromptPlan, reuse: ReusePlan, use_tiers: tuple[str, ...],
                  links: tuple[Link, ...]) -> tuple[PromptSpan, ...] | None:
-    """Every prompt token once, in position order, as spans by where its KV came from: `reuse.uses`
-    (module KV, from `use_tiers`, one per use), the prefix `links` reused for the first stream tokens,
-    and the rest of the stream (recomputed module tokens, computed text). Works on runs, not tokens.
-    None (and a warning) if the stream does not line up with the plan, which would be a bug."""
+    """Every prompt token once, in position order, as spans by where its KV came from: `reuse.uses` (from
+    `use_tiers`), the prefix `links` reused for the first stream tokens, and the rest of the stream. Works on
+    runs, not tokens. None (and a warning) if the stream does not line up with the plan (a bug)."""
     # Runs of the prompt: (start position, token ids, owner, tier of reused module KV or None for the
     # stream, is module KV). The stream is every prompt token no use covers, in position order, in every
     # fidelity mode (exact mode renumbers its positions but keeps this order): a token's stream index is
@@ -88,8 +86,7 @@ def prompt_spans(plan: PromptPlan, reuse: ReusePlan, use_tiers: tuple[str, ...],
             spans.add(start + offset, token_ids[offset: offset + count], origin, owner or None, block_tier)
         at += len(token_ids)
     if at != len(reuse.token_ids):
-        logger.warning("prompt spans: %d stream tokens expected, %d found; no spans reported",
-                       len(reuse.token_ids), at)
+        logger.warning("prompt spans: %d stream tokens expected, %d found; no spans reported", len(reuse.token_ids), at)
         return None
     return spans.build()
 
@@ -126,9 +123,8 @@ def _tier_runs(links: tuple[Link, ...]) -> list[tuple[int, int, str]]:
 
 
 def _pieces(at: int, num_tokens: int, num_recomputed: int, reused: list[tuple[int, int, str]], ends: list[int]):
-    """(offset, count, tier of the prefix blocks or None) pieces of stream tokens [at, at + num_tokens):
-    cut where a tier run of `reused` prefix blocks ends (`ends`: their ends) and after the first
-    `num_recomputed` tokens."""
+    """(offset, count, prefix blocks' tier or None) pieces of stream tokens [at, at + num_tokens), cut where a
+    tier run of `reused` prefix blocks ends (`ends`: their ends) and after the first `num_recomputed`."""
     if num_recomputed == 0 and (not ends or at >= ends[-1]):  # the common case: computed, in one piece
         yield 0, num_tokens, None
         return
@@ -154,8 +150,8 @@ def _run_module(plan: PromptPlan, run: NewRun) -> str | None:
 
 
 def failure_event(request: Request, exc: BaseException) -> TokenEvent:
-    """The event that fails one request: bad input says what is wrong; anything else is logged with an
-    id that the caller also gets (a 500 that names it), never with internals in the message."""
+    """The event that fails one request: bad input says what is wrong; anything else is logged under an id
+    the caller gets too (never internals in the message)."""
     if isinstance(exc, InvalidRequestError):
         return rejection_event(request, str(exc))
     error_id = uuid.uuid4().hex[:12]

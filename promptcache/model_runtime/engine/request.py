@@ -37,8 +37,7 @@ class ErrorKind(WireEnum):
 
 @dataclass(frozen=True, slots=True)
 class RequestReport:
-    """What a finished request reports, once, on its last event: usage, timings and the cache report
-    (what was reused, from where; built in engine/reports.py), or, for a request that failed, only
+    """What a request reports on its last event: usage, timings and the cache report, or, when it failed, only
     `error` and `error_type`."""
 
     usage: Usage | None = None
@@ -52,11 +51,8 @@ class RequestReport:
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
-    """One step of one sample: a token (or none, on a final event) and the text it made safe to show.
-
-    The last event of a sample has `finish_reason` set; the last event of the request carries its
-    `report` (and no event after it follows).
-    """
+    """One step of one sample: a token (or none, on a final event) and the text it made safe to show. A sample's
+    last event has `finish_reason`; the request's last carries its `report`."""
 
     request_id: str
     index: int
@@ -114,15 +110,13 @@ class Sequence:
 
     @property
     def owner(self) -> Request:
-        """The request this sequence samples for; only scheduled request sequences are asked (a
-        module-encoding pseudo-sequence has none)."""
+        """The request this sequence samples for (a module-encoding pseudo-sequence has none)."""
         if self.request is None:
             raise ValueError(f"sequence {self.seq_id} encodes a module and belongs to no request")
         return self.request
 
     def own_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The own key and value buffers [num_layers, num_kv_heads, capacity, head_dim], allocated when
-        the sequence was first scheduled."""
+        """The own key and value buffers [num_layers, num_kv_heads, capacity, head_dim]."""
         if self.own_keys is None or self.own_values is None:
             raise ValueError(f"sequence {self.seq_id} has no own KV buffers yet")
         return self.own_keys, self.own_values

@@ -32,8 +32,8 @@ PromptLogprobs = tuple[TokenLogprobs, ...] | None  # of a prefill chunk's prompt
 
 @dataclass(frozen=True, slots=True)
 class RunOutput:
-    """What a step's forward pass produced; the sequences themselves advance in postprocess. `ran`: the
-    batch entries that ran, all unless a request broke the model alone (`failures`)."""
+    """What a step's forward pass produced (sequences advance in postprocess). `ran`: the batch entries that ran,
+    all unless a request broke the model alone (`failures`)."""
 
     ran: tuple[ScheduledSeq, ...] = ()
     logits: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [len(ran), vocab] float32
@@ -45,9 +45,8 @@ class RunOutput:
 
 
 class ModelRunner:
-    """Runs batch steps. Shared segments are grouped by the exact set of sequences that use them; a
-    group of several blocks is concatenated once and kept for later steps and requests (AssembledGroups,
-    `max_assembled_bytes` once unused)."""
+    """Runs batch steps. Shared blocks are grouped by the exact set of sequences that use them, concatenated once
+    and kept for later steps and requests (AssembledGroups, `max_assembled_bytes` once unused)."""
 
     def __init__(self, loaded: LoadedModel, *, backend: str = "auto", max_assembled_bytes: int = 128 << 20) -> None:
         self.loaded = loaded
@@ -60,10 +59,9 @@ class ModelRunner:
             bf16_kernel.prepare()  # built here, at startup, never inside a request
 
     def run(self, plan: StepPlan) -> RunOutput:
-        """One forward pass for the batch and the module-encoding chunk (one pass, not two, so a schema
-        upload costs streams only its tokens). If it fails, the encoding chunk runs alone (a failure fails
-        only its waiters) and each sequence runs alone, so a request that breaks the model fails by itself
-        (rewriting KV slots is safe: a sequence's own length only advances after a successful pass)."""
+        """One forward pass for the batch and the module-encoding chunk. If it fails, the chunk and each sequence
+        run alone, so a request that breaks the model fails by itself (rewriting KV slots is safe: own lengths
+        advance only after a successful pass)."""
         if not plan.has_forward:
             return RunOutput()
         started = time.perf_counter()
@@ -108,9 +106,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, entries: Seq[ScheduledSeq]) -> tuple[torch.Tensor, list[PromptLogprobs]]:
-        """Feed each entry's next `num_tokens` pending tokens, writing their KV at the sequence's
-        `own_length` on; returns logits [num_entries, vocab] (float32) of the last token each fed, and
-        each entry's prompt logprobs. Sequences are not changed otherwise."""
+        """Feed each entry's next `num_tokens` pending tokens, writing their KV at its `own_length` on; returns the
+        float32 logits [num_entries, vocab] of each one's last token and each one's prompt logprobs."""
         model = self.loaded.model
         device = model.device
         seqs = [e.seq for e in entries]
@@ -142,8 +139,7 @@ class ModelRunner:
         return logits, self._prompt_logprobs(entries, hidden[0])
 
     def _prompt_logprobs(self, entries: Seq[ScheduledSeq], hidden: torch.Tensor) -> list[PromptLogprobs]:
-        """For prefilling sequences whose request wants prompt logprobs: each fed token's row scores the
-        next prompt token (the last prompt token has none to score). hidden [Q, hidden_size]."""
+        """Of prefilling sequences whose request wants them: each fed row [Q, hidden_size] scores the next token."""
         found: list[PromptLogprobs] = []
         start = 0
         for entry in entries:

@@ -20,10 +20,8 @@ from promptcache.model_runtime.module_encoder import ModuleEncoder
 
 
 class Scheduler:
-    """Owns waiting requests, running sequences and the KV they hold. `schedule` admits requests and
-    composes the step; the step's outputs come back through OutputProcessor (outputs.py), which calls
-    `new_sequence`, `finish` and `fail`. Used only on the engine thread, but for `waiting.reserve`
-    (engine/waiting.py)."""
+    """Owns waiting requests, running sequences and their KV. `schedule` admits requests and composes the step;
+    OutputProcessor calls `new_sequence`, `finish` and `fail`. Engine thread only, but for `waiting.reserve`."""
 
     def __init__(self, config: EngineConfig, encoder: ModuleEncoder, prefix: PrefixReuse) -> None:
         self.config = config
@@ -46,15 +44,14 @@ class Scheduler:
         self._reservations: dict[str, tuple[int, dict[str, int]]] = {}
 
     def add(self, request: Request, *, is_reserved: bool = False) -> None:
-        """Queue `request` in its tenant's queue; `is_reserved`: its place was reserved when it was
-        submitted (`waiting.reserve`). Raises QueueFullError otherwise when the queue is full."""
+        """Queue `request` in its tenant's queue, reserving its place unless `is_reserved` (QueueFullError)."""
         if not is_reserved:
             self.waiting.reserve(request.tenant)
         self.waiting.add(request)
 
     def abort(self, request_id: str) -> None:
-        """Mark a waiting or running request aborted (O(1)); the next `schedule` frees it and emits
-        its final event. No-op for a request that finished or is unknown."""
+        """Mark a waiting or running request aborted (O(1)); the next `schedule` frees it and emits its final
+        event. No-op for a request that finished or is unknown."""
         request = self.waiting.remove(request_id) or self.admitted.get(request_id)
         if request is not None and not request.is_aborted:
             request.is_aborted = True
@@ -69,13 +66,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
-        """Drop aborted work, admit waiting requests (round-robin across tenants) and compose the step.
-
-        The batch policy (decodes, chunked prefills, tenants' order) is `step_plan.compose_step`: prompt
-        tokens share the learned step budget (`step_budget`) while anything decodes, else
-        `max_prefill_tokens_alone`, or `max_prefill_tokens` while a tenant with nothing running waits (a
-        second-long step would hold its first token back).
-        """
+        """Drop aborted work, admit waiting requests and compose the step (`step_plan.compose_step`): prompt tokens
+        share the learned `step_budget` while anything decodes, else `max_prefill_tokens_alone`, or
+        `max_prefill_tokens` while a tenant with nothing running waits (a long step would delay its first token)."""
         events = self._reap_aborted()
         ready: list = []
         encodes: list[EncodeNeed] = []
@@ -99,8 +92,8 @@ class Scheduler:
         return StepPlan(batch, budget, tuple(ready), tuple(events), tuple(encodes))
 
     def observe(self, plan: StepPlan, forward_ms: float, step_ms: float) -> None:
-        """Learn from a step that ran `plan`: its forward pass took `forward_ms` (the prefill budget),
-        the whole step `step_ms` (the step-cost model: a newcomer waits for all of it)."""
+        """Learn from a step that ran `plan`: `forward_ms` its pass (the prefill budget), `step_ms` all of it (the
+        shared-step cap: a newcomer waits for all of it)."""
         self.step_budget.observe(plan.num_decoding, plan.num_prompt_tokens, forward_ms)
         is_light, max_rows = self._step_kind
         if is_light:
@@ -109,9 +102,8 @@ class Scheduler:
             self.shared_cap.observe_capped(plan.num_decoding + plan.num_prompt_tokens, step_ms)
 
     def _shared_rows(self) -> int | None:
-        """The rows a step may run while light tenants are served beside busy ones (a light tenant got a
-        step of its own within `shared_window_s`), else None: tenants that all keep sequences decoding
-        gain nothing from short steps, and a single tenant's steps are never capped."""
+        """The rows a step may run while a light tenant got a step of its own within `shared_window_s`, else None
+        (tenants that all keep decoding gain nothing from short steps)."""
         if (self.config.shared_step_ratio is None
                 or time.monotonic() - self._last_light_step > self.config.shared_window_s):
             return None
@@ -126,11 +118,9 @@ class Scheduler:
 
     # -- admission ------------------------------------------------------------------------------
     def _admit(self, events: list[TokenEvent], ready: list, encodes: list[EncodeNeed]) -> None:
-        """Admit heads in turn (waiting.py) until one does not fit. The head that does not fit blocks the
-        rest (nobody overtakes a request waiting for memory or a sequence slot, so none starves), but a
-        head whose module KV no tier gives is parked while the engine encodes it (`encodes`), and others
-        go on, and a tenant that runs its share of the batch (all but `tenant_headroom_seqs`) is passed
-        over. An exact repeat's first-token logits are known: it goes to `ready`."""
+        """Admit heads in turn until one does not fit, which blocks the rest (so none starves). A head whose module
+        KV no tier gives is parked while the engine encodes it (`encodes`); a tenant running its share of the batch
+        is passed over; an exact repeat, whose first-token logits are known, goes to `ready`."""
         at_share: set[str | None] = set()  # tenants whose next request would eat the others' headroom
         tenant_cap = self.config.max_num_seqs - self.config.tenant_headroom_seqs
         while (request := self.waiting.head(skip=at_share)) is not None:
@@ -182,8 +172,7 @@ class Scheduler:
                     for u in missing]
 
     def _start(self, request: Request, assembled: Assembled) -> tuple[int, dict[str, int], Sequence]:
-        """Hold the request's assembled KV and create its first sequence. Returns the own and shared KV
-        bytes it holds, and the sequence."""
+        """Hold the request's assembled KV and create its first sequence; returns its own and shared KV bytes."""
         params, token_ids = request.params, assembled.token_ids
         self.encoder.store.acquire(request.held_keys)
         is_prompt = params.n > 1  # prefills the prompt its samples fork from
@@ -199,8 +188,7 @@ class Scheduler:
     # -- running sequences ----------------------------------------------------------------------
     def new_sequence(self, request: Request, index: int, shared: list[SharedKV], capacity: int, *,
                      is_prompt: bool = False) -> Sequence:
-        """A running sequence of `request` with own KV for `capacity` tokens (sample `index`, or the
-        prompt its samples fork from)."""
+        """A running sequence (sample `index`, or the prompt samples fork from) with own KV for `capacity` tokens."""
         seq = Sequence(seq_id=next(self._seq_ids), request=request, index=index, shared=shared, is_prompt=is_prompt)
         self.own_kv.attach(seq, capacity)
         if not is_prompt:
@@ -209,8 +197,8 @@ class Scheduler:
         return seq
 
     def finish(self, seq: Sequence) -> bool:
-        """`seq` leaves the batch (a sample that finished, or a prompt that forked). True when its request
-        has nothing left running: everything it holds is freed."""
+        """`seq` leaves the batch (a finished sample, a forked prompt). True when its request has nothing left
+        running: everything it holds is freed."""
         self.running.remove(seq)
         request = seq.owner
         sequences = request.sequences
@@ -220,8 +208,7 @@ class Scheduler:
         return False
 
     def fail(self, request: Request, exc: BaseException) -> TokenEvent:
-        """Remove `request` wherever it is (waiting or running), free everything it holds, and return
-        the event that fails it. Every other request is untouched."""
+        """Remove `request` wherever it is, free what it holds, and return the event that fails it."""
         request.is_failed = True
         self.waiting.remove(request.request_id)
         self.running = [s for s in self.running if s.request is not request]
@@ -250,8 +237,7 @@ class Scheduler:
             request.held_keys = ()
 
     def _reap_aborted(self) -> list[TokenEvent]:
-        """Free what the requests aborted since the last step hold (waiting ones left their queue at
-        `abort`); one pass over the running sequences, none over the waiting requests."""
+        """Free what the requests aborted since the last step hold; one pass over the running sequences."""
         aborted, self._aborted = self._aborted, []
         if any(r.request_id in self.admitted for r in aborted):
             self.running = [s for s in self.running if not s.owner.is_aborted]
