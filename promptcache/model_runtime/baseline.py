@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from promptcache.model_runtime.forward import cache_argument, past_cache
+from promptcache.model_runtime.packed_attention import cache_argument, past_cache
 
 
 @torch.inference_mode()

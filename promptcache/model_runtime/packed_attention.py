@@ -3,11 +3,14 @@
 A forward pass feeds its sequences' tokens as ONE packed row. `BatchCache` stands in for the HF cache and writes
 each sequence's new KV into its own KV (one `index_copy_` per layer for those in one KVPool); the registered
 function attends each shared segment once for all its queries plus each own KV, merged exactly
-(model_runtime.attention). Outside a batch step (no active context) it is plain SDPA."""
+(model_runtime.attention). Outside a batch step (no active context) it is plain SDPA. `cache_argument` and
+`past_cache` hand a KV cache to an HF forward pass, and take it back, under either of its names."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -205,3 +208,20 @@ def active_batch(context: BatchContext) -> Iterator[BatchContext]:
         yield context
     finally:
         _active.context = None
+
+
+def cache_argument(model, cache) -> dict:
+    """The keyword argument that hands `cache` to `model`'s forward: `cache` where the model takes it (transformers
+    renamed `past_key_values` and warns on every call with the old name), else `past_key_values`."""
+    return {_cache_keyword(type(model)): cache}  # type: ignore[arg-type]  # mypy takes classes for unhashable
+
+
+def past_cache(outputs):
+    """The KV cache a forward pass returned, under either name (see `cache_argument`)."""
+    found = getattr(outputs, "cache", None)
+    return found if found is not None else outputs.past_key_values
+
+
+@functools.cache
+def _cache_keyword(model_class: type[torch.nn.Module]) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"

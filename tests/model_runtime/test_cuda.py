@@ -17,7 +17,7 @@ from promptcache.cache_store import KVBlock, StoreConfig, build_store
 from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.attention import SharedSegment, shared_module_attention
 from promptcache.model_runtime.engine import Engine, EngineConfig
-from promptcache.model_runtime.engine.kv_view import KVView
+from promptcache.model_runtime.engine.prefix import KVView
 from promptcache.model_runtime.engine.request import Sequence, SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.kv_pool import KVPool

@@ -7,8 +7,7 @@ import time
 from dataclasses import dataclass
 
 from promptcache.cache_store import KVBlock
-from promptcache.model_runtime.engine.kv_view import KVView
-from promptcache.model_runtime.engine.prefix import PrefixReuse, link_view
+from promptcache.model_runtime.engine.prefix import KVView, PrefixReuse, link_view
 from promptcache.model_runtime.engine.request import Request, SharedKV
 from promptcache.model_runtime.engine.reuse_plan import CachedUse
 from promptcache.model_runtime.errors import InvalidRequestError

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from promptcache.model_runtime.engine.kv_view import KVView
+from promptcache.model_runtime.engine.prefix import KVView
 from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequence, SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner, RunOutput
 from promptcache.model_runtime.engine.step_plan import EncodeNeed, ScheduledSeq, StepPlan
@@ -66,7 +66,7 @@ class EncodeQueue:
         return bool(self._jobs or self._active)
 
     def submit(self, schema: Schema, segment_id: int, context_ids: tuple[int, ...], salt: str | None, *,
-               owner: str | None = None, keep_local: bool = True, recompute: bool = False) -> concurrent.futures.Future:
+               owner: str | None = None, keep_local: bool = True, recompute: bool = False) -> EncodeJob:
         """Queue an encoding once per target (kept locally, recomputed if any submitter asks)."""
         target = self.encoder.key(schema, segment_id, context_ids, salt)
         job = self._by_target.get(target)
@@ -76,7 +76,7 @@ class EncodeQueue:
             self._jobs.append(job)
         job.keep_local = job.keep_local or keep_local
         job.recompute = job.recompute or recompute
-        return job.done
+        return job
 
     def next_chunk(self, budget: int) -> ScheduledSeq | None:
         """The active job's pseudo-sequence with up to `budget` of its tokens, or None."""
@@ -146,24 +146,22 @@ class ParkedEncodes:
 
     def submit(self, needs: Iterable[EncodeNeed]) -> None:
         """Queue the encodings; the requests named are watched until settled."""
-        pending: dict[str, tuple[Request, list[tuple[str, concurrent.futures.Future]]]] = {}
+        pending: dict[str, tuple[Request, list[EncodeJob]]] = {}
         for need in needs:
             request = need.request
-            schema, salt = request.plan.schema, request.cache_salt
-            future = self.encodes.submit(schema, need.segment_id, need.context_ids, salt, owner=request.tenant,
-                                         recompute=need.recompute)
-            key = self.encodes.encoder.key(schema, need.segment_id, need.context_ids, salt)
-            pending.setdefault(request.request_id, (request, []))[1].append((key, future))
-        for request, futures in pending.values():
-            self._watch(request, futures)
+            job = self.encodes.submit(request.plan.schema, need.segment_id, need.context_ids, request.cache_salt,
+                                      owner=request.tenant, recompute=need.recompute)
+            pending.setdefault(request.request_id, (request, []))[1].append(job)
+        for request, jobs in pending.values():
+            self._watch(request, jobs)
 
     def settled(self) -> list[tuple[Request, BaseException | None]]:
         """Requests settled since the last call, with the error of the encoding that failed (or None)."""
         settled, self._settled = self._settled, []
         return settled
 
-    def _watch(self, request: Request, futures: list[tuple[str, concurrent.futures.Future]]) -> None:
-        left, is_settled, parked_at = len(futures), False, time.perf_counter()
+    def _watch(self, request: Request, jobs: list[EncodeJob]) -> None:
+        left, is_settled, parked_at = len(jobs), False, time.perf_counter()
 
         def one_done(key: str, future: concurrent.futures.Future) -> None:
             nonlocal left, is_settled
@@ -176,8 +174,8 @@ class ParkedEncodes:
                 request.encode_ms += (time.perf_counter() - parked_at) * 1e3
                 self._settled.append((request, error))
 
-        for key, future in futures:
-            future.add_done_callback(functools.partial(one_done, key))
+        for job in jobs:
+            job.done.add_done_callback(functools.partial(one_done, job.target))
 
 
 class SchemaEncodes:
@@ -191,7 +189,8 @@ class SchemaEncodes:
     def submit(self, schema: Schema, salt: str | None, owner: str | None, future: concurrent.futures.Future, *,
                keep_local: bool, second_encodings: bool) -> None:
         jobs = self.encodes.encoder.schema_jobs(schema, predecessors=second_encodings)
-        futures = [self.encodes.submit(schema, sid, ctx, salt, owner=owner, keep_local=keep_local) for sid, ctx in jobs]
+        futures = [self.encodes.submit(schema, sid, ctx, salt, owner=owner, keep_local=keep_local).done
+                   for sid, ctx in jobs]
         self._pending.append((futures, future, time.perf_counter(), self.encodes.encoder.num_encoded_segments))
 
     def settle(self) -> None:
@@ -214,10 +213,10 @@ def encode_now(encoder: ModuleEncoder, runner: ModelRunner, schema: Schema, jobs
     started, before = time.perf_counter(), encoder.num_encoded_segments
     queue = EncodeQueue(encoder)
     for done, (segment_id, context_ids) in enumerate(jobs, 1):
-        future = queue.submit(schema, segment_id, context_ids, cache_salt)
+        job = queue.submit(schema, segment_id, context_ids, cache_salt)
         while (chunk := queue.next_chunk(_WHOLE)) is not None:
             queue.after_run(chunk, runner.run(StepPlan((), 0, encoding=chunk)))
-        future.result()
+        job.done.result()
         if progress is not None:
             progress(done, len(jobs))
     return EncodeReport(len(jobs), encoder.num_encoded_segments - before, (time.perf_counter() - started) * 1e3)

@@ -190,7 +190,8 @@ class Engine:
                 self._step()
             except Exception:  # a bug must not kill the engine silently: fail the running requests
                 logger.exception("engine step failed")
-                self._fail_all("internal engine error")
+                for request in self.scheduler.drop_all():
+                    self._deliver(error_event(request.request_id, "internal engine error", ErrorKind.INTERNAL))
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -236,7 +237,3 @@ class Engine:
         if sink is not None:
             loop, queue = sink
             loop.call_soon_threadsafe(queue.put_nowait, event)
-
-    def _fail_all(self, message: str) -> None:
-        for request in self.scheduler.drop_all():
-            self._deliver(error_event(request.request_id, message, ErrorKind.INTERNAL))

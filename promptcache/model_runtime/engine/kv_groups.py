@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from promptcache.cache_store import KVBlock
-from promptcache.model_runtime.engine.kv_view import KVView
+from promptcache.model_runtime.engine.prefix import KVView
 from promptcache.model_runtime.rope_shift import KeyShifter
 
 HEADROOM = 1.25  # a new buffer holds this much more than its group, so a somewhat larger group can reuse it

@@ -10,8 +10,7 @@ import torch
 
 from promptcache.cache_store import KVBlock
 from promptcache.model_runtime.detokenizer import Detokenizer
-from promptcache.model_runtime.engine.kv_view import KVView
-from promptcache.model_runtime.engine.prefix import PrefixReuse
+from promptcache.model_runtime.engine.prefix import KVView, PrefixReuse
 from promptcache.model_runtime.engine.reports import final_event
 from promptcache.model_runtime.engine.request import FinishReason, SeqStatus, Sequence, SharedKV, TokenEvent
 from promptcache.model_runtime.engine.runner import RunOutput
@@ -125,10 +124,8 @@ class OutputProcessor:
             return
         seq.status = SeqStatus.FINISHED
         writes.append(sample_write(seq, self.prefix))
-        if self.scheduler.finish(seq):
-            events.append(final_event(request, seq.index, token, text, finish, logprobs))
-        else:
-            events.append(TokenEvent(request.request_id, seq.index, token, text, finish, logprobs=logprobs))
+        events.append(final_event(request, seq.index, token, text, finish, logprobs) if self.scheduler.finish(seq)
+                      else TokenEvent(request.request_id, seq.index, token, text, finish, logprobs=logprobs))
 
 
 def prompt_write(seq: Sequence, prefix: PrefixReuse) -> Write | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import itertools
 import logging
 import time
 import uuid
@@ -71,44 +70,37 @@ def prompt_spans(plan: PromptPlan, reuse: ReusePlan, use_tiers: tuple[str, ...],
     runs += [(run.start, run.token_ids, _run_module(plan, run), None, False) for run in plan.new_runs]
     runs = sorted((r for r in runs if r[1]), key=lambda r: r[0])
 
-    spans = _SpanBuilder()
+    pieces: list[tuple[int, tuple[int, ...], str, str | None, str | None]] = []
     reused_runs = _tier_runs(links)
     ends = [end for _, end, _ in reused_runs]
     at = 0  # stream index of the next stream token
     for start, token_ids, owner, tier, is_module_kv in runs:
         if tier is not None:
-            spans.add(start, token_ids, "module", owner or None, tier)
+            pieces.append((start, token_ids, "module", owner or None, tier))
             continue
         # A module's stream run recomputes its first tokens (its head), or none (text, the last token).
         num_recomputed = sum(o is not None for o in reuse.recomputes[at: at + len(token_ids)]) if is_module_kv else 0
         for offset, count, block_tier in _pieces(at, len(token_ids), num_recomputed, reused_runs, ends):
             origin = "prefix" if block_tier is not None else "recomputed" if offset < num_recomputed else "computed"
-            spans.add(start + offset, token_ids[offset: offset + count], origin, owner or None, block_tier)
+            pieces.append((start + offset, token_ids[offset: offset + count], origin, owner or None, block_tier))
         at += len(token_ids)
     if at != len(reuse.token_ids):
         logger.warning("prompt spans: %d stream tokens expected, %d found; no spans reported", len(reuse.token_ids), at)
         return None
-    return spans.build()
+    return _merged(pieces)
 
 
-class _SpanBuilder:
-    """Pieces in position order, merged while they touch and share origin, module and tier."""
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[int, int, str, str | None, str | None, list[tuple[int, ...]]]] = []
-
-    def add(self, start: int, token_ids: tuple[int, ...], origin: str, module: str | None, tier: str | None) -> None:
-        if self.spans:
-            first, end, *key, chunks = self.spans[-1]
-            if end == start and key == [origin, module, tier]:
-                chunks.append(token_ids)
-                self.spans[-1] = (first, end + len(token_ids), origin, module, tier, chunks)
-                return
-        self.spans.append((start, start + len(token_ids), origin, module, tier, [token_ids]))
-
-    def build(self) -> tuple[PromptSpan, ...]:
-        return tuple(PromptSpan(start, chunks[0] if len(chunks) == 1 else tuple(itertools.chain(*chunks)), origin,
-                                module, tier) for start, _, origin, module, tier, chunks in self.spans)
+def _merged(pieces: list[tuple[int, tuple[int, ...], str, str | None, str | None]]) -> tuple[PromptSpan, ...]:
+    """PromptSpans of (start, token ids, origin, module, tier) pieces in position order, merged while they
+    touch and share origin, module and tier."""
+    spans: list[tuple[int, list[int], str, str | None, str | None]] = []
+    for start, token_ids, origin, module, tier in pieces:
+        last = spans[-1] if spans else None
+        if last is not None and last[0] + len(last[1]) == start and last[2:] == (origin, module, tier):
+            last[1].extend(token_ids)
+        else:
+            spans.append((start, list(token_ids), origin, module, tier))
+    return tuple(PromptSpan(span[0], tuple(span[1]), *span[2:]) for span in spans)
 
 
 def _tier_runs(links: tuple[Link, ...]) -> list[tuple[int, int, str]]:

@@ -10,8 +10,7 @@ import torch
 
 from promptcache.cache_store import KVBlock
 from promptcache.model_runtime.detokenizer import Detokenizer
-from promptcache.model_runtime.engine.kv_view import KVView
-from promptcache.model_runtime.engine.prefix import Stream
+from promptcache.model_runtime.engine.prefix import KVView, Stream
 from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan, WireEnum
 from promptcache.model_runtime.kv_pool import KVPool
 from promptcache.model_runtime.results import CacheReport, ModuleUse, Timings, Usage

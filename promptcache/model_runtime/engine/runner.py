@@ -14,13 +14,12 @@ from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.attention.decode_batch import kernel_takes
 from promptcache.model_runtime.attention.step_indices import to_device
 from promptcache.model_runtime.engine.kv_groups import AssembledGroups
-from promptcache.model_runtime.engine.kv_view import KVView
+from promptcache.model_runtime.engine.prefix import KVView
 from promptcache.model_runtime.engine.request import Request, SeqStatus
 from promptcache.model_runtime.engine.step_plan import ScheduledSeq, StepPlan
-from promptcache.model_runtime.forward import cache_argument
 from promptcache.model_runtime.loading.fused_layers import decode_stack_forward, fused_stack_forward
 from promptcache.model_runtime.loading.loader import LoadedModel
-from promptcache.model_runtime.packed_attention import BatchCache, BatchContext, active_batch, install
+from promptcache.model_runtime.packed_attention import BatchCache, BatchContext, active_batch, cache_argument, install
 from promptcache.model_runtime.sampling import TokenLogprobs, token_logprobs
 
 logger = logging.getLogger(__name__)

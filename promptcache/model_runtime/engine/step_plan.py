@@ -68,19 +68,19 @@ def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int
     that many rows: lighter tenants' decodes first, then in `running` order (the scheduler moves those fed to
     the back, so they take turns), leaving room for `min_tokens` prompt tokens when any wait.
     """
-    load = Counter(s.owner.tenant for s in running)  # running sequences per tenant
+    load = Counter(_tenant(s) for s in running)  # running sequences per tenant
     decoding = [s for s in running if s.pending_ids and s.status != SeqStatus.PREFILL]
     prefills = sorted((s for s in running if s.pending_ids and s.status == SeqStatus.PREFILL),
-                      key=lambda s: load[s.owner.tenant])  # stable: the order of `running` kept
-    busy = {s.owner.tenant for s in decoding}
-    light = [s for s in prefills if s.owner.tenant not in busy]
+                      key=lambda s: load[_tenant(s)])  # stable: the order of `running` kept
+    busy = {_tenant(s) for s in decoding}
+    light = [s for s in prefills if _tenant(s) not in busy]
     if decoding and light and sum(len(s.pending_ids) for s in light) <= alone_budget:
         batch = tuple(ScheduledSeq(s, len(s.pending_ids)) for s in light)
         return batch, alone_budget - sum(s.num_tokens for s in batch)
     budget = mixed_budget if decoding else alone_budget
     if max_rows is not None and decoding:
         reserve = min(budget, sum(len(s.pending_ids) for s in prefills), min_tokens)
-        decoding = sorted(decoding, key=lambda s: load[s.owner.tenant])[:max(1, max_rows - reserve)]
+        decoding = sorted(decoding, key=lambda s: load[_tenant(s)])[:max(1, max_rows - reserve)]
         budget = min(budget, max(reserve, max_rows - len(decoding)))
     scheduled = [ScheduledSeq(s, len(s.pending_ids)) for s in decoding]
     for seq in prefills:
@@ -90,3 +90,10 @@ def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int
         budget -= scheduled[-1].num_tokens
     return tuple(scheduled), budget
 
+
+def _tenant(seq: Sequence) -> str | None:
+    """The tenant of a running sequence's request (only request sequences run in the batch)."""
+    request = seq.request
+    if request is None:
+        raise ValueError(f"sequence {seq.seq_id} encodes a module and belongs to no request")
+    return request.tenant
