@@ -1,4 +1,5 @@
-"""PromptRuntime: the one object a server talks to — schemas, plans, generation, explain, stats.
+"""PromptRuntime: the one object a server talks to — schemas, plans, generation, explain, stats — over ModelRuntime,
+one loaded model with its schemas and module encoder.
 
 Plain prompts (completion text, chats) skip PML: their text reaches the tokenizer unchanged, and chats are rendered
 by the model's chat template (as HF and vLLM do) or, without one, PML's plain turn format."""
@@ -6,20 +7,92 @@ by the model's chat template (as HF and vLLM do) or, without one, PML's plain tu
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import AsyncIterator, Mapping, Sequence
+import threading
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from promptcache.cache_store import owned_salt
 from promptcache.model_runtime.attention.selection import AttentionReport, describe
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, TokenEvent
+from promptcache.model_runtime.engine.encoding import encode_now
+from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.errors import ChatRenderError, InvalidRequestError
 from promptcache.model_runtime.loading.loader import LoadedModel
-from promptcache.model_runtime.module_encoder import EncodeReport, KVStore
+from promptcache.model_runtime.module_encoder import EncodeReport, KVStore, ModuleEncoder
+from promptcache.model_runtime.packed_attention import install
 from promptcache.model_runtime.results import CacheReport
-from promptcache.model_runtime.runtime import ModelRuntime
 from promptcache.model_runtime.sampling import SamplingParams
-from promptcache.pml import PLAIN_CHAT_FORMAT, PmlLimits, PromptPlan, Schema, TextEncoder, token_plan
+from promptcache.pml import PmlLimits, PromptPlan, Schema, TextEncoder, parse_prompt, parse_schema, token_plan
+from promptcache.pml.chat_format import PLAIN_CHAT_FORMAT
+
+
+class ModelRuntime:
+    """The schemas of one model (their module KV encoded into `store`) and prompts planned against them. Schema
+    bookkeeping is thread-safe; model compute runs on one thread at a time (the engine's)."""
+
+    def __init__(self, loaded: LoadedModel, store: KVStore, limits: PmlLimits | None = None) -> None:
+        self.loaded = loaded
+        self.store = store
+        self.limits = limits or PmlLimits()
+        self.text_encoder = TextEncoder.from_tokenizer(loaded.tokenizer)
+        install(loaded.model)  # every forward pass uses shared-module attention
+        self.module_encoder = ModuleEncoder(loaded, store)
+        self._schemas: dict[str, dict[str, Schema]] = {}  # namespace -> name -> schema
+        self._lock = threading.Lock()
+        self._runner: ModelRunner | None = None  # made on the first schema encoded here
+
+    def parse_schema(self, text: str) -> Schema:
+        """Parse and validate without registering or encoding (raises PmlError)."""
+        return parse_schema(text, self.text_encoder, self.limits)
+
+    def add_schema(self, schema: Schema, *, encode: bool = True, cache_salt: str | None = None,
+                   progress: Callable[[int, int], None] | None = None, namespace: str = "") -> EncodeReport | None:
+        """Encode `schema`'s modules (unless told not to), then register it in `namespace` (an owner's, replacing
+        one of its name); a failed encoding registers nothing. A prompt sees the schemas of its namespace only."""
+        report = None
+        if encode:  # before serving: on this thread, through the engine's encode queue and runner
+            if self._runner is None:
+                self._runner = ModelRunner(self.loaded)
+            report = encode_now(self.module_encoder, self._runner, schema, self.module_encoder.schema_jobs(schema),
+                                cache_salt, progress)
+        with self._lock:
+            self._schemas.setdefault(namespace, {})[schema.name] = schema
+        return report
+
+    def remove_schema(self, name: str, namespace: str = "") -> Schema | None:
+        with self._lock:
+            return self._schemas.get(namespace, {}).pop(name, None)
+
+    def get_schema(self, name: str, namespace: str = "") -> Schema | None:
+        with self._lock:
+            return self._schemas.get(namespace, {}).get(name)
+
+    def schema_names(self, namespace: str = "") -> list[str]:
+        with self._lock:
+            return sorted(self._schemas.get(namespace, {}))
+
+    def plan(self, prompt: str, *, isolated: bool = False, namespace: str = "",
+             add_generation_prompt: bool = False) -> PromptPlan:
+        """Resolve a `<prompt schema=...>` against the schemas registered in `namespace` (raises PmlError).
+        `add_generation_prompt`: open the assistant turn after the prompt's last turn (pml.parse_prompt)."""
+        with self._lock:
+            schemas = dict(self._schemas.get(namespace, {}))
+        return parse_prompt(prompt, schemas, self.text_encoder, self.limits, isolated=isolated,
+                            add_generation_prompt=add_generation_prompt)
+
+    def check_token_ids(self, token_ids: Sequence[int]) -> None:
+        """Raises InvalidRequestError for an id outside the vocabulary."""
+        vocab = len(self.loaded.tokenizer)
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids decoded together (special tokens included). Raises InvalidRequestError for
+        an id outside the vocabulary."""
+        self.check_token_ids(token_ids)
+        return cast(str, self.loaded.tokenizer.decode(list(token_ids)))  # one sequence: one string
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +144,6 @@ class PromptRuntime:
     def stop(self) -> None:
         self.engine.stop()
 
-    # -- schemas -----------------------------------------------------------------------------------
     def parse_schema(self, text: str) -> Schema:
         """Parse and validate without registering or encoding (raises PmlError)."""
         return self.model.parse_schema(text)
@@ -105,7 +177,6 @@ class PromptRuntime:
     def schema_names(self, owner: str | None = None) -> list[str]:
         return self.model.schema_names(owner or "")
 
-    # -- prompts -----------------------------------------------------------------------------------
     def plan(self, prompt: str, owner: str | None = None, *, isolated: bool = False) -> PromptPlan:
         """A PML prompt resolved against the owner's schemas, the generation prompt opened after its last
         turn unless it ends in an open `<assistant>` turn. Raises PmlError (UnknownSchemaError)."""

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from promptcache.cache_store import KVBlock
-from promptcache.model_runtime.engine.prefix import KVView, PrefixReuse, link_view
+from promptcache.model_runtime.engine.prefix import KVView, PrefixReuse
 from promptcache.model_runtime.engine.request import Request, SharedKV
 from promptcache.model_runtime.engine.reuse_plan import CachedUse
 from promptcache.model_runtime.errors import InvalidRequestError
@@ -52,6 +52,7 @@ def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> A
     started = time.perf_counter()
     shared: list[SharedKV] = []
     tiers: dict[str, list[str]] = {}
+    used: dict[str, int] = {}  # tokens of KV reused, by module path
     use_tiers: list[str] = []
     missing: list[CachedUse] = []
     module_keys = [module_key(encoder, request, use) for use in reuse.uses]
@@ -75,6 +76,7 @@ def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> A
             view = KVView(key, use.first, use.last, use.shift)
         shared.append(SharedKV(view, block, use.visible_from))
         tiers.setdefault(segment.owner, []).append(tier)
+        used[segment.owner] = used.get(segment.owner, 0) + use.last - use.first
         use_tiers.append(tier)
     if missing:
         return MissingModules(tuple(missing))
@@ -88,14 +90,13 @@ def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> A
     # Reused prefix blocks precede every stream token left to compute; module KV's visibility counts
     # stream tokens, of which the first `reused` are no longer computed.
     shared = [SharedKV(s.view, s.block, max(0, s.visible_from - reused)) for s in shared]
-    shared += [SharedKV(link_view(link), link.block.to(device)) for link in stream.match.links]
+    # A partly used link is a range of its block: a distinct tensor, a view other than the whole block.
+    shared += [SharedKV(KVView(link.key) if link.is_whole else KVView(link.key, 0, link.num_tokens),
+                        link.block.to(device)) for link in stream.match.links]
     token_ids, positions = list(reuse.token_ids[reused:]), list(reuse.position_ids[reused:])
     check_positions(positions, loaded.max_positions)
 
     recomputed = dict(reuse.recomputed_from(reused))  # what this request recomputes itself
-    used: dict[str, int] = {}  # tokens of KV reused, by module path
-    for use in reuse.uses:
-        used[use.cached.segment.owner] = used.get(use.cached.segment.owner, 0) + use.last - use.first
     request.use_tiers = tuple(use_tiers)
     after = reuse.encoded_after(plan.schema)
     request.modules = tuple(ModuleUse(path, used.get(path, 0), slowest_tier(tiers.get(path, ["computed"])),

@@ -92,7 +92,6 @@ class Engine:
         self.num_steps = 0
         self.prefix_store_s = 0.0  # time spent storing prefix blocks (after tokens went out)
 
-    # -- caller side (any thread with an asyncio loop) ------------------------------------------
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="promptcache-engine", daemon=True)
@@ -178,7 +177,6 @@ class Engine:
             self._sinks.pop(request_id, None)
             self.abort(request_id)  # no-op when finished; frees the KV of an abandoned stream
 
-    # -- engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
         def is_idle() -> bool:
             return not self.scheduler.has_work and not self.encodes.has_work

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from promptcache.cache_store import BlockIndex, Link, Match, chain_root
+from promptcache.cache_store import BlockIndex, Match, chain_root
 
 
 class KVView(NamedTuple):
@@ -158,11 +158,6 @@ class PrefixReuse:
         position_ids = stream.position_ids + list(range(first_position, first_position + len(fed)))
         self.index.insert(stream.root, token_ids, position_ids, _gather([*stream.prompt_pieces, generated]),
                           salt=salt, owner=owner, stored_upto=stream.stored_upto)
-
-
-def link_view(link: Link) -> KVView:
-    """The view of a reused link: a partly used block is a different tensor than the whole."""
-    return KVView(link.key) if link.is_whole else KVView(link.key, 0, link.num_tokens)
 
 
 def _gather(pieces: list[KVPiece]):

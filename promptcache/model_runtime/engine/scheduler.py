@@ -119,7 +119,6 @@ class Scheduler:
         return [u for u, key in zip(request.reuse.uses, keys)
                 if key not in request.computed_kv and self.encoder.store.tier_of(key) is None]
 
-    # -- admission ------------------------------------------------------------------------------
     def _admit(self, events: list[TokenEvent], ready: list, encodes: list[EncodeNeed]) -> None:
         """Admit heads in turn until one does not fit, which blocks the rest (so none starves). A head whose module
         KV no tier gives is parked while the engine encodes it (`encodes`); a tenant running its share of the batch
@@ -188,7 +187,6 @@ class Scheduler:
         own = (len(token_ids) + 1 + params.n * params.max_tokens) * self.bytes_per_token
         return own, held_bytes(assembled.shared, self.bytes_per_token), seq
 
-    # -- running sequences ----------------------------------------------------------------------
     def new_sequence(self, request: Request, index: int, shared: list[SharedKV], capacity: int, *,
                      is_prompt: bool = False) -> Sequence:
         """A running sequence (sample `index`, or the prompt samples fork from) with own KV for `capacity` tokens."""
