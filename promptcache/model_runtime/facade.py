@@ -89,8 +89,7 @@ class ModelRuntime:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
-        """The text of token ids decoded together (special tokens included). Raises InvalidRequestError for
-        an id outside the vocabulary."""
+        """Token ids decoded together (special tokens included); InvalidRequestError for ids outside the vocabulary."""
         self.check_token_ids(token_ids)
         return cast(str, self.loaded.tokenizer.decode(list(token_ids)))  # one sequence: one string
 
@@ -107,8 +106,7 @@ class RuntimeStats:
 
 
 def key_salt(owner: str | None, salt: str | None) -> str | None:
-    """The salt of every KV key `owner` uses: the owner, then the client's `salt` inside it. No owner
-    (the default one): the client's salt, unchanged."""
+    """The salt of every KV key `owner` uses: the client's `salt` inside the owner's (no owner: `salt` as is)."""
     return salt if owner is None else owned_salt(owner, salt)
 
 
@@ -159,8 +157,8 @@ class PromptRuntime:
         self.model.add_schema(schema, encode=False, namespace=owner or "")
 
     def forget_schema(self, name: str, owner: str | None, *, delete_kv: bool = True) -> Schema | None:
-        """Unregister the owner's schema `name` (None if none) and (`delete_kv`) delete the KV its upload
-        encoded; copies salted by clients age out by LRU."""
+        """Unregister the owner's schema `name` (None if none), deleting its upload's KV if `delete_kv` (copies
+        salted by clients age out by LRU)."""
         schema = self.model.remove_schema(name, owner or "")
         if schema is None or not delete_kv:
             return schema
@@ -218,8 +216,7 @@ class PromptRuntime:
                                        request_ids=list(request_ids), fidelity=fidelity, report_spans=report_spans)
 
     def explain(self, plan: PromptPlan, *, owner: str | None, salt: str | None, fidelity: Fidelity) -> CacheReport:
-        """What serving `plan` now would reuse (from which tier) and compute, without doing it (no fetch,
-        no promotion; tier lookups may reach shared storage: call it off the event loop)."""
+        """`Engine.explain` for the owner (tier lookups may reach shared storage: call it off the event loop)."""
         return self.engine.explain(plan, cache_salt=key_salt(owner, salt), fidelity=fidelity)
 
     def stats(self) -> RuntimeStats:
@@ -229,8 +226,7 @@ class PromptRuntime:
 
 
 def completion_tokens(tokenizer: Any, text: str) -> tuple[int, ...]:
-    """`text` as the tokenizer encodes a whole sequence (with its BOS, if it adds one). Raises
-    InvalidRequestError for text that is not valid Unicode."""
+    """`text` encoded as a whole sequence (BOS if the tokenizer adds one); InvalidRequestError for bad Unicode."""
     _check_unicode(text, "the prompt")
     return tuple(tokenizer.encode(text, add_special_tokens=True))
 

@@ -70,8 +70,7 @@ class EncodeReport:
 
 
 class ModuleEncoder:
-    """Plans, stores and fetches segment KV (engine/encoding.py computes it). Called from the engine
-    thread; counters are locked."""
+    """Plans, stores and fetches segment KV (engine/encoding.py computes it); counters are locked."""
 
     def __init__(self, loaded: LoadedModel, store: KVStore) -> None:
         self.loaded = loaded
@@ -117,8 +116,7 @@ class ModuleEncoder:
         return ChainWork(target, tuple(found), tuple(segments), tuple(keys), token_ids, position_ids, owner, kinds)
 
     def store_tail(self, work: ChainWork, keys: torch.Tensor, values: torch.Tensor, *, local: bool = True) -> KVBlock:
-        """Store the computed tail (`keys`/`values` [L, H_kv, tail tokens, D]) segment by segment;
-        returns the target segment's block. `local=False`: in the shared tiers only (store.put)."""
+        """Store the computed tail ([L, H_kv, tail tokens, D]) by segment; returns the target's block."""
         offset, block = 0, None
         for segment, key, kind in zip(work.segments, work.keys, work.kinds):
             n = len(segment.token_ids)

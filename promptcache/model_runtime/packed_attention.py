@@ -58,8 +58,7 @@ class BatchContext:
         default_factory=dict, repr=False)
 
     def own_kv(self, seqs: tuple[int, ...], layer: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """The own keys and values so far of sequences `seqs` at `layer`, [H_kv, n, D] views made once a pass
-        (host time bounds a GPU step)."""
+        """Own keys and values so far of `seqs` at `layer`: [H_kv, n, D] views, made once a pass."""
         by_layer = self.layer_views.get(seqs)
         if by_layer is None:
             lengths = [self.own_starts[i] + self.query_lens[i] for i in seqs]

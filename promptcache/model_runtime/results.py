@@ -113,8 +113,7 @@ class CacheReport:
 def served_report(plan: PromptPlan, reuse: ReusePlan | None, mode: FidelityMode, usage: Usage,
                   modules: tuple[ModuleUse, ...], blocks: Sequence[tuple[str, int]],
                   spans: tuple[PromptSpan, ...] | None) -> CacheReport:
-    """The report of a served request: `reuse` as resolved at admission (None: never admitted), `mode` the
-    fidelity mode it asked for, `blocks` the (tier, tokens) of each stored prefix block it reused."""
+    """The report of a served request (`reuse` None: never admitted; `blocks`: its prefix blocks' tier, tokens)."""
     is_exact, positions, context = ((plan.is_exact, PositionMode.LAYOUT, ContextMode.SCHEMA) if reuse is None
                                     else (reuse.is_exact, reuse.positions, reuse.context))
     return CacheReport(plan.schema.name, is_exact, plan.generation_prompt_added, mode, positions, context,
@@ -124,8 +123,7 @@ def served_report(plan: PromptPlan, reuse: ReusePlan | None, mode: FidelityMode,
 
 def planned_report(plan: PromptPlan, reuse: ReusePlan, use_tiers: Sequence[str | None],
                    blocks: Sequence[tuple[str, int]]) -> CacheReport:
-    """The report of serving `plan` now: `use_tiers` is the tier holding each of `reuse.uses` (None: in
-    none), `blocks` the (tier, tokens) of each stored prefix block its stream would reuse."""
+    """The report of serving `plan` now: `use_tiers` holds each of `reuse.uses` (None: none), `blocks` its prefix."""
     used: dict[str, int] = {}
     found: dict[str, list[str | None]] = {}
     for use, tier in zip(reuse.uses, use_tiers):

@@ -138,8 +138,7 @@ class Sampler:
                           torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32))  # [num_biased]
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [vocab] -> processed scores [vocab] float32 (-inf: excluded), in SamplingParams' order (the
-        warpers unless temperature is 0). Records nothing."""
+        """`logits` [vocab] -> scores [vocab] float32 (-inf: excluded) in SamplingParams' order. Records nothing."""
         params = self.params
         scores = logits.float().clone()  # [vocab]
         if self._bias is not None:

@@ -90,8 +90,7 @@ class EncodeQueue:
         return ScheduledSeq(seq, min(len(seq.pending_ids), budget))
 
     def after_run(self, chunk: ScheduledSeq, output: RunOutput) -> None:
-        """`chunk` ran in `output`'s pass: store and resolve the active job if it was its last; if the
-        chunk failed, fail the job's waiters and drop it."""
+        """`chunk` ran in `output`'s pass: store and resolve its job after its last chunk; a failed chunk fails it."""
         active, error = self._active, output.encoding_error
         if active is None or active.seq is not chunk.seq:
             return

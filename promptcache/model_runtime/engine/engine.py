@@ -53,8 +53,7 @@ class Inbox:
             self.wakeup.notify()
 
     def take(self, is_idle: Callable[[], bool], wait_s: float) -> list[Message] | None:
-        """Every message posted since the last take; while there is none and `is_idle()`, waits (checking
-        again every `wait_s`). None once closed."""
+        """Every message posted since the last take, waiting (rechecking every `wait_s`) while none and `is_idle()`."""
         with self.wakeup:
             while not self._messages and is_idle() and not self.is_closed:
                 self.wakeup.wait(wait_s)
@@ -148,8 +147,7 @@ class Engine:
 
     def explain(self, plan: PromptPlan, *, cache_salt: str | None = None,
                 fidelity: Fidelity | None = None) -> CacheReport:
-        """What serving `plan` now would reuse (from which tier) and compute, without doing it (no fetch, no
-        promotion; safe from any thread, but tier lookups may reach shared storage)."""
+        """What serving `plan` now would reuse, from where, and compute (no fetch; lookups may reach shared tiers)."""
         reuse = resolve(plan, fidelity or self.config.fidelity, can_shift=self.encoder.loaded.key_shifter is not None)
         module_keys = [self.encoder.key(plan.schema, u.cached.segment.segment_id, u.cached.context_ids, cache_salt)
                        for u in reuse.uses]

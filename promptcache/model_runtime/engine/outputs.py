@@ -32,8 +32,7 @@ class StepResult:
 
 
 class OutputProcessor:
-    """Advances the sequences that ran, samples and detokenizes their next tokens, forks n > 1 samples from their
-    prompt, and finishes samples (through the scheduler). Engine thread only."""
+    """Advances the sequences that ran, samples and detokenizes, forks n > 1 samples, finishes samples."""
 
     def __init__(self, scheduler: Scheduler, prefix: PrefixReuse) -> None:
         self.scheduler = scheduler

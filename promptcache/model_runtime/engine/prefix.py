@@ -59,8 +59,7 @@ class Stream:
 
 
 class LogitsCache:
-    """The last-token logits of recently prefilled streams, by stream key, LRU under a byte budget.
-    In process only (engine thread); a miss just computes the last token."""
+    """Last-token logits of recently prefilled streams, by stream key, LRU within a byte budget (engine thread)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -88,8 +87,7 @@ class LogitsCache:
 
 
 class PrefixReuse:
-    """The engine's view of the block index. `index=None` turns automatic prefix reuse off;
-    `logits_cache_bytes` 0 turns off skipping the last token of exact repeats."""
+    """The engine's view of the block index (None: no prefix reuse); `logits_cache_bytes` 0: no LogitsCache."""
 
     def __init__(self, index: BlockIndex | None, logits_cache_bytes: int = 0) -> None:
         self.index = index
@@ -137,8 +135,7 @@ class PrefixReuse:
         return result
 
     def store_prompt(self, stream: Stream, computed: KVPiece, *, salt: str | None, owner: str | None) -> None:
-        """Store the prompt's blocks for `owner` once its `computed` part (from where reuse ended) exists;
-        remembers the prompt's KV pieces for `store_sample`."""
+        """Store the prompt's blocks for `owner` once its `computed` part exists; keeps its pieces for store_sample."""
         stream.prompt_pieces = [(link.start, link.block.keys, link.block.values) for link in stream.match.links]
         stream.prompt_pieces.append(computed)
         if self.index is None:
@@ -149,8 +146,7 @@ class PrefixReuse:
 
     def store_sample(self, stream: Stream, output_ids: list[int], first_position: int, generated: KVPiece, *,
                      salt: str | None, owner: str | None) -> None:
-        """Store the blocks of prompt + generated text, for `owner`. The last sampled token was never
-        fed to the model (it has no KV), so the stream ends before it."""
+        """Store the blocks of prompt + generated text for `owner` (the last sampled token, never fed, has no KV)."""
         if self.index is None or not stream.prompt_pieces or len(output_ids) < 2:
             return
         fed = output_ids[:-1]

@@ -91,8 +91,7 @@ def prompt_spans(plan: PromptPlan, reuse: ReusePlan, use_tiers: tuple[str, ...],
 
 
 def _merged(pieces: list[tuple[int, tuple[int, ...], str, str | None, str | None]]) -> tuple[PromptSpan, ...]:
-    """PromptSpans of (start, token ids, origin, module, tier) pieces in position order, merged while they
-    touch and share origin, module and tier."""
+    """(start, tokens, origin, module, tier) pieces as PromptSpans, merged while they touch and agree."""
     spans: list[tuple[int, list[int], str, str | None, str | None]] = []
     for start, token_ids, origin, module, tier in pieces:
         last = spans[-1] if spans else None

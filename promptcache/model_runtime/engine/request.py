@@ -36,8 +36,7 @@ class ErrorKind(WireEnum):
 
 @dataclass(frozen=True, slots=True)
 class RequestReport:
-    """What a request reports on its last event: usage, timings and the cache report, or, when it failed, only
-    `error` and `error_type`."""
+    """A request's last event's report: usage, timings and the cache report, or only the error when it failed."""
 
     usage: Usage | None = None
     timings: Timings | None = None
@@ -82,8 +81,7 @@ class SharedKV:
 
 @dataclass(eq=False)
 class Sequence:
-    """One sample being generated, or the prompt its n > 1 samples fork from (`is_prompt`). Its own KV
-    holds its computed tokens (prompt text or generated)."""
+    """One sample being generated, or the prompt its n > 1 samples fork from (`is_prompt`), with its own KV."""
 
     seq_id: int
     request: Request | None  # None for a module-encoding pseudo-sequence (engine/encoding.py)

@@ -172,8 +172,7 @@ def resolve(plan: PromptPlan, fidelity: Fidelity, *, can_shift: bool = True) -> 
 
 
 def realigned(reuse: ReusePlan) -> ReusePlan:
-    """`reuse` with every token at its rank among the prompt's positions: gaps closed, order kept (so
-    `visible_from` still holds). Unchanged when nothing moves."""
+    """`reuse` with every token at its rank among the prompt's positions (order kept); unchanged if none moves."""
     starts = [u.cached.segment.start + u.first for u in reuse.uses]
     layout = sorted([p for u, start in zip(reuse.uses, starts) for p in range(start, start + u.last - u.first)]
                     + list(reuse.position_ids))
@@ -247,8 +246,7 @@ def recompute_selected(plan: PromptPlan, chosen: Mapping[int, Iterable[int]], va
 
 
 def _exact(plan: PromptPlan) -> ReusePlan:
-    """Reuse the leading segments a full prefill would compute identically; compute the rest at
-    contiguous positions after them."""
+    """Reuse the leading segments a full prefill computes identically; compute the rest contiguously after them."""
     leading: list[CachedSegment] = []
     for cached in plan.cached:
         reused = sum(len(c.segment.token_ids) for c in leading)

@@ -31,8 +31,7 @@ PromptLogprobs = tuple[TokenLogprobs, ...] | None  # of a prefill chunk's prompt
 
 @dataclass(frozen=True, slots=True)
 class RunOutput:
-    """What a step's forward pass produced (sequences advance in postprocess). `ran`: the batch entries that ran,
-    all unless a request broke the model alone (`failures`)."""
+    """A step pass's output; `ran`: the entries that ran, all unless a request broke the model alone (`failures`)."""
 
     ran: tuple[ScheduledSeq, ...] = ()
     logits: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [len(ran), vocab] float32

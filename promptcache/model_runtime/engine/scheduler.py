@@ -53,8 +53,7 @@ class Scheduler:
         self.waiting.add(request)
 
     def abort(self, request_id: str) -> None:
-        """Mark a waiting or running request aborted (O(1)); the next `schedule` frees it and emits its final
-        event. No-op for a request that finished or is unknown."""
+        """Mark a waiting or running request aborted (O(1)), freed at the next `schedule`; no-op if it is gone."""
         request = self.waiting.remove(request_id) or self.admitted.get(request_id)
         if request is not None and not request.is_aborted:
             request.is_aborted = True
@@ -95,8 +94,7 @@ class Scheduler:
         return StepPlan(batch, budget, tuple(ready), tuple(events), tuple(encodes))
 
     def observe(self, plan: StepPlan, forward_ms: float, step_ms: float) -> None:
-        """Learn from a step that ran `plan`: `forward_ms` its pass (the prefill budget), `step_ms` all of it (the
-        shared-step cap: a newcomer waits for all of it)."""
+        """Learn from a step: `forward_ms` its pass (the prefill budget), `step_ms` all of it (the shared-step cap)."""
         self.step_budget.observe(plan.num_decoding, plan.num_prompt_tokens, forward_ms)
         is_light, max_rows = self._step_kind
         if is_light:
@@ -198,8 +196,7 @@ class Scheduler:
         return seq
 
     def finish(self, seq: Sequence) -> bool:
-        """`seq` leaves the batch (a finished sample, a forked prompt). True when its request has nothing left
-        running: everything it holds is freed."""
+        """`seq` leaves the batch; True when its request has nothing left running (all it holds is then freed)."""
         self.running.remove(seq)
         request = seq.owner
         sequences = request.sequences

@@ -17,8 +17,7 @@ _MAX_ROWS = 4096
 
 @dataclass(slots=True)
 class StepBudget:
-    """Prefill tokens per step while sequences decode, between `min_tokens` and `max_tokens` (`max_slowdown`
-    None: always `max_tokens`). Used only on the engine thread."""
+    """Prefill tokens a step may feed while sequences decode (`max_slowdown` None: always `max_tokens`)."""
 
     min_tokens: int
     max_tokens: int
@@ -29,8 +28,7 @@ class StepBudget:
 
     @property
     def token_ms(self) -> float | None:
-        """One prefill token's added cost: a ratio of averages, so a step that fed one token (whose
-        cost is lost in the noise) weighs little."""
+        """A prefill token's added cost, a ratio of averages (a one-token step, lost in noise, weighs little)."""
         if self.added_ms is None or not self.fed:
             return None
         return max(self.added_ms / self.fed, 1e-3)
@@ -69,8 +67,7 @@ def moving_average(current: float | None, sample: float) -> float:
 
 @dataclass(slots=True)
 class SharedStepCap:
-    """Rows per step while tenants share the engine, holding the others' steps to `ratio` times a light tenant's
-    step of its own. Used only on the engine thread."""
+    """Rows a step may run while tenants share the engine: others' steps held to `ratio` times a light one's."""
 
     ratio: float
     min_rows: int  # a step may always run this many rows (a prompt chunk beside a decode, so nothing starves)

@@ -13,8 +13,7 @@ from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequenc
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
-    """A sequence in a step, feeding its next `num_tokens` pending tokens (a decode's one token, a whole
-    prompt, or a chunk of a long one)."""
+    """A sequence in a step, feeding its next `num_tokens` pending tokens (a decode, a prompt, or a chunk)."""
 
     seq: Sequence
     num_tokens: int

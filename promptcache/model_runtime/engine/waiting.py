@@ -77,8 +77,7 @@ class WaitingRequests:
         self._parked[request.request_id] = request
 
     def resume(self, request_id: str) -> None:
-        """A parked request's encodings finished: back to the front of its tenant's queue (no-op if it
-        left meanwhile)."""
+        """A parked request's encodings finished: back to its queue's front (no-op if it left meanwhile)."""
         request = self._parked.pop(request_id, None)
         if request is not None:
             queue = self._queues.setdefault(request.tenant, OrderedDict())
