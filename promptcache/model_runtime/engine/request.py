@@ -9,12 +9,11 @@ from dataclasses import dataclass, field
 import torch
 
 from promptcache.cache_store import KVBlock
-from promptcache.model_runtime.detokenizer import Detokenizer
 from promptcache.model_runtime.engine.prefix import KVView, Stream
 from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan, WireEnum
-from promptcache.model_runtime.kv_pool import KVPool
+from promptcache.model_runtime.packed_attention import KVPool
 from promptcache.model_runtime.results import CacheReport, ModuleUse, Timings, Usage
-from promptcache.model_runtime.sampling import PromptTokens, Sampler, SamplingParams, TokenLogprobs
+from promptcache.model_runtime.sampling import Detokenizer, PromptTokens, Sampler, SamplingParams, TokenLogprobs
 from promptcache.pml import PromptPlan
 
 
@@ -135,7 +134,7 @@ class Request:
     params: SamplingParams
     cache_salt: str | None
     fidelity: Fidelity = field(default_factory=Fidelity)
-    # Whose queue it waits in (engine/waiting.py) and whose byte share the KV it stores counts against
+    # Whose queue it waits in (engine/scheduler.py) and whose byte share the KV it stores counts against
     # (its cache_salt scopes its keys to the same one, PromptRuntime); None: the default tenant.
     tenant: str | None = None
     report_spans: bool = False  # the final event lists the prompt as spans by KV origin
