@@ -1,8 +1,6 @@
-"""PromptRuntime: the one object a server talks to — schemas, plans, generation, explain, stats — over ModelRuntime,
-one loaded model with its schemas and module encoder.
-
-Plain prompts (completion text, chats) skip PML: their text reaches the tokenizer unchanged, and chats are rendered
-by the model's chat template (as HF and vLLM do) or, without one, PML's plain turn format."""
+"""PromptRuntime, what a server talks to (schemas, plans, generation, explain, stats), over ModelRuntime (a model, its
+schemas and module encoder). Plain prompts skip PML: text reaches the tokenizer as is; chats use the model's chat
+template or PML's plain turn format."""
 
 from __future__ import annotations
 
@@ -111,9 +109,8 @@ def key_salt(owner: str | None, salt: str | None) -> str | None:
 
 
 class PromptRuntime:
-    """Schemas, plans and generation of one loaded model over one KV store. Calls name the `owner` (a tenant;
-    None: the default one): its schemas live in its namespace and its KV keys are salted with it, so no owner
-    reads or probes another's KV, whatever `salt` its client sends. `submit` needs a running asyncio loop."""
+    """Schemas, plans and generation of one model over one KV store, per `owner` (a tenant; None: the default): its own
+    schema namespace and KV key salt, whatever `salt` its client sends. `submit` needs a running loop."""
 
     def __init__(self, loaded: LoadedModel, store: KVStore, config: EngineConfig,
                  limits: PmlLimits | None = None) -> None:
@@ -232,9 +229,8 @@ def completion_tokens(tokenizer: Any, text: str) -> tuple[int, ...]:
 
 
 def chat_tokens(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> tuple[int, ...]:
-    """The conversation rendered with the generation prompt, then encoded without adding specials
-    (the template writes them). Raises ChatRenderError when the template refuses the messages,
-    InvalidRequestError for content that is not valid Unicode."""
+    """The conversation rendered with the generation prompt, encoded without added specials. Raises ChatRenderError
+    (template refusal), InvalidRequestError (bad Unicode)."""
     for i, message in enumerate(messages):
         _check_unicode(message["content"], f"message {i}'s content")
     if getattr(tokenizer, "chat_template", None):

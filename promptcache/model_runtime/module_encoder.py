@@ -48,9 +48,8 @@ class _Cost(TypedDict):
 
 @dataclass(frozen=True, slots=True)
 class ChainWork:
-    """Encoding one missing segment: its context chain's stored links (`found`, in order), then the
-    tail segments to compute, their store keys, and the tail's tokens and positions. `owner` is the
-    tenant whose byte share the stored KV counts against (None: the default one)."""
+    """Encoding one missing segment: its chain's stored links (`found`), then the tail segments, their keys and kinds,
+    tokens and positions, stored for `owner` (a tenant's byte share)."""
 
     target: str
     found: tuple[KVBlock, ...]

@@ -1,11 +1,8 @@
-"""Shared-module attention inside HF models, through transformers' attention-function registry.
-
-A forward pass feeds its sequences' tokens as ONE packed row. `BatchCache` stands in for the HF cache and writes
-each sequence's new KV into its own KV: one `index_copy_` per layer for those whose own KV are slot ranges of one
-KVPool, not a copy per sequence (a kernel launch each on a GPU: ~3,700 a step at batch 32). The registered
-function attends each shared segment once for all its queries plus each own KV, merged exactly
-(model_runtime.attention). Outside a batch step (no active context) it is plain SDPA. `cache_argument` and
-`past_cache` hand a KV cache to an HF forward pass, and take it back, under either of its names."""
+"""Shared-module attention inside HF models (transformers' attention registry). A pass feeds its sequences as ONE packed
+row; `BatchCache` writes their new KV with one `index_copy_` per layer for those in one KVPool (not a GPU kernel launch
+each: ~3,700 a step at batch 32); the function attends each shared segment once for all its queries, merged exactly
+(model_runtime.attention); plain SDPA outside a batch step. `cache_argument`/`past_cache`: HF's cache under either
+name."""
 
 from __future__ import annotations
 
@@ -29,9 +26,8 @@ from promptcache.model_runtime.attention.decode_batch import StepDecode, plan_st
 
 
 class KVPool:
-    """`keys`/`values` [num_layers, num_kv_heads, num_slots, head_dim], made at the first `allocate` (on a CPU
-    an unused budget costs address space only). A sequence owns slots [first, first + n) from `allocate` until
-    `free`; freed slots are reused at once, so free a range only when nothing reads it any more."""
+    """`keys`/`values` [L, H_kv, num_slots, D], made at the first `allocate` (unused CPU pages cost address space only).
+    A range is owned from `allocate` to `free`, then reused at once."""
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
@@ -93,9 +89,8 @@ class KVPool:
 
 @dataclass(frozen=True, slots=True)
 class OwnWrite:
-    """Where one forward pass writes some sequences' new KV: rows `rows` of a layer's key/value states
-    [H_kv, total_q, D] go to slots `slots` of `keys`/`values` [L, H_kv, N, D]. Slices are copied as
-    views; index tensors take one `index_select` (rows) and one `index_copy_` (slots)."""
+    """Where a pass writes some sequences' new KV: rows `rows` of a layer's states [H_kv, total_q, D] to slots `slots`
+    of `keys`/`values` [L, H_kv, N, D] (slices as views, else one index op each)."""
 
     keys: torch.Tensor
     values: torch.Tensor

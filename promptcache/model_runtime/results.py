@@ -16,9 +16,8 @@ TIER_ORDER = ("device", "host", "redis", "disk", "computed")
 
 @dataclass(frozen=True, slots=True)
 class ModuleUse:
-    """A module the prompt used: its path, the tokens of its KV reused, where that KV came from, and
-    how many of its tokens were recomputed in their actual context (fidelity modes); `encoded_after`
-    names the predecessor module whose second encoding was reused (fidelity context "predecessor")."""
+    """A module the prompt used: its path, tokens of its KV reused and from where, tokens recomputed in context, and
+    `encoded_after`: the predecessor whose second encoding was reused."""
 
     path: str
     num_tokens: int
@@ -38,10 +37,8 @@ class PrefixUse:
 
 @dataclass(frozen=True, slots=True)
 class PromptSpan:
-    """Prompt tokens at consecutive layout positions [start, end) whose KV came from one place. `origin`: "module"
-    or "prefix" (cached module KV or a prefix block, from `tier`), "recomputed" (module tokens computed instead
-    of reused) or "computed" (new text, arguments, uncached modules). `module`: the module they belong to (None:
-    the prompt's or schema's own text). Positions are the layout's, even where exact fidelity moves them."""
+    """Prompt tokens at consecutive layout positions [start, end) whose KV came from one place: `origin` "module" or
+    "prefix" (from `tier`), "recomputed" or "computed"; `module` None: the prompt's own text."""
 
     start: int
     token_ids: tuple[int, ...]

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from promptcache.model_runtime.errors import require
+
 MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-3  # below this (but above 0) logits / temperature overflows: use 0 for greedy
 MAX_SEED = 2**63 - 1
@@ -31,9 +33,8 @@ def token_logprobs(logits: torch.Tensor, token: int, num_top: int) -> TokenLogpr
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick tokens (`temperature == 0`: greedy; `n` samples share the prompt's KV). In HF's order:
-    `logit_bias`, `repetition_penalty` (prompt and generated tokens), then OpenAI's presence/frequency penalties
-    (generated tokens); greedy takes the argmax, sampling applies temperature, `top_k`, `top_p`, `min_p`."""
+    """How to pick tokens (`temperature == 0`: greedy; `n` samples share the prompt's KV), in HF's order: `logit_bias`,
+    `repetition_penalty`, OpenAI's presence/frequency penalties, then temperature, top-k/p, min-p."""
 
     max_tokens: int = 64
     temperature: float = 1.0
@@ -54,36 +55,25 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be in [0, 2^63 - 1], got {self.seed}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        require(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        require(not (self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE),
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}")
+        require(self.seed is None or 0 <= self.seed <= MAX_SEED, f"seed must be in [0, 2^63 - 1], got {self.seed}")
+        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        require(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
+        require(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty <= 10:
-            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+            require(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        require(0 < self.repetition_penalty <= 10,
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         for token, bias in self.logit_bias:
-            if token < 0:
-                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+            require(token >= 0, f"logit_bias token ids must be >= 0, got {token}")
+            require(-100 <= bias <= 100, f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+        require(self.n >= 1, f"n must be >= 1, got {self.n}")
+        require(all(self.stop), "stop strings must be non-empty")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            require(value is None or 0 <= value <= MAX_LOGPROBS, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def is_greedy(self) -> bool:
@@ -207,9 +197,8 @@ class Sampler:
 
 
 class Detokenizer:
-    """Generated token ids as text deltas for one sequence. Text that ends in an incomplete UTF-8 character or a
-    stop string's prefix is held back, so a delta is never taken back; a stop string cuts the text before it
-    and sets `is_stopped`."""
+    """Generated token ids as text deltas, never taken back: held while the text ends in a partial UTF-8 character or a
+    stop string's prefix; a stop string cuts the text and sets `is_stopped`."""
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer

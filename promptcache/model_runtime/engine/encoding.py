@@ -29,9 +29,8 @@ _seq_ids = itertools.count()
 
 @dataclass(eq=False)
 class EncodeJob:
-    """Encode (segment, context) of a schema for `owner` unless stored; `done` resolves with the target's block
-    (None: stored meanwhile). `keep_local`: in this process's tiers too, not only the shared ones. `recompute`:
-    computed even if a tier holds it (a request's fetch of it was refused)."""
+    """Encode (segment, context) of a schema for `owner` unless stored; `done` resolves with the target's block (None:
+    stored meanwhile). `keep_local`: in local tiers too; `recompute`: even if a tier holds it."""
 
     target: str  # its store key
     schema: Schema

@@ -64,10 +64,9 @@ class Inbox:
 
 
 class Engine:
-    """Serves prompt plans with continuous batching and shared-module attention, all model compute on a thread
-    of its own. `submit` (on an asyncio loop) returns an async iterator of TokenEvents, the last with the report;
-    `abort` stops a request within one step. A step is `scheduler.schedule()` -> StepPlan, `runner.run(plan)` ->
-    RunOutput, `outputs.postprocess(plan, output)` -> StepResult, data passed one way."""
+    """Continuous batching with shared-module attention, compute on its own thread. `submit` (on an asyncio loop)
+    returns TokenEvents, the last with the report; `abort` stops a request within a step. A step: `scheduler.schedule()`
+    -> `runner.run(plan)` -> `outputs.postprocess(plan, output)`."""
 
     def __init__(self, encoder: ModuleEncoder, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()

@@ -1,11 +1,7 @@
-"""Automatic prefix reuse for engine requests: look up a request's token stream, store what it computed.
-
-A *stream* is every token the engine computes for a request: the plan's new tokens, then the generated ones,
-hung off a chain root naming the module links it attends to. Lookup is at admission; the prompt's blocks are
-stored after its prefill step, each finished sample's after it (the next chat turn reuses the reply). The
-`LogitsCache` keeps prefilled streams' last-token logits, so an exact repeat whose blocks cover every token runs
-no forward pass before its first token (exact: logits are a function of what the key covers).
-"""
+"""Automatic prefix reuse: look up a request's token *stream* (the plan's new tokens, then the generated ones, hung off
+a chain root naming the module links it attends) at admission; store the prompt's blocks after its prefill and each
+finished sample's after it. `LogitsCache` keeps last-token logits, so an exact repeat whose blocks cover every token
+runs no pass before its first token."""
 
 from __future__ import annotations
 
@@ -19,9 +15,8 @@ from promptcache.cache_store import BlockIndex, Match, chain_root
 
 
 class KVView(NamedTuple):
-    """Which KV a shared block is: tokens [first, last) of the block stored under `key` (`last` None: to
-    its end), its keys moved by `shift` positions when attended (rope_shift.py; the stored block is never
-    changed). A view that is not whole is a distinct tensor, held and counted under its store key."""
+    """Which KV a shared block is: tokens [first, last) of the block stored under `key` (None: to its end), keys moved
+    by `shift` when attended; a view not whole is a distinct tensor, held under its key."""
 
     key: str
     first: int = 0

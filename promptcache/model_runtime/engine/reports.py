@@ -48,9 +48,8 @@ def final_event(request: Request, index: int, token: int | None, text: str, fini
 
 def prompt_spans(plan: PromptPlan, reuse: ReusePlan, use_tiers: tuple[str, ...],
                  links: tuple[Link, ...]) -> tuple[PromptSpan, ...] | None:
-    """Every prompt token once, in position order, as spans by where its KV came from: `reuse.uses` (from
-    `use_tiers`), the prefix `links` reused for the first stream tokens, and the rest of the stream. Works on
-    runs, not tokens. None (and a warning) if the stream does not line up with the plan (a bug)."""
+    """Every prompt token once, in position order, as spans by where its KV came from: `reuse.uses` (from `use_tiers`),
+    prefix `links`, or the stream. None (and a warning) if the stream misses the plan (a bug)."""
     # Runs of the prompt: (start position, token ids, owner, tier of reused module KV or None for the
     # stream, is module KV). The stream is every prompt token no use covers, in position order, in every
     # fidelity mode (exact mode renumbers its positions but keeps this order): a token's stream index is

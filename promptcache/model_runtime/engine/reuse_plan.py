@@ -1,15 +1,10 @@
-"""ReusePlan: which cached module KV a request reuses and which tokens it computes, per fidelity mode.
-
-Reusing a module out of its encoding context is approximate (docs/fidelity.md); the mode says how much of that
-a request accepts. fast: every cached segment reused as encoded (the paper). balanced: out-of-context segments
-get their first k tokens recomputed in their actual context (attention sinks, as in EPIC/LegoLink), for this
-request only. exact: only a leading run of segments a full prefill computes identically is reused; the rest is
-computed at contiguous positions. Positions (fast, balanced): "layout" keeps the schema's, with gaps for modules
-not imported; "contiguous" ranks them as a full prefill would, rotating reused keys by `shift` (rope_shift.py;
-retrieval 32.5 % -> 54.5 %, full prefill 61.0 %, on SmolLM2-135M). Context: "schema" reuses the KV encoded after
-what the schema guarantees precedes a module; "predecessor" the second encoding after that and the module just
-before it in the schema (stored under its own key, at upload or on first use).
-"""
+"""ReusePlan: which cached module KV a request reuses and which tokens it computes, per fidelity mode
+(docs/fidelity.md). fast: every cached segment reused as encoded (the paper). balanced: out-of-context segments' first k
+tokens recomputed in their actual context (attention sinks, as in EPIC/LegoLink), for this request only. exact: only a
+leading run a full prefill computes identically is reused; the rest is computed contiguously. Positions: "layout" keeps
+the schema's (gaps for modules not imported); "contiguous" ranks them, rotating reused keys by `shift` (retrieval 32.5 %
+-> 54.5 %, full prefill 61.0 %, SmolLM2-135M). Context: "schema" reuses the KV encoded after what the schema guarantees
+precedes a module; "predecessor" the second encoding after that and the module before it."""
 
 from __future__ import annotations
 
@@ -25,9 +20,8 @@ from promptcache.pml import CachedSegment, PromptPlan, Schema
 
 
 class WireEnum(str, enum.Enum):
-    """A str-valued enum that is its value wherever a str is expected (the wire, metric labels, keys):
-    `enum.StrEnum`'s behaviour on Python 3.10 too, and hashed as its value, so a member and its value
-    are one dict key (an enum hashes its name)."""
+    """A str-valued enum that is its value wherever a str is expected (`enum.StrEnum` on Python 3.10 too), hashed as its
+    value, so a member and its value are one dict key."""
 
     __hash__ = str.__hash__
 
@@ -62,9 +56,8 @@ _Mode = TypeVar("_Mode", bound=WireEnum)
 
 @dataclass(frozen=True, slots=True)
 class Fidelity:
-    """A request's fidelity mode; `head_tokens` is k, the tokens recomputed per out-of-context segment;
-    `positions` where an approximate prompt's tokens sit; `context` which encoding of an out-of-context
-    module is reused (module docstring)."""
+    """A request's fidelity mode; `head_tokens` is k, the tokens recomputed per out-of-context segment; `positions` and
+    `context` as in the module docstring."""
 
     mode: FidelityMode = FidelityMode.FAST
     head_tokens: int = 16
@@ -89,10 +82,8 @@ def _member(kind: type[_Mode], value: object, name: str) -> _Mode:
 
 @dataclass(frozen=True, slots=True)
 class CachedUse:
-    """Tokens [first, last) of a cached segment's stored KV, attended by the stream tokens from index
-    `visible_from` on (every stream token before it is positioned before these tokens), with their
-    keys moved by `shift` positions for this request (a segment's positions are contiguous, so one
-    shift moves all of them)."""
+    """Tokens [first, last) of a cached segment's stored KV, attended by the stream tokens from index `visible_from` on
+    (those before it are positioned before these), keys moved by `shift` for this request."""
 
     cached: CachedSegment
     first: int
@@ -129,9 +120,8 @@ class ReusePlan:
         return sum(count for _, count in self.recomputed)
 
     def recomputed_from(self, index: int) -> tuple[tuple[str, int], ...]:
-        """What the stream tokens from `index` on recompute, per module: the request's own recompute when
-        its first `index` stream tokens come from the prefix index (stored by an earlier request that
-        recomputed them in the same context, same mode)."""
+        """What the stream tokens from `index` on recompute, per module (the first `index`, from the prefix index, were
+        recomputed by the request that stored them)."""
         return tuple(Counter(owner for owner in self.recomputes[index:] if owner is not None).items())
 
     def encoded_after(self, schema: Schema) -> dict[str, str]:
@@ -146,9 +136,8 @@ class ReusePlan:
 
 
 def resolve(plan: PromptPlan, fidelity: Fidelity, *, can_shift: bool = True) -> ReusePlan:
-    """The ReusePlan of `plan` under `fidelity` (pure: no KV is touched). The stream is never empty:
-    a prompt made only of cached tokens recomputes its last one, whose logits start generation.
-    `can_shift=False` (a model whose positions are not RoPE) keeps the layout's positions."""
+    """The ReusePlan of `plan` under `fidelity` (pure). The stream is never empty: an all-cached prompt recomputes its
+    last token for its logits. `can_shift=False` (no RoPE) keeps the layout's positions."""
     preceded = (fidelity.mode != FidelityMode.EXACT and fidelity.context == ContextMode.PREDECESSOR
                 and not plan.is_exact)
     if preceded:
@@ -204,9 +193,8 @@ def in_context(plan: PromptPlan, cached: CachedSegment) -> bool:
 
 
 def with_predecessors(plan: PromptPlan) -> PromptPlan:
-    """`plan` reusing, for every module segment out of its encoding context, the encoding after its
-    schema context and its predecessor (`Schema.predecessor_context`); segments in context,
-    always-included text and scaffold variants keep theirs."""
+    """`plan` reusing, for every module segment out of its encoding context, its encoding after its predecessor
+    (`Schema.predecessor_context`)."""
     cached = []
     for c in plan.cached:
         if c.variant == "default" and not in_context(plan, c):
@@ -217,10 +205,8 @@ def with_predecessors(plan: PromptPlan) -> PromptPlan:
 
 
 def recompute_selected(plan: PromptPlan, chosen: Mapping[int, Iterable[int]], variant: str) -> ReusePlan:
-    """A balanced ReusePlan recomputing, of each cached segment `plan.cached[i]`, the token indices
-    `chosen[i]` at their positions; the rest of the segment is reused as stored, in runs between them.
-    The first k of every out-of-context segment is balanced; any other selection (CacheBlend's, a
-    query-aware one) is expressed the same way."""
+    """A balanced ReusePlan recomputing tokens `chosen[i]` of each cached segment `plan.cached[i]` at their positions,
+    reusing the runs between them as stored (balanced: the first k; CacheBlend's or a query-aware choice alike)."""
     # (position, token, the module whose KV it recomputes or None: new text)
     pieces: list[tuple[int, int, str | None]] = [
         (p, t, None) for run in plan.new_runs for p, t in zip(range(run.start, run.end), run.token_ids)]

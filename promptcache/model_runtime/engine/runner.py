@@ -61,14 +61,11 @@ class _Group:
 
 
 class AssembledGroups:
-    """Concatenations of shared blocks that the same sequences attend together, named by their blocks: one kernel
-    call per layer instead of one per block, for a copy. A group is kept while in use, then LRU within `max_bytes`,
-    so the next request over the same document or modules attends the same copy; past the budget a new group takes
-    an old one's buffer (a fresh one page-faults: ~15 ms on 2 cores for a 2.3K-token prompt of a 135M model, more
-    than the copy). `split` keeps whole blocks apart from views (a chain's partly reused last block, a module with
-    its head recomputed), which differ per request. Names identify contents, so a kept group never goes stale. A
-    view's `shift` (fidelity's contiguous positions) is applied by `shifter` as the group's keys are written.
-    """
+    """Concatenations of shared blocks the same sequences attend together, named by their blocks (one kernel call per
+    layer, not per block). Kept while in use, then LRU within `max_bytes`, so the next request over the same blocks
+    reuses the copy; past the budget a new group takes an old one's buffer (fresh tensors page-fault: ~15 ms on 2 cores
+    for a 2.3K-token 135M prompt). `split` keeps whole blocks apart from views, which differ per request; a view's
+    `shift` is applied by `shifter` as keys are copied."""
 
     def __init__(self, max_bytes: int, shifter: KeyShifter | None = None) -> None:
         if max_bytes < 0:
@@ -175,9 +172,8 @@ class ModelRunner:
             bf16_kernel.prepare()  # built here, at startup, never inside a request
 
     def run(self, plan: StepPlan) -> RunOutput:
-        """One forward pass for the batch and the module-encoding chunk. If it fails, the chunk and each sequence
-        run alone, so a request that breaks the model fails by itself (rewriting KV slots is safe: own lengths
-        advance only after a successful pass)."""
+        """One forward pass for the batch and the encoding chunk. If it fails, each runs alone, so a request that breaks
+        the model fails by itself (own lengths advance only after a successful pass)."""
         if not plan.has_forward:
             return RunOutput()
         started = time.perf_counter()

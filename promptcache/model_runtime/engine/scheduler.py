@@ -70,9 +70,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
-        """Drop aborted work, admit waiting requests and compose the step (`step_plan.compose_step`): prompt tokens
-        share the learned `step_budget` while anything decodes, else `max_prefill_tokens_alone`, or
-        `max_prefill_tokens` while a tenant with nothing running waits (a long step would delay its first token)."""
+        """Drop aborted work, admit waiting requests and compose the step: prompt tokens share the learned `step_budget`
+        while anything decodes, else `max_prefill_tokens_alone` (`max_prefill_tokens` while a newcomer waits)."""
         events = self._reap_aborted()
         ready: list = []
         encodes: list[EncodeNeed] = []
@@ -120,9 +119,8 @@ class Scheduler:
                 if key not in request.computed_kv and self.encoder.store.tier_of(key) is None]
 
     def _admit(self, events: list[TokenEvent], ready: list, encodes: list[EncodeNeed]) -> None:
-        """Admit heads in turn until one does not fit, which blocks the rest (so none starves). A head whose module
-        KV no tier gives is parked while the engine encodes it (`encodes`); a tenant running its share of the batch
-        is passed over; an exact repeat, whose first-token logits are known, goes to `ready`."""
+        """Admit heads in turn until one does not fit, which blocks the rest (none starves). Heads whose module KV no
+        tier gives are parked (`encodes`); tenants at their share are passed over; exact repeats go to `ready`."""
         at_share: set[str | None] = set()  # tenants whose next request would eat the others' headroom
         tenant_cap = self.config.max_num_seqs - self.config.tenant_headroom_seqs
         while (request := self.waiting.head(skip=at_share)) is not None:
@@ -338,12 +336,10 @@ RETRY_AFTER_S = 1  # a full queue drains as fast as the engine admits: a short w
 
 
 class WaitingRequests:
-    """Requests submitted and not yet admitted, in one FCFS queue per tenant (None: the default one). `head` is
-    the first of the tenant whose turn it is and `pop` passes the turn on, so a tenant's backlog delays another's
-    requests by one admission per tenant ahead. A request whose module KV is encoded is `park`ed out of line and
-    `resume`d at its queue's front. A tenant holds at most `max_per_tenant` requests, counted from `reserve` (on
-    the submitting thread; the only thread-safe call) until they leave. Every operation is O(1) in requests.
-    """
+    """Requests not yet admitted, one FCFS queue per tenant: `head` is the first of the tenant whose turn it is, `pop`
+    passes the turn on. A request whose module KV is encoded is `park`ed, then `resume`d at its queue's front. A tenant
+    holds at most `max_per_tenant`, counted from `reserve` (thread-safe, unlike the rest) until they leave. All O(1) in
+    requests."""
 
     def __init__(self, max_per_tenant: int) -> None:
         self.max_per_tenant = max_per_tenant

@@ -1,11 +1,8 @@
-"""Step sizes learned online from step times (the cost of a token against a decode step differs by machine,
-dtype, model and batch by 100x: no fixed number fits). StepBudget: the prompt or encoding tokens a step may feed
-while others decode, so the step stays within `max_slowdown` times a decode-only step (on a 2-core CPU a fixed
-64-token chunk tripled the gap; on a GPU it is almost free). SharedStepCap: the rows (decodes plus prompt tokens)
-a step may run while several tenants share the engine, so a light tenant's first token, which waits for the step
-in flight and then a step of its own (step_plan.compose_step), waits at most about twice its time alone. It is
-feedback on rows, not a cost model: one cannot be fitted while a flood keeps the step's mix constant.
-"""
+"""Step sizes learned online from step times (token and decode costs differ by machine, dtype, model and batch by 100x).
+StepBudget: tokens a step may feed beside decodes within `max_slowdown` times a decode-only step (a fixed 64-token chunk
+tripled the gap on a 2-core CPU). SharedStepCap: rows a step may run while tenants share the engine, so a light tenant's
+first token waits about twice its time alone; feedback on rows, as no cost model fits while a flood keeps the mix
+constant."""
 
 from __future__ import annotations
 
@@ -34,10 +31,9 @@ class StepBudget:
         return max(self.added_ms / self.fed, 1e-3)
 
     def tokens(self, waiting_per_decoding: float = 0.0) -> int:
-        """The budget for the next step that has decoding sequences. `waiting_per_decoding`: sequences
-        waiting for their first token per decoding one. Above 1 the allowed slowdown grows with it: the
-        step's delay then falls on few streams while its tokens serve many (16 requests arriving
-        together behind a few decodes got one question a step: the last waited ~17 steps)."""
+        """The budget of the next step with decodes. Above one waiting sequence per decoding one
+        (`waiting_per_decoding`), the slowdown allowed grows with it: the delay falls on few streams, the tokens serve
+        many."""
         if self.max_slowdown is None:
             return self.max_tokens
         token_ms = self.token_ms

@@ -59,14 +59,10 @@ class StepPlan:
 
 def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int,
                  max_rows: int | None = None, min_tokens: int = 1) -> tuple[tuple[ScheduledSeq, ...], int]:
-    """The step's batch and the prefill budget it leaves. Decodes run, and prefills share `mixed_budget` tokens
-    with them (`alone_budget` with nothing decoding), tenants with fewer running sequences first: a flooding
-    tenant's many prefills would hold another's short prompt back chunk by chunk. A tenant with nothing decoding
-    whose prompts fit `alone_budget` gets a step of its own (its first token waits one short step, not a full
-    batch; it delays the others once). Under `max_rows` (engine/step_budget.py) a step with decodes runs at most
-    that many rows: lighter tenants' decodes first, then in `running` order (the scheduler moves those fed to
-    the back, so they take turns), leaving room for `min_tokens` prompt tokens when any wait.
-    """
+    """The step's batch and the prefill budget it leaves. Decodes run and prefills share `mixed_budget` (`alone_budget`
+    with nothing decoding), lighter tenants first. A tenant with nothing decoding whose prompts fit `alone_budget` gets
+    a step of its own. Under `max_rows` a step with decodes runs at most that many rows: lighter tenants' decodes first,
+    then in `running` order (the scheduler rotates them), keeping `min_tokens` for prompts."""
     load = Counter(_tenant(s) for s in running)  # running sequences per tenant
     decoding = [s for s in running if s.pending_ids and s.status != SeqStatus.PREFILL]
     prefills = sorted((s for s in running if s.pending_ids and s.status == SeqStatus.PREFILL),
