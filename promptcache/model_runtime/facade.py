@@ -229,8 +229,7 @@ def completion_tokens(tokenizer: Any, text: str) -> tuple[int, ...]:
 
 
 def chat_tokens(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> tuple[int, ...]:
-    """The conversation rendered with the generation prompt, encoded without added specials. Raises ChatRenderError
-    (template refusal), InvalidRequestError (bad Unicode)."""
+    """The chat rendered with its generation prompt, no specials added. Raises ChatRenderError, InvalidRequestError."""
     for i, message in enumerate(messages):
         _check_unicode(message["content"], f"message {i}'s content")
     if getattr(tokenizer, "chat_template", None):

@@ -148,8 +148,7 @@ class BatchContext:
         return by_layer[layer]
 
     def plan_decode(self, query: torch.Tensor) -> StepDecode | bool:
-        """The pass's decoding sequences as one kernel call per layer (planned at the first layer's
-        `query` [1, H, total_q, D]), or False where the kernel does not take them."""
+        """The pass's decoding sequences as one kernel call per layer (False: the kernel does not take them)."""
         if self.decode is None:
             own_lens = [s + n for s, n in zip(self.own_starts, self.query_lens)]
             self.decode = plan_step_decode(query, self.query_lens, self.own_keys, self.own_values, own_lens,
@@ -157,8 +156,7 @@ class BatchContext:
         return self.decode
 
     def decode_batch(self, query: torch.Tensor) -> Any:
-        """The `DecodeBatch` of a pass in which every sequence decodes through the kernel (`query` the first
-        layer's [B, H, D]; `decode_batch.kernel_takes` must hold)."""
+        """The `DecodeBatch` of an all-decode pass the kernel takes (`query`: the first layer's [B, H, D])."""
         decode = self.plan_decode(query.transpose(0, 1).unsqueeze(0))
         assert isinstance(decode, StepDecode) and decode.rows is None, "an all-decode step the kernel takes"
         return decode.batch
@@ -254,8 +252,7 @@ def _attend(ctx: BatchContext, queries: torch.Tensor, layer: int, seqs: tuple[in
 
 
 def _own_writes(ctx: BatchContext, indices: StepIndices) -> list[OwnWrite]:
-    """The writes of a pass's new KV: one for all pooled sequences (their rows and slots as index
-    tensors, or slices when contiguous), one per sequence with a buffer of its own."""
+    """A pass's KV writes: one for all pooled sequences, one per sequence with a buffer of its own."""
     writes, pooled_rows, pooled_slots, row = [], [], [], 0
     slots = ctx.own_slots or [None] * len(ctx.query_lens)
     for keys, values, start, n, first in zip(ctx.own_keys, ctx.own_values, ctx.own_starts, ctx.query_lens, slots):

@@ -29,8 +29,7 @@ class KeyShifter:
 
     @classmethod
     def of(cls, model: PreTrainedModel, head_dim: int) -> KeyShifter | None:
-        """The shifter of an HF decoder whose rotary embedding is static, else None (learned positions such as
-        GPT-2's, or RoPE that rescales with the sequence length)."""
+        """The shifter of an HF decoder whose rotary embedding is static, else None (learned or rescaling)."""
         rotary = getattr(model.base_model, "rotary_emb", None)
         if rotary is None or getattr(rotary, "rope_type", "default") not in _STATIC_ROPE_TYPES:
             return None

@@ -81,7 +81,6 @@ def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> A
     if missing:
         return MissingModules(tuple(missing))
     request.computed_kv = {}  # held by its shared KV from here on
-
     looked_up = time.perf_counter()
     stream = prefix.open(module_keys, list(reuse.token_ids), list(reuse.position_ids), salt=request.cache_salt,
                          variant=reuse.variant, match=request.params.prompt_logprobs is None)
@@ -95,7 +94,6 @@ def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> A
                         link.block.to(device)) for link in stream.match.links]
     token_ids, positions = list(reuse.token_ids[reused:]), list(reuse.position_ids[reused:])
     check_positions(positions, loaded.max_positions)
-
     recomputed = dict(reuse.recomputed_from(reused))  # what this request recomputes itself
     request.use_tiers = tuple(use_tiers)
     after = reuse.encoded_after(plan.schema)

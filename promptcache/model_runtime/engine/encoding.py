@@ -121,8 +121,7 @@ class EncodeQueue:
             self._by_target.pop(job.target, None)
             job.done.set_result(None)
             return
-        loaded = self.encoder.loaded
-        device = loaded.model.device
+        loaded, device = self.encoder.loaded, self.encoder.loaded.model.device
         shape = (loaded.num_layers, loaded.num_kv_heads, max(1, len(work.token_ids)), loaded.head_dim)
         seq_id = next(_seq_ids)
         shared = [SharedKV(KVView(f"encode-{seq_id}/{i}"), block.to(device)) for i, block in enumerate(work.found)]
@@ -177,8 +176,7 @@ class ParkedEncodes:
 
 
 class SchemaEncodes:
-    """Schema encodings asked for with `Engine.encode_schema`: each resolves its caller's future with an
-    EncodeReport once its last job is stored, or with the first error."""
+    """`Engine.encode_schema`'s encodings: a future resolves with an EncodeReport, or the first error."""
 
     def __init__(self, encodes: EncodeQueue) -> None:
         self.encodes = encodes
@@ -206,8 +204,7 @@ class SchemaEncodes:
 
 def encode_now(encoder: ModuleEncoder, runner: ModelRunner, schema: Schema, jobs: list[tuple[int, tuple[int, ...]]],
                cache_salt: str | None = None, progress: Callable[[int, int], None] | None = None) -> EncodeReport:
-    """Encode the (segment, context) `jobs` of `schema` that no tier holds now, on this thread, each in one pass
-    of `runner` (schemas added before serving). Raises what failed."""
+    """Encode the `jobs` of `schema` no tier holds, now, one pass of `runner` each. Raises what failed."""
     started, before = time.perf_counter(), encoder.num_encoded_segments
     queue = EncodeQueue(encoder)
     for done, (segment_id, context_ids) in enumerate(jobs, 1):

@@ -113,8 +113,7 @@ class Engine:
     def submit_many(self, plans: list[PromptPlan], params: SamplingParams, *, cache_salt: str | None = None,
                     request_ids: list[str | None] | None = None, fidelity: Fidelity | None = None,
                     report_spans: bool = False, tenant: str | None = None) -> list[AsyncIterator[TokenEvent]]:
-        """`submit` each plan, all or none: raises QueueFullError, queueing nothing, unless the tenant's
-        queue has room for every plan now (InvalidRequestError if it never could)."""
+        """`submit` each plan, all or none (QueueFullError; InvalidRequestError if they could never fit)."""
         ids = [r or f"req-{next(self._ids)}" for r in (request_ids or [None] * len(plans))]
         loop = asyncio.get_running_loop()
         self.scheduler.waiting.reserve(tenant, len(plans))

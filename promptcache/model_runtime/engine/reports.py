@@ -28,10 +28,8 @@ def final_event(request: Request, index: int, token: int | None, text: str, fini
     # Recomputed by this request: stream tokens reused from the prefix index were recomputed by the one
     # that stored them, and count as cached here.
     recomputed = sum(n for _, n in reuse.recomputed_from(from_prefix)) if reuse is not None else 0
-    usage = Usage(prompt_tokens=plan.num_prompt_tokens, cached_tokens=reused,
-                  computed_tokens=request.num_computed_tokens,
-                  completion_tokens=sum(len(s.output_ids) for s in request.sequences),
-                  recomputed_tokens=recomputed)
+    usage = Usage(plan.num_prompt_tokens, cached_tokens=reused, computed_tokens=request.num_computed_tokens,
+                  completion_tokens=sum(len(s.output_ids) for s in request.sequences), recomputed_tokens=recomputed)
     first = request.first_token_at or now
     timings = Timings(encode_ms=request.encode_ms, assembly_ms=request.assembly_ms, lookup_ms=request.lookup_ms,
                       prefill_ms=request.prefill_ms, ttft_ms=(first - request.submitted_at) * 1e3,
@@ -68,7 +66,6 @@ def prompt_spans(plan: PromptPlan, reuse: ReusePlan, use_tiers: tuple[str, ...],
         runs.append((segment.start + last, segment.token_ids[last:], segment.owner, None, True))
     runs += [(run.start, run.token_ids, _run_module(plan, run), None, False) for run in plan.new_runs]
     runs = sorted((r for r in runs if r[1]), key=lambda r: r[0])
-
     pieces: list[tuple[int, tuple[int, ...], str, str | None, str | None]] = []
     reused_runs = _tier_runs(links)
     ends = [end for _, end, _ in reused_runs]
@@ -140,8 +137,7 @@ def _run_module(plan: PromptPlan, run: NewRun) -> str | None:
 
 
 def failure_event(request: Request, exc: BaseException) -> TokenEvent:
-    """The event that fails one request: bad input says what is wrong; anything else is logged under an id
-    the caller gets too (never internals in the message)."""
+    """The event failing a request: bad input says why; anything else is logged under an id the caller gets."""
     if isinstance(exc, InvalidRequestError):
         return rejection_event(request, str(exc))
     error_id = uuid.uuid4().hex[:12]

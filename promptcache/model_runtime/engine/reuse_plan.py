@@ -56,8 +56,7 @@ _Mode = TypeVar("_Mode", bound=WireEnum)
 
 @dataclass(frozen=True, slots=True)
 class Fidelity:
-    """A request's fidelity mode; `head_tokens` is k, the tokens recomputed per out-of-context segment; `positions` and
-    `context` as in the module docstring."""
+    """A request's fidelity mode, `head_tokens` (k), `positions` and `context` (module docstring)."""
 
     mode: FidelityMode = FidelityMode.FAST
     head_tokens: int = 16
@@ -120,13 +119,11 @@ class ReusePlan:
         return sum(count for _, count in self.recomputed)
 
     def recomputed_from(self, index: int) -> tuple[tuple[str, int], ...]:
-        """What the stream tokens from `index` on recompute, per module (the first `index`, from the prefix index, were
-        recomputed by the request that stored them)."""
+        """Per module, what stream tokens from `index` on recompute (the earlier ones came from prefix blocks)."""
         return tuple(Counter(owner for owner in self.recomputes[index:] if owner is not None).items())
 
     def encoded_after(self, schema: Schema) -> dict[str, str]:
-        """Module path -> the module after which the KV it reuses was encoded, for the uses of a
-        "predecessor" encoding: the owner of the context segment its schema does not name."""
+        """Module path -> the module after which its reused "predecessor" encoding was encoded."""
         after = {}
         for use in self.uses:
             extra = [i for i in use.cached.context_ids if i not in use.cached.segment.context_ids]
@@ -193,8 +190,7 @@ def in_context(plan: PromptPlan, cached: CachedSegment) -> bool:
 
 
 def with_predecessors(plan: PromptPlan) -> PromptPlan:
-    """`plan` reusing, for every module segment out of its encoding context, its encoding after its predecessor
-    (`Schema.predecessor_context`)."""
+    """`plan` reusing each out-of-context module segment's encoding after its predecessor."""
     cached = []
     for c in plan.cached:
         if c.variant == "default" and not in_context(plan, c):

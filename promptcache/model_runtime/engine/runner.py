@@ -133,8 +133,7 @@ class AssembledGroups:
         return keys, values
 
     def trim(self) -> None:
-        """After a step's last `get`: while over budget, drop the least recently used groups the step did not
-        use (groups in use may exceed it), and forget what it used."""
+        """After a step's gets: drop LRU groups the step did not use while over budget; forget what it used."""
         live, self._live = self._live, set()
         held = self.num_bytes
         for names in list(self._groups):

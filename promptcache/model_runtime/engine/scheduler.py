@@ -76,8 +76,7 @@ class Scheduler:
         ready: list = []
         encodes: list[EncodeNeed] = []
         self._admit(events, ready, encodes)
-        running_tenants = {s.owner.tenant for s in self.running}
-        others_wait = bool(self.waiting.tenants() - running_tenants)
+        others_wait = bool(self.waiting.tenants() - {s.owner.tenant for s in self.running})
         max_rows = self._shared_rows()
         short = others_wait or max_rows is not None
         alone = self.config.max_prefill_tokens if short else self.config.max_prefill_tokens_alone
@@ -104,8 +103,7 @@ class Scheduler:
             self.shared_cap.observe_capped(plan.num_decoding + plan.num_prompt_tokens, step_ms)
 
     def _shared_rows(self) -> int | None:
-        """The rows a step may run while a light tenant got a step of its own within `shared_window_s`, else None
-        (tenants that all keep decoding gain nothing from short steps)."""
+        """The rows a step may run within `shared_window_s` of a light tenant's step of its own, else None."""
         if (self.config.shared_step_ratio is None
                 or time.monotonic() - self._last_light_step > self.config.shared_window_s):
             return None
@@ -379,8 +377,7 @@ class WaitingRequests:
         return set(self._queues)
 
     def head(self, skip: frozenset[str | None] | set[str | None] = frozenset()) -> Request | None:
-        """The next request to admit: the first of the tenant whose turn it is, passing over the tenants
-        in `skip` (those at their share of the running batch). O(number of tenants)."""
+        """The first request of the tenant whose turn it is, tenants in `skip` passed over. O(number of tenants)."""
         for tenant, queue in self._queues.items():
             if tenant not in skip:
                 return next(iter(queue.values()))
