@@ -85,8 +85,7 @@ def slowest_tier(tiers: list[str]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class CacheReport:
-    """The cache side of one prompt, served or planned (`explain`). `modules` follow the plan's module paths (a
-    planned one's `tier` None: some of its KV is in no tier); `approximations` empty for an exact prompt."""
+    """The cache side of one prompt, served or planned (`explain`); a planned module's `tier` None: not all held."""
 
     schema_name: str
     is_exact: bool

@@ -104,8 +104,7 @@ class Engine:
     def submit(self, plan: PromptPlan, params: SamplingParams, *, cache_salt: str | None = None,
                request_id: str | None = None, fidelity: Fidelity | None = None,
                report_spans: bool = False, tenant: str | None = None) -> AsyncIterator[TokenEvent]:
-        """Queue a request in `tenant`'s queue (on a running loop) and iterate the result for its events.
-        `report_spans`: the prompt's spans by KV origin on the final event. Raises QueueFullError."""
+        """Queue a request in `tenant`'s queue (on a running loop); iterate it for its events (QueueFullError)."""
         [events] = self.submit_many([plan], params, cache_salt=cache_salt, request_ids=[request_id],
                                     fidelity=fidelity, report_spans=report_spans, tenant=tenant)
         return events
@@ -130,9 +129,8 @@ class Engine:
 
     def encode_schema(self, schema: Schema, cache_salt: str | None = None, *, owner: str | None = None,
                       keep_local: bool = True, second_encodings: bool = False) -> Future[EncodeReport]:
-        """Encode `schema`'s module KV that no tier holds, for `owner`, in chunks between decode steps; the future
-        raises what failed. `keep_local=False`: shared tiers only unless a request here needs it (a replica whose
-        uploads others serve). `second_encodings`: also each module's "predecessor" encoding."""
+        """Encode `schema`'s module KV no tier holds, for `owner`, between decode steps (the future raises what failed);
+        `keep_local=False`: shared tiers only; `second_encodings`: "predecessor" ones too."""
         future: Future[EncodeReport] = Future()
         self.inbox.post(functools.partial(self.schema_encodes.submit, schema, cache_salt, owner, future,
                                           keep_local=keep_local, second_encodings=second_encodings))

@@ -157,8 +157,7 @@ class AssembledGroups:
 
 
 class ModelRunner:
-    """Runs batch steps. Shared blocks are grouped by the exact set of sequences that use them, concatenated once
-    and kept for later steps and requests (AssembledGroups, `max_assembled_bytes` once unused)."""
+    """Runs batch steps; shared blocks are grouped by the sequences using them (AssembledGroups)."""
 
     def __init__(self, loaded: LoadedModel, *, backend: str = "auto", max_assembled_bytes: int = 128 << 20) -> None:
         self.loaded = loaded

@@ -21,8 +21,7 @@ class ScheduledSeq:
 
 @dataclass(frozen=True, slots=True)
 class EncodeNeed:
-    """Module KV a parked request waits for: (segment, context) of its schema. `recompute`: a tier holds
-    it, but the fetch was refused (the fetch policy measured recomputing as faster), so it is computed."""
+    """Module KV a parked request waits for; `recompute`: a tier holds it, but the fetch policy refused it."""
 
     request: Request
     segment_id: int
