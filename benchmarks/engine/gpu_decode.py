@@ -22,7 +22,7 @@ from benchmarks.engine.decode import pooled_sequences, register_modes, run_mode
 from benchmarks.harness import device_name, emit, gpu_parser, log
 from benchmarks.shapes import SHAPES, byte_tokenizer
 from promptcache.cache_store import KVBlock
-from promptcache.model_runtime.engine.kv_view import KVView
+from promptcache.model_runtime.engine.prefix import KVView
 from promptcache.model_runtime.engine.request import SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.engine.step_plan import ScheduledSeq

@@ -10,9 +10,8 @@ from collections.abc import Callable
 import torch
 
 from promptcache.model_runtime.attention import bf16_kernel
-from promptcache.model_runtime.detokenizer import Detokenizer
 from promptcache.model_runtime.engine import Engine
-from promptcache.model_runtime.sampling import Sampler
+from promptcache.model_runtime.sampling import Detokenizer, Sampler
 
 
 class PhaseProbe:

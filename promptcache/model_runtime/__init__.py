@@ -1,7 +1,5 @@
-"""Model runtime: loading HF causal LMs, module encoding, the batched engine.
-
-The only package that imports torch/transformers.
-"""
+"""Model runtime: loading HF causal LMs, module encoding, the batched engine (the only package that imports
+torch/transformers)."""
 
 from promptcache.model_runtime.engine import EngineConfig, ErrorKind, Fidelity, FinishReason, RequestReport, TokenEvent
 from promptcache.model_runtime.engine.reuse_plan import ContextMode, FidelityMode, PositionMode
@@ -14,7 +12,7 @@ from promptcache.model_runtime.errors import (
     QueueFullError,
     UnsupportedModelError,
 )
-from promptcache.model_runtime.facade import PromptRuntime, RuntimeStats
+from promptcache.model_runtime.facade import ModelRuntime, PromptRuntime, RuntimeStats
 from promptcache.model_runtime.intraop_threads import confine_to_this_thread, confined_executor, run_in_passing_thread
 from promptcache.model_runtime.loading.loader import (
     SUPPORTED_ARCHITECTURES,
@@ -25,14 +23,7 @@ from promptcache.model_runtime.loading.loader import (
 )
 from promptcache.model_runtime.loading.quantized_linear import WeightFormat
 from promptcache.model_runtime.module_encoder import EncodeReport, ModuleEncoder
-from promptcache.model_runtime.results import (
-    CacheReport,
-    ModuleUse,
-    PrefixUse,
-    Timings,
-    Usage,
-)
-from promptcache.model_runtime.runtime import ModelRuntime
+from promptcache.model_runtime.results import CacheReport, ModuleUse, PrefixUse, Timings, Usage
 from promptcache.model_runtime.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 
 __all__ = [

@@ -6,24 +6,17 @@ from collections.abc import Sequence
 
 import torch
 
-from promptcache.model_runtime.forward import cache_argument, past_cache
+from promptcache.model_runtime.packed_attention import cache_argument, past_cache
 
 
 @torch.inference_mode()
 def full_prefill_logits(model, token_ids: Sequence[int], position_ids: Sequence[int] | None = None,
                         attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits [n, vocab] (float32) of one plain forward pass over `token_ids`.
-
-    `attention_mask` may be a [1, 1, n, n] boolean mask (True = may attend) to express an
-    approximation explicitly; by default the mask is causal. An explicit all-ones 2-D mask is passed
-    otherwise: without one, transformers reads a jump in `position_ids` as the start of a new packed
-    sequence and would block attention across it.
-    """
+    """Logits [n, vocab] (float32) of one plain forward pass over `token_ids`; `attention_mask` [1, 1, n, n] (True: may
+    attend), else causal (all-ones 2-D: else transformers reads a position jump as a new packed sequence)."""
     device = model.device
     input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)  # [1, n]
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)  # [1, n]
-    kwargs = {"attention_mask": attention_mask.to(device)}
+    kwargs = {"attention_mask": (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(device)}
     if position_ids is not None:
         kwargs["position_ids"] = torch.tensor([list(position_ids)], dtype=torch.long, device=device)  # [1, n]
     return model(input_ids=input_ids, use_cache=False, **kwargs).logits[0].float()

@@ -1,11 +1,6 @@
-"""What the CPU can do, read once from the OS, and the dtype `--dtype auto` picks from it.
-
-bf16 pays off on CPUs with native bf16 arithmetic (Intel AMX tiles `amx_bf16`, or AVX-512 `avx512_bf16`
-as on Cooper Lake, Sapphire Rapids and AMD Zen 4): measured 2.6x over fp32 for a 2K-token prefill of the
-SmolLM2 shape on an AMX CPU. Without them PyTorch emulates bf16 and it is slower than fp32,
-so `auto` keeps fp32 there. Detection reads `/proc/cpuinfo` (Linux); elsewhere it finds no flags and
-picks fp32 (never assumes a feature).
-"""
+"""CPU feature flags read once from `/proc/cpuinfo` (none elsewhere) and the dtype `--dtype auto` picks: bf16
+only with native bf16 arithmetic (AMX `amx_bf16`, AVX-512 `avx512_bf16`: 2.6x over fp32 for a 2K-token SmolLM2
+prefill on an AMX CPU); emulated bf16 is slower than fp32, so `auto` keeps fp32 there."""
 
 from __future__ import annotations
 

@@ -27,6 +27,12 @@ class ChatRenderError(InvalidRequestError):
     """The model's chat template cannot render the given messages (bad input, a 4xx)."""
 
 
+def require(condition: bool, message: str) -> None:
+    """Raise ValueError(`message`) unless `condition` (an argument check)."""
+    if not condition:
+        raise ValueError(message)
+
+
 class QueueFullError(EngineError):
     """The caller's tenant has as many requests waiting as the engine queues for one tenant: retry after
     `retry_after_s` seconds (overload, a 429, never a fault of the request)."""

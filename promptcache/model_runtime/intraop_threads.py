@@ -1,18 +1,7 @@
-"""Torch's intra-op threads belong to the engine thread: one OpenMP team in the process.
-
-Why: with torch's OpenMP backend (libgomp), every thread that starts a parallel region gets a team of worker
-threads of its own, kept for as long as that thread lives. Once the process holds more such threads than
-CPUs, libgomp stops letting idle workers spin ("throttled" spinning, a hundredth of the usual) and every
-parallel region wakes its workers through the kernel. A decode step runs ~150 parallel regions (each matmul,
-each attention call), so a second team anywhere cost each step that wake-up ~150 times: on 2 cores a
-SmolLM2-135M bf16 decode step took 21 ms instead of 12.7 ms when the model had been loaded on a worker thread
-of asyncio's default executor (which lives on) and the engine ran on its own thread.
-
-So the server (1) loads the model and builds the service on a thread that exits afterwards, taking its
-team with it (`run_in_passing_thread`), and (2) confines every other long-lived thread it runs torch ops on
-(the event loop's, the default executor's workers) to itself (`confine_to_this_thread`): their ops run
-serially on the calling thread and start no team. The engine thread keeps torch's setting.
-"""
+"""Torch's intra-op threads belong to the engine thread: one OpenMP team in the process. With libgomp each thread that
+starts a parallel region keeps a team; past one thread per CPU, idle workers stop spinning and each of a decode step's
+~150 regions wakes them through the kernel (21 ms, not 12.7, per SmolLM2-135M step on 2 cores). So the model loads on a
+thread that exits (`run_in_passing_thread`) and other torch threads are confined (`confine_to_this_thread`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Module encoding: the KV of schema segments at their layout positions, after their contexts.
-
-A segment's KV is identified by (segment, context); contexts are prefix-closed, so the KV of a
-context chain Z0..Zk is built left to right, each link encoded after the links before it. Links found
-in the store are reused; the missing tail is computed by the engine's encode queue (engine/encoding.py)
-in chunks and stored link by link. The result equals a full prefill of the chain's tokens at their
-positions.
-"""
+"""Module encoding: the KV of schema segments at their layout positions, keyed by (segment, context). A context
+chain Z0..Zk is built left to right: stored links are reused, the missing tail is computed by the engine's encode
+queue (engine/encoding.py) and stored link by link, equal to a full prefill of the chain's tokens."""
 
 from __future__ import annotations
 
@@ -53,9 +48,8 @@ class _Cost(TypedDict):
 
 @dataclass(frozen=True, slots=True)
 class ChainWork:
-    """Encoding one missing segment: its context chain's stored links (`found`, in order), then the
-    tail segments to compute, their store keys, and the tail's tokens and positions. `owner` is the
-    tenant whose byte share the stored KV counts against (None: the default one)."""
+    """Encoding one missing segment: its chain's stored links (`found`), then the tail segments, their keys and kinds,
+    tokens and positions, stored for `owner` (a tenant's byte share)."""
 
     target: str
     found: tuple[KVBlock, ...]
@@ -75,8 +69,7 @@ class EncodeReport:
 
 
 class ModuleEncoder:
-    """Plans, stores and fetches segment KV (engine/encoding.py computes it). Called from the engine
-    thread; counters are locked."""
+    """Plans, stores and fetches segment KV (engine/encoding.py computes it); counters are locked."""
 
     def __init__(self, loaded: LoadedModel, store: KVStore) -> None:
         self.loaded = loaded
@@ -85,15 +78,10 @@ class ModuleEncoder:
         self.num_encoded_segments = 0
 
     def key(self, schema: Schema, segment_id: int, context_ids: Sequence[int], cache_salt: str | None) -> str:
-        segment = schema.segments[segment_id]
-        return make_kv_key(
-            model_fingerprint=self.loaded.model_fingerprint,
-            tokenizer_fingerprint=self.loaded.tokenizer_fingerprint,
-            token_ids=segment.token_ids,
-            position_ids=segment.position_ids,
-            context_digest=schema.context_digest(context_ids),
-            cache_salt=cache_salt,
-        )
+        segment, loaded = schema.segments[segment_id], self.loaded
+        return make_kv_key(model_fingerprint=loaded.model_fingerprint, token_ids=segment.token_ids,
+                           tokenizer_fingerprint=loaded.tokenizer_fingerprint, position_ids=segment.position_ids,
+                           context_digest=schema.context_digest(context_ids), cache_salt=cache_salt)
 
     def fetch(self, schema: Schema, segment_id: int, context_ids: Sequence[int],
               cache_salt: str | None = None) -> tuple[KVBlock, str] | None:
@@ -103,10 +91,8 @@ class ModuleEncoder:
 
     def plan(self, schema: Schema, segment_id: int, context_ids: Sequence[int], cache_salt: str | None = None, *,
              owner: str | None = None, assume_missing: bool = False, local: bool = True) -> ChainWork | None:
-        """What encoding `segment_id` after `context_ids` needs: the stored links of its context chain
-        and the tokens of the missing tail, stored for `owner`. None when the target is stored already.
-        `local=False`: the links are read without promoting them into this process's tiers (an
-        encoding for others)."""
+        """What encoding `segment_id` after `context_ids` for `owner` needs: its chain's stored links and the
+        missing tail; None when stored already. `local=False`: links are read without promotion here."""
         target = self.key(schema, segment_id, context_ids, cache_salt)
         if not assume_missing and self.store.tier_of(target) is not None:
             return None
@@ -129,8 +115,7 @@ class ModuleEncoder:
         return ChainWork(target, tuple(found), tuple(segments), tuple(keys), token_ids, position_ids, owner, kinds)
 
     def store_tail(self, work: ChainWork, keys: torch.Tensor, values: torch.Tensor, *, local: bool = True) -> KVBlock:
-        """Store the computed tail (`keys`/`values` [L, H_kv, tail tokens, D]) segment by segment;
-        returns the target segment's block. `local=False`: in the shared tiers only (store.put)."""
+        """Store the computed tail ([L, H_kv, tail tokens, D]) by segment; returns the target's block."""
         offset, block = 0, None
         for segment, key, kind in zip(work.segments, work.keys, work.kinds):
             n = len(segment.token_ids)
@@ -153,9 +138,8 @@ class ModuleEncoder:
         return {"num_tokens": num_tokens, "nbytes": num_tokens * per_token}
 
     def schema_jobs(self, schema: Schema, *, predecessors: bool = False) -> list[tuple[int, tuple[int, ...]]]:
-        """(segment, context) of every cached segment's default KV and each scaffold's joint KV;
-        `predecessors`: also every module segment's KV encoded after the module before it (fidelity
-        context "predecessor", engine/reuse_plan.py)."""
+        """(segment, context) of every cached segment's default KV and each scaffold's joint KV; `predecessors`:
+        also each module's encoding after the module before it (fidelity context "predecessor")."""
         jobs = [(s.segment_id, s.context_ids) for s in schema.segments if s.is_cached and not s.is_placeholder]
         if predecessors:
             preceded = [(sid, schema.predecessor_context(sid, ctx)) for sid, ctx in jobs]
@@ -167,10 +151,8 @@ class ModuleEncoder:
 
 
 def is_second_encoding(schema: Schema, segment_id: int, context_ids: Sequence[int]) -> bool:
-    """True when (segment, context) is a module's second encoding (after its schema context and the
-    module before it: fidelity context "predecessor"), not one its schema or a scaffold names. Such KV
-    is stored as kind "prefix": every tier evicts it before any first encoding, and the engine makes it
-    again on its next use."""
+    """True when (segment, context) is a module's second encoding (fidelity context "predecessor"), not one its
+    schema or a scaffold names: stored as kind "prefix", evicted before first encodings, remade on next use."""
     segment, context = schema.segments[segment_id], tuple(context_ids)
     if context == tuple(segment.context_ids) or any(s.contexts.get(segment_id) == context for s in schema.scaffolds):
         return False

@@ -1,17 +1,15 @@
-"""Shared-module attention inside HF models, through transformers' attention-function registry.
-
-Every forward pass of the runtime (a batch step, a single request's prefill, module encoding) feeds
-its sequences' tokens as ONE packed row. `BatchCache` stands in for
-the HF cache: it writes each sequence's new keys/values into that sequence's own KV, with one
-`index_copy_` per layer for all the sequences whose own KV lives in one KVPool (kv_pool.py). The
-registered attention function then attends, per layer, every shared KV segment once for all queries
-that include it, plus each sequence's own KV, merged exactly (model_runtime.attention). Outside a
-batch step (no active context) the function is plain SDPA, so the single-sequence path is unchanged.
-"""
+"""Shared-module attention inside HF models (transformers' attention registry). A pass feeds its sequences as ONE packed
+row; `BatchCache` writes their new KV with one `index_copy_` per layer for those in one KVPool (not a GPU kernel launch
+each: ~3,700 a step at batch 32); the function attends each shared segment once for all its queries, merged exactly
+(model_runtime.attention); plain SDPA outside a batch step. `cache_argument`/`past_cache`: HF's cache under either
+name."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
+import inspect
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,7 +23,88 @@ from transformers.modeling_utils import AttentionInterface
 
 from promptcache.model_runtime.attention import OwnPool, SharedSegment, StepIndices, shared_module_attention
 from promptcache.model_runtime.attention.decode_batch import StepDecode, plan_step_decode
-from promptcache.model_runtime.kv_pool import KVPool, OwnWrite
+
+
+class KVPool:
+    """`keys`/`values` [L, H_kv, num_slots, D], made at the first `allocate` (unused CPU pages cost address space only).
+    A range is owned from `allocate` to `free`, then reused at once."""
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.shape = (num_layers, num_kv_heads, num_slots, head_dim)
+        self.dtype, self.device = dtype, torch.device(device)
+        self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._free: list[tuple[int, int]] = [(0, num_slots)]  # (first, end), sorted, never adjacent
+        self._sizes: dict[int, int] = {}  # first slot of each allocated range -> its size
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._tensors()[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._tensors()[1]
+
+    @property
+    def num_free(self) -> int:
+        """Slots not allocated (possibly in several ranges)."""
+        return sum(end - first for first, end in self._free)
+
+    def allocate(self, num_slots: int) -> int | None:
+        """The first slot of a free range of `num_slots` (first fit), or None when no range is that long."""
+        for i, (first, end) in enumerate(self._free):
+            if end - first >= num_slots:
+                self._tensors()
+                if end - first == num_slots:
+                    del self._free[i]
+                else:
+                    self._free[i] = (first + num_slots, end)
+                self._sizes[first] = num_slots
+                return first
+        return None
+
+    def free(self, first: int) -> None:
+        """Return the range that starts at `first` (merged with free neighbours)."""
+        end = first + self._sizes.pop(first)
+        i = bisect.bisect(self._free, (first, end))
+        if i < len(self._free) and self._free[i][0] == end:  # the next free range follows on
+            end = self._free.pop(i)[1]
+        if i > 0 and self._free[i - 1][1] == first:  # the previous one ends here
+            i -= 1
+            first = self._free.pop(i)[0]
+        self._free.insert(i, (first, end))
+
+    def slots(self, first: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the keys and values of slots [first, first + num_slots)."""
+        return self.keys[:, :, first: first + num_slots], self.values[:, :, first: first + num_slots]
+
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._kv is None:
+            self._kv = (torch.empty(self.shape, dtype=self.dtype, device=self.device),
+                        torch.empty(self.shape, dtype=self.dtype, device=self.device))
+        return self._kv
+
+
+@dataclass(frozen=True, slots=True)
+class OwnWrite:
+    """Where a pass writes some sequences' new KV: rows `rows` of a layer's states [H_kv, total_q, D] to slots `slots`
+    of `keys`/`values` [L, H_kv, N, D] (slices as views, else one index op each)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    rows: slice | torch.Tensor
+    slots: slice | torch.Tensor
+
+    def __call__(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        for target, states in ((self.keys, key_states), (self.values, value_states)):
+            new = states[:, self.rows] if isinstance(self.rows, slice) else states.index_select(1, self.rows)
+            if isinstance(self.slots, slice):
+                target[layer, :, self.slots].copy_(new)
+            else:
+                target[layer].index_copy_(1, self.slots, new)
+
 
 ATTENTION_NAME = "promptcache_shared"
 _active = threading.local()
@@ -59,8 +138,7 @@ class BatchContext:
         default_factory=dict, repr=False)
 
     def own_kv(self, seqs: tuple[int, ...], layer: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """The own keys and values so far of sequences `seqs` at `layer`, [H_kv, n, D] views: made once a
-        pass (an `unbind` per sequence), not sliced per sequence per layer (host time bounds a GPU step)."""
+        """Own keys and values so far of `seqs` at `layer`: [H_kv, n, D] views, made once a pass."""
         by_layer = self.layer_views.get(seqs)
         if by_layer is None:
             lengths = [self.own_starts[i] + self.query_lens[i] for i in seqs]
@@ -70,8 +148,7 @@ class BatchContext:
         return by_layer[layer]
 
     def plan_decode(self, query: torch.Tensor) -> StepDecode | bool:
-        """The pass's decoding sequences as one kernel call per layer (planned at the first layer's
-        `query` [1, H, total_q, D]), or False where the kernel does not take them."""
+        """The pass's decoding sequences as one kernel call per layer (False: the kernel does not take them)."""
         if self.decode is None:
             own_lens = [s + n for s, n in zip(self.own_starts, self.query_lens)]
             self.decode = plan_step_decode(query, self.query_lens, self.own_keys, self.own_values, own_lens,
@@ -79,8 +156,7 @@ class BatchContext:
         return self.decode
 
     def decode_batch(self, query: torch.Tensor) -> Any:
-        """The `DecodeBatch` of a pass in which every sequence decodes through the kernel (`query` the first
-        layer's [B, H, D]; `decode_batch.kernel_takes` must hold)."""
+        """The `DecodeBatch` of an all-decode pass the kernel takes (`query`: the first layer's [B, H, D])."""
         decode = self.plan_decode(query.transpose(0, 1).unsqueeze(0))
         assert isinstance(decode, StepDecode) and decode.rows is None, "an all-decode step the kernel takes"
         return decode.batch
@@ -176,8 +252,7 @@ def _attend(ctx: BatchContext, queries: torch.Tensor, layer: int, seqs: tuple[in
 
 
 def _own_writes(ctx: BatchContext, indices: StepIndices) -> list[OwnWrite]:
-    """The writes of a pass's new KV: one for all pooled sequences (their rows and slots as index
-    tensors, or slices when contiguous), one per sequence with a buffer of its own."""
+    """A pass's KV writes: one for all pooled sequences, one per sequence with a buffer of its own."""
     writes, pooled_rows, pooled_slots, row = [], [], [], 0
     slots = ctx.own_slots or [None] * len(ctx.query_lens)
     for keys, values, start, n, first in zip(ctx.own_keys, ctx.own_values, ctx.own_starts, ctx.query_lens, slots):
@@ -209,3 +284,20 @@ def active_batch(context: BatchContext) -> Iterator[BatchContext]:
         yield context
     finally:
         _active.context = None
+
+
+def cache_argument(model, cache) -> dict:
+    """The keyword argument that hands `cache` to `model`'s forward: `cache` where the model takes it (transformers
+    renamed `past_key_values` and warns on every call with the old name), else `past_key_values`."""
+    return {_cache_keyword(type(model)): cache}  # type: ignore[arg-type]  # mypy takes classes for unhashable
+
+
+def past_cache(outputs):
+    """The KV cache a forward pass returned, under either name (see `cache_argument`)."""
+    found = getattr(outputs, "cache", None)
+    return found if found is not None else outputs.past_key_values
+
+
+@functools.cache
+def _cache_keyword(model_class: type[torch.nn.Module]) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"

@@ -16,9 +16,8 @@ TIER_ORDER = ("device", "host", "redis", "disk", "computed")
 
 @dataclass(frozen=True, slots=True)
 class ModuleUse:
-    """A module the prompt used: its path, the tokens of its KV reused, where that KV came from, and
-    how many of its tokens were recomputed in their actual context (fidelity modes); `encoded_after`
-    names the predecessor module whose second encoding was reused (fidelity context "predecessor")."""
+    """A module the prompt used: its path, tokens of its KV reused and from where, tokens recomputed in context, and
+    `encoded_after`: the predecessor whose second encoding was reused."""
 
     path: str
     num_tokens: int
@@ -38,13 +37,8 @@ class PrefixUse:
 
 @dataclass(frozen=True, slots=True)
 class PromptSpan:
-    """Prompt tokens at consecutive layout positions [start, start + num_tokens) whose KV came from one
-    place. `origin`: "module" (a module's cached KV, from `tier`), "prefix" (an automatic prefix block,
-    from `tier`), "recomputed" (a module's tokens computed for this request instead of reused: fidelity
-    balanced / exact) or "computed" (new text, arguments, uncached modules, computed now). `module` names
-    the module the tokens belong to (None: the prompt's own text or the schema's always-included text).
-    Positions are the schema layout's (exact fidelity computes the tokens after its reused lead at
-    contiguous positions; the layout position is still reported)."""
+    """Prompt tokens at consecutive layout positions [start, end) whose KV came from one place: `origin` "module" or
+    "prefix" (from `tier`), "recomputed" or "computed"; `module` None: the prompt's own text."""
 
     start: int
     token_ids: tuple[int, ...]
@@ -91,12 +85,7 @@ def slowest_tier(tiers: list[str]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class CacheReport:
-    """The cache side of one prompt: served (a request's final report) or planned (`explain`).
-
-    `modules` follow the plan's module paths; a planned module's `tier` is None when some of its KV is in
-    no tier (it would be computed). `approximations` is empty for an exact prompt. `spans` only when the
-    request asked for them.
-    """
+    """The cache side of one prompt, served or planned (`explain`); a planned module's `tier` None: not all held."""
 
     schema_name: str
     is_exact: bool
@@ -120,12 +109,9 @@ class CacheReport:
 def served_report(plan: PromptPlan, reuse: ReusePlan | None, mode: FidelityMode, usage: Usage,
                   modules: tuple[ModuleUse, ...], blocks: Sequence[tuple[str, int]],
                   spans: tuple[PromptSpan, ...] | None) -> CacheReport:
-    """The report of a served request (engine/reports.py): `reuse` as resolved at admission (None: the
-    request ended before it was admitted), `mode` the fidelity mode it asked for, `usage` its counts,
-    `blocks` the (tier, tokens) of each stored prefix block it reused."""
-    is_exact = reuse.is_exact if reuse is not None else plan.is_exact
-    positions = reuse.positions if reuse is not None else PositionMode.LAYOUT
-    context = reuse.context if reuse is not None else ContextMode.SCHEMA
+    """The report of a served request (`reuse` None: never admitted; `blocks`: its prefix blocks' tier, tokens)."""
+    is_exact, positions, context = ((plan.is_exact, PositionMode.LAYOUT, ContextMode.SCHEMA) if reuse is None
+                                    else (reuse.is_exact, reuse.positions, reuse.context))
     return CacheReport(plan.schema.name, is_exact, plan.generation_prompt_added, mode, positions, context,
                        usage.recomputed_tokens, () if is_exact else plan.approximations, modules, prefix_use(blocks),
                        usage.prompt_tokens, usage.cached_tokens, spans)
@@ -133,8 +119,7 @@ def served_report(plan: PromptPlan, reuse: ReusePlan | None, mode: FidelityMode,
 
 def planned_report(plan: PromptPlan, reuse: ReusePlan, use_tiers: Sequence[str | None],
                    blocks: Sequence[tuple[str, int]]) -> CacheReport:
-    """The report of serving `plan` now: `use_tiers` is the tier holding each of `reuse.uses` (None: in
-    none), `blocks` the (tier, tokens) of each stored prefix block its stream would reuse."""
+    """The report of serving `plan` now: `use_tiers` holds each of `reuse.uses` (None: none), `blocks` its prefix."""
     used: dict[str, int] = {}
     found: dict[str, list[str | None]] = {}
     for use, tier in zip(reuse.uses, use_tiers):

@@ -1,11 +1,6 @@
-"""KeyShifter: moves cached keys that already carry rotary position embeddings (RoPE) to other positions.
-
-RoPE rotates each pair of a key's dimensions by position x frequency; rotations in one plane compose,
-so rotating a key stored at position p by the angle of `shift` gives exactly the key RoPE would have
-produced at p + shift (up to rounding). Fidelity modes use it to re-align module KV reused at the
-schema layout's positions to contiguous positions for one request (reuse_plan.py), without touching
-the stored KV and without recomputing anything.
-"""
+"""KeyShifter: moves cached keys that carry rotary position embeddings (RoPE) to other positions. Rotations in
+one plane compose, so rotating a key stored at p by `shift`'s angle gives RoPE's key at p + shift (up to rounding):
+fidelity modes re-align reused module KV to contiguous positions for one request (reuse_plan.py)."""
 
 from __future__ import annotations
 
@@ -34,8 +29,7 @@ class KeyShifter:
 
     @classmethod
     def of(cls, model: PreTrainedModel, head_dim: int) -> KeyShifter | None:
-        """The shifter of a Hugging Face decoder whose rotary embedding is static, else None (learned
-        absolute positions such as GPT-2's, or RoPE that rescales with the sequence length)."""
+        """The shifter of an HF decoder whose rotary embedding is static, else None (learned or rescaling)."""
         rotary = getattr(model.base_model, "rotary_emb", None)
         if rotary is None or getattr(rotary, "rope_type", "default") not in _STATIC_ROPE_TYPES:
             return None

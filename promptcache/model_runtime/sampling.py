@@ -1,5 +1,5 @@
 """Sampling parameters and the sampler: greedy, temperature, top-k, top-p, min-p, penalties, logit bias,
-seeded (Hugging Face generation semantics)."""
+seeded (Hugging Face generation semantics); the Detokenizer turning sampled tokens into text deltas."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from promptcache.model_runtime.errors import require
 
 MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-3  # below this (but above 0) logits / temperature overflows: use 0 for greedy
@@ -25,20 +27,14 @@ class TokenLogprobs:
 def token_logprobs(logits: torch.Tensor, token: int, num_top: int) -> TokenLogprobs:
     """`logits`: [vocab]. The log-softmax of the raw logits at `token` and its `num_top` largest."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [vocab]
-    top = torch.topk(logprobs, num_top) if num_top else None
-    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
-    return TokenLogprobs(float(logprobs[token]), pairs)
+    top = torch.topk(logprobs, num_top)
+    return TokenLogprobs(float(logprobs[token]), tuple(zip(top.indices.tolist(), top.values.tolist())))
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick tokens. `temperature == 0` is greedy; `n` samples share the prompt's KV.
-
-    Logits processors run first, in Hugging Face's order (`logit_bias` as SequenceBiasLogitsProcessor with
-    single tokens, then `repetition_penalty` over prompt and generated tokens), then OpenAI's
-    `presence_penalty`/`frequency_penalty` over generated tokens; greedy picks the argmax of those. Sampling
-    then applies HF's warpers in order: temperature, `top_k`, `top_p`, `min_p`.
-    """
+    """How to pick tokens (`temperature == 0`: greedy; `n` samples share the prompt's KV), in HF's order: `logit_bias`,
+    `repetition_penalty`, OpenAI's presence/frequency penalties, then temperature, top-k/p, min-p."""
 
     max_tokens: int = 64
     temperature: float = 1.0
@@ -59,36 +55,25 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be in [0, 2^63 - 1], got {self.seed}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        require(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        require(not (self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE),
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}")
+        require(self.seed is None or 0 <= self.seed <= MAX_SEED, f"seed must be in [0, 2^63 - 1], got {self.seed}")
+        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        require(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
+        require(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty <= 10:
-            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+            require(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        require(0 < self.repetition_penalty <= 10,
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         for token, bias in self.logit_bias:
-            if token < 0:
-                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+            require(token >= 0, f"logit_bias token ids must be >= 0, got {token}")
+            require(-100 <= bias <= 100, f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+        require(self.n >= 1, f"n must be >= 1, got {self.n}")
+        require(all(self.stop), "stop strings must be non-empty")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            require(value is None or 0 <= value <= MAX_LOGPROBS, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def is_greedy(self) -> bool:
@@ -111,10 +96,8 @@ class SamplingParams:
 
 
 class PromptTokens:
-    """A prompt's token ids as `repetition_penalty` reads them: a [vocab] mask built once, on first use,
-    and shared by every sample of the request (n > 1 samples never copy the prompt). The mask follows
-    the device it is asked for (an exact repeat's first token is sampled from cached CPU logits, the
-    next ones from the model's device)."""
+    """A prompt's token ids as `repetition_penalty` reads them: a [vocab] mask built on first use, shared by the
+    request's samples, on the device last asked for (cached CPU logits, then the model's)."""
 
     def __init__(self, token_ids: Sequence[int]) -> None:
         self._token_ids = torch.tensor(list(token_ids), dtype=torch.long)  # [num_prompt_tokens]
@@ -123,19 +106,15 @@ class PromptTokens:
     def mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
         """[vocab_size] bool: True at every id that occurs in the prompt (reused or computed)."""
         if self._mask is None:
-            mask = torch.zeros(vocab_size, dtype=torch.bool)  # [vocab]
-            mask[self._token_ids] = True
-            self._mask = mask
+            self._mask = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, self._token_ids, True)  # [vocab]
         if self._mask.device != torch.device(device):
             self._mask = self._mask.to(device)
         return self._mask
 
 
 class Sampler:
-    """Picks the next token from logits; one instance per sequence. It owns the RNG state and the
-    generated-token counts the penalties read; the prompt's tokens come as a shared `PromptTokens`
-    (without one, `repetition_penalty` covers the generated tokens only). Its state follows the device
-    of the logits it is given, which may change between calls (cached CPU logits, then GPU ones)."""
+    """Picks one sequence's next token from logits (whose device may change between calls). Owns the RNG and the
+    generated-token counts; without `prompt`, `repetition_penalty` covers the generated tokens only."""
 
     def __init__(self, params: SamplingParams, *, seed_offset: int = 0, prompt: PromptTokens | None = None) -> None:
         self.params = params
@@ -149,10 +128,7 @@ class Sampler:
                           torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32))  # [num_biased]
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [vocab] -> processed scores [vocab] float32 (-inf: excluded). HF's order: logits
-        processors (`logit_bias`, `repetition_penalty`), then OpenAI's presence/frequency penalties, then
-        (unless temperature is 0) the warpers: temperature, top-k, top-p, min-p. `sample` draws from the
-        softmax of the result (or takes its argmax when greedy). Records nothing."""
+        """`logits` [vocab] -> scores [vocab] float32 (-inf: excluded) in SamplingParams' order. Records nothing."""
         params = self.params
         scores = logits.float().clone()  # [vocab]
         if self._bias is not None:
@@ -218,3 +194,46 @@ class Sampler:
             self._counts.index_add_(0, ids, torch.ones(len(self._unseen), device=self._counts.device))
             self._unseen.clear()
         return self._counts
+
+
+class Detokenizer:
+    """Generated token ids as text deltas, never taken back: held while the text ends in a partial UTF-8 character or a
+    stop string's prefix; a stop string cuts the text and sets `is_stopped`."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.token_ids: list[int] = []
+        self.text = ""       # final text so far (emitted + held back)
+        self.num_emitted = 0  # characters of `text` already returned as deltas
+        self.is_stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Add one token; returns the newly safe text (possibly empty)."""
+        if self.is_stopped:
+            return ""
+        self.token_ids.append(token_id)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        for stop in self.stop:
+            at = text.find(stop, max(0, self.num_emitted - len(stop)))
+            if at != -1:
+                text, self.is_stopped = text[:at], True
+        self.text = text
+        if self.is_stopped:
+            return self._emit(len(text))
+        safe = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes as U+FFFD
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:k]):
+                    safe = min(safe, len(text) - k)
+                    break
+        return self._emit(safe)
+
+    def flush(self) -> str:
+        """At the end of generation: everything not yet emitted."""
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        delta = self.text[self.num_emitted: upto]
+        self.num_emitted = max(self.num_emitted, upto)
+        return delta

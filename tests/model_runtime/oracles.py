@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from promptcache.model_runtime.engine import Fidelity, ReusePlan, resolve
-from promptcache.model_runtime.forward import cache_argument, past_cache
+from promptcache.model_runtime.packed_attention import cache_argument, past_cache
 from promptcache.pml import PromptPlan
 
 

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from promptcache.model_runtime import SamplingParams
-from promptcache.model_runtime.detokenizer import Detokenizer
 from promptcache.model_runtime.engine import Engine, EngineConfig, TokenEvent
-from promptcache.model_runtime.sampling import Sampler
+from promptcache.model_runtime.sampling import Detokenizer, Sampler
 from promptcache.pml import token_plan
 from tests.model_factories import make_test_tokenizer
 from tests.model_runtime.oracles import reference_greedy

@@ -11,8 +11,8 @@ import torch
 from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import SamplingParams, wrap_model
 from promptcache.model_runtime.engine import Engine, EngineConfig
+from promptcache.model_runtime.facade import ModelRuntime
 from promptcache.model_runtime.loading.packed_linear import PackedLinear, can_pack, pack_linears
-from promptcache.model_runtime.runtime import ModelRuntime
 from promptcache.pml import token_plan
 from tests.model_factories import make_test_tokenizer, make_tiny_model
 

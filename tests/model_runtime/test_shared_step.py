@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from promptcache.model_runtime.engine.shared_step import SharedStepCap
+from promptcache.model_runtime.engine.step_budget import SharedStepCap
 
 
 def _simulate(cap: SharedStepCap, fixed_ms: float, row_ms: float, steps: int, work: int = 10_000) -> list[float]:

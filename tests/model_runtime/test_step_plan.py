@@ -10,7 +10,7 @@ from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.engine import Engine, EngineConfig
 from promptcache.model_runtime.engine import scheduler as scheduler_module
 from promptcache.model_runtime.engine.request import SeqStatus
-from promptcache.model_runtime.engine.shared_step import SharedStepCap
+from promptcache.model_runtime.engine.step_budget import SharedStepCap
 from promptcache.model_runtime.engine.step_plan import compose_step
 from tests.model_runtime.oracles import reference_tokens
 from tests.model_runtime.test_scheduler import TEXTS, _run, _runtime, _text_plan

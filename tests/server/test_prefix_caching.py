@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from promptcache.model_runtime.prompt_tokens import chat_tokens, completion_tokens
+from promptcache.model_runtime.facade import chat_tokens, completion_tokens
 from tests.model_factories import make_test_tokenizer, make_tiny_loaded
 from tests.server.test_api import SCHEMA
 

@@ -6,32 +6,19 @@ from dataclasses import dataclass, field
 
 from promptcache.cache_store import BlockIndexConfig
 from promptcache.model_runtime.engine.reuse_plan import Fidelity
+from promptcache.model_runtime.errors import require
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Limits of the batch engine.
-
-    `max_kv_bytes` bounds the KV the running batch holds: every sequence's own KV (its computed prompt
-    tokens plus room for `max_tokens`) and, once each, every shared module or prefix block it references.
-    `prefix` configures automatic prefix reuse (docs/architecture.md); None turns it off. `fidelity` is the
-    mode of requests that name none (docs/fidelity.md). Prompt prefills and module encodings advance
-    in chunks: `max_prefill_tokens_alone` tokens a step when nothing decodes; while something decodes,
-    as many as keep a step within `max_step_slowdown` times a decode-only step (learned from step
-    times, engine/step_budget.py), between `min_prefill_tokens` (capped at `max_prefill_tokens`) and
-    `max_prefill_tokens`. With `max_step_slowdown` None, always `max_prefill_tokens`.
-    `logits_cache_bytes` keeps the last-token logits of recent prompts so an exact repeat whose KV is all
-    stored runs no forward pass before its first token (engine/prefix.py); 0 turns that off.
-    `max_waiting_per_tenant` bounds the requests one tenant has submitted and not yet admitted; past it,
-    `submit` raises QueueFullError (engine/waiting.py). `tenant_headroom_seqs` sequence slots are ones a
-    tenant cannot take while it already runs `max_num_seqs - tenant_headroom_seqs` sequences: they stay
-    free for other tenants, so one tenant's full batch does not make another's request wait for it to
-    drain (0: no headroom, as on a single-tenant server). Within `shared_window_s` of a step that a light
-    tenant's prompt got of its own (engine/step_plan.py), the others' steps are held to
-    `shared_step_ratio` times such a step (learned from step times, engine/shared_step.py): decodes take
-    turns and prompt tokens fill what is left, so a light tenant's first token waits for a short step
-    of another's, not a full batch. None: no cap.
-    """
+    """Limits of the batch engine. `max_kv_bytes` bounds the running batch's KV: each sequence's own (computed prompt
+    plus `max_tokens`) and each shared block once. `prefix`: prefix reuse (None: off); `fidelity`: the default mode.
+    Prefills and encodings advance in chunks: `max_prefill_tokens_alone` a step when nothing decodes, else within
+    `max_step_slowdown` times a decode-only step (None: `max_prefill_tokens`), between `min_prefill_tokens` and
+    `max_prefill_tokens`. `logits_cache_bytes`: last-token logits kept for exact repeats (0: off).
+    `max_waiting_per_tenant`: queued requests per tenant before QueueFullError. A tenant running `max_num_seqs -
+    tenant_headroom_seqs` sequences takes no more. Within `shared_window_s` of a light tenant's own step, others' steps
+    are held to `shared_step_ratio` times it (None: no cap)."""
 
     max_num_seqs: int = 64
     max_kv_bytes: int = 2 << 30
@@ -51,23 +38,19 @@ class EngineConfig:
     shared_window_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if not 0 <= self.tenant_headroom_seqs < self.max_num_seqs:
-            raise ValueError(f"tenant_headroom_seqs must be in [0, max_num_seqs), got {self.tenant_headroom_seqs}")
-        if self.max_waiting_per_tenant < 1:
-            raise ValueError(f"max_waiting_per_tenant must be >= 1, got {self.max_waiting_per_tenant}")
-        if self.max_assembled_bytes < 0:
-            raise ValueError(f"max_assembled_bytes must be >= 0, got {self.max_assembled_bytes}")
-        if self.max_kv_bytes < 1:
-            raise ValueError(f"max_kv_bytes must be >= 1, got {self.max_kv_bytes}")
-        if not 1 <= self.max_prefill_tokens <= self.max_prefill_tokens_alone or self.min_prefill_tokens < 1:
-            raise ValueError(f"need 1 <= max_prefill_tokens <= max_prefill_tokens_alone and min_prefill_tokens >= 1, "
-                             f"got {self.max_prefill_tokens}, {self.max_prefill_tokens_alone} and "
-                             f"{self.min_prefill_tokens}")
-        if self.max_step_slowdown is not None and self.max_step_slowdown <= 1.0:
-            raise ValueError(f"max_step_slowdown must be > 1 or None, got {self.max_step_slowdown}")
-        if self.shared_step_ratio is not None and self.shared_step_ratio <= 0:
-            raise ValueError(f"shared_step_ratio must be > 0 or None, got {self.shared_step_ratio}")
-        if self.attention_backend not in ("auto", "fused_cpu", "matmul", "flash"):
-            raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
+        require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        require(0 <= self.tenant_headroom_seqs < self.max_num_seqs,
+                f"tenant_headroom_seqs must be in [0, max_num_seqs), got {self.tenant_headroom_seqs}")
+        require(self.max_waiting_per_tenant >= 1,
+                f"max_waiting_per_tenant must be >= 1, got {self.max_waiting_per_tenant}")
+        require(self.max_assembled_bytes >= 0, f"max_assembled_bytes must be >= 0, got {self.max_assembled_bytes}")
+        require(self.max_kv_bytes >= 1, f"max_kv_bytes must be >= 1, got {self.max_kv_bytes}")
+        require(1 <= self.max_prefill_tokens <= self.max_prefill_tokens_alone and self.min_prefill_tokens >= 1,
+                f"need 1 <= max_prefill_tokens <= max_prefill_tokens_alone and min_prefill_tokens >= 1, got "
+                f"{self.max_prefill_tokens}, {self.max_prefill_tokens_alone} and {self.min_prefill_tokens}")
+        require(not (self.max_step_slowdown is not None and self.max_step_slowdown <= 1.0),
+                f"max_step_slowdown must be > 1 or None, got {self.max_step_slowdown}")
+        require(not (self.shared_step_ratio is not None and self.shared_step_ratio <= 0),
+                f"shared_step_ratio must be > 0 or None, got {self.shared_step_ratio}")
+        require(self.attention_backend in ("auto", "fused_cpu", "matmul", "flash"),
+                f"unknown attention_backend {self.attention_backend!r}")

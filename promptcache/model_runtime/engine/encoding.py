@@ -1,11 +1,6 @@
-"""Module encoding inside engine steps: missing module KV computed in chunks between decode steps.
-
-Schema uploads and modules that no tier holds (a replica adopted the schema, an eviction, a new salt)
-are never encoded in one pass on the engine thread, which would freeze every stream for its duration:
-each encoding is a pseudo-sequence that takes a chunk of the step's prefill budget, like a long prompt.
-Jobs run one at a time, in order: a job is planned when it starts, so it reuses the links that earlier
-jobs stored (two segments after the same missing context compute that context once).
-"""
+"""Module encoding inside engine steps: schema uploads and module KV no tier holds are pseudo-sequences fed in
+chunks of the step's prefill budget (one pass would freeze every stream). Jobs run one at a time, planned when
+they start, so a job reuses the links earlier ones stored (a shared missing context is computed once)."""
 
 from __future__ import annotations
 
@@ -19,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from promptcache.model_runtime.engine.kv_view import KVView
+from promptcache.model_runtime.engine.prefix import KVView
 from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequence, SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner, RunOutput
 from promptcache.model_runtime.engine.step_plan import EncodeNeed, ScheduledSeq, StepPlan
@@ -34,11 +29,8 @@ _seq_ids = itertools.count()
 
 @dataclass(eq=False)
 class EncodeJob:
-    """Encode (segment, context) of a schema unless stored; `done` resolves with the target's block when
-    it is computed (None: it was stored meanwhile). `owner`: the tenant whose byte share it counts
-    against (its salt scopes the key to the same one). `keep_local`: stored in this process's tiers too,
-    not only the shared ones (False only while nobody here needs it: a schema upload's encoding on a
-    cluster replica). `recompute`: computed even if a tier holds it (a request's fetch of it was refused)."""
+    """Encode (segment, context) of a schema for `owner` unless stored; `done` resolves with the target's block (None:
+    stored meanwhile). `keep_local`: in local tiers too; `recompute`: even if a tier holds it."""
 
     target: str  # its store key
     schema: Schema
@@ -73,10 +65,8 @@ class EncodeQueue:
         return bool(self._jobs or self._active)
 
     def submit(self, schema: Schema, segment_id: int, context_ids: tuple[int, ...], salt: str | None, *,
-               owner: str | None = None, keep_local: bool = True,
-               recompute: bool = False) -> concurrent.futures.Future:
-        """Queue an encoding (once per target: a job already queued is shared, kept locally and
-        recomputed if any of its submitters asks for that)."""
+               owner: str | None = None, keep_local: bool = True, recompute: bool = False) -> EncodeJob:
+        """Queue an encoding once per target (kept locally, recomputed if any submitter asks)."""
         target = self.encoder.key(schema, segment_id, context_ids, salt)
         job = self._by_target.get(target)
         if job is None:
@@ -85,7 +75,7 @@ class EncodeQueue:
             self._jobs.append(job)
         job.keep_local = job.keep_local or keep_local
         job.recompute = job.recompute or recompute
-        return job.done
+        return job
 
     def next_chunk(self, budget: int) -> ScheduledSeq | None:
         """The active job's pseudo-sequence with up to `budget` of its tokens, or None."""
@@ -99,8 +89,7 @@ class EncodeQueue:
         return ScheduledSeq(seq, min(len(seq.pending_ids), budget))
 
     def after_run(self, chunk: ScheduledSeq, output: RunOutput) -> None:
-        """`chunk` ran in `output`'s pass: store and resolve the active job if it was its last; if the
-        chunk failed, fail the job's waiters and drop it."""
+        """`chunk` ran in `output`'s pass: store and resolve its job after its last chunk; a failed chunk fails it."""
         active, error = self._active, output.encoding_error
         if active is None or active.seq is not chunk.seq:
             return
@@ -132,8 +121,7 @@ class EncodeQueue:
             self._by_target.pop(job.target, None)
             job.done.set_result(None)
             return
-        loaded = self.encoder.loaded
-        device = loaded.model.device
+        loaded, device = self.encoder.loaded, self.encoder.loaded.model.device
         shape = (loaded.num_layers, loaded.num_kv_heads, max(1, len(work.token_ids)), loaded.head_dim)
         seq_id = next(_seq_ids)
         shared = [SharedKV(KVView(f"encode-{seq_id}/{i}"), block.to(device)) for i, block in enumerate(work.found)]
@@ -146,11 +134,8 @@ class EncodeQueue:
 
 
 class ParkedEncodes:
-    """The module encodings of requests parked at admission (scheduler.py), queued once per request.
-    A request is settled once: when its last encoding is stored, or its first fails. The blocks computed
-    for it are handed to it (`Request.computed_kv`: reported as computed, read from no tier), and the
-    time it waited is its `encode_ms`. Futures resolve on the engine thread (EncodeQueue), so settling
-    costs nothing per step for requests still waiting."""
+    """The module encodings of requests parked at admission, each settled once: when its last encoding is stored
+    (the blocks go to `Request.computed_kv`, the wait to its `encode_ms`) or its first fails."""
 
     def __init__(self, encodes: EncodeQueue) -> None:
         self.encodes = encodes
@@ -158,24 +143,22 @@ class ParkedEncodes:
 
     def submit(self, needs: Iterable[EncodeNeed]) -> None:
         """Queue the encodings; the requests named are watched until settled."""
-        pending: dict[str, tuple[Request, list[tuple[str, concurrent.futures.Future]]]] = {}
+        pending: dict[str, tuple[Request, list[EncodeJob]]] = {}
         for need in needs:
             request = need.request
-            schema, salt = request.plan.schema, request.cache_salt
-            future = self.encodes.submit(schema, need.segment_id, need.context_ids, salt, owner=request.tenant,
-                                         recompute=need.recompute)
-            key = self.encodes.encoder.key(schema, need.segment_id, need.context_ids, salt)
-            pending.setdefault(request.request_id, (request, []))[1].append((key, future))
-        for request, futures in pending.values():
-            self._watch(request, futures)
+            job = self.encodes.submit(request.plan.schema, need.segment_id, need.context_ids, request.cache_salt,
+                                      owner=request.tenant, recompute=need.recompute)
+            pending.setdefault(request.request_id, (request, []))[1].append(job)
+        for request, jobs in pending.values():
+            self._watch(request, jobs)
 
     def settled(self) -> list[tuple[Request, BaseException | None]]:
         """Requests settled since the last call, with the error of the encoding that failed (or None)."""
         settled, self._settled = self._settled, []
         return settled
 
-    def _watch(self, request: Request, futures: list[tuple[str, concurrent.futures.Future]]) -> None:
-        left, is_settled, parked_at = len(futures), False, time.perf_counter()
+    def _watch(self, request: Request, jobs: list[EncodeJob]) -> None:
+        left, is_settled, parked_at = len(jobs), False, time.perf_counter()
 
         def one_done(key: str, future: concurrent.futures.Future) -> None:
             nonlocal left, is_settled
@@ -188,13 +171,12 @@ class ParkedEncodes:
                 request.encode_ms += (time.perf_counter() - parked_at) * 1e3
                 self._settled.append((request, error))
 
-        for key, future in futures:
-            future.add_done_callback(functools.partial(one_done, key))
+        for job in jobs:
+            job.done.add_done_callback(functools.partial(one_done, job.target))
 
 
 class SchemaEncodes:
-    """Schema encodings asked for with `Engine.encode_schema`: each resolves its caller's future with an
-    EncodeReport once its last job is stored, or with the first error."""
+    """`Engine.encode_schema`'s encodings: a future resolves with an EncodeReport, or the first error."""
 
     def __init__(self, encodes: EncodeQueue) -> None:
         self.encodes = encodes
@@ -203,7 +185,7 @@ class SchemaEncodes:
     def submit(self, schema: Schema, salt: str | None, owner: str | None, future: concurrent.futures.Future, *,
                keep_local: bool, second_encodings: bool) -> None:
         jobs = self.encodes.encoder.schema_jobs(schema, predecessors=second_encodings)
-        futures = [self.encodes.submit(schema, sid, ctx, salt, owner=owner, keep_local=keep_local)
+        futures = [self.encodes.submit(schema, sid, ctx, salt, owner=owner, keep_local=keep_local).done
                    for sid, ctx in jobs]
         self._pending.append((futures, future, time.perf_counter(), self.encodes.encoder.num_encoded_segments))
 
@@ -222,16 +204,14 @@ class SchemaEncodes:
 
 def encode_now(encoder: ModuleEncoder, runner: ModelRunner, schema: Schema, jobs: list[tuple[int, tuple[int, ...]]],
                cache_salt: str | None = None, progress: Callable[[int, int], None] | None = None) -> EncodeReport:
-    """Encode the (segment, context) `jobs` of `schema` that no tier holds, now, on this thread, each in
-    one pass of `runner`: for schemas added before serving (the CLI). The engine encodes
-    between its steps instead. Raises what failed."""
+    """Encode the `jobs` of `schema` no tier holds, now, one pass of `runner` each. Raises what failed."""
     started, before = time.perf_counter(), encoder.num_encoded_segments
     queue = EncodeQueue(encoder)
     for done, (segment_id, context_ids) in enumerate(jobs, 1):
-        future = queue.submit(schema, segment_id, context_ids, cache_salt)
+        job = queue.submit(schema, segment_id, context_ids, cache_salt)
         while (chunk := queue.next_chunk(_WHOLE)) is not None:
             queue.after_run(chunk, runner.run(StepPlan((), 0, encoding=chunk)))
-        future.result()
+        job.done.result()
         if progress is not None:
             progress(done, len(jobs))
     return EncodeReport(len(jobs), encoder.num_encoded_segments - before, (time.perf_counter() - started) * 1e3)

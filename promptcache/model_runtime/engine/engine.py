@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import functools
 import itertools
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from concurrent.futures import Future
+from dataclasses import replace
 
 from promptcache.cache_store import BlockIndex
 from promptcache.model_runtime.engine.config import EngineConfig
@@ -29,30 +30,8 @@ from promptcache.pml import PromptPlan, Schema
 logger = logging.getLogger(__name__)
 
 
-# -- the inbox: typed messages callers post from any thread, taken by the engine thread ------------
-@dataclass(frozen=True, slots=True)
-class Submit:
-    request: Request  # its place in its tenant's queue is reserved
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class EncodeSchema:
-    """`Engine.encode_schema`: `future` resolves with its EncodeReport."""
-
-    schema: Schema
-    salt: str | None
-    owner: str | None
-    future: concurrent.futures.Future
-    keep_local: bool
-    second_encodings: bool
-
-
-Message = Submit | Abort | EncodeSchema
+# What callers post from any thread, run on the engine thread in posting order.
+Message = Callable[[], None]
 
 
 class Inbox:
@@ -74,8 +53,7 @@ class Inbox:
             self.wakeup.notify()
 
     def take(self, is_idle: Callable[[], bool], wait_s: float) -> list[Message] | None:
-        """Every message posted since the last take; while there is none and `is_idle()`, waits (checking
-        again every `wait_s`). None once closed."""
+        """Every message posted since the last take, waiting (rechecking every `wait_s`) while none and `is_idle()`."""
         with self.wakeup:
             while not self._messages and is_idle() and not self.is_closed:
                 self.wakeup.wait(wait_s)
@@ -86,15 +64,9 @@ class Inbox:
 
 
 class Engine:
-    """Serves prompt plans with continuous batching and shared-module attention.
-
-    `submit` is called from an asyncio loop and returns an async iterator of TokenEvents (the last one
-    carries the request's `report`); `abort` stops a request within one step and frees its KV. Each
-    tenant's requests wait in a bounded queue of their own, admitted round-robin across tenants
-    (engine/waiting.py). All model compute runs on the engine's own thread — the event loop never
-    blocks on it. Each step is `scheduler.schedule()` -> StepPlan, `runner.run(plan)` -> RunOutput,
-    `outputs.postprocess(plan, output)` -> StepResult, with data passed one way.
-    """
+    """Continuous batching with shared-module attention, compute on its own thread. `submit` (on an asyncio loop)
+    returns TokenEvents, the last with the report; `abort` stops a request within a step. A step: `scheduler.schedule()`
+    -> `runner.run(plan)` -> `outputs.postprocess(plan, output)`."""
 
     def __init__(self, encoder: ModuleEncoder, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
@@ -118,7 +90,6 @@ class Engine:
         self.num_steps = 0
         self.prefix_store_s = 0.0  # time spent storing prefix blocks (after tokens went out)
 
-    # -- caller side (any thread with an asyncio loop) ------------------------------------------
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="promptcache-engine", daemon=True)
@@ -133,10 +104,7 @@ class Engine:
     def submit(self, plan: PromptPlan, params: SamplingParams, *, cache_salt: str | None = None,
                request_id: str | None = None, fidelity: Fidelity | None = None,
                report_spans: bool = False, tenant: str | None = None) -> AsyncIterator[TokenEvent]:
-        """Queue a request in `tenant`'s queue; iterate the result for its events (must be called on a
-        running loop). `fidelity` (default: the engine's) says how module KV reused out of context is
-        treated; `report_spans` puts the prompt's spans by KV origin on the final event. Raises
-        QueueFullError when the tenant already has `max_waiting_per_tenant` requests waiting."""
+        """Queue a request in `tenant`'s queue (on a running loop); iterate it for its events (QueueFullError)."""
         [events] = self.submit_many([plan], params, cache_salt=cache_salt, request_ids=[request_id],
                                     fidelity=fidelity, report_spans=report_spans, tenant=tenant)
         return events
@@ -144,8 +112,7 @@ class Engine:
     def submit_many(self, plans: list[PromptPlan], params: SamplingParams, *, cache_salt: str | None = None,
                     request_ids: list[str | None] | None = None, fidelity: Fidelity | None = None,
                     report_spans: bool = False, tenant: str | None = None) -> list[AsyncIterator[TokenEvent]]:
-        """`submit` each plan, all or none: raises QueueFullError, queueing nothing, unless the tenant's
-        queue has room for every plan now (InvalidRequestError if it never could)."""
+        """`submit` each plan, all or none (QueueFullError; InvalidRequestError if they could never fit)."""
         ids = [r or f"req-{next(self._ids)}" for r in (request_ids or [None] * len(plans))]
         loop = asyncio.get_running_loop()
         self.scheduler.waiting.reserve(tenant, len(plans))
@@ -153,35 +120,30 @@ class Engine:
         for plan, request_id in zip(plans, ids):
             queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
             self._sinks[request_id] = (loop, queue)
-            self.inbox.post(Submit(Request(request_id, plan, params, cache_salt, fidelity or self.config.fidelity,
-                                           tenant=tenant, report_spans=report_spans)))
+            request = Request(request_id, plan, params, cache_salt, fidelity or self.config.fidelity, tenant=tenant,
+                              report_spans=report_spans)
+            self.inbox.post(functools.partial(self.scheduler.add, request, is_reserved=True))  # its place reserved
             streams.append(self._events(request_id, queue))
         self.start()
         return streams
 
     def encode_schema(self, schema: Schema, cache_salt: str | None = None, *, owner: str | None = None,
-                      keep_local: bool = True,
-                      second_encodings: bool = False) -> concurrent.futures.Future[EncodeReport]:
-        """Encode every module KV of `schema` that no tier holds, in chunks between decode steps (no
-        stream stalls for it), stored for `owner` (a tenant's byte share; None: the default owner).
-        Await the result with `asyncio.wrap_future`; it raises what failed. `keep_local=False` stores
-        it in the shared tiers only (if there are any) unless a request here needs it meanwhile: for a
-        replica whose uploads other replicas serve. `second_encodings`: also each module's encoding
-        after the module before it (fidelity context "predecessor"), which is otherwise made on a
-        module's first such use, through the same chunked queue."""
-        future: concurrent.futures.Future[EncodeReport] = concurrent.futures.Future()
-        self.inbox.post(EncodeSchema(schema, cache_salt, owner, future, keep_local, second_encodings))
+                      keep_local: bool = True, second_encodings: bool = False) -> Future[EncodeReport]:
+        """Encode `schema`'s module KV no tier holds, for `owner`, between decode steps (the future raises what failed);
+        `keep_local=False`: shared tiers only; `second_encodings`: "predecessor" ones too."""
+        future: Future[EncodeReport] = Future()
+        self.inbox.post(functools.partial(self.schema_encodes.submit, schema, cache_salt, owner, future,
+                                          keep_local=keep_local, second_encodings=second_encodings))
         self.start()
         return future
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its last event has finish_reason "abort" unless it already finished."""
-        self.inbox.post(Abort(request_id))
+        self.inbox.post(functools.partial(self.scheduler.abort, request_id))
 
     def explain(self, plan: PromptPlan, *, cache_salt: str | None = None,
                 fidelity: Fidelity | None = None) -> CacheReport:
-        """What serving `plan` now would reuse (from which tier) and compute, without doing it (no fetch, no
-        promotion; safe from any thread, but tier lookups may reach shared storage)."""
+        """What serving `plan` now would reuse, from where, and compute (no fetch; lookups may reach shared tiers)."""
         reuse = resolve(plan, fidelity or self.config.fidelity, can_shift=self.encoder.loaded.key_shifter is not None)
         module_keys = [self.encoder.key(plan.schema, u.cached.segment.segment_id, u.cached.context_ids, cache_salt)
                        for u in reuse.uses]
@@ -209,25 +171,19 @@ class Engine:
             self._sinks.pop(request_id, None)
             self.abort(request_id)  # no-op when finished; frees the KV of an abandoned stream
 
-    # -- engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
         def is_idle() -> bool:
             return not self.scheduler.has_work and not self.encodes.has_work
 
         while (messages := self.inbox.take(is_idle, self.config.idle_wait_s)) is not None:
             for message in messages:
-                if isinstance(message, Submit):
-                    self.scheduler.add(message.request, is_reserved=True)
-                elif isinstance(message, Abort):
-                    self.scheduler.abort(message.request_id)
-                else:
-                    self.schema_encodes.submit(message.schema, message.salt, message.owner, message.future,
-                                               keep_local=message.keep_local, second_encodings=message.second_encodings)
+                message()
             try:
                 self._step()
             except Exception:  # a bug must not kill the engine silently: fail the running requests
                 logger.exception("engine step failed")
-                self._fail_all("internal engine error")
+                for request in self.scheduler.drop_all():
+                    self._deliver(error_event(request.request_id, "internal engine error", ErrorKind.INTERNAL))
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -273,7 +229,3 @@ class Engine:
         if sink is not None:
             loop, queue = sink
             loop.call_soon_threadsafe(queue.put_nowait, event)
-
-    def _fail_all(self, message: str) -> None:
-        for request in self.scheduler.drop_all():
-            self._deliver(error_event(request.request_id, message, ErrorKind.INTERNAL))

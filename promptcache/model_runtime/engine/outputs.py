@@ -9,15 +9,13 @@ from dataclasses import dataclass
 import torch
 
 from promptcache.cache_store import KVBlock
-from promptcache.model_runtime.detokenizer import Detokenizer
-from promptcache.model_runtime.engine.kv_view import KVView
-from promptcache.model_runtime.engine.prefix import PrefixReuse
+from promptcache.model_runtime.engine.prefix import KVView, PrefixReuse
 from promptcache.model_runtime.engine.reports import final_event
 from promptcache.model_runtime.engine.request import FinishReason, SeqStatus, Sequence, SharedKV, TokenEvent
 from promptcache.model_runtime.engine.runner import RunOutput
 from promptcache.model_runtime.engine.scheduler import Scheduler
 from promptcache.model_runtime.engine.step_plan import StepPlan
-from promptcache.model_runtime.sampling import Sampler, token_logprobs
+from promptcache.model_runtime.sampling import Detokenizer, Sampler, token_logprobs
 
 # A prefix-cache write a step leaves behind: the engine runs it after the step's events went out, so
 # storing blocks never delays a token.
@@ -33,9 +31,7 @@ class StepResult:
 
 
 class OutputProcessor:
-    """Advances the sequences that ran, samples and detokenizes their next tokens, forks n > 1 samples
-    from their prompt, and finishes samples (freeing their request's KV through the scheduler). Used only
-    on the engine thread."""
+    """Advances the sequences that ran, samples and detokenizes, forks n > 1 samples, finishes samples."""
 
     def __init__(self, scheduler: Scheduler, prefix: PrefixReuse) -> None:
         self.scheduler = scheduler
@@ -43,9 +39,8 @@ class OutputProcessor:
         self.loaded = scheduler.loaded
 
     def postprocess(self, plan: StepPlan, output: RunOutput) -> StepResult:
-        """Fail the requests that broke the pass alone, then sample a token for each sequence whose
-        prompt is now computed (`plan.ready` first: their logits needed no pass); a chunk of a long
-        prefill only counts its time. A failure while sampling or detokenizing fails its request only."""
+        """Fail the requests that broke the pass alone, then sample for each sequence whose prompt is computed
+        (`plan.ready` first); a failure while sampling or detokenizing fails its request only."""
         events: list[TokenEvent] = [self.scheduler.fail(request, exc) for request, exc in output.failures]
         writes: list[Write | None] = []
         rows: list[tuple[Sequence, torch.Tensor, float, int | None]] = [(seq, logits, 0.0, None)
@@ -94,9 +89,8 @@ class OutputProcessor:
 
     def _sample(self, seq: Sequence, logits: torch.Tensor, events: list[TokenEvent],
                 writes: list[Write | None], *, argmax: int | None = None) -> None:
-        """Pick the sample's next token from `logits` [vocab] (`argmax`: theirs, when known), stream its
-        text, and finish the sample on an end-of-sequence token, a stop string, max_tokens or the model's
-        last position."""
+        """Pick the next token from `logits` [vocab] (`argmax`: theirs, when known), stream its text, and finish
+        on an end-of-sequence token, a stop string, max_tokens or the model's last position."""
         request = seq.owner
         params, sampler, detokenizer = request.params, seq.sampler, seq.detokenizer
         if sampler is None or detokenizer is None:  # its first token: the prompt is computed
@@ -128,10 +122,8 @@ class OutputProcessor:
             return
         seq.status = SeqStatus.FINISHED
         writes.append(sample_write(seq, self.prefix))
-        if self.scheduler.finish(seq):
-            events.append(final_event(request, seq.index, token, text, finish, logprobs))
-        else:
-            events.append(TokenEvent(request.request_id, seq.index, token, text, finish, logprobs=logprobs))
+        events.append(final_event(request, seq.index, token, text, finish, logprobs) if self.scheduler.finish(seq)
+                      else TokenEvent(request.request_id, seq.index, token, text, finish, logprobs=logprobs))
 
 
 def prompt_write(seq: Sequence, prefix: PrefixReuse) -> Write | None:

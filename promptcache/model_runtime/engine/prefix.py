@@ -1,27 +1,36 @@
-"""Automatic prefix reuse for engine requests: look up a request's token stream, store what it computed.
-
-A request's *stream* is every token the engine computes for it, in order: the plan's new tokens (all of
-a plain or chat prompt; the text of a PML prompt after its cached modules) and then the tokens it
-generates. The stream hangs off a chain root naming the module links it attends to, so the same text
-after different modules never shares KV. Lookup happens at admission; the prompt's blocks are stored
-once its prefill step ran (so a concurrent repeat can hit them), and each finished sample stores the
-blocks of its generated text (so the next chat turn reuses the reply it was sent).
-
-A prompt's last token is computed for its logits, unless the same stream (tokens, positions, chain root,
-salt) was prefilled before and its logits are still in the `LogitsCache`: then, if the stored blocks cover
-every token, an exact repeat runs no forward pass before its first token at all. Logits are a
-deterministic function of what the key covers, so this is exact, like the KV itself.
-"""
+"""Automatic prefix reuse: look up a request's token *stream* (the plan's new tokens, then the generated ones, hung off
+a chain root naming the module links it attends) at admission; store the prompt's blocks after its prefill and each
+finished sample's after it. `LogitsCache` keeps last-token logits, so an exact repeat whose blocks cover every token
+runs no pass before its first token."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from promptcache.cache_store import BlockIndex, Link, Match, chain_root
-from promptcache.model_runtime.engine.kv_view import KVView
+from promptcache.cache_store import BlockIndex, Match, chain_root
+
+
+class KVView(NamedTuple):
+    """Which KV a shared block is: tokens [first, last) of the block stored under `key` (None: to its end), keys moved
+    by `shift` when attended; a view not whole is a distinct tensor, held under its key."""
+
+    key: str
+    first: int = 0
+    last: int | None = None
+    shift: int = 0
+
+    @property
+    def is_whole(self) -> bool:
+        return self.first == 0 and self.last is None and self.shift == 0
+
+    def order(self) -> tuple[str, int, bool, int, int]:
+        """A total order of views (for sorting): one to the block's end before any range ending earlier."""
+        return self.key, self.first, self.last is not None, self.last or 0, self.shift
+
 
 # A run of the stream's KV: (first stream index, keys, values), tensors [L, H_kv, n, D] (views).
 KVPiece = tuple[int, torch.Tensor, torch.Tensor]
@@ -45,8 +54,7 @@ class Stream:
 
 
 class LogitsCache:
-    """The last-token logits of recently prefilled streams, by stream key, LRU under a byte budget.
-    In process only (engine thread); a miss just computes the last token."""
+    """Last-token logits of recently prefilled streams, by stream key, LRU within a byte budget (engine thread)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -74,8 +82,7 @@ class LogitsCache:
 
 
 class PrefixReuse:
-    """The engine's view of the block index. `index=None` turns automatic prefix reuse off;
-    `logits_cache_bytes` 0 turns off skipping the last token of exact repeats."""
+    """The engine's view of the block index (None: no prefix reuse); `logits_cache_bytes` 0: no LogitsCache."""
 
     def __init__(self, index: BlockIndex | None, logits_cache_bytes: int = 0) -> None:
         self.index = index
@@ -83,10 +90,8 @@ class PrefixReuse:
 
     def open(self, module_keys: list[str], token_ids: list[int], position_ids: list[int], *,
              salt: str | None, variant: str = "", match: bool = True) -> Stream:
-        """A stream for these tokens with its longest stored prefix fetched (none unless `match`: a
-        request that needs every token's logits computes them all). At least the last token is left to
-        compute (its logits are the first sample's input) unless its logits are cached and the stored
-        blocks cover every token: then `stream.logits` is set and nothing is left."""
+        """A stream with its longest stored prefix fetched (none unless `match`). The last token is left to
+        compute for its logits unless they are cached and stored blocks cover every token (`stream.logits`)."""
         stream = Stream(chain_root(module_keys, variant=variant), list(token_ids), list(position_ids))
         if self.index is not None and token_ids and match:
             logits = self.logits.get(self._terminal_key(stream, salt)) if self.logits is not None else None
@@ -125,9 +130,7 @@ class PrefixReuse:
         return result
 
     def store_prompt(self, stream: Stream, computed: KVPiece, *, salt: str | None, owner: str | None) -> None:
-        """Store the prompt's blocks (counted against `owner`'s byte share) once its computed part
-        (`computed`, starting where reuse ended) exists. Remembers the prompt's KV pieces for
-        `store_sample`."""
+        """Store the prompt's blocks for `owner` once its `computed` part exists; keeps its pieces for store_sample."""
         stream.prompt_pieces = [(link.start, link.block.keys, link.block.values) for link in stream.match.links]
         stream.prompt_pieces.append(computed)
         if self.index is None:
@@ -138,8 +141,7 @@ class PrefixReuse:
 
     def store_sample(self, stream: Stream, output_ids: list[int], first_position: int, generated: KVPiece, *,
                      salt: str | None, owner: str | None) -> None:
-        """Store the blocks of prompt + generated text, for `owner`. The last sampled token was never
-        fed to the model (it has no KV), so the stream ends before it."""
+        """Store the blocks of prompt + generated text for `owner` (the last sampled token, never fed, has no KV)."""
         if self.index is None or not stream.prompt_pieces or len(output_ids) < 2:
             return
         fed = output_ids[:-1]
@@ -147,11 +149,6 @@ class PrefixReuse:
         position_ids = stream.position_ids + list(range(first_position, first_position + len(fed)))
         self.index.insert(stream.root, token_ids, position_ids, _gather([*stream.prompt_pieces, generated]),
                           salt=salt, owner=owner, stored_upto=stream.stored_upto)
-
-
-def link_view(link: Link) -> KVView:
-    """The view of a reused link: a partly used block is a different tensor than the whole."""
-    return KVView(link.key) if link.is_whole else KVView(link.key, 0, link.num_tokens)
 
 
 def _gather(pieces: list[KVPiece]):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import itertools
 import logging
 import time
 import uuid
@@ -21,8 +20,7 @@ logger = logging.getLogger(__name__)
 
 def final_event(request: Request, index: int, token: int | None, text: str, finish: FinishReason,
                 logprobs: TokenLogprobs | None = None) -> TokenEvent:
-    """The request's last event, with its report: usage, timings, and the cache report (module and
-    prefix reuse, prompt spans, exactness, fidelity mode)."""
+    """The request's last event, with its report: usage, timings and the cache report."""
     plan, reuse, stream = request.plan, request.reuse, request.stream
     now = time.perf_counter()
     from_prefix = stream.num_reused if stream is not None else 0
@@ -30,10 +28,8 @@ def final_event(request: Request, index: int, token: int | None, text: str, fini
     # Recomputed by this request: stream tokens reused from the prefix index were recomputed by the one
     # that stored them, and count as cached here.
     recomputed = sum(n for _, n in reuse.recomputed_from(from_prefix)) if reuse is not None else 0
-    usage = Usage(prompt_tokens=plan.num_prompt_tokens, cached_tokens=reused,
-                  computed_tokens=request.num_computed_tokens,
-                  completion_tokens=sum(len(s.output_ids) for s in request.sequences),
-                  recomputed_tokens=recomputed)
+    usage = Usage(plan.num_prompt_tokens, cached_tokens=reused, computed_tokens=request.num_computed_tokens,
+                  completion_tokens=sum(len(s.output_ids) for s in request.sequences), recomputed_tokens=recomputed)
     first = request.first_token_at or now
     timings = Timings(encode_ms=request.encode_ms, assembly_ms=request.assembly_ms, lookup_ms=request.lookup_ms,
                       prefill_ms=request.prefill_ms, ttft_ms=(first - request.submitted_at) * 1e3,
@@ -50,10 +46,8 @@ def final_event(request: Request, index: int, token: int | None, text: str, fini
 
 def prompt_spans(plan: PromptPlan, reuse: ReusePlan, use_tiers: tuple[str, ...],
                  links: tuple[Link, ...]) -> tuple[PromptSpan, ...] | None:
-    """Every prompt token once, in position order, as spans by where its KV came from: `reuse.uses`
-    (module KV, from `use_tiers`, one per use), the prefix `links` reused for the first stream tokens,
-    and the rest of the stream (recomputed module tokens, computed text). Works on runs, not tokens.
-    None (and a warning) if the stream does not line up with the plan, which would be a bug."""
+    """Every prompt token once, in position order, as spans by where its KV came from: `reuse.uses` (from `use_tiers`),
+    prefix `links`, or the stream. None (and a warning) if the stream misses the plan (a bug)."""
     # Runs of the prompt: (start position, token ids, owner, tier of reused module KV or None for the
     # stream, is module KV). The stream is every prompt token no use covers, in position order, in every
     # fidelity mode (exact mode renumbers its positions but keeps this order): a token's stream index is
@@ -72,46 +66,36 @@ def prompt_spans(plan: PromptPlan, reuse: ReusePlan, use_tiers: tuple[str, ...],
         runs.append((segment.start + last, segment.token_ids[last:], segment.owner, None, True))
     runs += [(run.start, run.token_ids, _run_module(plan, run), None, False) for run in plan.new_runs]
     runs = sorted((r for r in runs if r[1]), key=lambda r: r[0])
-
-    spans = _SpanBuilder()
+    pieces: list[tuple[int, tuple[int, ...], str, str | None, str | None]] = []
     reused_runs = _tier_runs(links)
     ends = [end for _, end, _ in reused_runs]
     at = 0  # stream index of the next stream token
     for start, token_ids, owner, tier, is_module_kv in runs:
         if tier is not None:
-            spans.add(start, token_ids, "module", owner or None, tier)
+            pieces.append((start, token_ids, "module", owner or None, tier))
             continue
         # A module's stream run recomputes its first tokens (its head), or none (text, the last token).
         num_recomputed = sum(o is not None for o in reuse.recomputes[at: at + len(token_ids)]) if is_module_kv else 0
         for offset, count, block_tier in _pieces(at, len(token_ids), num_recomputed, reused_runs, ends):
             origin = "prefix" if block_tier is not None else "recomputed" if offset < num_recomputed else "computed"
-            spans.add(start + offset, token_ids[offset: offset + count], origin, owner or None, block_tier)
+            pieces.append((start + offset, token_ids[offset: offset + count], origin, owner or None, block_tier))
         at += len(token_ids)
     if at != len(reuse.token_ids):
-        logger.warning("prompt spans: %d stream tokens expected, %d found; no spans reported",
-                       len(reuse.token_ids), at)
+        logger.warning("prompt spans: %d stream tokens expected, %d found; no spans reported", len(reuse.token_ids), at)
         return None
-    return spans.build()
+    return _merged(pieces)
 
 
-class _SpanBuilder:
-    """Pieces in position order, merged while they touch and share origin, module and tier."""
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[int, int, str, str | None, str | None, list[tuple[int, ...]]]] = []
-
-    def add(self, start: int, token_ids: tuple[int, ...], origin: str, module: str | None, tier: str | None) -> None:
-        if self.spans:
-            first, end, *key, chunks = self.spans[-1]
-            if end == start and key == [origin, module, tier]:
-                chunks.append(token_ids)
-                self.spans[-1] = (first, end + len(token_ids), origin, module, tier, chunks)
-                return
-        self.spans.append((start, start + len(token_ids), origin, module, tier, [token_ids]))
-
-    def build(self) -> tuple[PromptSpan, ...]:
-        return tuple(PromptSpan(start, chunks[0] if len(chunks) == 1 else tuple(itertools.chain(*chunks)), origin,
-                                module, tier) for start, _, origin, module, tier, chunks in self.spans)
+def _merged(pieces: list[tuple[int, tuple[int, ...], str, str | None, str | None]]) -> tuple[PromptSpan, ...]:
+    """(start, tokens, origin, module, tier) pieces as PromptSpans, merged while they touch and agree."""
+    spans: list[tuple[int, list[int], str, str | None, str | None]] = []
+    for start, token_ids, origin, module, tier in pieces:
+        last = spans[-1] if spans else None
+        if last is not None and last[0] + len(last[1]) == start and last[2:] == (origin, module, tier):
+            last[1].extend(token_ids)
+        else:
+            spans.append((start, list(token_ids), origin, module, tier))
+    return tuple(PromptSpan(span[0], tuple(span[1]), *span[2:]) for span in spans)
 
 
 def _tier_runs(links: tuple[Link, ...]) -> list[tuple[int, int, str]]:
@@ -126,9 +110,8 @@ def _tier_runs(links: tuple[Link, ...]) -> list[tuple[int, int, str]]:
 
 
 def _pieces(at: int, num_tokens: int, num_recomputed: int, reused: list[tuple[int, int, str]], ends: list[int]):
-    """(offset, count, tier of the prefix blocks or None) pieces of stream tokens [at, at + num_tokens):
-    cut where a tier run of `reused` prefix blocks ends (`ends`: their ends) and after the first
-    `num_recomputed` tokens."""
+    """(offset, count, prefix blocks' tier or None) pieces of stream tokens [at, at + num_tokens), cut where a
+    tier run of `reused` prefix blocks ends (`ends`: their ends) and after the first `num_recomputed`."""
     if num_recomputed == 0 and (not ends or at >= ends[-1]):  # the common case: computed, in one piece
         yield 0, num_tokens, None
         return
@@ -154,8 +137,7 @@ def _run_module(plan: PromptPlan, run: NewRun) -> str | None:
 
 
 def failure_event(request: Request, exc: BaseException) -> TokenEvent:
-    """The event that fails one request: bad input says what is wrong; anything else is logged with an
-    id that the caller also gets (a 500 that names it), never with internals in the message."""
+    """The event failing a request: bad input says why; anything else is logged under an id the caller gets."""
     if isinstance(exc, InvalidRequestError):
         return rejection_event(request, str(exc))
     error_id = uuid.uuid4().hex[:12]

@@ -9,13 +9,11 @@ from dataclasses import dataclass, field
 import torch
 
 from promptcache.cache_store import KVBlock
-from promptcache.model_runtime.detokenizer import Detokenizer
-from promptcache.model_runtime.engine.kv_view import KVView
-from promptcache.model_runtime.engine.prefix import Stream
+from promptcache.model_runtime.engine.prefix import KVView, Stream
 from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan, WireEnum
-from promptcache.model_runtime.kv_pool import KVPool
+from promptcache.model_runtime.packed_attention import KVPool
 from promptcache.model_runtime.results import CacheReport, ModuleUse, Timings, Usage
-from promptcache.model_runtime.sampling import PromptTokens, Sampler, SamplingParams, TokenLogprobs
+from promptcache.model_runtime.sampling import Detokenizer, PromptTokens, Sampler, SamplingParams, TokenLogprobs
 from promptcache.pml import PromptPlan
 
 
@@ -37,9 +35,7 @@ class ErrorKind(WireEnum):
 
 @dataclass(frozen=True, slots=True)
 class RequestReport:
-    """What a finished request reports, once, on its last event: usage, timings and the cache report
-    (what was reused, from where; built in engine/reports.py), or, for a request that failed, only
-    `error` and `error_type`."""
+    """A request's last event's report: usage, timings and the cache report, or only the error when it failed."""
 
     usage: Usage | None = None
     timings: Timings | None = None
@@ -52,11 +48,8 @@ class RequestReport:
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
-    """One step of one sample: a token (or none, on a final event) and the text it made safe to show.
-
-    The last event of a sample has `finish_reason` set; the last event of the request carries its
-    `report` (and no event after it follows).
-    """
+    """One step of one sample: a token (or none, on a final event) and the text it made safe to show. A sample's
+    last event has `finish_reason`; the request's last carries its `report`."""
 
     request_id: str
     index: int
@@ -87,8 +80,7 @@ class SharedKV:
 
 @dataclass(eq=False)
 class Sequence:
-    """One sample being generated, or the prompt its n > 1 samples fork from (`is_prompt`). Its own KV
-    holds its computed tokens (prompt text or generated)."""
+    """One sample being generated, or the prompt its n > 1 samples fork from (`is_prompt`), with its own KV."""
 
     seq_id: int
     request: Request | None  # None for a module-encoding pseudo-sequence (engine/encoding.py)
@@ -114,15 +106,13 @@ class Sequence:
 
     @property
     def owner(self) -> Request:
-        """The request this sequence samples for; only scheduled request sequences are asked (a
-        module-encoding pseudo-sequence has none)."""
+        """The request this sequence samples for (a module-encoding pseudo-sequence has none)."""
         if self.request is None:
             raise ValueError(f"sequence {self.seq_id} encodes a module and belongs to no request")
         return self.request
 
     def own_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The own key and value buffers [num_layers, num_kv_heads, capacity, head_dim], allocated when
-        the sequence was first scheduled."""
+        """The own key and value buffers [num_layers, num_kv_heads, capacity, head_dim]."""
         if self.own_keys is None or self.own_values is None:
             raise ValueError(f"sequence {self.seq_id} has no own KV buffers yet")
         return self.own_keys, self.own_values
@@ -144,7 +134,7 @@ class Request:
     params: SamplingParams
     cache_salt: str | None
     fidelity: Fidelity = field(default_factory=Fidelity)
-    # Whose queue it waits in (engine/waiting.py) and whose byte share the KV it stores counts against
+    # Whose queue it waits in (engine/scheduler.py) and whose byte share the KV it stores counts against
     # (its cache_salt scopes its keys to the same one, PromptRuntime); None: the default tenant.
     tenant: str | None = None
     report_spans: bool = False  # the final event lists the prompt as spans by KV origin

@@ -1,35 +1,17 @@
-"""ReusePlan: which cached module KV a request reuses and which tokens it computes, per fidelity mode.
-
-Reusing a module outside the context it was encoded in is approximate (docs/fidelity.md). The mode says
-how much of that approximation a request accepts:
-- fast:     every cached segment is reused as encoded; new text attends to all of it (the paper).
-- balanced: segments not encoded after exactly what precedes them now get their first k tokens
-            recomputed in their actual context (attention sinks at chunk starts, as in EPIC/LegoLink);
-            recomputed and new tokens attend causally by position. The recomputed KV serves this
-            request (and its own prefix chain) only; it never replaces the module's stored KV.
-- exact:    only a leading run of segments whose context and positions equal a full prefill's is
-            reused; every other token is computed at contiguous positions: a full prefill's answer.
-
-Positions (fast and balanced, when the prompt is approximate anyway): "layout" keeps every token at
-the schema layout's position, with gaps where the modules the prompt does not import would be (the
-paper's choice). "contiguous" (the server's default) moves every token to its rank among the prompt's
-positions, as a full prefill has them: the stream is computed there, and each reused segment's keys are
-rotated by its `shift` for this request (rope_shift.py; the stored KV is never changed). Retrieval accuracy
-measured 32.5 % -> 54.5 % (full prefill 61.0 %) with it on SmolLM2-135M (docs/fidelity.md).
-
-Context (fast and balanced, when a module is out of its encoding context anyway): "schema" reuses the
-KV encoded after what the schema guarantees precedes the module (the paper); "predecessor" reuses the
-KV encoded after that and the module positioned just before it in the schema, so the module's KV was
-computed as a document among documents rather than as the first one after the system prompt — a
-second encoding per module, stored under its own key (encoded at upload or on first use), never
-written over the first. Used as is, in its own context, it stays exact.
-"""
+"""ReusePlan: which cached module KV a request reuses and which tokens it computes, per fidelity mode
+(docs/fidelity.md). fast: every cached segment reused as encoded (the paper). balanced: out-of-context segments' first k
+tokens recomputed in their actual context (attention sinks, as in EPIC/LegoLink), for this request only. exact: only a
+leading run a full prefill computes identically is reused; the rest is computed contiguously. Positions: "layout" keeps
+the schema's (gaps for modules not imported); "contiguous" ranks them, rotating reused keys by `shift` (retrieval 32.5 %
+-> 54.5 %, full prefill 61.0 %, SmolLM2-135M). Context: "schema" reuses the KV encoded after what the schema guarantees
+precedes a module; "predecessor" the second encoding after that and the module before it."""
 
 from __future__ import annotations
 
 import bisect
 import enum
 import itertools
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -38,9 +20,8 @@ from promptcache.pml import CachedSegment, PromptPlan, Schema
 
 
 class WireEnum(str, enum.Enum):
-    """A str-valued enum that is its value wherever a str is expected (the wire, metric labels, keys):
-    `enum.StrEnum`'s behaviour on Python 3.10 too, and hashed as its value, so a member and its value
-    are one dict key (an enum hashes its name)."""
+    """A str-valued enum that is its value wherever a str is expected (`enum.StrEnum` on Python 3.10 too), hashed as its
+    value, so a member and its value are one dict key."""
 
     __hash__ = str.__hash__
 
@@ -75,9 +56,7 @@ _Mode = TypeVar("_Mode", bound=WireEnum)
 
 @dataclass(frozen=True, slots=True)
 class Fidelity:
-    """A request's fidelity mode; `head_tokens` is k, the tokens recomputed per out-of-context segment;
-    `positions` where an approximate prompt's tokens sit; `context` which encoding of an out-of-context
-    module is reused (module docstring)."""
+    """A request's fidelity mode, `head_tokens` (k), `positions` and `context` (module docstring)."""
 
     mode: FidelityMode = FidelityMode.FAST
     head_tokens: int = 16
@@ -102,10 +81,8 @@ def _member(kind: type[_Mode], value: object, name: str) -> _Mode:
 
 @dataclass(frozen=True, slots=True)
 class CachedUse:
-    """Tokens [first, last) of a cached segment's stored KV, attended by the stream tokens from index
-    `visible_from` on (every stream token before it is positioned before these tokens), with their
-    keys moved by `shift` positions for this request (a segment's positions are contiguous, so one
-    shift moves all of them)."""
+    """Tokens [first, last) of a cached segment's stored KV, attended by the stream tokens from index `visible_from` on
+    (those before it are positioned before these), keys moved by `shift` for this request."""
 
     cached: CachedSegment
     first: int
@@ -142,18 +119,11 @@ class ReusePlan:
         return sum(count for _, count in self.recomputed)
 
     def recomputed_from(self, index: int) -> tuple[tuple[str, int], ...]:
-        """What the stream tokens from `index` on recompute, per module: the request's own recompute when
-        its first `index` stream tokens come from the prefix index (stored by an earlier request that
-        recomputed them in the same context, same mode)."""
-        counts: dict[str, int] = {}
-        for owner in self.recomputes[index:]:
-            if owner is not None:
-                counts[owner] = counts.get(owner, 0) + 1
-        return tuple(counts.items())
+        """Per module, what stream tokens from `index` on recompute (the earlier ones came from prefix blocks)."""
+        return tuple(Counter(owner for owner in self.recomputes[index:] if owner is not None).items())
 
     def encoded_after(self, schema: Schema) -> dict[str, str]:
-        """Module path -> the module after which the KV it reuses was encoded, for the uses of a
-        "predecessor" encoding: the owner of the context segment its schema does not name."""
+        """Module path -> the module after which its reused "predecessor" encoding was encoded."""
         after = {}
         for use in self.uses:
             extra = [i for i in use.cached.context_ids if i not in use.cached.segment.context_ids]
@@ -163,9 +133,8 @@ class ReusePlan:
 
 
 def resolve(plan: PromptPlan, fidelity: Fidelity, *, can_shift: bool = True) -> ReusePlan:
-    """The ReusePlan of `plan` under `fidelity` (pure: no KV is touched). The stream is never empty:
-    a prompt made only of cached tokens recomputes its last one, whose logits start generation.
-    `can_shift=False` (a model whose positions are not RoPE) keeps the layout's positions."""
+    """The ReusePlan of `plan` under `fidelity` (pure). The stream is never empty: an all-cached prompt recomputes its
+    last token for its logits. `can_shift=False` (no RoPE) keeps the layout's positions."""
     preceded = (fidelity.mode != FidelityMode.EXACT and fidelity.context == ContextMode.PREDECESSOR
                 and not plan.is_exact)
     if preceded:
@@ -173,7 +142,10 @@ def resolve(plan: PromptPlan, fidelity: Fidelity, *, can_shift: bool = True) -> 
     if fidelity.mode == FidelityMode.EXACT:
         reuse = _exact(plan)
     elif fidelity.mode == FidelityMode.BALANCED and not plan.is_exact:
-        reuse = _balanced(plan, fidelity.head_tokens)
+        k = fidelity.head_tokens
+        heads = {i: range(min(k, len(c.segment.token_ids))) for i, c in enumerate(plan.cached)
+                 if not in_context(plan, c)}
+        reuse = recompute_selected(plan, heads, f"balanced:{k}")
     else:
         token_ids = tuple(plan.new_token_ids())
         reuse = ReusePlan(fidelity.mode, tuple(CachedUse(c, 0, len(c.segment.token_ids)) for c in plan.cached),
@@ -186,8 +158,7 @@ def resolve(plan: PromptPlan, fidelity: Fidelity, *, can_shift: bool = True) -> 
 
 
 def realigned(reuse: ReusePlan) -> ReusePlan:
-    """`reuse` with every token at its rank among the prompt's positions: gaps closed, order kept (so
-    `visible_from` still holds). Unchanged when nothing moves."""
+    """`reuse` with every token at its rank among the prompt's positions (order kept); unchanged if none moves."""
     starts = [u.cached.segment.start + u.first for u in reuse.uses]
     layout = sorted([p for u, start in zip(reuse.uses, starts) for p in range(start, start + u.last - u.first)]
                     + list(reuse.position_ids))
@@ -219,9 +190,7 @@ def in_context(plan: PromptPlan, cached: CachedSegment) -> bool:
 
 
 def with_predecessors(plan: PromptPlan) -> PromptPlan:
-    """`plan` reusing, for every module segment out of its encoding context, the encoding after its
-    schema context and its predecessor (`Schema.predecessor_context`); segments in context,
-    always-included text and scaffold variants keep theirs."""
+    """`plan` reusing each out-of-context module segment's encoding after its predecessor."""
     cached = []
     for c in plan.cached:
         if c.variant == "default" and not in_context(plan, c):
@@ -231,16 +200,9 @@ def with_predecessors(plan: PromptPlan) -> PromptPlan:
     return replace(plan, cached=tuple(cached))
 
 
-def _balanced(plan: PromptPlan, k: int) -> ReusePlan:
-    heads = {i: range(min(k, len(c.segment.token_ids))) for i, c in enumerate(plan.cached) if not in_context(plan, c)}
-    return recompute_selected(plan, heads, f"balanced:{k}")
-
-
 def recompute_selected(plan: PromptPlan, chosen: Mapping[int, Iterable[int]], variant: str) -> ReusePlan:
-    """A balanced ReusePlan recomputing, of each cached segment `plan.cached[i]`, the token indices
-    `chosen[i]` at their positions; the rest of the segment is reused as stored, in runs between them.
-    The first k of every out-of-context segment is `balanced`; any other selection (CacheBlend's, a
-    query-aware one) is expressed the same way."""
+    """A balanced ReusePlan recomputing tokens `chosen[i]` of each cached segment `plan.cached[i]` at their positions,
+    reusing the runs between them as stored (balanced: the first k; CacheBlend's or a query-aware choice alike)."""
     # (position, token, the module whose KV it recomputes or None: new text)
     pieces: list[tuple[int, int, str | None]] = [
         (p, t, None) for run in plan.new_runs for p, t in zip(range(run.start, run.end), run.token_ids)]
@@ -266,8 +228,7 @@ def recompute_selected(plan: PromptPlan, chosen: Mapping[int, Iterable[int]], va
 
 
 def _exact(plan: PromptPlan) -> ReusePlan:
-    """Reuse the leading segments a full prefill would compute identically; compute the rest at
-    contiguous positions after them."""
+    """Reuse the leading segments a full prefill computes identically; compute the rest contiguously after them."""
     leading: list[CachedSegment] = []
     for cached in plan.cached:
         reused = sum(len(c.segment.token_ids) for c in leading)

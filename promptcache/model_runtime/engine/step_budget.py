@@ -1,27 +1,20 @@
-"""StepBudget: how many prompt or encoding tokens a step may feed while other sequences decode.
-
-A step that also feeds prefill tokens delays every stream's next token by the tokens' compute. A fixed
-chunk size cannot bound that delay: the cost of a token against the cost of a decode step differs by
-machine, dtype, model and batch (on a 2-core CPU a 64-token chunk tripled the gap; on a GPU it is
-almost free). So the budget is learned online: the engine reports each step's duration, and the budget
-is the number of tokens whose measured marginal cost keeps a step within `max_slowdown` times a
-decode-only step — never below `min_tokens` (a long prompt must still progress), never above
-`max_tokens`.
-"""
+"""Step sizes learned online from step times (token and decode costs differ by machine, dtype, model and batch by 100x).
+StepBudget: tokens a step may feed beside decodes within `max_slowdown` times a decode-only step (a fixed 64-token chunk
+tripled the gap on a 2-core CPU). SharedStepCap: rows a step may run while tenants share the engine, so a light tenant's
+first token waits about twice its time alone; feedback on rows, as no cost model fits while a flood keeps the mix
+constant."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 _SMOOTHING = 0.2  # weight of the newest measurement in the moving averages
+_MAX_ROWS = 4096
 
 
 @dataclass(slots=True)
 class StepBudget:
-    """Prefill tokens per step while sequences decode. Used only on the engine thread.
-
-    `max_slowdown` None turns learning off: the budget is always `max_tokens`.
-    """
+    """Prefill tokens a step may feed while sequences decode (`max_slowdown` None: always `max_tokens`)."""
 
     min_tokens: int
     max_tokens: int
@@ -32,17 +25,15 @@ class StepBudget:
 
     @property
     def token_ms(self) -> float | None:
-        """One prefill token's added cost: a ratio of averages, so a step that fed one token (whose
-        cost is lost in the noise) weighs little."""
+        """A prefill token's added cost, a ratio of averages (a one-token step, lost in noise, weighs little)."""
         if self.added_ms is None or not self.fed:
             return None
         return max(self.added_ms / self.fed, 1e-3)
 
     def tokens(self, waiting_per_decoding: float = 0.0) -> int:
-        """The budget for the next step that has decoding sequences. `waiting_per_decoding`: sequences
-        waiting for their first token per decoding one. Above 1 the allowed slowdown grows with it: the
-        step's delay then falls on few streams while its tokens serve many (16 requests arriving
-        together behind a few decodes got one question a step: the last waited ~17 steps)."""
+        """The budget of the next step with decodes. Above one waiting sequence per decoding one
+        (`waiting_per_decoding`), the slowdown allowed grows with it: the delay falls on few streams, the tokens serve
+        many."""
         if self.max_slowdown is None:
             return self.max_tokens
         token_ms = self.token_ms
@@ -68,3 +59,31 @@ class StepBudget:
 def moving_average(current: float | None, sample: float) -> float:
     """`current` moved a `_SMOOTHING` share toward `sample` (`sample` when nothing was measured yet)."""
     return sample if current is None else (1 - _SMOOTHING) * current + _SMOOTHING * sample
+
+
+@dataclass(slots=True)
+class SharedStepCap:
+    """Rows a step may run while tenants share the engine: others' steps held to `ratio` times a light one's."""
+
+    ratio: float
+    min_rows: int  # a step may always run this many rows (a prompt chunk beside a decode, so nothing starves)
+    light_ms: float | None = None  # moving average of a light tenant's step of its own
+    rows: float = 64.0  # the cap, adjusted after every capped step
+
+    def cap(self) -> int | None:
+        """The cap for the next shared step; None until a light step was measured."""
+        return None if self.light_ms is None else int(self.rows)
+
+    def observe_light(self, step_ms: float) -> None:
+        """Account a light tenant's step of its own."""
+        self.light_ms = moving_average(self.light_ms, step_ms)
+
+    def observe_capped(self, rows: int, step_ms: float) -> None:
+        """Account a capped step that ran `rows` rows in `step_ms`: the cap moves toward the rows that would have
+        taken the target time (at most 20 % a step), growing only when the cap, not the work, bounded the step."""
+        if self.light_ms is None or rows == 0:
+            return
+        target = self.ratio * self.light_ms
+        scale = min(max(target / max(step_ms, 1e-3), 0.8), 1.2)
+        if scale < 1.0 or rows >= 0.9 * self.rows:
+            self.rows = min(max(self.rows * scale, float(self.min_rows)), float(_MAX_ROWS))

@@ -13,8 +13,7 @@ from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequenc
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
-    """A sequence in a step, feeding its next `num_tokens` pending tokens (a decode's one token, a whole
-    prompt, or a chunk of a long one)."""
+    """A sequence in a step, feeding its next `num_tokens` pending tokens (a decode, a prompt, or a chunk)."""
 
     seq: Sequence
     num_tokens: int
@@ -22,8 +21,7 @@ class ScheduledSeq:
 
 @dataclass(frozen=True, slots=True)
 class EncodeNeed:
-    """Module KV a parked request waits for: (segment, context) of its schema. `recompute`: a tier holds
-    it, but the fetch was refused (the fetch policy measured recomputing as faster), so it is computed."""
+    """Module KV a parked request waits for; `recompute`: a tier holds it, but the fetch policy refused it."""
 
     request: Request
     segment_id: int
@@ -60,22 +58,10 @@ class StepPlan:
 
 def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int,
                  max_rows: int | None = None, min_tokens: int = 1) -> tuple[tuple[ScheduledSeq, ...], int]:
-    """The step's batch and the prefill budget it leaves.
-
-    - Decoding sequences run, and prefills share `mixed_budget` tokens with them (so no stream stalls
-      for a long prompt); with nothing decoding, prefills share `alone_budget`.
-    - Prefills of tenants with fewer running sequences are fed first (admission order within a tenant):
-      a tenant flooding the engine has many prefills in flight, and in admission order alone another
-      tenant's short prompt would wait for all of them to be fed, chunk by chunk.
-    - A tenant with nothing decoding whose prompts fit `alone_budget` whole gets a step of its own while
-      others decode: its first token then waits for one short step rather than for a full batch step
-      of the busy tenant. Each such step delays the others' next token once; a tenant gets it only
-      while none of its sequences decodes, so it cannot hold the others back for long.
-    - Under `max_rows` (while a light tenant is served, engine/shared_step.py), a step with decodes runs at most
-      that many decodes and prompt tokens: decodes of lighter tenants first, then in `running` order
-      (the scheduler moves those fed to the back, so they take turns), leaving room for `min_tokens`
-      prompt tokens when any wait.
-    """
+    """The step's batch and the prefill budget it leaves. Decodes run and prefills share `mixed_budget` (`alone_budget`
+    with nothing decoding), lighter tenants first. A tenant with nothing decoding whose prompts fit `alone_budget` gets
+    a step of its own. Under `max_rows` a step with decodes runs at most that many rows: lighter tenants' decodes first,
+    then in `running` order (the scheduler rotates them), keeping `min_tokens` for prompts."""
     load = Counter(_tenant(s) for s in running)  # running sequences per tenant
     decoding = [s for s in running if s.pending_ids and s.status != SeqStatus.PREFILL]
     prefills = sorted((s for s in running if s.pending_ids and s.status == SeqStatus.PREFILL),
