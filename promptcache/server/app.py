@@ -21,7 +21,7 @@ from promptcache.model_runtime import (
     load_model,
     run_in_passing_thread,
 )
-from promptcache.server import api_native, api_playground, api_tokenizer
+from promptcache.server import api_native, api_playground
 from promptcache.server.errors import install_error_handlers
 from promptcache.server.guard import RequestGuard
 from promptcache.server.openai import routes as openai_routes
@@ -72,7 +72,7 @@ def create_app(settings: ServerSettings | None = None, *,
     app.include_router(system)
     app.include_router(api_native.router)
     app.include_router(openai_routes.router)
-    app.include_router(api_tokenizer.router)
+    app.include_router(openai_routes.tokenizer_router)
     app.include_router(api_playground.router)
     app.mount(api_playground.PLAYGROUND_PATH + "/static",
               api_playground.SecureStaticFiles(directory=str(api_playground.STATIC_DIR)), name="playground")
