@@ -4,14 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    field_validator,
-    model_serializer,
-)
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 MIN_TEMPERATURE = 1e-3  # model_runtime.sampling refuses smaller non-zero temperatures too
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
