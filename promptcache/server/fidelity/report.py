@@ -1,30 +1,30 @@
 """A schema's fidelity report: sampled prompts served in each fidelity mode and as a full prefill, all
 through the serving engine, compared on their first token (greedy agreement, KL), with a report cache.
 
-The full prefill is the prompt's tokens in position order, sent as a token prompt (positions 0..n-1,
-no module KV) under a salt of its own, so no stored prefix block or cached logits serve it: what
-benchmarks/fidelity.py's oracle computes, on the engine. (The blocks it stores under that salt are
-never read again; prefix blocks are evicted first.) Each mode's request is an ordinary
-request of the tenant (its module KV, prefix blocks and queue). KL is over the first-token top-20
-lists both requests return: each token in both is its own bucket, the rest of the vocabulary one more
-bucket, so the value is a lower bound of the full KL (merging outcomes never raises a KL).
+The full prefill is the prompt's tokens in position order, sent as a token prompt (positions 0..n-1, no module
+KV) under a salt of its own, so no stored prefix block or cached logits serve it: what benchmarks/fidelity.py's
+oracle computes, on the engine (the blocks it stores under that salt are never read again; prefix blocks are
+evicted first). Each mode's request is an ordinary request of the tenant (its module KV, prefix blocks, queue).
+KL is over the first-token top-20 lists both requests return: each token in both is its own bucket, the rest of
+the vocabulary one more, so the value is a lower bound of the full KL (merging outcomes never raises a KL).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
+from xml.sax.saxutils import escape, quoteattr
 
 from promptcache.model_runtime import MAX_LOGPROBS, Fidelity, FidelityMode, SamplingParams, TokenEvent
-from promptcache.pml import PromptPlan, Schema
+from promptcache.pml import Module, PromptPlan, RoleSection, Schema, TextEncoder, Union
 from promptcache.server.errors import UnsupportedParameterError
-from promptcache.server.fidelity.samples import sample_prompts
 from promptcache.server.generation import raise_for_error
 from promptcache.server.wire import (
     FidelityModeStats,
@@ -43,6 +43,8 @@ DEFAULT_QUESTION = "What is this about? Answer in one sentence."
 PROMPTS_IN_FLIGHT = 4  # sampled prompts whose requests are queued at once: the tenant's other requests keep a turn
 MAX_CACHED_REPORTS = 64
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0, logprobs=MAX_LOGPROBS)
+PLACEHOLDER_ARGUMENT = "example"
+DRAWS_PER_SAMPLE = 20  # draws tried per distinct combination wanted: a small schema has few of them
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +87,7 @@ async def build_report(service: PromptService, schema: Schema, tenant: str | Non
     samples = await asyncio.to_thread(sample_prompts, schema, service.runtime.text_encoder,
                                       num_samples=options.num_samples, seed=options.seed,
                                       question=options.question, max_imports=options.max_imports)
-    plans = await asyncio.to_thread(lambda: [service.plan(s.prompt, tenant=tenant) for s in samples])
+    plans = await asyncio.to_thread(lambda: [service.plan(prompt, tenant=tenant) for prompt in samples])
     gate = asyncio.Semaphore(PROMPTS_IN_FLIGHT)
 
     async def serve(plan: PromptPlan) -> tuple[_FirstToken, dict[str, _FirstToken]]:
@@ -107,7 +109,7 @@ async def build_report(service: PromptService, schema: Schema, tenant: str | Non
     rows = []
     for sample, plan, (reference, answers) in zip(samples, plans, served):
         rows.append(FidelitySample(
-            module_paths=list(plan.module_paths), prompt=sample.prompt, prompt_tokens=plan.num_prompt_tokens,
+            module_paths=list(plan.module_paths), prompt=sample, prompt_tokens=plan.num_prompt_tokens,
             exact=plan.is_exact, modes={mode: FidelitySampleResult(
                 top1_agrees=answer.token_id == reference.token_id, kl=first_token_kl(reference.top, answer.top))
                 for mode, answer in answers.items()}))
@@ -196,3 +198,73 @@ class ReportCache:
             self._done[key] = future.result()
             while len(self._done) > MAX_CACHED_REPORTS:
                 self._done.popitem(last=False)
+
+
+# -- the sample: seeded module combinations of a schema, written as PML prompts --------------------------
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    """Import one of `members` (a module alone, or a union's members) or nothing."""
+
+    members: tuple[Module, ...]
+    section: RoleSection | None  # the top-level role section that holds it
+
+
+def sample_prompts(schema: Schema, encoder: TextEncoder, *, num_samples: int, seed: int, question: str,
+                   max_imports: int | None = None) -> list[str]:
+    """Up to `num_samples` distinct combinations of `schema`'s modules as `<prompt>` documents, the same for the same
+    arguments (fewer when the schema has fewer, or none turns up in DRAWS_PER_SAMPLE draws each). A combination picks,
+    uniformly, how many of the top-level choices to make (1 up to `max_imports`), then which: a module or a union (one
+    member, uniformly; one left out keeps its default). Inside a picked module each nested choice is made with
+    probability 1/2. Imports are nested as in the schema, each top-level one inside an element of its section's role,
+    the question in the user turn of the user section's modules (or its own), then `<assistant/>`: the turn the
+    playground composes. Parameters get a placeholder that fits their slot."""
+    rng = random.Random(f"fidelity-report-{seed}")
+    choices = _choices(schema.root.children, None, is_top=True)
+    found: dict[str, None] = {}  # in the order drawn
+    for _ in range(num_samples * DRAWS_PER_SAMPLE):
+        if len(found) == num_samples:
+            break
+        found.setdefault(_draw(rng, schema, choices, encoder, question, max_imports))
+    return list(found)
+
+
+def _choices(children, section: RoleSection | None, *, is_top: bool) -> list[_Choice]:
+    choices: list[_Choice] = []
+    for node in children:
+        if isinstance(node, Module):
+            choices.append(_Choice((node,), section))
+        elif isinstance(node, Union):
+            choices.append(_Choice(node.members, section))
+        elif isinstance(node, RoleSection):  # transparent for imports; at the top it is the turn they go in
+            choices += _choices(node.children, node if is_top else section, is_top=is_top)
+    return choices
+
+
+def _draw(rng: random.Random, schema: Schema, choices: list[_Choice], encoder: TextEncoder, question: str,
+          max_imports: int | None) -> str:
+    groups: list[tuple[RoleSection | None, list[str]]] = []  # consecutive imports of one section
+    if choices:
+        count = rng.randint(1, min(len(choices), max_imports or len(choices)))
+        for index in sorted(rng.sample(range(len(choices)), count)):  # schema order
+            choice = choices[index]
+            xml = _import(rng, rng.choice(choice.members), encoder)
+            if groups and groups[-1][0] is choice.section:
+                groups[-1][1].append(xml)
+            else:
+                groups.append((choice.section, [xml]))
+    body = [f"<{s.role}>{''.join(xs)}</{s.role}>" if s is not None else "".join(xs) for s, xs in groups]
+    text = escape(question)
+    if groups and groups[-1][0] is not None and groups[-1][0].role == "user":
+        body[-1] = body[-1][: -len("</user>")] + text + "</user>"
+    elif question.strip():
+        body.append(f"<user>{text}</user>")
+    return f'<prompt schema="{schema.name}">{"".join(body)}<assistant/></prompt>'
+
+
+def _import(rng: random.Random, module: Module, encoder: TextEncoder) -> str:
+    fits = len(encoder.encode(PLACEHOLDER_ARGUMENT))
+    arguments = "".join(f" {name}={quoteattr(PLACEHOLDER_ARGUMENT)}" for name, param in module.params.items()
+                        if fits <= param.length)
+    inner = "".join(_import(rng, rng.choice(choice.members), encoder)
+                    for choice in _choices(module.children, None, is_top=False) if rng.random() < 0.5)
+    return f"<{module.name}{arguments}>{inner}</{module.name}>" if inner else f"<{module.name}{arguments}/>"
