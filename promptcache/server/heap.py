@@ -1,11 +1,9 @@
 """Give freed heap memory back to the OS, periodically (glibc only).
 
-glibc's malloc keeps freed memory in its arenas: under many distinct prompts (KV blocks evicted and
-stored, prefill temporaries of varying sizes) the server's RSS kept growing by ~30 MB per 100 prompts
-while every cache tier stayed within its byte budget, and one `malloc_trim(0)` gave back ~240 MB
-(benchmarks/prefix_memory.py, docs/benchmarks.md). Other C libraries (musl, macOS) return memory
-differently and have no `malloc_trim`: there this does nothing.
-"""
+glibc's malloc keeps freed memory in its arenas: under many distinct prompts (KV blocks evicted and stored, prefill
+temporaries of varying sizes) the server's RSS kept growing by ~30 MB per 100 prompts while every cache tier stayed
+within its byte budget, and one `malloc_trim(0)` gave back ~240 MB (benchmarks/prefix_memory.py, docs/benchmarks.md).
+Other C libraries (musl, macOS) return memory differently and have no `malloc_trim`: there this does nothing."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """JSON response bodies built and encoded in a worker thread, a slice at a time.
 
-A response carrying every token's logprobs (n samples, echoed prompts, 20 alternatives each) is megabytes
-of per-token work. It runs off the event loop, and the encoding is cut into calls of bounded size: one
-`json.dumps` (C) or pydantic (Rust) call over the whole body would hold the GIL for its whole duration,
-and the event loop, though free, could not answer anyone meanwhile. The bytes are those FastAPI renders
-for the value a route returns.
-"""
+A response carrying every token's logprobs (n samples, echoed prompts, 20 alternatives each) is megabytes of per-token
+work. It runs off the event loop, and the encoding is cut into calls of bounded size: one `json.dumps` (C) or pydantic
+(Rust) call over the whole body would hold the GIL for its whole duration, and the event loop, though free, could not
+answer anyone meanwhile. The bytes are those FastAPI renders for the value a route returns."""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ async def json_off_loop(build: Callable[[], Any]) -> Response:
 
 
 def json_body(value: Any) -> bytes:
-    """`value` as JSONResponse encodes it, with every list encoded SLICE_ITEMS items (or one nested item)
-    per call."""
+    """`value` as JSONResponse encodes it, with every list encoded SLICE_ITEMS items (or one nested item) per call."""
     pieces: list[str] = []
     _encode(value, pieces)
     return "".join(pieces).encode("utf-8")

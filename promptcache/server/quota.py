@@ -1,17 +1,16 @@
 """QuotaLedger: each tenant's schemas and uploads in flight, reserved against its quota before encoding.
 
-An upload reserves its schema (one more schema, its tokens) before it encodes anything, encodes, registers,
-then commits the reservation; a failure on the way (an encode error, a taken name, a client that went away)
-releases it, and deleting a schema releases its share. The check and the reservation are one atomic step —
-a WATCH/MULTI transaction on the tenant's hash in Redis, so replicas sharing it never admit more than the
-quota between them; a lock in process without Redis — so concurrent uploads cannot all pass one check.
+An upload reserves its schema (one more schema, its tokens) before it encodes anything, encodes, registers, then commits
+the reservation; a failure on the way (an encode error, a taken name, a client that went away) releases it, and deleting
+a schema releases its share. The check and the reservation are one atomic step — a WATCH/MULTI transaction on the
+tenant's hash in Redis, so replicas sharing it never admit more than the quota between them; a lock in process without
+Redis — so concurrent uploads cannot all pass one check.
 
-A tenant's hash maps schema name -> entry. A committed entry names its registry version; a pending one (an
-upload in flight) names its reservation and carries a lease deadline, renewed while the upload runs, so an
-upload whose replica died frees its share when the lease ends. Committed entries the registry no longer
-holds (a process that died between deleting a schema and releasing it; a document that fails its check
-after a blob-key rotation) are pruned when they would refuse an upload.
-"""
+A tenant's hash maps schema name -> entry. A committed entry names its registry version; a pending one (an upload in
+flight) names its reservation and carries a lease deadline, renewed while the upload runs, so an upload whose replica
+died frees its share when the lease ends. Committed entries the registry no longer holds (a process that died between
+deleting a schema and releasing it; a document that fails its check after a blob-key rotation) are pruned when they
+would refuse an upload."""
 
 from __future__ import annotations
 
@@ -120,9 +119,8 @@ class QuotaLedger:
 
     def reserve(self, tenant: str | None, name: str, num_tokens: int, quota: Quota,
                 versions: Versions = lambda: None) -> Reservation:
-        """Reserve one schema of `num_tokens` for `tenant` if its quota allows, atomically with the check.
-        A refusal first prunes committed entries that `versions()` (the registry) no longer holds, then
-        tries once more."""
+        """Reserve one schema of `num_tokens` for `tenant` if its quota allows, atomically with the check. A refusal
+        first prunes committed entries that `versions()` (the registry) no longer holds, then tries once more."""
         reservation = Reservation(tenant, name, num_tokens, uuid.uuid4().hex)
         try:
             return self._update(tenant, lambda entries: self._admit(entries, reservation, quota))
@@ -185,10 +183,9 @@ class QuotaLedger:
             self._update(tenant, decide)
 
     def prune(self, tenant: str | None, versions: Versions) -> int:
-        """Drop the tenant's committed entries whose schema the registry no longer holds at that version
-        (deleted, lost, or failing its check). The ledger is read first, the registry after: an entry is
-        committed only once its schema is registered, so no entry read here is newer than the registry's
-        answer. Returns how many."""
+        """Drop the tenant's committed entries whose schema the registry no longer holds at that version (deleted, lost,
+        or failing its check). The ledger is read first, the registry after: an entry is committed only once its schema
+        is registered, so no entry read here is newer than the registry's answer. Returns how many."""
         def decide(entries: dict[str, Entry]) -> tuple[Changes, int]:
             current = versions()
             if current is None:  # no shared registry (or unreachable): nothing to judge entries by

@@ -1,12 +1,11 @@
 """PromptService: the server's one gateway to schemas, plans, the engine, the store and metrics.
 
-Model compute (module encoding) runs on the engine thread via `Engine.call`; nothing here blocks the
-event loop on a tensor.
+Model compute (module encoding) runs on the engine thread via `Engine.call`; nothing here blocks the event loop on a
+tensor.
 
-Tenants (tenants.py): every call that touches schemas or KV names the caller's tenant (None: the default
-tenant), which is the runtime's `owner` (model_runtime.PromptRuntime keeps owners' schemas and KV apart);
-a tenant's schemas live under `<tenant>/<name>` in the shared registry.
-"""
+Tenants (tenants.py): every call that touches schemas or KV names the caller's tenant (None: the default tenant), which
+is the runtime's `owner` (model_runtime.PromptRuntime keeps owners' schemas and KV apart); a tenant's schemas live under
+`<tenant>/<name>` in the shared registry."""
 
 from __future__ import annotations
 
@@ -264,9 +263,8 @@ class PromptService:
 
     def submit(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None, request_id: str,
                fidelity: Fidelity, tenant: str | None = None, report_spans: bool = False) -> AsyncIterator[TokenEvent]:
-        """Raises InvalidRequestError for a logit_bias token outside the vocabulary, QueueFullError when the
-        tenant's waiting queue is full. `report_spans`: the final event lists the prompt as spans by
-        where their KV came from."""
+        """Raises InvalidRequestError for a logit_bias token outside the vocabulary, QueueFullError when the tenant's
+        waiting queue is full. `report_spans`: the final event lists the prompt as spans by where their KV came from."""
         [events] = self.submit_many([plan], params, cache_salt, [request_id], fidelity, tenant, report_spans)
         return events
 

@@ -1,13 +1,12 @@
 """Tenants: who an API key belongs to, each tenant's quotas, and the request-rate limiter.
 
-A tenant is a name the server derives from the caller's API key (never from the request body): schemas
-live in the tenant's namespace and every KV key is salted with it (service.py). With no keys file, all
-callers are the default tenant (`None`): today's single-tenant behaviour, with or without `--api-key`.
+A tenant is a name the server derives from the caller's API key (never from the request body): schemas live in the
+tenant's namespace and every KV key is salted with it (service.py). With no keys file, all callers are the default
+tenant (`None`): today's single-tenant behaviour, with or without `--api-key`.
 
-The keys file is JSON, either a plain mapping `{"sk-a1": "alpha", "sk-b1": "beta"}` or
-`{"keys": {...}, "quotas": {"alpha": {"max_schemas": 5, "rate_limit": "10/second"}}}` where a tenant's
-quota entries override the server-wide per-tenant defaults.
-"""
+The keys file is JSON, either a plain mapping `{"sk-a1": "alpha", "sk-b1": "beta"}` or `{"keys": {...}, "quotas":
+{"alpha": {"max_schemas": 5, "rate_limit": "10/second"}}}` where a tenant's quota entries override the server-wide
+per-tenant defaults."""
 
 from __future__ import annotations
 
@@ -71,9 +70,8 @@ def split_registry_name(qualified: str) -> tuple[str | None, str]:
 
 
 class TenantDirectory:
-    """API keys -> tenants, and each tenant's quota. Keys are compared as SHA-256 digests against every
-    known key with no early exit, so the time taken says nothing about which key (or how much of one)
-    matched."""
+    """API keys -> tenants, and each tenant's quota. Keys are compared as SHA-256 digests against every known key with
+    no early exit, so the time taken says nothing about which key (or how much of one) matched."""
 
     def __init__(self, keys: Mapping[str, str | None], default_quota: Quota = Quota(),
                  quotas: Mapping[str, Quota] | None = None) -> None:
