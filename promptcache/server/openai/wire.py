@@ -17,9 +17,8 @@ class StreamOptions(StrictModel):
 
 
 class _OpenAIFields(SamplingFields):
-    """Every field OpenAI defines for the route is declared; any other field is refused with a 400 naming
-    it (extra="forbid"), so nothing a client asks for is silently dropped. Fields we do not implement are
-    accepted only at values that ask for nothing (`NEUTRAL`)."""
+    """Every field OpenAI defines for the route; any other is refused with a 400 naming it (extra="forbid"), never
+    dropped. Fields we do not implement pass only at values that ask for nothing (`NEUTRAL`)."""
 
     model: str | None = None
     max_tokens: int = Field(16, ge=1)
