@@ -1,9 +1,6 @@
-"""JSON response bodies built and encoded in a worker thread, a slice at a time.
-
-A response carrying every token's logprobs (n samples, echoed prompts, 20 alternatives each) is megabytes of per-token
-work. It runs off the event loop, and the encoding is cut into calls of bounded size: one `json.dumps` (C) or pydantic
-(Rust) call over the whole body would hold the GIL for its whole duration, and the event loop, though free, could not
-answer anyone meanwhile. The bytes are those FastAPI renders for the value a route returns."""
+"""JSON response bodies built and encoded in a worker thread, a slice at a time: one `json.dumps` or pydantic call over
+megabytes of logprobs would hold the GIL throughout, and the event loop could answer no one meanwhile. The bytes are
+those FastAPI renders for the value a route returns."""
 
 from __future__ import annotations
 

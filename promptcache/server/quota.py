@@ -1,16 +1,11 @@
 """QuotaLedger: each tenant's schemas and uploads in flight, reserved against its quota before encoding.
 
-An upload reserves its schema (one more schema, its tokens) before it encodes anything, encodes, registers, then commits
-the reservation; a failure on the way (an encode error, a taken name, a client that went away) releases it, and deleting
-a schema releases its share. The check and the reservation are one atomic step — a WATCH/MULTI transaction on the
-tenant's hash in Redis, so replicas sharing it never admit more than the quota between them; a lock in process without
-Redis — so concurrent uploads cannot all pass one check.
-
-A tenant's hash maps schema name -> entry. A committed entry names its registry version; a pending one (an upload in
-flight) names its reservation and carries a lease deadline, renewed while the upload runs, so an upload whose replica
-died frees its share when the lease ends. Committed entries the registry no longer holds (a process that died between
-deleting a schema and releasing it; a document that fails its check after a blob-key rotation) are pruned when they
-would refuse an upload."""
+An upload reserves (one more schema, its tokens), encodes, registers, then commits; a failure on the way releases the
+reservation, and deleting a schema releases its share. Check and reservation are one atomic step (a WATCH/MULTI
+transaction on the tenant's hash in Redis, shared by replicas; a lock without Redis). A committed entry names its
+registry version; a pending one its reservation, with a lease renewed while the upload runs (a dead replica's upload
+frees its share when it ends). Committed entries the registry no longer holds are pruned when they would refuse an
+upload."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""PromptService: the server's one gateway to schemas, plans, the engine, the store and metrics.
-
-Model compute (module encoding) runs on the engine thread via `Engine.call`; nothing here blocks the event loop on a
-tensor.
-
-Tenants (tenants.py): every call that touches schemas or KV names the caller's tenant (None: the default tenant), which
-is the runtime's `owner` (model_runtime.PromptRuntime keeps owners' schemas and KV apart); a tenant's schemas live under
-`<tenant>/<name>` in the shared registry."""
+"""PromptService: the server's one gateway to schemas, plans, the engine, the store and metrics. Model compute runs on
+the engine thread; nothing here blocks the event loop on a tensor. Every call that touches schemas or KV names the
+caller's tenant (the runtime's `owner`; None: default); its schemas are `<tenant>/<name>` in the registry."""
 
 from __future__ import annotations
 

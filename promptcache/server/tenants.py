@@ -1,12 +1,6 @@
-"""Tenants: who an API key belongs to, each tenant's quotas, and the request-rate limiter.
-
-A tenant is a name the server derives from the caller's API key (never from the request body): schemas live in the
-tenant's namespace and every KV key is salted with it (service.py). With no keys file, all callers are the default
-tenant (`None`): today's single-tenant behaviour, with or without `--api-key`.
-
-The keys file is JSON, either a plain mapping `{"sk-a1": "alpha", "sk-b1": "beta"}` or `{"keys": {...}, "quotas":
-{"alpha": {"max_schemas": 5, "rate_limit": "10/second"}}}` where a tenant's quota entries override the server-wide
-per-tenant defaults."""
+"""Tenants: who an API key belongs to (never the request body: schemas live in the tenant's namespace, every KV key is
+salted with it), each tenant's quotas, and the request-rate limiter. With no keys file all are the default tenant
+(`None`). The keys file maps keys to tenants: `{"sk-a1": "alpha"}` or `{"keys": {...}, "quotas": {"alpha": {...}}}`."""
 
 from __future__ import annotations
 
@@ -87,8 +81,8 @@ class TenantDirectory:
 
     @classmethod
     def load(cls, keys_file: str | None, api_keys: list[str], default_quota: Quota) -> TenantDirectory:
-        """Keys from `keys_file` (tenants) plus `api_keys` (the default tenant). Raises ValueError naming
-        what is wrong with the file."""
+        """Keys from `keys_file` (tenants; its `quotas` entries override `default_quota`) plus `api_keys` (the default
+        tenant). Raises ValueError naming what is wrong with the file."""
         keys: dict[str, str | None] = dict.fromkeys(api_keys)
         quotas: dict[str, Quota] = {}
         if keys_file:

@@ -1,12 +1,7 @@
-"""A schema's fidelity report: sampled prompts served in each fidelity mode and as a full prefill, all through the
-serving engine, compared on their first token (greedy agreement, KL), with a report cache.
-
-The full prefill is the prompt's tokens in position order, sent as a token prompt (positions 0..n-1, no module KV) under
-a salt of its own, so no stored prefix block or cached logits serve it: what benchmarks/fidelity.py's oracle computes,
-on the engine (the blocks it stores under that salt are never read again; prefix blocks are evicted first). Each mode's
-request is an ordinary request of the tenant (its module KV, prefix blocks, queue). KL is over the first-token top-20
-lists both requests return: each token in both is its own bucket, the rest of the vocabulary one more, so the value is a
-lower bound of the full KL (merging outcomes never raises a KL)."""
+"""A schema's fidelity report: sampled prompts served in each fidelity mode and as a full prefill (the prompt's tokens
+as a token prompt under a salt of its own: no stored block or logits serve it), all through the engine as the tenant's
+requests, compared on their first token: greedy agreement, and KL over both top-20 lists plus one bucket for the rest of
+the vocabulary (a lower bound of the full KL). With a report cache."""
 
 from __future__ import annotations
 
