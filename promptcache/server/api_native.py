@@ -25,8 +25,7 @@ from promptcache.server.generation import (
     wire_report,
 )
 from promptcache.server.json_body import json_off_loop
-from promptcache.server.service import PromptService
-from promptcache.server.state import Rates, Service, Tenant
+from promptcache.server.service import PromptService, Rates, Service, Tenant
 from promptcache.server.tenants import registry_name
 from promptcache.server.wire import (
     Choice,

@@ -8,6 +8,9 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from importlib import resources
+from typing import Annotated
+
+from fastapi import Depends, Request
 
 from promptcache.cache_store import (
     BlobSigner,
@@ -28,13 +31,13 @@ from promptcache.model_runtime import (
     TokenEvent,
 )
 from promptcache.pml import PromptPlan, Schema, UnknownSchemaError, is_valid_name
-from promptcache.server.errors import SchemaNotFoundError, SchemaTooLongError
+from promptcache.server.errors import NotReadyError, SchemaNotFoundError, SchemaTooLongError
 from promptcache.server.fidelity.report import ReportCache, ReportOptions, build_report
 from promptcache.server.heap import trim_heap_every
 from promptcache.server.metrics import Metrics, engine_families, store_families
 from promptcache.server.quota import QuotaLedger
 from promptcache.server.settings import ServerSettings
-from promptcache.server.tenants import TenantDirectory, registry_name, split_registry_name
+from promptcache.server.tenants import RequestRateLimiter, TenantDirectory, registry_name, split_registry_name
 from promptcache.server.token_strings import TokenStrings
 from promptcache.server.wire import FidelityKnobs, FidelityReport
 
@@ -269,3 +272,33 @@ class PromptService:
         """`submit` every plan, all or none (the tenant's queue has room for them all, or none is queued)."""
         return self.runtime.submit(plans, params, owner=tenant, salt=cache_salt, request_ids=request_ids,
                                    fidelity=fidelity, report_spans=report_spans)
+
+
+# -- the routes' dependencies --------------------------------------------------------------------------------------
+def get_service(request: Request) -> PromptService:
+    """The app's PromptService; NotReadyError (a 503) while the model loads, or when it failed to."""
+    service = getattr(request.app.state, "service", None)
+    if service is None:
+        error = getattr(request.app.state, "load_error", None)
+        raise NotReadyError(f"the model failed to load: {error}" if error else "the model is still loading")
+    return service
+
+
+Service = Annotated[PromptService, Depends(get_service)]
+
+
+def get_tenant(request: Request) -> str | None:
+    """The caller's tenant, set by the RequestGuard from its API key (None: the default tenant)."""
+    return request.state.tenant if "tenant" in request.scope.get("state", {}) else None
+
+
+Tenant = Annotated[str | None, Depends(get_tenant)]
+
+
+def get_rates(request: Request) -> RequestRateLimiter:
+    """The rate limiter the RequestGuard counts with: a generating route counts its samples past the one hit
+    the guard counted (`rates.check(tenant, cost, already_counted=1)`)."""
+    return request.app.state.rates
+
+
+Rates = Annotated[RequestRateLimiter, Depends(get_rates)]

@@ -37,8 +37,7 @@ from promptcache.server.openai.wire import (
     is_pml,
     refuse_unsupported,
 )
-from promptcache.server.service import PromptService
-from promptcache.server.state import Rates, Service, Tenant
+from promptcache.server.service import PromptService, Rates, Service, Tenant
 
 router = APIRouter(prefix="/v1")
 tokenizer_router = APIRouter()  # vLLM's paths: no /v1
