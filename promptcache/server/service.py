@@ -20,16 +20,7 @@ from promptcache.cache_store import (
     StoredSchema,
     build_store,
 )
-from promptcache.model_runtime import (
-    ContextMode,
-    Fidelity,
-    FidelityMode,
-    LoadedModel,
-    PositionMode,
-    PromptRuntime,
-    SamplingParams,
-    TokenEvent,
-)
+from promptcache.model_runtime import Fidelity, LoadedModel, PromptRuntime, SamplingParams, TokenEvent
 from promptcache.pml import PromptPlan, Schema, UnknownSchemaError, is_valid_name
 from promptcache.server.errors import NotReadyError, SchemaNotFoundError, SchemaTooLongError
 from promptcache.server.fidelity.report import ReportCache, ReportOptions, build_report
@@ -250,14 +241,11 @@ class PromptService:
             raise
 
     def fidelity(self, mode: str | None, knobs: FidelityKnobs | None = None) -> Fidelity:
-        """The request's fidelity from its wire fields (values the wire model checked): its mode, k,
-        positions and module context, or the server's defaults."""
-        default, knobs = self.settings.default_fidelity(), knobs or FidelityKnobs()
-        head_tokens = knobs.fidelity_head_tokens
-        return Fidelity(FidelityMode(mode) if mode else default.mode,
-                        default.head_tokens if head_tokens is None else head_tokens,
-                        PositionMode(knobs.fidelity_positions) if knobs.fidelity_positions else default.positions,
-                        ContextMode(knobs.fidelity_context) if knobs.fidelity_context else default.context)
+        """The request's fidelity from its wire fields (values the wire model checked): its mode, k, positions and
+        module context, each the server's where unset (the knobs are named as the settings)."""
+        given = {name: getattr(knobs, name) for name in FidelityKnobs.model_fields} if knobs else {}
+        given["fidelity"] = mode
+        return self.settings.model_copy(update={k: v for k, v in given.items() if v is not None}).default_fidelity()
 
     def submit(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None, request_id: str,
                fidelity: Fidelity, tenant: str | None = None, report_spans: bool = False) -> AsyncIterator[TokenEvent]:
