@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from promptcache.model_runtime import CacheReport, ErrorKind, RequestReport, SamplingParams, TokenEvent
+from promptcache.server import wire
 from promptcache.server.errors import (
     EngineFailureError,
     InvalidParameterError,
@@ -16,22 +17,12 @@ from promptcache.server.errors import (
 )
 from promptcache.server.metrics import Metrics
 from promptcache.server.tenants import tenant_label
-from promptcache.server.wire import CacheReport as WireCacheReport
-from promptcache.server.wire import (
-    Logprobs,
-    ModuleReport,
-    PrefixReport,
-    PromptSpanReport,
-    SamplingFields,
-    Timings,
-    Usage,
-)
 
 DONE = "data: [DONE]\n\n"
 SPAN_CONTEXT_TOKENS = 8  # tokens before a span decoded with it, so its text starts as in the whole prompt's
 
 
-def sampling_params(fields: SamplingFields, max_tokens_limit: int, logprobs: int | None = None, *,
+def sampling_params(fields: wire.SamplingFields, max_tokens_limit: int, logprobs: int | None = None, *,
                     prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's sampling parameters. `max_tokens` 0 (echo only) runs one token, which the caller drops."""
     if fields.max_tokens > max_tokens_limit:
@@ -95,11 +86,11 @@ async def collect(events: AsyncIterator[TokenEvent], n: int) -> Outcome:
     return Outcome(texts, reasons, report, per_sample)
 
 
-def wire_logprobs(events: list[TokenEvent], token_text: Callable[[int], str]) -> Logprobs | None:
+def wire_logprobs(events: list[TokenEvent], token_text: Callable[[int], str]) -> wire.Logprobs | None:
     """The logprobs of a sample's token events (None when the request asked for none)."""
     if not events or events[0].logprobs is None:
         return None
-    result = Logprobs()
+    result = wire.Logprobs()
     for event in events:
         assert event.logprobs is not None and event.token_id is not None
         result.tokens.append(token_text(event.token_id))
@@ -122,39 +113,39 @@ def record(metrics: Metrics, report: RequestReport, finish_reasons: list[str | N
                     finish_reasons=[r or "unknown" for r in finish_reasons], reused=reused, tenant=tenant_label(tenant))
 
 
-def wire_report(report: RequestReport,
-                detokenize: Callable[[list[int]], str] | None = None) -> tuple[Usage, WireCacheReport, Timings]:
+def wire_report(report: RequestReport, detokenize: Callable[[list[int]], str] | None = None,
+                ) -> tuple[wire.Usage, wire.CacheReport, wire.Timings]:
     """/v1/generate's usage, cache report and timings of a finished request. With `detokenize` the cache
     report lists the prompt's spans with their text, which decodes every prompt token: off the event loop."""
     usage, timings, cache = report.usage, report.timings, report.cache
     assert usage is not None and timings is not None and cache is not None, "a served request reports all three"
     spans = wire_spans(cache, detokenize) if detokenize is not None else None
-    return (Usage(**asdict(usage), total_tokens=usage.total_tokens),  # the engine's other counts stay off the wire
-            to_wire(cache, spans), Timings(**{name: round(ms, 3) for name, ms in asdict(timings).items()}))
+    return (wire.Usage(**asdict(usage), total_tokens=usage.total_tokens),  # the engine's other counts stay off the wire
+            to_wire(cache, spans), wire.Timings(**{name: round(ms, 3) for name, ms in asdict(timings).items()}))
 
 
-def to_wire(report: CacheReport, spans: list[PromptSpanReport] | None = None) -> WireCacheReport:
+def to_wire(report: CacheReport, spans: list[wire.PromptSpanReport] | None = None) -> wire.CacheReport:
     """The wire form of a cache report: /v1/generate's `cache`, the base of /v1/prompts/explain's answer
     and of the OpenAI routes' `promptcache` extension. `spans`: the report's spans with their text."""
-    return WireCacheReport(exact=report.is_exact, generation_prompt_added=report.generation_prompt_added,
-                           fidelity=report.fidelity, positions=report.positions, context=report.context,
-                           recomputed_tokens=report.num_recomputed, approximations=list(report.approximations),
-                           modules=[ModuleReport(path=m.path, num_tokens=m.num_tokens, tier=m.tier,
-                                                 recomputed_tokens=m.num_recomputed, encoded_after=m.encoded_after)
-                                    for m in report.modules],
-                           prefix=None if report.prefix is None else PrefixReport(
-                               num_tokens=report.prefix.num_tokens, num_blocks=report.prefix.num_blocks,
-                               tiers=dict(report.prefix.tiers)),
-                           spans=spans)
+    prefix = report.prefix
+    return wire.CacheReport(
+        exact=report.is_exact, generation_prompt_added=report.generation_prompt_added, fidelity=report.fidelity,
+        positions=report.positions, context=report.context, recomputed_tokens=report.num_recomputed,
+        approximations=list(report.approximations), spans=spans,
+        modules=[wire.ModuleReport(path=m.path, num_tokens=m.num_tokens, tier=m.tier,
+                                   recomputed_tokens=m.num_recomputed, encoded_after=m.encoded_after)
+                 for m in report.modules],
+        prefix=None if prefix is None else wire.PrefixReport(num_tokens=prefix.num_tokens,
+                                                             num_blocks=prefix.num_blocks, tiers=dict(prefix.tiers)))
 
 
-def wire_spans(report: CacheReport, detokenize: Callable[[list[int]], str]) -> list[PromptSpanReport]:
+def wire_spans(report: CacheReport, detokenize: Callable[[list[int]], str]) -> list[wire.PromptSpanReport]:
     """The report's prompt spans with their text (empty if the engine reported none). Decodes every
     prompt token: call it off the event loop."""
     spans = report.spans or ()
     texts = span_texts([s.token_ids for s in spans], detokenize)
-    return [PromptSpanReport(start=s.start, num_tokens=s.num_tokens, origin=s.origin, module=s.module, tier=s.tier,
-                             text=text) for s, text in zip(spans, texts)]
+    return [wire.PromptSpanReport(start=s.start, num_tokens=s.num_tokens, origin=s.origin, module=s.module,
+                                  tier=s.tier, text=text) for s, text in zip(spans, texts)]
 
 
 def span_texts(runs: Sequence[Sequence[int]], detokenize: Callable[[list[int]], str]) -> list[str]:

@@ -18,15 +18,9 @@ from xml.sax.saxutils import escape, quoteattr
 
 from promptcache.model_runtime import MAX_LOGPROBS, Fidelity, FidelityMode, SamplingParams, TokenEvent
 from promptcache.pml import Module, PromptPlan, RoleSection, Schema, TextEncoder, Union
+from promptcache.server import wire
 from promptcache.server.errors import UnsupportedParameterError
 from promptcache.server.generation import raise_for_error
-from promptcache.server.wire import (
-    FidelityModeStats,
-    FidelityReport,
-    FidelityReportQuery,
-    FidelitySample,
-    FidelitySampleResult,
-)
 
 if TYPE_CHECKING:
     from promptcache.server.service import PromptService
@@ -63,7 +57,7 @@ class _FirstToken:
     top: dict[int, float]  # id -> logprob of the MAX_LOGPROBS most likely first tokens
 
 
-def report_options(query: FidelityReportQuery, service: PromptService) -> ReportOptions:
+def report_options(query: wire.FidelityReportQuery, service: PromptService) -> ReportOptions:
     """The options of `query` with the server's defaults. Raises UnsupportedParameterError past MAX_SAMPLES."""
     if query.num_samples > MAX_SAMPLES:
         raise UnsupportedParameterError(f"num_samples is {query.num_samples}; this server allows at most "
@@ -74,7 +68,7 @@ def report_options(query: FidelityReportQuery, service: PromptService) -> Report
 
 
 async def build_report(service: PromptService, schema: Schema, tenant: str | None,
-                       options: ReportOptions) -> FidelityReport:
+                       options: ReportOptions) -> wire.FidelityReport:
     """Sample, serve every sample in each mode and as a full prefill, compare first tokens. Raises what
     planning or serving a sample raises (PmlError, QueueFullError, the engine's errors)."""
     started = time.perf_counter()
@@ -102,12 +96,12 @@ async def build_report(service: PromptService, schema: Schema, tenant: str | Non
     served = await asyncio.gather(*(serve(plan) for plan in plans))
     rows = []
     for sample, plan, (reference, answers) in zip(samples, plans, served):
-        rows.append(FidelitySample(
+        rows.append(wire.FidelitySample(
             module_paths=list(plan.module_paths), prompt=sample, prompt_tokens=plan.num_prompt_tokens,
-            exact=plan.is_exact, modes={mode: FidelitySampleResult(
+            exact=plan.is_exact, modes={mode: wire.FidelitySampleResult(
                 top1_agrees=answer.token_id == reference.token_id, kl=first_token_kl(reference.top, answer.top))
                 for mode, answer in answers.items()}))
-    return FidelityReport(  # type: ignore[call-arg]  # the wire name is the alias (pydantic's mypy plugin)
+    return wire.FidelityReport(  # type: ignore[call-arg]  # the wire name is the alias (pydantic's mypy plugin)
         schema=schema.name, model=service.model_name, num_samples=len(rows), seed=options.seed,
         question=options.question, max_imports=options.max_imports,
         fidelity_head_tokens=options.fidelity.head_tokens, fidelity_positions=options.fidelity.positions,
@@ -139,13 +133,13 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return 0.0 if successes == 0 else centre - half, 1.0 if successes == n else centre + half
 
 
-def _stats(results: list[FidelitySampleResult]) -> FidelityModeStats:
+def _stats(results: list[wire.FidelitySampleResult]) -> wire.FidelityModeStats:
     agree = sum(r.top1_agrees for r in results)
     kls = [r.kl for r in results]
     low, high = wilson(agree, len(results))
-    return FidelityModeStats(num_samples=len(results), top1_agreement=agree / max(1, len(results)),
-                             agreement_ci95=(low, high), mean_kl=sum(kls) / max(1, len(kls)),
-                             max_kl=max(kls, default=0.0))
+    return wire.FidelityModeStats(num_samples=len(results), top1_agreement=agree / max(1, len(results)),
+                                  agreement_ci95=(low, high), mean_kl=sum(kls) / max(1, len(kls)),
+                                  max_kl=max(kls, default=0.0))
 
 
 async def _first_token(events: AsyncIterator[TokenEvent]) -> _FirstToken:
@@ -168,11 +162,11 @@ class ReportCache:
     goes away does not cancel it."""
 
     def __init__(self) -> None:
-        self._done: OrderedDict[Hashable, FidelityReport] = OrderedDict()
-        self._running: dict[Hashable, asyncio.Future[FidelityReport]] = {}
+        self._done: OrderedDict[Hashable, wire.FidelityReport] = OrderedDict()
+        self._running: dict[Hashable, asyncio.Future[wire.FidelityReport]] = {}
 
-    async def get(self, key: Hashable, compute: Callable[[], Awaitable[FidelityReport]],
-                  before_compute: Callable[[], None] = lambda: None) -> FidelityReport:
+    async def get(self, key: Hashable, compute: Callable[[], Awaitable[wire.FidelityReport]],
+                  before_compute: Callable[[], None] = lambda: None) -> wire.FidelityReport:
         """The cached report (`cached` true), the one being computed, or a new one: `before_compute()`
         runs first (and may raise, e.g. a rate limit), then `compute()`."""
         if key in self._done:
@@ -186,7 +180,7 @@ class ReportCache:
             future.add_done_callback(lambda done: self._settle(key, done))
         return await asyncio.shield(future)
 
-    def _settle(self, key: Hashable, future: asyncio.Future[FidelityReport]) -> None:
+    def _settle(self, key: Hashable, future: asyncio.Future[wire.FidelityReport]) -> None:
         self._running.pop(key, None)
         if not future.cancelled() and future.exception() is None:
             self._done[key] = future.result()
