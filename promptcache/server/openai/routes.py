@@ -28,15 +28,7 @@ from promptcache.server.generation import (
     to_wire,
 )
 from promptcache.server.json_body import json_off_loop
-from promptcache.server.openai.wire import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-    chat_messages,
-    is_pml,
-    refuse_unsupported,
-)
+from promptcache.server.openai import wire
 from promptcache.server.service import PromptService, Rates, Service, Tenant
 
 router = APIRouter(prefix="/v1")
@@ -51,8 +43,8 @@ async def models(service: Service) -> dict:
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, service: Service, tenant: Tenant, rates: Rates):
-    refuse_unsupported(body)
+async def completions(body: wire.CompletionRequest, service: Service, tenant: Tenant, rates: Rates):
+    wire.refuse_unsupported(body)
     prompts = body.prompts()
     if not prompts or any(not p for p in prompts):
         raise UnsupportedParameterError("prompt: expected a non-empty text, list of texts, token ids or list of "
@@ -69,13 +61,13 @@ async def completions(body: CompletionRequest, service: Service, tenant: Tenant,
     return await _run_many(service, body, plans, echoes, prompt_ids, tenant)
 
 
-def _prepare(service: PromptService, body: CompletionRequest, prompts: list[str | list[int]],
+def _prepare(service: PromptService, body: wire.CompletionRequest, prompts: list[str | list[int]],
              tenant: str | None) -> tuple[list[PromptPlan], list[str] | None, list[list[int]] | None]:
     """Each prompt's plan; with echo its text; with echo and logprobs its token ids (they get logprobs too).
     Token ids are planned as given, a PML document (it starts with `<prompt`) imports modules, and any other
     text is plain, tokenized verbatim (never XML)."""
     plans = [service.runtime.plan_tokens(p) if not isinstance(p, str) else service.plan(p, tenant=tenant)
-             if is_pml(p) else service.runtime.plan_text(p) for p in prompts]
+             if wire.is_pml(p) else service.runtime.plan_text(p) for p in prompts]
     echoes = [p if isinstance(p, str) else service.runtime.detokenize(p) for p in prompts] if body.echo else None
     prompt_ids = None
     if body.echo and body.logprobs is not None:
@@ -84,14 +76,14 @@ def _prepare(service: PromptService, body: CompletionRequest, prompts: list[str 
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, service: Service, tenant: Tenant, rates: Rates):
-    refuse_unsupported(body)
+async def chat_completions(body: wire.ChatCompletionRequest, service: Service, tenant: Tenant, rates: Rates):
+    wire.refuse_unsupported(body)
     rates.check(tenant, body.n, already_counted=1)
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
     elif "max_tokens" not in body.model_fields_set:
         body.max_tokens = min(256, service.settings.max_tokens_limit)
-    messages = chat_messages(body.messages)
+    messages = wire.chat_messages(body.messages)
     if schema_name := body.schema_name:
         plan = await asyncio.to_thread(lambda: service.plan(_chat_pml(schema_name, messages), tenant=tenant))
     else:
@@ -112,11 +104,11 @@ def _chat_pml(schema: str, messages: list[dict[str, str]]) -> str:
     return f'<prompt schema="{escape(schema, {chr(34): "&quot;"})}" xml:space="preserve">{turns}<assistant/></prompt>'
 
 
-async def _run(service: PromptService, body: ChatCompletionRequest | CompletionRequest, plan: PromptPlan,
+async def _run(service: PromptService, body: wire.ChatCompletionRequest | wire.CompletionRequest, plan: PromptPlan,
                tenant: str | None):
-    chat = isinstance(body, ChatCompletionRequest)
+    chat = isinstance(body, wire.ChatCompletionRequest)
     # The alternatives each token's logprobs carry; None: the request wants no logprobs.
-    num_logprobs = (body.logprobs if isinstance(body, CompletionRequest)
+    num_logprobs = (body.logprobs if isinstance(body, wire.CompletionRequest)
                     else (body.top_logprobs or 0) if body.logprobs else None)
     params = sampling_params(body, service.settings.max_tokens_limit, num_logprobs)
     head = response_head(service, chat=chat)
@@ -185,7 +177,7 @@ def _logprobs(events: list, service: PromptService, chat: bool, text_offset: int
     return completion_logprobs(events, service.token_strings.text, text_offset=text_offset)
 
 
-async def _run_many(service: PromptService, body: CompletionRequest, plans: list[PromptPlan],
+async def _run_many(service: PromptService, body: wire.CompletionRequest, plans: list[PromptPlan],
                     echoes: list[str] | None, prompt_ids: list[list[int]] | None, tenant: str | None) -> Response:
     """Several prompts, or echo (not streamed): each prompt is one group of n choices (index = prompt index x n +
     sample), all submitted at once (all queued, or a 429 and none), so prompts that share text share its KV
@@ -206,7 +198,7 @@ async def _run_many(service: PromptService, body: CompletionRequest, plans: list
     return await json_off_loop(lambda: {**head, **_answer(service, body, plans, outcomes, echoes, prompt_ids)})
 
 
-def _answer(service: PromptService, body: CompletionRequest, plans: list[PromptPlan], outcomes: list,
+def _answer(service: PromptService, body: wire.CompletionRequest, plans: list[PromptPlan], outcomes: list,
             echoes: list[str] | None, prompt_ids: list[list[int]] | None) -> dict:
     """Choices, usage and reports of finished prompts (outcomes; None: not run). An echoed prompt's
     logprobs are built once for its n samples."""
@@ -332,7 +324,7 @@ def _entry(text: str, logprob: float) -> dict:
 
 
 @tokenizer_router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, service: Service) -> Response:
+async def tokenize(body: wire.TokenizeRequest, service: Service) -> Response:
     """The token ids the completion routes would feed the model (vLLM's shape)."""
     if (body.prompt is None) == (body.messages is None):
         raise UnsupportedParameterError("send exactly one of prompt or messages")
@@ -342,7 +334,7 @@ async def tokenize(body: TokenizeRequest, service: Service) -> Response:
     if not body.add_generation_prompt:
         raise UnsupportedParameterError("add_generation_prompt=false is not supported: chats are rendered as "
                                         "/v1/chat/completions renders them")
-    messages = chat_messages(body.messages) if body.messages is not None else None
+    messages = wire.chat_messages(body.messages) if body.messages is not None else None
 
     def reply() -> dict:  # tokenizing and each token's string: per-token work, in a worker thread
         tokens = service.runtime.tokenize(body.prompt, messages)
@@ -355,5 +347,5 @@ async def tokenize(body: TokenizeRequest, service: Service) -> Response:
 
 
 @tokenizer_router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, service: Service) -> dict:
+async def detokenize(body: wire.DetokenizeRequest, service: Service) -> dict:
     return {"prompt": await asyncio.to_thread(service.runtime.detokenize, body.tokens)}
