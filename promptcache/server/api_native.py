@@ -67,9 +67,8 @@ async def create_schema(body: wire.SchemaCreate, service: Service, tenant: Tenan
 @router.get("/schemas/{name}/fidelity", response_model=wire.FidelityReport, response_model_by_alias=True)
 async def schema_fidelity(name: str, query: Annotated[wire.FidelityReportQuery, Query()], service: Service,
                           tenant: Tenant, rates: Rates) -> wire.FidelityReport:
-    """Each fidelity mode's first token against a full prefill on sampled module combinations of the schema
-    (server/fidelity/report.py). Cached per schema version and options; a computed one counts its requests
-    against the tenant's rate."""
+    """Each fidelity mode's first token against a full prefill on sampled module combinations of the schema, cached per
+    schema version and options; a computed one counts its requests against the tenant's rate."""
     options = report_options(query, service)
     return await service.fidelity_report(name, options, tenant,
                                          lambda: rates.check(tenant, options.num_requests, already_counted=1))

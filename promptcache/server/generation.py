@@ -7,14 +7,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from promptcache.model_runtime import CacheReport, ErrorKind, RequestReport, SamplingParams, TokenEvent
-from promptcache.server import wire
-from promptcache.server.errors import (
-    EngineFailureError,
-    InvalidParameterError,
-    RequestRejectedError,
-    UnsupportedParameterError,
-    public_error,
-)
+from promptcache.server import errors, wire
 from promptcache.server.metrics import Metrics
 from promptcache.server.tenants import tenant_label
 
@@ -26,7 +19,7 @@ def sampling_params(fields: wire.SamplingFields, max_tokens_limit: int, logprobs
                     prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's sampling parameters. `max_tokens` 0 (echo only) runs one token, which the caller drops."""
     if fields.max_tokens > max_tokens_limit:
-        raise UnsupportedParameterError(f"max_tokens is {fields.max_tokens}; this server allows at most "
+        raise errors.UnsupportedParameterError(f"max_tokens is {fields.max_tokens}; this server allows at most "
                                         f"{max_tokens_limit}")
     stop = [fields.stop] if isinstance(fields.stop, str) else list(fields.stop or [])
     bias = _bias_by_token_id(fields.logit_bias or {})
@@ -38,13 +31,13 @@ def sampling_params(fields: wire.SamplingFields, max_tokens_limit: int, logprobs
 
 
 def _bias_by_token_id(logit_bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
-    """(token id, bias) pairs. Raises InvalidParameterError (a 400) when two keys name one token ("5" and "05"):
+    """(token id, bias) pairs. Raises errors.InvalidParameterError (a 400) when two keys name one token ("5" and "05"):
     which bias was meant is unknowable, and adding both would exceed the per-token bound."""
     keys: dict[int, str] = {}
     for key in logit_bias:
         token = int(key)
         if token in keys:
-            raise InvalidParameterError(f"logit_bias: keys {keys[token]!r} and {key!r} both name token {token}; "
+            raise errors.InvalidParameterError(f"logit_bias: keys {keys[token]!r} and {key!r} both name token {token}; "
                                         "give each token id once")
         keys[token] = key
     return tuple((int(key), bias) for key, bias in logit_bias.items())
@@ -54,8 +47,8 @@ def raise_for_error(event: TokenEvent) -> None:
     report = event.report
     if report is not None and report.error is not None:
         if report.error_type == ErrorKind.INVALID_REQUEST:
-            raise RequestRejectedError(report.error)
-        raise EngineFailureError(report.error)
+            raise errors.RequestRejectedError(report.error)
+        raise errors.EngineFailureError(report.error)
 
 
 @dataclass
@@ -149,10 +142,9 @@ def wire_spans(report: CacheReport, detokenize: Callable[[list[int]], str]) -> l
 
 
 def span_texts(runs: Sequence[Sequence[int]], detokenize: Callable[[list[int]], str]) -> list[str]:
-    """The text of consecutive token runs such that the texts joined are the runs' tokens decoded
-    together: each run is decoded after the last few tokens before it and keeps what they did not
-    make (a tokenizer may drop a leading space at a sequence's start, or join bytes of one character
-    across two runs: the earlier text then gives up its incomplete tail)."""
+    """The texts of consecutive token runs, joined equal to the runs decoded together: each run is decoded after the
+    last few tokens before it and keeps what they did not make (a tokenizer may drop a leading space, or split a
+    character's bytes across runs: the earlier text then gives up its incomplete tail)."""
     texts: list[str] = []
     before: list[int] = []
     for run in runs:
@@ -173,5 +165,5 @@ def sse(payload: dict) -> str:
 
 def sse_error(exc: Exception) -> str:
     """The in-band error event of a stream whose headers are sent: a 5xx carries an error id, not internals."""
-    status, kind, message = public_error(exc, "a stream")
+    status, kind, message = errors.public_error(exc, "a stream")
     return sse({"error": {"type": kind, "message": message, "status": status}})

@@ -21,9 +21,8 @@ _dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, sepa
 
 
 async def json_off_loop(build: Callable[[], Any]) -> Response:
-    """The JSON response of `build()`, built and encoded in a worker thread. A pydantic model is encoded as
-    its response model (pydantic's serializer), its `choices` one at a time; anything else as JSONResponse
-    encodes it after jsonable_encoder."""
+    """The JSON response of `build()`, built and encoded in a worker thread: a pydantic model as pydantic serializes it,
+    its `choices` one at a time; anything else as JSONResponse encodes it."""
 
     def render() -> Response:
         value = build()

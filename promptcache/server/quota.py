@@ -67,10 +67,9 @@ Decision = Callable[[dict[str, Entry]], tuple[Changes, T]]
 
 
 class QuotaLedger:
-    """Reserves, commits and releases tenants' schemas against their quotas (see the module docstring).
-    Every method may raise RegistryUnavailableError when Redis cannot be reached, except `commit`,
-    `release`, `forget` and `record`, which log it (the lease, pruning and the count at start repair what
-    they could not write: the schema is registered by then, or the upload failed anyway)."""
+    """Reserves, commits and releases tenants' schemas against their quotas. Every method may raise
+    RegistryUnavailableError, except `commit`, `release`, `forget` and `record`, which log it (the lease, pruning and
+    the count at start repair what they could not write)."""
 
     def __init__(self, redis_url: str | None = None, *, namespace: str = "default", timeout_s: float = 0.5,
                  lease_s: float = 300.0) -> None:
@@ -86,10 +85,9 @@ class QuotaLedger:
     @contextlib.asynccontextmanager
     async def hold(self, tenant: str | None, name: str, num_tokens: int, quota: Quota,
                    versions: Versions) -> AsyncIterator[Hold]:
-        """Reserve `name` for the block, renewing the lease meanwhile. The block calls `hold.commit(version)`
-        once the schema is registered; leaving it any other way (an exception, a cancellation) releases the
-        reservation. Unlimited quotas reserve nothing. Raises QuotaExceededError, SchemaExistsError (an
-        upload of the same name is in flight, or it exists)."""
+        """Reserve `name` for the block, renewing the lease meanwhile; the block calls `hold.commit(version)` once the
+        schema is registered, any other exit releases it. Unlimited quotas reserve nothing. Raises QuotaExceededError,
+        SchemaExistsError (in flight, or it exists)."""
         hold = Hold()
         if quota.max_schemas is None and quota.max_schema_tokens is None:
             yield hold

@@ -89,9 +89,8 @@ class PromptService:
 
     # -- schemas -----------------------------------------------------------------------------------
     async def create_schema(self, pml: str, tenant: str | None = None) -> Schema:
-        """Validate, reserve the schema in the tenant's quota, encode, then register: a failed upload leaves
-        nothing behind (its encoded KV is only cache; its reservation is released). Raises PmlError,
-        SchemaTooLongError, SchemaExistsError, QuotaExceededError."""
+        """Validate, reserve in the tenant's quota, encode, then register: a failed upload leaves nothing behind. Raises
+        PmlError, SchemaTooLongError, SchemaExistsError, QuotaExceededError."""
         schema = await asyncio.to_thread(self.runtime.parse_schema, pml)
         if schema.num_positions > self.runtime.max_positions:
             raise SchemaTooLongError(f"schema {schema.name!r} spans {schema.num_positions} positions; the model "
@@ -134,9 +133,8 @@ class PromptService:
                 for owner, name in [split_registry_name(qualified)] if owner == tenant}
 
     def _stored_versions(self, tenant: str | None) -> dict[str, str] | None:
-        """Name -> version of the tenant's schemas whose stored document passes the registry's check (reads
-        the tenant's documents, no one else's); None without a shared registry. What quota shares are
-        judged by when they would refuse an upload: a schema lost or failing (a rotated blob key) frees its."""
+        """Name -> version of the tenant's schemas whose stored document passes the registry's check (None without a
+        shared registry): what quota shares are judged by, so a schema lost or failing its check frees its share."""
         names = self._registered(tenant)
         if names is None:
             return None
@@ -151,9 +149,8 @@ class PromptService:
 
     async def fidelity_report(self, name: str, options: ReportOptions, tenant: str | None = None,
                               before_compute: Callable[[], None] = lambda: None) -> FidelityReport:
-        """The tenant's schema's fidelity report (server/fidelity/report.py): from the cache of the schema's
-        version, or computed through the engine (`before_compute()` first: it may refuse). Raises
-        SchemaNotFoundError, and what serving a sample raises."""
+        """The tenant's schema's fidelity report, cached per schema version, or computed (`before_compute()` first: it
+        may refuse). Raises SchemaNotFoundError, and what serving a sample raises."""
         schema = await asyncio.to_thread(self.get_schema, name, tenant)
         qualified = registry_name(tenant, name)
         return await self.fidelity_reports.get((qualified, self._versions.get(qualified), options),
@@ -230,9 +227,8 @@ class PromptService:
 
     # -- prompts -----------------------------------------------------------------------------------
     def plan(self, prompt: str, *, tenant: str | None = None) -> PromptPlan:
-        """A PML prompt resolved against the tenant's schemas (an unknown name lists only those; one
-        another replica uploaded is adopted first). Unless it ends in an open `<assistant>` turn, the
-        model's generation prompt follows its last turn (the plan's `generation_prompt_added`)."""
+        """A PML prompt against the tenant's schemas (one another replica uploaded is adopted first); unless it ends in
+        an open `<assistant>` turn, the generation prompt follows its last turn."""
         try:
             return self.runtime.plan(prompt, tenant)
         except UnknownSchemaError as exc:

@@ -133,20 +133,17 @@ class TenantDirectory:
 
 
 class RequestRateLimiter:
-    """Per-tenant request rates (moving window, the `limits` library), in this process's memory.
-
-    A request costs one hit per sample it asks for: prompts × n on /v1/completions, n on the chat and
-    generate routes, one elsewhere. The guard counts one hit as a request arrives (before its body is
-    read); the generating routes count the rest once the body says how many samples it asks for."""
+    """Per-tenant request rates (moving window, in memory). A request costs one hit per sample: prompts × n on
+    /v1/completions, n on chat and generate, one elsewhere; the guard counts one on arrival, the generating routes the
+    rest once the body is read."""
 
     def __init__(self, directory: TenantDirectory) -> None:
         self.directory = directory
         self._limiter = MovingWindowRateLimiter(MemoryStorage())
 
     def check(self, tenant: str | None, cost: int = 1, *, already_counted: int = 0) -> None:
-        """Count a request of `cost` hits, `already_counted` of them counted before. Raises
-        RequestRejectedError when `cost` exceeds the tenant's whole window (no wait would admit it) and
-        RateLimitedError (with the seconds to wait) past the tenant's rate."""
+        """Count a request of `cost` hits, `already_counted` of them before. Raises RequestRejectedError when `cost`
+        exceeds the tenant's whole window, RateLimitedError (with the wait) past its rate."""
         rate = self.directory.quota(tenant).rate_limit
         if rate is None or cost <= already_counted:
             return

@@ -8,12 +8,9 @@ from collections.abc import Callable, Sequence
 
 
 class TokenStrings:
-    """id -> the token decoded alone (special tokens included), as OpenAI's logprobs report tokens.
-
-    The table holds one string per tokenizer id and is built on first use, with a lock so concurrent first users build
-    it once. Looking a token up is then an index, so the per-token work of a response (each token and its top
-    alternatives) no longer runs the tokenizer. An id past the tokenizer's vocabulary (a model whose embedding has
-    padding rows) is decoded directly, as before."""
+    """id -> the token decoded alone (special tokens included), as OpenAI's logprobs report it: a table built once, on
+    first use (under a lock), so per-token work runs no tokenizer. An id past the vocabulary (padding rows) is decoded
+    directly."""
 
     def __init__(self, decode: Callable[[list[int]], str], vocab_size: int) -> None:
         self._decode = decode

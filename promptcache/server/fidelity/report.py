@@ -157,9 +157,8 @@ def _request_id() -> str:
 
 
 class ReportCache:
-    """Reports by key (schema, its version, options), least recently used dropped past MAX_CACHED_REPORTS.
-    A report still being computed is shared by every caller asking for it meanwhile, and a caller that
-    goes away does not cancel it."""
+    """Reports by (schema, version, options), least recently used dropped past MAX_CACHED_REPORTS. A report being
+    computed is shared by every caller meanwhile; a caller that goes away does not cancel it."""
 
     def __init__(self) -> None:
         self._done: OrderedDict[Hashable, wire.FidelityReport] = OrderedDict()

@@ -179,11 +179,10 @@ def _logprobs(events: list, service: PromptService, chat: bool, text_offset: int
 
 async def _run_many(service: PromptService, body: wire.CompletionRequest, plans: list[PromptPlan],
                     echoes: list[str] | None, prompt_ids: list[list[int]] | None, tenant: str | None) -> Response:
-    """Several prompts, or echo (not streamed): each prompt is one group of n choices (index = prompt index x n +
-    sample), all submitted at once (all queued, or a 429 and none), so prompts that share text share its KV
-    through the block index; the route caps their count. None run when `max_tokens` is 0 and no logprobs are
-    asked (echo only). `echoes`: the prompts' texts to prepend; with `prompt_ids` (echo with logprobs) the
-    prompts' tokens get logprobs too, the first one None (nothing precedes it), as OpenAI reports them."""
+    """Several prompts, or echo (not streamed): prompt p is the group of n choices from index p x n, all submitted at
+    once (all queued, or a 429 and none) so shared text shares its KV. None run for `max_tokens` 0 without logprobs.
+    `echoes`: texts to prepend; with `prompt_ids` (echo with logprobs) the prompts' tokens get logprobs too, the first
+    None, as OpenAI reports them."""
     head = response_head(service, chat=False)
     outcomes: list = [None] * len(plans)
     if body.max_tokens > 0 or prompt_ids is not None:
