@@ -82,8 +82,7 @@ class RequestRejectedError(ServerError):
 
 
 class EngineFailureError(ServerError):
-    """The engine failed while serving the request; the message is the engine's, with the error id under
-    which it logged the failure."""
+    """The engine failed serving the request; the message is the engine's, with its error id."""
 
     is_public = True
 
@@ -124,8 +123,7 @@ ERROR_TABLE: list[tuple[type[Exception], int, str]] = [
 
 
 def headers_for(exc: Exception) -> dict[str, str] | None:
-    """The headers an error response carries: a ServerError's own, Retry-After for a full queue or a
-    cluster error that names one."""
+    """An error response's headers: a ServerError's own; Retry-After for a full queue or a cluster error naming one."""
     if isinstance(exc, ServerError):
         return exc.headers
     if isinstance(exc, (QueueFullError, cluster.ClusterError)) and exc.retry_after_s is not None:

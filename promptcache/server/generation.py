@@ -133,8 +133,7 @@ def to_wire(report: CacheReport, spans: list[wire.PromptSpanReport] | None = Non
 
 
 def wire_spans(report: CacheReport, detokenize: Callable[[list[int]], str]) -> list[wire.PromptSpanReport]:
-    """The report's prompt spans with their text (empty if the engine reported none). Decodes every
-    prompt token: call it off the event loop."""
+    """The report's prompt spans with their text (none if unreported); decodes every prompt token, so off the loop."""
     spans = report.spans or ()
     texts = span_texts([s.token_ids for s in spans], detokenize)
     return [wire.PromptSpanReport(start=s.start, num_tokens=s.num_tokens, origin=s.origin, module=s.module,

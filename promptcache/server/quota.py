@@ -167,8 +167,8 @@ class QuotaLedger:
             self._update(tenant, lambda entries: ({name: None} if name in entries else {}, None))
 
     def record(self, tenant: str | None, schemas: Mapping[str, tuple[int, str]]) -> None:
-        """Count registered schemas (name -> (tokens, version)) the ledger does not know of: those stored
-        before it kept them, or restored after Redis lost them."""
+        """Count registered schemas (name -> (tokens, version)) the ledger lacks (stored before it, or lost by Redis).
+        """
         def decide(entries: dict[str, Entry]) -> tuple[Changes, None]:
             return {n: Entry(tokens, version) for n, (tokens, version) in schemas.items() if n not in entries}, None
 

@@ -124,8 +124,7 @@ class PromptService:
                 if s is not None]
 
     def _registered(self, tenant: str | None) -> dict[str, str] | None:
-        """Name -> version of the tenant's schemas in the shared registry, from its index (no document is
-        read); None without one (or when it cannot be reached)."""
+        """Name -> version of the tenant's schemas in the registry's index (no document read); None without one."""
         state = self.registry.state()
         if state is None:
             return None
@@ -177,8 +176,7 @@ class PromptService:
         return self._adopt(stored) if stored is not None else None
 
     def _adopt(self, stored: StoredSchema) -> Schema | None:
-        """Register a persisted schema without encoding: its KV is fetched from the shared tier (or
-        encoded on first use if no tier has it)."""
+        """Register a persisted schema without encoding: its KV comes from a shared tier, or is encoded on first use."""
         try:
             schema = self.runtime.parse_schema(stored.pml_text)
         except Exception as exc:  # a registry entry this model cannot parse must not break startup
@@ -193,8 +191,7 @@ class PromptService:
         return schema
 
     async def _follow_registry(self) -> None:
-        """Every `registry_poll_s`, drop schemas another replica deleted, adopt ones it replaced, and
-        write back ones the shared registry lost."""
+        """Every `registry_poll_s`: drop schemas deleted elsewhere, adopt replaced ones, restore ones Redis lost."""
         while True:
             await asyncio.sleep(self.settings.registry_poll_s)
             try:
@@ -280,8 +277,7 @@ Tenant = Annotated[str | None, Depends(get_tenant)]
 
 
 def get_rates(request: Request) -> RequestRateLimiter:
-    """The rate limiter the RequestGuard counts with: a generating route counts its samples past the one hit
-    the guard counted (`rates.check(tenant, cost, already_counted=1)`)."""
+    """The rate limiter the RequestGuard counted one hit with: generating routes count their samples past it."""
     return request.app.state.rates
 
 

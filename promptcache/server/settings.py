@@ -17,8 +17,7 @@ if TYPE_CHECKING:
 
 
 class ServerSettings(BaseSettings):
-    """Every knob of a promptcache server. Environment variables `PROMPTCACHE_<NAME>` set them; CLI flags override the
-    environment (the CLI passes them as keyword arguments)."""
+    """Every knob of a server: `PROMPTCACHE_<NAME>` variables set them; CLI flags (keyword arguments) override."""
 
     model_config = SettingsConfigDict(env_prefix="PROMPTCACHE_", extra="ignore")
 
@@ -102,8 +101,7 @@ class ServerSettings(BaseSettings):
                            weights=WeightFormat(self.weights))
 
     def store_config(self, owner_shares: Mapping[str, float] | None = None) -> StoreConfig:
-        """The KV store of the server and `promptcache encode` alike (so a server reads what the CLI writes);
-        `owner_shares`: each tenant's byte share of every tier."""
+        """The KV store of server and `promptcache encode` alike; `owner_shares`: each tenant's share of each tier."""
         from promptcache.cache_store import StoreConfig
 
         return StoreConfig(

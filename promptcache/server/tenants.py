@@ -81,8 +81,8 @@ class TenantDirectory:
 
     @classmethod
     def load(cls, keys_file: str | None, api_keys: list[str], default_quota: Quota) -> TenantDirectory:
-        """Keys from `keys_file` (tenants; its `quotas` entries override `default_quota`) plus `api_keys` (the default
-        tenant). Raises ValueError naming what is wrong with the file."""
+        """Keys of `keys_file` (whose `quotas` override `default_quota`) and `api_keys` (default tenant); ValueError if
+        bad."""
         keys: dict[str, str | None] = dict.fromkeys(api_keys)
         quotas: dict[str, Quota] = {}
         if keys_file:
@@ -109,8 +109,7 @@ class TenantDirectory:
         return bool(self._digests)
 
     def authenticate(self, authorization: str) -> str | None:
-        """The tenant of the Bearer key in an Authorization header value (None: the default tenant).
-        Raises UnauthorizedError when keys are configured and this is not one of them."""
+        """The tenant of a Bearer key in an Authorization header (None: default); UnauthorizedError if not a key."""
         if not self._digests:
             return None
         scheme, _, token = authorization.partition(" ")

@@ -28,8 +28,7 @@ class TokenStrings:
         return self._table is not None
 
     def build(self) -> Sequence[str]:
-        """The whole table, decoding every id once the first time (~0.1 s for a 49K vocabulary): call it
-        off the event loop, or `await ready()`."""
+        """The whole table, decoding every id the first time (~0.1 s for 49K ids): off the loop, or `await ready()`."""
         table = self._table
         if table is None:
             with self._lock:
@@ -39,8 +38,7 @@ class TokenStrings:
         return table
 
     async def ready(self) -> TokenStrings:
-        """This table, built in a worker thread if it is not yet: event-loop code awaits this before
-        looking tokens up one by one (a stream's tokens)."""
+        """This table, built in a worker thread if need be: await it before looking up a stream's tokens on the loop."""
         if self._table is None:
             await asyncio.to_thread(self.build)
         return self

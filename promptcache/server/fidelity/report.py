@@ -166,8 +166,8 @@ class ReportCache:
 
     async def get(self, key: Hashable, compute: Callable[[], Awaitable[wire.FidelityReport]],
                   before_compute: Callable[[], None] = lambda: None) -> wire.FidelityReport:
-        """The cached report (`cached` true), the one being computed, or a new one: `before_compute()`
-        runs first (and may raise, e.g. a rate limit), then `compute()`."""
+        """The cached report (`cached` true), the one in progress, or a new one (`before_compute()` first; may raise).
+        """
         if key in self._done:
             self._done.move_to_end(key)
             return self._done[key].model_copy(update={"cached": True})

@@ -199,8 +199,7 @@ async def _run_many(service: PromptService, body: wire.CompletionRequest, plans:
 
 def _answer(service: PromptService, body: wire.CompletionRequest, plans: list[PromptPlan], outcomes: list,
             echoes: list[str] | None, prompt_ids: list[list[int]] | None) -> dict:
-    """Choices, usage and reports of finished prompts (outcomes; None: not run). An echoed prompt's
-    logprobs are built once for its n samples."""
+    """Choices, usage and reports of the prompts (outcome None: not run); echoed logprobs built once per prompt."""
     choices: list[dict[str, Any]] = []
     reports: list[dict[str, Any]] = []
     totals = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
@@ -257,8 +256,7 @@ def report_usage(report: RequestReport) -> dict:
 
 
 def extension(report: RequestReport) -> dict:
-    """The `promptcache` object of OpenAI-shaped responses: /v1/generate's `cache` report, every field
-    (one `to_wire`), plus the timings."""
+    """The `promptcache` object of OpenAI responses: /v1/generate's `cache` report plus the timings."""
     timings = report.timings
     assert timings is not None and report.cache is not None, "a served request reports timings and its cache"
     return {**to_wire(report.cache).model_dump(), "timings": {

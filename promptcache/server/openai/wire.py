@@ -139,8 +139,7 @@ def is_pml(prompt: str | list[int]) -> bool:
 
 
 def refuse_unsupported(body: BaseModel) -> None:
-    """Raises UnsupportedParameterError naming every field the client set to a value this server does not
-    implement, and why."""
+    """Raises UnsupportedParameterError naming every field set to a value this server does not do, and why."""
     refused = []
     for name in sorted(body.model_fields_set):
         rule = NEUTRAL.get(name)
