@@ -16,48 +16,34 @@ def main(argv: list[str] | None = None) -> int:
     _model_flags(serve)
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
-    serve.add_argument("--api-key", action="append", dest="api_keys",
-                       help="accepted Bearer key of the default tenant (repeatable)")
+    serve.add_argument("--api-key", action="append", dest="api_keys", help="a default-tenant Bearer key (repeatable)")
     serve.add_argument("--api-keys-file", help="JSON mapping API keys to tenant names (docs/security.md)")
     serve.add_argument("--metrics-key", help="Bearer key /metrics asks for (default: /metrics is open)")
     serve.add_argument("--tenant-max-schemas", type=int, help="schemas each tenant may hold (default: unlimited)")
-    serve.add_argument("--tenant-max-schema-tokens", type=int,
-                       help="schema tokens (positions) each tenant may hold, summed (default: unlimited)")
-    serve.add_argument("--tenant-rate-limit", help="samples (prompts x n) per tenant, e.g. 10/second "
-                       "(default: unlimited)")
-    serve.add_argument("--tenant-cache-share", type=float,
-                       help="most of each KV tier's bytes (device, host, Redis) one tenant may hold, e.g. 0.25; a "
-                            "tenant at its share evicts only its own entries (default: no limit)")
+    serve.add_argument("--tenant-max-schema-tokens", type=int, help="schema tokens each tenant may hold, summed")
+    serve.add_argument("--tenant-rate-limit", help="samples (prompts x n) per tenant, e.g. 10/second")
+    serve.add_argument("--tenant-cache-share", type=float, help="most of each KV tier's bytes one tenant may hold, "
+                       "e.g. 0.25; a tenant at its share evicts only its own entries (default: no limit)")
     serve.add_argument("--no-examples", action="store_true", help="do not preload the bundled example schemas")
-    serve.add_argument("--no-prefix-caching", action="store_true",
-                       help="turn off automatic prefix reuse (plain, chat and PML new text)")
+    serve.add_argument("--no-prefix-caching", action="store_true", help="turn off automatic prefix reuse")
     serve.add_argument("--prefix-block-size", type=int, help="tokens per automatic prefix block (default 32)")
-    serve.add_argument("--max-prefill-tokens", type=int,
-                       help="at most this many prompt/encoding tokens per step while other sequences decode "
-                            "(default 256)")
-    serve.add_argument("--min-prefill-tokens", type=int,
-                       help="at least this many prompt/encoding tokens per step while others decode (default 8)")
-    serve.add_argument("--max-step-slowdown", type=float,
-                       help="while sequences decode, feed as many prompt tokens as keep a step within this many "
-                            "decode steps (learned from step times; default 1.6; 0: always --max-prefill-tokens)")
-    serve.add_argument("--max-prefill-tokens-alone", type=int,
-                       help="prompt/encoding tokens per step when nothing decodes (default 4096)")
-    serve.add_argument("--fidelity", choices=["fast", "balanced", "exact"],
-                       help="default fidelity mode for reused module KV (docs/fidelity.md)")
+    serve.add_argument("--max-prefill-tokens", type=int, help="most prompt/encoding tokens a step while others decode "
+                       "(default 256)")
+    serve.add_argument("--min-prefill-tokens", type=int, help="least prompt/encoding tokens a step while others decode "
+                       "(default 8)")
+    serve.add_argument("--max-step-slowdown", type=float, help="while sequences decode, a step with prompt tokens "
+                       "costs at most this many decode steps (learned; default 1.6; 0: --max-prefill-tokens)")
+    serve.add_argument("--max-prefill-tokens-alone", type=int, help="prompt tokens a step alone (default 4096)")
+    serve.add_argument("--fidelity", choices=["fast", "balanced", "exact"], help="the default fidelity mode")
     serve.add_argument("--fidelity-positions", choices=["contiguous", "layout"],
-                       help="fast/balanced: re-align reused keys to contiguous positions (default) or keep the "
-                            "schema layout's (docs/fidelity.md)")
-    serve.add_argument("--fidelity-context", choices=["schema", "predecessor"],
-                       help="fast/balanced: reuse out-of-context modules as encoded after the module before them "
-                            "too (predecessor, default) or after their schema context only (docs/fidelity.md)")
+                       help="fast/balanced: reused keys re-aligned to contiguous positions (default) or the layout's")
+    serve.add_argument("--fidelity-context", choices=["schema", "predecessor"], help="fast/balanced: reuse modules as "
+                       "encoded after the module before them too (predecessor, default) or their schema context only")
     serve.add_argument("--second-encodings-at-upload", action="store_true",
-                       help="encode every module's second encoding (fidelity context predecessor) at upload "
-                            "instead of on its first use")
-    serve.add_argument("--replicas", type=int,
-                       help="run N replicas on a local Ray cluster behind a cache-affinity router (needs "
-                            "--redis-url when N > 1; pip install 'promptcache[cluster]'; docs/scaling.md)")
-    serve.add_argument("--max-replicas", type=int,
-                       help="with --replicas: let Ray autoscale between --replicas and this many on queue length")
+                       help="encode each module's second encoding (predecessor) at upload, not on its first use")
+    serve.add_argument("--replicas", type=int, help="run N replicas on a local Ray cluster behind a cache-affinity "
+                       "router (N > 1 needs --redis-url; pip install 'promptcache[cluster]'; docs/scaling.md)")
+    serve.add_argument("--max-replicas", type=int, help="with --replicas: autoscale up to this many on queue length")
     serve.add_argument("--router", choices=["affinity", "default"], default="affinity",
                        help="with --replicas: cache-affinity routing (default) or Ray's power-of-two-choices")
     serve.add_argument("--replica-cpus", type=float, default=1.0, help="with --replicas: CPUs per replica (default 1)")
@@ -68,16 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     _model_flags(encode)
     encode.add_argument("schema", type=Path, help="a .pml schema file")
 
-    kernels = commands.add_parser("build-kernels",
-                                  help="compile the bf16 CPU attention kernels for the installed torch (needs g++)")
-    kernels.add_argument("--dir", type=Path,
-                         help="output folder (default: $PROMPTCACHE_KERNEL_DIR, else ~/.cache/promptcache/kernels)")
+    kernels = commands.add_parser("build-kernels", help="compile the bf16 CPU attention kernels (needs g++)")
+    kernels.add_argument("--dir", type=Path, help="output folder (default: $PROMPTCACHE_KERNEL_DIR, else "
+                         "~/.cache/promptcache/kernels)")
     kernels.add_argument("--force", action="store_true", help="rebuild even if this torch's library exists")
     kernels.add_argument("--verbose", action="store_true", help="show the compiler's output")
 
     args = parser.parse_args(argv)
-    commands_run = {"serve": _serve, "encode": _encode, "build-kernels": _build_kernels}
-    return commands_run[args.command](args)
+    return {"serve": _serve, "encode": _encode, "build-kernels": _build_kernels}[args.command](args)
 
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
@@ -85,21 +69,11 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto (default for serve): bf16 where the hardware computes it natively, else fp32")
     parser.add_argument("--device", help="cpu | cuda | cuda:N")
-    parser.add_argument("--no-weight-packing", action="store_true",
-                        help="plain torch.nn.Linear instead of weights prepacked for oneDNN on CPU")
-    parser.add_argument("--no-layer-fusion", action="store_true",
-                        help="the Hugging Face decoder modules instead of fused layers (bf16 CPU kernels, torch "
-                             "ops on a GPU)")
-    parser.add_argument("--weights", choices=["native", "int8", "int4"],
-                        help="CPU: decoder-layer linear weights as loaded (native, default), int8 per channel or "
-                             "int4 per 32-group (the built-in model's own Q4_1 blocks); faster decode, see docs/api.md")
+    parser.add_argument("--no-weight-packing", action="store_true", help="no weights prepacked for oneDNN on CPU")
+    parser.add_argument("--no-layer-fusion", action="store_true", help="the HF decoder modules, not fused layers")
+    parser.add_argument("--weights", choices=["native", "int8", "int4"], help="CPU: decoder linear weights as loaded "
+                        "(default), int8 per channel or int4 per 32-group; faster decode, see docs/api.md")
     parser.add_argument("--redis-url", help="redis://host:port/db for the shared KV tier and schema registry")
-
-
-def _settings(args: argparse.Namespace):
-    from promptcache.server.settings import ServerSettings
-
-    return ServerSettings(**_overrides(args))
 
 
 # Switches, by flag: the setting each sets and the value it sets when given.
@@ -109,8 +83,8 @@ _SWITCHES = {"no_examples": ("preload_examples", False), "no_prefix_caching": ("
 
 
 def _overrides(args: argparse.Namespace) -> dict:
-    """The settings given as flags; they win over PROMPTCACHE_* environment variables. A flag other than a
-    switch sets the setting its value is named after; not given (None), it leaves it unset."""
+    """The settings given as flags (they win over PROMPTCACHE_* variables): a switch sets its `_SWITCHES` value,
+    any other flag the setting of its name; a flag not given (None) leaves it unset."""
     from promptcache.server.settings import ServerSettings
 
     given = {name: value for name, value in vars(args).items()
@@ -134,12 +108,11 @@ def _build_kernels(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from promptcache.server import create_app
+    from promptcache.server import ServerSettings, create_app
 
-    settings = _settings(args)
+    settings = ServerSettings(**_overrides(args))
     if args.replicas is not None:
         return _serve_cluster(args, settings)
-
     dtype = str(settings.load_config().torch_dtype).removeprefix("torch.")
     if settings.weights != "native":
         dtype += f", {settings.weights} weights"
@@ -178,8 +151,9 @@ def _encode(args: argparse.Namespace) -> int:
 
     from promptcache.cache_store import build_store
     from promptcache.model_runtime import ModelRuntime, load_model
+    from promptcache.server.settings import ServerSettings
 
-    settings = _settings(args)
+    settings = ServerSettings(**_overrides(args))
     loaded = load_model(settings.load_config())
     # The server's own store settings (namespace, blob key, ...): a server configured alike reads what this writes.
     store = build_store(settings.store_config(), device=settings.device)

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Query, Response
 from fastapi.responses import StreamingResponse
 
 from promptcache.pml import Schema
+from promptcache.server import wire
 from promptcache.server.errors import public_error
 from promptcache.server.fidelity.report import report_options
 from promptcache.server.generation import (
@@ -25,33 +26,18 @@ from promptcache.server.generation import (
     wire_report,
 )
 from promptcache.server.json_body import json_off_loop
-from promptcache.server.service import PromptService
-from promptcache.server.state import Rates, Service, Tenant
+from promptcache.server.service import PromptService, Rates, Service, Tenant
 from promptcache.server.tenants import registry_name
-from promptcache.server.wire import (
-    Choice,
-    ExplainRequest,
-    Explanation,
-    FidelityReport,
-    FidelityReportQuery,
-    GenerateChunk,
-    GenerateRequest,
-    GenerateResponse,
-    ModuleInfo,
-    SchemaCreate,
-    SchemaInfo,
-    SchemaList,
-)
 
 router = APIRouter(prefix="/v1")
 
 
-def schema_info(service: PromptService, schema: Schema, tenant: str | None) -> SchemaInfo:
-    return SchemaInfo(name=schema.name, num_tokens=schema.num_positions,
-                      modules=[ModuleInfo(**row, role=_role(schema, row)) for row in schema.module_table()],
-                      encode_ms=service.encode_ms.get(registry_name(tenant, schema.name)),
-                      num_segments=len(schema.segments), scaffolds=[list(sc.module_paths) for sc in schema.scaffolds],
-                      always_included=schema.always_included())
+def schema_info(service: PromptService, schema: Schema, tenant: str | None) -> wire.SchemaInfo:
+    return wire.SchemaInfo(
+        name=schema.name, num_tokens=schema.num_positions, num_segments=len(schema.segments),
+        modules=[wire.ModuleInfo(**row, role=_role(schema, row)) for row in schema.module_table()],
+        encode_ms=service.encode_ms.get(registry_name(tenant, schema.name)),
+        scaffolds=[list(sc.module_paths) for sc in schema.scaffolds], always_included=schema.always_included())
 
 
 def _role(schema: Schema, module: dict) -> str | None:
@@ -60,13 +46,13 @@ def _role(schema: Schema, module: dict) -> str | None:
                  and section.start <= module["start"] and module["end"] <= section.end), None)
 
 
-@router.post("/schemas", status_code=201, response_model=SchemaInfo)
-async def create_schema(body: SchemaCreate, service: Service, tenant: Tenant, rates: Rates) -> SchemaInfo:
+@router.post("/schemas", status_code=201, response_model=wire.SchemaInfo)
+async def create_schema(body: wire.SchemaCreate, service: Service, tenant: Tenant, rates: Rates) -> wire.SchemaInfo:
     """Upload; with `fidelity_report`, the schema's fidelity report follows the encoding (counted against the
     tenant's rate before the upload; a report that fails leaves the upload done, its error in the response)."""
     options = None
     if body.fidelity_report is not False:
-        query = body.fidelity_report if isinstance(body.fidelity_report, FidelityReportQuery) else FidelityReportQuery()
+        query = body.fidelity_report if body.fidelity_report is not True else wire.FidelityReportQuery()
         options = report_options(query, service)
         rates.check(tenant, 1 + options.num_requests, already_counted=1)
     info = schema_info(service, await service.create_schema(body.pml, tenant), tenant)
@@ -78,25 +64,24 @@ async def create_schema(body: SchemaCreate, service: Service, tenant: Tenant, ra
     return info
 
 
-@router.get("/schemas/{name}/fidelity", response_model=FidelityReport, response_model_by_alias=True)
-async def schema_fidelity(name: str, query: Annotated[FidelityReportQuery, Query()], service: Service,
-                          tenant: Tenant, rates: Rates) -> FidelityReport:
-    """Each fidelity mode's first token against a full prefill on sampled module combinations of the schema
-    (server/fidelity/report.py). Cached per schema version and options; a computed one counts its requests
-    against the tenant's rate."""
+@router.get("/schemas/{name}/fidelity", response_model=wire.FidelityReport, response_model_by_alias=True)
+async def schema_fidelity(name: str, query: Annotated[wire.FidelityReportQuery, Query()], service: Service,
+                          tenant: Tenant, rates: Rates) -> wire.FidelityReport:
+    """Each fidelity mode's first token against a full prefill on sampled module combinations of the schema, cached per
+    schema version and options; a computed one counts its requests against the tenant's rate."""
     options = report_options(query, service)
     return await service.fidelity_report(name, options, tenant,
                                          lambda: rates.check(tenant, options.num_requests, already_counted=1))
 
 
-@router.get("/schemas", response_model=SchemaList)
-async def list_schemas(service: Service, tenant: Tenant) -> SchemaList:
+@router.get("/schemas", response_model=wire.SchemaList)
+async def list_schemas(service: Service, tenant: Tenant) -> wire.SchemaList:
     schemas = await asyncio.to_thread(service.list_schemas, tenant)  # the registry may be a Redis call away
-    return SchemaList(data=[schema_info(service, s, tenant) for s in schemas])
+    return wire.SchemaList(data=[schema_info(service, s, tenant) for s in schemas])
 
 
-@router.get("/schemas/{name}", response_model=SchemaInfo)
-async def get_schema(name: str, service: Service, tenant: Tenant) -> SchemaInfo:
+@router.get("/schemas/{name}", response_model=wire.SchemaInfo)
+async def get_schema(name: str, service: Service, tenant: Tenant) -> wire.SchemaInfo:
     return schema_info(service, await asyncio.to_thread(service.get_schema, name, tenant), tenant)
 
 
@@ -106,8 +91,8 @@ async def delete_schema(name: str, service: Service, tenant: Tenant) -> Response
     return Response(status_code=204)
 
 
-@router.post("/generate", response_model=GenerateResponse)
-async def generate(body: GenerateRequest, service: Service, tenant: Tenant, rates: Rates):
+@router.post("/generate", response_model=wire.GenerateResponse)
+async def generate(body: wire.GenerateRequest, service: Service, tenant: Tenant, rates: Rates):
     rates.check(tenant, body.n, already_counted=1)
     plan = await asyncio.to_thread(lambda: service.plan(body.prompt, tenant=tenant))  # parsing stays off the loop
     params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs)
@@ -122,13 +107,12 @@ async def generate(body: GenerateRequest, service: Service, tenant: Tenant, rate
     outcome = await collect(events, params.n)
     record(service.metrics, outcome.report, outcome.finish_reasons, tenant)
 
-    def answer() -> GenerateResponse:  # decodes span texts and looks up every token's logprobs: off the loop
+    def answer() -> wire.GenerateResponse:  # decodes span texts and looks up every token's logprobs: off the loop
         usage, cache, timings = wire_report(outcome.report, service.runtime.detokenize if body.return_spans else None)
-        return GenerateResponse(
-            id=request_id, model=service.model_name,
-            choices=[Choice(index=i, text=t, finish_reason=r, logprobs=wire_logprobs(e, service.token_strings.text))
-                     for i, (t, r, e) in enumerate(zip(outcome.texts, outcome.finish_reasons, outcome.events))],
-            usage=usage, cache=cache, timings=timings)
+        choices = [wire.Choice(index=i, text=t, finish_reason=r, logprobs=wire_logprobs(e, service.token_strings.text))
+                   for i, (t, r, e) in enumerate(zip(outcome.texts, outcome.finish_reasons, outcome.events))]
+        return wire.GenerateResponse(id=request_id, model=service.model_name, choices=choices, usage=usage,
+                                     cache=cache, timings=timings)
 
     return await json_off_loop(answer)
 
@@ -142,9 +126,8 @@ async def _stream(service: PromptService, events, request_id: str, tenant: str |
             if event.finish_reason is not None:
                 reasons[event.index] = event.finish_reason
             logprobs = wire_logprobs([event], service.token_strings.text) if event.token_id is not None else None
-            chunk = GenerateChunk(id=request_id, model=service.model_name,
-                                  choices=[Choice(index=event.index, text=event.text,
-                                                  finish_reason=event.finish_reason, logprobs=logprobs)])
+            chunk = wire.GenerateChunk(id=request_id, model=service.model_name, choices=[wire.Choice(
+                index=event.index, text=event.text, finish_reason=event.finish_reason, logprobs=logprobs)])
             if event.report is not None:
                 # spans decode every prompt token: off the event loop; the rest is cheap enough to build on it
                 chunk.usage, chunk.cache, chunk.timings = (
@@ -160,17 +143,17 @@ async def _stream(service: PromptService, events, request_id: str, tenant: str |
     yield DONE
 
 
-@router.post("/prompts/explain", response_model=Explanation, response_model_by_alias=True)
-async def explain(body: ExplainRequest, service: Service, tenant: Tenant) -> Explanation:
+@router.post("/prompts/explain", response_model=wire.Explanation, response_model_by_alias=True)
+async def explain(body: wire.ExplainRequest, service: Service, tenant: Tenant) -> wire.Explanation:
     """Dry run: which module KV and prefix blocks the prompt would reuse now, and what it would compute.
     Runs in a worker thread (tier lookups may reach Redis); never waits on the engine."""
     return await asyncio.to_thread(_explain, body, service, tenant)
 
 
-def _explain(body: ExplainRequest, service: PromptService, tenant: str | None) -> Explanation:
+def _explain(body: wire.ExplainRequest, service: PromptService, tenant: str | None) -> wire.Explanation:
     plan = service.plan(body.prompt, tenant=tenant)
     report = service.runtime.explain(plan, owner=tenant, salt=body.cache_salt,
                                      fidelity=service.fidelity(body.fidelity, body))
-    return Explanation(**to_wire(report).model_dump(), schema=report.schema_name,
-                       prompt_tokens=report.num_prompt_tokens, cached_tokens=report.num_cached,
-                       tokens_to_compute=report.num_to_compute)
+    return wire.Explanation(**to_wire(report).model_dump(), schema=report.schema_name,
+                            prompt_tokens=report.num_prompt_tokens, cached_tokens=report.num_cached,
+                            tokens_to_compute=report.num_to_compute)

@@ -1,18 +1,27 @@
-"""The FastAPI app factory: lifespan (load model in the background, start the engine), auth, limits; and the
-app's own routes, health and metrics (never behind the API key)."""
+"""The FastAPI app factory: lifespan (load the model in the background, start the engine), the RequestGuard
+(API keys, rates, the body limit), and the app's own routes: health, metrics (never behind the API key) and
+the web playground's static files."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
+import hmac
 import logging
+import os
 import sys
 import uuid
+from collections import deque
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from importlib import resources
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from promptcache.model_runtime import (
     LoadedModel,
@@ -21,9 +30,14 @@ from promptcache.model_runtime import (
     load_model,
     run_in_passing_thread,
 )
-from promptcache.server import api_native, api_playground, api_tokenizer
-from promptcache.server.errors import install_error_handlers
-from promptcache.server.guard import RequestGuard
+from promptcache.server import api_native
+from promptcache.server.errors import (
+    PayloadTooLargeError,
+    ServerError,
+    UnauthorizedError,
+    install_error_handlers,
+    response_for,
+)
 from promptcache.server.openai import routes as openai_routes
 from promptcache.server.service import PromptService
 from promptcache.server.settings import ServerSettings
@@ -31,6 +45,17 @@ from promptcache.server.tenants import Quota, RequestRateLimiter, TenantDirector
 
 logger = logging.getLogger("promptcache.server")
 GIL_SWITCH_INTERVAL_S = 0.001
+METRICS_PATH = "/metrics"
+OPEN_PATHS = frozenset({"/health", METRICS_PATH})
+# The playground's page and assets hold no data (the page sends the user's key on its own calls). Each goes
+# out with a policy that lets it run only its own script and style and talk only to this server, which no
+# other site may frame (the page holds the user's keys).
+PLAYGROUND_PATH = "/playground"
+STATIC_DIR = resources.files("promptcache.server") / "playground"
+CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                           "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+SECURITY_HEADERS = {"Content-Security-Policy": CONTENT_SECURITY_POLICY, "X-Content-Type-Options": "nosniff",
+                    "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer"}
 
 
 def create_app(settings: ServerSettings | None = None, *,
@@ -72,10 +97,8 @@ def create_app(settings: ServerSettings | None = None, *,
     app.include_router(system)
     app.include_router(api_native.router)
     app.include_router(openai_routes.router)
-    app.include_router(api_tokenizer.router)
-    app.include_router(api_playground.router)
-    app.mount(api_playground.PLAYGROUND_PATH + "/static",
-              api_playground.SecureStaticFiles(directory=str(api_playground.STATIC_DIR)), name="playground")
+    app.include_router(openai_routes.tokenizer_router)
+    app.mount(PLAYGROUND_PATH + "/static", SecureStaticFiles(directory=str(STATIC_DIR)), name="playground")
     return app
 
 
@@ -114,9 +137,98 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok", "model": service.model_name, "attention": service.attention.as_dict()})
 
 
-@system.get("/metrics")
+@system.get(METRICS_PATH)
 async def metrics(request: Request) -> Response:
     service = getattr(request.app.state, "service", None)
     # Rendering reads tier sizes (a Redis call): off the event loop, never waiting on the engine.
     body = await asyncio.to_thread(service.metrics.render) if service is not None else b""
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@system.get(PLAYGROUND_PATH, include_in_schema=False)
+async def playground_redirect() -> RedirectResponse:
+    return RedirectResponse(PLAYGROUND_PATH + "/", headers=SECURITY_HEADERS)
+
+
+@system.get(PLAYGROUND_PATH + "/", include_in_schema=False)
+async def playground_index() -> FileResponse:
+    return FileResponse(str(STATIC_DIR / "index.html"), media_type="text/html", headers=SECURITY_HEADERS)
+
+
+class SecureStaticFiles(StaticFiles):
+    """The page's scripts and styles (mounted under /playground/static), with SECURITY_HEADERS."""
+
+    def file_response(self, full_path: str | os.PathLike[str], stat_result: os.stat_result, scope: Scope,
+                      status_code: int = 200) -> Response:
+        response = super().file_response(full_path, stat_result, scope, status_code)
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+
+class RequestGuard:
+    """API keys (-> the caller's tenant, in `request.state.tenant`), request rates and the body limit, as plain
+    ASGI before any route runs. The limit counts the bytes received (chunked or not; Content-Length is only an
+    early rejection), buffers at most the limit and answers 413 once it is crossed; the body is replayed as is."""
+
+    def __init__(self, app: ASGIApp, settings: ServerSettings, tenants: TenantDirectory,
+                 rates: RequestRateLimiter) -> None:
+        self.app = app
+        self.max_bytes = settings.max_request_bytes
+        self.tenants = tenants
+        self.rates = rates  # shared with the routes, which count samples past one
+        self.metrics_digest = hashlib.sha256(settings.metrics_key.encode()).digest() if settings.metrics_key else None
+        self.is_metrics_closed = bool(settings.api_keys_file) and self.metrics_digest is None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        try:
+            if scope["path"] not in OPEN_PATHS and not scope["path"].startswith(PLAYGROUND_PATH):
+                tenant = self.tenants.authenticate(headers.get("authorization", ""))
+                self.rates.check(tenant)
+                scope.setdefault("state", {})["tenant"] = tenant
+            elif scope["path"] == METRICS_PATH:
+                self._check_metrics_key(headers)
+            length = headers.get("content-length", "")
+            if length.isdigit() and int(length) > self.max_bytes:
+                raise PayloadTooLargeError(f"request body is {length} bytes; the limit is {self.max_bytes}")
+            messages = await self._read_body(receive)
+        except ServerError as exc:
+            await response_for(exc)(scope, receive, send)
+            return
+
+        async def replay() -> Message:
+            return messages.popleft() if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read_body(self, receive: Receive) -> deque[Message]:
+        """The request's body messages, counted as they arrive; stops at the limit. A deque: a body sent
+        in many small chunks is replayed in linear time (list.pop(0) moves every later chunk)."""
+        messages: deque[Message] = deque()
+        received = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                return messages  # a disconnect: the app sees it
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise PayloadTooLargeError(f"request body exceeds the limit of {self.max_bytes} bytes")
+            if not message.get("more_body", False):
+                return messages
+
+    def _check_metrics_key(self, headers: Headers) -> None:
+        """/metrics needs the metrics key when one is set (it is never behind the tenants' keys). Without one it
+        is open, unless a keys file names tenants: its series name every tenant, so it is then closed."""
+        if self.metrics_digest is None:
+            if self.is_metrics_closed:
+                raise UnauthorizedError("/metrics names every tenant, so with an API keys file it needs a metrics "
+                                        "key and this server has none (set PROMPTCACHE_METRICS_KEY)")
+            return
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if not (hmac.compare_digest(hashlib.sha256(token.encode()).digest(), self.metrics_digest)
+                and scheme.lower() == "bearer"):
+            raise UnauthorizedError("/metrics needs the metrics key (send Authorization: Bearer <metrics key>)")

@@ -11,15 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from promptcache.cache_store import CacheStoreError, SchemaExistsError
-from promptcache.cluster.errors import (
-    ClusterConfigError,
-    ClusterError,
-    NoReplicaError,
-    ReplicaLostError,
-    ReplicasBusyError,
-    ReplicaStartError,
-    RequestTooLargeError,
-)
+from promptcache.cluster import errors as cluster
 from promptcache.model_runtime import (
     ChatRenderError,
     EngineError,
@@ -90,8 +82,7 @@ class RequestRejectedError(ServerError):
 
 
 class EngineFailureError(ServerError):
-    """The engine failed while serving the request; the message is the engine's, with the error id under
-    which it logged the failure."""
+    """The engine failed serving the request; the message is the engine's, with its error id."""
 
     is_public = True
 
@@ -121,31 +112,27 @@ ERROR_TABLE: list[tuple[type[Exception], int, str]] = [
     (ModelLoadError, 503, "model_unavailable"),
     (EngineError, 500, "engine_error"),
     (CacheStoreError, 503, "cache_unavailable"),
-    (RequestTooLargeError, 413, "payload_too_large"),
-    (ReplicasBusyError, 503, "service_unavailable"),
-    (ReplicaLostError, 503, "replica_lost"),
-    (ReplicaStartError, 503, "service_unavailable"),
-    (NoReplicaError, 503, "service_unavailable"),
-    (ClusterConfigError, 500, "internal_error"),
-    (ClusterError, 503, "service_unavailable"),
+    (cluster.RequestTooLargeError, 413, "payload_too_large"),
+    (cluster.ReplicasBusyError, 503, "service_unavailable"),
+    (cluster.ReplicaLostError, 503, "replica_lost"),
+    (cluster.ReplicaStartError, 503, "service_unavailable"),
+    (cluster.NoReplicaError, 503, "service_unavailable"),
+    (cluster.ClusterConfigError, 500, "internal_error"),
+    (cluster.ClusterError, 503, "service_unavailable"),
 ]
 
 
 def headers_for(exc: Exception) -> dict[str, str] | None:
-    """The headers an error response carries: a ServerError's own, Retry-After for a full queue or a
-    cluster error that names one."""
+    """An error response's headers: a ServerError's own; Retry-After for a full queue or a cluster error naming one."""
     if isinstance(exc, ServerError):
         return exc.headers
-    if isinstance(exc, (QueueFullError, ClusterError)) and exc.retry_after_s is not None:
+    if isinstance(exc, (QueueFullError, cluster.ClusterError)) and exc.retry_after_s is not None:
         return {"Retry-After": str(exc.retry_after_s)}
     return None
 
 
 def status_for(exc: Exception) -> tuple[int, str]:
-    for cls, status, kind in ERROR_TABLE:
-        if isinstance(exc, cls):
-            return status, kind
-    return 500, "internal_error"
+    return next(((status, kind) for cls, status, kind in ERROR_TABLE if isinstance(exc, cls)), (500, "internal_error"))
 
 
 def public_error(exc: Exception, where: str) -> tuple[int, str, str]:
@@ -153,7 +140,7 @@ def public_error(exc: Exception, where: str) -> tuple[int, str, str]:
     wrong; a 5xx says only what failed and an error id, and the exception goes to the log under that id
     (Redis addresses, paths and tracebacks stay server-side). Bodies and SSE error events both use it."""
     status, kind = status_for(exc)
-    if status < 500 or (isinstance(exc, (ServerError, ClusterError)) and exc.is_public):
+    if status < 500 or (isinstance(exc, (ServerError, cluster.ClusterError)) and exc.is_public):
         return status, kind, str(exc)
     error_id = uuid.uuid4().hex[:12]
     logger.error("%s failed (error id %s)", where, error_id, exc_info=exc)

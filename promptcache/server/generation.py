@@ -7,35 +7,19 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from promptcache.model_runtime import CacheReport, ErrorKind, RequestReport, SamplingParams, TokenEvent
-from promptcache.server.errors import (
-    EngineFailureError,
-    InvalidParameterError,
-    RequestRejectedError,
-    UnsupportedParameterError,
-    public_error,
-)
+from promptcache.server import errors, wire
 from promptcache.server.metrics import Metrics
 from promptcache.server.tenants import tenant_label
-from promptcache.server.wire import CacheReport as WireCacheReport
-from promptcache.server.wire import (
-    Logprobs,
-    ModuleReport,
-    PrefixReport,
-    PromptSpanReport,
-    SamplingFields,
-    Timings,
-    Usage,
-)
 
 DONE = "data: [DONE]\n\n"
 SPAN_CONTEXT_TOKENS = 8  # tokens before a span decoded with it, so its text starts as in the whole prompt's
 
 
-def sampling_params(fields: SamplingFields, max_tokens_limit: int, logprobs: int | None = None, *,
+def sampling_params(fields: wire.SamplingFields, max_tokens_limit: int, logprobs: int | None = None, *,
                     prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's sampling parameters. `max_tokens` 0 (echo only) runs one token, which the caller drops."""
     if fields.max_tokens > max_tokens_limit:
-        raise UnsupportedParameterError(f"max_tokens is {fields.max_tokens}; this server allows at most "
+        raise errors.UnsupportedParameterError(f"max_tokens is {fields.max_tokens}; this server allows at most "
                                         f"{max_tokens_limit}")
     stop = [fields.stop] if isinstance(fields.stop, str) else list(fields.stop or [])
     bias = _bias_by_token_id(fields.logit_bias or {})
@@ -47,13 +31,13 @@ def sampling_params(fields: SamplingFields, max_tokens_limit: int, logprobs: int
 
 
 def _bias_by_token_id(logit_bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
-    """(token id, bias) pairs. Raises InvalidParameterError (a 400) when two keys name one token ("5" and "05"):
+    """(token id, bias) pairs. Raises errors.InvalidParameterError (a 400) when two keys name one token ("5" and "05"):
     which bias was meant is unknowable, and adding both would exceed the per-token bound."""
     keys: dict[int, str] = {}
     for key in logit_bias:
         token = int(key)
         if token in keys:
-            raise InvalidParameterError(f"logit_bias: keys {keys[token]!r} and {key!r} both name token {token}; "
+            raise errors.InvalidParameterError(f"logit_bias: keys {keys[token]!r} and {key!r} both name token {token}; "
                                         "give each token id once")
         keys[token] = key
     return tuple((int(key), bias) for key, bias in logit_bias.items())
@@ -63,8 +47,8 @@ def raise_for_error(event: TokenEvent) -> None:
     report = event.report
     if report is not None and report.error is not None:
         if report.error_type == ErrorKind.INVALID_REQUEST:
-            raise RequestRejectedError(report.error)
-        raise EngineFailureError(report.error)
+            raise errors.RequestRejectedError(report.error)
+        raise errors.EngineFailureError(report.error)
 
 
 @dataclass
@@ -95,11 +79,11 @@ async def collect(events: AsyncIterator[TokenEvent], n: int) -> Outcome:
     return Outcome(texts, reasons, report, per_sample)
 
 
-def wire_logprobs(events: list[TokenEvent], token_text: Callable[[int], str]) -> Logprobs | None:
+def wire_logprobs(events: list[TokenEvent], token_text: Callable[[int], str]) -> wire.Logprobs | None:
     """The logprobs of a sample's token events (None when the request asked for none)."""
     if not events or events[0].logprobs is None:
         return None
-    result = Logprobs()
+    result = wire.Logprobs()
     for event in events:
         assert event.logprobs is not None and event.token_id is not None
         result.tokens.append(token_text(event.token_id))
@@ -122,46 +106,44 @@ def record(metrics: Metrics, report: RequestReport, finish_reasons: list[str | N
                     finish_reasons=[r or "unknown" for r in finish_reasons], reused=reused, tenant=tenant_label(tenant))
 
 
-def wire_report(report: RequestReport,
-                detokenize: Callable[[list[int]], str] | None = None) -> tuple[Usage, WireCacheReport, Timings]:
+def wire_report(report: RequestReport, detokenize: Callable[[list[int]], str] | None = None,
+                ) -> tuple[wire.Usage, wire.CacheReport, wire.Timings]:
     """/v1/generate's usage, cache report and timings of a finished request. With `detokenize` the cache
     report lists the prompt's spans with their text, which decodes every prompt token: off the event loop."""
     usage, timings, cache = report.usage, report.timings, report.cache
     assert usage is not None and timings is not None and cache is not None, "a served request reports all three"
     spans = wire_spans(cache, detokenize) if detokenize is not None else None
-    return (Usage(**asdict(usage), total_tokens=usage.total_tokens),  # the engine's other counts stay off the wire
-            to_wire(cache, spans), Timings(**{name: round(ms, 3) for name, ms in asdict(timings).items()}))
+    return (wire.Usage(**asdict(usage), total_tokens=usage.total_tokens),  # the engine's other counts stay off the wire
+            to_wire(cache, spans), wire.Timings(**{name: round(ms, 3) for name, ms in asdict(timings).items()}))
 
 
-def to_wire(report: CacheReport, spans: list[PromptSpanReport] | None = None) -> WireCacheReport:
+def to_wire(report: CacheReport, spans: list[wire.PromptSpanReport] | None = None) -> wire.CacheReport:
     """The wire form of a cache report: /v1/generate's `cache`, the base of /v1/prompts/explain's answer
     and of the OpenAI routes' `promptcache` extension. `spans`: the report's spans with their text."""
-    return WireCacheReport(exact=report.is_exact, generation_prompt_added=report.generation_prompt_added,
-                           fidelity=report.fidelity, positions=report.positions, context=report.context,
-                           recomputed_tokens=report.num_recomputed, approximations=list(report.approximations),
-                           modules=[ModuleReport(path=m.path, num_tokens=m.num_tokens, tier=m.tier,
-                                                 recomputed_tokens=m.num_recomputed, encoded_after=m.encoded_after)
-                                    for m in report.modules],
-                           prefix=None if report.prefix is None else PrefixReport(
-                               num_tokens=report.prefix.num_tokens, num_blocks=report.prefix.num_blocks,
-                               tiers=dict(report.prefix.tiers)),
-                           spans=spans)
+    prefix = report.prefix
+    return wire.CacheReport(
+        exact=report.is_exact, generation_prompt_added=report.generation_prompt_added, fidelity=report.fidelity,
+        positions=report.positions, context=report.context, recomputed_tokens=report.num_recomputed,
+        approximations=list(report.approximations), spans=spans,
+        modules=[wire.ModuleReport(path=m.path, num_tokens=m.num_tokens, tier=m.tier,
+                                   recomputed_tokens=m.num_recomputed, encoded_after=m.encoded_after)
+                 for m in report.modules],
+        prefix=None if prefix is None else wire.PrefixReport(num_tokens=prefix.num_tokens,
+                                                             num_blocks=prefix.num_blocks, tiers=dict(prefix.tiers)))
 
 
-def wire_spans(report: CacheReport, detokenize: Callable[[list[int]], str]) -> list[PromptSpanReport]:
-    """The report's prompt spans with their text (empty if the engine reported none). Decodes every
-    prompt token: call it off the event loop."""
+def wire_spans(report: CacheReport, detokenize: Callable[[list[int]], str]) -> list[wire.PromptSpanReport]:
+    """The report's prompt spans with their text (none if unreported); decodes every prompt token, so off the loop."""
     spans = report.spans or ()
     texts = span_texts([s.token_ids for s in spans], detokenize)
-    return [PromptSpanReport(start=s.start, num_tokens=s.num_tokens, origin=s.origin, module=s.module, tier=s.tier,
-                             text=text) for s, text in zip(spans, texts)]
+    return [wire.PromptSpanReport(start=s.start, num_tokens=s.num_tokens, origin=s.origin, module=s.module,
+                                  tier=s.tier, text=text) for s, text in zip(spans, texts)]
 
 
 def span_texts(runs: Sequence[Sequence[int]], detokenize: Callable[[list[int]], str]) -> list[str]:
-    """The text of consecutive token runs such that the texts joined are the runs' tokens decoded
-    together: each run is decoded after the last few tokens before it and keeps what they did not
-    make (a tokenizer may drop a leading space at a sequence's start, or join bytes of one character
-    across two runs: the earlier text then gives up its incomplete tail)."""
+    """The texts of consecutive token runs, joined equal to the runs decoded together: each run is decoded after the
+    last few tokens before it and keeps what they did not make (a tokenizer may drop a leading space, or split a
+    character's bytes across runs: the earlier text then gives up its incomplete tail)."""
     texts: list[str] = []
     before: list[int] = []
     for run in runs:
@@ -182,5 +164,5 @@ def sse(payload: dict) -> str:
 
 def sse_error(exc: Exception) -> str:
     """The in-band error event of a stream whose headers are sent: a 5xx carries an error id, not internals."""
-    status, kind, message = public_error(exc, "a stream")
+    status, kind, message = errors.public_error(exc, "a stream")
     return sse({"error": {"type": kind, "message": message, "status": status}})

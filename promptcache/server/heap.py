@@ -1,11 +1,6 @@
-"""Give freed heap memory back to the OS, periodically (glibc only).
-
-glibc's malloc keeps freed memory in its arenas: under many distinct prompts (KV blocks evicted and
-stored, prefill temporaries of varying sizes) the server's RSS kept growing by ~30 MB per 100 prompts
-while every cache tier stayed within its byte budget, and one `malloc_trim(0)` gave back ~240 MB
-(benchmarks/prefix_memory.py, docs/benchmarks.md). Other C libraries (musl, macOS) return memory
-differently and have no `malloc_trim`: there this does nothing.
-"""
+"""Give freed heap memory back to the OS, periodically (glibc's `malloc_trim`; elsewhere nothing): under many distinct
+prompts the RSS grew ~30 MB per 100 prompts with every cache tier within budget, and one trim gave back ~240 MB
+(benchmarks/prefix_memory.py, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -21,12 +16,11 @@ logger = logging.getLogger(__name__)
 
 def heap_trimmer() -> Callable[[], None] | None:
     """A function that trims the process heap, or None where the C library has no `malloc_trim`."""
-    name = ctypes.util.find_library("c")
+    if not (name := ctypes.util.find_library("c")):
+        return None
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
+        trim = ctypes.CDLL(name).malloc_trim
     except (OSError, AttributeError):
-        trim = None
-    if trim is None:
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return lambda: trim(0)

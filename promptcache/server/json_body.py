@@ -1,11 +1,6 @@
-"""JSON response bodies built and encoded in a worker thread, a slice at a time.
-
-A response carrying every token's logprobs (n samples, echoed prompts, 20 alternatives each) is megabytes
-of per-token work. It runs off the event loop, and the encoding is cut into calls of bounded size: one
-`json.dumps` (C) or pydantic (Rust) call over the whole body would hold the GIL for its whole duration,
-and the event loop, though free, could not answer anyone meanwhile. The bytes are those FastAPI renders
-for the value a route returns.
-"""
+"""JSON response bodies built and encoded in a worker thread, a slice at a time: one `json.dumps` or pydantic call over
+megabytes of logprobs would hold the GIL throughout, and the event loop could answer no one meanwhile. The bytes are
+those FastAPI renders for the value a route returns."""
 
 from __future__ import annotations
 
@@ -26,9 +21,8 @@ _dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, sepa
 
 
 async def json_off_loop(build: Callable[[], Any]) -> Response:
-    """The JSON response of `build()`, built and encoded in a worker thread. A pydantic model is encoded as
-    its response model (pydantic's serializer), its `choices` one at a time; anything else as JSONResponse
-    encodes it after jsonable_encoder."""
+    """The JSON response of `build()`, built and encoded in a worker thread: a pydantic model as pydantic serializes it,
+    its `choices` one at a time; anything else as JSONResponse encodes it."""
 
     def render() -> Response:
         value = build()
@@ -39,8 +33,7 @@ async def json_off_loop(build: Callable[[], Any]) -> Response:
 
 
 def json_body(value: Any) -> bytes:
-    """`value` as JSONResponse encodes it, with every list encoded SLICE_ITEMS items (or one nested item)
-    per call."""
+    """`value` as JSONResponse encodes it, with every list encoded SLICE_ITEMS items (or one nested item) per call."""
     pieces: list[str] = []
     _encode(value, pieces)
     return "".join(pieces).encode("utf-8")

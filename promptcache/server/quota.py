@@ -1,17 +1,11 @@
 """QuotaLedger: each tenant's schemas and uploads in flight, reserved against its quota before encoding.
 
-An upload reserves its schema (one more schema, its tokens) before it encodes anything, encodes, registers,
-then commits the reservation; a failure on the way (an encode error, a taken name, a client that went away)
-releases it, and deleting a schema releases its share. The check and the reservation are one atomic step —
-a WATCH/MULTI transaction on the tenant's hash in Redis, so replicas sharing it never admit more than the
-quota between them; a lock in process without Redis — so concurrent uploads cannot all pass one check.
-
-A tenant's hash maps schema name -> entry. A committed entry names its registry version; a pending one (an
-upload in flight) names its reservation and carries a lease deadline, renewed while the upload runs, so an
-upload whose replica died frees its share when the lease ends. Committed entries the registry no longer
-holds (a process that died between deleting a schema and releasing it; a document that fails its check
-after a blob-key rotation) are pruned when they would refuse an upload.
-"""
+An upload reserves (one more schema, its tokens), encodes, registers, then commits; a failure on the way releases the
+reservation, and deleting a schema releases its share. Check and reservation are one atomic step (a WATCH/MULTI
+transaction on the tenant's hash in Redis, shared by replicas; a lock without Redis). A committed entry names its
+registry version; a pending one its reservation, with a lease renewed while the upload runs (a dead replica's upload
+frees its share when it ends). Committed entries the registry no longer holds are pruned when they would refuse an
+upload."""
 
 from __future__ import annotations
 
@@ -73,10 +67,9 @@ Decision = Callable[[dict[str, Entry]], tuple[Changes, T]]
 
 
 class QuotaLedger:
-    """Reserves, commits and releases tenants' schemas against their quotas (see the module docstring).
-    Every method may raise RegistryUnavailableError when Redis cannot be reached, except `commit`,
-    `release`, `forget` and `record`, which log it (the lease, pruning and the count at start repair what
-    they could not write: the schema is registered by then, or the upload failed anyway)."""
+    """Reserves, commits and releases tenants' schemas against their quotas. Every method may raise
+    RegistryUnavailableError, except `commit`, `release`, `forget` and `record`, which log it (the lease, pruning and
+    the count at start repair what they could not write)."""
 
     def __init__(self, redis_url: str | None = None, *, namespace: str = "default", timeout_s: float = 0.5,
                  lease_s: float = 300.0) -> None:
@@ -92,10 +85,9 @@ class QuotaLedger:
     @contextlib.asynccontextmanager
     async def hold(self, tenant: str | None, name: str, num_tokens: int, quota: Quota,
                    versions: Versions) -> AsyncIterator[Hold]:
-        """Reserve `name` for the block, renewing the lease meanwhile. The block calls `hold.commit(version)`
-        once the schema is registered; leaving it any other way (an exception, a cancellation) releases the
-        reservation. Unlimited quotas reserve nothing. Raises QuotaExceededError, SchemaExistsError (an
-        upload of the same name is in flight, or it exists)."""
+        """Reserve `name` for the block, renewing the lease meanwhile; the block calls `hold.commit(version)` once the
+        schema is registered, any other exit releases it. Unlimited quotas reserve nothing. Raises QuotaExceededError,
+        SchemaExistsError (in flight, or it exists)."""
         hold = Hold()
         if quota.max_schemas is None and quota.max_schema_tokens is None:
             yield hold
@@ -120,9 +112,8 @@ class QuotaLedger:
 
     def reserve(self, tenant: str | None, name: str, num_tokens: int, quota: Quota,
                 versions: Versions = lambda: None) -> Reservation:
-        """Reserve one schema of `num_tokens` for `tenant` if its quota allows, atomically with the check.
-        A refusal first prunes committed entries that `versions()` (the registry) no longer holds, then
-        tries once more."""
+        """Reserve one schema of `num_tokens` for `tenant` if its quota allows, atomically with the check. A refusal
+        first prunes committed entries that `versions()` (the registry) no longer holds, then tries once more."""
         reservation = Reservation(tenant, name, num_tokens, uuid.uuid4().hex)
         try:
             return self._update(tenant, lambda entries: self._admit(entries, reservation, quota))
@@ -176,8 +167,8 @@ class QuotaLedger:
             self._update(tenant, lambda entries: ({name: None} if name in entries else {}, None))
 
     def record(self, tenant: str | None, schemas: Mapping[str, tuple[int, str]]) -> None:
-        """Count registered schemas (name -> (tokens, version)) the ledger does not know of: those stored
-        before it kept them, or restored after Redis lost them."""
+        """Count registered schemas (name -> (tokens, version)) the ledger lacks (stored before it, or lost by Redis).
+        """
         def decide(entries: dict[str, Entry]) -> tuple[Changes, None]:
             return {n: Entry(tokens, version) for n, (tokens, version) in schemas.items() if n not in entries}, None
 
@@ -185,10 +176,9 @@ class QuotaLedger:
             self._update(tenant, decide)
 
     def prune(self, tenant: str | None, versions: Versions) -> int:
-        """Drop the tenant's committed entries whose schema the registry no longer holds at that version
-        (deleted, lost, or failing its check). The ledger is read first, the registry after: an entry is
-        committed only once its schema is registered, so no entry read here is newer than the registry's
-        answer. Returns how many."""
+        """Drop the tenant's committed entries whose schema the registry no longer holds at that version (deleted, lost,
+        or failing its check). The ledger is read first, the registry after: an entry is committed only once its schema
+        is registered, so no entry read here is newer than the registry's answer. Returns how many."""
         def decide(entries: dict[str, Entry]) -> tuple[Changes, int]:
             current = versions()
             if current is None:  # no shared registry (or unreachable): nothing to judge entries by

@@ -1,12 +1,6 @@
-"""PromptService: the server's one gateway to schemas, plans, the engine, the store and metrics.
-
-Model compute (module encoding) runs on the engine thread via `Engine.call`; nothing here blocks the
-event loop on a tensor.
-
-Tenants (tenants.py): every call that touches schemas or KV names the caller's tenant (None: the default
-tenant), which is the runtime's `owner` (model_runtime.PromptRuntime keeps owners' schemas and KV apart);
-a tenant's schemas live under `<tenant>/<name>` in the shared registry.
-"""
+"""PromptService: the server's one gateway to schemas, plans, the engine, the store and metrics. Model compute runs on
+the engine thread; nothing here blocks the event loop on a tensor. Every call that touches schemas or KV names the
+caller's tenant (the runtime's `owner`; None: default); its schemas are `<tenant>/<name>` in the registry."""
 
 from __future__ import annotations
 
@@ -14,6 +8,9 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from importlib import resources
+from typing import Annotated
+
+from fastapi import Depends, Request
 
 from promptcache.cache_store import (
     BlobSigner,
@@ -23,24 +20,15 @@ from promptcache.cache_store import (
     StoredSchema,
     build_store,
 )
-from promptcache.model_runtime import (
-    ContextMode,
-    Fidelity,
-    FidelityMode,
-    LoadedModel,
-    PositionMode,
-    PromptRuntime,
-    SamplingParams,
-    TokenEvent,
-)
+from promptcache.model_runtime import Fidelity, LoadedModel, PromptRuntime, SamplingParams, TokenEvent
 from promptcache.pml import PromptPlan, Schema, UnknownSchemaError, is_valid_name
-from promptcache.server.errors import SchemaNotFoundError, SchemaTooLongError
+from promptcache.server.errors import NotReadyError, SchemaNotFoundError, SchemaTooLongError
 from promptcache.server.fidelity.report import ReportCache, ReportOptions, build_report
 from promptcache.server.heap import trim_heap_every
 from promptcache.server.metrics import Metrics, engine_families, store_families
 from promptcache.server.quota import QuotaLedger
 from promptcache.server.settings import ServerSettings
-from promptcache.server.tenants import TenantDirectory, registry_name, split_registry_name
+from promptcache.server.tenants import RequestRateLimiter, TenantDirectory, registry_name, split_registry_name
 from promptcache.server.token_strings import TokenStrings
 from promptcache.server.wire import FidelityKnobs, FidelityReport
 
@@ -101,9 +89,8 @@ class PromptService:
 
     # -- schemas -----------------------------------------------------------------------------------
     async def create_schema(self, pml: str, tenant: str | None = None) -> Schema:
-        """Validate, reserve the schema in the tenant's quota, encode, then register: a failed upload leaves
-        nothing behind (its encoded KV is only cache; its reservation is released). Raises PmlError,
-        SchemaTooLongError, SchemaExistsError, QuotaExceededError."""
+        """Validate, reserve in the tenant's quota, encode, then register: a failed upload leaves nothing behind. Raises
+        PmlError, SchemaTooLongError, SchemaExistsError, QuotaExceededError."""
         schema = await asyncio.to_thread(self.runtime.parse_schema, pml)
         if schema.num_positions > self.runtime.max_positions:
             raise SchemaTooLongError(f"schema {schema.name!r} spans {schema.num_positions} positions; the model "
@@ -137,8 +124,7 @@ class PromptService:
                 if s is not None]
 
     def _registered(self, tenant: str | None) -> dict[str, str] | None:
-        """Name -> version of the tenant's schemas in the shared registry, from its index (no document is
-        read); None without one (or when it cannot be reached)."""
+        """Name -> version of the tenant's schemas in the registry's index (no document read); None without one."""
         state = self.registry.state()
         if state is None:
             return None
@@ -146,9 +132,8 @@ class PromptService:
                 for owner, name in [split_registry_name(qualified)] if owner == tenant}
 
     def _stored_versions(self, tenant: str | None) -> dict[str, str] | None:
-        """Name -> version of the tenant's schemas whose stored document passes the registry's check (reads
-        the tenant's documents, no one else's); None without a shared registry. What quota shares are
-        judged by when they would refuse an upload: a schema lost or failing (a rotated blob key) frees its."""
+        """Name -> version of the tenant's schemas whose stored document passes the registry's check (None without a
+        shared registry): what quota shares are judged by, so a schema lost or failing its check frees its share."""
         names = self._registered(tenant)
         if names is None:
             return None
@@ -163,9 +148,8 @@ class PromptService:
 
     async def fidelity_report(self, name: str, options: ReportOptions, tenant: str | None = None,
                               before_compute: Callable[[], None] = lambda: None) -> FidelityReport:
-        """The tenant's schema's fidelity report (server/fidelity/report.py): from the cache of the schema's
-        version, or computed through the engine (`before_compute()` first: it may refuse). Raises
-        SchemaNotFoundError, and what serving a sample raises."""
+        """The tenant's schema's fidelity report, cached per schema version, or computed (`before_compute()` first: it
+        may refuse). Raises SchemaNotFoundError, and what serving a sample raises."""
         schema = await asyncio.to_thread(self.get_schema, name, tenant)
         qualified = registry_name(tenant, name)
         return await self.fidelity_reports.get((qualified, self._versions.get(qualified), options),
@@ -192,8 +176,7 @@ class PromptService:
         return self._adopt(stored) if stored is not None else None
 
     def _adopt(self, stored: StoredSchema) -> Schema | None:
-        """Register a persisted schema without encoding: its KV is fetched from the shared tier (or
-        encoded on first use if no tier has it)."""
+        """Register a persisted schema without encoding: its KV comes from a shared tier, or is encoded on first use."""
         try:
             schema = self.runtime.parse_schema(stored.pml_text)
         except Exception as exc:  # a registry entry this model cannot parse must not break startup
@@ -208,8 +191,7 @@ class PromptService:
         return schema
 
     async def _follow_registry(self) -> None:
-        """Every `registry_poll_s`, drop schemas another replica deleted, adopt ones it replaced, and
-        write back ones the shared registry lost."""
+        """Every `registry_poll_s`: drop schemas deleted elsewhere, adopt replaced ones, restore ones Redis lost."""
         while True:
             await asyncio.sleep(self.settings.registry_poll_s)
             try:
@@ -242,9 +224,8 @@ class PromptService:
 
     # -- prompts -----------------------------------------------------------------------------------
     def plan(self, prompt: str, *, tenant: str | None = None) -> PromptPlan:
-        """A PML prompt resolved against the tenant's schemas (an unknown name lists only those; one
-        another replica uploaded is adopted first). Unless it ends in an open `<assistant>` turn, the
-        model's generation prompt follows its last turn (the plan's `generation_prompt_added`)."""
+        """A PML prompt against the tenant's schemas (one another replica uploaded is adopted first); unless it ends in
+        an open `<assistant>` turn, the generation prompt follows its last turn."""
         try:
             return self.runtime.plan(prompt, tenant)
         except UnknownSchemaError as exc:
@@ -253,20 +234,16 @@ class PromptService:
             raise
 
     def fidelity(self, mode: str | None, knobs: FidelityKnobs | None = None) -> Fidelity:
-        """The request's fidelity from its wire fields (values the wire model checked): its mode, k,
-        positions and module context, or the server's defaults."""
-        default, knobs = self.settings.default_fidelity(), knobs or FidelityKnobs()
-        head_tokens = knobs.fidelity_head_tokens
-        return Fidelity(FidelityMode(mode) if mode else default.mode,
-                        default.head_tokens if head_tokens is None else head_tokens,
-                        PositionMode(knobs.fidelity_positions) if knobs.fidelity_positions else default.positions,
-                        ContextMode(knobs.fidelity_context) if knobs.fidelity_context else default.context)
+        """The request's fidelity from its wire fields (values the wire model checked): its mode, k, positions and
+        module context, each the server's where unset (the knobs are named as the settings)."""
+        given = {name: getattr(knobs, name) for name in FidelityKnobs.model_fields} if knobs else {}
+        given["fidelity"] = mode
+        return self.settings.model_copy(update={k: v for k, v in given.items() if v is not None}).default_fidelity()
 
     def submit(self, plan: PromptPlan, params: SamplingParams, cache_salt: str | None, request_id: str,
                fidelity: Fidelity, tenant: str | None = None, report_spans: bool = False) -> AsyncIterator[TokenEvent]:
-        """Raises InvalidRequestError for a logit_bias token outside the vocabulary, QueueFullError when the
-        tenant's waiting queue is full. `report_spans`: the final event lists the prompt as spans by
-        where their KV came from."""
+        """Raises InvalidRequestError for a logit_bias token outside the vocabulary, QueueFullError when the tenant's
+        waiting queue is full. `report_spans`: the final event lists the prompt as spans by where their KV came from."""
         [events] = self.submit_many([plan], params, cache_salt, [request_id], fidelity, tenant, report_spans)
         return events
 
@@ -276,3 +253,32 @@ class PromptService:
         """`submit` every plan, all or none (the tenant's queue has room for them all, or none is queued)."""
         return self.runtime.submit(plans, params, owner=tenant, salt=cache_salt, request_ids=request_ids,
                                    fidelity=fidelity, report_spans=report_spans)
+
+
+# -- the routes' dependencies --------------------------------------------------------------------------------------
+def get_service(request: Request) -> PromptService:
+    """The app's PromptService; NotReadyError (a 503) while the model loads, or when it failed to."""
+    service = getattr(request.app.state, "service", None)
+    if service is None:
+        error = getattr(request.app.state, "load_error", None)
+        raise NotReadyError(f"the model failed to load: {error}" if error else "the model is still loading")
+    return service
+
+
+Service = Annotated[PromptService, Depends(get_service)]
+
+
+def get_tenant(request: Request) -> str | None:
+    """The caller's tenant, set by the RequestGuard from its API key (None: the default tenant)."""
+    return request.state.tenant if "tenant" in request.scope.get("state", {}) else None
+
+
+Tenant = Annotated[str | None, Depends(get_tenant)]
+
+
+def get_rates(request: Request) -> RequestRateLimiter:
+    """The rate limiter the RequestGuard counted one hit with: generating routes count their samples past it."""
+    return request.app.state.rates
+
+
+Rates = Annotated[RequestRateLimiter, Depends(get_rates)]

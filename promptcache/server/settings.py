@@ -1,5 +1,5 @@
-"""Server settings: the only place that reads the environment (prefix PROMPTCACHE_), and the one mapping
-from them to the model, store, engine and PML configs (the server, the CLI and the cluster replicas use it)."""
+"""Server settings: the only place that reads the environment (prefix PROMPTCACHE_), and the one mapping from them to
+the model, store, engine and PML configs (the server, the CLI and the cluster replicas use it)."""
 
 from __future__ import annotations
 
@@ -17,31 +17,25 @@ if TYPE_CHECKING:
 
 
 class ServerSettings(BaseSettings):
-    """Every knob of a promptcache server. Environment variables `PROMPTCACHE_<NAME>` set them; CLI
-    flags override the environment (the CLI passes them as keyword arguments)."""
+    """Every knob of a server: `PROMPTCACHE_<NAME>` variables set them; CLI flags (keyword arguments) override."""
 
     model_config = SettingsConfigDict(env_prefix="PROMPTCACHE_", extra="ignore")
 
     model: str | None = Field(None, description="HF model path or hub id; None serves SmolLM2-135M-Instruct")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: bf16 where the CPU/GPU computes it natively, else fp32")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: bf16 where native")
     device: str = "cpu"
     host: str = "127.0.0.1"
     port: int = 8000
-    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list,
-                                                     description="accepted Bearer keys; empty = no auth")
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Bearer keys; empty: no auth")
     api_keys_file: str | None = Field(None, description="JSON mapping API keys to tenant names (docs/security.md)")
-    metrics_key: str | None = Field(None, description="Bearer key /metrics asks for; None: /metrics is "
-                                   "open, or closed when an API keys file is set (its series name tenants)")
+    metrics_key: str | None = Field(None, description="Bearer key /metrics asks for; None: /metrics is open, or closed "
+                                                      "when an API keys file is set (its series name tenants)")
     tenant_max_schemas: int | None = Field(None, ge=0, description="schemas per tenant; None: unlimited")
     tenant_max_schema_tokens: int | None = Field(None, ge=0, description="schema positions summed per tenant")
-    tenant_rate_limit: str | None = Field(None, description="samples (prompts x n) per tenant, e.g. '10/second'; "
-                                                            "None: unlimited")
-    tenant_cache_share: float | None = Field(None, gt=0, le=1, description="most of each KV tier's bytes one "
-                                                                       "tenant may hold; None: no limit")
+    tenant_rate_limit: str | None = Field(None, description="samples (prompts x n) per tenant, e.g. '10/second'")
+    tenant_cache_share: float | None = Field(None, gt=0, le=1, description="most of each KV tier one tenant holds")
     redis_url: str | None = Field(None, description="redis:// or rediss:// (TLS), optionally user:password@")
-    blob_key: str | None = Field(None, min_length=16, repr=False,
-                                 description="HMAC key for everything written to Redis (docs/security.md)")
+    blob_key: str | None = Field(None, min_length=16, repr=False, description="HMAC key of all Redis data")
     namespace: str = "default"
     device_max_bytes: int | None = Field(None, gt=0, description="device KV tier budget; None: 1 GiB on a CPU, "
                                                                   "a quarter of a GPU's free memory at startup")
@@ -67,47 +61,36 @@ class ServerSettings(BaseSettings):
     max_request_bytes: int = 2 << 20
     max_schema_bytes: int = 4 << 20
     max_tokens_limit: int = 4096
-    max_prompts_per_request: int = Field(256, ge=1, description="prompts one /v1/completions request may list; "
-                                         "a longer list is a 400")
+    max_prompts_per_request: int = Field(256, ge=1, description="prompts one /v1/completions request may list")
     prefix_caching: bool = True
     prefix_block_size: int = Field(32, ge=1, le=4096, description="tokens per automatic prefix block")
     prefix_ttl_s: float | None = Field(None, gt=0, description="unused prefix blocks expire after this")
     logits_cache_bytes: int = Field(32 << 20, ge=0, description="last-token logits kept so an exact repeat runs "
                                                                "no forward pass; 0: off")
-    max_assembled_kv_bytes: int = Field(128 << 20, ge=0, description="concatenated shared KV (a reused document's "
-                                        "prefix blocks, a module set) kept for the next request over the same "
-                                        "blocks; 0: only while in use")
-    fidelity: Literal["fast", "balanced", "exact"] = Field(  # the evaluation's pick: docs/fidelity.md
-        "exact", description="default fidelity mode of requests that name none (docs/fidelity.md)")
-    fidelity_head_tokens: int = Field(16, ge=0, le=4096,
-                                      description="balanced mode: tokens recomputed at the start of each "
-                                                  "module reused outside its encoding context")
-    fidelity_positions: Literal["contiguous", "layout"] = Field(  # the evaluation's pick: docs/fidelity.md
-        "contiguous", description="fast/balanced: where an approximate prompt's tokens sit — contiguous (reused "
-                                  "keys re-aligned for the request) or the schema layout's, with gaps")
-    fidelity_context: Literal["schema", "predecessor"] = Field(  # the evaluation's pick: docs/fidelity.md
-        "predecessor", description="fast/balanced: reuse an out-of-context module's KV encoded after its schema "
-                                   "context, or after that and the module before it (predecessor: a second KV "
-                                   "per module, encoded on its first such use and evicted before first encodings)")
-    second_encodings_at_upload: bool = Field(False, description="a schema upload also encodes every module's "
-                                             "second encoding (fidelity_context predecessor) instead of leaving "
-                                             "it to the module's first such use (each module's KV stored twice)")
-    upload_kv_local: bool = Field(True, description="a schema upload keeps the module KV it encodes in this "
-                                  "process's tiers as well as the shared ones; False: shared tiers only (the "
-                                  "cluster's default: the replica taking an upload is rarely the one serving it)")
+    max_assembled_kv_bytes: int = Field(128 << 20, ge=0, description="concatenated shared KV (a document's prefix "
+                                        "blocks, a module set) kept for the next request over them; 0: while in use")
+    # The fidelity_* defaults are the evaluation's picks: docs/fidelity.md
+    fidelity: Literal["fast", "balanced", "exact"] = Field("exact", description="mode of requests that name none")
+    fidelity_head_tokens: int = Field(16, ge=0, le=4096, description="balanced mode: tokens recomputed at the start "
+                                                                     "of each module reused outside its context")
+    fidelity_positions: Literal["contiguous", "layout"] = Field("contiguous", description="fast/balanced: where a "
+                                                                "prompt's tokens sit (reused keys re-aligned, or gaps)")
+    fidelity_context: Literal["schema", "predecessor"] = Field("predecessor", description="fast/balanced: reuse a "
+                                                               "module's KV encoded after its schema context or also "
+                                                               "after the module before it (a second KV per module)")
+    second_encodings_at_upload: bool = Field(False, description="an upload also encodes each module's second KV "
+                                             "(fidelity_context predecessor), not on the module's first such use")
+    upload_kv_local: bool = Field(True, description="an upload keeps the KV it encodes in this process's tiers too; "
+                                  "False: shared tiers only (a cluster's replica taking an upload rarely serves it)")
     registry_poll_s: float = Field(1.0, gt=0, description="how often replicas check the shared schema registry")
-    heap_trim_s: float = Field(5.0, ge=0, description="how often freed heap memory is returned to the OS "
-                                                     "(glibc malloc_trim); 0: never")
+    heap_trim_s: float = Field(5.0, ge=0, description="how often freed heap memory is returned to the OS; 0: never")
     preload_examples: bool = True
     model_cache_dir: str | None = None
-    pack_weights: bool = Field(True, description="linear weights prepacked for oneDNN on CPU (faster, same "
-                                                 "results; off: plain torch.nn.Linear)")
+    pack_weights: bool = Field(True, description="linear weights prepacked for oneDNN on CPU (same results)")
     fuse_layers: bool = Field(True, description="fused decoder layers on a GPU, and in bf16 on CPUs with "
-                                                "AVX512-BF16 (norms, RoPE, gated MLP; same outputs; off: the HF "
-                                                "modules)")
-    weights: Literal["native", "int8", "int4"] = Field(
-        "native", description="CPU: the decoder layers' linear weights as loaded (native), int8 per channel or "
-                              "int4 per 32-group (the built-in model's own Q4_1 blocks); docs/api.md")
+                                                "AVX512-BF16 (same outputs; off: the HF modules)")
+    weights: Literal["native", "int8", "int4"] = Field("native", description="CPU: decoder linear weights as loaded, "
+                                                       "int8 per channel or int4 per 32-group (docs/api.md)")
 
     def load_config(self) -> ModelConfig:
         """The model these settings serve, as the runtime loads it."""
@@ -118,9 +101,7 @@ class ServerSettings(BaseSettings):
                            weights=WeightFormat(self.weights))
 
     def store_config(self, owner_shares: Mapping[str, float] | None = None) -> StoreConfig:
-        """The KV store these settings describe — the server's and `promptcache encode`'s alike, so what
-        the CLI writes (signed with the blob key) a server with the same settings reads. `owner_shares`:
-        each tenant's byte share of every tier (the server's tenant directory)."""
+        """The KV store of server and `promptcache encode` alike; `owner_shares`: each tenant's share of each tier."""
         from promptcache.cache_store import StoreConfig
 
         return StoreConfig(
@@ -135,11 +116,10 @@ class ServerSettings(BaseSettings):
         from promptcache.cache_store import BlockIndexConfig
         from promptcache.model_runtime import EngineConfig
 
-        prefix = BlockIndexConfig(block_size=self.prefix_block_size, ttl_s=self.prefix_ttl_s) \
-            if self.prefix_caching else None
         return EngineConfig(
             max_num_seqs=self.max_num_seqs, max_kv_bytes=self.max_kv_bytes, attention_backend=self.attention_backend,
-            prefix=prefix, fidelity=self.default_fidelity(), max_prefill_tokens=self.max_prefill_tokens,
+            prefix=BlockIndexConfig(self.prefix_block_size, ttl_s=self.prefix_ttl_s) if self.prefix_caching else None,
+            fidelity=self.default_fidelity(), max_prefill_tokens=self.max_prefill_tokens,
             max_prefill_tokens_alone=self.max_prefill_tokens_alone, min_prefill_tokens=self.min_prefill_tokens,
             max_step_slowdown=self.max_step_slowdown or None, logits_cache_bytes=self.logits_cache_bytes,
             max_assembled_bytes=self.max_assembled_kv_bytes, max_waiting_per_tenant=self.max_waiting_per_tenant,

@@ -1,13 +1,6 @@
-"""Tenants: who an API key belongs to, each tenant's quotas, and the request-rate limiter.
-
-A tenant is a name the server derives from the caller's API key (never from the request body): schemas
-live in the tenant's namespace and every KV key is salted with it (service.py). With no keys file, all
-callers are the default tenant (`None`): today's single-tenant behaviour, with or without `--api-key`.
-
-The keys file is JSON, either a plain mapping `{"sk-a1": "alpha", "sk-b1": "beta"}` or
-`{"keys": {...}, "quotas": {"alpha": {"max_schemas": 5, "rate_limit": "10/second"}}}` where a tenant's
-quota entries override the server-wide per-tenant defaults.
-"""
+"""Tenants: who an API key belongs to (never the request body: schemas live in the tenant's namespace, every KV key is
+salted with it), each tenant's quotas, and the request-rate limiter. With no keys file all are the default tenant
+(`None`). The keys file maps keys to tenants: `{"sk-a1": "alpha"}` or `{"keys": {...}, "quotas": {"alpha": {...}}}`."""
 
 from __future__ import annotations
 
@@ -71,9 +64,8 @@ def split_registry_name(qualified: str) -> tuple[str | None, str]:
 
 
 class TenantDirectory:
-    """API keys -> tenants, and each tenant's quota. Keys are compared as SHA-256 digests against every
-    known key with no early exit, so the time taken says nothing about which key (or how much of one)
-    matched."""
+    """API keys -> tenants, and each tenant's quota. Keys are compared as SHA-256 digests against every known key with
+    no early exit, so the time taken says nothing about which key (or how much of one) matched."""
 
     def __init__(self, keys: Mapping[str, str | None], default_quota: Quota = Quota(),
                  quotas: Mapping[str, Quota] | None = None) -> None:
@@ -89,8 +81,8 @@ class TenantDirectory:
 
     @classmethod
     def load(cls, keys_file: str | None, api_keys: list[str], default_quota: Quota) -> TenantDirectory:
-        """Keys from `keys_file` (tenants) plus `api_keys` (the default tenant). Raises ValueError naming
-        what is wrong with the file."""
+        """Keys of `keys_file` (whose `quotas` override `default_quota`) and `api_keys` (default tenant); ValueError if
+        bad."""
         keys: dict[str, str | None] = dict.fromkeys(api_keys)
         quotas: dict[str, Quota] = {}
         if keys_file:
@@ -117,8 +109,7 @@ class TenantDirectory:
         return bool(self._digests)
 
     def authenticate(self, authorization: str) -> str | None:
-        """The tenant of the Bearer key in an Authorization header value (None: the default tenant).
-        Raises UnauthorizedError when keys are configured and this is not one of them."""
+        """The tenant of a Bearer key in an Authorization header (None: default); UnauthorizedError if not a key."""
         if not self._digests:
             return None
         scheme, _, token = authorization.partition(" ")
@@ -141,20 +132,17 @@ class TenantDirectory:
 
 
 class RequestRateLimiter:
-    """Per-tenant request rates (moving window, the `limits` library), in this process's memory.
-
-    A request costs one hit per sample it asks for: prompts × n on /v1/completions, n on the chat and
-    generate routes, one elsewhere. The guard counts one hit as a request arrives (before its body is
-    read); the generating routes count the rest once the body says how many samples it asks for."""
+    """Per-tenant request rates (moving window, in memory). A request costs one hit per sample: prompts × n on
+    /v1/completions, n on chat and generate, one elsewhere; the guard counts one on arrival, the generating routes the
+    rest once the body is read."""
 
     def __init__(self, directory: TenantDirectory) -> None:
         self.directory = directory
         self._limiter = MovingWindowRateLimiter(MemoryStorage())
 
     def check(self, tenant: str | None, cost: int = 1, *, already_counted: int = 0) -> None:
-        """Count a request of `cost` hits, `already_counted` of them counted before. Raises
-        RequestRejectedError when `cost` exceeds the tenant's whole window (no wait would admit it) and
-        RateLimitedError (with the seconds to wait) past the tenant's rate."""
+        """Count a request of `cost` hits, `already_counted` of them before. Raises RequestRejectedError when `cost`
+        exceeds the tenant's whole window, RateLimitedError (with the wait) past its rate."""
         rate = self.directory.quota(tenant).rate_limit
         if rate is None or cost <= already_counted:
             return

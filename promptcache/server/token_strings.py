@@ -8,13 +8,9 @@ from collections.abc import Callable, Sequence
 
 
 class TokenStrings:
-    """id -> the token decoded alone (special tokens included), as OpenAI's logprobs report tokens.
-
-    The table holds one string per tokenizer id and is built on first use, with a lock so concurrent
-    first users build it once. Looking a token up is then an index, so the per-token work of a response
-    (each token and its top alternatives) no longer runs the tokenizer. An id past the tokenizer's
-    vocabulary (a model whose embedding has padding rows) is decoded directly, as before.
-    """
+    """id -> the token decoded alone (special tokens included), as OpenAI's logprobs report it: a table built once, on
+    first use (under a lock), so per-token work runs no tokenizer. An id past the vocabulary (padding rows) is decoded
+    directly."""
 
     def __init__(self, decode: Callable[[list[int]], str], vocab_size: int) -> None:
         self._decode = decode
@@ -32,8 +28,7 @@ class TokenStrings:
         return self._table is not None
 
     def build(self) -> Sequence[str]:
-        """The whole table, decoding every id once the first time (~0.1 s for a 49K vocabulary): call it
-        off the event loop, or `await ready()`."""
+        """The whole table, decoding every id the first time (~0.1 s for 49K ids): off the loop, or `await ready()`."""
         table = self._table
         if table is None:
             with self._lock:
@@ -43,8 +38,7 @@ class TokenStrings:
         return table
 
     async def ready(self) -> TokenStrings:
-        """This table, built in a worker thread if it is not yet: event-loop code awaits this before
-        looking tokens up one by one (a stream's tokens)."""
+        """This table, built in a worker thread if need be: await it before looking up a stream's tokens on the loop."""
         if self._table is None:
             await asyncio.to_thread(self.build)
         return self

@@ -4,14 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    field_validator,
-    model_serializer,
-)
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 MIN_TEMPERATURE = 1e-3  # model_runtime.sampling refuses smaller non-zero temperatures too
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
@@ -25,31 +18,28 @@ class StrictModel(BaseModel):
 
 
 class FidelityKnobs(StrictModel):
-    fidelity_head_tokens: int | None = Field(
-        None, ge=0, le=4096, description="balanced: tokens recomputed at the start of each out-of-context module")
-    fidelity_positions: Literal["contiguous", "layout"] | None = Field(
-        None, description="fast/balanced: contiguous (reused keys re-aligned) or the schema layout's positions "
-                          "(default: the server's)")
-    fidelity_context: Literal["schema", "predecessor"] | None = Field(
-        None, description="fast/balanced: reuse an out-of-context module's KV encoded after its schema context "
-                          "(schema) or after that and the module before it in the schema (predecessor; "
-                          "default: the server's)")
+    fidelity_head_tokens: int | None = Field(None, ge=0, le=4096, description="balanced: tokens recomputed at the "
+                                             "start of each out-of-context module")
+    fidelity_positions: Literal["contiguous", "layout"] | None = Field(None, description="fast/balanced: contiguous "
+                                                                       "(reused keys re-aligned) or layout positions")
+    fidelity_context: Literal["schema", "predecessor"] | None = Field(None, description="fast/balanced: reuse a "
+                                                                      "module's KV encoded after its schema context "
+                                                                      "or also after the module before it")
 
 
 class PromptOptions(FidelityKnobs):
     cache_salt: str | None = Field(None, max_length=256, pattern=CACHE_SALT_PATTERN)
-    fidelity: Literal["fast", "balanced", "exact"] | None = Field(
-        None, description="how module KV reused outside its encoding context is treated (default: the server's)")
+    fidelity: Literal["fast", "balanced", "exact"] | None = Field(None, description="how module KV reused outside "
+                                                                  "its encoding context is treated")
 
 
 class FidelityReportQuery(FidelityKnobs):
-    """What a schema's fidelity report samples and how its modes run (GET /v1/schemas/{name}/fidelity's
-    query, or the upload's `fidelity_report` object); unset fields take the report's and server's defaults."""
+    """What a schema's fidelity report samples and how its modes run (GET /v1/schemas/{name}/fidelity's query, or
+    the upload's `fidelity_report` object); unset fields take the report's and server's defaults."""
 
     num_samples: int = Field(16, ge=1, description="distinct module combinations to sample (the server caps it)")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="the same seed samples the same combinations")
-    question: str | None = Field(None, max_length=2000, description="asked after the modules in the user turn "
-                                                                     "(default: a generic question; '': none)")
+    question: str | None = Field(None, max_length=2000, description="asked after the modules ('': none)")
     max_imports: int | None = Field(None, ge=1, description="at most this many top-level modules per combination")
 
 
@@ -57,11 +47,10 @@ class FidelityModeStats(BaseModel):
     """One fidelity mode against a full prefill of the same prompts, first token only."""
 
     num_samples: int
-    top1_agreement: float = Field(..., description="fraction of samples whose greedy first token equals the "
-                                                   "full prefill's")
-    agreement_ci95: tuple[float, float] = Field(..., description="95 % Wilson interval of top1_agreement")
-    mean_kl: float = Field(..., description="mean first-token KL(full prefill || mode), in nats, over the tokens "
-                                            "in both top-20 lists plus one bucket for the rest: a lower bound")
+    top1_agreement: float = Field(description="fraction of samples whose greedy first token is the full prefill's")
+    agreement_ci95: tuple[float, float] = Field(description="95 % Wilson interval of top1_agreement")
+    mean_kl: float = Field(description="mean first-token KL(full prefill || mode), in nats, over the tokens in "
+                                       "both top-20 lists plus one bucket for the rest: a lower bound")
     max_kl: float
 
 
@@ -76,7 +65,7 @@ class FidelitySample(BaseModel):
     module_paths: list[str]
     prompt: str
     prompt_tokens: int
-    exact: bool = Field(..., description="served from cache as encoded, the prompt equals a full prefill")
+    exact: bool = Field(description="served from cache as encoded, the prompt equals a full prefill")
     modes: dict[str, FidelitySampleResult]
 
 
@@ -93,18 +82,18 @@ class FidelityReport(BaseModel):
     fidelity_head_tokens: int
     fidelity_positions: str
     fidelity_context: str
-    modes: dict[str, FidelityModeStats] = Field(..., description="exact, fast, balanced")
+    modes: dict[str, FidelityModeStats] = Field(description="exact, fast, balanced")
     samples: list[FidelitySample]
-    elapsed_ms: float = Field(..., description="time the report took to compute")
+    elapsed_ms: float = Field(description="time the report took to compute")
     cached: bool = Field(False, description="served from the report cache of this schema version")
 
     model_config = ConfigDict(populate_by_name=True)
 
 
 class SchemaCreate(StrictModel):
-    pml: str = Field(..., description="the <schema> document")
-    fidelity_report: bool | FidelityReportQuery = Field(
-        False, description="true (or the report's options): the response carries the schema's fidelity report")
+    pml: str = Field(description="the <schema> document")
+    fidelity_report: bool | FidelityReportQuery = Field(False, description="true (or its options): the response "
+                                                        "carries the schema's fidelity report")
 
 
 class ParamInfo(BaseModel):
@@ -120,14 +109,12 @@ class ModuleInfo(BaseModel):
     end: int
     num_tokens: int
     params: list[ParamInfo] = Field(default_factory=list, description="the module's own parameter slots")
-    role: Literal["system", "user", "assistant"] | None = Field(
-        None, description="the role section at the schema's top level that holds the module (a prompt imports it "
-                          "inside an element of that role); null: outside any")
+    role: Literal["system", "user", "assistant"] | None = Field(None, description="the top-level role section "
+                                                                "holding the module (a prompt imports it there)")
 
 
 class _OmitUnasked(BaseModel):
-    """Leaves out the `UNASKED` fields while None: a request that did not ask for them gets the response it
-    always got."""
+    """Omits the `UNASKED` fields while None: a request that did not ask for them gets the response it always got."""
 
     UNASKED: ClassVar[tuple[str, ...]] = ()
 
@@ -149,11 +136,10 @@ class SchemaInfo(_OmitUnasked):
     encode_ms: float | None = None
     num_segments: int = 0
     scaffolds: list[list[str]] = Field(default_factory=list)
-    always_included: list[tuple[int, int]] = Field(
-        default_factory=list, description="position ranges [start, end) of the text every prompt includes")
+    always_included: list[tuple[int, int]] = Field(default_factory=list, description="position ranges [start, end) "
+                                                   "of the text every prompt includes")
     fidelity_report: FidelityReport | None = Field(None, description="on an upload that asked for it")
-    fidelity_report_error: str | None = Field(None, description="why the report asked for at upload failed (the "
-                                                                "schema is uploaded all the same)")
+    fidelity_report_error: str | None = Field(None, description="why that report failed (the schema is uploaded)")
 
 
 class SchemaList(BaseModel):
@@ -210,10 +196,8 @@ class SamplingFields(PromptOptions):
 
 class GenerateRequest(SamplingFields):
     prompt: str
-    logprobs: int | None = Field(None, ge=0, le=20, description="return each token's logprob and this many "
-                                                                 "top alternatives")
-    return_spans: bool = Field(False, description="report the prompt as spans by where their KV came from "
-                                                  "(cache.spans on the final response or chunk)")
+    logprobs: int | None = Field(None, ge=0, le=20, description="each token's logprob and this many alternatives")
+    return_spans: bool = Field(False, description="the prompt as spans by where their KV came from (cache.spans)")
 
 
 class ExplainRequest(PromptOptions):
@@ -249,11 +233,11 @@ class Usage(BaseModel):
 
 class ModuleReport(BaseModel):
     path: str
-    num_tokens: int = Field(..., description="tokens of the module's cached KV reused")
+    num_tokens: int = Field(description="tokens of the module's cached KV reused")
     tier: str | None
     recomputed_tokens: int = Field(0, description="tokens of its KV recomputed in their actual context")
-    encoded_after: str | None = Field(None, description="the module after which the reused KV was encoded "
-                                                        "(fidelity context predecessor); null: its schema context")
+    encoded_after: str | None = Field(None, description="the module after which the reused KV was encoded; null: "
+                                                        "after its schema context")
 
 
 class PrefixReport(BaseModel):
@@ -267,29 +251,26 @@ class PrefixReport(BaseModel):
 class PromptSpanReport(BaseModel):
     """Prompt tokens at consecutive positions whose KV came from one place (request `return_spans`)."""
 
-    start: int = Field(..., description="position of the span's first token in the schema layout")
+    start: int = Field(description="position of the span's first token in the schema layout")
     num_tokens: int
     origin: Literal["module", "prefix", "recomputed", "computed"] = Field(
-        ..., description="module: a module's cached KV; prefix: automatic prefix blocks; recomputed: module "
-                         "tokens computed in their actual context (balanced / exact); computed: computed now")
+        description="module: a module's cached KV; prefix: automatic prefix blocks; recomputed: module tokens "
+                    "computed in their actual context (balanced / exact); computed: computed now")
     module: str | None = Field(None, description="the module path the tokens belong to, if any")
     tier: str | None = Field(None, description="where reused KV came from: device | host | redis | disk")
-    text: str = Field(..., description="the span's tokens decoded (the texts in order make the prompt text)")
+    text: str = Field(description="the span's tokens decoded (the texts in order make the prompt text)")
 
 
 class ReuseReport(BaseModel):
     """What a prompt reuses (from which tier) and computes: /v1/generate's `cache`, /v1/prompts/explain's base."""
 
     exact: bool
-    generation_prompt_added: bool = Field(
-        False, description="the server opened the assistant turn after the prompt's last turn, as the chat "
-                           "template's add_generation_prompt does (false: the prompt ended in an open <assistant> "
-                           "turn, or is not PML)")
+    generation_prompt_added: bool = Field(False, description="the server opened the assistant turn after the "
+                                          "prompt's last turn, as add_generation_prompt does")
     fidelity: str = Field("fast", description="the fidelity mode that ran: fast | balanced | exact")
-    positions: str = Field("layout", description="where the prompt's tokens sat: layout (the schema's, with "
-                                                 "gaps) | contiguous (reused keys re-aligned for this request)")
+    positions: str = Field("layout", description="where the prompt's tokens sat: layout | contiguous")
     context: str = Field("schema", description="which encoding of out-of-context modules was reused: schema | "
-                                               "predecessor (each module's `encoded_after`)")
+                                               "predecessor")
     recomputed_tokens: int = 0
     approximations: list[str] = Field(default_factory=list)
     modules: list[ModuleReport]
@@ -298,8 +279,7 @@ class ReuseReport(BaseModel):
 
 class CacheReport(ReuseReport, _OmitUnasked):
     UNASKED = ("spans",)
-    spans: list[PromptSpanReport] | None = Field(
-        None, description="every prompt token once, in position order; only when the request set return_spans")
+    spans: list[PromptSpanReport] | None = Field(None, description="every prompt token once, in position order")
 
 
 class Timings(BaseModel):

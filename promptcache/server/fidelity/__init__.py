@@ -1,1 +1,1 @@
-"""A schema's fidelity report (`report.py`) on sampled prompts (`samples.py`); no imports, so each loads alone."""
+"""A schema's fidelity report on sampled prompts (`report.py`)."""

@@ -1,38 +1,26 @@
-"""A schema's fidelity report: sampled prompts served in each fidelity mode and as a full prefill, all
-through the serving engine, compared on their first token (greedy agreement, KL), with a report cache.
-
-The full prefill is the prompt's tokens in position order, sent as a token prompt (positions 0..n-1,
-no module KV) under a salt of its own, so no stored prefix block or cached logits serve it: what
-benchmarks/fidelity.py's oracle computes, on the engine. (The blocks it stores under that salt are
-never read again; prefix blocks are evicted first.) Each mode's request is an ordinary
-request of the tenant (its module KV, prefix blocks and queue). KL is over the first-token top-20
-lists both requests return: each token in both is its own bucket, the rest of the vocabulary one more
-bucket, so the value is a lower bound of the full KL (merging outcomes never raises a KL).
-"""
+"""A schema's fidelity report: sampled prompts served in each fidelity mode and as a full prefill (the prompt's tokens
+as a token prompt under a salt of its own: no stored block or logits serve it), all through the engine as the tenant's
+requests, compared on their first token: greedy agreement, and KL over both top-20 lists plus one bucket for the rest of
+the vocabulary (a lower bound of the full KL). With a report cache."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
+from xml.sax.saxutils import escape, quoteattr
 
 from promptcache.model_runtime import MAX_LOGPROBS, Fidelity, FidelityMode, SamplingParams, TokenEvent
-from promptcache.pml import PromptPlan, Schema
+from promptcache.pml import Module, PromptPlan, RoleSection, Schema, TextEncoder, Union
+from promptcache.server import wire
 from promptcache.server.errors import UnsupportedParameterError
-from promptcache.server.fidelity.samples import sample_prompts
 from promptcache.server.generation import raise_for_error
-from promptcache.server.wire import (
-    FidelityModeStats,
-    FidelityReport,
-    FidelityReportQuery,
-    FidelitySample,
-    FidelitySampleResult,
-)
 
 if TYPE_CHECKING:
     from promptcache.server.service import PromptService
@@ -43,6 +31,8 @@ DEFAULT_QUESTION = "What is this about? Answer in one sentence."
 PROMPTS_IN_FLIGHT = 4  # sampled prompts whose requests are queued at once: the tenant's other requests keep a turn
 MAX_CACHED_REPORTS = 64
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0, logprobs=MAX_LOGPROBS)
+PLACEHOLDER_ARGUMENT = "example"
+DRAWS_PER_SAMPLE = 20  # draws tried per distinct combination wanted: a small schema has few of them
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +57,7 @@ class _FirstToken:
     top: dict[int, float]  # id -> logprob of the MAX_LOGPROBS most likely first tokens
 
 
-def report_options(query: FidelityReportQuery, service: PromptService) -> ReportOptions:
+def report_options(query: wire.FidelityReportQuery, service: PromptService) -> ReportOptions:
     """The options of `query` with the server's defaults. Raises UnsupportedParameterError past MAX_SAMPLES."""
     if query.num_samples > MAX_SAMPLES:
         raise UnsupportedParameterError(f"num_samples is {query.num_samples}; this server allows at most "
@@ -78,14 +68,14 @@ def report_options(query: FidelityReportQuery, service: PromptService) -> Report
 
 
 async def build_report(service: PromptService, schema: Schema, tenant: str | None,
-                       options: ReportOptions) -> FidelityReport:
+                       options: ReportOptions) -> wire.FidelityReport:
     """Sample, serve every sample in each mode and as a full prefill, compare first tokens. Raises what
     planning or serving a sample raises (PmlError, QueueFullError, the engine's errors)."""
     started = time.perf_counter()
     samples = await asyncio.to_thread(sample_prompts, schema, service.runtime.text_encoder,
                                       num_samples=options.num_samples, seed=options.seed,
                                       question=options.question, max_imports=options.max_imports)
-    plans = await asyncio.to_thread(lambda: [service.plan(s.prompt, tenant=tenant) for s in samples])
+    plans = await asyncio.to_thread(lambda: [service.plan(prompt, tenant=tenant) for prompt in samples])
     gate = asyncio.Semaphore(PROMPTS_IN_FLIGHT)
 
     async def serve(plan: PromptPlan) -> tuple[_FirstToken, dict[str, _FirstToken]]:
@@ -106,12 +96,12 @@ async def build_report(service: PromptService, schema: Schema, tenant: str | Non
     served = await asyncio.gather(*(serve(plan) for plan in plans))
     rows = []
     for sample, plan, (reference, answers) in zip(samples, plans, served):
-        rows.append(FidelitySample(
-            module_paths=list(plan.module_paths), prompt=sample.prompt, prompt_tokens=plan.num_prompt_tokens,
-            exact=plan.is_exact, modes={mode: FidelitySampleResult(
+        rows.append(wire.FidelitySample(
+            module_paths=list(plan.module_paths), prompt=sample, prompt_tokens=plan.num_prompt_tokens,
+            exact=plan.is_exact, modes={mode: wire.FidelitySampleResult(
                 top1_agrees=answer.token_id == reference.token_id, kl=first_token_kl(reference.top, answer.top))
                 for mode, answer in answers.items()}))
-    return FidelityReport(  # type: ignore[call-arg]  # the wire name is the alias (pydantic's mypy plugin)
+    return wire.FidelityReport(  # type: ignore[call-arg]  # the wire name is the alias (pydantic's mypy plugin)
         schema=schema.name, model=service.model_name, num_samples=len(rows), seed=options.seed,
         question=options.question, max_imports=options.max_imports,
         fidelity_head_tokens=options.fidelity.head_tokens, fidelity_positions=options.fidelity.positions,
@@ -143,13 +133,13 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return 0.0 if successes == 0 else centre - half, 1.0 if successes == n else centre + half
 
 
-def _stats(results: list[FidelitySampleResult]) -> FidelityModeStats:
+def _stats(results: list[wire.FidelitySampleResult]) -> wire.FidelityModeStats:
     agree = sum(r.top1_agrees for r in results)
     kls = [r.kl for r in results]
     low, high = wilson(agree, len(results))
-    return FidelityModeStats(num_samples=len(results), top1_agreement=agree / max(1, len(results)),
-                             agreement_ci95=(low, high), mean_kl=sum(kls) / max(1, len(kls)),
-                             max_kl=max(kls, default=0.0))
+    return wire.FidelityModeStats(num_samples=len(results), top1_agreement=agree / max(1, len(results)),
+                                  agreement_ci95=(low, high), mean_kl=sum(kls) / max(1, len(kls)),
+                                  max_kl=max(kls, default=0.0))
 
 
 async def _first_token(events: AsyncIterator[TokenEvent]) -> _FirstToken:
@@ -167,18 +157,17 @@ def _request_id() -> str:
 
 
 class ReportCache:
-    """Reports by key (schema, its version, options), least recently used dropped past MAX_CACHED_REPORTS.
-    A report still being computed is shared by every caller asking for it meanwhile, and a caller that
-    goes away does not cancel it."""
+    """Reports by (schema, version, options), least recently used dropped past MAX_CACHED_REPORTS. A report being
+    computed is shared by every caller meanwhile; a caller that goes away does not cancel it."""
 
     def __init__(self) -> None:
-        self._done: OrderedDict[Hashable, FidelityReport] = OrderedDict()
-        self._running: dict[Hashable, asyncio.Future[FidelityReport]] = {}
+        self._done: OrderedDict[Hashable, wire.FidelityReport] = OrderedDict()
+        self._running: dict[Hashable, asyncio.Future[wire.FidelityReport]] = {}
 
-    async def get(self, key: Hashable, compute: Callable[[], Awaitable[FidelityReport]],
-                  before_compute: Callable[[], None] = lambda: None) -> FidelityReport:
-        """The cached report (`cached` true), the one being computed, or a new one: `before_compute()`
-        runs first (and may raise, e.g. a rate limit), then `compute()`."""
+    async def get(self, key: Hashable, compute: Callable[[], Awaitable[wire.FidelityReport]],
+                  before_compute: Callable[[], None] = lambda: None) -> wire.FidelityReport:
+        """The cached report (`cached` true), the one in progress, or a new one (`before_compute()` first; may raise).
+        """
         if key in self._done:
             self._done.move_to_end(key)
             return self._done[key].model_copy(update={"cached": True})
@@ -190,9 +179,79 @@ class ReportCache:
             future.add_done_callback(lambda done: self._settle(key, done))
         return await asyncio.shield(future)
 
-    def _settle(self, key: Hashable, future: asyncio.Future[FidelityReport]) -> None:
+    def _settle(self, key: Hashable, future: asyncio.Future[wire.FidelityReport]) -> None:
         self._running.pop(key, None)
         if not future.cancelled() and future.exception() is None:
             self._done[key] = future.result()
             while len(self._done) > MAX_CACHED_REPORTS:
                 self._done.popitem(last=False)
+
+
+# -- the sample: seeded module combinations of a schema, written as PML prompts --------------------------
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    """Import one of `members` (a module alone, or a union's members) or nothing."""
+
+    members: tuple[Module, ...]
+    section: RoleSection | None  # the top-level role section that holds it
+
+
+def sample_prompts(schema: Schema, encoder: TextEncoder, *, num_samples: int, seed: int, question: str,
+                   max_imports: int | None = None) -> list[str]:
+    """Up to `num_samples` distinct combinations of `schema`'s modules as `<prompt>` documents, the same for the same
+    arguments (fewer when the schema has fewer, or none turns up in DRAWS_PER_SAMPLE draws each). A combination picks,
+    uniformly, how many of the top-level choices to make (1 up to `max_imports`), then which: a module or a union (one
+    member, uniformly; one left out keeps its default). Inside a picked module each nested choice is made with
+    probability 1/2. Imports are nested as in the schema, each top-level one inside an element of its section's role,
+    the question in the user turn of the user section's modules (or its own), then `<assistant/>`: the turn the
+    playground composes. Parameters get a placeholder that fits their slot."""
+    rng = random.Random(f"fidelity-report-{seed}")
+    choices = _choices(schema.root.children, None, is_top=True)
+    found: dict[str, None] = {}  # in the order drawn
+    for _ in range(num_samples * DRAWS_PER_SAMPLE):
+        if len(found) == num_samples:
+            break
+        found.setdefault(_draw(rng, schema, choices, encoder, question, max_imports))
+    return list(found)
+
+
+def _choices(children, section: RoleSection | None, *, is_top: bool) -> list[_Choice]:
+    choices: list[_Choice] = []
+    for node in children:
+        if isinstance(node, Module):
+            choices.append(_Choice((node,), section))
+        elif isinstance(node, Union):
+            choices.append(_Choice(node.members, section))
+        elif isinstance(node, RoleSection):  # transparent for imports; at the top it is the turn they go in
+            choices += _choices(node.children, node if is_top else section, is_top=is_top)
+    return choices
+
+
+def _draw(rng: random.Random, schema: Schema, choices: list[_Choice], encoder: TextEncoder, question: str,
+          max_imports: int | None) -> str:
+    groups: list[tuple[RoleSection | None, list[str]]] = []  # consecutive imports of one section
+    if choices:
+        count = rng.randint(1, min(len(choices), max_imports or len(choices)))
+        for index in sorted(rng.sample(range(len(choices)), count)):  # schema order
+            choice = choices[index]
+            xml = _import(rng, rng.choice(choice.members), encoder)
+            if groups and groups[-1][0] is choice.section:
+                groups[-1][1].append(xml)
+            else:
+                groups.append((choice.section, [xml]))
+    body = [f"<{s.role}>{''.join(xs)}</{s.role}>" if s is not None else "".join(xs) for s, xs in groups]
+    text = escape(question)
+    if groups and groups[-1][0] is not None and groups[-1][0].role == "user":
+        body[-1] = body[-1][: -len("</user>")] + text + "</user>"
+    elif question.strip():
+        body.append(f"<user>{text}</user>")
+    return f'<prompt schema="{schema.name}">{"".join(body)}<assistant/></prompt>'
+
+
+def _import(rng: random.Random, module: Module, encoder: TextEncoder) -> str:
+    fits = len(encoder.encode(PLACEHOLDER_ARGUMENT))
+    arguments = "".join(f" {name}={quoteattr(PLACEHOLDER_ARGUMENT)}" for name, param in module.params.items()
+                        if fits <= param.length)
+    inner = "".join(_import(rng, rng.choice(choice.members), encoder)
+                    for choice in _choices(module.children, None, is_top=False) if rng.random() < 0.5)
+    return f"<{module.name}{arguments}>{inner}</{module.name}>" if inner else f"<{module.name}{arguments}/>"

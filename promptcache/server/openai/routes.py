@@ -1,13 +1,20 @@
-"""OpenAI-compatible API: /v1/completions, /v1/chat/completions (with PML module imports), /v1/models."""
+"""OpenAI-compatible API: /v1/completions, /v1/chat/completions (with PML module imports), /v1/models, and
+vLLM's /tokenize and /detokenize. Logprobs are of the model's distribution (before temperature, top-k, top-p)."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
 from xml.sax.saxutils import escape
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
+from promptcache.model_runtime import RequestReport, TokenEvent, TokenLogprobs
 from promptcache.pml import PromptPlan
 from promptcache.server.errors import UnsupportedParameterError
 from promptcache.server.generation import (
@@ -18,22 +25,15 @@ from promptcache.server.generation import (
     sampling_params,
     sse,
     sse_error,
+    to_wire,
 )
 from promptcache.server.json_body import json_off_loop
-from promptcache.server.openai.batch import extension, finish_reason, report_usage, response_head, run_completions
-from promptcache.server.openai.logprobs import chat_logprobs, completion_logprobs
-from promptcache.server.openai.wire import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    _OpenAIFields,
-    chat_messages,
-    is_pml,
-    refuse_unsupported,
-)
-from promptcache.server.service import PromptService
-from promptcache.server.state import Rates, Service, Tenant
+from promptcache.server.openai import wire
+from promptcache.server.service import PromptService, Rates, Service, Tenant
 
 router = APIRouter(prefix="/v1")
+tokenizer_router = APIRouter()  # vLLM's paths: no /v1
+TokenText = Callable[[int], str]
 
 
 @router.get("/models")
@@ -43,8 +43,8 @@ async def models(service: Service) -> dict:
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, service: Service, tenant: Tenant, rates: Rates):
-    refuse_unsupported(body)
+async def completions(body: wire.CompletionRequest, service: Service, tenant: Tenant, rates: Rates):
+    wire.refuse_unsupported(body)
     prompts = body.prompts()
     if not prompts or any(not p for p in prompts):
         raise UnsupportedParameterError("prompt: expected a non-empty text, list of texts, token ids or list of "
@@ -58,13 +58,16 @@ async def completions(body: CompletionRequest, service: Service, tenant: Tenant,
     plans, echoes, prompt_ids = await asyncio.to_thread(_prepare, service, body, prompts, tenant)
     if len(plans) == 1 and not body.echo:
         return await _run(service, body, plans[0], tenant)
-    return await run_completions(service, body, plans, echoes, prompt_ids, tenant)
+    return await _run_many(service, body, plans, echoes, prompt_ids, tenant)
 
 
-def _prepare(service: PromptService, body: CompletionRequest, prompts: list[str | list[int]],
+def _prepare(service: PromptService, body: wire.CompletionRequest, prompts: list[str | list[int]],
              tenant: str | None) -> tuple[list[PromptPlan], list[str] | None, list[list[int]] | None]:
-    """Each prompt's plan; with echo its text; with echo and logprobs its token ids (they get logprobs too)."""
-    plans = [_completion_plan(service, p, tenant) for p in prompts]
+    """Each prompt's plan; with echo its text; with echo and logprobs its token ids (they get logprobs too).
+    Token ids are planned as given, a PML document (it starts with `<prompt`) imports modules, and any other
+    text is plain, tokenized verbatim (never XML)."""
+    plans = [service.runtime.plan_tokens(p) if not isinstance(p, str) else service.plan(p, tenant=tenant)
+             if wire.is_pml(p) else service.runtime.plan_text(p) for p in prompts]
     echoes = [p if isinstance(p, str) else service.runtime.detokenize(p) for p in prompts] if body.echo else None
     prompt_ids = None
     if body.echo and body.logprobs is not None:
@@ -72,23 +75,15 @@ def _prepare(service: PromptService, body: CompletionRequest, prompts: list[str 
     return plans, echoes, prompt_ids
 
 
-def _completion_plan(service: PromptService, prompt: str | list[int], tenant: str | None) -> PromptPlan:
-    """Token ids as given; a PML document (it starts with `<prompt`) imports modules; any other text is
-    plain, tokenized verbatim (never XML)."""
-    if not isinstance(prompt, str):
-        return service.runtime.plan_tokens(prompt)
-    return service.plan(prompt, tenant=tenant) if is_pml(prompt) else service.runtime.plan_text(prompt)
-
-
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, service: Service, tenant: Tenant, rates: Rates):
-    refuse_unsupported(body)
+async def chat_completions(body: wire.ChatCompletionRequest, service: Service, tenant: Tenant, rates: Rates):
+    wire.refuse_unsupported(body)
     rates.check(tenant, body.n, already_counted=1)
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
     elif "max_tokens" not in body.model_fields_set:
         body.max_tokens = min(256, service.settings.max_tokens_limit)
-    messages = chat_messages(body.messages)
+    messages = wire.chat_messages(body.messages)
     if schema_name := body.schema_name:
         plan = await asyncio.to_thread(lambda: service.plan(_chat_pml(schema_name, messages), tenant=tenant))
     else:
@@ -97,12 +92,9 @@ async def chat_completions(body: ChatCompletionRequest, service: Service, tenant
 
 
 def _chat_pml(schema: str, messages: list[dict[str, str]]) -> str:
-    """With a schema, message contents are PML (so `<module-name/>` imports modules).
-
-    The schema's layout comes first and has no free positions before its modules, so leading system
-    messages become a system turn right after the first other message (which imports the modules),
-    where new text always fits. The order is documented in docs/api.md.
-    """
+    """With a schema, message contents are PML (so `<module-name/>` imports modules). The schema's layout comes
+    first and has no free positions before its modules, so leading system messages become a system turn right
+    after the first other message (which imports the modules), where new text always fits (docs/api.md)."""
     leading = 0
     while leading < len(messages) and messages[leading]["role"] == "system":
         leading += 1
@@ -112,13 +104,12 @@ def _chat_pml(schema: str, messages: list[dict[str, str]]) -> str:
     return f'<prompt schema="{escape(schema, {chr(34): "&quot;"})}" xml:space="preserve">{turns}<assistant/></prompt>'
 
 
-async def _run(service: PromptService, body: _OpenAIFields, plan: PromptPlan, tenant: str | None):
+async def _run(service: PromptService, body: wire.ChatCompletionRequest | wire.CompletionRequest, plan: PromptPlan,
+               tenant: str | None):
+    chat = isinstance(body, wire.ChatCompletionRequest)
     # The alternatives each token's logprobs carry; None: the request wants no logprobs.
-    if isinstance(body, ChatCompletionRequest):
-        chat, num_logprobs = True, (body.top_logprobs or 0) if body.logprobs else None
-    else:
-        assert isinstance(body, CompletionRequest)
-        chat, num_logprobs = False, body.logprobs
+    num_logprobs = (body.logprobs if isinstance(body, wire.CompletionRequest)
+                    else (body.top_logprobs or 0) if body.logprobs else None)
     params = sampling_params(body, service.settings.max_tokens_limit, num_logprobs)
     head = response_head(service, chat=chat)
     events = service.submit(plan, params, body.cache_salt, head["id"], service.fidelity(body.fidelity, body), tenant)
@@ -161,11 +152,10 @@ async def _stream(service, events, head: dict, chat: bool, include_usage: bool, 
             choice: dict = {"index": event.index, "finish_reason": finish_reason(event.finish_reason),
                             "logprobs": logprobs}
             if chat:
-                delta = {"content": event.text}
+                choice["delta"] = {"content": event.text}
                 if event.index not in started:
-                    delta["role"] = "assistant"
+                    choice["delta"]["role"] = "assistant"
                     started.add(event.index)
-                choice["delta"] = delta
             else:
                 choice["text"] = event.text
             if event.finish_reason is not None:
@@ -185,3 +175,174 @@ def _logprobs(events: list, service: PromptService, chat: bool, text_offset: int
     if chat:
         return chat_logprobs(events, service.token_strings.text)
     return completion_logprobs(events, service.token_strings.text, text_offset=text_offset)
+
+
+async def _run_many(service: PromptService, body: wire.CompletionRequest, plans: list[PromptPlan],
+                    echoes: list[str] | None, prompt_ids: list[list[int]] | None, tenant: str | None) -> Response:
+    """Several prompts, or echo (not streamed): prompt p is the group of n choices from index p x n, all submitted at
+    once (all queued, or a 429 and none) so shared text shares its KV. None run for `max_tokens` 0 without logprobs.
+    `echoes`: texts to prepend; with `prompt_ids` (echo with logprobs) the prompts' tokens get logprobs too, the first
+    None, as OpenAI reports them."""
+    head = response_head(service, chat=False)
+    outcomes: list = [None] * len(plans)
+    if body.max_tokens > 0 or prompt_ids is not None:
+        params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs,
+                                 prompt_logprobs=body.logprobs if prompt_ids is not None else None)
+        streams = service.submit_many(plans, params, body.cache_salt, [f"{head['id']}-{i}" for i in range(len(plans))],
+                                      service.fidelity(body.fidelity, body), tenant)
+        outcomes = list(await asyncio.gather(*(collect(events, params.n) for events in streams)))
+    for outcome in outcomes:
+        if outcome is not None:
+            record(service.metrics, outcome.report, outcome.finish_reasons, tenant)
+    return await json_off_loop(lambda: {**head, **_answer(service, body, plans, outcomes, echoes, prompt_ids)})
+
+
+def _answer(service: PromptService, body: wire.CompletionRequest, plans: list[PromptPlan], outcomes: list,
+            echoes: list[str] | None, prompt_ids: list[list[int]] | None) -> dict:
+    """Choices, usage and reports of the prompts (outcome None: not run); echoed logprobs built once per prompt."""
+    choices: list[dict[str, Any]] = []
+    reports: list[dict[str, Any]] = []
+    totals = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    for p, (plan, outcome) in enumerate(zip(plans, outcomes)):
+        echo = echoes[p] if echoes is not None else ""
+        if outcome is None:
+            totals["prompt_tokens"] += plan.num_cached_tokens + plan.num_new_tokens
+            choices += [{"index": p * body.n + i, "text": echo, "finish_reason": "length", "logprobs": None}
+                        for i in range(body.n)]
+            continue
+        used = outcome.report.usage
+        assert used is not None, "a served request reports usage"
+        generated = body.max_tokens > 0  # else the engine ran one token for the prompt's logprobs: dropped
+        totals["prompt_tokens"] += used.prompt_tokens
+        totals["completion_tokens"] += used.completion_tokens if generated else 0
+        totals["cached_tokens"] += used.cached_tokens
+        reports.append(extension(outcome.report))
+        echoed = None
+        if body.logprobs is not None and prompt_ids is not None:
+            echoed = prompt_logprobs(prompt_ids[p], outcome.report.prompt_logprobs or (), service.token_strings.text)
+        for i, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons)):
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(outcome.events[i] if generated else [], service.token_strings.text)
+                if echoed is not None:
+                    logprobs = echoed_logprobs(echoed, logprobs)
+            choices.append({"index": p * body.n + i, "text": echo + (text if generated else ""),
+                            "finish_reason": finish_reason(reason) if generated else "length",
+                            "logprobs": logprobs})
+    return {"choices": choices, "usage": usage(**totals), "promptcache": {"prompts": reports}}
+
+
+def response_head(service: PromptService, *, chat: bool) -> dict:
+    """What an OpenAI response and each of its chunks start with: a new id, the object, the time, the model."""
+    prefix, obj = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
+    return {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "object": obj, "created": int(time.time()),
+            "model": service.model_name}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return None if reason is None else ("stop" if reason == "abort" else reason)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def report_usage(report: RequestReport) -> dict:
+    u = report.usage
+    assert u is not None, "a served request reports usage"
+    return usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+
+
+def extension(report: RequestReport) -> dict:
+    """The `promptcache` object of OpenAI responses: /v1/generate's `cache` report plus the timings."""
+    timings = report.timings
+    assert timings is not None and report.cache is not None, "a served request reports timings and its cache"
+    return {**to_wire(report.cache).model_dump(), "timings": {
+        "ttft_ms": round(timings.ttft_ms, 3), "total_ms": round(timings.total_ms, 3),
+        "lookup_ms": round(timings.lookup_ms, 3)}}
+
+
+# -- logprobs: completions' `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (legacy: top_logprobs a
+# dict per position of the N most likely tokens plus the sampled one, text_offset each token's character offset
+# in the returned text), chat's `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal"}`.
+def completion_logprobs(events: list[TokenEvent], token_text: TokenText, *, text_offset: int = 0) -> dict:
+    """Legacy shape of one sample's token events (they must carry logprobs), the first at `text_offset`."""
+    texts, logprobs = [], []
+    for event in events:
+        assert event.logprobs is not None and event.token_id is not None
+        texts.append(token_text(event.token_id))
+        logprobs.append(event.logprobs)
+    return _legacy(texts, logprobs, token_text, text_offset)
+
+
+def prompt_logprobs(prompt_ids: list[int], prompt_logprobs: Sequence[TokenLogprobs], token_text: TokenText) -> dict:
+    """Legacy shape of an echoed prompt's tokens: the first has no logprob (None), as OpenAI reports it.
+    Built once per prompt; each of its samples appends its own tokens (`echoed_logprobs`)."""
+    assert len(prompt_logprobs) == len(prompt_ids) - 1, "one logprob per prompt token after the first"
+    return _legacy([token_text(t) for t in prompt_ids], [None, *prompt_logprobs], token_text, 0)
+
+
+def echoed_logprobs(prompt: dict, generated: dict) -> dict:
+    """The prompt's tokens then one sample's, the generated offsets shifted past the prompt's text."""
+    shift = prompt["text_offset"][-1] + len(prompt["tokens"][-1])
+    return {**{key: prompt[key] + generated[key] for key in prompt},
+            "text_offset": prompt["text_offset"] + [shift + o for o in generated["text_offset"]]}
+
+
+def _legacy(texts: list[str], logprobs: Sequence[TokenLogprobs | None], token_text: TokenText, offset: int) -> dict:
+    """Legacy shape of tokens with these texts and logprobs (None: a token without), the first at `offset`."""
+    return {"tokens": texts, "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+            "top_logprobs": [None if lp is None else _legacy_top(text, lp, token_text)
+                             for text, lp in zip(texts, logprobs)],
+            "text_offset": [offset + o for o in itertools.accumulate((len(t) for t in texts), initial=0)][:-1]}
+
+
+def _legacy_top(text: str, logprobs: TokenLogprobs, token_text: TokenText) -> dict[str, float]:
+    """The N most likely tokens by text, plus the token itself (as OpenAI's legacy shape has it)."""
+    top = {token_text(t): value for t, value in logprobs.top}
+    top.setdefault(text, logprobs.logprob)
+    return top
+
+
+def chat_logprobs(events: list[TokenEvent], token_text: TokenText) -> dict:
+    """Chat shape of one sample's token events (they must carry logprobs)."""
+    content = []
+    for event in events:
+        assert event.logprobs is not None and event.token_id is not None
+        content.append({**_entry(token_text(event.token_id), event.logprobs.logprob),
+                        "top_logprobs": [_entry(token_text(t), lp) for t, lp in event.logprobs.top]})
+    return {"content": content, "refusal": None}
+
+
+def _entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+@tokenizer_router.post("/tokenize")
+async def tokenize(body: wire.TokenizeRequest, service: Service) -> Response:
+    """The token ids the completion routes would feed the model (vLLM's shape)."""
+    if (body.prompt is None) == (body.messages is None):
+        raise UnsupportedParameterError("send exactly one of prompt or messages")
+    if not body.add_special_tokens:
+        raise UnsupportedParameterError("add_special_tokens=false is not supported: prompts are tokenized as "
+                                        "/v1/completions tokenizes them")
+    if not body.add_generation_prompt:
+        raise UnsupportedParameterError("add_generation_prompt=false is not supported: chats are rendered as "
+                                        "/v1/chat/completions renders them")
+    messages = wire.chat_messages(body.messages) if body.messages is not None else None
+
+    def reply() -> dict:  # tokenizing and each token's string: per-token work, in a worker thread
+        tokens = service.runtime.tokenize(body.prompt, messages)
+        reply: dict = {"count": len(tokens), "max_model_len": service.runtime.max_positions, "tokens": list(tokens)}
+        if body.return_token_strs:
+            reply["token_strs"] = [service.token_strings.text(t) for t in tokens]
+        return reply
+
+    return await json_off_loop(reply)
+
+
+@tokenizer_router.post("/detokenize")
+async def detokenize(body: wire.DetokenizeRequest, service: Service) -> dict:
+    return {"prompt": await asyncio.to_thread(service.runtime.detokenize, body.tokens)}

@@ -17,9 +17,8 @@ class StreamOptions(StrictModel):
 
 
 class _OpenAIFields(SamplingFields):
-    """Every field OpenAI defines for the route is declared; any other field is refused with a 400 naming
-    it (extra="forbid"), so nothing a client asks for is silently dropped. Fields we do not implement are
-    accepted only at values that ask for nothing (`NEUTRAL`)."""
+    """Every field OpenAI defines for the route; any other is refused with a 400 naming it (extra="forbid"), never
+    dropped. Fields we do not implement pass only at values that ask for nothing (`NEUTRAL`)."""
 
     model: str | None = None
     max_tokens: int = Field(16, ge=1)
@@ -140,8 +139,7 @@ def is_pml(prompt: str | list[int]) -> bool:
 
 
 def refuse_unsupported(body: BaseModel) -> None:
-    """Raises UnsupportedParameterError naming every field the client set to a value this server does not
-    implement, and why."""
+    """Raises UnsupportedParameterError naming every field set to a value this server does not do, and why."""
     refused = []
     for name in sorted(body.model_fields_set):
         rule = NEUTRAL.get(name)
