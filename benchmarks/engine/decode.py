@@ -34,14 +34,15 @@ from transformers.modeling_utils import AttentionInterface
 from benchmarks.harness import RESULTS, emit, log, setup
 from benchmarks.shapes import build_model
 from promptcache.cache_store import KVBlock
+from promptcache.model_runtime.engine.memory import KVMemory
 from promptcache.model_runtime.engine.prefix import KVView
 from promptcache.model_runtime.engine.request import Sequence, SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner
-from promptcache.model_runtime.engine.scheduler import KVMemory
 from promptcache.model_runtime.engine.step_plan import ScheduledSeq
+from promptcache.model_runtime.kv_pool import KVPool
 from promptcache.model_runtime.loading.default_model import default_model_path
 from promptcache.model_runtime.loading.loader import ModelConfig, wrap_model
-from promptcache.model_runtime.packed_attention import KVPool, install
+from promptcache.model_runtime.packed_attention import install
 
 MODES = ("baseline_hf", "baseline_sdpa", "shared", "noattention")
 

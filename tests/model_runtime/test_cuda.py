@@ -20,8 +20,8 @@ from promptcache.model_runtime.engine import Engine, EngineConfig
 from promptcache.model_runtime.engine.prefix import KVView
 from promptcache.model_runtime.engine.request import Sequence, SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner
+from promptcache.model_runtime.kv_pool import KVPool
 from promptcache.model_runtime.loading.loader import wrap_model
-from promptcache.model_runtime.packed_attention import KVPool
 from promptcache.model_runtime.sampling import PromptTokens, Sampler
 from tests.conftest import make_tiny_runtime
 from tests.model_factories import make_test_tokenizer, tiny_config

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from promptcache.cache_store import KVBlock
+from promptcache.model_runtime.engine.kv_groups import AssembledGroups
 from promptcache.model_runtime.engine.prefix import KVView
-from promptcache.model_runtime.engine.runner import AssembledGroups
 from promptcache.pml import token_plan
 from tests.model_runtime.test_prefix_reuse import TEXT, Harness, _greedy
 

@@ -20,8 +20,9 @@ from promptcache.model_runtime.engine import Engine, EngineConfig
 from promptcache.model_runtime.engine.prefix import KVView
 from promptcache.model_runtime.engine.request import Sequence, SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner
+from promptcache.model_runtime.kv_pool import KVPool
 from promptcache.model_runtime.loading.loader import wrap_model
-from promptcache.model_runtime.packed_attention import BatchCache, KVPool
+from promptcache.model_runtime.packed_attention import BatchCache
 from tests.conftest import TEST_DEVICE, make_tiny_runtime
 from tests.model_factories import make_test_tokenizer, tiny_config
 from tests.model_runtime.engine_probe import feed

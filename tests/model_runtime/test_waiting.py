@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from promptcache.model_runtime.engine.request import Request
-from promptcache.model_runtime.engine.scheduler import WaitingRequests
+from promptcache.model_runtime.engine.waiting import WaitingRequests
 from promptcache.model_runtime.errors import InvalidRequestError, QueueFullError
 from promptcache.model_runtime.sampling import SamplingParams
 

@@ -1,0 +1,108 @@
+"""Assembling a request's KV at admission: the module KV its ReusePlan reuses, the prefix blocks its
+stream reuses, and the tokens left to compute."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from promptcache.cache_store import KVBlock
+from promptcache.model_runtime.engine.prefix import KVView, PrefixReuse
+from promptcache.model_runtime.engine.request import Request, SharedKV
+from promptcache.model_runtime.engine.reuse_plan import CachedUse
+from promptcache.model_runtime.errors import InvalidRequestError
+from promptcache.model_runtime.module_encoder import ModuleEncoder, check_positions
+from promptcache.model_runtime.results import ModuleUse, slowest_tier
+from promptcache.model_runtime.sampling import PromptTokens
+
+
+@dataclass(eq=False)
+class Assembled:
+    """What a request's first sequence starts from."""
+
+    shared: list[SharedKV]       # reused KV (views of stored blocks), with what may see it
+    token_ids: list[int]         # stream tokens left to compute
+    position_ids: list[int]
+    next_position: int           # of the first generated token
+
+
+@dataclass(frozen=True, slots=True)
+class MissingModules:
+    """Module KV no tier gave (evicted, or refused by the fetch policy): the request waits while it is encoded."""
+
+    uses: tuple[CachedUse, ...]
+
+
+def module_key(encoder: ModuleEncoder, request: Request, use: CachedUse) -> str:
+    cached = use.cached
+    return encoder.key(request.plan.schema, cached.segment.segment_id, cached.context_ids, request.cache_salt)
+
+
+def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> Assembled | MissingModules:
+    """Fetch the request's module KV (or what was encoded for it; none: MissingModules), open its stream and set its
+    report fields. Raises PromptTooLongError, InvalidRequestError."""
+    plan, loaded, reuse, params = request.plan, encoder.loaded, request.reuse, request.params
+    assert reuse is not None
+    if params.prompt_logprobs is not None and reuse.uses:
+        raise InvalidRequestError("prompt logprobs need every prompt token computed; this prompt reuses "
+                                  "module KV (send it as plain text or token ids)")
+    device = loaded.model.device
+    started = time.perf_counter()
+    shared: list[SharedKV] = []
+    tiers: dict[str, list[str]] = {}
+    used: dict[str, int] = {}  # tokens of KV reused, by module path
+    use_tiers: list[str] = []
+    missing: list[CachedUse] = []
+    module_keys = [module_key(encoder, request, use) for use in reuse.uses]
+    for use, key in zip(reuse.uses, module_keys):
+        segment = use.cached.segment
+        if key in request.computed_kv:
+            block, tier = request.computed_kv[key], "computed"
+        else:
+            fetched = encoder.fetch(plan.schema, segment.segment_id, use.cached.context_ids, request.cache_salt)
+            if fetched is None:
+                missing.append(use)
+                continue
+            block, tier = fetched
+        block = block.to(device)
+        # A range of the stored block is a distinct tensor; shifted keys move for this request only, when
+        # the runner attends them.
+        view = KVView(key, shift=use.shift)
+        if (use.first, use.last) != (0, block.num_tokens):
+            block = KVBlock(block.keys[:, :, use.first: use.last], block.values[:, :, use.first: use.last],
+                            block.position_ids[use.first: use.last])
+            view = KVView(key, use.first, use.last, use.shift)
+        shared.append(SharedKV(view, block, use.visible_from))
+        tiers.setdefault(segment.owner, []).append(tier)
+        used[segment.owner] = used.get(segment.owner, 0) + use.last - use.first
+        use_tiers.append(tier)
+    if missing:
+        return MissingModules(tuple(missing))
+    request.computed_kv = {}  # held by its shared KV from here on
+    looked_up = time.perf_counter()
+    stream = prefix.open(module_keys, list(reuse.token_ids), list(reuse.position_ids), salt=request.cache_salt,
+                         variant=reuse.variant, match=request.params.prompt_logprobs is None)
+    reused = stream.num_reused
+    request.lookup_ms = (time.perf_counter() - looked_up) * 1e3
+    # Reused prefix blocks precede every stream token left to compute; module KV's visibility counts
+    # stream tokens, of which the first `reused` are no longer computed.
+    shared = [SharedKV(s.view, s.block, max(0, s.visible_from - reused)) for s in shared]
+    # A partly used link is a range of its block: a distinct tensor, a view other than the whole block.
+    shared += [SharedKV(KVView(link.key) if link.is_whole else KVView(link.key, 0, link.num_tokens),
+                        link.block.to(device)) for link in stream.match.links]
+    token_ids, positions = list(reuse.token_ids[reused:]), list(reuse.position_ids[reused:])
+    check_positions(positions, loaded.max_positions)
+    recomputed = dict(reuse.recomputed_from(reused))  # what this request recomputes itself
+    request.use_tiers = tuple(use_tiers)
+    after = reuse.encoded_after(plan.schema)
+    request.modules = tuple(ModuleUse(path, used.get(path, 0), slowest_tier(tiers.get(path, ["computed"])),
+                                      recomputed.get(path, 0), after.get(path)) for path in plan.module_paths)
+    request.stream, request.num_computed_tokens = stream, len(token_ids)
+    # A view (a range or shifted keys) shares its block's storage: it is held under its store key.
+    request.held_keys = tuple(dict.fromkeys(s.view.key for s in shared))
+    if params.prompt_logprobs is not None:
+        request.prompt_logprobs = []
+    if params.uses_prompt_tokens:  # the whole prompt, reused tokens included; shared by the n samples
+        request.prompt_tokens = PromptTokens(plan.token_ids())
+    request.assembly_ms = (time.perf_counter() - started) * 1e3
+    return Assembled(shared, token_ids, positions, reuse.next_position)
