@@ -250,7 +250,7 @@ def test_model_config_and_settings_take_the_weights_choice(monkeypatch):
     seen = []
 
     def encode(args) -> int:
-        seen.append(cli._settings(args))
+        seen.append(ServerSettings(**cli._overrides(args)))
         return 0
 
     monkeypatch.setattr(cli, "_encode", encode)
