@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from promptcache.cache_store import BlockIndex
 from promptcache.model_runtime.engine.config import EngineConfig
@@ -30,8 +29,29 @@ from promptcache.pml import PromptPlan, Schema
 logger = logging.getLogger(__name__)
 
 
-# What callers post from any thread, run on the engine thread in posting order.
-Message = Callable[[], None]
+@dataclass(frozen=True, slots=True)
+class Submit:
+    request: Request  # its place in its tenant's queue is reserved
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeSchema:
+    """`Engine.encode_schema`: `future` resolves with its EncodeReport."""
+
+    schema: Schema
+    salt: str | None
+    owner: str | None
+    future: Future[EncodeReport]
+    keep_local: bool
+    second_encodings: bool
+
+
+Message = Submit | Abort | EncodeSchema  # posted from any thread, handled on the engine thread in posting order
 
 
 class Inbox:
@@ -122,7 +142,7 @@ class Engine:
             self._sinks[request_id] = (loop, queue)
             request = Request(request_id, plan, params, cache_salt, fidelity or self.config.fidelity, tenant=tenant,
                               report_spans=report_spans)
-            self.inbox.post(functools.partial(self.scheduler.add, request, is_reserved=True))  # its place reserved
+            self.inbox.post(Submit(request))
             streams.append(self._events(request_id, queue))
         self.start()
         return streams
@@ -132,14 +152,13 @@ class Engine:
         """Encode `schema`'s module KV no tier holds, for `owner`, between decode steps (the future raises what failed);
         `keep_local=False`: shared tiers only; `second_encodings`: "predecessor" ones too."""
         future: Future[EncodeReport] = Future()
-        self.inbox.post(functools.partial(self.schema_encodes.submit, schema, cache_salt, owner, future,
-                                          keep_local=keep_local, second_encodings=second_encodings))
+        self.inbox.post(EncodeSchema(schema, cache_salt, owner, future, keep_local, second_encodings))
         self.start()
         return future
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its last event has finish_reason "abort" unless it already finished."""
-        self.inbox.post(functools.partial(self.scheduler.abort, request_id))
+        self.inbox.post(Abort(request_id))
 
     def explain(self, plan: PromptPlan, *, cache_salt: str | None = None,
                 fidelity: Fidelity | None = None) -> CacheReport:
@@ -177,13 +196,22 @@ class Engine:
 
         while (messages := self.inbox.take(is_idle, self.config.idle_wait_s)) is not None:
             for message in messages:
-                message()
+                self._handle(message)
             try:
                 self._step()
             except Exception:  # a bug must not kill the engine silently: fail the running requests
                 logger.exception("engine step failed")
                 for request in self.scheduler.drop_all():
                     self._deliver(error_event(request.request_id, "internal engine error", ErrorKind.INTERNAL))
+
+    def _handle(self, message: Message) -> None:
+        if isinstance(message, Submit):
+            self.scheduler.add(message.request, is_reserved=True)
+        elif isinstance(message, Abort):
+            self.scheduler.abort(message.request_id)
+        else:
+            self.schema_encodes.submit(message.schema, message.salt, message.owner, message.future,
+                                       keep_local=message.keep_local, second_encodings=message.second_encodings)
 
     def _step(self) -> None:
         started = time.perf_counter()
