@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-step-slowdown", type=float,
                        help="while sequences decode, feed as many prompt tokens as keep a step within this many "
                             "decode steps (learned from step times; default 1.6; 0: always --max-prefill-tokens)")
+    serve.add_argument("--ttft-target-ms", type=float,
+                       help="while sequences decode, a step also feeds the prompts that would otherwise get their "
+                            "first token after this many ms (default 0: off)")
     serve.add_argument("--max-prefill-tokens-alone", type=int,
                        help="prompt/encoding tokens per step when nothing decodes (default 4096)")
     serve.add_argument("--fidelity", choices=["fast", "balanced", "exact"],

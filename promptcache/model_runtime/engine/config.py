@@ -19,7 +19,9 @@ class EngineConfig:
     in chunks: `max_prefill_tokens_alone` tokens a step when nothing decodes; while something decodes,
     as many as keep a step within `max_step_slowdown` times a decode-only step (learned from step
     times, engine/step_budget.py), between `min_prefill_tokens` (capped at `max_prefill_tokens`) and
-    `max_prefill_tokens`. With `max_step_slowdown` None, always `max_prefill_tokens`.
+    `max_prefill_tokens`. With `max_step_slowdown` None, always `max_prefill_tokens`. With
+    `ttft_target_ms`, a step also feeds every prompt that would get its first token after that target
+    at the learned budget (and the prompts queued before it), up to `max_prefill_tokens`.
     `logits_cache_bytes` keeps the last-token logits of recent prompts so an exact repeat whose KV is all
     stored runs no forward pass before its first token (engine/prefix.py); 0 turns that off.
     `max_waiting_per_tenant` bounds the requests one tenant has submitted and not yet admitted; past it,
@@ -43,6 +45,7 @@ class EngineConfig:
     max_prefill_tokens_alone: int = 4096
     min_prefill_tokens: int = 8
     max_step_slowdown: float | None = 1.6
+    ttft_target_ms: float | None = None
     logits_cache_bytes: int = 32 << 20  # ~170 prompts of a 49K-token vocabulary
     max_assembled_bytes: int = 128 << 20  # ~5.6K tokens of SmolLM2-135M's KV in bf16
     max_waiting_per_tenant: int = 1024  # 16 full batches of the default max_num_seqs
@@ -67,6 +70,8 @@ class EngineConfig:
                              f"{self.min_prefill_tokens}")
         if self.max_step_slowdown is not None and self.max_step_slowdown <= 1.0:
             raise ValueError(f"max_step_slowdown must be > 1 or None, got {self.max_step_slowdown}")
+        if self.ttft_target_ms is not None and self.ttft_target_ms <= 0:
+            raise ValueError(f"ttft_target_ms must be > 0 or None, got {self.ttft_target_ms}")
         if self.shared_step_ratio is not None and self.shared_step_ratio <= 0:
             raise ValueError(f"shared_step_ratio must be > 0 or None, got {self.shared_step_ratio}")
         if self.attention_backend not in ("auto", "fused_cpu", "matmul", "flash"):

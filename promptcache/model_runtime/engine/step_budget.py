@@ -6,11 +6,14 @@ machine, dtype, model and batch (on a 2-core CPU a 64-token chunk tripled the ga
 almost free). So the budget is learned online: the engine reports each step's duration, and the budget
 is the number of tokens whose measured marginal cost keeps a step within `max_slowdown` times a
 decode-only step — never below `min_tokens` (a long prompt must still progress), never above
-`max_tokens`.
+`max_tokens`. With a `ttft_target_ms`, a step also feeds every prompt that would otherwise get its
+first token after that target (at the learned budget and step cost), with the prompts queued before it.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 _SMOOTHING = 0.2  # weight of the newest measurement in the moving averages
@@ -26,6 +29,7 @@ class StepBudget:
     min_tokens: int
     max_tokens: int
     max_slowdown: float | None
+    ttft_target_ms: float | None = None
     decode_ms: float | None = None  # moving average of a decode-only step
     added_ms: float | None = None   # moving average of what prefill tokens added to a mixed step
     fed: float | None = None        # moving average of the prefill tokens of a mixed step
@@ -38,11 +42,17 @@ class StepBudget:
             return None
         return max(self.added_ms / self.fed, 1e-3)
 
-    def tokens(self, waiting_per_decoding: float = 0.0) -> int:
+    def tokens(self, waiting_per_decoding: float = 0.0, queue: Sequence[tuple[float, int]] = ()) -> int:
         """The budget for the next step that has decoding sequences. `waiting_per_decoding`: sequences
         waiting for their first token per decoding one. Above 1 the allowed slowdown grows with it: the
         step's delay then falls on few streams while its tokens serve many (16 requests arriving
-        together behind a few decodes got one question a step: the last waited ~17 steps)."""
+        together behind a few decodes got one question a step: the last waited ~17 steps).
+        `queue`: (ms waited, prompt tokens left) of each sequence waiting for its first token, in the
+        order the step feeds them."""
+        learned = self._learned(waiting_per_decoding)
+        return max(learned, self._due(learned, queue))
+
+    def _learned(self, waiting_per_decoding: float) -> int:
         if self.max_slowdown is None:
             return self.max_tokens
         token_ms = self.token_ms
@@ -53,6 +63,22 @@ class StepBudget:
         # At most double the chunks measured so far: one noisy step must not buy a huge chunk.
         allowed = min(allowed, int(2 * pressure * max(self.fed or 0, self.min_tokens)))
         return max(self.min_tokens, min(self.max_tokens, allowed))
+
+    def _due(self, budget: int, queue: Sequence[tuple[float, int]]) -> int:
+        """The prompt tokens to feed now so that no queued prompt, fed `budget` tokens a step behind the
+        ones before it, gets its first token after `ttft_target_ms`: all tokens up to the last prompt
+        that would be late. A burst of questions then gets one longer step instead of a dozen short ones
+        behind each other (each short step also pays a whole decode step)."""
+        token_ms = self.token_ms
+        if self.ttft_target_ms is None or self.decode_ms is None or token_ms is None or not queue:
+            return 0
+        step_ms = self.decode_ms + budget * token_ms  # a mixed step at the learned budget
+        due = queued = 0
+        for waited_ms, left in queue:
+            queued += left
+            if waited_ms + math.ceil(queued / budget) * step_ms > self.ttft_target_ms:
+                due = queued
+        return min(due, self.max_tokens)
 
     def observe(self, num_decoding: int, num_prefill_tokens: int, step_ms: float) -> None:
         """Account one step that ran `num_decoding` decode tokens and `num_prefill_tokens` others."""
