@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                        "(default 8)")
     serve.add_argument("--max-step-slowdown", type=float, help="while sequences decode, a step with prompt tokens "
                        "costs at most this many decode steps (learned; default 1.6; 0: --max-prefill-tokens)")
+    serve.add_argument("--ttft-target-ms", type=float, help="while sequences decode, a step also feeds the prompts "
+                       "that would get their first token later than this many ms (default 0: off)")
     serve.add_argument("--max-prefill-tokens-alone", type=int, help="prompt tokens a step alone (default 4096)")
     serve.add_argument("--fidelity", choices=["fast", "balanced", "exact"], help="the default fidelity mode")
     serve.add_argument("--fidelity-positions", choices=["contiguous", "layout"],

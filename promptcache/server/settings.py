@@ -56,6 +56,8 @@ class ServerSettings(BaseSettings):
     min_prefill_tokens: int = Field(8, ge=1, description="least prompt/encoding tokens a step while others decode")
     max_step_slowdown: float = Field(1.6, ge=0, description="a step with prompt tokens costs at most this many "
                                                            "decode-only steps (learned); 0: fixed chunks")
+    ttft_target_ms: float = Field(0, ge=0, description="while others decode, a step also feeds the prompts "
+                                  "that would get their first token later than this (ms); 0: off")
     max_prefill_tokens_alone: int = Field(4096, ge=1, description="prompt/encoding tokens per step otherwise")
     attention_backend: str = "auto"
     max_request_bytes: int = 2 << 20
@@ -121,7 +123,8 @@ class ServerSettings(BaseSettings):
             prefix=BlockIndexConfig(self.prefix_block_size, ttl_s=self.prefix_ttl_s) if self.prefix_caching else None,
             fidelity=self.default_fidelity(), max_prefill_tokens=self.max_prefill_tokens,
             max_prefill_tokens_alone=self.max_prefill_tokens_alone, min_prefill_tokens=self.min_prefill_tokens,
-            max_step_slowdown=self.max_step_slowdown or None, logits_cache_bytes=self.logits_cache_bytes,
+            max_step_slowdown=self.max_step_slowdown or None, ttft_target_ms=self.ttft_target_ms or None,
+            logits_cache_bytes=self.logits_cache_bytes,
             max_assembled_bytes=self.max_assembled_kv_bytes, max_waiting_per_tenant=self.max_waiting_per_tenant,
             shared_step_ratio=self.shared_step_ratio or None,
             # Headroom is for other tenants: only an API keys file makes several.

@@ -66,3 +66,47 @@ def test_more_sequences_waiting_than_decoding_buy_a_larger_step():
     # 12 waiting behind 3 decoding: four times the slowdown's share, within the doubling guard's 4x.
     assert budget.tokens(4.0) == 24
     assert decode_ms + budget.tokens(4.0) * token_ms <= (1 + 0.6 * 4) * decode_ms
+
+
+def _burst_ttfts(target_ms: float | None) -> list[float]:
+    """First-token times (ms) of 10 questions of 14 tokens arriving together while 6 streams decode, on
+    a simulated machine: a decode step 32 ms plus 1.2 ms a prompt token, questions fed in order."""
+    decode_ms, token_ms = 32.0, 1.2
+    budget = StepBudget(min_tokens=8, max_tokens=256, max_slowdown=1.6, ttft_target_ms=target_ms)
+    for _ in range(30):  # learned from the steady state before the burst
+        budget.observe(6, 0, decode_ms)
+        n = budget.tokens()
+        budget.observe(6, n, decode_ms + n * token_ms)
+    left, clock, ttfts = [14] * 10, 0.0, []
+    while left:
+        fed = allowed = budget.tokens(len(left) / 6, [(clock, n) for n in left])
+        while left and allowed > 0:
+            take = min(left[0], allowed)
+            allowed -= take
+            left[0] -= take
+            if left[0] == 0:
+                left.pop(0)
+                ttfts.append(-1.0)  # finishes with this step
+        fed -= allowed
+        clock += decode_ms + fed * token_ms
+        ttfts = [clock if t < 0 else t for t in ttfts]
+    return ttfts
+
+
+def test_a_ttft_target_feeds_a_burst_of_questions_that_would_be_late_in_one_step():
+    learned, targeted = _burst_ttfts(None), _burst_ttfts(300.0)
+    assert max(learned) > 300.0  # at the learned budget the last question waits several steps
+    assert max(targeted) <= 300.0 and len(set(targeted)) == 1  # all in one step, within the target
+    assert sum(targeted) < sum(learned)  # and the burst's mean TTFT is lower too
+
+
+def test_a_ttft_target_leaves_the_budget_alone_while_every_question_is_on_time():
+    budget = StepBudget(min_tokens=8, max_tokens=256, max_slowdown=1.6, ttft_target_ms=300.0)
+    for _ in range(30):
+        budget.observe(6, 0, 32.0)
+        n = budget.tokens()
+        budget.observe(6, n, 32.0 + 1.2 * n)
+    assert budget.tokens(1 / 6, [(0.0, 14)]) == budget.tokens(1 / 6)
+    assert budget.tokens(1 / 6, [(290.0, 100)]) == 100  # one that is about to be late is fed whole
+    with pytest.raises(ValueError, match="ttft_target_ms"):
+        EngineConfig(ttft_target_ms=0)

@@ -15,7 +15,8 @@ class EngineConfig:
     plus `max_tokens`) and each shared block once. `prefix`: prefix reuse (None: off); `fidelity`: the default mode.
     Prefills and encodings advance in chunks: `max_prefill_tokens_alone` a step when nothing decodes, else within
     `max_step_slowdown` times a decode-only step (None: `max_prefill_tokens`), between `min_prefill_tokens` and
-    `max_prefill_tokens`. `logits_cache_bytes`: last-token logits kept for exact repeats (0: off).
+    `max_prefill_tokens`; with `ttft_target_ms`, also every prompt that would get its first token later at that budget
+    (and those queued before it). `logits_cache_bytes`: last-token logits kept for exact repeats (0: off).
     `max_waiting_per_tenant`: queued requests per tenant before QueueFullError. A tenant running `max_num_seqs -
     tenant_headroom_seqs` sequences takes no more. Within `shared_window_s` of a light tenant's own step, others' steps
     are held to `shared_step_ratio` times it (None: no cap)."""
@@ -30,6 +31,7 @@ class EngineConfig:
     max_prefill_tokens_alone: int = 4096
     min_prefill_tokens: int = 8
     max_step_slowdown: float | None = 1.6
+    ttft_target_ms: float | None = None
     logits_cache_bytes: int = 32 << 20  # ~170 prompts of a 49K-token vocabulary
     max_assembled_bytes: int = 128 << 20  # ~5.6K tokens of SmolLM2-135M's KV in bf16
     max_waiting_per_tenant: int = 1024  # 16 full batches of the default max_num_seqs
@@ -50,6 +52,8 @@ class EngineConfig:
                 f"{self.max_prefill_tokens}, {self.max_prefill_tokens_alone} and {self.min_prefill_tokens}")
         require(not (self.max_step_slowdown is not None and self.max_step_slowdown <= 1.0),
                 f"max_step_slowdown must be > 1 or None, got {self.max_step_slowdown}")
+        require(self.ttft_target_ms is None or self.ttft_target_ms > 0,
+                f"ttft_target_ms must be > 0 or None, got {self.ttft_target_ms}")
         require(not (self.shared_step_ratio is not None and self.shared_step_ratio <= 0),
                 f"shared_step_ratio must be > 0 or None, got {self.shared_step_ratio}")
         require(self.attention_backend in ("auto", "fused_cpu", "matmul", "flash"),

@@ -34,7 +34,7 @@ class Scheduler:
         self._aborted: list[Request] = []  # aborted since the last schedule: their final events are due
         self.memory = KVMemory(config.max_kv_bytes)
         self.step_budget = StepBudget(min(config.min_prefill_tokens, config.max_prefill_tokens),
-                                      config.max_prefill_tokens, config.max_step_slowdown)
+                                      config.max_prefill_tokens, config.max_step_slowdown, config.ttft_target_ms)
         self.bytes_per_token = self.loaded.kv_bytes_per_token
         self.own_kv = OwnKV(self.loaded, config.max_kv_bytes)
         self.shared_cap = SharedStepCap(config.shared_step_ratio or 1.0, config.min_prefill_tokens + 1)
@@ -75,8 +75,10 @@ class Scheduler:
         max_rows = self._shared_rows()
         short = others_wait or max_rows is not None
         alone = self.config.max_prefill_tokens if short else self.config.max_prefill_tokens_alone
-        prefilling = sum(1 for s in self.running if s.status == SeqStatus.PREFILL)
-        mixed = self.step_budget.tokens(prefilling / max(1, len(self.running) - prefilling))
+        now = time.perf_counter()
+        queue = [((now - s.owner.submitted_at) * 1e3, len(s.pending_ids))
+                 for s in self.running if s.status == SeqStatus.PREFILL]
+        mixed = self.step_budget.tokens(len(queue) / max(1, len(self.running) - len(queue)), queue)
         batch, budget = compose_step(self.running, mixed_budget=mixed, alone_budget=alone,
                                      max_rows=max_rows, min_tokens=self.config.min_prefill_tokens)
         fed = {id(s.seq) for s in batch if s.seq.status != SeqStatus.PREFILL}
