@@ -1,11 +1,9 @@
 """PML prompt text -> PromptPlan: imports resolved, new text placed at positions (docs/pml.md, "Positions").
-
 Imports take their layout positions. Text before an import starts after the preceding import (or the used
 positions below the next import) and must fit before any used position (else PositionConflictError); text
 after the last import starts after the highest used position; the tail of a role element that imports a
 schema section's modules goes after its last import, before the section's closing markup. New text or an
-argument first after BOS is encoded as a sequence start (TextEncoder).
-"""
+argument first after BOS is encoded as a sequence start (TextEncoder)."""
 
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
     `isolated=True`: the paper's literal masking (each module encoded seeing only itself) instead of
     guaranteed-context encoding. `add_generation_prompt=True` opens the assistant turn after the prompt, as
     a chat template does, unless it ends in an open `<assistant>` turn (`generation_prompt_added` says).
-    Raises a PmlError subclass for invalid prompts.
-    """
+    Raises a PmlError subclass for invalid prompts."""
     limits = limits or PmlLimits()
     root = parse_xml(text, limits, max_bytes=limits.max_prompt_bytes, what="prompt")
     if root.tag != "prompt":
@@ -81,11 +78,9 @@ def _build_plan(schema: Schema, items: PromptItems, encoder: TextEncoder, *,
         if isinstance(item, ImportItem):
             new_runs.extend(item.arguments)
     used = Occupancy()
-    for segment in included:
-        used.add(segment.start, segment.end)
-    for run in new_runs:
-        if run.kind == "argument":
-            used.add(run.start, run.end)
+    occupied: list[Segment | NewRun] = [*included, *(run for run in new_runs if run.kind == "argument")]
+    for taken in occupied:
+        used.add(taken.start, taken.end)
     # Looked up per import and per segment: indexed once, so a prompt importing many modules stays linear.
     owned: dict[str, list[Segment]] = {}
     for segment in schema.segments:

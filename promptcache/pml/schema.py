@@ -220,8 +220,6 @@ class Schema:
 
 
 def segment_digest(start: int, token_ids: tuple[int, ...]) -> str:
-    h = hashlib.sha256(b"pml-segment-v1")
-    h.update(start.to_bytes(8, "little"))
-    h.update(len(token_ids).to_bytes(8, "little"))
+    h = hashlib.sha256(b"pml-segment-v1" + start.to_bytes(8, "little") + len(token_ids).to_bytes(8, "little"))
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))  # each id as 8 little-endian signed bytes
     return h.hexdigest()
