@@ -27,9 +27,8 @@ from promptcache.pml.xml_reader import XML_SPACE, PmlLimits, check_attributes, p
 GENERATION_PROMPT = "generation_prompt"  # the `source` of the run that opens the assistant turn
 
 
-def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
-                 limits: PmlLimits | None = None, *, isolated: bool = False,
-                 add_generation_prompt: bool = False) -> PromptPlan:
+def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder, limits: PmlLimits | None = None, *,
+                 isolated: bool = False, add_generation_prompt: bool = False) -> PromptPlan:
     """Resolve a `<prompt schema="...">` document against `schemas` (by name; parsed with `encoder`).
     `isolated=True`: the paper's literal masking (each module encoded seeing only itself) instead of
     guaranteed-context encoding. `add_generation_prompt=True` opens the assistant turn after the prompt, as
@@ -70,8 +69,7 @@ def _build_plan(schema: Schema, items: PromptItems, encoder: TextEncoder, *,
     """The plan, and the segment or run that comes first after BOS in it (None: nothing does)."""
     first_position = len(encoder.bos_token_ids)
     imported = set(items.imported)
-    included = [s for s in schema.segments
-                if (s.owner == "" or s.owner in imported) and not s.is_placeholder
+    included = [s for s in schema.segments if (s.owner == "" or s.owner in imported) and not s.is_placeholder
                 and s.role_suffix_of not in items.displaced_sections]
     new_runs = [NewRun(s.token_ids, s.start, "module", s.owner, 0) for s in included if not s.is_cached]
     for item in [*items.items, items.implicit]:

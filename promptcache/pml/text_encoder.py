@@ -36,8 +36,7 @@ class TextEncoder:
         cannot be split per role."""
         if self.chat_format_error is not None:
             raise ChatTemplateError(f"role tags cannot be used with this model: {self.chat_format_error}; "
-                                    "send the conversation through /v1/chat/completions without a schema",
-                                    line=line)
+                                    "send the conversation through /v1/chat/completions without a schema", line=line)
         return self.chat_format
 
     def encode(self, text: str, *, at_start: bool = False) -> tuple[int, ...]:
