@@ -176,23 +176,22 @@ class MemoryTier(Tier):
 
     def _add(self, key: str, entry: _Entry) -> None:
         self._entries[key] = entry
-        self._used += entry.nbytes
-        if entry.owner is not None:
-            self._owner_bytes[entry.owner] = self._owner_bytes.get(entry.owner, 0) + entry.nbytes
-        if entry.kind == "prefix":
-            self._prefix_bytes += entry.nbytes
+        self._count(entry, entry.nbytes)
         self._set_evictable(key, entry, not entry.pinned and key not in self._refs)
 
     def _remove(self, key: str) -> _Entry | None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
+        if (entry := self._entries.pop(key, None)) is not None:
             self._set_evictable(key, entry, False)
-            self._used -= entry.nbytes
-            if entry.owner is not None:
-                self._owner_bytes[entry.owner] -= entry.nbytes
-            if entry.kind == "prefix":
-                self._prefix_bytes -= entry.nbytes
+            self._count(entry, -entry.nbytes)
         return entry
+
+    def _count(self, entry: _Entry, nbytes: int) -> None:
+        """Add `nbytes` (negative: remove) to the byte counts `entry` is in."""
+        self._used += nbytes
+        if entry.owner is not None:
+            self._owner_bytes[entry.owner] = self._owner_bytes.get(entry.owner, 0) + nbytes
+        if entry.kind == "prefix":
+            self._prefix_bytes += nbytes
 
     def _live(self, key: str) -> _Entry | None:
         entry = self._entries.get(key)

@@ -135,10 +135,8 @@ def _cached_segment(segment: Segment, owned: dict[str, list[Segment]], scaffolds
         own = tuple(s.segment_id for s in owned[segment.owner] if s.end <= segment.start)
         return CachedSegment(segment, own, "isolated")
     best = scaffolds.get(segment.segment_id)
-    if best is not None:
-        context = best.contexts[segment.segment_id]
-        if context != segment.context_ids:
-            return CachedSegment(segment, context, f"scaffold:{best.name}")
+    if best is not None and best.contexts[segment.segment_id] != segment.context_ids:
+        return CachedSegment(segment, best.contexts[segment.segment_id], f"scaffold:{best.name}")
     return CachedSegment(segment, segment.context_ids, "default")
 
 
