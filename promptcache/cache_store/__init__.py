@@ -21,10 +21,8 @@ from promptcache.cache_store.signing import BlobSigner
 from promptcache.cache_store.store import StoreStats, TieredStore, TierStats
 from promptcache.cache_store.tier import BlockKind, Eviction, OwnerShares, Tier, TierHit, TierUsage
 
-__all__ = [
-    "BlobSigner", "BlockIndex", "BlockIndexConfig", "BlockKind", "BlockMismatchError", "CacheStoreError",
-    "CapacityError", "CorruptBlockError", "DiskTier", "Eviction", "FetchPolicy", "OwnerShares", "KVBlock", "Link",
-    "Match", "MemoryTier", "RedisTier", "RegistryUnavailableError", "RegistryState", "SchemaExistsError",
-    "SchemaRegistry", "StoreConfig", "StoreStats", "StoredSchema", "Tier", "TierHit", "TierStats", "TierUsage",
-    "TieredStore", "build_store", "chain_root", "dumps", "loads", "make_kv_key", "owned_salt",
-]
+__all__ = ["BlobSigner", "BlockIndex", "BlockIndexConfig", "BlockKind", "BlockMismatchError", "CacheStoreError",
+           "CapacityError", "CorruptBlockError", "DiskTier", "Eviction", "FetchPolicy", "OwnerShares", "KVBlock",
+           "Link", "Match", "MemoryTier", "RedisTier", "RegistryUnavailableError", "RegistryState", "SchemaExistsError",
+           "SchemaRegistry", "StoreConfig", "StoreStats", "StoredSchema", "Tier", "TierHit", "TierStats", "TierUsage",
+           "TieredStore", "build_store", "chain_root", "dumps", "loads", "make_kv_key", "owned_salt"]

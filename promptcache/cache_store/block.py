@@ -1,12 +1,10 @@
 """KVBlock: the cached attention states of one token run, all layers; the keys naming them; their binary format.
-
 A key is SHA-256 over everything that determines a link's KV (a module segment after its encoding context, or a
 prefix block after its parent link, which goes in as `context_digest`: a key covers the whole chain before it).
 A serialized block (little endian): magic "PCKV" | u16 version | u8 dtype code | u8 reserved | 64-byte key (ascii
 hex, zero-padded) | 4 x u32 shape (layers, kv_heads, tokens, head_dim) | u64 payload length | 32-byte checksum |
 payload = position ids (int64) + keys + values. The checksum detects damage (authenticity is signing.py's job):
-version 2 writes XXH3-128 (~10 GB/s; version 1's blake2b-256, still read, was most of a shared read).
-"""
+version 2 writes XXH3-128 (~10 GB/s; version 1's blake2b-256, still read, was most of a shared read)."""
 
 from __future__ import annotations
 
@@ -87,9 +85,8 @@ def make_kv_key(*, model_fingerprint: str, tokenizer_fingerprint: str, token_ids
     _update_texts(h, (model_fingerprint, tokenizer_fingerprint, context_digest,
                       "" if cache_salt is None else "salt:" + cache_salt))
     for ints in (token_ids, position_ids):
-        values = list(ints)
-        h.update(len(values).to_bytes(8, "little"))
-        h.update(struct.pack(f"<{len(values)}q", *values))  # each value: 8 bytes, little-endian, signed
+        values = list(ints)  # each value: 8 bytes, little-endian, signed
+        h.update(len(values).to_bytes(8, "little") + struct.pack(f"<{len(values)}q", *values))
     return h.hexdigest()
 
 
@@ -109,9 +106,8 @@ def _update_texts(h: hashlib._Hash, texts: Sequence[str]) -> None:
 
 
 def owned_salt(owner: str, salt: str | None) -> str:
-    """A salt that scopes keys to `owner` (a tenant), with `salt` subdividing inside it. No salt without
-    the mark can equal one with it. Only keys are made from it: whoever stores the KV is told its owner
-    (for byte shares) as well."""
+    """A salt that scopes keys to `owner` (a tenant), with `salt` subdividing inside it; no salt without the mark
+    equals one with it. Only keys are made from it: whoever stores the KV is told its owner too (byte shares)."""
     return f"{OWNER_MARK}{owner}\x00{'' if salt is None else '+' + salt}"
 
 
@@ -172,7 +168,6 @@ def _raw(tensor: torch.Tensor) -> bytes:
 
 
 def _tensor(buffer: bytearray, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
-    count = math.prod(shape)
-    if count == 0:
+    if (count := math.prod(shape)) == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)

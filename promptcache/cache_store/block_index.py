@@ -1,9 +1,7 @@
 """BlockIndex: automatic prefix reuse as chains of fixed-size KV blocks in the tiered store (docs/architecture.md).
-
 A token stream is cut into blocks of `block_size` tokens, each keyed (like module KV) by its parent's key, its
 tokens and positions. A request reuses the longest chain of stored blocks; where its tokens diverge inside a
-block, a stored sibling sharing a prefix with them donates that prefix, so reuse is token-exact.
-"""
+block, a stored sibling sharing a prefix with them donates that prefix, so reuse is token-exact."""
 
 from __future__ import annotations
 
@@ -163,8 +161,7 @@ class BlockIndex:
 
     def _fetch(self, key: str, start: int, num_tokens: int) -> Link | None:
         size = self.config.block_size
-        hit = self.store.get(key, num_tokens=size, nbytes=size * self.bytes_per_token)
-        if hit is None:
+        if (hit := self.store.get(key, num_tokens=size, nbytes=size * self.bytes_per_token)) is None:
             return None
         block, tier = hit
         used = min(num_tokens, block.num_tokens)

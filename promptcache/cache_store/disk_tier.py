@@ -1,9 +1,7 @@
 """A shared tier on local disk: one file per block (same format as Redis), LRU per kind by access time.
-
 `<key>.kv` holds a "module" entry, `<key>.pkv` a "prefix" one (eviction ranks files from a listing alone). A
 file with a TTL starts with `PCEX` and its expiry (wall-clock seconds, f64). A file that fails verification
-is a miss, never marked as used, and is removed unless a write replaced it meanwhile (writes rename whole files).
-"""
+is a miss, never marked as used, and is removed unless a write replaced it meanwhile (writes rename whole files)."""
 
 from __future__ import annotations
 

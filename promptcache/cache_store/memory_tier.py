@@ -26,13 +26,11 @@ class _Entry:
 
 
 class MemoryTier(Tier):
-    """Blocks held as tensors on `device`. Thread-safe; every operation O(1) amortized.
-
-    Evicts the least recently used unpinned, unreferenced "prefix" entry first, then such "module" entries.
-    Pinned and acquired entries are never evicted: when only those are left, `put` raises CapacityError.
-    With `shares`, an owner past its share evicts its own entries (prefix first), or is refused
-    (CapacityError) when they are all pinned or in use, never another owner's.
-    """
+    """Blocks held as tensors on `device`. Thread-safe; every operation O(1) amortized. Evicts the least
+    recently used unpinned, unreferenced "prefix" entry first, then such "module" entries. Pinned and acquired
+    entries are never evicted: when only those are left, `put` raises CapacityError. With `shares`, an owner
+    past its share evicts its own entries (prefix first), or is refused (CapacityError) when they are all
+    pinned or in use, never another owner's."""
 
     def __init__(self, name: str, max_bytes: int, device: str = "cpu", *, pin_memory: bool = False,
                  clock: Callable[[], float] = time.monotonic, shares: OwnerShares | None = None) -> None:
@@ -56,8 +54,7 @@ class MemoryTier(Tier):
 
     def lookup(self, key: str) -> TierHit | None:
         with self._lock:
-            entry = self._touch(key)
-            if entry is None:
+            if (entry := self._touch(key)) is None:
                 return None
             ttl = None if entry.expires_at is None else entry.expires_at - self._clock()
             return TierHit(entry.block, entry.kind, ttl, entry.owner)
@@ -107,8 +104,7 @@ class MemoryTier(Tier):
                     self._evict(next(iter(own["prefix"] or own["module"])), now, evicted)
             while self._used + nbytes > self.max_bytes:
                 self._evict(next(iter(self._lru["prefix"] or self._lru["module"])), now, evicted)
-            expires = None if ttl_s is None else now + ttl_s
-            self._add(key, _Entry(block, nbytes, kind, pinned, expires, owner))
+            self._add(key, _Entry(block, nbytes, kind, pinned, None if ttl_s is None else now + ttl_s, owner))
             return evicted
 
     def _evict(self, victim: str, now: float, evicted: list[Eviction]) -> None:
@@ -134,8 +130,7 @@ class MemoryTier(Tier):
 
     def acquire(self, key: str) -> None:
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
+            if (entry := self._entries.get(key)) is not None:
                 self._set_evictable(key, entry, False)
             self._refs[key] = self._refs.get(key, 0) + 1
 
@@ -162,8 +157,7 @@ class MemoryTier(Tier):
 
     def _set_pin(self, key: str, pinned: bool) -> bool:
         with self._lock:
-            entry = self._live(key)
-            if entry is not None:
+            if (entry := self._live(key)) is not None:
                 entry.pinned = pinned
                 self._set_evictable(key, entry, not pinned and key not in self._refs)
             return entry is not None
@@ -182,23 +176,22 @@ class MemoryTier(Tier):
 
     def _add(self, key: str, entry: _Entry) -> None:
         self._entries[key] = entry
-        self._used += entry.nbytes
-        if entry.owner is not None:
-            self._owner_bytes[entry.owner] = self._owner_bytes.get(entry.owner, 0) + entry.nbytes
-        if entry.kind == "prefix":
-            self._prefix_bytes += entry.nbytes
+        self._count(entry, entry.nbytes)
         self._set_evictable(key, entry, not entry.pinned and key not in self._refs)
 
     def _remove(self, key: str) -> _Entry | None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
+        if (entry := self._entries.pop(key, None)) is not None:
             self._set_evictable(key, entry, False)
-            self._used -= entry.nbytes
-            if entry.owner is not None:
-                self._owner_bytes[entry.owner] -= entry.nbytes
-            if entry.kind == "prefix":
-                self._prefix_bytes -= entry.nbytes
+            self._count(entry, -entry.nbytes)
         return entry
+
+    def _count(self, entry: _Entry, nbytes: int) -> None:
+        """Add `nbytes` (negative: remove) to the byte counts `entry` is in."""
+        self._used += nbytes
+        if entry.owner is not None:
+            self._owner_bytes[entry.owner] = self._owner_bytes.get(entry.owner, 0) + nbytes
+        if entry.kind == "prefix":
+            self._prefix_bytes += nbytes
 
     def _live(self, key: str) -> _Entry | None:
         entry = self._entries.get(key)

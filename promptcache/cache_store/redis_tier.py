@@ -1,13 +1,11 @@
 """The shared tier: KV blocks in Redis under `promptcache:<namespace>:`, visible to every replica.
-
 The byte budget is kept by an LRU index in Redis (sorted set, sizes, byte counters, pins, and per owner a sorted
 set and a byte count), changed only by the Lua scripts of redis_scripts.py, so replicas see one consistent index.
 Scores are a shared use counter (clock skew cannot matter), plus `MODULE_SCORE_OFFSET` for "module" entries:
 eviction (lowest first) takes "prefix" entries first, each kind in LRU order, and a write past its owner's share
 evicts that owner's own entries first. A read verifies the blob (HMAC tag, checksum, key, decoding) before a
 script marks it used if it is still the value verified; a failing value is deleted only if it is still the bytes
-read. `contains` counts only verified values (verified_heads.py).
-"""
+read. `contains` counts only verified values (verified_heads.py)."""
 
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ def redacted(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
         return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)))
 
 
 class RedisGuard:

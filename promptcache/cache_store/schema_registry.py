@@ -6,7 +6,7 @@ import json
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
 import redis
@@ -33,15 +33,13 @@ class StoredSchema:
 
 
 class SchemaRegistry:
-    """Schema documents by (opaque) name: in memory, and in Redis too when `redis_url` is given.
-
-    `save` raises SchemaExistsError for a taken name, RegistryUnavailableError when Redis cannot be written;
-    `load`/`list` fall back to this process's copies, with a warning. `state` lets replicas follow deletes
-    and replacements; a delete leaves a tombstone for `tombstone_s`, so a schema deleted is told from one
-    Redis lost (that one is `restore`d). An entry that fails verification (HMAC under a keyed `signer`, or
-    decoding) reads as absent and a `save` or `restore` may replace it; it is not deleted on read (a schema
-    is not cache: restoring a key rotated by mistake brings the entries back).
-    """
+    """Schema documents by (opaque) name: in memory, and in Redis too when `redis_url` is given. `save` raises
+    SchemaExistsError for a taken name, RegistryUnavailableError when Redis cannot be written; `load`/`list`
+    fall back to this process's copies, with a warning. `state` lets replicas follow deletes and replacements;
+    a delete leaves a tombstone for `tombstone_s`, so a schema deleted is told from one Redis lost (that one is
+    `restore`d). An entry that fails verification (HMAC under a keyed `signer`, or decoding) reads as absent and
+    a `save` or `restore` may replace it; it is not deleted on read (a schema is not cache: restoring a key
+    rotated by mistake brings the entries back)."""
 
     def __init__(self, redis_url: str | None = None, *, namespace: str = "default", timeout_s: float = 0.5,
                  tombstone_s: float = 3600.0, signer: BlobSigner | None = None) -> None:
@@ -139,7 +137,7 @@ class SchemaRegistry:
         """Write `stored` under its name unless that holds an entry that passes verification; a failing entry
         is replaced only if it is still the bytes checked (a rightful write meanwhile wins). Raises RedisError."""
         name, key = stored.name, self._prefix + stored.name
-        value = self._signer.seal(key, _encode(stored))
+        value = self._signer.seal(key, json.dumps(asdict(stored)).encode())
         assert self._client is not None, "only a registry on Redis claims names"
         for _ in range(8):  # each round, someone else wrote the name; give up (taken) after a few
             if self._client.set(key, value, nx=True):
@@ -196,8 +194,3 @@ class RegistryState:
 
     versions: dict[str, str]
     deleted: frozenset[str]
-
-
-def _encode(stored: StoredSchema) -> bytes:
-    return json.dumps({"name": stored.name, "pml_text": stored.pml_text, "metadata": stored.metadata,
-                       "created_at": stored.created_at, "version": stored.version}).encode()

@@ -1,7 +1,6 @@
 """Authenticated values in shared storage: an HMAC-SHA256 over (storage key, value) on everything written to
 Redis, checked on read (docs/security.md). With a blob key set, a value without a valid tag (forged, altered,
-sealed under a previous key, or replayed under another storage key) reads as absent and is logged.
-"""
+sealed under a previous key, or replayed under another storage key) reads as absent and is logged."""
 
 from __future__ import annotations
 

@@ -69,7 +69,8 @@ class TieredStore:
             raise ValueError(f"write_behind_max_bytes must be > 0, got {write_behind_max_bytes}")
         self.tiers = list(tiers)
         self._num_local = next((i for i, t in enumerate(self.tiers) if t.is_shared), len(self.tiers))
-        if not all(t.is_shared for t in self.tiers[self._num_local:]):
+        self._local, self._shared = self.tiers[:self._num_local], self.tiers[self._num_local:]
+        if not all(t.is_shared for t in self._shared):
             raise ValueError("in-process tiers must come before shared tiers")
         self.write_through_shared = write_through_shared
         self.policy = policy or FetchPolicy()
@@ -78,14 +79,6 @@ class TieredStore:
         self._num_gets = self._num_puts = 0
         self._writer = WriteBehind(write_behind_max_bytes)
         self._held: dict[str, list[tuple[Tier, ...]]] = {}  # key -> tiers of each outstanding acquire
-
-    @property
-    def _local(self) -> list[Tier]:
-        return self.tiers[:self._num_local]
-
-    @property
-    def _shared(self) -> list[Tier]:
-        return self.tiers[self._num_local:]
 
     def get(self, key: str, *, num_tokens: int | None = None, nbytes: int | None = None,
             promote: bool = True) -> tuple[KVBlock, str] | None:

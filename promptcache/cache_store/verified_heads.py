@@ -1,7 +1,6 @@
 """What a shared tier has verified in full: per key, a fingerprint (length and first bytes: the HMAC tag and
 the block header with its checksum) of the value it last checked or wrote, so `contains` can vouch for that
-value again without fetching it. A value altered behind an unchanged head is caught when it is read.
-"""
+value again without fetching it. A value altered behind an unchanged head is caught when it is read."""
 
 from __future__ import annotations
 

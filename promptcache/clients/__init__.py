@@ -53,12 +53,10 @@ from promptcache.clients.types import (
     Usage,
 )
 
-__all__ = [
-    "APIConnectionError", "APIStatusError", "APITimeoutError", "Assistant", "AssistantTurn", "AsyncClient",
-    "AsyncStream", "AuthenticationError", "BadRequestError", "CacheReport", "Choice", "Client", "ConflictError",
-    "Explanation", "FidelityModeStats", "FidelityReport", "FidelitySample", "Generation", "GenerationChunk", "Import",
-    "InternalServerError", "Module", "ModuleInfo", "ModuleReport", "NotFoundError", "Param", "PayloadTooLargeError",
-    "PrefixReport", "Prompt", "PromptSpan", "PromptCacheError", "PromptProgram", "RateLimitError", "Recorder",
-    "Scaffold", "Schema", "SchemaInfo", "ServiceUnavailableError", "Stream", "System", "Timings", "Union",
-    "UnprocessableEntityError", "Usage", "User", "prompt",
-]
+__all__ = ["APIConnectionError", "APIStatusError", "APITimeoutError", "Assistant", "AssistantTurn", "AsyncClient",
+           "AsyncStream", "AuthenticationError", "BadRequestError", "CacheReport", "Choice", "Client", "ConflictError",
+           "Explanation", "FidelityModeStats", "FidelityReport", "FidelitySample", "Generation", "GenerationChunk",
+           "Import", "InternalServerError", "Module", "ModuleInfo", "ModuleReport", "NotFoundError", "Param",
+           "PayloadTooLargeError", "PrefixReport", "Prompt", "PromptSpan", "PromptCacheError", "PromptProgram",
+           "RateLimitError", "Recorder", "Scaffold", "Schema", "SchemaInfo", "ServiceUnavailableError", "Stream",
+           "System", "Timings", "Union", "UnprocessableEntityError", "Usage", "User", "prompt"]

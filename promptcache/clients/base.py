@@ -144,12 +144,9 @@ class SSEDecoder:
                 if self._data:
                     yield "\n".join(self._data)
                     self._data = []
-            elif line.startswith(":"):
-                continue
             elif line.startswith("data:"):
-                value = line[5:]
-                self._data.append(value[1:] if value.startswith(" ") else value)
-            # other fields (event:, id:, retry:) are not used by this API
+                self._data.append(line[6:] if line.startswith("data: ") else line[5:])
+            # comments (":...") and other fields (event:, id:, retry:) are not used by this API
 
     def flush(self) -> Iterator[str]:
         """The end of the stream ends its last line and event."""

@@ -241,13 +241,11 @@ class PromptProgram:
 
 def prompt(name: str | None = None, **schema_defaults: Any) -> Callable[[Callable[..., None]], PromptProgram]:
     """Decorator: a prompt function becomes a PML schema plus a prompt builder (paper §3.2.4), as in
-    `@prompt("trip", duration="", destination="")` (defaults used when building the schema).
-
-    The function writes into a Recorder `p`: `p.text(...)` (fixed text); `with p.module(name, when=cond):` (an
-    `if`); `with p.union(name):` + `with p.case(member, when=cond):` (if/elif/else, match); `p.call(program,
-    **kwargs)` (a nested module); `p.param(name, max_len=N, value=...)`; role sections `with p.user():`;
-    `p.ask(text)` (new text, never cached). `schema_pml()` records every branch; `prompt_pml(**kwargs)` emits
-    the imports whose conditions held."""
+    `@prompt("trip", duration="", destination="")` (defaults used when building the schema). The function writes
+    into a Recorder `p`: `p.text(...)` (fixed text); `with p.module(name, when=cond):` (an `if`); `with
+    p.union(name):` + `with p.case(member, when=cond):` (if/elif/else, match); `p.call(program, **kwargs)` (a nested
+    module); `p.param(name, max_len=N, value=...)`; role sections `with p.user():`; `p.ask(text)` (new text, never
+    cached). `schema_pml()` records every branch; `prompt_pml(**kwargs)` emits the imports whose conditions held."""
 
     def wrap(fn: Callable[..., None]) -> PromptProgram:
         return PromptProgram(fn, name or fn.__name__.replace("_", "-"), schema_defaults)
@@ -278,8 +276,7 @@ def _prompt(node: _Node) -> str:
         if child.kind == "ask":
             out.append(escape(child.text))
         elif child.kind == "module" and child.when:
-            args = "".join(f" {p.name}={quoteattr(p.value)}" for p in child.children
-                           if p.kind == "param" and p.value)
+            args = "".join(f" {p.name}={quoteattr(p.value)}" for p in child.children if p.kind == "param" and p.value)
             inner = _prompt(child)
             out.append(f"<{child.name}{args}>{inner}</{child.name}>" if inner else f"<{child.name}{args}/>")
         elif child.kind == "union":

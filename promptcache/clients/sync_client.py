@@ -35,8 +35,7 @@ class Schemas:
         self._client._send(RequestSpec("DELETE", f"/v1/schemas/{name}"))
 
     def fidelity(self, name: str, *, num_samples: int | None = None, seed: int | None = None,
-                 question: str | None = None, max_imports: int | None = None,
-                 fidelity_head_tokens: int | None = None,
+                 question: str | None = None, max_imports: int | None = None, fidelity_head_tokens: int | None = None,
                  fidelity_positions: Literal["contiguous", "layout"] | None = None,
                  fidelity_context: Literal["schema", "predecessor"] | None = None) -> FidelityReport:
         """The schema's fidelity report: each mode's (exact, fast, balanced) greedy first-token agreement with a full

@@ -1,5 +1,4 @@
 """Scale-out on Ray Serve: N promptcache replicas on one Redis behind a cache-affinity request router.
-
 The names here are pure (no Ray import), shared by the routing simulator and tests. The Ray side (`.app`,
 `.router`, `.replica`, `.gateway`) needs the `cluster` extra (`pip install 'promptcache[cluster]'`)."""
 

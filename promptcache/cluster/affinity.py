@@ -1,5 +1,4 @@
 """Affinity keys: what a request's reusable KV depends on, read from the HTTP request without tokenizing.
-
 Requests with the same key would reuse the same cached KV, so the router sends them to the same replica (the
 keys by route are tabled in docs/scaling.md). The tenant comes from the API key through the replicas'
 TenantDirectory, never from the body; an unknown key gets no key. Keys are digests: no prompt text is kept."""
@@ -59,7 +58,7 @@ def affinity_key(request: ForwardedRequest, tenants: TenantDirectory,
     if request.method != "POST":
         return None
     try:
-        tenant = tenants.authenticate(request.header("authorization"))
+        owner = tenants.authenticate(request.header("authorization")) or ""
     except UnauthorizedError:
         return None
     try:
@@ -68,9 +67,7 @@ def affinity_key(request: ForwardedRequest, tenants: TenantDirectory,
         return None
     if not isinstance(body, dict):
         return None
-    owner = tenant or ""
-    cache_salt = body.get("cache_salt")
-    salt = cache_salt if isinstance(cache_salt, str) else ""
+    salt = body["cache_salt"] if isinstance(body.get("cache_salt"), str) else ""
     if request.path == "/v1/schemas":
         name = _start_tag_attribute(body.get("pml"), "schema", "name", config)
         return None if name is None else _key("schema", owner, name)

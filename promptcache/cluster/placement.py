@@ -1,5 +1,4 @@
 """KeyPlacement: which replica owns an affinity key, rendezvous order first, within a bound on recent load.
-
 Consistent hashing with bounded loads (Mirrokni, Thorup & Zadimoghaddam, 2018), weighted by traffic instead of
 key counts: with the few hot keys real PML traffic has, rendezvous hashing alone can give one replica most of
 them, and the load guard never fires below saturation (docs/scaling.md). State is per router."""

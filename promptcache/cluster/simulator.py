@@ -1,5 +1,4 @@
 """Routing simulator: the real RoutingPolicy against Ray's default policy, with no model and no Ray.
-
 Replicas have a few slots and an LRU device tier counted in modules. Poisson arrivals pick a schema by Zipf
 popularity and one of its module sets (the affinity key; `affinity_schema` keys on the schema alone), and take
 `base_s` plus `miss_s` per module their replica's device tier lacks. Loads are requests queued or running.

@@ -28,12 +28,10 @@ from promptcache.pml.schema_parser import parse_schema
 from promptcache.pml.text_encoder import TextEncoder
 from promptcache.pml.xml_reader import PmlLimits
 
-__all__ = [
-    "PLAIN_CHAT_FORMAT", "ArgumentTooLongError", "CachedSegment", "ChatFormat", "ChatTemplateError",
-    "DuplicateImportError", "EmptyPromptError", "InvalidNameError", "InvalidParamError", "Module", "NewRun",
-    "Param", "PmlError", "PmlLimitError", "PmlLimits", "PmlSecurityError", "PmlSyntaxError",
-    "PositionConflictError", "PromptError", "PromptPlan", "RoleSection", "Scaffold", "ScaffoldError", "Schema",
-    "SchemaError", "Segment", "TextEncoder", "TextRun", "Union", "UnknownModuleError", "UnknownParamError",
-    "UnknownSchemaError", "chat_format_from_tokenizer", "is_valid_name", "parse_prompt", "parse_schema",
-    "token_plan",
-]
+__all__ = ["PLAIN_CHAT_FORMAT", "ArgumentTooLongError", "CachedSegment", "ChatFormat", "ChatTemplateError",
+           "DuplicateImportError", "EmptyPromptError", "InvalidNameError", "InvalidParamError", "Module", "NewRun",
+           "Param", "PmlError", "PmlLimitError", "PmlLimits", "PmlSecurityError", "PmlSyntaxError",
+           "PositionConflictError", "PromptError", "PromptPlan", "RoleSection", "Scaffold", "ScaffoldError", "Schema",
+           "SchemaError", "Segment", "TextEncoder", "TextRun", "Union", "UnknownModuleError", "UnknownParamError",
+           "UnknownSchemaError", "chat_format_from_tokenizer", "is_valid_name", "parse_prompt", "parse_schema",
+           "token_plan"]

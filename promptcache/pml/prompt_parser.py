@@ -1,11 +1,9 @@
 """PML prompt text -> PromptPlan: imports resolved, new text placed at positions (docs/pml.md, "Positions").
-
 Imports take their layout positions. Text before an import starts after the preceding import (or the used
 positions below the next import) and must fit before any used position (else PositionConflictError); text
 after the last import starts after the highest used position; the tail of a role element that imports a
 schema section's modules goes after its last import, before the section's closing markup. New text or an
-argument first after BOS is encoded as a sequence start (TextEncoder).
-"""
+argument first after BOS is encoded as a sequence start (TextEncoder)."""
 
 from __future__ import annotations
 
@@ -29,15 +27,13 @@ from promptcache.pml.xml_reader import XML_SPACE, PmlLimits, check_attributes, p
 GENERATION_PROMPT = "generation_prompt"  # the `source` of the run that opens the assistant turn
 
 
-def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder,
-                 limits: PmlLimits | None = None, *, isolated: bool = False,
-                 add_generation_prompt: bool = False) -> PromptPlan:
+def parse_prompt(text: str, schemas: Mapping[str, Schema], encoder: TextEncoder, limits: PmlLimits | None = None, *,
+                 isolated: bool = False, add_generation_prompt: bool = False) -> PromptPlan:
     """Resolve a `<prompt schema="...">` document against `schemas` (by name; parsed with `encoder`).
     `isolated=True`: the paper's literal masking (each module encoded seeing only itself) instead of
     guaranteed-context encoding. `add_generation_prompt=True` opens the assistant turn after the prompt, as
     a chat template does, unless it ends in an open `<assistant>` turn (`generation_prompt_added` says).
-    Raises a PmlError subclass for invalid prompts.
-    """
+    Raises a PmlError subclass for invalid prompts."""
     limits = limits or PmlLimits()
     root = parse_xml(text, limits, max_bytes=limits.max_prompt_bytes, what="prompt")
     if root.tag != "prompt":
@@ -73,19 +69,16 @@ def _build_plan(schema: Schema, items: PromptItems, encoder: TextEncoder, *,
     """The plan, and the segment or run that comes first after BOS in it (None: nothing does)."""
     first_position = len(encoder.bos_token_ids)
     imported = set(items.imported)
-    included = [s for s in schema.segments
-                if (s.owner == "" or s.owner in imported) and not s.is_placeholder
+    included = [s for s in schema.segments if (s.owner == "" or s.owner in imported) and not s.is_placeholder
                 and s.role_suffix_of not in items.displaced_sections]
     new_runs = [NewRun(s.token_ids, s.start, "module", s.owner, 0) for s in included if not s.is_cached]
     for item in [*items.items, items.implicit]:
         if isinstance(item, ImportItem):
             new_runs.extend(item.arguments)
     used = Occupancy()
-    for segment in included:
-        used.add(segment.start, segment.end)
-    for run in new_runs:
-        if run.kind == "argument":
-            used.add(run.start, run.end)
+    occupied: list[Segment | NewRun] = [*included, *(run for run in new_runs if run.kind == "argument")]
+    for taken in occupied:
+        used.add(taken.start, taken.end)
     # Looked up per import and per segment: indexed once, so a prompt importing many modules stays linear.
     owned: dict[str, list[Segment]] = {}
     for segment in schema.segments:
@@ -142,10 +135,8 @@ def _cached_segment(segment: Segment, owned: dict[str, list[Segment]], scaffolds
         own = tuple(s.segment_id for s in owned[segment.owner] if s.end <= segment.start)
         return CachedSegment(segment, own, "isolated")
     best = scaffolds.get(segment.segment_id)
-    if best is not None:
-        context = best.contexts[segment.segment_id]
-        if context != segment.context_ids:
-            return CachedSegment(segment, context, f"scaffold:{best.name}")
+    if best is not None and best.contexts[segment.segment_id] != segment.context_ids:
+        return CachedSegment(segment, best.contexts[segment.segment_id], f"scaffold:{best.name}")
     return CachedSegment(segment, segment.context_ids, "default")
 
 

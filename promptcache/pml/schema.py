@@ -212,16 +212,12 @@ class Schema:
 
     def module_table(self) -> list[dict[str, object]]:
         """One row per module: name, path, start, end (exclusive), positions spanned, its own param slots."""
-        return [
-            {"name": m.name, "path": m.path, "start": m.start, "end": m.end, "num_tokens": m.num_positions,
-             "params": [{"name": p.name, "start": p.start, "length": p.length} for p in m.params.values()]}
-            for path, m in self.modules.items() if path
-        ]
+        return [{"name": m.name, "path": m.path, "start": m.start, "end": m.end, "num_tokens": m.num_positions,
+                 "params": [{"name": p.name, "start": p.start, "length": p.length} for p in m.params.values()]}
+                for path, m in self.modules.items() if path]
 
 
 def segment_digest(start: int, token_ids: tuple[int, ...]) -> str:
-    h = hashlib.sha256(b"pml-segment-v1")
-    h.update(start.to_bytes(8, "little"))
-    h.update(len(token_ids).to_bytes(8, "little"))
+    h = hashlib.sha256(b"pml-segment-v1" + start.to_bytes(8, "little") + len(token_ids).to_bytes(8, "little"))
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))  # each id as 8 little-endian signed bytes
     return h.hexdigest()

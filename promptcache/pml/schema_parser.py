@@ -181,9 +181,8 @@ class _SchemaBuilder:
         params[name] = param = Param(name, int(raw), cursor, line, module_path, scaffold_ids)
         return param
 
-    def _role(self, element: etree._Element, *, path: str, cursor: int, is_cached: bool,
-              scope: dict[str, Module], params: dict[str, Param], unions: list[Union],
-              is_root: bool) -> RoleSection:
+    def _role(self, element: etree._Element, *, path: str, cursor: int, is_cached: bool, scope: dict[str, Module],
+              params: dict[str, Param], unions: list[Union], is_root: bool) -> RoleSection:
         check_attributes(element, {XML_SPACE})
         role, line = element.tag, element.sourceline
         fmt = self.encoder.role_format(line)

@@ -1,11 +1,9 @@
 """Cut a schema tree into cacheable segments and give each its encoding contexts (docs/pml.md).
-
 A segment's default context is every segment guaranteed to precede it whenever it is included: the
 always-included text and its enclosing modules' text before it, plus the content of the `scaffold` member of
 each union before it in an enclosing module (recursively). Contexts are prefix-closed, so encoding a segment
 after its context's KV equals a full prefill of context + segment. Their total length can grow with the
-square of the number of segments: `ContextBudget` bounds it.
-"""
+square of the number of segments: `ContextBudget` bounds it."""
 
 from __future__ import annotations
 

@@ -16,14 +16,12 @@ CONTINUATION_SENTINEL = "\n"  # kept by every tokenizer's normalizer, merges wit
 
 @dataclass(frozen=True, slots=True)
 class TextEncoder:
-    """Everything PML asks of a tokenizer; built once per model with `from_tokenizer`.
-
-    `bos_token_ids`: the tokens every sequence starts with (Llama's `<s>`), and so does a schema's layout.
-    PML tokenizes each text piece on its own. SentencePiece tokenizers (Llama-2, Mistral) prepend a "▁" to
-    every encoded text, a space at every piece boundary: for those, `continuation_ids` holds the ids of a
-    sentinel ("\n") a piece is encoded after (then cut off) unless the caller says it starts the sequence
-    (`at_start`), so it tokenizes as it does inside the full text (docs/pml.md).
-    """
+    """Everything PML asks of a tokenizer; built once per model with `from_tokenizer`. `bos_token_ids`: the
+    tokens every sequence starts with (Llama's `<s>`), and so does a schema's layout. PML tokenizes each text
+    piece on its own. SentencePiece tokenizers (Llama-2, Mistral) prepend a "▁" to every encoded text, a space
+    at every piece boundary: for those, `continuation_ids` holds the ids of a sentinel ("\n") a piece is
+    encoded after (then cut off) unless the caller says it starts the sequence (`at_start`), so it tokenizes
+    as it does inside the full text (docs/pml.md)."""
 
     encode_fn: Callable[[str], list[int]]
     chat_format: ChatFormat = PLAIN_CHAT_FORMAT
@@ -38,8 +36,7 @@ class TextEncoder:
         cannot be split per role."""
         if self.chat_format_error is not None:
             raise ChatTemplateError(f"role tags cannot be used with this model: {self.chat_format_error}; "
-                                    "send the conversation through /v1/chat/completions without a schema",
-                                    line=line)
+                                    "send the conversation through /v1/chat/completions without a schema", line=line)
         return self.chat_format
 
     def encode(self, text: str, *, at_start: bool = False) -> tuple[int, ...]:
@@ -58,8 +55,7 @@ class TextEncoder:
         return self.continuation_ids is None or self.encode(text, at_start=True) == token_ids
 
     def _encode(self, text: str) -> tuple[int, ...]:
-        cached = self._cache.get(text)
-        if cached is None:
+        if (cached := self._cache.get(text)) is None:
             cached = tuple(self.encode_fn(text))
             self._cache.put(text, cached)
         return cached
@@ -72,8 +68,7 @@ class TextEncoder:
         def encode_fn(text: str) -> list[int]:
             # A fast tokenizer's Rust backend directly: the same ids without the per-call Python overhead.
             if backend is not None:
-                ids: list[int] = backend.encode(text, add_special_tokens=False).ids
-                return ids
+                return list(backend.encode(text, add_special_tokens=False).ids)
             return list(tokenizer.encode(text, add_special_tokens=False))
 
         with_special = list(tokenizer.encode("a", add_special_tokens=True))

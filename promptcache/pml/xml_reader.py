@@ -159,12 +159,9 @@ def iter_content(element: etree._Element) -> Iterator[TextItem | etree._Element]
 
 
 def _preserves_space(element: etree._Element) -> bool:
-    node: etree._Element | None = element
-    while node is not None:
-        value: str | None = node.get(XML_SPACE)
-        if value is not None:
-            return value == "preserve"
-        node = node.getparent()
+    for node in (element, *element.iterancestors()):
+        if (value := node.get(XML_SPACE)) is not None:
+            return bool(value == "preserve")
     return False
 
 
