@@ -1,8 +1,6 @@
 """Shared-module attention inside HF models (transformers' attention registry). A pass feeds its sequences as ONE packed
-row; `BatchCache` writes their new KV with one `index_copy_` per layer for those in one KVPool (not a GPU kernel launch
-each: ~3,700 a step at batch 32); the function attends each shared segment once for all its queries, merged exactly
-(model_runtime.attention); plain SDPA outside a batch step. `cache_argument`/`past_cache`: HF's cache under either
-name."""
+row; `BatchCache` writes their new KV with one `index_copy_` per layer for those in one KVPool; the function attends
+each shared segment once for all its queries (model_runtime.attention); plain SDPA outside a batch step."""
 
 from __future__ import annotations
 

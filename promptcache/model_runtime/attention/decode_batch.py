@@ -1,8 +1,6 @@
-"""A decode step's attention for every layer as one kernel object (bf16 kernel, `decode_bf16.cpp`): the step's KV
-is handed over once ([L, H_kv, N, D]), then each layer is one `attend(q, layer, scale)` call merging in C++ (the
-per-layer Python of `shared_module_attention` cost more than the attention from 4 sequences up). In a step that
-also prefills, the decoding sequences take this path and the prefilling ones the general one.
-"""
+"""A decode step's attention for every layer as one kernel object (bf16 kernel, `decode_bf16.cpp`): the step's KV is
+handed over once ([L, H_kv, N, D]), then each layer is one `attend(q, layer, scale)` call merging in C++ (cheaper than
+`shared_module_attention`'s per-layer Python from 4 sequences up). Prefilling sequences take the general path."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Fused Llama/Mistral/Qwen2 decoder layers (`fuse_layers`, at load): q|k|v and gate|up as one projection each,
-RMSNorm, RoPE and the SiLU gate as one-pass kernels in bf16 on AVX512-BF16 CPUs (attention/csrc/fused_bf16.cpp) or
-as fewer torch ops on a GPU (torch_layer_ops.py). PyTorch's many passes were a quarter of SmolLM2's bf16 prefill;
-the kernels round where the HF modules do, so outputs are equal but for rare last-bit ties (test_fused_layers.py).
-"""
+"""Fused Llama/Mistral/Qwen2 decoder layers (`fuse_layers`, at load): q|k|v and gate|up as one projection each, RMSNorm,
+RoPE and the SiLU gate as one-pass bf16 kernels on AVX512-BF16 CPUs (csrc/fused_bf16.cpp) or fewer torch ops on a GPU
+(torch_layer_ops.py). They round where the HF modules do: equal outputs but for rare last-bit ties."""
 
 from __future__ import annotations
 

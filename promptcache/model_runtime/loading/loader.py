@@ -1,9 +1,6 @@
-"""Load Hugging Face causal LMs (local directory or hub id) and describe them for the runtime.
-
-Supported: Llama, Mistral, Qwen2 and GPT-2, with full attention only: an active sliding window shorter than the
-context is refused (module KV encoded at arbitrary positions assumes every token sees every earlier one).
-Unsupported models are refused from their config, before any weight is read.
-"""
+"""Load Hugging Face causal LMs (local directory or hub id) and describe them for the runtime. Supported: Llama,
+Mistral, Qwen2 and GPT-2 with full attention (module KV at arbitrary positions assumes every token sees every earlier
+one): others, and an active sliding window shorter than the context, are refused from the config, before any weight."""
 
 from __future__ import annotations
 
@@ -142,11 +139,10 @@ def load_model(config: ModelConfig) -> LoadedModel:
 def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str,
                pack_weights: bool = False, fuse_layers: bool = False, weights: WeightFormat = WeightFormat.NATIVE,
                blocks: Mapping[str, Int4Blocks] | None = None) -> LoadedModel:
-    """Check and describe an in-process model exactly as `load_model` does, in eval mode. After fingerprinting
-    the weights (so packed, fused and plain servers share KV keys), it fuses layers, quantizes to `weights` (using
-    `blocks` as stored; the format is part of the fingerprint) and packs, all in place. Raises
-    UnsupportedModelError or ModelLoadError (slow tokenizer, vocabulary mismatch, quantized weights this torch
-    build or CPU cannot run)."""
+    """Check and describe an in-process model as `load_model` does, in eval mode. After fingerprinting the weights (so
+    packed, fused and plain servers share KV keys) it fuses layers, quantizes to `weights` (`blocks` as stored; the
+    format is part of the fingerprint) and packs, in place. Raises UnsupportedModelError or ModelLoadError (slow
+    tokenizer, vocabulary mismatch, quantized weights this torch build or CPU cannot run)."""
     config = model.config
     check_architecture(config)
     if not getattr(tokenizer, "is_fast", False):
