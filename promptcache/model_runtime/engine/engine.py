@@ -194,8 +194,7 @@ class Engine:
         if plan.encoding is not None:  # a failed chunk fails the requests and uploads waiting for it
             self.encodes.after_run(plan.encoding, output)
         result = self.outputs.postprocess(plan, output)
-        if plan.has_forward:
-            self.num_steps += 1
+        self.num_steps += plan.has_forward  # steps that ran the model
         self.schema_encodes.settle()
         for event in [*plan.events, *result.events, *self._settle_parked()]:
             self._deliver(event)
@@ -212,7 +211,7 @@ class Engine:
             if error is not None:
                 events.append(self.scheduler.fail(request, error))
             else:
-                self.scheduler.resume(request)
+                self.scheduler.waiting.resume(request.request_id)  # the next its tenant admits
         return events
 
     def _store_prefixes(self, writes: tuple[Write, ...]) -> None:
