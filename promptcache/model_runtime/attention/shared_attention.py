@@ -178,7 +178,6 @@ def _attend_together(kernel, q: torch.Tensor, segments: Sequence[SharedSegment],
 
 
 def _first_row(segment: SharedSegment) -> int:
-    """The first query row of its one sequence that sees `segment` (its row offset)."""
     return segment.row_offsets[0] if segment.row_offsets else 0
 
 

@@ -203,7 +203,6 @@ class Engine:
             self.scheduler.observe(plan, output.step_ms, (time.perf_counter() - started) * 1e3)
 
     def _settle_parked(self) -> list[TokenEvent]:
-        """Resume requests whose module encodings are stored; fail those whose encoding failed."""
         events = []
         for request, error in self.parked_encodes.settled():
             if request.request_id not in self.scheduler.waiting:  # aborted, failed or dropped meanwhile

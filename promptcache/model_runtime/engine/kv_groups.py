@@ -78,8 +78,7 @@ class AssembledGroups:
             return group.keys, group.values
         parts = [blocks[n] for n in names]
         first = parts[0].keys
-        num_layers, num_heads, _, head_dim = first.shape
-        shape = (num_layers, num_heads, sum(p.keys.shape[2] for p in parts), head_dim)
+        shape = (*first.shape[:2], sum(p.keys.shape[2] for p in parts), first.shape[3])  # [L, H_kv, sum n, D]
         numel = math.prod(shape)
         buffer = self._buffer(numel, first.dtype, first.device)
         keys, values = buffer[0, :numel].view(shape), buffer[1, :numel].view(shape)  # contiguous views

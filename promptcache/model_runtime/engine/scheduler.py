@@ -143,7 +143,6 @@ class Scheduler:
                 ready.append((seq, logits))
 
     def _park(self, request: Request, missing: list[CachedUse], encodes: list[EncodeNeed], *, recompute: bool) -> None:
-        """Set `request` aside until the module KV of `missing` is encoded (`resume`d then)."""
         self.waiting.park(request)
         encodes += [EncodeNeed(request, u.cached.segment.segment_id, tuple(u.cached.context_ids), recompute)
                     for u in missing]
