@@ -94,9 +94,8 @@ def decode_loaded() -> DecodeKernel | None:
 
 
 def decode_batch_type() -> Any:
-    """The kernel's `DecodeBatch` class if loaded, else None: `DecodeBatch(own_keys, own_values, own_lens,
-    segment_keys, segment_values, segment_members)` (tensors [L, H_kv, N, D]), then per layer
-    `attend(q [B, H, D], layer, scale) -> [out, lse]`."""
+    """The kernel's `DecodeBatch` class if loaded, else None: `DecodeBatch(own_keys, own_values, own_lens, segment_keys,
+    segment_values, segment_members)` (tensors [L, H_kv, N, D]), then per layer `attend(q [B, H, D], layer, scale)`."""
     return _state.get("decode_batch")
 
 

@@ -18,10 +18,9 @@ Segment = tuple[torch.Tensor, torch.Tensor, tuple[int, ...], "tuple[int, ...] | 
 
 @dataclass(frozen=True, slots=True)
 class StepDecode:
-    """A step's decoding sequences planned as one `DecodeBatch`. Where the step also prefills: `rows`, the
-    decoding sequences' query rows in the packed step; `others`, the prefilling sequences, attended by the
-    general path, with their rows (`other_rows`) and the segments they see (`other_segments`, members
-    renumbered among `others`). All None / empty when every sequence decodes."""
+    """A step's decoding sequences planned as one `DecodeBatch`. Where the step also prefills: `rows`, the decoding
+    ones' query rows in the packed step; `others`, the prefilling ones (general path), their rows (`other_rows`) and the
+    segments they see (`other_segments`, members renumbered among `others`). All None / empty when all decode."""
 
     batch: Any
     rows: torch.Tensor | None = None

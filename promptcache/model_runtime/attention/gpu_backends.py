@@ -34,8 +34,7 @@ def flash_applicable(q: torch.Tensor) -> bool:
 
 def aten_flash_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False) -> Result:
     """torch's flash-attention op (fp16/bf16): lse [B, H, M] fp32, natural log."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
-    return out, lse  # [B, H, M, D], [B, H, M]
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
 
 
 def aten_efficient_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -24,9 +24,8 @@ from promptcache.model_runtime.attention.step_indices import StepIndices
 
 @dataclass(frozen=True, slots=True, eq=False)
 class SharedSegment:
-    """KV attended in full by the queries of the sequences in `seq_indices` (referenced, not copied).
-    `row_offsets[j]` (default all 0) skips the first queries of sequence `seq_indices[j]`: they are positioned
-    before this KV and must not see it (a prefill that recomputes tokens among cached ones)."""
+    """KV attended in full (referenced, not copied) by the queries of the sequences `seq_indices`; `row_offsets[j]`
+    (default 0) skips the first queries of `seq_indices[j]`, positioned before it (a prefill among cached tokens)."""
 
     keys: torch.Tensor     # [num_kv_heads, seg_len, head_dim]
     values: torch.Tensor   # [num_kv_heads, seg_len, head_dim]
@@ -38,10 +37,9 @@ def shared_module_attention(queries: torch.Tensor, query_lens: Sequence[int], ow
                             own_values: Sequence[torch.Tensor], segments: Sequence[SharedSegment], *,
                             scale: float | None = None, backend: str = "auto", indices: StepIndices | None = None,
                             own_pool: OwnPool | None = None, check: bool = True) -> torch.Tensor:
-    """queries [total_q, H, D] grouped by sequence; own_keys[i] [H_kv, S_i, D] (its last T_i keys are the queries'
-    own tokens, attended causally). Returns [total_q, H, D]. `indices`: the pass's index tensors (None: fresh).
-    `own_pool`: the pool own_keys are views of, so decoding sequences' KV is gathered in one call. `check=False`
-    skips validation (a pass's later layers)."""
+    """queries [total_q, H, D] grouped by sequence; own_keys[i] [H_kv, S_i, D] (its last T_i keys are the queries' own
+    tokens, attended causally). Returns [total_q, H, D]. `indices`: the pass's index tensors (None: fresh); `own_pool`:
+    the pool own_keys are views of (decoding KV gathered in one call); `check=False` skips validation (later layers)."""
     total_q, num_heads, head_dim = queries.shape
     num_kv_heads = _validate(queries, query_lens, own_keys, own_values, segments) if check else own_keys[0].shape[0]
     if own_pool is not None and len(own_pool.first_slots) != len(query_lens):

@@ -64,9 +64,8 @@ class Inbox:
 
 
 class Engine:
-    """Continuous batching with shared-module attention, compute on its own thread. `submit` (on an asyncio loop)
-    returns TokenEvents, the last with the report; `abort` stops a request within a step. A step: `scheduler.schedule()`
-    -> `runner.run(plan)` -> `outputs.postprocess(plan, output)`."""
+    """Continuous batching with shared-module attention on its own thread: `submit` (on an asyncio loop) returns
+    TokenEvents, the last with the report; `abort` stops a request within a step. A step: schedule, run, postprocess."""
 
     def __init__(self, encoder: ModuleEncoder, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()

@@ -45,10 +45,9 @@ def gguf_path() -> Path:
 
 
 def default_model_path(cache_dir: str | Path | None = None) -> Path:
-    """The default model's safetensors directory under `cache_dir` (default ~/.cache/promptcache/models),
-    converted from the GGUF file on first use; its name hashes the file's size and mtime, the converter and
-    transformers' major version. Raises ModelLoadError (with the install hint) if the package is missing or
-    the conversion fails."""
+    """The default model's safetensors directory under `cache_dir` (default ~/.cache/promptcache/models), converted from
+    the GGUF on first use; its name hashes the file's size and mtime, the converter and transformers' major version.
+    Raises ModelLoadError (with the install hint) if the package is missing or the conversion fails."""
     import transformers
 
     source = gguf_path()

@@ -37,12 +37,11 @@ _VOLATILE_CONFIG_KEYS = frozenset({
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Which model to load and how. `name_or_path=None` is the built-in SmolLM2-135M-Instruct (converted into
-    `cache_dir`, None: ~/.cache/promptcache/models). `dtype="auto"` is bf16 where the hardware computes it
-    natively, else fp32. `pack_weights`: oneDNN-packed linear weights (packed_linear.py); `fuse_layers`: fused
-    decoder layers (fused_layers.py); `weights` int8/int4: quantized linear weights on the CPU (int4 loads the
-    built-in model's Q4_1 blocks as stored). Raises ValueError for an unknown dtype, a malformed device, or
-    quantized weights off the CPU."""
+    """Which model to load and how. `name_or_path=None`: the built-in SmolLM2-135M-Instruct (converted into `cache_dir`,
+    None: ~/.cache/promptcache/models). `dtype="auto"`: bf16 where the hardware computes it natively, else fp32.
+    `pack_weights`: oneDNN-packed linear weights (packed_linear.py); `fuse_layers`: fused decoder layers
+    (fused_layers.py); `weights` int8/int4: quantized CPU linear weights (int4 loads the built-in model's Q4_1 blocks as
+    stored). Raises ValueError for an unknown dtype, a malformed device, or quantized weights off the CPU."""
 
     name_or_path: str | None = None
     dtype: str = "float32"
@@ -97,9 +96,8 @@ class LoadedModel:
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
-    """Load model + tokenizer from a local directory, a hub id, or (None) the built-in default model, checking
-    the architecture before weights are read. Raises UnsupportedModelError for an unsupported or sliding-window
-    model, ModelLoadError (naming the path) for anything else, an unavailable CUDA device included."""
+    """Load model + tokenizer from a local directory, a hub id or (None) the built-in model, the architecture checked
+    first. Raises UnsupportedModelError (also sliding window) or ModelLoadError (naming the path; no CUDA too)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _check_device(config.device)
