@@ -117,12 +117,10 @@ def shared_module_attention(queries: torch.Tensor, query_lens: Sequence[int], ow
         prefix = keys.shape[1] - n
         q = _fold(queries[rows], num_kv_heads, group)                       # [H_kv, T*G, D]
         if prefix > 0:  # own keys before the queries' own tokens: attended in full
-            attend = choose(backend, q, keys[:, :prefix])
-            out, lse = attend(q, keys[:, :prefix], values[:, :prefix], scale)
+            out, lse = choose(backend, q, keys[:, :prefix])(q, keys[:, :prefix], values[:, :prefix], scale)
             merge(rows, *_unfold(out, lse, n, num_kv_heads, group))
         # The queries' own tokens: a square causal block (top-left == bottom-right alignment).
-        out, lse = _causal_square(queries[rows], keys[:, prefix:], values[:, prefix:], group, scale, backend)
-        merge(rows, out, lse)
+        merge(rows, *_causal_square(queries[rows], keys[:, prefix:], values[:, prefix:], group, scale, backend))
     return merged.result(queries.dtype)
 
 
