@@ -57,15 +57,13 @@ class BatchContext:
     # ([L, H_kv, n, D] x2, sequences, per-sequence row offsets or None: see SharedSegment)
     segments: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...] | None]]
     backend: str = "auto"
-    # The pool that holds some sequences' own KV (own_keys[i] is then a view of its slots), and per
-    # sequence its first slot there (None: own_keys[i] is a buffer of its own).
+    # The pool of some sequences' own KV (own_keys[i] a view of its slots), per sequence its first slot (None: its own)
     pool: KVPool | None = None
     own_slots: list[int | None] | None = None
     # The pass's index tensors and own-KV writes, made on the host by the first layer, reused by the others.
     indices: StepIndices | None = field(default=None, repr=False)
     writes: list[OwnWrite] | None = field(default=None, repr=False)
-    # The step's decoding sequences as one kernel call per layer (attention/decode_batch.py), planned at
-    # the first layer; False where the kernel does not take them.
+    # The decoding sequences as one kernel call a layer (decode_batch.py), planned at the first; False: not taken
     decode: StepDecode | bool | None = field(default=None, repr=False)
     # A step that also prefills: the prefilling sequences' own index tensors (their rows renumbered).
     others_indices: StepIndices | None = field(default=None, repr=False)
