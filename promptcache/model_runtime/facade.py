@@ -119,8 +119,7 @@ class PromptRuntime:
         # After the engine: its runner loads the bf16 kernel where it applies.
         self.attention: AttentionReport = describe(config.attention_backend, loaded.model.device, loaded.model.dtype)
         self._store = store
-        # Plain-text and chat prompts' empty schema, in a namespace no owner's ('' or a name never starting
-        # with '_') is.
+        # Plain-text and chat prompts' empty schema, in a namespace no owner's is ('' or a name not starting with '_').
         self._plain = self.model.parse_schema('<schema name="plain"/>')
         self.model.add_schema(self._plain, encode=False, namespace="_plain")
 

@@ -1,7 +1,6 @@
-"""Torch's intra-op threads belong to the engine thread: one OpenMP team in the process. With libgomp each thread that
-starts a parallel region keeps a team; past one thread per CPU, idle workers stop spinning and each of a decode step's
-~150 regions wakes them through the kernel (21 ms, not 12.7, per SmolLM2-135M step on 2 cores). So the model loads on a
-thread that exits (`run_in_passing_thread`) and other torch threads are confined (`confine_to_this_thread`)."""
+"""Torch's intra-op threads belong to the engine thread (one libgomp team: past one thread per CPU, idle workers stop
+spinning and waking them cost 21 ms, not 12.7, per SmolLM2-135M step on 2 cores). So the model loads on a thread that
+exits (`run_in_passing_thread`) and other torch threads are confined (`confine_to_this_thread`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Shared-module attention inside HF models (transformers' attention registry). A pass feeds its sequences as ONE packed
-row; `BatchCache` writes their new KV with one `index_copy_` per layer for those in one KVPool (not a GPU kernel launch
-each: ~3,700 a step at batch 32); the function attends each shared segment once for all its queries, merged exactly
-(model_runtime.attention); plain SDPA outside a batch step. `cache_argument`/`past_cache`: HF's cache under either
-name."""
+row; `BatchCache` writes their new KV with one `index_copy_` per layer for those in one KVPool; the function attends
+each shared segment once for all its queries (model_runtime.attention); plain SDPA outside a batch step."""
 
 from __future__ import annotations
 
@@ -59,15 +57,13 @@ class BatchContext:
     # ([L, H_kv, n, D] x2, sequences, per-sequence row offsets or None: see SharedSegment)
     segments: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...] | None]]
     backend: str = "auto"
-    # The pool that holds some sequences' own KV (own_keys[i] is then a view of its slots), and per
-    # sequence its first slot there (None: own_keys[i] is a buffer of its own).
+    # The pool of some sequences' own KV (own_keys[i] a view of its slots), per sequence its first slot (None: its own)
     pool: KVPool | None = None
     own_slots: list[int | None] | None = None
     # The pass's index tensors and own-KV writes, made on the host by the first layer, reused by the others.
     indices: StepIndices | None = field(default=None, repr=False)
     writes: list[OwnWrite] | None = field(default=None, repr=False)
-    # The step's decoding sequences as one kernel call per layer (attention/decode_batch.py), planned at
-    # the first layer; False where the kernel does not take them.
+    # The decoding sequences as one kernel call a layer (decode_batch.py), planned at the first; False: not taken
     decode: StepDecode | bool | None = field(default=None, repr=False)
     # A step that also prefills: the prefilling sequences' own index tensors (their rows renumbered).
     others_indices: StepIndices | None = field(default=None, repr=False)

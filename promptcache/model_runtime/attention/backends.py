@@ -1,7 +1,6 @@
-"""CPU attention kernels returning (out, lse): plain matmul (also the reference on any device), the fused
-CPU op and our bf16 kernel (GPU kernels: gpu_backends.py). All take q [G_kv, M, D] (query rows folded per KV
-head), k/v [G_kv, N, D] with N > 0 and an optional bool mask [M, N] (True = attend); out [G_kv, M, D], lse
-[G_kv, M] fp32."""
+"""CPU attention kernels returning (out, lse): plain matmul (also the reference on any device), the fused CPU op and
+our bf16 kernel (GPU: gpu_backends.py). q [G_kv, M, D] (query rows folded per KV head), k/v [G_kv, N, D] with N > 0,
+an optional bool mask [M, N] (True = attend); out [G_kv, M, D], lse [G_kv, M] fp32."""
 
 from __future__ import annotations
 

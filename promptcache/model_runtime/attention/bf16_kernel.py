@@ -1,8 +1,6 @@
-"""The bf16 flash-attention kernel for AVX512-BF16 CPUs (csrc/), built ahead of time by `promptcache build-kernels`
-(kernel_build.py) and only loaded here. Without AMX, PyTorch's fused op runs bf16 at fp32 speed; this one is 2-2.8x
-faster (docs/benchmarks.md) and takes K/V as lists of segments read where they lie (one call, one softmax). The same
-library carries the decoder layers' fused ops and the int4 product. Without it, attention keeps PyTorch's fused op.
-"""
+"""The bf16 flash-attention kernel for AVX512-BF16 CPUs (csrc/, built by `promptcache build-kernels`, only loaded here):
+2-2.8x PyTorch's fused op without AMX, K/V read as segments where they lie (one softmax). The same library carries the
+fused decoder-layer ops and the int4 product. Without it, attention keeps PyTorch's fused op."""
 
 from __future__ import annotations
 
@@ -96,9 +94,8 @@ def decode_loaded() -> DecodeKernel | None:
 
 
 def decode_batch_type() -> Any:
-    """The kernel's `DecodeBatch` class if loaded, else None: `DecodeBatch(own_keys, own_values, own_lens,
-    segment_keys, segment_values, segment_members)` (tensors [L, H_kv, N, D]), then per layer
-    `attend(q [B, H, D], layer, scale) -> [out, lse]`."""
+    """The kernel's `DecodeBatch` class if loaded, else None: `DecodeBatch(own_keys, own_values, own_lens, segment_keys,
+    segment_values, segment_members)` (tensors [L, H_kv, N, D]), then per layer `attend(q [B, H, D], layer, scale)`."""
     return _state.get("decode_batch")
 
 

@@ -1,8 +1,6 @@
-"""A decode step's attention for every layer as one kernel object (bf16 kernel, `decode_bf16.cpp`): the step's KV
-is handed over once ([L, H_kv, N, D]), then each layer is one `attend(q, layer, scale)` call merging in C++ (the
-per-layer Python of `shared_module_attention` cost more than the attention from 4 sequences up). In a step that
-also prefills, the decoding sequences take this path and the prefilling ones the general one.
-"""
+"""A decode step's attention for every layer as one kernel object (bf16 kernel, `decode_bf16.cpp`): the step's KV is
+handed over once ([L, H_kv, N, D]), then each layer is one `attend(q, layer, scale)` call merging in C++ (cheaper than
+`shared_module_attention`'s per-layer Python from 4 sequences up). Prefilling sequences take the general path."""
 
 from __future__ import annotations
 
@@ -20,10 +18,9 @@ Segment = tuple[torch.Tensor, torch.Tensor, tuple[int, ...], "tuple[int, ...] | 
 
 @dataclass(frozen=True, slots=True)
 class StepDecode:
-    """A step's decoding sequences planned as one `DecodeBatch`. Where the step also prefills: `rows`, the
-    decoding sequences' query rows in the packed step; `others`, the prefilling sequences, attended by the
-    general path, with their rows (`other_rows`) and the segments they see (`other_segments`, members
-    renumbered among `others`). All None / empty when every sequence decodes."""
+    """A step's decoding sequences planned as one `DecodeBatch`. Where the step also prefills: `rows`, the decoding
+    ones' query rows in the packed step; `others`, the prefilling ones (general path), their rows (`other_rows`) and the
+    segments they see (`other_segments`, members renumbered among `others`). All None / empty when all decode."""
 
     batch: Any
     rows: torch.Tensor | None = None

@@ -1,7 +1,6 @@
-"""Pick a kernel per call. On a CPU the fused op beat the plain matmul at every size measured, and in bf16 with
-AVX512-BF16 our kernel beat both (docs/benchmarks.md); the matmul stays for masked calls, tiny work and as the
-reference. On a GPU (GPU_DEVICE_TYPES; tests add "meta", where any host sync raises) every backend but `matmul`
-runs `gpu_segment_attend`, split over the keys (split_keys.py) when one call would leave SMs idle."""
+"""Pick a kernel per call. On a CPU the fused op beat the matmul at every size measured and, in bf16 on AVX512-BF16,
+our kernel beat both; the matmul stays for masked calls, tiny work and as the reference. On a GPU (GPU_DEVICE_TYPES)
+every backend but `matmul` runs `gpu_segment_attend`, split over the keys where one call would leave SMs idle."""
 
 from __future__ import annotations
 

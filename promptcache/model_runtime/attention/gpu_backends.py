@@ -1,8 +1,6 @@
-"""GPU attention kernels returning (out, natural-log lse), like backends.py's: flash-attn and FlashInfer first
-when importable and applicable (one whose call fails is turned off with a warning), then torch's flash and
-memory-efficient CUDA ops, then the matmul. All take q [B, H, M, D], k/v [B, H, N, D] (N > 0, equal head counts),
-a scale and `causal` (square blocks only); out [B, H, M, D], lse [B, H, M] fp32.
-"""
+"""GPU attention kernels returning (out, natural-log lse): flash-attn and FlashInfer where importable and applicable
+(one whose call fails is turned off with a warning), then torch's CUDA ops, then the matmul. q [B, H, M, D], k/v
+[B, H, N, D] (N > 0, equal head counts), scale, `causal` (square blocks only); out [B, H, M, D], lse [B, H, M] fp32."""
 
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ def flash_applicable(q: torch.Tensor) -> bool:
 
 def aten_flash_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False) -> Result:
     """torch's flash-attention op (fp16/bf16): lse [B, H, M] fp32, natural log."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
-    return out, lse  # [B, H, M, D], [B, H, M]
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
 
 
 def aten_efficient_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -1,7 +1,6 @@
-"""Ahead-of-time build of the bf16 CPU kernels (csrc/*.cpp), by `promptcache build-kernels` at install time, into
-`promptcache_bf16_<key>.so` (the key covers torch's build, Python and the sources: an upgrade asks for a rebuild) in
-`$PROMPTCACHE_KERNEL_DIR`, else `$XDG_CACHE_HOME/promptcache/kernels` (`~/.cache/promptcache/kernels`).
-"""
+"""Ahead-of-time build of the bf16 CPU kernels (csrc/*.cpp) by `promptcache build-kernels` into
+`promptcache_bf16_<key>.so` (key: torch's build, Python and the sources) in `$PROMPTCACHE_KERNEL_DIR`, else
+`$XDG_CACHE_HOME/promptcache/kernels` (`~/.cache/promptcache/kernels`)."""
 
 from __future__ import annotations
 

@@ -37,10 +37,9 @@ def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor,
 
 
 class RowMerge:
-    """Partial results over disjoint KV parts, merged by LSE into [Q, H, D] (Hydragen eq. 5). A part of every row
-    in order (`whole`) is merged once at the end (a decode step where all sequences see the same segments needs
-    no running buffers, gathers or scatters); a part of some rows is folded into a running fp32 result. Rows no
-    part covers come out as zeros."""
+    """Partial results over disjoint KV parts merged by LSE into [Q, H, D] (Hydragen eq. 5); rows no part covers: zeros.
+    A part of every row in order (`whole`) is merged once at the end (no running buffers, gathers or scatters where all
+    sequences see the same segments); a part of some rows is folded into a running fp32 result."""
 
     def __init__(self, total_q: int, num_heads: int, head_dim: int, device: torch.device) -> None:
         self.shape, self.device = (total_q, num_heads, head_dim), device

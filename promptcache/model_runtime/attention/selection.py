@@ -43,9 +43,8 @@ def describe(backend: str, device: torch.device, dtype: torch.dtype) -> Attentio
     if backend == "fused_cpu":
         return AttentionReport(AttentionPath.TORCH_FUSED_CPU, "attention backend 'fused_cpu' configured")
     if dtype != torch.bfloat16:
-        return AttentionReport(AttentionPath.TORCH_FUSED_CPU,
-                               f"the model runs in {str(dtype).removeprefix('torch.')}; the bf16 kernel "
-                               "serves bfloat16 only")
+        return AttentionReport(AttentionPath.TORCH_FUSED_CPU, f"the model runs in {str(dtype).removeprefix('torch.')}; "
+                               "the bf16 kernel serves bfloat16 only")
     if bf16_kernel.loaded() is not None:
         return AttentionReport(AttentionPath.BF16_KERNEL, "AVX512-BF16 kernel loaded (built ahead of time)")
     reason = bf16_kernel.unavailable_reason() or "the bf16 kernel was not loaded"

@@ -1,7 +1,6 @@
 """Shared-module attention: Hydragen's shared-prefix decomposition generalised to shared *sets*. Per layer, each
-shared segment is attended ONCE by the queries of every sequence that includes it (sequences and GQA group folded
-into the query axis), each sequence's own KV causally, and the parts merged exactly by log-sum-exp in fp32; with the
-bf16 kernel, the segments only one sequence sees join its own call. Kernels come from dispatch.py.
+shared segment is attended ONCE by the queries of every sequence that includes it, each sequence's own KV causally,
+and the parts merged exactly by log-sum-exp in fp32 (the bf16 kernel joins a sequence's private segments to its call).
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -20,14 +18,14 @@ from promptcache.model_runtime.attention.backends import matmul_attend
 from promptcache.model_runtime.attention.dispatch import CAUSAL_FUSED_MIN_WORK, choose, decode_in_place
 from promptcache.model_runtime.attention.gpu_backends import CONCATENATED_MAX_BYTES, attend_concatenated, gpu_attend
 from promptcache.model_runtime.attention.lse_merge import RowMerge
+from promptcache.model_runtime.attention.own_decode import OwnPool, own_decode, own_decode_in_place
 from promptcache.model_runtime.attention.step_indices import StepIndices
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class SharedSegment:
-    """KV attended in full by the queries of the sequences in `seq_indices` (referenced, not copied).
-    `row_offsets[j]` (default all 0) skips the first queries of sequence `seq_indices[j]`: they are positioned
-    before this KV and must not see it (a prefill that recomputes tokens among cached ones)."""
+    """KV attended in full (referenced, not copied) by the queries of the sequences `seq_indices`; `row_offsets[j]`
+    (default 0) skips the first queries of `seq_indices[j]`, positioned before it (a prefill among cached tokens)."""
 
     keys: torch.Tensor     # [num_kv_heads, seg_len, head_dim]
     values: torch.Tensor   # [num_kv_heads, seg_len, head_dim]
@@ -35,23 +33,13 @@ class SharedSegment:
     row_offsets: tuple[int, ...] | None = None
 
 
-class OwnPool(NamedTuple):
-    """Sequences' own KV as slots of one pool, one layer of it: keys/values [H_kv, num_slots, D];
-    sequence i's own KV position p is slot first_slots[i] + p (None: that sequence is not in the pool)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    first_slots: tuple[int | None, ...]
-
-
 def shared_module_attention(queries: torch.Tensor, query_lens: Sequence[int], own_keys: Sequence[torch.Tensor],
                             own_values: Sequence[torch.Tensor], segments: Sequence[SharedSegment], *,
                             scale: float | None = None, backend: str = "auto", indices: StepIndices | None = None,
                             own_pool: OwnPool | None = None, check: bool = True) -> torch.Tensor:
-    """queries [total_q, H, D] grouped by sequence; own_keys[i] [H_kv, S_i, D] (its last T_i keys are the queries'
-    own tokens, attended causally). Returns [total_q, H, D]. `indices`: the pass's index tensors (None: fresh).
-    `own_pool`: the pool own_keys are views of, so decoding sequences' KV is gathered in one call. `check=False`
-    skips validation (a pass's later layers)."""
+    """queries [total_q, H, D] grouped by sequence; own_keys[i] [H_kv, S_i, D] (its last T_i keys are the queries' own
+    tokens, attended causally). Returns [total_q, H, D]. `indices`: the pass's index tensors (None: fresh); `own_pool`:
+    the pool own_keys are views of (decoding KV gathered in one call); `check=False` skips validation (later layers)."""
     total_q, num_heads, head_dim = queries.shape
     num_kv_heads = _validate(queries, query_lens, own_keys, own_values, segments) if check else own_keys[0].shape[0]
     if own_pool is not None and len(own_pool.first_slots) != len(query_lens):
@@ -129,12 +117,10 @@ def shared_module_attention(queries: torch.Tensor, query_lens: Sequence[int], ow
         prefix = keys.shape[1] - n
         q = _fold(queries[rows], num_kv_heads, group)                       # [H_kv, T*G, D]
         if prefix > 0:  # own keys before the queries' own tokens: attended in full
-            attend = choose(backend, q, keys[:, :prefix])
-            out, lse = attend(q, keys[:, :prefix], values[:, :prefix], scale)
+            out, lse = choose(backend, q, keys[:, :prefix])(q, keys[:, :prefix], values[:, :prefix], scale)
             merge(rows, *_unfold(out, lse, n, num_kv_heads, group))
         # The queries' own tokens: a square causal block (top-left == bottom-right alignment).
-        out, lse = _causal_square(queries[rows], keys[:, prefix:], values[:, prefix:], group, scale, backend)
-        merge(rows, out, lse)
+        merge(rows, *_causal_square(queries[rows], keys[:, prefix:], values[:, prefix:], group, scale, backend))
     return merged.result(queries.dtype)
 
 
@@ -188,7 +174,6 @@ def _attend_together(kernel, q: torch.Tensor, segments: Sequence[SharedSegment],
 
 
 def _first_row(segment: SharedSegment) -> int:
-    """The first query row of its one sequence that sees `segment` (its row offset)."""
     return segment.row_offsets[0] if segment.row_offsets else 0
 
 
@@ -269,63 +254,3 @@ def _validate(queries, query_lens, own_keys, own_values, segments) -> int:
                                                 or min(segment.row_offsets) < 0):
             raise ValueError(f"segment row_offsets {segment.row_offsets} must be >= 0, one per sequence")
     return num_kv_heads
-
-
-def own_decode_in_place(queries: torch.Tensor, rows: Sequence[int], own_keys: Sequence[torch.Tensor],
-                        own_values: Sequence[torch.Tensor], num_kv_heads: int, scale: float):
-    """One fused CPU call per single-token sequence (query row rows[b]) over its own KV where it lies: for long
-    own KV, copying it into a padded batch costs more than the calls. Returns out [B, H, D], lse [B, H]."""
-    head_dim = queries.shape[-1]
-    outs, lses = [], []
-    for row, keys, values in zip(rows, own_keys, own_values):
-        q = queries[row].view(1, num_kv_heads, -1, head_dim)                                  # [1, H_kv, G, D]
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, keys.unsqueeze(0), values.unsqueeze(0), 0.0, False, scale=scale)[:2]
-        outs.append(out.reshape(-1, head_dim))                                                # [H, D]
-        lses.append(lse.reshape(-1))                                                          # [H]
-    return torch.stack(outs), torch.stack(lses)                                               # [B, H, D], [B, H]
-
-
-def own_decode(queries: torch.Tensor, rows: torch.Tensor | None, own_keys: Sequence[torch.Tensor],
-               own_values: Sequence[torch.Tensor], num_kv_heads: int, group: int, scale: float,
-               indices: StepIndices, pool: OwnPool | None = None):
-    """One batched call for single-token sequences (query rows `rows`; None: all, in order) with short own KV padded
-    and masked: gathered from `pool` by one index_select each, else copied. Returns out [B, H, D], lse [B, H] fp32."""
-    lengths = tuple(k.shape[1] for k in own_keys)
-    longest, batch, head_dim = max(lengths), len(lengths), queries.shape[-1]
-    if pool is not None:
-        keys, values = _gather(pool, lengths, indices)                     # [B, H_kv, S_max, D]
-    else:
-        keys = queries.new_zeros((batch, num_kv_heads, longest, head_dim))  # [B, H_kv, S_max, D]
-        values = queries.new_zeros((batch, num_kv_heads, longest, head_dim))
-        for b, (k, v) in enumerate(zip(own_keys, own_values)):
-            keys[b, :, : k.shape[1]] = k
-            values[b, :, : v.shape[1]] = v
-    q = (queries if rows is None else queries[rows]).view(batch, num_kv_heads, group, head_dim)  # [B, H_kv, G, D]
-    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale           # [B, H_kv, G, S_max]
-    padding = indices.get(("own_padding", lengths), lambda: torch.arange(longest)[None, :]
-                          >= torch.tensor(lengths)[:, None])                            # [B, S_max] bool
-    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                                                # [B, H_kv, G]
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())           # [B, H_kv, G, D]
-    return out.reshape(batch, -1, head_dim), lse.reshape(batch, -1)                     # [B, H, D], [B, H]
-
-
-def _gather(pool: OwnPool, lengths: tuple[int, ...], indices: StepIndices) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [B, H_kv, S_max, D] of the sequences' own KV, read from the pool's [H_kv * num_slots, D]
-    rows by one index (the same for keys, values and every layer)."""
-    num_kv_heads, num_slots, head_dim = pool.keys.shape
-    longest = max(lengths)
-
-    def build() -> torch.Tensor:
-        # Row of key j of KV head h of sequence b: h * num_slots + first_slots[b] + j. Past a sequence's
-        # length it repeats its last key (masked out by the caller): real KV, where an unwritten slot
-        # could hold NaN, which a zero softmax weight would not cancel.
-        steps = torch.minimum(torch.arange(longest)[None, :], torch.tensor(lengths)[:, None] - 1)   # [B, S_max]
-        slots = torch.tensor(pool.first_slots)[:, None] + steps                                      # [B, S_max]
-        return (torch.arange(num_kv_heads)[None, :, None] * num_slots + slots[:, None, :]).reshape(-1)
-
-    flat = indices.get(("own_gather", pool.first_slots, lengths, num_slots), build)  # [B * H_kv * S_max]
-    shape = (len(lengths), num_kv_heads, longest, head_dim)
-    return (pool.keys.view(-1, head_dim).index_select(0, flat).view(shape),
-            pool.values.view(-1, head_dim).index_select(0, flat).view(shape))

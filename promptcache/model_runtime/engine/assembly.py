@@ -38,6 +38,13 @@ def module_key(encoder: ModuleEncoder, request: Request, use: CachedUse) -> str:
     return encoder.key(request.plan.schema, cached.segment.segment_id, cached.context_ids, request.cache_salt)
 
 
+def missing_modules(encoder: ModuleEncoder, request: Request) -> list[CachedUse]:
+    """The uses of module KV `request` reuses that no tier holds now (and nobody encoded for it)."""
+    assert request.reuse is not None
+    return [u for u in request.reuse.uses if (key := module_key(encoder, request, u)) not in request.computed_kv
+            and encoder.store.tier_of(key) is None]
+
+
 def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> Assembled | MissingModules:
     """Fetch the request's module KV (or what was encoded for it; none: MissingModules), open its stream and set its
     report fields. Raises PromptTooLongError, InvalidRequestError."""

@@ -84,9 +84,8 @@ class Inbox:
 
 
 class Engine:
-    """Continuous batching with shared-module attention, compute on its own thread. `submit` (on an asyncio loop)
-    returns TokenEvents, the last with the report; `abort` stops a request within a step. A step: `scheduler.schedule()`
-    -> `runner.run(plan)` -> `outputs.postprocess(plan, output)`."""
+    """Continuous batching with shared-module attention on its own thread: `submit` (on an asyncio loop) returns
+    TokenEvents, the last with the report; `abort` stops a request within a step. A step: schedule, run, postprocess."""
 
     def __init__(self, encoder: ModuleEncoder, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
@@ -222,8 +221,7 @@ class Engine:
         if plan.encoding is not None:  # a failed chunk fails the requests and uploads waiting for it
             self.encodes.after_run(plan.encoding, output)
         result = self.outputs.postprocess(plan, output)
-        if plan.has_forward:
-            self.num_steps += 1
+        self.num_steps += plan.has_forward  # steps that ran the model
         self.schema_encodes.settle()
         for event in [*plan.events, *result.events, *self._settle_parked()]:
             self._deliver(event)
@@ -232,7 +230,6 @@ class Engine:
             self.scheduler.observe(plan, output.step_ms, (time.perf_counter() - started) * 1e3)
 
     def _settle_parked(self) -> list[TokenEvent]:
-        """Resume requests whose module encodings are stored; fail those whose encoding failed."""
         events = []
         for request, error in self.parked_encodes.settled():
             if request.request_id not in self.scheduler.waiting:  # aborted, failed or dropped meanwhile
@@ -240,7 +237,7 @@ class Engine:
             if error is not None:
                 events.append(self.scheduler.fail(request, error))
             else:
-                self.scheduler.resume(request)
+                self.scheduler.waiting.resume(request.request_id)  # the next its tenant admits
         return events
 
     def _store_prefixes(self, writes: tuple[Write, ...]) -> None:

@@ -30,10 +30,9 @@ class _Group:
 
 class AssembledGroups:
     """Concatenations of shared blocks the same sequences attend together, named by their blocks (one kernel call per
-    layer, not per block). Kept while in use, then LRU within `max_bytes`, so the next request over the same blocks
-    reuses the copy; past the budget a new group takes an old one's buffer (fresh tensors page-fault: ~15 ms on 2 cores
-    for a 2.3K-token 135M prompt). `split` keeps whole blocks apart from views, which differ per request; a view's
-    `shift` is applied by `shifter` as keys are copied."""
+    layer, not per block). Kept while in use, then LRU within `max_bytes`; past the budget a new group takes an old
+    one's buffer (fresh tensors page-fault: ~15 ms on 2 cores for a 2.3K-token 135M prompt). `split` keeps whole blocks
+    apart from views, which differ per request; `shifter` applies a view's `shift` as keys are copied."""
 
     def __init__(self, max_bytes: int, shifter: KeyShifter | None = None) -> None:
         if max_bytes < 0:
@@ -78,8 +77,7 @@ class AssembledGroups:
             return group.keys, group.values
         parts = [blocks[n] for n in names]
         first = parts[0].keys
-        num_layers, num_heads, _, head_dim = first.shape
-        shape = (num_layers, num_heads, sum(p.keys.shape[2] for p in parts), head_dim)
+        shape = (*first.shape[:2], sum(p.keys.shape[2] for p in parts), first.shape[3])  # [L, H_kv, sum n, D]
         numel = math.prod(shape)
         buffer = self._buffer(numel, first.dtype, first.device)
         keys, values = buffer[0, :numel].view(shape), buffer[1, :numel].view(shape)  # contiguous views

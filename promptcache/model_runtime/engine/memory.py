@@ -34,8 +34,7 @@ class KVMemory:
     def reserve(self, own_bytes: int, shared: dict[str, int]) -> None:
         self.own_bytes += own_bytes
         for key, nbytes in shared.items():
-            entry = self.shared.setdefault(key, [nbytes, 0])
-            entry[1] += 1
+            self.shared.setdefault(key, [nbytes, 0])[1] += 1
         assert self.used_bytes <= self.max_bytes, "KV budget exceeded"
 
     def release(self, own_bytes: int, shared: dict[str, int]) -> None:
@@ -63,8 +62,7 @@ def held_bytes(shared: list[SharedKV], bytes_per_token: int) -> dict[str, int]:
     """Bytes of each stored block that `shared` KV (views cut from it included) holds, by store key."""
     held: dict[str, int] = {}
     for item in shared:
-        key = item.view.key
-        held[key] = max(held.get(key, 0), item.block.num_tokens * bytes_per_token)
+        held[item.view.key] = max(held.get(item.view.key, 0), item.block.num_tokens * bytes_per_token)
     return held
 
 

@@ -17,8 +17,7 @@ from promptcache.model_runtime.engine.scheduler import Scheduler
 from promptcache.model_runtime.engine.step_plan import StepPlan
 from promptcache.model_runtime.sampling import Detokenizer, Sampler, token_logprobs
 
-# A prefix-cache write a step leaves behind: the engine runs it after the step's events went out, so
-# storing blocks never delays a token.
+# A prefix-cache write a step leaves, run after the step's events went out: storing blocks never delays a token.
 Write = Callable[[], None]
 
 

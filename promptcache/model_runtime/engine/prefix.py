@@ -1,7 +1,6 @@
-"""Automatic prefix reuse: look up a request's token *stream* (the plan's new tokens, then the generated ones, hung off
-a chain root naming the module links it attends) at admission; store the prompt's blocks after its prefill and each
-finished sample's after it. `LogitsCache` keeps last-token logits, so an exact repeat whose blocks cover every token
-runs no pass before its first token."""
+"""Automatic prefix reuse: a request's token *stream* (new tokens, then generated ones, under a chain root naming the
+module links it attends) is looked up at admission, its blocks stored after the prefill and each finished sample.
+`LogitsCache` keeps last-token logits, so an exact repeat whose blocks cover every token runs no pass first."""
 
 from __future__ import annotations
 

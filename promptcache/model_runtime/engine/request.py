@@ -40,8 +40,7 @@ class RequestReport:
     usage: Usage | None = None
     timings: Timings | None = None
     cache: CacheReport | None = None
-    # When asked for: each prompt token's logprobs from the second token on.
-    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # when asked for: each prompt token's from the second on
     error: str | None = None
     error_type: ErrorKind | None = None
 
@@ -73,9 +72,7 @@ class SharedKV:
 
     view: KVView
     block: KVBlock  # keys/values [num_layers, num_kv_heads, n, head_dim], referenced, never copied per sequence
-    # In the prefill step, only the pending tokens from this index on attend to it (they are positioned
-    # after it); every later step sees it in full.
-    visible_from: int = 0
+    visible_from: int = 0  # in the prefill step only pending tokens from this index on (after it) see it; later, all
 
 
 @dataclass(eq=False)

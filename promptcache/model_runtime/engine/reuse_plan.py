@@ -135,8 +135,7 @@ class ReusePlan:
 def resolve(plan: PromptPlan, fidelity: Fidelity, *, can_shift: bool = True) -> ReusePlan:
     """The ReusePlan of `plan` under `fidelity` (pure). The stream is never empty: an all-cached prompt recomputes its
     last token for its logits. `can_shift=False` (no RoPE) keeps the layout's positions."""
-    preceded = (fidelity.mode != FidelityMode.EXACT and fidelity.context == ContextMode.PREDECESSOR
-                and not plan.is_exact)
+    preceded = fidelity.mode != FidelityMode.EXACT and fidelity.context == ContextMode.PREDECESSOR and not plan.is_exact
     if preceded:
         plan = with_predecessors(plan)
     if fidelity.mode == FidelityMode.EXACT:
@@ -242,10 +241,9 @@ def _exact(plan: PromptPlan) -> ReusePlan:
     rest += [(p, t, None) for run in plan.new_runs for p, t in zip(range(run.start, run.end), run.token_ids)]
     rest.sort(key=lambda piece: piece[0])
     token_ids = tuple(t for _, t, _ in rest)
-    positions = tuple(range(reused, reused + len(token_ids)))
     uses = tuple(CachedUse(c, 0, len(c.segment.token_ids)) for c in leading)
-    return ReusePlan(FidelityMode.EXACT, uses, token_ids, positions, reused + len(token_ids),
-                     tuple(owner for _, _, owner in rest), "", True)
+    return ReusePlan(FidelityMode.EXACT, uses, token_ids, tuple(range(reused, reused + len(token_ids))),
+                     reused + len(token_ids), tuple(owner for _, _, owner in rest), "", True)
 
 
 def _after(plan: PromptPlan) -> int:

@@ -43,8 +43,6 @@ class RunOutput:
     step_ms: float = 0.0
 
 
-
-
 class ModelRunner:
     """Runs batch steps; shared blocks are grouped by the sequences using them (AssembledGroups)."""
 
@@ -107,8 +105,7 @@ class ModelRunner:
     def forward(self, entries: Seq[ScheduledSeq]) -> tuple[torch.Tensor, list[PromptLogprobs]]:
         """Feed each entry's next `num_tokens` pending tokens, writing their KV at its `own_length` on; returns the
         float32 logits [num_entries, vocab] of each one's last token and each one's prompt logprobs."""
-        model = self.loaded.model
-        device = model.device
+        model, device = self.loaded.model, self.loaded.model.device
         seqs = [e.seq for e in entries]
         query_lens = [e.num_tokens for e in entries]
         # Step inputs are built on the host and copied without blocking it (pinned, on a GPU).
@@ -166,9 +163,8 @@ class ModelRunner:
         for index, entry in enumerate(entries):
             seq = entry.seq
             for shared in seq.shared:
-                # Row offsets only matter in a prefill step (tokens positioned before the block),
-                # counted from this chunk's first token; a sequence whose every token of this step
-                # precedes the block skips it.
+                # Row offsets matter in a prefill step only (tokens positioned before the block), counted from
+                # this chunk's first token; a sequence all of whose tokens this step precede the block skips it.
                 offset = max(0, shared.visible_from - seq.prefill_done) if seq.status == SeqStatus.PREFILL else 0
                 if offset < entry.num_tokens:
                     users[shared.view].append((index, offset))
@@ -182,9 +178,7 @@ class ModelRunner:
         for pairs, views in by_users.items():
             indices = tuple(i for i, _ in pairs)
             offsets = tuple(o for _, o in pairs) if any(o for _, o in pairs) else None
-            for part in self.groups.split(views):
-                # [num_layers, num_kv_heads, sum n, head_dim]
-                keys_cat, values_cat = self.groups.get(part, blocks)
-                segments.append((keys_cat, values_cat, indices, offsets))
+            # keys and values [num_layers, num_kv_heads, sum n, head_dim] of each part, concatenated once
+            segments += [(*self.groups.get(part, blocks), indices, offsets) for part in self.groups.split(views)]
         self.groups.trim()
         return segments

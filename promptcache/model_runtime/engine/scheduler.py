@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from promptcache.model_runtime.engine.assembly import Assembled, MissingModules, assemble, module_key
+from promptcache.model_runtime.engine.assembly import Assembled, MissingModules, assemble, missing_modules
 from promptcache.model_runtime.engine.config import EngineConfig
 from promptcache.model_runtime.engine.memory import KVMemory, OwnKV, held_bytes, request_bytes
 from promptcache.model_runtime.engine.prefix import PrefixReuse
@@ -24,9 +24,7 @@ class Scheduler:
     OutputProcessor calls `new_sequence`, `finish` and `fail`. Engine thread only, but for `waiting.reserve`."""
 
     def __init__(self, config: EngineConfig, encoder: ModuleEncoder, prefix: PrefixReuse) -> None:
-        self.config = config
-        self.encoder = encoder
-        self.prefix = prefix
+        self.config, self.encoder, self.prefix = config, encoder, prefix
         self.loaded = encoder.loaded
         self.waiting = WaitingRequests(config.max_waiting_per_tenant)
         self.running: list[Sequence] = []
@@ -56,10 +54,6 @@ class Scheduler:
             request.is_aborted = True
             self._aborted.append(request)
 
-    def resume(self, request: Request) -> None:
-        """The module KV a parked request waited for is stored: it is the next its tenant admits."""
-        self.waiting.resume(request.request_id)
-
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -71,9 +65,11 @@ class Scheduler:
         ready: list = []
         encodes: list[EncodeNeed] = []
         self._admit(events, ready, encodes)
-        others_wait = bool(self.waiting.tenants() - {s.owner.tenant for s in self.running})
-        max_rows = self._shared_rows()
-        short = others_wait or max_rows is not None
+        # Within shared_window_s of a light tenant's step of its own, a step runs at most the cap's rows.
+        capped = (self.config.shared_step_ratio is not None
+                  and time.monotonic() - self._last_light_step <= self.config.shared_window_s)
+        max_rows = self.shared_cap.cap() if capped else None
+        short = max_rows is not None or bool(self.waiting.tenants() - {s.owner.tenant for s in self.running})
         alone = self.config.max_prefill_tokens if short else self.config.max_prefill_tokens_alone
         now = time.perf_counter()
         queue = [((now - s.owner.submitted_at) * 1e3, len(s.pending_ids))
@@ -99,20 +95,6 @@ class Scheduler:
         elif max_rows is not None and plan.num_decoding:
             self.shared_cap.observe_capped(plan.num_decoding + plan.num_prompt_tokens, step_ms)
 
-    def _shared_rows(self) -> int | None:
-        """The rows a step may run within `shared_window_s` of a light tenant's step of its own, else None."""
-        if (self.config.shared_step_ratio is None
-                or time.monotonic() - self._last_light_step > self.config.shared_window_s):
-            return None
-        return self.shared_cap.cap()
-
-    def missing_modules(self, request: Request) -> list[CachedUse]:
-        """The uses of module KV `request` reuses that no tier holds now (and nobody encoded for it)."""
-        assert request.reuse is not None
-        keys = [module_key(self.encoder, request, u) for u in request.reuse.uses]
-        return [u for u, key in zip(request.reuse.uses, keys)
-                if key not in request.computed_kv and self.encoder.store.tier_of(key) is None]
-
     def _admit(self, events: list[TokenEvent], ready: list, encodes: list[EncodeNeed]) -> None:
         """Admit heads in turn until one does not fit, which blocks the rest (none starves). Heads whose module KV no
         tier gives are parked (`encodes`); tenants at their share are passed over; exact repeats go to `ready`."""
@@ -127,7 +109,7 @@ class Scheduler:
                 continue
             if request.reuse is None:
                 request.reuse = resolve(request.plan, request.fidelity, can_shift=self.loaded.key_shifter is not None)
-            if missing := self.missing_modules(request):  # encoded in chunks by the engine first
+            if missing := missing_modules(self.encoder, request):  # encoded in chunks by the engine first
                 self._park(request, missing, encodes, recompute=False)
                 continue
             own, shared = request_bytes(request, self.encoder)
@@ -161,7 +143,6 @@ class Scheduler:
                 ready.append((seq, logits))
 
     def _park(self, request: Request, missing: list[CachedUse], encodes: list[EncodeNeed], *, recompute: bool) -> None:
-        """Set `request` aside until the module KV of `missing` is encoded (`resume`d then)."""
         self.waiting.park(request)
         encodes += [EncodeNeed(request, u.cached.segment.segment_id, tuple(u.cached.context_ids), recompute)
                     for u in missing]
@@ -194,11 +175,10 @@ class Scheduler:
         """`seq` leaves the batch; True when its request has nothing left running (all it holds is then freed)."""
         self.running.remove(seq)
         request = seq.owner
-        sequences = request.sequences
-        if len(sequences) == request.params.n and all(s.status == SeqStatus.FINISHED for s in sequences):
-            self._release(request)
-            return True
-        return False
+        if len(request.sequences) != request.params.n or any(s.status != SeqStatus.FINISHED for s in request.sequences):
+            return False
+        self._release(request)
+        return True
 
     def fail(self, request: Request, exc: BaseException) -> TokenEvent:
         """Remove `request` wherever it is, free what it holds, and return the event that fails it."""

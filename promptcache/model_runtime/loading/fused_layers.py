@@ -1,8 +1,6 @@
-"""Fused Llama/Mistral/Qwen2 decoder layers (`fuse_layers`, at load): q|k|v and gate|up as one projection each,
-RMSNorm, RoPE and the SiLU gate as one-pass kernels in bf16 on AVX512-BF16 CPUs (attention/csrc/fused_bf16.cpp) or
-as fewer torch ops on a GPU (torch_layer_ops.py). PyTorch's many passes were a quarter of SmolLM2's bf16 prefill;
-the kernels round where the HF modules do, so outputs are equal but for rare last-bit ties (test_fused_layers.py).
-"""
+"""Fused Llama/Mistral/Qwen2 decoder layers (`fuse_layers`, at load): q|k|v and gate|up as one projection each, RMSNorm,
+RoPE and the SiLU gate as one-pass bf16 kernels on AVX512-BF16 CPUs (csrc/fused_bf16.cpp) or fewer torch ops on a GPU
+(torch_layer_ops.py). They round where the HF modules do: equal outputs but for rare last-bit ties."""
 
 from __future__ import annotations
 
@@ -82,8 +80,7 @@ class FusedAttention(torch.nn.Module):
         self.config, self.layer_idx, self.ops = config, attention.layer_idx, ops
         self.head_dim, self.scaling = attention.head_dim, attention.scaling
         self.num_heads, self.num_key_value_heads = config.num_attention_heads, config.num_key_value_heads
-        self.num_key_value_groups = attention.num_key_value_groups
-        self.is_causal = True
+        self.num_key_value_groups, self.is_causal = attention.num_key_value_groups, True
         self.qkv_proj = _concatenated(attention.q_proj, attention.k_proj, attention.v_proj)
         self.o_proj = attention.o_proj
 
@@ -103,6 +100,9 @@ class FusedAttention(torch.nn.Module):
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         out, _ = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(batch, length, -1).contiguous()), None
+
+
+_FUSED = ((_NORMS, FusedRMSNorm), (_MLPS, FusedGatedMLP), (_ATTENTIONS, FusedAttention))  # replaced HF modules, fused
 
 
 # (input_ids [1, Q], position_ids [1, Q], cache) -> the final norm's hidden states [1, Q, hidden]
@@ -133,9 +133,8 @@ DecodeForward = Callable[[torch.Tensor, torch.Tensor, "BatchContext"], torch.Ten
 
 
 def decode_stack_forward(base_model: Any) -> DecodeForward | None:
-    """`fused_stack_forward`'s ops in one loop for a step the decode kernel attends (`decode_batch.kernel_takes`),
-    KV written through the step's `writes`, without the modules' calls that bind a small model's decode step.
-    None where some layer is not fused."""
+    """`fused_stack_forward`'s ops in one loop for a step the decode kernel attends (`decode_batch.kernel_takes`), KV
+    written through the step's `writes`, without the module calls that bind a small decode step (None: some unfused)."""
     layers = _fused_layers(base_model)
     if layers is None:
         return None
@@ -187,9 +186,9 @@ def fuse_layers(model: torch.nn.Module) -> int:
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            fused = _fused(child, ops)
+            fused = next((kind for replaced, kind in _FUSED if isinstance(child, replaced)), None)
             if fused is not None:
-                setattr(parent, name, fused)
+                setattr(parent, name, fused(child, ops))
                 swapped += 1
     log.info("fused %d decoder modules (%s)", swapped, "torch ops" if ops is torch_layer_ops else "bf16 kernels")
     return swapped
@@ -202,16 +201,6 @@ def _layer_ops(parameter: torch.Tensor) -> LayerOps | None:
     if parameter.dtype != torch.bfloat16 or parameter.device.type != "cpu" or not bf16_kernel.prepare():
         return None
     return bf16_kernel.fused_ops()
-
-
-def _fused(module: torch.nn.Module, ops: LayerOps) -> torch.nn.Module | None:
-    if isinstance(module, _NORMS):
-        return FusedRMSNorm(module, ops)
-    if isinstance(module, _MLPS):
-        return FusedGatedMLP(module, ops)
-    if isinstance(module, _ATTENTIONS):
-        return FusedAttention(module, ops)
-    return None
 
 
 def _fusable(config) -> bool:

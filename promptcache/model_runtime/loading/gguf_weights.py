@@ -25,9 +25,8 @@ _Q8_0_BLOCK_BYTES = 2 + GROUP_SIZE  # fp16 d, 32 int8
 
 
 def read_q4_1(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, Int4Blocks]:
-    """The decoder layers' Q4_1 tensors in the GGUF file at `path` by HF module name (`model.layers.3.mlp.up_proj`),
-    q and k rows put back in HF order (llama.cpp interleaves each head's halves for its RoPE). Raises
-    ModelLoadError when the file cannot be read."""
+    """The decoder layers' Q4_1 tensors in the GGUF at `path` by HF module name (`model.layers.3.mlp.up_proj`), q and k
+    rows in HF order (llama.cpp interleaves each head's halves for RoPE). Raises ModelLoadError if it cannot be read."""
     from gguf import GGMLQuantizationType
 
     blocks: dict[str, Int4Blocks] = {}

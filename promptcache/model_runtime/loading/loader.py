@@ -1,9 +1,6 @@
-"""Load Hugging Face causal LMs (local directory or hub id) and describe them for the runtime.
-
-Supported: Llama, Mistral, Qwen2 and GPT-2, with full attention only: an active sliding window shorter than the
-context is refused (module KV encoded at arbitrary positions assumes every token sees every earlier one).
-Unsupported models are refused from their config, before any weight is read.
-"""
+"""Load Hugging Face causal LMs (local directory or hub id) and describe them for the runtime. Supported: Llama,
+Mistral, Qwen2 and GPT-2 with full attention (module KV at arbitrary positions assumes every token sees every earlier
+one): others, and an active sliding window shorter than the context, are refused from the config, before any weight."""
 
 from __future__ import annotations
 
@@ -40,12 +37,11 @@ _VOLATILE_CONFIG_KEYS = frozenset({
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Which model to load and how. `name_or_path=None` is the built-in SmolLM2-135M-Instruct (converted into
-    `cache_dir`, None: ~/.cache/promptcache/models). `dtype="auto"` is bf16 where the hardware computes it
-    natively, else fp32. `pack_weights`: oneDNN-packed linear weights (packed_linear.py); `fuse_layers`: fused
-    decoder layers (fused_layers.py); `weights` int8/int4: quantized linear weights on the CPU (int4 loads the
-    built-in model's Q4_1 blocks as stored). Raises ValueError for an unknown dtype, a malformed device, or
-    quantized weights off the CPU."""
+    """Which model to load and how. `name_or_path=None`: the built-in SmolLM2-135M-Instruct (converted into `cache_dir`,
+    None: ~/.cache/promptcache/models). `dtype="auto"`: bf16 where the hardware computes it natively, else fp32.
+    `pack_weights`: oneDNN-packed linear weights (packed_linear.py); `fuse_layers`: fused decoder layers
+    (fused_layers.py); `weights` int8/int4: quantized CPU linear weights (int4 loads the built-in model's Q4_1 blocks as
+    stored). Raises ValueError for an unknown dtype, a malformed device, or quantized weights off the CPU."""
 
     name_or_path: str | None = None
     dtype: str = "float32"
@@ -100,9 +96,8 @@ class LoadedModel:
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
-    """Load model + tokenizer from a local directory, a hub id, or (None) the built-in default model, checking
-    the architecture before weights are read. Raises UnsupportedModelError for an unsupported or sliding-window
-    model, ModelLoadError (naming the path) for anything else, an unavailable CUDA device included."""
+    """Load model + tokenizer from a local directory, a hub id or (None) the built-in model, the architecture checked
+    first. Raises UnsupportedModelError (also sliding window) or ModelLoadError (naming the path; no CUDA too)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _check_device(config.device)
@@ -142,11 +137,10 @@ def load_model(config: ModelConfig) -> LoadedModel:
 def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str,
                pack_weights: bool = False, fuse_layers: bool = False, weights: WeightFormat = WeightFormat.NATIVE,
                blocks: Mapping[str, Int4Blocks] | None = None) -> LoadedModel:
-    """Check and describe an in-process model exactly as `load_model` does, in eval mode. After fingerprinting
-    the weights (so packed, fused and plain servers share KV keys), it fuses layers, quantizes to `weights` (using
-    `blocks` as stored; the format is part of the fingerprint) and packs, all in place. Raises
-    UnsupportedModelError or ModelLoadError (slow tokenizer, vocabulary mismatch, quantized weights this torch
-    build or CPU cannot run)."""
+    """Check and describe an in-process model as `load_model` does, in eval mode. After fingerprinting the weights (so
+    packed, fused and plain servers share KV keys) it fuses layers, quantizes to `weights` (`blocks` as stored; the
+    format is part of the fingerprint) and packs, in place. Raises UnsupportedModelError or ModelLoadError (slow
+    tokenizer, vocabulary mismatch, quantized weights this torch build or CPU cannot run)."""
     config = model.config
     check_architecture(config)
     if not getattr(tokenizer, "is_fast", False):

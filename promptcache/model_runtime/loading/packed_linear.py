@@ -1,8 +1,6 @@
-"""Linear layers whose weights are prepacked once into oneDNN's layout (CPU, fp32 and bf16; as Inductor does for
-frozen weights): the same products, faster (SmolLM2's 576 x 1536 on 2 Zen 4 cores, bf16: 0.036 vs 0.078 ms at 1
-row, 0.065 vs 0.12 at 9, 9.3 vs 11.0 at 2,048; fp32 0.10 vs 0.29 at 9). The ops are internal to PyTorch: used only
-where a probe here shows they run and agree with `F.linear`.
-"""
+"""Linear layers with weights prepacked once into oneDNN's layout (CPU, fp32 and bf16, as Inductor does for frozen
+weights): the same products, faster (SmolLM2's 576 x 1536, bf16: 0.036 vs 0.078 ms at 1 row). The ops are internal to
+PyTorch: used only where a probe here shows they run and agree with `F.linear`."""
 
 from __future__ import annotations
 
@@ -22,8 +20,7 @@ class PackedLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)  # [out, in], mkldnn
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)  # [out, in]
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,7 @@
-"""int8 / int4 weight-only linear layers on the CPU (PyTorch's kernels), `quantize_linears` to put them into a
-loaded model and `kernel_problem` to say whether this machine runs them. int4 is GGUF's Q4_1 (`w = d * q + m` per
-GROUP_SIZE inputs; the kernel's `(q - 8) * s + z` with s = d, z = m + 8 d: the same value in fp32), so its blocks
-load as stored. The kernels' time grows with the rows (fp32: a slow scalar path): from *_DEQUANTIZE_ROWS on, a
-dequantized copy runs through oneDNN. In bf16 the extension's int4 product (csrc/int4_bf16.cpp, 1.6-2.3x faster
-than PyTorch's at 1-16 rows) runs below INT4_BF16_KERNEL_ROWS.
-"""
+"""int8 / int4 weight-only CPU linear layers (PyTorch's kernels): `quantize_linears` puts them in, `kernel_problem` says
+whether this machine runs them. int4 is GGUF's Q4_1 (`w = d * q + m` per GROUP_SIZE inputs: the kernel's `(q - 8) * s
++ z` with s = d, z = m + 8 d), loaded as stored. From *_DEQUANTIZE_ROWS rows a dequantized copy runs through oneDNN;
+in bf16 below INT4_BF16_KERNEL_ROWS, the extension's int4 product (csrc/int4_bf16.cpp)."""
 
 from __future__ import annotations
 

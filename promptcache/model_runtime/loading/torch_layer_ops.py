@@ -1,7 +1,5 @@
-"""The fused decoder layers' element-wise ops as PyTorch ops for GPUs, where a step is bound by kernel launches:
-the Hugging Face modules' arithmetic in the same dtypes and order, in fewer launches. `bf16_kernel.FusedOps` (CPU)
-implements the same three signatures.
-"""
+"""The fused decoder layers' element-wise ops as PyTorch ops for GPUs (a step is bound by kernel launches): the HF
+modules' arithmetic in the same dtypes and order, in fewer launches. `bf16_kernel.FusedOps` (CPU) has the same three."""
 
 from __future__ import annotations
 
