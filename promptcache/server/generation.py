@@ -162,6 +162,16 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+async def sse_stream(payloads: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """The payloads as SSE events, then [DONE]; an error raised meanwhile (headers are sent) goes in-band."""
+    try:
+        async for payload in payloads:
+            yield sse(payload)
+    except Exception as exc:
+        yield sse_error(exc)
+    yield DONE
+
+
 def sse_error(exc: Exception) -> str:
     """The in-band error event of a stream whose headers are sent: a 5xx carries an error id, not internals."""
     status, kind, message = errors.public_error(exc, "a stream")
