@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 from promptcache.pml import Schema
 from promptcache.server import generation, wire
 from promptcache.server.errors import public_error
-from promptcache.server.fidelity.report import report_options
+from promptcache.server.fidelity import report_options
 from promptcache.server.json_body import json_off_loop
 from promptcache.server.service import PromptService, Rates, Service, Tenant
 from promptcache.server.tenants import registry_name

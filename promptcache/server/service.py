@@ -12,18 +12,11 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from promptcache.cache_store import (
-    BlobSigner,
-    RegistryState,
-    SchemaExistsError,
-    SchemaRegistry,
-    StoredSchema,
-    build_store,
-)
+from promptcache import cache_store
 from promptcache.model_runtime import Fidelity, LoadedModel, PromptRuntime, SamplingParams, TokenEvent
 from promptcache.pml import PromptPlan, Schema, UnknownSchemaError, is_valid_name
 from promptcache.server.errors import NotReadyError, SchemaNotFoundError, SchemaTooLongError
-from promptcache.server.fidelity.report import ReportCache, ReportOptions, build_report
+from promptcache.server.fidelity import ReportCache, ReportOptions, build_report
 from promptcache.server.heap import trim_heap_every
 from promptcache.server.metrics import Metrics, engine_families, store_families
 from promptcache.server.quota import QuotaLedger
@@ -42,11 +35,11 @@ class PromptService:
         self.settings = settings
         self.tenants = tenants or TenantDirectory({})
         store_config = settings.store_config(self.tenants.cache_shares())  # as `promptcache encode` maps it
-        signer = BlobSigner(store_config.blob_key)
+        signer = cache_store.BlobSigner(store_config.blob_key)
         self.model_name = loaded.name
-        self.store = build_store(store_config, device=settings.device)
-        self.registry = SchemaRegistry(settings.redis_url, namespace=settings.namespace,
-                                       timeout_s=settings.redis_timeout_s, signer=signer)
+        self.store = cache_store.build_store(store_config, device=settings.device)
+        self.registry = cache_store.SchemaRegistry(settings.redis_url, namespace=settings.namespace,
+                                                   timeout_s=settings.redis_timeout_s, signer=signer)
         self.quotas = QuotaLedger(settings.redis_url, namespace=settings.namespace, timeout_s=settings.redis_timeout_s)
         if settings.redis_url and not signer.enabled:
             logger.warning("Redis is shared storage and no blob key is set (PROMPTCACHE_BLOB_KEY): anyone who can "
@@ -96,7 +89,7 @@ class PromptService:
             raise SchemaTooLongError(f"schema {schema.name!r} spans {schema.num_positions} positions; the model "
                                      f"supports {self.runtime.max_positions}")
         if await asyncio.to_thread(self.ensure_schema, schema.name, tenant) is not None:
-            raise SchemaExistsError(f"schema {schema.name!r} already exists; DELETE it first to replace it")
+            raise cache_store.SchemaExistsError(f"schema {schema.name!r} already exists; DELETE it first to replace it")
         qualified = registry_name(tenant, schema.name)
         async with self.quotas.hold(tenant, schema.name, schema.num_positions, self.tenants.quota(tenant),
                                     lambda: self._stored_versions(tenant)) as hold:
@@ -175,7 +168,7 @@ class PromptService:
         stored = self.registry.load(registry_name(tenant, name))
         return self._adopt(stored) if stored is not None else None
 
-    def _adopt(self, stored: StoredSchema) -> Schema | None:
+    def _adopt(self, stored: cache_store.StoredSchema) -> Schema | None:
         """Register a persisted schema without encoding: its KV comes from a shared tier, or is encoded on first use."""
         try:
             schema = self.runtime.parse_schema(stored.pml_text)
@@ -201,7 +194,7 @@ class PromptService:
             except Exception:  # keep following: a bad registry entry must not stop this loop
                 logger.exception("following the schema registry failed")
 
-    def _apply_state(self, state: RegistryState) -> None:
+    def _apply_state(self, state: cache_store.RegistryState) -> None:
         for qualified, version in list(self._versions.items()):
             if state.versions.get(qualified) == version:
                 continue
@@ -217,7 +210,7 @@ class PromptService:
                 self.encode_ms.pop(qualified, None)
             else:  # gone without a delete: Redis lost it (restart without persistence, flush)
                 schema = self.runtime.get_schema(name, tenant)
-                if schema is not None and self.registry.restore(StoredSchema(
+                if schema is not None and self.registry.restore(cache_store.StoredSchema(
                         qualified, schema.pml, {"num_tokens": schema.num_positions}, version=version)):
                     logger.warning("schema %r was missing from the shared registry; restored it", qualified)
                     self.quotas.record(tenant, {name: (schema.num_positions, version)})
