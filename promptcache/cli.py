@@ -163,8 +163,7 @@ def _encode(args: argparse.Namespace) -> int:
     schema = runtime.parse_schema(args.schema.read_text())
     with tqdm(total=len(schema.segments), desc=f"encoding {schema.name}", unit="segment") as bar:
         def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.n = done
+            bar.total, bar.n = total, done
             bar.refresh()
 
         report = runtime.add_schema(schema, progress=progress)

@@ -34,9 +34,8 @@ logger = logging.getLogger("promptcache.server")
 GIL_SWITCH_INTERVAL_S = 0.001
 METRICS_PATH = "/metrics"
 OPEN_PATHS = frozenset({"/health", METRICS_PATH})
-# The playground's page and assets hold no data (the page sends the user's key on its own calls). Each goes
-# out with a policy that lets it run only its own script and style and talk only to this server, which no
-# other site may frame (the page holds the user's keys).
+# The playground's page and assets hold no data (the page sends the user's key on its own calls); each goes out with a
+# policy that lets it run only its own script and style, talk only to this server, and be framed by no other site.
 PLAYGROUND_PATH = "/playground"
 STATIC_DIR = resources.files("promptcache.server") / "playground"
 CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
@@ -54,7 +53,6 @@ def create_app(settings: ServerSettings | None = None, *,
     tenants = TenantDirectory.load(settings.api_keys_file, settings.api_keys, Quota(
         max_schemas=settings.tenant_max_schemas, max_schema_tokens=settings.tenant_max_schema_tokens,
         rate_limit=settings.tenant_rate_limit, cache_share=settings.tenant_cache_share))
-
     load = model_loader or (lambda: model_runtime.load_model(settings.load_config()))
 
     @asynccontextmanager
@@ -116,11 +114,9 @@ system = APIRouter()
 
 @system.get("/health")
 async def health(request: Request) -> JSONResponse:
-    service = getattr(request.app.state, "service", None)
-    if service is None:
+    if (service := getattr(request.app.state, "service", None)) is None:
         error = getattr(request.app.state, "load_error", None)
-        body = {"status": "failed", "error": error} if error else {"status": "loading"}
-        return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "failed", "error": error} if error else {"status": "loading"}, status_code=503)
     return JSONResponse({"status": "ok", "model": service.model_name, "attention": service.attention.as_dict()})
 
 

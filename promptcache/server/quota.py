@@ -1,11 +1,6 @@
-"""QuotaLedger: each tenant's schemas and uploads in flight, reserved against its quota before encoding.
-
-An upload reserves (one more schema, its tokens), encodes, registers, then commits; a failure on the way releases the
-reservation, and deleting a schema releases its share. Check and reservation are one atomic step (a WATCH/MULTI
-transaction on the tenant's hash in Redis, shared by replicas; a lock without Redis). A committed entry names its
-registry version; a pending one its reservation, with a lease renewed while the upload runs (a dead replica's upload
-frees its share when it ends). Committed entries the registry no longer holds are pruned when they would refuse an
-upload."""
+"""QuotaLedger: each tenant's schemas and uploads in flight, reserved against its quota before encoding (an atomic
+check-and-reserve: a WATCH/MULTI transaction on the tenant's Redis hash, or a lock without Redis); a reservation's lease
+is renewed while its upload runs, so a dead replica's upload frees its share when the lease ends."""
 
 from __future__ import annotations
 
@@ -35,8 +30,8 @@ Versions = Callable[[], Mapping[str, str] | None]  # the tenant's schema name ->
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """One schema of a tenant: committed (`deadline` None, `entry_id` its registry version) or an upload
-    in flight (`entry_id` its reservation, `deadline` when the reservation lapses unless renewed)."""
+    """A tenant's schema: committed (`deadline` None, `entry_id` its registry version) or an upload in flight
+    (`entry_id` its reservation, `deadline` when the reservation lapses unless renewed)."""
 
     num_tokens: int
     entry_id: str
@@ -167,8 +162,7 @@ class QuotaLedger:
             self._update(tenant, lambda entries: ({name: None} if name in entries else {}, None))
 
     def record(self, tenant: str | None, schemas: Mapping[str, tuple[int, str]]) -> None:
-        """Count registered schemas (name -> (tokens, version)) the ledger lacks (stored before it, or lost by Redis).
-        """
+        """Count registered schemas (name -> (tokens, version)) the ledger lacks (stored before it, lost by Redis)."""
         def decide(entries: dict[str, Entry]) -> tuple[Changes, None]:
             return {n: Entry(tokens, version) for n, (tokens, version) in schemas.items() if n not in entries}, None
 

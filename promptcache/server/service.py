@@ -69,10 +69,9 @@ class PromptService:
             self._tasks.append(asyncio.create_task(trim_heap_every(self.settings.heap_trim_s)))
         if self.settings.preload_examples:
             for example in sorted(resources.files("promptcache.examples").iterdir(), key=lambda p: p.name):
-                if example.name.endswith(".pml"):
-                    schema = self.runtime.parse_schema(example.read_text())
-                    if self.runtime.get_schema(schema.name) is None:
-                        await self.create_schema(example.read_text())
+                if example.name.endswith(".pml") and self.runtime.get_schema(
+                        self.runtime.parse_schema(example.read_text()).name) is None:
+                    await self.create_schema(example.read_text())
 
     def close(self) -> None:
         for task in self._tasks:
@@ -118,8 +117,7 @@ class PromptService:
 
     def _registered(self, tenant: str | None) -> dict[str, str] | None:
         """Name -> version of the tenant's schemas in the registry's index (no document read); None without one."""
-        state = self.registry.state()
-        if state is None:
+        if (state := self.registry.state()) is None:
             return None
         return {name: version for qualified, version in state.versions.items()
                 for owner, name in [split_registry_name(qualified)] if owner == tenant}
@@ -127,15 +125,13 @@ class PromptService:
     def _stored_versions(self, tenant: str | None) -> dict[str, str] | None:
         """Name -> version of the tenant's schemas whose stored document passes the registry's check (None without a
         shared registry): what quota shares are judged by, so a schema lost or failing its check frees its share."""
-        names = self._registered(tenant)
-        if names is None:
+        if (names := self._registered(tenant)) is None:
             return None
         return {name: stored.version for name in names
                 if (stored := self.registry.load(registry_name(tenant, name))) is not None}
 
     def get_schema(self, name: str, tenant: str | None = None) -> Schema:
-        schema = self.ensure_schema(name, tenant)
-        if schema is None:  # another tenant's schema of this name is as absent as a missing one
+        if (schema := self.ensure_schema(name, tenant)) is None:  # another tenant's of this name is as absent
             raise SchemaNotFoundError(f"no schema named {name!r}")
         return schema
 
@@ -162,8 +158,7 @@ class PromptService:
         A string that is no schema name (`alpha/kb` spells a registry name of tenant alpha's) names none."""
         if not is_valid_name(name):
             return None
-        schema = self.runtime.get_schema(name, tenant)
-        if schema is not None:
+        if (schema := self.runtime.get_schema(name, tenant)) is not None:
             return schema
         stored = self.registry.load(registry_name(tenant, name))
         return self._adopt(stored) if stored is not None else None
@@ -188,8 +183,7 @@ class PromptService:
         while True:
             await asyncio.sleep(self.settings.registry_poll_s)
             try:
-                state = await asyncio.to_thread(self.registry.state)
-                if state is not None:
+                if (state := await asyncio.to_thread(self.registry.state)) is not None:
                     await asyncio.to_thread(self._apply_state, state)
             except Exception:  # keep following: a bad registry entry must not stop this loop
                 logger.exception("following the schema registry failed")
@@ -200,8 +194,7 @@ class PromptService:
                 continue
             tenant, name = split_registry_name(qualified)
             # `state` may predate a re-upload this process adopted meanwhile: read the entry itself.
-            stored = self.registry.load(qualified)
-            if stored is not None:
+            if (stored := self.registry.load(qualified)) is not None:
                 if stored.version != self._versions.get(qualified):
                     self._adopt(stored)
             elif qualified in state.deleted:
@@ -237,8 +230,7 @@ class PromptService:
                fidelity: Fidelity, tenant: str | None = None, report_spans: bool = False) -> AsyncIterator[TokenEvent]:
         """Raises InvalidRequestError for a logit_bias token outside the vocabulary, QueueFullError when the tenant's
         waiting queue is full. `report_spans`: the final event lists the prompt as spans by where their KV came from."""
-        [events] = self.submit_many([plan], params, cache_salt, [request_id], fidelity, tenant, report_spans)
-        return events
+        return self.submit_many([plan], params, cache_salt, [request_id], fidelity, tenant, report_spans)[0]
 
     def submit_many(self, plans: list[PromptPlan], params: SamplingParams, cache_salt: str | None,
                     request_ids: list[str], fidelity: Fidelity, tenant: str | None = None,
@@ -251,8 +243,7 @@ class PromptService:
 # -- the routes' dependencies --------------------------------------------------------------------------------------
 def get_service(request: Request) -> PromptService:
     """The app's PromptService; NotReadyError (a 503) while the model loads, or when it failed to."""
-    service = getattr(request.app.state, "service", None)
-    if service is None:
+    if (service := getattr(request.app.state, "service", None)) is None:
         error = getattr(request.app.state, "load_error", None)
         raise NotReadyError(f"the model failed to load: {error}" if error else "the model is still loading")
     return service

@@ -81,8 +81,7 @@ class TenantDirectory:
 
     @classmethod
     def load(cls, keys_file: str | None, api_keys: list[str], default_quota: Quota) -> TenantDirectory:
-        """Keys of `keys_file` (whose `quotas` override `default_quota`) and `api_keys` (default tenant); ValueError if
-        bad."""
+        """Keys of `keys_file` (its `quotas` override the default) and `api_keys` (default tenant); bad: ValueError."""
         keys: dict[str, str | None] = dict.fromkeys(api_keys)
         quotas: dict[str, Quota] = {}
         if keys_file:

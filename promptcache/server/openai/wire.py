@@ -140,11 +140,8 @@ def is_pml(prompt: str | list[int]) -> bool:
 
 def refuse_unsupported(body: BaseModel) -> None:
     """Raises UnsupportedParameterError naming every field set to a value this server does not do, and why."""
-    refused = []
-    for name in sorted(body.model_fields_set):
-        rule = NEUTRAL.get(name)
-        if rule is not None and not rule[0](getattr(body, name)):
-            refused.append((name, rule[1]))
+    refused = [(name, NEUTRAL[name][1]) for name in sorted(body.model_fields_set)
+               if name in NEUTRAL and not NEUTRAL[name][0](getattr(body, name))]
     if isinstance(body, CompletionRequest):
         if body.echo and body.logprobs is not None and any(is_pml(p) for p in body.prompts()):
             refused.append(("echo", "echo with logprobs takes plain text or token ids (a PML prompt reuses module "
