@@ -71,8 +71,7 @@ def engine_families(stats: RuntimeStats, model_name: str) -> Iterator:
 
     yield family(GaugeMetricFamily, "num_requests_running", "Sequences in the running batch.", stats.num_running)
     yield family(GaugeMetricFamily, "num_requests_waiting", "Requests waiting for admission.", stats.num_waiting)
-    yield family(GaugeMetricFamily, "kv_cache_usage_bytes", "KV bytes held by the running batch.",
-                 stats.kv_used_bytes)
+    yield family(GaugeMetricFamily, "kv_cache_usage_bytes", "KV bytes held by the running batch.", stats.kv_used_bytes)
     yield family(CounterMetricFamily, "module_encodings", "Segments encoded (cache misses in every tier).",
                  stats.num_encoded_segments)
     yield family(CounterMetricFamily, "prefix_store_seconds", "Time spent storing automatic prefix blocks.",

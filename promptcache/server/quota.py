@@ -117,8 +117,7 @@ class QuotaLedger:
                 raise
         return self._update(tenant, lambda entries: self._admit(entries, reservation, quota))
 
-    def _admit(self, entries: dict[str, Entry], reservation: Reservation,
-               quota: Quota) -> tuple[Changes, Reservation]:
+    def _admit(self, entries: dict[str, Entry], reservation: Reservation, quota: Quota) -> tuple[Changes, Reservation]:
         now = time.time()
         changes: Changes = {name: None for name, entry in entries.items() if entry.is_expired(now)}
         live = {name: entry for name, entry in entries.items() if name not in changes}

@@ -219,10 +219,8 @@ async def tokenize(body: wire.TokenizeRequest, service: Service) -> Response:
 
     def reply() -> dict:  # tokenizing and each token's string: per-token work, in a worker thread
         tokens = service.runtime.tokenize(body.prompt, messages)
-        reply: dict = {"count": len(tokens), "max_model_len": service.runtime.max_positions, "tokens": list(tokens)}
-        if body.return_token_strs:
-            reply["token_strs"] = [service.token_strings.text(t) for t in tokens]
-        return reply
+        strings = {"token_strs": [service.token_strings.text(t) for t in tokens]} if body.return_token_strs else {}
+        return {"count": len(tokens), "max_model_len": service.runtime.max_positions, "tokens": list(tokens), **strings}
 
     return await json_off_loop(reply)
 
