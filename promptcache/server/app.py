@@ -1,6 +1,5 @@
-"""The FastAPI app factory: lifespan (load the model in the background, start the engine), the RequestGuard
-(API keys, rates, the body limit), and the app's own routes: health, metrics (never behind the API key) and
-the web playground's static files."""
+"""The FastAPI app factory (the model loads in the background), the RequestGuard (API keys, rates, the body limit) and
+the app's own routes: health, metrics (never behind the API key) and the web playground's files."""
 
 from __future__ import annotations
 

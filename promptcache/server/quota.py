@@ -70,9 +70,8 @@ class QuotaLedger:
                  lease_s: float = 300.0) -> None:
         self.lease_s = lease_s
         self._prefix = f"promptcache:{namespace}:quota:"
-        self._client = None
-        if redis_url:
-            self._client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._client = (redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+                        if redis_url else None)
         self._local: dict[str, dict[str, Entry]] = {}
         self._lock = threading.Lock()
 
@@ -199,11 +198,9 @@ class QuotaLedger:
             with self._lock:
                 entries = self._local.setdefault(key, {})
                 changes, result = decide(dict(entries))
-                for name, entry in changes.items():
-                    if entry is None:
-                        entries.pop(name, None)
-                    else:
-                        entries[name] = entry
+                entries.update({name: entry for name, entry in changes.items() if entry is not None})
+                for name in [name for name, entry in changes.items() if entry is None]:
+                    entries.pop(name, None)
                 return result
 
         def transaction(pipe: redis.client.Pipeline) -> T:

@@ -131,9 +131,8 @@ class TenantDirectory:
 
 
 class RequestRateLimiter:
-    """Per-tenant request rates (moving window, in memory). A request costs one hit per sample: prompts × n on
-    /v1/completions, n on chat and generate, one elsewhere; the guard counts one on arrival, the generating routes the
-    rest once the body is read."""
+    """Per-tenant request rates (moving window, in memory), one hit per sample (prompts × n; one on other routes): the
+    guard counts one on arrival, the generating routes the rest once the body is read."""
 
     def __init__(self, directory: TenantDirectory) -> None:
         self.directory = directory

@@ -8,9 +8,8 @@ from collections.abc import Callable, Sequence
 
 
 class TokenStrings:
-    """id -> the token decoded alone (special tokens included), as OpenAI's logprobs report it: a table built once, on
-    first use (under a lock), so per-token work runs no tokenizer. An id past the vocabulary (padding rows) is decoded
-    directly."""
+    """id -> the token decoded alone (special tokens included), as OpenAI's logprobs report it: a table built once (on
+    first use, under a lock) so per-token work runs no tokenizer; ids past the vocabulary are decoded directly."""
 
     def __init__(self, decode: Callable[[list[int]], str], vocab_size: int) -> None:
         self._decode = decode

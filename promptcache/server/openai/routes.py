@@ -48,9 +48,8 @@ async def completions(body: wire.CompletionRequest, service: Service, tenant: Te
 
 def _prepare(service: PromptService, body: wire.CompletionRequest, prompts: list[str | list[int]],
              tenant: str | None) -> tuple[list[PromptPlan], list[str] | None, list[list[int]] | None]:
-    """Each prompt's plan; with echo its text; with echo and logprobs its token ids (they get logprobs too).
-    Token ids are planned as given, a PML document (it starts with `<prompt`) imports modules, and any other
-    text is plain, tokenized verbatim (never XML)."""
+    """Each prompt's plan (token ids as given; a PML document, starting `<prompt`, imports modules; other text is plain,
+    never XML), with echo its text, with echo and logprobs its token ids (they get logprobs too)."""
     plans = [service.runtime.plan_tokens(p) if not isinstance(p, str) else service.plan(p, tenant=tenant)
              if wire.is_pml(p) else service.runtime.plan_text(p) for p in prompts]
     echoes = [p if isinstance(p, str) else service.runtime.detokenize(p) for p in prompts] if body.echo else None
@@ -151,10 +150,9 @@ async def _chunks(service: PromptService, events, head: dict, chat: bool, includ
 
 async def _run_many(service: PromptService, body: wire.CompletionRequest, plans: list[PromptPlan],
                     echoes: list[str] | None, prompt_ids: list[list[int]] | None, tenant: str | None) -> Response:
-    """Several prompts, or echo (not streamed): prompt p is the group of n choices from index p x n, all submitted at
-    once (all queued, or a 429 and none) so shared text shares its KV. None run for `max_tokens` 0 without logprobs.
-    `echoes`: texts to prepend; with `prompt_ids` (echo with logprobs) the prompts' tokens get logprobs too, the first
-    None, as OpenAI reports them."""
+    """Several prompts, or echo (not streamed): prompt p's n choices from index p x n, all submitted at once (all queued
+    or a 429) so shared text shares its KV; none run for `max_tokens` 0 without logprobs. `echoes`: texts to prepend;
+    `prompt_ids` (echo with logprobs): the prompts' tokens get logprobs too, the first None as OpenAI reports it."""
     head = shapes.response_head(service.model_name, chat=False)
     outcomes: list = [None] * len(plans)
     if body.max_tokens > 0 or prompt_ids is not None:
@@ -163,8 +161,7 @@ async def _run_many(service: PromptService, body: wire.CompletionRequest, plans:
         streams = service.submit_many(plans, params, body.cache_salt, [f"{head['id']}-{i}" for i in range(len(plans))],
                                       service.fidelity(body.fidelity, body), tenant)
         outcomes = list(await asyncio.gather(*(collect(events, params.n) for events in streams)))
-    for outcome in outcomes:
-        if outcome is not None:
+        for outcome in outcomes:
             record(service.metrics, outcome.report, outcome.finish_reasons, tenant)
     return await json_off_loop(lambda: {**head, **_answer(service, body, plans, outcomes, echoes, prompt_ids)})
 

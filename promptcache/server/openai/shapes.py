@@ -1,7 +1,6 @@
-"""The parts of OpenAI response bodies: the head, usage, the `promptcache` extension and logprobs, completions'
-legacy `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (top_logprobs a dict per position of the N most
-likely tokens plus the sampled one, text_offset each token's character offset in the returned text) or chat's
-`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal"}`."""
+"""Parts of OpenAI response bodies: head, usage, the `promptcache` extension, and logprobs in chat's or completions'
+legacy shape `{"tokens", "token_logprobs", "top_logprobs" (per position the N likeliest tokens and the sampled one),
+"text_offset" (each token's character offset in the returned text)}`."""
 
 from __future__ import annotations
 
@@ -92,7 +91,7 @@ def _legacy_top(text: str, logprobs: TokenLogprobs, token_text: TokenText) -> di
 
 
 def chat_logprobs(events: list[TokenEvent], token_text: TokenText) -> dict:
-    """Chat shape of one sample's token events (they must carry logprobs)."""
+    """One sample's token events (with logprobs) as `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`."""
     content = []
     for event in events:
         assert event.logprobs is not None and event.token_id is not None

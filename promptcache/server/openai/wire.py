@@ -81,8 +81,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                                         f"most {MAX_CHAT_MESSAGES}")
     rendered = []
     for index, message in enumerate(messages):
-        if not isinstance(message.content, (str, type(None))) and any(
-                part.get("type") != "text" for part in message.content or []):
+        if isinstance(message.content, list) and any(part.get("type") != "text" for part in message.content):
             raise UnsupportedParameterError(f"messages[{index}]: only text content parts are supported")
         content = message.content if isinstance(message.content, str) else "".join(
             part.get("text", "") for part in message.content or [] if part.get("type") == "text")
