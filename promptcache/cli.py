@@ -78,7 +78,6 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", help="redis://host:port/db for the shared KV tier and schema registry")
 
 
-# Switches, by flag: the setting each sets and the value it sets when given.
 _SWITCHES = {"no_examples": ("preload_examples", False), "no_prefix_caching": ("prefix_caching", False),
              "no_weight_packing": ("pack_weights", False), "no_layer_fusion": ("fuse_layers", False),
              "second_encodings_at_upload": ("second_encodings_at_upload", True)}

@@ -56,8 +56,7 @@ def create_app(settings: ServerSettings | None = None, *,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.service = None
-        app.state.load_error = None
+        app.state.service = app.state.load_error = None
         # The engine thread and parsing workers run Python between tensor ops; handing the GIL back
         # every millisecond (default 5) keeps the event loop answering (/health, streams) meanwhile.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)

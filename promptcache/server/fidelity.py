@@ -165,8 +165,7 @@ class ReportCache:
         if key in self._done:
             self._done.move_to_end(key)
             return self._done[key].model_copy(update={"cached": True})
-        future = self._running.get(key)
-        if future is None:
+        if (future := self._running.get(key)) is None:
             before_compute()
             future = asyncio.ensure_future(compute())
             self._running[key] = future

@@ -115,8 +115,7 @@ def wire_report(report: RequestReport, detokenize: Callable[[list[int]], str] | 
 
 
 def to_wire(report: CacheReport, spans: list[wire.PromptSpanReport] | None = None) -> wire.CacheReport:
-    """The wire form of a cache report: /v1/generate's `cache`, the base of /v1/prompts/explain's answer
-    and of the OpenAI routes' `promptcache` extension. `spans`: the report's spans with their text."""
+    """A cache report's wire form (`cache`, the base of explain's and of `promptcache`); `spans` with their text."""
     prefix = report.prefix
     return wire.CacheReport(
         exact=report.is_exact, generation_prompt_added=report.generation_prompt_added, fidelity=report.fidelity,

@@ -220,8 +220,7 @@ class PromptService:
             raise
 
     def fidelity(self, mode: str | None, knobs: FidelityKnobs | None = None) -> Fidelity:
-        """The request's fidelity from its wire fields (values the wire model checked): its mode, k, positions and
-        module context, each the server's where unset (the knobs are named as the settings)."""
+        """The request's fidelity from its (checked) wire fields, each knob the server's setting where unset."""
         given = {name: getattr(knobs, name) for name in FidelityKnobs.model_fields} if knobs else {}
         given["fidelity"] = mode
         return self.settings.model_copy(update={k: v for k, v in given.items() if v is not None}).default_fidelity()

@@ -41,9 +41,8 @@ def extension(report: RequestReport) -> dict:
     """The `promptcache` object of OpenAI responses: /v1/generate's `cache` report plus the timings."""
     timings = report.timings
     assert timings is not None and report.cache is not None, "a served request reports timings and its cache"
-    return {**to_wire(report.cache).model_dump(), "timings": {
-        "ttft_ms": round(timings.ttft_ms, 3), "total_ms": round(timings.total_ms, 3),
-        "lookup_ms": round(timings.lookup_ms, 3)}}
+    return {**to_wire(report.cache).model_dump(),
+            "timings": {name: round(getattr(timings, name), 3) for name in ("ttft_ms", "total_ms", "lookup_ms")}}
 
 
 def logprobs(events: list[TokenEvent], token_text: TokenText, chat: bool, text_offset: int = 0) -> dict:
