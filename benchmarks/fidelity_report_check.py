@@ -30,7 +30,7 @@ from benchmarks.live_server import promptcache_server
 from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import ModelConfig, ModelRuntime, load_model
 from promptcache.model_runtime.baseline import full_prefill_logits
-from promptcache.server.fidelity.report import wilson
+from promptcache.server.fidelity import wilson
 
 MODES = ("fast", "balanced")
 _QUESTION = re.compile(r"/>([^<]*)</user>")

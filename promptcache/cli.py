@@ -78,7 +78,6 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", help="redis://host:port/db for the shared KV tier and schema registry")
 
 
-# Switches, by flag: the setting each sets and the value it sets when given.
 _SWITCHES = {"no_examples": ("preload_examples", False), "no_prefix_caching": ("prefix_caching", False),
              "no_weight_packing": ("pack_weights", False), "no_layer_fusion": ("fuse_layers", False),
              "second_encodings_at_upload": ("second_encodings_at_upload", True)}
@@ -163,8 +162,7 @@ def _encode(args: argparse.Namespace) -> int:
     schema = runtime.parse_schema(args.schema.read_text())
     with tqdm(total=len(schema.segments), desc=f"encoding {schema.name}", unit="segment") as bar:
         def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.n = done
+            bar.total, bar.n = total, done
             bar.refresh()
 
         report = runtime.add_schema(schema, progress=progress)

@@ -7,7 +7,7 @@ import statistics
 
 from benchmarks.evalset.answers import AGREE, Answer
 from benchmarks.evalset.tasks import EvalItem, score
-from promptcache.server.fidelity.report import wilson as report_interval
+from promptcache.server.fidelity import wilson as report_interval
 
 
 def first_token_kl(reference: Answer, answer: Answer) -> float | None:

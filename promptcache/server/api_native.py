@@ -10,21 +10,9 @@ from fastapi import APIRouter, Query, Response
 from fastapi.responses import StreamingResponse
 
 from promptcache.pml import Schema
-from promptcache.server import wire
+from promptcache.server import generation, wire
 from promptcache.server.errors import public_error
-from promptcache.server.fidelity.report import report_options
-from promptcache.server.generation import (
-    DONE,
-    collect,
-    raise_for_error,
-    record,
-    sampling_params,
-    sse,
-    sse_error,
-    to_wire,
-    wire_logprobs,
-    wire_report,
-)
+from promptcache.server.fidelity import report_options
 from promptcache.server.json_body import json_off_loop
 from promptcache.server.service import PromptService, Rates, Service, Tenant
 from promptcache.server.tenants import registry_name
@@ -95,21 +83,23 @@ async def delete_schema(name: str, service: Service, tenant: Tenant) -> Response
 async def generate(body: wire.GenerateRequest, service: Service, tenant: Tenant, rates: Rates):
     rates.check(tenant, body.n, already_counted=1)
     plan = await asyncio.to_thread(lambda: service.plan(body.prompt, tenant=tenant))  # parsing stays off the loop
-    params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs)
+    params = generation.sampling_params(body, service.settings.max_tokens_limit, body.logprobs)
     request_id = f"gen-{uuid.uuid4().hex[:24]}"
     events = service.submit(plan, params, body.cache_salt, request_id,
                             service.fidelity(body.fidelity, body), tenant, report_spans=body.return_spans)
     if params.logprobs is not None:  # streamed tokens are looked up on the event loop: the table must be there
         await service.token_strings.ready()
     if body.stream:
-        return StreamingResponse(_stream(service, events, request_id, tenant, return_spans=body.return_spans),
+        return StreamingResponse(generation.sse_stream(_chunks(service, events, request_id, tenant, body.return_spans)),
                                  media_type="text/event-stream")
-    outcome = await collect(events, params.n)
-    record(service.metrics, outcome.report, outcome.finish_reasons, tenant)
+    outcome = await generation.collect(events, params.n)
+    generation.record(service.metrics, outcome.report, outcome.finish_reasons, tenant)
 
     def answer() -> wire.GenerateResponse:  # decodes span texts and looks up every token's logprobs: off the loop
-        usage, cache, timings = wire_report(outcome.report, service.runtime.detokenize if body.return_spans else None)
-        choices = [wire.Choice(index=i, text=t, finish_reason=r, logprobs=wire_logprobs(e, service.token_strings.text))
+        detokenize = service.runtime.detokenize if body.return_spans else None
+        usage, cache, timings = generation.wire_report(outcome.report, detokenize)
+        choices = [wire.Choice(index=i, text=t, finish_reason=r,
+                               logprobs=generation.wire_logprobs(e, service.token_strings.text))
                    for i, (t, r, e) in enumerate(zip(outcome.texts, outcome.finish_reasons, outcome.events))]
         return wire.GenerateResponse(id=request_id, model=service.model_name, choices=choices, usage=usage,
                                      cache=cache, timings=timings)
@@ -117,30 +107,25 @@ async def generate(body: wire.GenerateRequest, service: Service, tenant: Tenant,
     return await json_off_loop(answer)
 
 
-async def _stream(service: PromptService, events, request_id: str, tenant: str | None, *,
-                  return_spans: bool = False):
+async def _chunks(service: PromptService, events, request_id: str, tenant: str | None, return_spans: bool):
     reasons: dict[int, str | None] = {}
-    try:
-        async for event in events:
-            raise_for_error(event)
-            if event.finish_reason is not None:
-                reasons[event.index] = event.finish_reason
-            logprobs = wire_logprobs([event], service.token_strings.text) if event.token_id is not None else None
-            chunk = wire.GenerateChunk(id=request_id, model=service.model_name, choices=[wire.Choice(
-                index=event.index, text=event.text, finish_reason=event.finish_reason, logprobs=logprobs)])
-            if event.report is not None:
-                # spans decode every prompt token: off the event loop; the rest is cheap enough to build on it
-                chunk.usage, chunk.cache, chunk.timings = (
-                    await asyncio.to_thread(wire_report, event.report, service.runtime.detokenize) if return_spans
-                    else wire_report(event.report))
-                record(service.metrics, event.report, list(reasons.values()), tenant)
-            payload = chunk.model_dump(exclude_none=True)
-            if chunk.cache is not None:  # the report whole (null encoded_after, module, tier), as in the JSON response
-                payload["cache"] = chunk.cache.model_dump()
-            yield sse(payload)
-    except Exception as exc:  # headers are sent: report in-band, then end the stream
-        yield sse_error(exc)
-    yield DONE
+    async for event in events:
+        generation.raise_for_error(event)
+        if event.finish_reason is not None:
+            reasons[event.index] = event.finish_reason
+        logprobs = generation.wire_logprobs([event], service.token_strings.text) if event.token_id is not None else None
+        chunk = wire.GenerateChunk(id=request_id, model=service.model_name, choices=[wire.Choice(
+            index=event.index, text=event.text, finish_reason=event.finish_reason, logprobs=logprobs)])
+        if event.report is not None:
+            # spans decode every prompt token: off the event loop; the rest is cheap enough to build on it
+            chunk.usage, chunk.cache, chunk.timings = (await asyncio.to_thread(
+                generation.wire_report, event.report, service.runtime.detokenize) if return_spans
+                else generation.wire_report(event.report))
+            generation.record(service.metrics, event.report, list(reasons.values()), tenant)
+        payload = chunk.model_dump(exclude_none=True)
+        if chunk.cache is not None:  # the report whole (null encoded_after, module, tier), as in the JSON response
+            payload["cache"] = chunk.cache.model_dump()
+        yield payload
 
 
 @router.post("/prompts/explain", response_model=wire.Explanation, response_model_by_alias=True)
@@ -154,6 +139,6 @@ def _explain(body: wire.ExplainRequest, service: PromptService, tenant: str | No
     plan = service.plan(body.prompt, tenant=tenant)
     report = service.runtime.explain(plan, owner=tenant, salt=body.cache_salt,
                                      fidelity=service.fidelity(body.fidelity, body))
-    return wire.Explanation(**to_wire(report).model_dump(), schema=report.schema_name,
+    return wire.Explanation(**generation.to_wire(report).model_dump(), schema=report.schema_name,
                             prompt_tokens=report.num_prompt_tokens, cached_tokens=report.num_cached,
                             tokens_to_compute=report.num_to_compute)

@@ -1,6 +1,5 @@
-"""The FastAPI app factory: lifespan (load the model in the background, start the engine), the RequestGuard
-(API keys, rates, the body limit), and the app's own routes: health, metrics (never behind the API key) and
-the web playground's static files."""
+"""The FastAPI app factory (the model loads in the background), the RequestGuard (API keys, rates, the body limit) and
+the app's own routes: health, metrics (never behind the API key) and the web playground's files."""
 
 from __future__ import annotations
 
@@ -23,21 +22,8 @@ from fastapi.staticfiles import StaticFiles
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from promptcache.model_runtime import (
-    LoadedModel,
-    confine_to_this_thread,
-    confined_executor,
-    load_model,
-    run_in_passing_thread,
-)
-from promptcache.server import api_native
-from promptcache.server.errors import (
-    PayloadTooLargeError,
-    ServerError,
-    UnauthorizedError,
-    install_error_handlers,
-    response_for,
-)
+from promptcache import model_runtime
+from promptcache.server import api_native, errors
 from promptcache.server.openai import routes as openai_routes
 from promptcache.server.service import PromptService
 from promptcache.server.settings import ServerSettings
@@ -47,9 +33,8 @@ logger = logging.getLogger("promptcache.server")
 GIL_SWITCH_INTERVAL_S = 0.001
 METRICS_PATH = "/metrics"
 OPEN_PATHS = frozenset({"/health", METRICS_PATH})
-# The playground's page and assets hold no data (the page sends the user's key on its own calls). Each goes
-# out with a policy that lets it run only its own script and style and talk only to this server, which no
-# other site may frame (the page holds the user's keys).
+# The playground's page and assets hold no data (the page sends the user's key on its own calls); each goes out with a
+# policy that lets it run only its own script and style, talk only to this server, and be framed by no other site.
 PLAYGROUND_PATH = "/playground"
 STATIC_DIR = resources.files("promptcache.server") / "playground"
 CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
@@ -59,7 +44,7 @@ SECURITY_HEADERS = {"Content-Security-Policy": CONTENT_SECURITY_POLICY, "X-Conte
 
 
 def create_app(settings: ServerSettings | None = None, *,
-               model_loader: Callable[[], LoadedModel] | None = None) -> FastAPI:
+               model_loader: Callable[[], model_runtime.LoadedModel] | None = None) -> FastAPI:
     """Build the app. The model loads in a worker thread after startup, so /health answers 503
     ("loading") at once and 200 when ready. `model_loader` replaces `load_model` (tests, embedding)."""
     settings = settings or ServerSettings()
@@ -67,20 +52,18 @@ def create_app(settings: ServerSettings | None = None, *,
     tenants = TenantDirectory.load(settings.api_keys_file, settings.api_keys, Quota(
         max_schemas=settings.tenant_max_schemas, max_schema_tokens=settings.tenant_max_schema_tokens,
         rate_limit=settings.tenant_rate_limit, cache_share=settings.tenant_cache_share))
-
-    load = model_loader or (lambda: load_model(settings.load_config()))
+    load = model_loader or (lambda: model_runtime.load_model(settings.load_config()))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.service = None
-        app.state.load_error = None
+        app.state.service = app.state.load_error = None
         # The engine thread and parsing workers run Python between tensor ops; handing the GIL back
         # every millisecond (default 5) keeps the event loop answering (/health, streams) meanwhile.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         # Torch's parallel work is the engine thread's alone (model_runtime/intraop_threads.py): this
         # thread and the workers behind asyncio.to_thread run their torch ops serially.
-        confine_to_this_thread()
-        asyncio.get_running_loop().set_default_executor(confined_executor())
+        model_runtime.confine_to_this_thread()
+        asyncio.get_running_loop().set_default_executor(model_runtime.confined_executor())
         task = asyncio.create_task(_start(app, settings, tenants, load))
         try:
             yield
@@ -92,7 +75,7 @@ def create_app(settings: ServerSettings | None = None, *,
     app = FastAPI(title="promptcache", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.rates = RequestRateLimiter(tenants)
-    install_error_handlers(app)
+    errors.install_error_handlers(app)
     app.add_middleware(RequestGuard, settings=settings, tenants=tenants, rates=app.state.rates)
     app.include_router(system)
     app.include_router(api_native.router)
@@ -103,11 +86,11 @@ def create_app(settings: ServerSettings | None = None, *,
 
 
 async def _start(app: FastAPI, settings: ServerSettings, tenants: TenantDirectory,
-                 load: Callable[[], LoadedModel]) -> None:
+                 load: Callable[[], model_runtime.LoadedModel]) -> None:
     try:
         # On threads that exit afterwards, with every core: no OpenMP team of theirs outlives the loading.
-        loaded = await run_in_passing_thread(load)
-        service = await run_in_passing_thread(PromptService, settings, loaded, tenants)
+        loaded = await model_runtime.run_in_passing_thread(load)
+        service = await model_runtime.run_in_passing_thread(PromptService, settings, loaded, tenants)
         await service.start()
         # Everything alive now (the model, tokenizer, libraries: ~470K objects) lives as long as the
         # process: out of the collector's sight, a full collection no longer walks it. Walked, it held the
@@ -129,11 +112,9 @@ system = APIRouter()
 
 @system.get("/health")
 async def health(request: Request) -> JSONResponse:
-    service = getattr(request.app.state, "service", None)
-    if service is None:
+    if (service := getattr(request.app.state, "service", None)) is None:
         error = getattr(request.app.state, "load_error", None)
-        body = {"status": "failed", "error": error} if error else {"status": "loading"}
-        return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "failed", "error": error} if error else {"status": "loading"}, status_code=503)
     return JSONResponse({"status": "ok", "model": service.model_name, "attention": service.attention.as_dict()})
 
 
@@ -193,10 +174,10 @@ class RequestGuard:
                 self._check_metrics_key(headers)
             length = headers.get("content-length", "")
             if length.isdigit() and int(length) > self.max_bytes:
-                raise PayloadTooLargeError(f"request body is {length} bytes; the limit is {self.max_bytes}")
+                raise errors.PayloadTooLargeError(f"request body is {length} bytes; the limit is {self.max_bytes}")
             messages = await self._read_body(receive)
-        except ServerError as exc:
-            await response_for(exc)(scope, receive, send)
+        except errors.ServerError as exc:
+            await errors.response_for(exc)(scope, receive, send)
             return
 
         async def replay() -> Message:
@@ -216,7 +197,7 @@ class RequestGuard:
                 return messages  # a disconnect: the app sees it
             received += len(message.get("body", b""))
             if received > self.max_bytes:
-                raise PayloadTooLargeError(f"request body exceeds the limit of {self.max_bytes} bytes")
+                raise errors.PayloadTooLargeError(f"request body exceeds the limit of {self.max_bytes} bytes")
             if not message.get("more_body", False):
                 return messages
 
@@ -225,10 +206,10 @@ class RequestGuard:
         is open, unless a keys file names tenants: its series name every tenant, so it is then closed."""
         if self.metrics_digest is None:
             if self.is_metrics_closed:
-                raise UnauthorizedError("/metrics names every tenant, so with an API keys file it needs a metrics "
-                                        "key and this server has none (set PROMPTCACHE_METRICS_KEY)")
+                raise errors.UnauthorizedError("/metrics names every tenant, so with an API keys file it needs a "
+                                               "metrics key and this server has none (set PROMPTCACHE_METRICS_KEY)")
             return
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if not (hmac.compare_digest(hashlib.sha256(token.encode()).digest(), self.metrics_digest)
                 and scheme.lower() == "bearer"):
-            raise UnauthorizedError("/metrics needs the metrics key (send Authorization: Bearer <metrics key>)")
+            raise errors.UnauthorizedError("/metrics needs the metrics key (send Authorization: Bearer <metrics key>)")

@@ -10,16 +10,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from promptcache import model_runtime
 from promptcache.cache_store import CacheStoreError, SchemaExistsError
 from promptcache.cluster import errors as cluster
-from promptcache.model_runtime import (
-    ChatRenderError,
-    EngineError,
-    InvalidRequestError,
-    ModelLoadError,
-    PromptTooLongError,
-    QueueFullError,
-)
 from promptcache.pml import PmlError, PmlLimitError, UnknownSchemaError
 
 logger = logging.getLogger("promptcache.server")
@@ -105,12 +98,12 @@ ERROR_TABLE: list[tuple[type[Exception], int, str]] = [
     (EngineFailureError, 500, "engine_error"),
     (PmlLimitError, 413, "pml_limit_exceeded"),
     (PmlError, 400, "invalid_pml"),
-    (PromptTooLongError, 400, "prompt_too_long"),
-    (ChatRenderError, 400, "invalid_messages"),
-    (InvalidRequestError, 400, "invalid_request"),
-    (QueueFullError, 429, "queue_full"),
-    (ModelLoadError, 503, "model_unavailable"),
-    (EngineError, 500, "engine_error"),
+    (model_runtime.PromptTooLongError, 400, "prompt_too_long"),
+    (model_runtime.ChatRenderError, 400, "invalid_messages"),
+    (model_runtime.InvalidRequestError, 400, "invalid_request"),
+    (model_runtime.QueueFullError, 429, "queue_full"),
+    (model_runtime.ModelLoadError, 503, "model_unavailable"),
+    (model_runtime.EngineError, 500, "engine_error"),
     (CacheStoreError, 503, "cache_unavailable"),
     (cluster.RequestTooLargeError, 413, "payload_too_large"),
     (cluster.ReplicasBusyError, 503, "service_unavailable"),
@@ -126,7 +119,7 @@ def headers_for(exc: Exception) -> dict[str, str] | None:
     """An error response's headers: a ServerError's own; Retry-After for a full queue or a cluster error naming one."""
     if isinstance(exc, ServerError):
         return exc.headers
-    if isinstance(exc, (QueueFullError, cluster.ClusterError)) and exc.retry_after_s is not None:
+    if isinstance(exc, (model_runtime.QueueFullError, cluster.ClusterError)) and exc.retry_after_s is not None:
         return {"Retry-After": str(exc.retry_after_s)}
     return None
 

@@ -20,14 +20,13 @@ def sampling_params(fields: wire.SamplingFields, max_tokens_limit: int, logprobs
     """The engine's sampling parameters. `max_tokens` 0 (echo only) runs one token, which the caller drops."""
     if fields.max_tokens > max_tokens_limit:
         raise errors.UnsupportedParameterError(f"max_tokens is {fields.max_tokens}; this server allows at most "
-                                        f"{max_tokens_limit}")
-    stop = [fields.stop] if isinstance(fields.stop, str) else list(fields.stop or [])
-    bias = _bias_by_token_id(fields.logit_bias or {})
+                                               f"{max_tokens_limit}")
     return SamplingParams(max_tokens=max(fields.max_tokens, 1), temperature=fields.temperature, top_p=fields.top_p,
                           top_k=fields.top_k, min_p=fields.min_p, presence_penalty=fields.presence_penalty,
                           frequency_penalty=fields.frequency_penalty, repetition_penalty=fields.repetition_penalty,
-                          logit_bias=bias, n=fields.n, seed=fields.seed, stop=tuple(stop), logprobs=logprobs,
-                          ignore_eos=fields.ignore_eos, prompt_logprobs=prompt_logprobs)
+                          logit_bias=_bias_by_token_id(fields.logit_bias or {}), n=fields.n, seed=fields.seed,
+                          stop=(fields.stop,) if isinstance(fields.stop, str) else tuple(fields.stop or ()),
+                          logprobs=logprobs, ignore_eos=fields.ignore_eos, prompt_logprobs=prompt_logprobs)
 
 
 def _bias_by_token_id(logit_bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
@@ -37,15 +36,14 @@ def _bias_by_token_id(logit_bias: dict[str, float]) -> tuple[tuple[int, float], 
     for key in logit_bias:
         token = int(key)
         if token in keys:
-            raise errors.InvalidParameterError(f"logit_bias: keys {keys[token]!r} and {key!r} both name token {token}; "
-                                        "give each token id once")
+            raise errors.InvalidParameterError(f"logit_bias: keys {keys[token]!r} and {key!r} both name token "
+                                               f"{token}; give each token id once")
         keys[token] = key
     return tuple((int(key), bias) for key, bias in logit_bias.items())
 
 
 def raise_for_error(event: TokenEvent) -> None:
-    report = event.report
-    if report is not None and report.error is not None:
+    if (report := event.report) is not None and report.error is not None:
         if report.error_type == ErrorKind.INVALID_REQUEST:
             raise errors.RequestRejectedError(report.error)
         raise errors.EngineFailureError(report.error)
@@ -73,8 +71,7 @@ async def collect(events: AsyncIterator[TokenEvent], n: int) -> Outcome:
             per_sample[event.index].append(event)
         if event.finish_reason is not None:
             reasons[event.index] = event.finish_reason
-        if event.report is not None:
-            report = event.report
+        report = event.report if event.report is not None else report
     assert report is not None, "the engine always ends a request with a report"
     return Outcome(texts, reasons, report, per_sample)
 
@@ -118,8 +115,7 @@ def wire_report(report: RequestReport, detokenize: Callable[[list[int]], str] | 
 
 
 def to_wire(report: CacheReport, spans: list[wire.PromptSpanReport] | None = None) -> wire.CacheReport:
-    """The wire form of a cache report: /v1/generate's `cache`, the base of /v1/prompts/explain's answer
-    and of the OpenAI routes' `promptcache` extension. `spans`: the report's spans with their text."""
+    """A cache report's wire form (`cache`, the base of explain's and of `promptcache`); `spans` with their text."""
     prefix = report.prefix
     return wire.CacheReport(
         exact=report.is_exact, generation_prompt_added=report.generation_prompt_added, fidelity=report.fidelity,
@@ -160,6 +156,16 @@ def span_texts(runs: Sequence[Sequence[int]], detokenize: Callable[[list[int]], 
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def sse_stream(payloads: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """The payloads as SSE events, then [DONE]; an error raised meanwhile (headers are sent) goes in-band."""
+    try:
+        async for payload in payloads:
+            yield sse(payload)
+    except Exception as exc:
+        yield sse_error(exc)
+    yield DONE
 
 
 def sse_error(exc: Exception) -> str:

@@ -71,8 +71,7 @@ def _encode(value: Any, pieces: list[str]) -> None:
 
 
 def _has_nested(items: list | tuple) -> bool:
-    """Whether the items hold lists or dicts of their own (lists are homogeneous: the first non-null item
-    speaks for all); a list of flat items (numbers, strings, one token's alternatives) is sliced instead."""
+    """Whether the items nest lists or dicts (a token's alternatives are flat); the first non-null speaks for all."""
     first = next((item for item in items if item is not None), None)
     if isinstance(first, dict):
         return any(isinstance(v, (dict, list, tuple)) for v in first.values())

@@ -14,8 +14,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
 
 
 class Metrics:
-    """Request-level counters are updated by the service; engine and store state is read at scrape time:
-    each of `sources` yields metric families describing it (engine queue, store tiers)."""
+    """Request counters the service updates, and engine and store state read at scrape time (`sources`' families)."""
 
     def __init__(self, model_name: str, *sources: Callable[[], Iterator]) -> None:
         self.registry = CollectorRegistry()
@@ -71,8 +70,7 @@ def engine_families(stats: RuntimeStats, model_name: str) -> Iterator:
 
     yield family(GaugeMetricFamily, "num_requests_running", "Sequences in the running batch.", stats.num_running)
     yield family(GaugeMetricFamily, "num_requests_waiting", "Requests waiting for admission.", stats.num_waiting)
-    yield family(GaugeMetricFamily, "kv_cache_usage_bytes", "KV bytes held by the running batch.",
-                 stats.kv_used_bytes)
+    yield family(GaugeMetricFamily, "kv_cache_usage_bytes", "KV bytes held by the running batch.", stats.kv_used_bytes)
     yield family(CounterMetricFamily, "module_encodings", "Segments encoded (cache misses in every tier).",
                  stats.num_encoded_segments)
     yield family(CounterMetricFamily, "prefix_store_seconds", "Time spent storing automatic prefix blocks.",
@@ -85,9 +83,8 @@ def store_families(store: TieredStore) -> Iterator:
     hits = CounterMetricFamily("promptcache:cache_hits", "KV lookups answered by a tier.", labels=["tier"])
     evictions = CounterMetricFamily("promptcache:cache_evictions", "Blocks evicted from a tier.", labels=["tier"])
     used = GaugeMetricFamily("promptcache:cache_usage_bytes", "Bytes held by a tier.", labels=["tier"])
-    by_kind = GaugeMetricFamily("promptcache:cache_usage_by_kind_bytes",
-                                "Bytes held by a tier, by kind (module KV | automatic prefix blocks).",
-                                labels=["tier", "kind"])
+    by_kind = GaugeMetricFamily("promptcache:cache_usage_by_kind_bytes", "Bytes held by a tier, by kind (module KV | "
+                                "automatic prefix blocks).", labels=["tier", "kind"])
     for tier in stats.tiers:
         queries.add_metric([tier.name], tier.hits + tier.misses)
         hits.add_metric([tier.name], tier.hits)

@@ -1,11 +1,6 @@
-"""QuotaLedger: each tenant's schemas and uploads in flight, reserved against its quota before encoding.
-
-An upload reserves (one more schema, its tokens), encodes, registers, then commits; a failure on the way releases the
-reservation, and deleting a schema releases its share. Check and reservation are one atomic step (a WATCH/MULTI
-transaction on the tenant's hash in Redis, shared by replicas; a lock without Redis). A committed entry names its
-registry version; a pending one its reservation, with a lease renewed while the upload runs (a dead replica's upload
-frees its share when it ends). Committed entries the registry no longer holds are pruned when they would refuse an
-upload."""
+"""QuotaLedger: each tenant's schemas and uploads in flight, reserved against its quota before encoding (an atomic
+check-and-reserve: a WATCH/MULTI transaction on the tenant's Redis hash, or a lock without Redis); a reservation's lease
+is renewed while its upload runs, so a dead replica's upload frees its share when the lease ends."""
 
 from __future__ import annotations
 
@@ -35,8 +30,8 @@ Versions = Callable[[], Mapping[str, str] | None]  # the tenant's schema name ->
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """One schema of a tenant: committed (`deadline` None, `entry_id` its registry version) or an upload
-    in flight (`entry_id` its reservation, `deadline` when the reservation lapses unless renewed)."""
+    """A tenant's schema: committed (`deadline` None, `entry_id` its registry version) or an upload in flight
+    (`entry_id` its reservation, `deadline` when the reservation lapses unless renewed)."""
 
     num_tokens: int
     entry_id: str
@@ -75,9 +70,8 @@ class QuotaLedger:
                  lease_s: float = 300.0) -> None:
         self.lease_s = lease_s
         self._prefix = f"promptcache:{namespace}:quota:"
-        self._client = None
-        if redis_url:
-            self._client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._client = (redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+                        if redis_url else None)
         self._local: dict[str, dict[str, Entry]] = {}
         self._lock = threading.Lock()
 
@@ -122,8 +116,7 @@ class QuotaLedger:
                 raise
         return self._update(tenant, lambda entries: self._admit(entries, reservation, quota))
 
-    def _admit(self, entries: dict[str, Entry], reservation: Reservation,
-               quota: Quota) -> tuple[Changes, Reservation]:
+    def _admit(self, entries: dict[str, Entry], reservation: Reservation, quota: Quota) -> tuple[Changes, Reservation]:
         now = time.time()
         changes: Changes = {name: None for name, entry in entries.items() if entry.is_expired(now)}
         live = {name: entry for name, entry in entries.items() if name not in changes}
@@ -167,8 +160,7 @@ class QuotaLedger:
             self._update(tenant, lambda entries: ({name: None} if name in entries else {}, None))
 
     def record(self, tenant: str | None, schemas: Mapping[str, tuple[int, str]]) -> None:
-        """Count registered schemas (name -> (tokens, version)) the ledger lacks (stored before it, or lost by Redis).
-        """
+        """Count registered schemas (name -> (tokens, version)) the ledger lacks (stored before it, lost by Redis)."""
         def decide(entries: dict[str, Entry]) -> tuple[Changes, None]:
             return {n: Entry(tokens, version) for n, (tokens, version) in schemas.items() if n not in entries}, None
 
@@ -206,11 +198,9 @@ class QuotaLedger:
             with self._lock:
                 entries = self._local.setdefault(key, {})
                 changes, result = decide(dict(entries))
-                for name, entry in changes.items():
-                    if entry is None:
-                        entries.pop(name, None)
-                    else:
-                        entries[name] = entry
+                entries.update({name: entry for name, entry in changes.items() if entry is not None})
+                for name in [name for name, entry in changes.items() if entry is None]:
+                    entries.pop(name, None)
                 return result
 
         def transaction(pipe: redis.client.Pipeline) -> T:

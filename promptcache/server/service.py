@@ -12,18 +12,11 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from promptcache.cache_store import (
-    BlobSigner,
-    RegistryState,
-    SchemaExistsError,
-    SchemaRegistry,
-    StoredSchema,
-    build_store,
-)
+from promptcache import cache_store
 from promptcache.model_runtime import Fidelity, LoadedModel, PromptRuntime, SamplingParams, TokenEvent
 from promptcache.pml import PromptPlan, Schema, UnknownSchemaError, is_valid_name
 from promptcache.server.errors import NotReadyError, SchemaNotFoundError, SchemaTooLongError
-from promptcache.server.fidelity.report import ReportCache, ReportOptions, build_report
+from promptcache.server.fidelity import ReportCache, ReportOptions, build_report
 from promptcache.server.heap import trim_heap_every
 from promptcache.server.metrics import Metrics, engine_families, store_families
 from promptcache.server.quota import QuotaLedger
@@ -42,11 +35,11 @@ class PromptService:
         self.settings = settings
         self.tenants = tenants or TenantDirectory({})
         store_config = settings.store_config(self.tenants.cache_shares())  # as `promptcache encode` maps it
-        signer = BlobSigner(store_config.blob_key)
+        signer = cache_store.BlobSigner(store_config.blob_key)
         self.model_name = loaded.name
-        self.store = build_store(store_config, device=settings.device)
-        self.registry = SchemaRegistry(settings.redis_url, namespace=settings.namespace,
-                                       timeout_s=settings.redis_timeout_s, signer=signer)
+        self.store = cache_store.build_store(store_config, device=settings.device)
+        self.registry = cache_store.SchemaRegistry(settings.redis_url, namespace=settings.namespace,
+                                                   timeout_s=settings.redis_timeout_s, signer=signer)
         self.quotas = QuotaLedger(settings.redis_url, namespace=settings.namespace, timeout_s=settings.redis_timeout_s)
         if settings.redis_url and not signer.enabled:
             logger.warning("Redis is shared storage and no blob key is set (PROMPTCACHE_BLOB_KEY): anyone who can "
@@ -76,10 +69,9 @@ class PromptService:
             self._tasks.append(asyncio.create_task(trim_heap_every(self.settings.heap_trim_s)))
         if self.settings.preload_examples:
             for example in sorted(resources.files("promptcache.examples").iterdir(), key=lambda p: p.name):
-                if example.name.endswith(".pml"):
-                    schema = self.runtime.parse_schema(example.read_text())
-                    if self.runtime.get_schema(schema.name) is None:
-                        await self.create_schema(example.read_text())
+                if example.name.endswith(".pml") and self.runtime.get_schema(
+                        self.runtime.parse_schema(example.read_text()).name) is None:
+                    await self.create_schema(example.read_text())
 
     def close(self) -> None:
         for task in self._tasks:
@@ -96,7 +88,7 @@ class PromptService:
             raise SchemaTooLongError(f"schema {schema.name!r} spans {schema.num_positions} positions; the model "
                                      f"supports {self.runtime.max_positions}")
         if await asyncio.to_thread(self.ensure_schema, schema.name, tenant) is not None:
-            raise SchemaExistsError(f"schema {schema.name!r} already exists; DELETE it first to replace it")
+            raise cache_store.SchemaExistsError(f"schema {schema.name!r} already exists; DELETE it first to replace it")
         qualified = registry_name(tenant, schema.name)
         async with self.quotas.hold(tenant, schema.name, schema.num_positions, self.tenants.quota(tenant),
                                     lambda: self._stored_versions(tenant)) as hold:
@@ -125,8 +117,7 @@ class PromptService:
 
     def _registered(self, tenant: str | None) -> dict[str, str] | None:
         """Name -> version of the tenant's schemas in the registry's index (no document read); None without one."""
-        state = self.registry.state()
-        if state is None:
+        if (state := self.registry.state()) is None:
             return None
         return {name: version for qualified, version in state.versions.items()
                 for owner, name in [split_registry_name(qualified)] if owner == tenant}
@@ -134,15 +125,13 @@ class PromptService:
     def _stored_versions(self, tenant: str | None) -> dict[str, str] | None:
         """Name -> version of the tenant's schemas whose stored document passes the registry's check (None without a
         shared registry): what quota shares are judged by, so a schema lost or failing its check frees its share."""
-        names = self._registered(tenant)
-        if names is None:
+        if (names := self._registered(tenant)) is None:
             return None
         return {name: stored.version for name in names
                 if (stored := self.registry.load(registry_name(tenant, name))) is not None}
 
     def get_schema(self, name: str, tenant: str | None = None) -> Schema:
-        schema = self.ensure_schema(name, tenant)
-        if schema is None:  # another tenant's schema of this name is as absent as a missing one
+        if (schema := self.ensure_schema(name, tenant)) is None:  # another tenant's of this name is as absent
             raise SchemaNotFoundError(f"no schema named {name!r}")
         return schema
 
@@ -169,13 +158,12 @@ class PromptService:
         A string that is no schema name (`alpha/kb` spells a registry name of tenant alpha's) names none."""
         if not is_valid_name(name):
             return None
-        schema = self.runtime.get_schema(name, tenant)
-        if schema is not None:
+        if (schema := self.runtime.get_schema(name, tenant)) is not None:
             return schema
         stored = self.registry.load(registry_name(tenant, name))
         return self._adopt(stored) if stored is not None else None
 
-    def _adopt(self, stored: StoredSchema) -> Schema | None:
+    def _adopt(self, stored: cache_store.StoredSchema) -> Schema | None:
         """Register a persisted schema without encoding: its KV comes from a shared tier, or is encoded on first use."""
         try:
             schema = self.runtime.parse_schema(stored.pml_text)
@@ -195,20 +183,18 @@ class PromptService:
         while True:
             await asyncio.sleep(self.settings.registry_poll_s)
             try:
-                state = await asyncio.to_thread(self.registry.state)
-                if state is not None:
+                if (state := await asyncio.to_thread(self.registry.state)) is not None:
                     await asyncio.to_thread(self._apply_state, state)
             except Exception:  # keep following: a bad registry entry must not stop this loop
                 logger.exception("following the schema registry failed")
 
-    def _apply_state(self, state: RegistryState) -> None:
+    def _apply_state(self, state: cache_store.RegistryState) -> None:
         for qualified, version in list(self._versions.items()):
             if state.versions.get(qualified) == version:
                 continue
             tenant, name = split_registry_name(qualified)
             # `state` may predate a re-upload this process adopted meanwhile: read the entry itself.
-            stored = self.registry.load(qualified)
-            if stored is not None:
+            if (stored := self.registry.load(qualified)) is not None:
                 if stored.version != self._versions.get(qualified):
                     self._adopt(stored)
             elif qualified in state.deleted:
@@ -217,7 +203,7 @@ class PromptService:
                 self.encode_ms.pop(qualified, None)
             else:  # gone without a delete: Redis lost it (restart without persistence, flush)
                 schema = self.runtime.get_schema(name, tenant)
-                if schema is not None and self.registry.restore(StoredSchema(
+                if schema is not None and self.registry.restore(cache_store.StoredSchema(
                         qualified, schema.pml, {"num_tokens": schema.num_positions}, version=version)):
                     logger.warning("schema %r was missing from the shared registry; restored it", qualified)
                     self.quotas.record(tenant, {name: (schema.num_positions, version)})
@@ -234,8 +220,7 @@ class PromptService:
             raise
 
     def fidelity(self, mode: str | None, knobs: FidelityKnobs | None = None) -> Fidelity:
-        """The request's fidelity from its wire fields (values the wire model checked): its mode, k, positions and
-        module context, each the server's where unset (the knobs are named as the settings)."""
+        """The request's fidelity from its (checked) wire fields, each knob the server's setting where unset."""
         given = {name: getattr(knobs, name) for name in FidelityKnobs.model_fields} if knobs else {}
         given["fidelity"] = mode
         return self.settings.model_copy(update={k: v for k, v in given.items() if v is not None}).default_fidelity()
@@ -244,8 +229,7 @@ class PromptService:
                fidelity: Fidelity, tenant: str | None = None, report_spans: bool = False) -> AsyncIterator[TokenEvent]:
         """Raises InvalidRequestError for a logit_bias token outside the vocabulary, QueueFullError when the tenant's
         waiting queue is full. `report_spans`: the final event lists the prompt as spans by where their KV came from."""
-        [events] = self.submit_many([plan], params, cache_salt, [request_id], fidelity, tenant, report_spans)
-        return events
+        return self.submit_many([plan], params, cache_salt, [request_id], fidelity, tenant, report_spans)[0]
 
     def submit_many(self, plans: list[PromptPlan], params: SamplingParams, cache_salt: str | None,
                     request_ids: list[str], fidelity: Fidelity, tenant: str | None = None,
@@ -258,8 +242,7 @@ class PromptService:
 # -- the routes' dependencies --------------------------------------------------------------------------------------
 def get_service(request: Request) -> PromptService:
     """The app's PromptService; NotReadyError (a 503) while the model loads, or when it failed to."""
-    service = getattr(request.app.state, "service", None)
-    if service is None:
+    if (service := getattr(request.app.state, "service", None)) is None:
         error = getattr(request.app.state, "load_error", None)
         raise NotReadyError(f"the model failed to load: {error}" if error else "the model is still loading")
     return service

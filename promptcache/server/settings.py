@@ -124,9 +124,8 @@ class ServerSettings(BaseSettings):
             fidelity=self.default_fidelity(), max_prefill_tokens=self.max_prefill_tokens,
             max_prefill_tokens_alone=self.max_prefill_tokens_alone, min_prefill_tokens=self.min_prefill_tokens,
             max_step_slowdown=self.max_step_slowdown or None, ttft_target_ms=self.ttft_target_ms or None,
-            logits_cache_bytes=self.logits_cache_bytes,
+            logits_cache_bytes=self.logits_cache_bytes, shared_step_ratio=self.shared_step_ratio or None,
             max_assembled_bytes=self.max_assembled_kv_bytes, max_waiting_per_tenant=self.max_waiting_per_tenant,
-            shared_step_ratio=self.shared_step_ratio or None,
             # Headroom is for other tenants: only an API keys file makes several.
             tenant_headroom_seqs=min(self.tenant_headroom_seqs, self.max_num_seqs - 1) if self.api_keys_file else 0)
 

@@ -81,8 +81,7 @@ class TenantDirectory:
 
     @classmethod
     def load(cls, keys_file: str | None, api_keys: list[str], default_quota: Quota) -> TenantDirectory:
-        """Keys of `keys_file` (whose `quotas` override `default_quota`) and `api_keys` (default tenant); ValueError if
-        bad."""
+        """Keys of `keys_file` (its `quotas` override the default) and `api_keys` (default tenant); bad: ValueError."""
         keys: dict[str, str | None] = dict.fromkeys(api_keys)
         quotas: dict[str, Quota] = {}
         if keys_file:
@@ -132,9 +131,8 @@ class TenantDirectory:
 
 
 class RequestRateLimiter:
-    """Per-tenant request rates (moving window, in memory). A request costs one hit per sample: prompts × n on
-    /v1/completions, n on chat and generate, one elsewhere; the guard counts one on arrival, the generating routes the
-    rest once the body is read."""
+    """Per-tenant request rates (moving window, in memory), one hit per sample (prompts × n; one on other routes): the
+    guard counts one on arrival, the generating routes the rest once the body is read."""
 
     def __init__(self, directory: TenantDirectory) -> None:
         self.directory = directory

@@ -8,9 +8,8 @@ from collections.abc import Callable, Sequence
 
 
 class TokenStrings:
-    """id -> the token decoded alone (special tokens included), as OpenAI's logprobs report it: a table built once, on
-    first use (under a lock), so per-token work runs no tokenizer. An id past the vocabulary (padding rows) is decoded
-    directly."""
+    """id -> the token decoded alone (special tokens included), as OpenAI's logprobs report it: a table built once (on
+    first use, under a lock) so per-token work runs no tokenizer; ids past the vocabulary are decoded directly."""
 
     def __init__(self, decode: Callable[[list[int]], str], vocab_size: int) -> None:
         self._decode = decode
@@ -29,13 +28,11 @@ class TokenStrings:
 
     def build(self) -> Sequence[str]:
         """The whole table, decoding every id the first time (~0.1 s for 49K ids): off the loop, or `await ready()`."""
-        table = self._table
-        if table is None:
+        if self._table is None:
             with self._lock:
                 if self._table is None:
                     self._table = [self._decode([token_id]) for token_id in range(self._vocab_size)]
-                table = self._table
-        return table
+        return self._table
 
     async def ready(self) -> TokenStrings:
         """This table, built in a worker thread if need be: await it before looking up a stream's tokens on the loop."""

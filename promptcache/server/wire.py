@@ -121,11 +121,7 @@ class _OmitUnasked(BaseModel):
     # No return annotation: the response schema stays the model's. (Field(exclude_if=...) needs pydantic 2.11.)
     @model_serializer(mode="wrap")
     def _omit_unasked(self, handler: SerializerFunctionWrapHandler):
-        data = handler(self)
-        for key in self.UNASKED:
-            if data.get(key) is None:
-                data.pop(key, None)
-        return data
+        return {key: value for key, value in handler(self).items() if value is not None or key not in self.UNASKED}
 
 
 class SchemaInfo(_OmitUnasked):

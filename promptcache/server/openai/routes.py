@@ -4,36 +4,21 @@ vLLM's /tokenize and /detokenize. Logprobs are of the model's distribution (befo
 from __future__ import annotations
 
 import asyncio
-import itertools
-import time
-import uuid
-from collections.abc import Callable, Sequence
 from typing import Any
 from xml.sax.saxutils import escape
 
 from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
-from promptcache.model_runtime import RequestReport, TokenEvent, TokenLogprobs
 from promptcache.pml import PromptPlan
 from promptcache.server.errors import UnsupportedParameterError
-from promptcache.server.generation import (
-    DONE,
-    collect,
-    raise_for_error,
-    record,
-    sampling_params,
-    sse,
-    sse_error,
-    to_wire,
-)
+from promptcache.server.generation import collect, raise_for_error, record, sampling_params, sse_stream
 from promptcache.server.json_body import json_off_loop
-from promptcache.server.openai import wire
+from promptcache.server.openai import shapes, wire
 from promptcache.server.service import PromptService, Rates, Service, Tenant
 
 router = APIRouter(prefix="/v1")
 tokenizer_router = APIRouter()  # vLLM's paths: no /v1
-TokenText = Callable[[int], str]
 
 
 @router.get("/models")
@@ -63,15 +48,13 @@ async def completions(body: wire.CompletionRequest, service: Service, tenant: Te
 
 def _prepare(service: PromptService, body: wire.CompletionRequest, prompts: list[str | list[int]],
              tenant: str | None) -> tuple[list[PromptPlan], list[str] | None, list[list[int]] | None]:
-    """Each prompt's plan; with echo its text; with echo and logprobs its token ids (they get logprobs too).
-    Token ids are planned as given, a PML document (it starts with `<prompt`) imports modules, and any other
-    text is plain, tokenized verbatim (never XML)."""
+    """Each prompt's plan (token ids as given; a PML document, starting `<prompt`, imports modules; other text is plain,
+    never XML), with echo its text, with echo and logprobs its token ids (they get logprobs too)."""
     plans = [service.runtime.plan_tokens(p) if not isinstance(p, str) else service.plan(p, tenant=tenant)
              if wire.is_pml(p) else service.runtime.plan_text(p) for p in prompts]
     echoes = [p if isinstance(p, str) else service.runtime.detokenize(p) for p in prompts] if body.echo else None
-    prompt_ids = None
-    if body.echo and body.logprobs is not None:
-        prompt_ids = [list(p) if not isinstance(p, str) else list(service.runtime.tokenize(p)) for p in prompts]
+    prompt_ids = ([list(p) if not isinstance(p, str) else list(service.runtime.tokenize(p)) for p in prompts]
+                  if body.echo and body.logprobs is not None else None)
     return plans, echoes, prompt_ids
 
 
@@ -95,9 +78,7 @@ def _chat_pml(schema: str, messages: list[dict[str, str]]) -> str:
     """With a schema, message contents are PML (so `<module-name/>` imports modules). The schema's layout comes
     first and has no free positions before its modules, so leading system messages become a system turn right
     after the first other message (which imports the modules), where new text always fits (docs/api.md)."""
-    leading = 0
-    while leading < len(messages) and messages[leading]["role"] == "system":
-        leading += 1
+    leading = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     if 0 < leading < len(messages):
         messages = [messages[leading], *messages[:leading], *messages[leading + 1:]]
     turns = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
@@ -111,79 +92,68 @@ async def _run(service: PromptService, body: wire.ChatCompletionRequest | wire.C
     num_logprobs = (body.logprobs if isinstance(body, wire.CompletionRequest)
                     else (body.top_logprobs or 0) if body.logprobs else None)
     params = sampling_params(body, service.settings.max_tokens_limit, num_logprobs)
-    head = response_head(service, chat=chat)
+    head = shapes.response_head(service.model_name, chat=chat)
     events = service.submit(plan, params, body.cache_salt, head["id"], service.fidelity(body.fidelity, body), tenant)
     if params.logprobs is not None:  # streamed tokens are looked up on the event loop: the table must be there
         await service.token_strings.ready()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(service, events, head, chat, include_usage, tenant),
+        return StreamingResponse(sse_stream(_chunks(service, events, head, chat, include_usage, tenant)),
                                  media_type="text/event-stream")
     outcome = await collect(events, params.n)
     record(service.metrics, outcome.report, outcome.finish_reasons, tenant)
+    token_text = service.token_strings.text
 
     def answer() -> dict:
-        choices = []
-        for index, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons)):
-            choice = {"index": index, "finish_reason": finish_reason(reason),
-                      "logprobs": _logprobs(outcome.events[index], service, chat) if params.logprobs is not None
-                      else None}
-            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-            choices.append(choice)
-        return {**head, "choices": choices, "usage": report_usage(outcome.report),
-                "promptcache": extension(outcome.report)}
+        choices = [{"index": i, "finish_reason": shapes.finish_reason(reason), "logprobs": None
+                    if params.logprobs is None else shapes.logprobs(outcome.events[i], token_text, chat),
+                    **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
+                   for i, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons))]
+        return {**head, "choices": choices, "usage": shapes.report_usage(outcome.report),
+                "promptcache": shapes.extension(outcome.report)}
 
     # Every token's logprobs (n samples, 20 alternatives each) are assembled off the event loop.
     return await json_off_loop(answer) if params.logprobs is not None else answer()
 
 
-async def _stream(service, events, head: dict, chat: bool, include_usage: bool, tenant: str | None):
+async def _chunks(service: PromptService, events, head: dict, chat: bool, include_usage: bool, tenant: str | None):
     obj = head["object"] + (".chunk" if chat else "")
     started: set[int] = set()
     reasons: dict[int, str | None] = {}
     offsets: dict[int, int] = {}  # per sample: characters of token text sent so far (completions' text_offset)
-    try:
-        async for event in events:
-            raise_for_error(event)
-            logprobs = None
-            if event.logprobs is not None and event.token_id is not None:
-                logprobs = _logprobs([event], service, chat, offsets.get(event.index, 0))
-                offsets[event.index] = offsets.get(event.index, 0) + len(service.token_strings.text(event.token_id))
-            choice: dict = {"index": event.index, "finish_reason": finish_reason(event.finish_reason),
-                            "logprobs": logprobs}
-            if chat:
-                choice["delta"] = {"content": event.text}
-                if event.index not in started:
-                    choice["delta"]["role"] = "assistant"
-                    started.add(event.index)
-            else:
-                choice["text"] = event.text
-            if event.finish_reason is not None:
-                reasons[event.index] = event.finish_reason
-            yield sse({**head, "object": obj, "choices": [choice]})
-            if event.report is not None:
-                record(service.metrics, event.report, list(reasons.values()), tenant)
-                if include_usage:
-                    yield sse({**head, "object": obj, "choices": [], "usage": report_usage(event.report),
-                               "promptcache": extension(event.report)})
-    except Exception as exc:
-        yield sse_error(exc)
-    yield DONE
-
-
-def _logprobs(events: list, service: PromptService, chat: bool, text_offset: int = 0) -> dict:
-    if chat:
-        return chat_logprobs(events, service.token_strings.text)
-    return completion_logprobs(events, service.token_strings.text, text_offset=text_offset)
+    token_text = service.token_strings.text
+    async for event in events:
+        raise_for_error(event)
+        logprobs = None
+        if event.logprobs is not None and event.token_id is not None:
+            offset = offsets.get(event.index, 0)
+            logprobs = shapes.logprobs([event], token_text, chat, offset)
+            offsets[event.index] = offset + len(token_text(event.token_id))
+        choice: dict = {"index": event.index, "finish_reason": shapes.finish_reason(event.finish_reason),
+                        "logprobs": logprobs}
+        if chat:
+            choice["delta"] = {"content": event.text}
+            if event.index not in started:
+                choice["delta"]["role"] = "assistant"
+                started.add(event.index)
+        else:
+            choice["text"] = event.text
+        if event.finish_reason is not None:
+            reasons[event.index] = event.finish_reason
+        yield {**head, "object": obj, "choices": [choice]}
+        if event.report is not None:
+            record(service.metrics, event.report, list(reasons.values()), tenant)
+            if include_usage:
+                yield {**head, "object": obj, "choices": [], "usage": shapes.report_usage(event.report),
+                       "promptcache": shapes.extension(event.report)}
 
 
 async def _run_many(service: PromptService, body: wire.CompletionRequest, plans: list[PromptPlan],
                     echoes: list[str] | None, prompt_ids: list[list[int]] | None, tenant: str | None) -> Response:
-    """Several prompts, or echo (not streamed): prompt p is the group of n choices from index p x n, all submitted at
-    once (all queued, or a 429 and none) so shared text shares its KV. None run for `max_tokens` 0 without logprobs.
-    `echoes`: texts to prepend; with `prompt_ids` (echo with logprobs) the prompts' tokens get logprobs too, the first
-    None, as OpenAI reports them."""
-    head = response_head(service, chat=False)
+    """Several prompts, or echo (not streamed): prompt p's n choices from index p x n, all submitted at once (all queued
+    or a 429) so shared text shares its KV; none run for `max_tokens` 0 without logprobs. `echoes`: texts to prepend;
+    `prompt_ids` (echo with logprobs): the prompts' tokens get logprobs too, the first None as OpenAI reports it."""
+    head = shapes.response_head(service.model_name, chat=False)
     outcomes: list = [None] * len(plans)
     if body.max_tokens > 0 or prompt_ids is not None:
         params = sampling_params(body, service.settings.max_tokens_limit, body.logprobs,
@@ -191,8 +161,7 @@ async def _run_many(service: PromptService, body: wire.CompletionRequest, plans:
         streams = service.submit_many(plans, params, body.cache_salt, [f"{head['id']}-{i}" for i in range(len(plans))],
                                       service.fidelity(body.fidelity, body), tenant)
         outcomes = list(await asyncio.gather(*(collect(events, params.n) for events in streams)))
-    for outcome in outcomes:
-        if outcome is not None:
+        for outcome in outcomes:
             record(service.metrics, outcome.report, outcome.finish_reasons, tenant)
     return await json_off_loop(lambda: {**head, **_answer(service, body, plans, outcomes, echoes, prompt_ids)})
 
@@ -203,6 +172,7 @@ def _answer(service: PromptService, body: wire.CompletionRequest, plans: list[Pr
     choices: list[dict[str, Any]] = []
     reports: list[dict[str, Any]] = []
     totals = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    token_text = service.token_strings.text
     for p, (plan, outcome) in enumerate(zip(plans, outcomes)):
         echo = echoes[p] if echoes is not None else ""
         if outcome is None:
@@ -216,108 +186,19 @@ def _answer(service: PromptService, body: wire.CompletionRequest, plans: list[Pr
         totals["prompt_tokens"] += used.prompt_tokens
         totals["completion_tokens"] += used.completion_tokens if generated else 0
         totals["cached_tokens"] += used.cached_tokens
-        reports.append(extension(outcome.report))
-        echoed = None
-        if body.logprobs is not None and prompt_ids is not None:
-            echoed = prompt_logprobs(prompt_ids[p], outcome.report.prompt_logprobs or (), service.token_strings.text)
+        reports.append(shapes.extension(outcome.report))
+        prompt_lps = outcome.report.prompt_logprobs or ()  # prompt_ids: echo with logprobs
+        echoed = shapes.prompt_logprobs(prompt_ids[p], prompt_lps, token_text) if prompt_ids is not None else None
         for i, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons)):
             logprobs = None
             if body.logprobs is not None:
-                logprobs = completion_logprobs(outcome.events[i] if generated else [], service.token_strings.text)
+                logprobs = shapes.completion_logprobs(outcome.events[i] if generated else [], token_text)
                 if echoed is not None:
-                    logprobs = echoed_logprobs(echoed, logprobs)
+                    logprobs = shapes.echoed_logprobs(echoed, logprobs)
             choices.append({"index": p * body.n + i, "text": echo + (text if generated else ""),
-                            "finish_reason": finish_reason(reason) if generated else "length",
+                            "finish_reason": shapes.finish_reason(reason) if generated else "length",
                             "logprobs": logprobs})
-    return {"choices": choices, "usage": usage(**totals), "promptcache": {"prompts": reports}}
-
-
-def response_head(service: PromptService, *, chat: bool) -> dict:
-    """What an OpenAI response and each of its chunks start with: a new id, the object, the time, the model."""
-    prefix, obj = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
-    return {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "object": obj, "created": int(time.time()),
-            "model": service.model_name}
-
-
-def finish_reason(reason: str | None) -> str | None:
-    return None if reason is None else ("stop" if reason == "abort" else reason)
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def report_usage(report: RequestReport) -> dict:
-    u = report.usage
-    assert u is not None, "a served request reports usage"
-    return usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
-
-
-def extension(report: RequestReport) -> dict:
-    """The `promptcache` object of OpenAI responses: /v1/generate's `cache` report plus the timings."""
-    timings = report.timings
-    assert timings is not None and report.cache is not None, "a served request reports timings and its cache"
-    return {**to_wire(report.cache).model_dump(), "timings": {
-        "ttft_ms": round(timings.ttft_ms, 3), "total_ms": round(timings.total_ms, 3),
-        "lookup_ms": round(timings.lookup_ms, 3)}}
-
-
-# -- logprobs: completions' `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (legacy: top_logprobs a
-# dict per position of the N most likely tokens plus the sampled one, text_offset each token's character offset
-# in the returned text), chat's `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal"}`.
-def completion_logprobs(events: list[TokenEvent], token_text: TokenText, *, text_offset: int = 0) -> dict:
-    """Legacy shape of one sample's token events (they must carry logprobs), the first at `text_offset`."""
-    texts, logprobs = [], []
-    for event in events:
-        assert event.logprobs is not None and event.token_id is not None
-        texts.append(token_text(event.token_id))
-        logprobs.append(event.logprobs)
-    return _legacy(texts, logprobs, token_text, text_offset)
-
-
-def prompt_logprobs(prompt_ids: list[int], prompt_logprobs: Sequence[TokenLogprobs], token_text: TokenText) -> dict:
-    """Legacy shape of an echoed prompt's tokens: the first has no logprob (None), as OpenAI reports it.
-    Built once per prompt; each of its samples appends its own tokens (`echoed_logprobs`)."""
-    assert len(prompt_logprobs) == len(prompt_ids) - 1, "one logprob per prompt token after the first"
-    return _legacy([token_text(t) for t in prompt_ids], [None, *prompt_logprobs], token_text, 0)
-
-
-def echoed_logprobs(prompt: dict, generated: dict) -> dict:
-    """The prompt's tokens then one sample's, the generated offsets shifted past the prompt's text."""
-    shift = prompt["text_offset"][-1] + len(prompt["tokens"][-1])
-    return {**{key: prompt[key] + generated[key] for key in prompt},
-            "text_offset": prompt["text_offset"] + [shift + o for o in generated["text_offset"]]}
-
-
-def _legacy(texts: list[str], logprobs: Sequence[TokenLogprobs | None], token_text: TokenText, offset: int) -> dict:
-    """Legacy shape of tokens with these texts and logprobs (None: a token without), the first at `offset`."""
-    return {"tokens": texts, "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
-            "top_logprobs": [None if lp is None else _legacy_top(text, lp, token_text)
-                             for text, lp in zip(texts, logprobs)],
-            "text_offset": [offset + o for o in itertools.accumulate((len(t) for t in texts), initial=0)][:-1]}
-
-
-def _legacy_top(text: str, logprobs: TokenLogprobs, token_text: TokenText) -> dict[str, float]:
-    """The N most likely tokens by text, plus the token itself (as OpenAI's legacy shape has it)."""
-    top = {token_text(t): value for t, value in logprobs.top}
-    top.setdefault(text, logprobs.logprob)
-    return top
-
-
-def chat_logprobs(events: list[TokenEvent], token_text: TokenText) -> dict:
-    """Chat shape of one sample's token events (they must carry logprobs)."""
-    content = []
-    for event in events:
-        assert event.logprobs is not None and event.token_id is not None
-        content.append({**_entry(token_text(event.token_id), event.logprobs.logprob),
-                        "top_logprobs": [_entry(token_text(t), lp) for t, lp in event.logprobs.top]})
-    return {"content": content, "refusal": None}
-
-
-def _entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"choices": choices, "usage": shapes.usage(**totals), "promptcache": {"prompts": reports}}
 
 
 @tokenizer_router.post("/tokenize")
@@ -335,10 +216,8 @@ async def tokenize(body: wire.TokenizeRequest, service: Service) -> Response:
 
     def reply() -> dict:  # tokenizing and each token's string: per-token work, in a worker thread
         tokens = service.runtime.tokenize(body.prompt, messages)
-        reply: dict = {"count": len(tokens), "max_model_len": service.runtime.max_positions, "tokens": list(tokens)}
-        if body.return_token_strs:
-            reply["token_strs"] = [service.token_strings.text(t) for t in tokens]
-        return reply
+        strings = {"token_strs": [service.token_strings.text(t) for t in tokens]} if body.return_token_strs else {}
+        return {"count": len(tokens), "max_model_len": service.runtime.max_positions, "tokens": list(tokens), **strings}
 
     return await json_off_loop(reply)
 

@@ -81,8 +81,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                                         f"most {MAX_CHAT_MESSAGES}")
     rendered = []
     for index, message in enumerate(messages):
-        if not isinstance(message.content, (str, type(None))) and any(
-                part.get("type") != "text" for part in message.content or []):
+        if isinstance(message.content, list) and any(part.get("type") != "text" for part in message.content):
             raise UnsupportedParameterError(f"messages[{index}]: only text content parts are supported")
         content = message.content if isinstance(message.content, str) else "".join(
             part.get("text", "") for part in message.content or [] if part.get("type") == "text")
@@ -140,11 +139,8 @@ def is_pml(prompt: str | list[int]) -> bool:
 
 def refuse_unsupported(body: BaseModel) -> None:
     """Raises UnsupportedParameterError naming every field set to a value this server does not do, and why."""
-    refused = []
-    for name in sorted(body.model_fields_set):
-        rule = NEUTRAL.get(name)
-        if rule is not None and not rule[0](getattr(body, name)):
-            refused.append((name, rule[1]))
+    refused = [(name, NEUTRAL[name][1]) for name in sorted(body.model_fields_set)
+               if name in NEUTRAL and not NEUTRAL[name][0](getattr(body, name))]
     if isinstance(body, CompletionRequest):
         if body.echo and body.logprobs is not None and any(is_pml(p) for p in body.prompts()):
             refused.append(("echo", "echo with logprobs takes plain text or token ids (a PML prompt reuses module "

@@ -1,7 +1,6 @@
-"""A schema's fidelity report: sampled prompts served in each fidelity mode and as a full prefill (the prompt's tokens
-as a token prompt under a salt of its own: no stored block or logits serve it), all through the engine as the tenant's
-requests, compared on their first token: greedy agreement, and KL over both top-20 lists plus one bucket for the rest of
-the vocabulary (a lower bound of the full KL). With a report cache."""
+"""A schema's fidelity report: sampled prompts served through the engine as the tenant's requests, in each fidelity
+mode and as a full prefill (its tokens under a salt of their own: no stored block or logits serve it), compared on their
+first token (greedy agreement, a lower bound of the KL); and the report cache."""
 
 from __future__ import annotations
 
@@ -62,9 +61,8 @@ def report_options(query: wire.FidelityReportQuery, service: PromptService) -> R
     if query.num_samples > MAX_SAMPLES:
         raise UnsupportedParameterError(f"num_samples is {query.num_samples}; this server allows at most "
                                         f"{MAX_SAMPLES} per fidelity report")
-    fidelity = service.fidelity("fast", query)
     question = DEFAULT_QUESTION if query.question is None else query.question
-    return ReportOptions(query.num_samples, query.seed, question, query.max_imports, fidelity)
+    return ReportOptions(query.num_samples, query.seed, question, query.max_imports, service.fidelity("fast", query))
 
 
 async def build_report(service: PromptService, schema: Schema, tenant: str | None,
@@ -86,21 +84,19 @@ async def build_report(service: PromptService, schema: Schema, tenant: str | Non
             salt = f"fidelity-report-{uuid.uuid4().hex}"  # no other request's: no block or logits it stored
             calls = [asyncio.ensure_future(_first_token(service.submit(
                 full, FIRST_TOKEN, salt, _request_id(), Fidelity(FidelityMode.EXACT), tenant)))]
-            for mode in MODES:
-                fidelity = replace(options.fidelity, mode=FidelityMode(mode))
-                calls.append(asyncio.ensure_future(_first_token(service.submit(
-                    plan, FIRST_TOKEN, None, _request_id(), fidelity, tenant))))
+            calls += [asyncio.ensure_future(_first_token(service.submit(
+                plan, FIRST_TOKEN, None, _request_id(), replace(options.fidelity, mode=FidelityMode(mode)), tenant)))
+                for mode in MODES]
             reference, *answers = await asyncio.gather(*calls)
             return reference, dict(zip(MODES, answers))
 
     served = await asyncio.gather(*(serve(plan) for plan in plans))
-    rows = []
-    for sample, plan, (reference, answers) in zip(samples, plans, served):
-        rows.append(wire.FidelitySample(
-            module_paths=list(plan.module_paths), prompt=sample, prompt_tokens=plan.num_prompt_tokens,
-            exact=plan.is_exact, modes={mode: wire.FidelitySampleResult(
-                top1_agrees=answer.token_id == reference.token_id, kl=first_token_kl(reference.top, answer.top))
-                for mode, answer in answers.items()}))
+    rows = [wire.FidelitySample(
+        module_paths=list(plan.module_paths), prompt=sample, prompt_tokens=plan.num_prompt_tokens, exact=plan.is_exact,
+        modes={mode: wire.FidelitySampleResult(top1_agrees=answer.token_id == reference.token_id,
+                                               kl=first_token_kl(reference.top, answer.top))
+               for mode, answer in answers.items()})
+        for sample, plan, (reference, answers) in zip(samples, plans, served)]
     return wire.FidelityReport(  # type: ignore[call-arg]  # the wire name is the alias (pydantic's mypy plugin)
         schema=schema.name, model=service.model_name, num_samples=len(rows), seed=options.seed,
         question=options.question, max_imports=options.max_imports,
@@ -136,9 +132,8 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
 def _stats(results: list[wire.FidelitySampleResult]) -> wire.FidelityModeStats:
     agree = sum(r.top1_agrees for r in results)
     kls = [r.kl for r in results]
-    low, high = wilson(agree, len(results))
     return wire.FidelityModeStats(num_samples=len(results), top1_agreement=agree / max(1, len(results)),
-                                  agreement_ci95=(low, high), mean_kl=sum(kls) / max(1, len(kls)),
+                                  agreement_ci95=wilson(agree, len(results)), mean_kl=sum(kls) / max(1, len(kls)),
                                   max_kl=max(kls, default=0.0))
 
 
@@ -166,13 +161,11 @@ class ReportCache:
 
     async def get(self, key: Hashable, compute: Callable[[], Awaitable[wire.FidelityReport]],
                   before_compute: Callable[[], None] = lambda: None) -> wire.FidelityReport:
-        """The cached report (`cached` true), the one in progress, or a new one (`before_compute()` first; may raise).
-        """
+        """The cached report (cached: true), the one in progress, or a new one (`before_compute()` first; may raise)."""
         if key in self._done:
             self._done.move_to_end(key)
             return self._done[key].model_copy(update={"cached": True})
-        future = self._running.get(key)
-        if future is None:
+        if (future := self._running.get(key)) is None:
             before_compute()
             future = asyncio.ensure_future(compute())
             self._running[key] = future
@@ -198,13 +191,10 @@ class _Choice:
 
 def sample_prompts(schema: Schema, encoder: TextEncoder, *, num_samples: int, seed: int, question: str,
                    max_imports: int | None = None) -> list[str]:
-    """Up to `num_samples` distinct combinations of `schema`'s modules as `<prompt>` documents, the same for the same
-    arguments (fewer when the schema has fewer, or none turns up in DRAWS_PER_SAMPLE draws each). A combination picks,
-    uniformly, how many of the top-level choices to make (1 up to `max_imports`), then which: a module or a union (one
-    member, uniformly; one left out keeps its default). Inside a picked module each nested choice is made with
-    probability 1/2. Imports are nested as in the schema, each top-level one inside an element of its section's role,
-    the question in the user turn of the user section's modules (or its own), then `<assistant/>`: the turn the
-    playground composes. Parameters get a placeholder that fits their slot."""
+    """Up to `num_samples` distinct, seeded combinations of `schema`'s modules as `<prompt>` documents (fewer when none
+    new turns up in DRAWS_PER_SAMPLE draws each): 1 up to `max_imports` top-level choices (a module, or one member of a
+    union), each picked module's nested choices made with probability 1/2, imports nested as in the schema inside their
+    section's role, the question in the user turn, then `<assistant/>` (the turn the playground composes)."""
     rng = random.Random(f"fidelity-report-{seed}")
     choices = _choices(schema.root.children, None, is_top=True)
     found: dict[str, None] = {}  # in the order drawn

@@ -1,1 +1,0 @@
-"""A schema's fidelity report on sampled prompts (`report.py`)."""
