@@ -79,17 +79,15 @@ def _burst_ttfts(target_ms: float | None) -> list[float]:
         budget.observe(6, n, decode_ms + n * token_ms)
     left, clock, ttfts = [14] * 10, 0.0, []
     while left:
-        fed = allowed = budget.tokens(len(left) / 6, [(clock, n) for n in left])
-        while left and allowed > 0:
-            take = min(left[0], allowed)
-            allowed -= take
-            left[0] -= take
+        allowed, fed, done = budget.tokens(len(left) / 6, [(clock, n) for n in left]), 0, 0
+        while left and fed < allowed:
+            take = min(left[0], allowed - fed)
+            fed, left[0] = fed + take, left[0] - take
             if left[0] == 0:
                 left.pop(0)
-                ttfts.append(-1.0)  # finishes with this step
-        fed -= allowed
+                done += 1
         clock += decode_ms + fed * token_ms
-        ttfts = [clock if t < 0 else t for t in ttfts]
+        ttfts += [clock] * done  # the questions finished by this step get their first token when it ends
     return ttfts
 
 

@@ -72,6 +72,7 @@ class Scheduler:
         short = max_rows is not None or bool(self.waiting.tenants() - {s.owner.tenant for s in self.running})
         alone = self.config.max_prefill_tokens if short else self.config.max_prefill_tokens_alone
         now = time.perf_counter()
+        # Running order: the order compose_step feeds one tenant's prompts in (an estimate across tenants).
         queue = [((now - s.owner.submitted_at) * 1e3, len(s.pending_ids))
                  for s in self.running if s.status == SeqStatus.PREFILL]
         mixed = self.step_budget.tokens(len(queue) / max(1, len(self.running) - len(queue)), queue)
