@@ -50,9 +50,23 @@ def _fed(batch) -> list[tuple[_Seq, int]]:
 
 def test_one_tenant_shares_the_budget_in_admission_order():
     decodes = [_decoding(None) for _ in range(3)]
-    first, second = _prefill(None, 20), _prefill(None, 20)
+    first, second = _prefill(None, 20), _prefill(None, 40)
     batch, left = compose_step([*decodes, first, second], mixed_budget=30, alone_budget=256)
     assert _fed(batch) == [*((d, 1) for d in decodes), (first, 20), (second, 10)] and left == 0
+
+
+def test_a_prompt_within_half_the_budget_of_its_end_is_finished_in_the_step():
+    """Beside decodes, a question is not split into a chunk and a tail of a few tokens that would wait a whole step
+    more for its first token; a longer rest is still chunked, and so is every prompt under a row cap."""
+    decodes = [_decoding(None) for _ in range(3)]
+    first, second = _prefill(None, 20), _prefill(None, 25)  # 10 of the budget left for 25: 15 over, = budget // 2
+    batch, left = compose_step([*decodes, first, second], mixed_budget=30, alone_budget=256)
+    assert _fed(batch) == [*((d, 1) for d in decodes), (first, 20), (second, 25)] and left == 0
+    longer = _prefill(None, 26)
+    batch, _ = compose_step([*decodes, first, longer], mixed_budget=30, alone_budget=256)
+    assert _fed(batch)[-1] == (longer, 10)
+    batch, _ = compose_step([*decodes, first, second], mixed_budget=30, alone_budget=256, max_rows=64)
+    assert _fed(batch)[-1] == (second, 10)
 
 
 def test_a_light_tenants_short_prompt_gets_a_step_of_its_own():

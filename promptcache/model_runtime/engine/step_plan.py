@@ -59,7 +59,8 @@ class StepPlan:
 def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int,
                  max_rows: int | None = None, min_tokens: int = 1) -> tuple[tuple[ScheduledSeq, ...], int]:
     """The step's batch and the prefill budget it leaves. Decodes run and prefills share `mixed_budget` (`alone_budget`
-    with nothing decoding), lighter tenants first. A tenant with nothing decoding whose prompts fit `alone_budget` gets
+    with nothing decoding), lighter tenants first; beside decodes, a prompt within half that budget of its end is fed
+    whole. A tenant with nothing decoding whose prompts fit `alone_budget` gets
     a step of its own. Under `max_rows` a step with decodes runs at most that many rows: lighter tenants' decodes first,
     then in `running` order (the scheduler rotates them), keeping `min_tokens` for prompts."""
     load = Counter(_tenant(s) for s in running)  # running sequences per tenant
@@ -77,12 +78,16 @@ def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int
         decoding = sorted(decoding, key=lambda s: load[_tenant(s)])[:max(1, max_rows - reserve)]
         budget = min(budget, max(reserve, max_rows - len(decoding)))
     scheduled = [ScheduledSeq(s, len(s.pending_ids)) for s in decoding]
+    # A prompt whose rest is within half the budget is finished now: a question split into a chunk and a tail of a
+    # few tokens would wait a whole step more for its first token (not under a row cap: that bounds a tenant's share).
+    finish_within = budget // 2 if decoding and max_rows is None else 0
     for seq in prefills:
         if budget <= 0:
             break
-        scheduled.append(ScheduledSeq(seq, min(len(seq.pending_ids), budget)))
+        left = len(seq.pending_ids) - budget
+        scheduled.append(ScheduledSeq(seq, len(seq.pending_ids) if left <= finish_within else budget))
         budget -= scheduled[-1].num_tokens
-    return tuple(scheduled), budget
+    return tuple(scheduled), max(budget, 0)
 
 
 def _tenant(seq: Sequence) -> str | None:
