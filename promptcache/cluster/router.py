@@ -5,10 +5,11 @@ whose first argument is the ForwardedRequest. The first replica returned gets it
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+import time
+from collections import OrderedDict, defaultdict, deque
 from typing import Any, Literal
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from promptcache.cluster.affinity import AffinityConfig, AffinityKey, affinity_key
 from promptcache.cluster.forwarded import ForwardedRequest
@@ -21,6 +22,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_AFFINITY = AffinityConfig()
 DEFAULT_GUARD = LoadGuard()
 MAX_REMEMBERED_KEYS = 4096  # keys of requests still being routed (a request may take several attempts)
+# A choice Ray has not sent yet counts as load on its replica, for this long at most: Ray sends to a fallback
+# instead when the replica's queue turns out full, and no send to the chosen one follows.
+UNSENT_CHOICE_TTL_S = 2.0
 
 
 class CacheAffinityRouter(RequestRouter):
@@ -38,19 +42,37 @@ class CacheAffinityRouter(RequestRouter):
         balance = None if balance_factor is None else BalanceBound(factor=balance_factor)
         self.policy = RoutingPolicy(LoadGuard(abs_threshold=abs_threshold, rel_threshold=rel_threshold), balance)
         self._keys: OrderedDict[str, AffinityKey | None] = OrderedDict()
+        # Per replica: when each first choice of it not yet sent was made. Ray counts a request in its queue-length
+        # cache only once it sends it, several awaits after choose_replicas: in a burst, every request would
+        # otherwise be chosen against the same counts (all of them to a key's owner).
+        self._unsent: defaultdict[str, deque[float]] = defaultdict(deque)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         key, first_attempt = self._key(pending_request)
-        loads = await self._loads(candidate_replicas)
+        loads = {replica_id: n + self._num_unsent(replica_id)
+                 for replica_id, n in (await self._loads(candidate_replicas)).items()}
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         digest = None if key is None else key.digest
         order = self.policy.order(digest, loads)
         if first_attempt:  # a retry (the first choice's queue was full) is not a second request
             self.policy.record(digest, order[0].replica_id)
+            self._unsent[order[0].replica_id].append(time.monotonic())
         return [[by_id[order[0].replica_id]], [by_id[c.replica_id] for c in order[1:]]]
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        """Ray sent a request to `replica_id` and counts it in its cache now: one choice of it stops counting here."""
+        super().on_send_request(replica_id)
+        if unsent := self._unsent.get(replica_id.unique_id):
+            unsent.popleft()
+
+    def _num_unsent(self, replica_id: str) -> int:
+        unsent, expired = self._unsent[replica_id], time.monotonic() - UNSENT_CHOICE_TTL_S
+        while unsent and unsent[0] < expired:
+            unsent.popleft()
+        return len(unsent)
 
     def _key(self, pending_request: PendingRequest | None) -> tuple[AffinityKey | None, bool]:
         """The request's affinity key, and whether this is the first time the request is routed."""

@@ -24,6 +24,7 @@ class _IdleReplicasRouter(CacheAffinityRouter):
     """The router with Ray's queue-length cache replaced: every replica reports 0 requests in flight."""
 
     replica_queue_len_cache = SimpleNamespace(get=lambda replica_id: 0)
+    _use_replica_queue_len_cache = False  # Ray's on_send_request then leaves the (absent) cache alone
 
 
 def _router(**kwargs) -> tuple[CacheAffinityRouter, list]:
@@ -52,8 +53,11 @@ def _schemas_owned_by(replica_id: str, n: int, router: CacheAffinityRouter) -> l
     raise AssertionError("not enough schemas")
 
 
-def _route(router, replicas, request) -> str:
+def _route(router, replicas, request, *, send: bool = True) -> str:
+    """The replica chosen for `request`; `send`: then sent there, as Ray does when its queue has room."""
     ranks = asyncio.run(router.choose_replicas(replicas, request))
+    if send:
+        router.on_send_request(ranks[0][0].replica_id)
     return ranks[0][0].replica_id.unique_id
 
 
@@ -84,3 +88,27 @@ def test_without_the_bound_keys_stay_on_the_hash_owner():
     router, replicas = _router(pml_key="schema", balance_factor=None)
     schemas = _schemas_owned_by("replica-a", 4, router)
     assert {_route(router, replicas, _request(s, f"r{n}")) for n, s in enumerate(schemas * 30)} == {"replica-a"}
+
+
+def test_a_burst_chosen_before_ray_sends_any_of_it_spreads_once_the_owner_is_busier():
+    """Ray counts a request in its queue lengths only when it sends it, after choose_replicas returns: a burst
+    is chosen against the same counts. The router counts its own unsent choices, so the load guard still spills."""
+    router, replicas = _router(pml_key="schema", balance_factor=None, abs_threshold=2)
+    (schema,) = _schemas_owned_by("replica-a", 1, router)
+    burst = [_route(router, replicas, _request(schema, f"burst{n}"), send=False) for n in range(10)]
+    assert burst[:3] == ["replica-a"] * 3 and burst[3] == "replica-b", burst  # owner 3 in flight vs 0: > 2 more
+    assert max(collections.Counter(burst).values()) <= 6, burst
+    for replica in replicas:  # Ray sends them: the choices now count in its cache (0 here), no longer here
+        for _ in range(burst.count(replica.replica_id.unique_id)):
+            router.on_send_request(replica.replica_id)
+    assert {_route(router, replicas, _request(schema, f"after{n}")) for n in range(10)} == {"replica-a"}
+
+
+def test_an_unsent_choice_stops_counting_after_its_ttl(monkeypatch):
+    """A choice Ray never sends (the replica was full: it sent to a fallback) is load only for a while."""
+    import promptcache.cluster.router as router_module
+
+    router, replicas = _router(pml_key="schema", balance_factor=None, abs_threshold=2)
+    (schema,) = _schemas_owned_by("replica-a", 1, router)
+    monkeypatch.setattr(router_module, "UNSENT_CHOICE_TTL_S", 0.0)
+    assert {_route(router, replicas, _request(schema, f"r{n}"), send=False) for n in range(10)} == {"replica-a"}
