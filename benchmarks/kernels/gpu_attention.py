@@ -14,7 +14,8 @@ TinyLlama-1.1B head shape (32 query / 4 KV heads, head dim 64). Modes, side by s
 - triton: the same arithmetic as `shared` in two Triton kernels (triton_decode.py, a prototype; on a
   CUDA device with Triton only).
 Prints JSON lines (median of `--iters` timed calls after warm-up; CUDA events on a GPU) with the bytes
-each mode reads and the bandwidth that implies.
+each mode reads and the bandwidth that implies; on a GPU each mode also replayed from a CUDA graph
+(`timing: cuda_graph`: the device's time without the host's launch cost).
 """
 
 from __future__ import annotations
@@ -49,6 +50,27 @@ def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: 
             fn()
             times.append((time.perf_counter() - started) * 1e3)
     return statistics.median(times)
+
+
+def graph_ms(fn: Callable[[], object], device: torch.device, iters: int, calls: int = 10) -> float | None:
+    """Median milliseconds of one call of `fn` replayed from a CUDA graph of `calls` calls: the device's time
+    without the host's launch cost (what a decode step captured as a graph would pay). None where `fn` cannot
+    be captured (a host sync or a pageable copy inside it)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except Exception as error:  # torch raises several kinds for an illegal call under capture
+        log(f"not capturable: {str(error).splitlines()[0]}")
+        return None
+    return time_ms(graph.replay, device, iters) / calls
 
 
 def run(device: torch.device, dtype: torch.dtype, batch: int, shared: int, own: int, iters: int) -> list[dict]:
@@ -94,6 +116,9 @@ def run(device: torch.device, dtype: torch.dtype, batch: int, shared: int, own: 
     errors = {mode: round((fn().float() - reference).abs().max().item(), 5) for mode, fn in modes.items()
               if mode not in ("per_sequence_sdpa", "no_attention")}
     times = {mode: time_ms(fn, device, iters) for mode, fn in modes.items()}
+    # The engine's torch-op call last: a failed capture may leave the device unusable for the ones after it.
+    order = sorted(modes, key=lambda mode: mode == "shared")
+    graphed = {mode: graph_ms(modes[mode], device, iters) for mode in order} if device.type == "cuda" else {}
     keep = split_keys.MIN_KEYS_PER_SPLIT
     split_keys.MIN_KEYS_PER_SPLIT = 1 << 62  # no split-K
     try:
@@ -108,7 +133,15 @@ def run(device: torch.device, dtype: torch.dtype, batch: int, shared: int, own: 
             "head_dim": HEAD_DIM, "ms": round(ms, 4), "kv_bytes": kv_bytes[mode],
             "gb_per_s": round(kv_bytes[mode] / ms / 1e6, 1) if kv_bytes[mode] else None,
             "speedup_vs_per_sequence": round(times["per_sequence_sdpa"] / ms, 2),
-            "max_abs_error_vs_sdpa": errors.get(mode, errors["shared"]), "iters": iters})
+            "max_abs_error_vs_sdpa": errors.get(mode, errors["shared"]), "iters": iters, "timing": "eager"})
+    baseline = graphed.get("per_sequence_sdpa")
+    for mode, graph_time in graphed.items():
+        records.append({**next(r for r in records if r["mode"] == mode), "timing": "cuda_graph",
+                        "ms": None if graph_time is None else round(graph_time, 4),
+                        "gb_per_s": round(kv_bytes[mode] / graph_time / 1e6, 1) if graph_time and kv_bytes[mode]
+                        else None,
+                        "speedup_vs_per_sequence": round(baseline / graph_time, 2) if baseline and graph_time
+                        else None})
     return records
 
 
@@ -143,9 +176,12 @@ def main() -> None:
         records = run(device, getattr(torch, args.dtype), args.batch, args.shared, args.own, args.iters)
     for record in records:
         emit(record, args.out)
-    by_mode = {r["mode"]: r["ms"] for r in records}
+    by_mode = {r["mode"]: r["ms"] for r in records if r["timing"] == "eager"}
     log(f"shared {by_mode['per_sequence_sdpa'] / by_mode['shared']:.2f}x per-sequence SDPA "
         f"(unsplit {by_mode['per_sequence_sdpa'] / by_mode['shared_unsplit']:.2f}x)")
+    for record in records:
+        if record["timing"] == "cuda_graph":
+            log(f"CUDA graph: {record['mode']} {record['ms']} ms ({record['speedup_vs_per_sequence']}x)")
 
 
 if __name__ == "__main__":
