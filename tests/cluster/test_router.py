@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
 import random
 from types import SimpleNamespace
@@ -110,5 +111,6 @@ def test_an_unsent_choice_stops_counting_after_its_ttl(monkeypatch):
 
     router, replicas = _router(pml_key="schema", balance_factor=None, abs_threshold=2)
     (schema,) = _schemas_owned_by("replica-a", 1, router)
-    monkeypatch.setattr(router_module, "UNSENT_CHOICE_TTL_S", 0.0)
+    ticks = itertools.count(step=router_module.UNSENT_CHOICE_TTL_S + 1)  # each reading a TTL and more later
+    monkeypatch.setattr(router_module, "time", SimpleNamespace(monotonic=lambda: float(next(ticks))))
     assert {_route(router, replicas, _request(schema, f"r{n}"), send=False) for n in range(10)} == {"replica-a"}
