@@ -107,10 +107,10 @@ def test_a_burst_chosen_before_ray_sends_any_of_it_spreads_once_the_owner_is_bus
 
 def test_an_unsent_choice_stops_counting_after_its_ttl(monkeypatch):
     """A choice Ray never sends (the replica was full: it sent to a fallback) is load only for a while."""
-    import promptcache.cluster.router as router_module
-
     router, replicas = _router(pml_key="schema", balance_factor=None, abs_threshold=2)
     (schema,) = _schemas_owned_by("replica-a", 1, router)
-    ticks = itertools.count(step=router_module.UNSENT_CHOICE_TTL_S + 1)  # each reading a TTL and more later
-    monkeypatch.setattr(router_module, "time", SimpleNamespace(monotonic=lambda: float(next(ticks))))
+    # The globals the router's methods read (another test may have imported the package afresh since).
+    router_globals = CacheAffinityRouter._num_unsent.__globals__
+    ticks = itertools.count(step=router_globals["UNSENT_CHOICE_TTL_S"] + 1)  # each reading a TTL and more later
+    monkeypatch.setitem(router_globals, "time", SimpleNamespace(monotonic=lambda: float(next(ticks))))
     assert {_route(router, replicas, _request(schema, f"r{n}"), send=False) for n in range(10)} == {"replica-a"}
