@@ -60,9 +60,9 @@ def compose_step(running: Seq[Sequence], *, mixed_budget: int, alone_budget: int
                  max_rows: int | None = None, min_tokens: int = 1) -> tuple[tuple[ScheduledSeq, ...], int]:
     """The step's batch and the prefill budget it leaves. Decodes run and prefills share `mixed_budget` (`alone_budget`
     with nothing decoding), lighter tenants first; beside decodes, a prompt within half that budget of its end is fed
-    whole. A tenant with nothing decoding whose prompts fit `alone_budget` gets
-    a step of its own. Under `max_rows` a step with decodes runs at most that many rows: lighter tenants' decodes first,
-    then in `running` order (the scheduler rotates them), keeping `min_tokens` for prompts."""
+    whole. A tenant with nothing decoding whose prompts fit `alone_budget` gets a step of its own. Under `max_rows` a
+    step with decodes runs at most that many rows: lighter tenants' decodes first, then in `running` order (the
+    scheduler rotates them), keeping `min_tokens` for prompts."""
     load = Counter(_tenant(s) for s in running)  # running sequences per tenant
     decoding = [s for s in running if s.pending_ids and s.status != SeqStatus.PREFILL]
     prefills = sorted((s for s in running if s.pending_ids and s.status == SeqStatus.PREFILL),
