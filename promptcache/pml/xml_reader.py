@@ -12,8 +12,13 @@ from lxml import etree
 from promptcache.pml.errors import PmlError, PmlLimitError, PmlSecurityError, PmlSyntaxError, SchemaError
 
 XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
-# Any DTD can declare entities (billion laughs, XXE); PML needs none: refused before lxml sees the document.
+# Any DTD can declare entities (billion laughs, XXE); PML needs none: refused before lxml sees the document. The
+# scan reads UTF-8, so the parser is told the document is UTF-8 whatever its declaration says (below): a declared
+# UTF-7 would otherwise let libxml2 decode `+ADw-!DOCTYPE` into a DTD the scan never saw.
 _FORBIDDEN = re.compile(rb"<!DOCTYPE|<!ENTITY|<!ELEMENT|<!ATTLIST", re.IGNORECASE)
+# The XML declaration, which only the document's first bytes may hold (a UTF-8 byte order mark may precede it).
+_DECLARED_ENCODING = re.compile(rb"(?:\xef\xbb\xbf)?<\?xml\s[^>]{0,256}?\bencoding\s*=\s*[\"']([^\"']{0,64})[\"']")
+_UTF8_NAMES = frozenset({"utf-8", "utf8"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,17 +56,42 @@ def parse_xml(text: str | bytes, limits: PmlLimits, *, max_bytes: int, what: str
     data = _utf8(text, what) if isinstance(text, str) else text
     if len(data) > max_bytes:
         raise PmlLimitError(f"{what} is {len(data)} bytes; the limit is {max_bytes} bytes")
+    declared = _DECLARED_ENCODING.match(data)
+    if declared and (encoding := declared[1].decode("ascii", "replace")).lower() not in _UTF8_NAMES:
+        raise PmlSecurityError(f"{what} declares encoding {encoding!r}; PML documents are UTF-8: declare "
+                               "encoding=\"UTF-8\" or leave the declaration out", line=1)
     if match := _FORBIDDEN.search(data):
         line = data.count(b"\n", 0, match.start()) + 1
         raise PmlSecurityError(f"{what} contains a DTD or entity declaration; PML forbids them", line=line)
-    parser = etree.XMLParser(resolve_entities=False, no_network=True, load_dtd=False, dtd_validation=False,
-                             recover=False, huge_tree=False, remove_comments=True, remove_pis=False, collect_ids=False)
-    root = _parse_lenient(data, parser, what)
+    root = _parse_lenient(data, _parser(what), what)
+    if root.getroottree().docinfo.doctype:  # cannot pass the scan above; refused again should libxml2 ever differ
+        raise PmlSecurityError(f"{what} contains a DTD or entity declaration; PML forbids them", line=1)
     num_elements = int(root.xpath("count(//*)"))  # in C, before any Python walks the tree
     if num_elements > limits.max_elements:
         raise PmlLimitError(f"{what} has {num_elements} elements; the limit is {limits.max_elements}")
     _check_tree(root, max_depth=limits.max_depth, what=what)
     return root
+
+
+def _parser(what: str) -> etree.XMLParser:
+    """A strict parser that reads UTF-8 whatever the document declares and loads nothing from anywhere."""
+    parser = etree.XMLParser(encoding="utf-8", resolve_entities=False, no_network=True, load_dtd=False,
+                             dtd_validation=False, recover=False, huge_tree=False, remove_comments=True,
+                             remove_pis=False, collect_ids=False)
+    parser.resolvers.add(_RefuseEveryUrl(what))
+    return parser
+
+
+class _RefuseEveryUrl(etree.Resolver):  # type: ignore[misc]  # lxml ships no types
+    """Answers every request for an external resource (a DTD, an entity, a file or a URL) with the same error,
+    before anything is opened: whether a file exists never shows in the answer."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+
+    def resolve(self, url: str, pubid: str, context: object) -> None:
+        raise PmlSecurityError(f"{self.what} refers to an external resource; PML loads none", line=1)
 
 
 def _utf8(text: str, what: str) -> bytes:
