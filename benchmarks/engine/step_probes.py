@@ -10,8 +10,9 @@ from collections.abc import Callable
 import torch
 
 from promptcache.model_runtime.attention import bf16_kernel
+from promptcache.model_runtime.detokenizer import Detokenizer
 from promptcache.model_runtime.engine import Engine
-from promptcache.model_runtime.sampling import Detokenizer, Sampler
+from promptcache.model_runtime.sampling import Sampler
 
 
 class PhaseProbe:

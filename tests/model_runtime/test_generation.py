@@ -11,9 +11,8 @@ import torch
 
 from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.engine import Engine, EngineConfig, TokenEvent
-from promptcache.model_runtime.sampling import Detokenizer, Sampler
+from promptcache.model_runtime.sampling import Sampler
 from promptcache.pml import token_plan
-from tests.model_factories import make_test_tokenizer
 from tests.model_runtime.oracles import reference_greedy
 
 SCHEMA = '<schema name="g">A short preface.<module name="m">Some module text for generation.</module></schema>'
@@ -128,13 +127,3 @@ def test_generation_ends_with_length_at_the_models_last_position(harness):
     served = harness.serve(plan, params)
     assert (served.tokens[0], served.finish[0]) == reference_greedy(loaded, plan, params)
     assert len(served.tokens[0]) == 4 and served.finish == {0: "length"}
-
-
-def test_detokenizer_holds_back_partial_stop_strings():
-    tokenizer = make_test_tokenizer()
-    ids = tokenizer.encode("the sky is blue and the dog runs", add_special_tokens=False)
-    detok = Detokenizer(tokenizer, stop=("dog",))
-    deltas = [detok.push(t) for t in ids]
-    streamed = "".join(deltas) + detok.flush()
-    assert detok.is_stopped and streamed == "the sky is blue and the "
-    assert "d" not in "".join(deltas[:-1]).split("and the")[-1]  # "d..." was never streamed early

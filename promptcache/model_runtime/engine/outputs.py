@@ -9,13 +9,14 @@ from dataclasses import dataclass
 import torch
 
 from promptcache.cache_store import KVBlock
+from promptcache.model_runtime.detokenizer import Detokenizer
 from promptcache.model_runtime.engine.prefix import KVView, PrefixReuse
 from promptcache.model_runtime.engine.reports import final_event
 from promptcache.model_runtime.engine.request import FinishReason, SeqStatus, Sequence, SharedKV, TokenEvent
 from promptcache.model_runtime.engine.runner import RunOutput
 from promptcache.model_runtime.engine.scheduler import Scheduler
 from promptcache.model_runtime.engine.step_plan import StepPlan
-from promptcache.model_runtime.sampling import Detokenizer, Sampler, token_logprobs
+from promptcache.model_runtime.sampling import Sampler, token_logprobs
 
 # A prefix-cache write a step leaves, run after the step's events went out: storing blocks never delays a token.
 Write = Callable[[], None]

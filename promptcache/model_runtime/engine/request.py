@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 import torch
 
 from promptcache.cache_store import KVBlock
+from promptcache.model_runtime.detokenizer import Detokenizer
 from promptcache.model_runtime.engine.prefix import KVView, Stream
 from promptcache.model_runtime.engine.reuse_plan import Fidelity, ReusePlan, WireEnum
 from promptcache.model_runtime.kv_pool import KVPool
 from promptcache.model_runtime.results import CacheReport, ModuleUse, Timings, Usage
-from promptcache.model_runtime.sampling import Detokenizer, PromptTokens, Sampler, SamplingParams, TokenLogprobs
+from promptcache.model_runtime.sampling import PromptTokens, Sampler, SamplingParams, TokenLogprobs
 from promptcache.pml import PromptPlan
 
 
