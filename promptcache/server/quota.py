@@ -154,10 +154,17 @@ class QuotaLedger:
         self._update(reservation.tenant, decide)
 
     # -- schemas registered or deleted elsewhere ----------------------------------------------------
-    def forget(self, tenant: str | None, name: str) -> None:
-        """The tenant's schema `name` was deleted: its share is free."""
+    def forget(self, tenant: str | None, name: str, version: str) -> None:
+        """The tenant's schema `name` at registry `version` was deleted: its share is free. Only that committed entry
+        goes: a re-upload of the name may have reserved it since (the delete had freed the name), and dropping its
+        reservation would let the tenant's schemas pass its quota once the upload commits."""
+        def decide(entries: dict[str, Entry]) -> tuple[Changes, None]:
+            entry = entries.get(name)
+            is_deleted = entry is not None and entry.deadline is None and entry.entry_id == version
+            return ({name: None} if is_deleted else {}), None
+
         with _logged(f"releasing the quota share of schema {name!r}"):
-            self._update(tenant, lambda entries: ({name: None} if name in entries else {}, None))
+            self._update(tenant, decide)
 
     def record(self, tenant: str | None, schemas: Mapping[str, tuple[int, str]]) -> None:
         """Count registered schemas (name -> (tokens, version)) the ledger lacks (stored before it, lost by Redis)."""

@@ -149,7 +149,7 @@ class PromptService:
         qualified = registry_name(tenant, name)
         self.runtime.forget_schema(name, tenant)  # and the KV its upload encoded
         self.registry.delete(qualified)
-        self.quotas.forget(tenant, name)
+        self.quotas.forget(tenant, name, self._versions.get(qualified, ""))  # that version's share, no re-upload's
         self.encode_ms.pop(qualified, None)
         self._versions.pop(qualified, None)
 

@@ -173,6 +173,27 @@ def test_a_lapsed_reservation_and_an_entry_whose_schema_is_gone_free_their_share
 
 
 @pytest.mark.parametrize("shared", [True, False])
+def test_a_delete_released_after_a_reupload_reserved_the_name_keeps_the_reupload_counted(redis_server, shared):
+    # DELETE of "docs" v1 and an upload of "docs" interleave: the delete removes the registry entry, the upload
+    # reserves the name (pruning v1's share, whose schema the registry no longer holds), then the delete releases
+    # v1's share. The release must leave the upload's reservation alone, or the tenant ends over its quota.
+    ledger = QuotaLedger(redis_server.url if shared else None)
+    quota = Quota(max_schemas=1)
+    first = ledger.reserve("alpha", "docs", 10, quota)
+    ledger.commit(first, "v1")
+    registry: dict[str, str] = {}  # the delete removed "docs" from the registry
+    second = ledger.reserve("alpha", "docs", 12, quota, lambda: registry)
+    ledger.forget("alpha", "docs", "v1")  # the delete's release, after the re-upload reserved the name
+    assert ledger.usage("alpha") == (1, 12)
+    ledger.commit(second, "v2")
+    registry["docs"] = "v2"
+    with pytest.raises(Exception, match="quota is 1"):
+        ledger.reserve("alpha", "other", 1, quota, lambda: registry)
+    ledger.forget("alpha", "docs", "v2")  # deleting the re-upload frees its share
+    assert ledger.usage("alpha") == (0, 0)
+
+
+@pytest.mark.parametrize("shared", [True, False])
 def test_an_upload_cancelled_mid_encode_releases_its_reservation(redis_server, shared):
     ledger = QuotaLedger(redis_server.url if shared else None)
     quota = Quota(max_schemas=1)
