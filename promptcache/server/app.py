@@ -11,7 +11,6 @@ import logging
 import os
 import sys
 import uuid
-from collections import deque
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -136,6 +135,17 @@ async def playground_index() -> FileResponse:
     return FileResponse(str(STATIC_DIR / "index.html"), media_type="text/html", headers=SECURITY_HEADERS)
 
 
+def is_open_path(path: str) -> bool:
+    """Whether `path` is served without an API key (health, metrics, the playground): it takes no request body."""
+    return path in OPEN_PATHS or path.startswith(PLAYGROUND_PATH)
+
+
+def declares_body(headers: Headers) -> bool:
+    """Whether the request says it sends a body (a positive Content-Length, or a chunked one)."""
+    length = headers.get("content-length", "")
+    return (length != "" and length != "0") or "transfer-encoding" in headers
+
+
 class SecureStaticFiles(StaticFiles):
     """The page's scripts and styles (mounted under /playground/static), with SECURITY_HEADERS."""
 
@@ -149,7 +159,9 @@ class SecureStaticFiles(StaticFiles):
 class RequestGuard:
     """API keys (-> the caller's tenant, in `request.state.tenant`), request rates and the body limit, as plain
     ASGI before any route runs. The limit counts the bytes received (chunked or not; Content-Length is only an
-    early rejection), buffers at most the limit and answers 413 once it is crossed; the body is replayed as is."""
+    early rejection), buffers at most the limit in one buffer and answers 413 once it is crossed; the body is
+    replayed as one message. The open paths (health, metrics, the playground) take no body: one is a 413 before
+    any of it is read."""
 
     def __init__(self, app: ASGIApp, settings: ServerSettings, tenants: TenantDirectory,
                  rates: RequestRateLimiter) -> None:
@@ -165,41 +177,46 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
+        path = scope["path"]
+        pending: list[Message] = []
         try:
-            if scope["path"] not in OPEN_PATHS and not scope["path"].startswith(PLAYGROUND_PATH):
+            if is_open_path(path):  # answered to anyone without a key: a body is refused unread, never buffered
+                if declares_body(headers):
+                    raise errors.PayloadTooLargeError(f"{path} takes no request body")
+                if path == METRICS_PATH:
+                    self._check_metrics_key(headers)
+            else:
                 tenant = self.tenants.authenticate(headers.get("authorization", ""))
                 self.rates.check(tenant)
                 scope.setdefault("state", {})["tenant"] = tenant
-            elif scope["path"] == METRICS_PATH:
-                self._check_metrics_key(headers)
-            length = headers.get("content-length", "")
-            if length.isdigit() and int(length) > self.max_bytes:
-                raise errors.PayloadTooLargeError(f"request body is {length} bytes; the limit is {self.max_bytes}")
-            messages = await self._read_body(receive)
+                length = headers.get("content-length", "")
+                if length.isdigit() and int(length) > self.max_bytes:
+                    raise errors.PayloadTooLargeError(f"request body is {length} bytes; the limit is "
+                                                      f"{self.max_bytes}")
+                pending.append(await self._read_body(receive))
         except errors.ServerError as exc:
             await errors.response_for(exc)(scope, receive, send)
             return
 
         async def replay() -> Message:
-            return messages.popleft() if messages else await receive()
+            return pending.pop() if pending else await receive()
 
         await self.app(scope, replay, send)
 
-    async def _read_body(self, receive: Receive) -> deque[Message]:
-        """The request's body messages, counted as they arrive; stops at the limit. A deque: a body sent
-        in many small chunks is replayed in linear time (list.pop(0) moves every later chunk)."""
-        messages: deque[Message] = deque()
-        received = 0
+    async def _read_body(self, receive: Receive) -> Message:
+        """The request's body as one message, counted as it arrives; stops at the limit (or the disconnect that cut
+        it short, which the app then sees). One buffer: kept per message, a body trickled a byte at a time held a
+        message object per byte, ~190 times its size."""
+        body = bytearray()
         while True:
             message = await receive()
-            messages.append(message)
             if message["type"] != "http.request":
-                return messages  # a disconnect: the app sees it
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
+                return message
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
                 raise errors.PayloadTooLargeError(f"request body exceeds the limit of {self.max_bytes} bytes")
             if not message.get("more_body", False):
-                return messages
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
 
     def _check_metrics_key(self, headers: Headers) -> None:
         """/metrics needs the metrics key when one is set (it is never behind the tenants' keys). Without one it

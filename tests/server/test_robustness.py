@@ -3,17 +3,24 @@ schema uploads are atomic and replicas follow deletes, the event loop keeps answ
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import http.client
 import json
 import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 
 import httpx
 import pytest
 import redis
+from starlette.types import Message
 
+from promptcache.server import ServerSettings
+from promptcache.server.app import RequestGuard
+from promptcache.server.tenants import RequestRateLimiter, TenantDirectory
 from tests.model_factories import make_test_tokenizer, make_tiny_model
 from tests.server.test_api import PROMPT, SCHEMA
 
@@ -48,6 +55,49 @@ def test_body_limit_counts_streamed_bytes(live_server):
     assert response.status_code == 413 and "4096" in response.json()["error"]["message"]
     small = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 1})
     assert small.status_code == 200
+
+
+def test_a_trickled_body_is_held_as_one_buffer_and_reaches_the_route_as_one_message():
+    # A body sent a byte per message: the guard keeps its bytes, not the messages (each a dict and a bytes
+    # object, ~190 times the byte it carries), and the route reads it whole.
+    num_bytes, left = 20_000, 20_000
+    seen: list[Message] = []
+
+    async def trickle() -> Message:
+        nonlocal left
+        left -= 1
+        return {"type": "http.request", "body": b"x", "more_body": left > 0}
+
+    async def route(scope, receive, send) -> None:
+        seen.append(await receive())
+        seen.append({"peak": tracemalloc.get_traced_memory()[1]})
+
+    settings = ServerSettings(max_request_bytes=1 << 20)
+    tenants = TenantDirectory({})
+    guard = RequestGuard(route, settings, tenants, RequestRateLimiter(tenants))
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+    tracemalloc.start()
+    try:
+        asyncio.run(guard(scope, trickle, lambda message: asyncio.sleep(0)))
+    finally:
+        tracemalloc.stop()
+    assert seen[0] == {"type": "http.request", "body": b"x" * num_bytes, "more_body": False}
+    assert seen[1]["peak"] < 20 * num_bytes  # kept per message: ~4 MB
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/playground/", "/playground/static/app.js"])
+@pytest.mark.parametrize("framing", ["Transfer-Encoding: chunked", "Content-Length: 100000"])
+def test_the_open_paths_refuse_a_body_before_reading_it(live_server, path, framing):
+    server = live_server()
+    conn = http.client.HTTPConnection("127.0.0.1", server.settings.port, timeout=10)
+    conn.putrequest("GET", path)
+    conn.putheader(*framing.split(": "))
+    conn.endheaders(b"5\r\nhello\r\n" if "chunked" in framing else b"hello")  # and the rest never comes
+    response = conn.getresponse()  # only a guard that refuses the body unread answers
+    assert response.status == 413
+    assert json.loads(response.read())["error"]["message"] == f"{path} takes no request body"
+    conn.close()
+    assert httpx.get(server.url + path).status_code == 200  # without a body it is served
 
 
 def test_failed_upload_leaves_nothing_and_a_retry_succeeds(live_server, monkeypatch):
