@@ -1,16 +1,18 @@
 """Affinity keys: what a request's reusable KV depends on, read from the HTTP request without tokenizing.
 Requests with the same key would reuse the same cached KV, so the router sends them to the same replica (the
 keys by route are tabled in docs/scaling.md). The tenant comes from the API key through the replicas'
-TenantDirectory, never from the body; an unknown key gets no key. Keys are digests: no prompt text is kept."""
+TenantDirectory, never from the body; an unknown key gets no key. Keys are digests: no prompt text is kept. The body
+is read only as far as its first `max_body_bytes` (body_prefix.py): a field after them is absent, so a request
+whose schema is named past them is routed by load alone."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from promptcache.cluster.body_prefix import read_object
 from promptcache.cluster.errors import ClusterConfigError
 from promptcache.cluster.forwarded import ForwardedRequest
 from promptcache.pml.schema import RESERVED_NAMES
@@ -32,6 +34,7 @@ class AffinityConfig:
     """How much of a request the key looks at."""
 
     prefix_chars: int = 256  # plain/chat text hashed: about two prefix blocks of 32 tokens
+    max_body_bytes: int = 64 << 10  # of a body the router reads this much: a 2 MiB body costs what 64 KiB do
     max_scan_chars: int = 256 << 10  # tags and their names are looked for in at most this much PML
     pml_key: Literal["modules", "schema"] = "modules"  # what of a PML prompt the key covers
 
@@ -40,6 +43,8 @@ class AffinityConfig:
             raise ClusterConfigError(f"pml_key must be 'modules' or 'schema', got {self.pml_key!r}")
         if self.prefix_chars < 1:
             raise ClusterConfigError(f"prefix_chars must be at least 1, got {self.prefix_chars}")
+        if self.max_body_bytes < 1:
+            raise ClusterConfigError(f"max_body_bytes must be at least 1, got {self.max_body_bytes}")
         if self.max_scan_chars < 1:
             raise ClusterConfigError(f"max_scan_chars must be at least 1, got {self.max_scan_chars}")
 
@@ -61,11 +66,7 @@ def affinity_key(request: ForwardedRequest, tenants: TenantDirectory,
         owner = tenants.authenticate(request.header("authorization")) or ""
     except UnauthorizedError:
         return None
-    try:
-        body = json.loads(request.body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(body, dict):
+    if (body := read_object(request.body, config.max_body_bytes)) is None:
         return None
     salt = body["cache_salt"] if isinstance(body.get("cache_salt"), str) else ""
     if request.path == "/v1/schemas":

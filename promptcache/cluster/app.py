@@ -56,7 +56,7 @@ def build_application(settings: dict[str, Any], options: ClusterOptions | None =
     replicas = serve.deployment(**replica_options)(PromptCacheReplica).bind(settings, options.num_threads)
     gateway = serve.deployment(name=GATEWAY_DEPLOYMENT, num_replicas=options.num_gateways,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)(Gateway)
-    return gateway.bind(replicas, max_request_bytes=resolved.max_request_bytes)
+    return gateway.bind(replicas, max_request_bytes=resolved.max_request_bytes, settings=settings)
 
 
 def build(args: dict[str, Any]) -> Application:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import cast
+from dataclasses import replace
+from typing import Any, cast
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -19,8 +21,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from promptcache.cluster.errors import ClusterError, ReplicaLostError, ReplicasBusyError, RequestTooLargeError
 from promptcache.cluster.forwarded import ForwardedRequest
 from promptcache.cluster.readiness import ReplicaReadiness
-from promptcache.server.errors import response_for
+from promptcache.server.app import declares_body, is_open_path
+from promptcache.server.errors import PayloadTooLargeError, ServerError, response_for
 from promptcache.server.generation import DONE, sse_error
+from promptcache.server.settings import ServerSettings
+from promptcache.server.tenants import Quota, TenantDirectory
 
 logger = logging.getLogger(__name__)
 REPLICA_LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
@@ -28,11 +33,16 @@ HEALTH_PATH = "/health"
 
 
 class Gateway:
-    def __init__(self, replicas: DeploymentHandle, max_request_bytes: int = 2 << 20, max_attempts: int = 3) -> None:
+    def __init__(self, replicas: DeploymentHandle, max_request_bytes: int = 2 << 20, max_attempts: int = 3,
+                 settings: dict[str, Any] | None = None) -> None:
+        """`settings`: the replicas' explicit ServerSettings fields; their API keys are checked here too, before a
+        body is read (the replicas check them again)."""
         self.replicas = replicas.options(stream=True)
         self.max_request_bytes = max_request_bytes
         self.max_attempts = max_attempts
         self.readiness = ReplicaReadiness(replicas.app_name, replicas.deployment_name)
+        resolved = ServerSettings(**(settings or {}))
+        self.tenants = TenantDirectory.load(resolved.api_keys_file, resolved.api_keys, Quota())
 
     async def __call__(self, request: Request) -> Response:
         """Serve calls this for every HTTP request; the response it returns runs `relay`."""
@@ -41,12 +51,13 @@ class Gateway:
     async def relay(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Read the request, forward it to the replica the router picks (again, up to `max_attempts` times, while
         replicas die before answering), relay the answer."""
+        request = ForwardedRequest.from_scope(scope, b"")
         try:
-            body = await self._read_body(receive)
-        except RequestTooLargeError as exc:
+            self._check_before_body(request)
+            request = replace(request, body=await self._read_body(receive))
+        except (RequestTooLargeError, ServerError) as exc:
             await response_for(exc)(scope, receive, send)
             return
-        request = ForwardedRequest.from_scope(scope, body)
         if request.path == HEALTH_PATH and not (health := await self.readiness.health()).is_ready:
             await JSONResponse({"status": "not_ready", "deployment_status": health.status,
                                 "replicas": health.replicas}, status_code=503)(scope, receive, send)
@@ -73,6 +84,14 @@ class Gateway:
         else:
             error = ReplicaLostError("no replica could serve the request; retry shortly", retry_after_s=1)
         await response_for(error, f"{request.method} {request.path}")(scope, receive, send)
+
+    def _check_before_body(self, request: ForwardedRequest) -> None:
+        """What the replicas' RequestGuard refuses before it reads a body, refused before this reads one: a missing or
+        unknown API key (401), a body sent to a path that takes none (413). Rates are the replicas' to count."""
+        if not is_open_path(request.path):
+            self.tenants.authenticate(request.header("authorization"))
+        elif declares_body(Headers(raw=list(request.headers))):
+            raise PayloadTooLargeError(f"{request.path} takes no request body")
 
     async def _read_body(self, receive: Receive) -> bytes:
         """The whole body, refusing more than the replicas' request limit (they check it again)."""

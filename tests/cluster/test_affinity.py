@@ -119,6 +119,22 @@ def test_adversarial_bodies_are_keyed_in_linear_time(path, body):
     assert time.perf_counter() - started < 1
 
 
+def test_only_the_bodys_prefix_is_read():
+    """Keys come from the first `max_body_bytes` of a body: what follows is never decoded (here it is not even
+    UTF-8), and a field named after them is absent (the request is routed by load)."""
+    prompt = '<prompt schema="kb"><user><a/>' + "word " * (SIZE // 5) + "Q?</user><assistant/></prompt>"
+    whole = json.dumps({"prompt": prompt}).encode()
+    assert _key("/v1/generate", whole) == _key("/v1/generate", _pml("<a/>"))  # the modules within the prefix
+    assert _key("/v1/generate", whole[:100_000] + b"\xff" * SIZE) == _key("/v1/generate", _pml("<a/>"))
+    assert _key("/v1/generate", whole, max_body_bytes=20) is None  # the schema attribute is past the prefix
+    late = json.dumps({"model": "m", "padding": "x" * 70_000, **_pml("<a/>")}).encode()
+    assert _key("/v1/generate", late) is None
+    assert _key("/v1/generate", late, max_body_bytes=80_000) == _key("/v1/generate", _pml("<a/>"))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "<a/>" + "x" * 70_000}], "schema": "kb"}
+    assert _key("/v1/chat/completions", chat).kind == "prefix"  # its schema is past the prefix: plain chat
+    assert _key("/v1/chat/completions", chat, max_body_bytes=80_000).kind == "pml"
+
+
 def test_schema_uploads_are_keyed_by_tenant_and_name():
     upload = _key("/v1/schemas", {"pml": '<schema name="kb"><module name="a">A</module></schema>'})
     assert upload.kind == "schema"
@@ -152,3 +168,5 @@ def test_config_is_validated():
         AffinityConfig(prefix_chars=0)
     with pytest.raises(ClusterConfigError, match="pml_key"):
         AffinityConfig(pml_key="tokens")
+    with pytest.raises(ClusterConfigError, match="max_body_bytes"):
+        AffinityConfig(max_body_bytes=0)

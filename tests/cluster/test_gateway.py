@@ -5,9 +5,12 @@ client raises rather than return a truncated completion), a replica lost before 
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -91,25 +94,33 @@ class FakeReadiness(ReplicaReadiness):
         return self.now
 
 
+@contextlib.contextmanager
+def _serving(relay: Gateway) -> Iterator[int]:
+    """`relay` on a real HTTP server; yields its port."""
+    port = free_port()
+    front = uvicorn.Server(uvicorn.Config(relay.relay, host="127.0.0.1", port=port, lifespan="off",
+                                          interface="asgi3", log_level="warning"))
+    thread = threading.Thread(target=front.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not front.started:
+        assert time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.05)
+    try:
+        yield port
+    finally:
+        front.should_exit = True
+        thread.join(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def gateway():
     server = LiveServer(settings_for(), lambda: make_tiny_loaded("llama")).start()
     replicas = FakeReplicas(server.url)
     relay = Gateway(replicas)
     relay.readiness = FakeReadiness()
-    port = free_port()
-    front = uvicorn.Server(uvicorn.Config(relay.relay, host="127.0.0.1", port=port, lifespan="off",
-                                          interface="asgi3", log_level="warning"))
-    thread = threading.Thread(target=front.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while not front.started:
-        assert time.monotonic() < deadline, "the gateway did not start"
-        time.sleep(0.05)
-    yield url, replicas, relay
-    front.should_exit = True
-    thread.join(timeout=30)
+    with _serving(relay) as port:
+        yield f"http://127.0.0.1:{port}", replicas, relay
     server.stop()
 
 
@@ -193,6 +204,36 @@ def test_health_is_503_until_every_replica_runs(gateway):
         relay.readiness.now = DeploymentHealth("HEALTHY", {"RUNNING": 2})
     ready = httpx.get(url + "/health", timeout=30)
     assert ready.status_code == 200 and ready.json()["status"] == "ok"  # the replica's own answer
+
+
+def test_a_request_without_a_key_is_a_401_before_its_body_is_read(gateway):
+    _, shared, _ = gateway  # the module's replica server, behind a gateway with a key
+    replicas = FakeReplicas(shared.url)
+    relay = Gateway(replicas, settings={"api_keys": ["sk-a"]})
+    relay.readiness = FakeReadiness()
+
+    def send_unfinished(port: int, method: str, path: str, key: str | None) -> http.client.HTTPResponse:
+        """A request announcing a 2 MiB body of which only the start ever comes."""
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.putrequest(method, path)
+        conn.putheader("Content-Length", str(2 << 20))
+        if key is not None:
+            conn.putheader("Authorization", f"Bearer {key}")
+        conn.endheaders(b'{"prompt": "')
+        return conn.getresponse()  # answered only by a gateway that does not wait for the body
+
+    with _serving(relay) as port:
+        for key in (None, "sk-wrong"):
+            refused = send_unfinished(port, "POST", "/v1/completions", key)
+            assert refused.status == 401 and "API key" in json.loads(refused.read())["error"]["message"]
+        health = send_unfinished(port, "GET", "/health", None)  # an open path takes no body at all
+        assert health.status == 413 and json.loads(health.read())["error"]["message"] == \
+            "/health takes no request body"
+        assert replicas.num_calls == 0
+        body = {"model": "m", "prompt": "Hi", "max_tokens": 2}
+        served = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+                            headers={"Authorization": "Bearer sk-a"}, timeout=60)
+        assert served.status_code == 200 and replicas.num_calls == 1
 
 
 def test_readiness_reads_rays_deployment_status(monkeypatch):
