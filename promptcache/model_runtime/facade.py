@@ -33,7 +33,7 @@ class ModelRuntime:
         self.loaded = loaded
         self.store = store
         self.limits = limits or PmlLimits()
-        self.text_encoder = TextEncoder.from_tokenizer(loaded.tokenizer)
+        self.text_encoder = TextEncoder.from_tokenizer(loaded.tokenizer, max_piece_chars=self.limits.max_piece_chars)
         install(loaded.model)  # every forward pass uses shared-module attention
         self.module_encoder = ModuleEncoder(loaded, store)
         self._schemas: dict[str, dict[str, Schema]] = {}  # namespace -> name -> schema

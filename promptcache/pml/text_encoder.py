@@ -9,8 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from promptcache.pml.chat_format import PLAIN_CHAT_FORMAT, ChatFormat, chat_format_from_tokenizer
-from promptcache.pml.errors import ChatTemplateError
+from promptcache.pml.errors import ChatTemplateError, PmlLimitError
 
+# Characters in one text piece (PmlLimits.max_piece_chars), refused before tokenizing: one tokenizer call on a 2 MiB
+# piece takes seconds of a worker (a whole long-context window is ~128K tokens, ~512K characters).
+MAX_PIECE_CHARS = 1 << 19
 CONTINUATION_SENTINEL = "\n"  # kept by every tokenizer's normalizer, merges with nothing after it
 
 
@@ -29,6 +32,7 @@ class TextEncoder:
     placeholder_id: int = 0  # fills parameter slots while modules are encoded (the paper's <unk>)
     chat_format_error: str | None = None  # why role tags cannot be used (a template not split per role)
     continuation_ids: tuple[int, ...] | None = None  # sentinel ids; None: pieces tokenize alike anywhere
+    max_piece_chars: int = MAX_PIECE_CHARS  # longer texts are refused before tokenizing
     _cache: _EncodeCache = field(default_factory=lambda: _EncodeCache(), repr=False, compare=False)
 
     def role_format(self, line: int | None = None) -> ChatFormat:
@@ -42,6 +46,9 @@ class TextEncoder:
     def encode(self, text: str, *, at_start: bool = False) -> tuple[int, ...]:
         """Token ids of `text` with no special tokens added (special-token text is still recognised), as
         it tokenizes inside a longer text (or at the sequence start, `at_start`)."""
+        if len(text) > self.max_piece_chars:
+            raise PmlLimitError(f"a text of {len(text)} characters (starting {text[:24]!r}); the limit is "
+                                f"{self.max_piece_chars} characters per text piece: split it across modules")
         sentinel = self.continuation_ids
         if sentinel is None or at_start or not text:
             return self._encode(text)
@@ -61,14 +68,16 @@ class TextEncoder:
         return cached
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any) -> TextEncoder:
+    def from_tokenizer(cls, tokenizer: Any, *, max_piece_chars: int = MAX_PIECE_CHARS) -> TextEncoder:
         """Wrap a Hugging Face tokenizer (duck-typed: PML does not import transformers)."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
 
         def encode_fn(text: str) -> list[int]:
-            # A fast tokenizer's Rust backend directly: the same ids without the per-call Python overhead.
+            # A fast tokenizer's Rust backend directly: the same ids without the per-call Python overhead. Its
+            # `encode_batch` releases the GIL while it works (`encode` keeps it: a 2 MiB text held every other
+            # thread, the event loop included, for seconds).
             if backend is not None:
-                return list(backend.encode(text, add_special_tokens=False).ids)
+                return list(backend.encode_batch([text], add_special_tokens=False)[0].ids)
             return list(tokenizer.encode(text, add_special_tokens=False))
 
         with_special = list(tokenizer.encode("a", add_special_tokens=True))
@@ -87,7 +96,7 @@ class TextEncoder:
         except ChatTemplateError as exc:  # e.g. Llama-2-chat: the server still starts; role tags get a 4xx
             chat_format, error = PLAIN_CHAT_FORMAT, str(exc)
         return cls(encode_fn=encode_fn, chat_format=chat_format, bos_token_ids=bos, placeholder_id=placeholder,
-                   chat_format_error=error, continuation_ids=continuation)
+                   chat_format_error=error, continuation_ids=continuation, max_piece_chars=max_piece_chars)
 
 
 class _EncodeCache:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from lxml import etree
 
 from promptcache.pml.errors import PmlError, PmlLimitError, PmlSecurityError, PmlSyntaxError, SchemaError
+from promptcache.pml.text_encoder import MAX_PIECE_CHARS
 
 XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
 # Any DTD can declare entities (billion laughs, XXE); PML needs none: refused before lxml sees the document. The
@@ -32,6 +33,7 @@ class PmlLimits:
     max_modules: int = 4096
     max_scaffolds: int = 1024  # each is encoded jointly on upload, besides the modules' own encodings
     max_param_len: int = 8192
+    max_piece_chars: int = MAX_PIECE_CHARS  # characters in one text piece, checked before tokenizing (TextEncoder)
     max_schema_tokens: int = 1_000_000
     # Segment ids in all of a schema's encoding contexts (quadratic in its text pieces): tens of MiB at most.
     max_context_ids: int = 1 << 22
@@ -141,8 +143,21 @@ _BARE_AMPERSAND = re.compile(rb"&(?!#[0-9]+;|#x[0-9A-Fa-f]+;|[A-Za-z_:\x80-\xff]
 _BARE_LESS_THAN = re.compile(rb"<(?![A-Za-z_:/!?\x80-\xff])")
 
 
+_ESCAPE_SLICE_BYTES = 1 << 16
+
+
 def _escape_text(data: bytes) -> bytes:
-    return _BARE_LESS_THAN.sub(b"&lt;", _BARE_AMPERSAND.sub(b"&amp;", data))
+    """`data` escaped a slice at a time: one `re.sub` over 2 MiB of `<` keeps the GIL for most of a second, and the
+    event loop would wait for it. Each slice ends just before a `<` or `&`, where no lookahead of either pattern
+    reaches past (names hold neither), so the slices escape as the whole text does."""
+    pieces: list[bytes] = []
+    start = 0
+    while start < len(data):
+        end = min((at for at in (data.find(b"<", start + _ESCAPE_SLICE_BYTES),
+                                 data.find(b"&", start + _ESCAPE_SLICE_BYTES)) if at >= 0), default=len(data))
+        pieces.append(_BARE_LESS_THAN.sub(b"&lt;", _BARE_AMPERSAND.sub(b"&amp;", data[start:end])))
+        start = end
+    return b"".join(pieces)
 
 
 def _syntax_message(data: bytes, error: etree.XMLSyntaxError, what: str) -> str:

@@ -226,7 +226,8 @@ def test_bare_less_than_that_begins_a_tag_is_a_400_naming_line_character_and_fix
 def test_two_mib_of_bare_markup_parses_or_fails_in_under_a_second(line):
     """The escaping pass runs only after the strict parse fails, and is linear: two regex passes whose
     lookaheads stop within one name, and CDATA found with bytes.find."""
-    words = TextEncoder(encode_fn=lambda text: [len(word) for word in text.split()])
+    # One token per word, and no cap on a text piece's length (this 1 MiB piece is over the default cap).
+    words = TextEncoder(encode_fn=lambda text: [len(word) for word in text.split()], max_piece_chars=4 << 20)
     body = line * ((1 << 20) // len(line))  # twice in the document: 2 MiB
     doc = f'<schema name="big"><module name="m">\n{body}</module><![CDATA[ {body} ]]></schema>'
     limits = PmlLimits(max_schema_bytes=4 << 20, max_schema_tokens=4_000_000)
