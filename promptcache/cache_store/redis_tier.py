@@ -3,7 +3,8 @@ The byte budget is kept by an LRU index in Redis (sorted set, sizes, byte counte
 set and a byte count), changed only by the Lua scripts of redis_scripts.py, so replicas see one consistent index.
 Scores are a shared use counter (clock skew cannot matter), plus `MODULE_SCORE_OFFSET` for "module" entries:
 eviction (lowest first) takes "prefix" entries first, each kind in LRU order, and a write past its owner's share
-evicts that owner's own entries first. A read verifies the blob (HMAC tag, checksum, key, decoding) before a
+evicts that owner's own entries first. A write makes room before it writes, and shrinks the tier when Redis
+itself is full (redis_scripts.py). A read verifies the blob (HMAC tag, checksum, key, decoding) before a
 script marks it used if it is still the value verified; a failing value is deleted only if it is still the bytes
 read. `contains` counts only verified values (verified_heads.py)."""
 
@@ -37,7 +38,8 @@ def redacted(url: str) -> str:
 
 class RedisGuard:
     """Runs Redis calls: a failure is a miss plus a rate-limited warning, and Redis is skipped for
-    `retry_interval_s` so a dead server costs at most one bounded timeout per interval."""
+    `retry_interval_s` so a dead server costs at most one bounded timeout per interval. A write refused because
+    Redis is full (its maxmemory, noeviction) is a warning only: Redis answers, and reads go on."""
 
     def __init__(self, what: str, retry_interval_s: float = 2.0, warn_interval_s: float = 30.0) -> None:
         self.what = what
@@ -52,6 +54,9 @@ class RedisGuard:
             return default
         try:
             return fn()
+        except redis.exceptions.OutOfMemoryError as exc:
+            self.warn_full(str(exc))
+            return default
         except (redis.RedisError, OSError) as exc:
             now = time.monotonic()
             with self._lock:
@@ -61,6 +66,16 @@ class RedisGuard:
                     logger.warning("%s unavailable (%s: %s); treating as a miss, retrying in %.1fs",
                                    self.what, type(exc).__name__, exc, self.retry_interval_s)
             return default
+
+    def warn_full(self, detail: str) -> None:
+        """Warn (rate-limited) that Redis is at its maxmemory and a write was not made."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last_warning < self.warn_interval_s:
+                return
+            self._last_warning = now
+        logger.warning("%s is full (maxmemory): %s; raise its maxmemory or lower PROMPTCACHE_REDIS_MAX_BYTES",
+                       self.what, detail)
 
 
 class RedisTier(Tier):
@@ -94,15 +109,13 @@ class RedisTier(Tier):
     def lookup(self, key: str) -> TierHit | None:
         blob_key = self._blob_key(key)
 
-        def read() -> list[Any]:
-            pipe = self.client.pipeline(transaction=True)  # one MULTI: kind, TTL, owner and blob of one state
+        def read(pipe: Any) -> None:  # kind, TTL, owner and blob of one state
             pipe.zscore(self._lru, key)
             pipe.pttl(blob_key)
             pipe.hget(self._owners, key)
             pipe.get(blob_key)
-            return pipe.execute()
 
-        reply = self.guard.call(read, None)
+        reply = self.guard.call(lambda: self._read(read), None)
         if reply is None or reply[3] is None:
             return None
         score, ttl_ms, owner, sealed = reply
@@ -133,6 +146,18 @@ class RedisTier(Tier):
         self.heads.remember(key, fingerprint(len(sealed), sealed[:HEAD_BYTES]))
         return block
 
+    def _read(self, queue: Callable[[Any], None]) -> list[Any]:
+        """The replies of the reads `queue` adds to a pipeline, run as one MULTI (one state). Redis at its maxmemory
+        refuses every MULTI, reads too: then they run as a plain pipeline, so a full Redis still serves reads."""
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            queue(pipe)
+            return pipe.execute()
+        except redis.exceptions.OutOfMemoryError:
+            pipe = self.client.pipeline(transaction=False)
+            queue(pipe)
+            return pipe.execute()
+
     def _entry_keys(self, key: str) -> list[str]:
         """The Redis keys a write or delete of `key` touches (PUT/DELETE's layout)."""
         return [self._blob_key(key), self._lru, self._sizes, self._pins, self._total, self._prefix_total, self._seq,
@@ -148,7 +173,8 @@ class RedisTier(Tier):
         args: list[str | bytes | int] = [key, blob, ttl_ms, int(pinned), kind, self.max_bytes, self.prefix + "kv:",
                                          owner or "", limit or 0, self._own_prefix]
         self.heads.remember(key, fingerprint(len(blob), blob[:HEAD_BYTES]))  # what we write, we trust
-        self.guard.call(lambda: self._put(keys=self._entry_keys(key), args=args), None)
+        if self.guard.call(lambda: self._put(keys=self._entry_keys(key), args=args), None) == 0:
+            self.guard.warn_full("too little of this tier is left to evict; a KV write was skipped")
         return []  # the last shared tier: evicted blocks are dropped
 
     def contains(self, key: str) -> bool:
@@ -156,14 +182,11 @@ class RedisTier(Tier):
         a value verified here before, else a full read. Never marks the entry as used."""
         blob_key = self._blob_key(key)
 
-        def head() -> tuple[int, bytes]:
-            pipe = self.client.pipeline(transaction=True)
+        def head(pipe: Any) -> None:
             pipe.strlen(blob_key)
             pipe.getrange(blob_key, 0, HEAD_BYTES - 1)
-            length, first = pipe.execute()
-            return length, first
 
-        length, first = self.guard.call(head, (0, b""))
+        length, first = self.guard.call(lambda: cast("tuple[int, bytes]", tuple(self._read(head))), (0, b""))
         if not length:
             return False
         if self.heads.vouches(key, fingerprint(length, first)):

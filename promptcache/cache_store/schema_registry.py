@@ -22,6 +22,17 @@ redis.call('SET', KEYS[1], ARGV[2])
 return 1
 """
 
+# KEYS: entry, index, deleted. ARGV: name, now, tombstone_s. Deletes the entry and leaves its tombstone; returns 1
+# if the entry existed. A script, not a MULTI: Redis at its maxmemory refuses every MULTI, and a script only its
+# first write that may grow memory (the DEL first cannot), so a delete, which frees memory, works on a full Redis.
+DELETE = """
+local existed = redis.call('DEL', KEYS[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', tonumber(ARGV[2]) - tonumber(ARGV[3]))
+return existed
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class StoredSchema:
@@ -54,6 +65,7 @@ class SchemaRegistry:
         if redis_url:
             self._client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
             self._replace_if_unchanged = self._client.register_script(REPLACE_IF_UNCHANGED)
+            self._delete = self._client.register_script(DELETE)
 
     def save(self, name: str, pml_text: str, metadata: dict[str, Any] | None = None) -> StoredSchema:
         stored = StoredSchema(name, pml_text, dict(metadata or {}), time.time(), uuid.uuid4().hex)
@@ -104,13 +116,8 @@ class SchemaRegistry:
         removed = False
         if self._client is not None:
             try:
-                pipe = self._client.pipeline(transaction=True)
-                pipe.delete(self._prefix + name)
-                pipe.hdel(self._index, name)
-                now = time.time()
-                pipe.zadd(self._deleted, {name: now})
-                pipe.zremrangebyscore(self._deleted, "-inf", now - self._tombstone_s)
-                removed = bool(pipe.execute()[0])
+                removed = bool(self._delete(keys=[self._prefix + name, self._index, self._deleted],
+                                            args=[name, repr(time.time()), repr(self._tombstone_s)]))
             except redis.RedisError as exc:
                 raise RegistryUnavailableError(f"cannot delete schema {name!r} from Redis: {exc}") from None
         with self._lock:
