@@ -92,6 +92,9 @@ class TenantDirectory:
             mapping = data.get("keys") if isinstance(data, dict) and "keys" in data else data
             if not isinstance(mapping, dict) or not all(isinstance(t, str) for t in mapping.values()):
                 raise ValueError(f"{keys_file}: expected a JSON object mapping each API key to a tenant name")
+            if not mapping:  # a keys file means keys: one with none would leave the server open
+                raise ValueError(f"{keys_file}: lists no API key; add keys, or unset the keys file for a server "
+                                 "without authentication")
             overrides = data.get("quotas", {}) if mapping is not data else {}
             if not isinstance(overrides, dict):
                 raise ValueError(f"{keys_file}: 'quotas' must map tenant names to quota objects")

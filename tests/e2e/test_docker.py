@@ -144,3 +144,61 @@ def test_entrypoint_refuses_an_open_server_on_every_interface():
                                 env={**env, "PROMPTCACHE_HOST": "0.0.0.0", **extra_env},
                                 capture_output=True, text=True, timeout=60)
         assert passed.returncode == 0 and "--api-keys-file" in passed.stdout, passed.stderr
+
+
+def run_entrypoint(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """The entrypoint with only these PROMPTCACHE_* variables; `--help` makes one that gets past its checks exit 0."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PROMPTCACHE_")}
+    return subprocess.run(["sh", str(DOCKER / "entrypoint.sh"), *args], env={**base, **env}, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.parametrize(("env", "args"), [
+    ({"PROMPTCACHE_API_KEYS": ","}, ()),  # a key list that holds no key
+    ({"PROMPTCACHE_API_KEYS": " , ,"}, ()),
+    ({"PROMPTCACHE_API_KEYS_FILE": ""}, ()),
+    ({}, ("--api-key=",)),
+    ({}, ("--api-key", "")),
+    ({"PROMPTCACHE_HOST": "127.0.0.1"}, ("--host", "0.0.0.0")),  # the flag wins over the environment
+    ({"PROMPTCACHE_HOST": "127.0.0.1"}, ("--host=0.0.0.0",)),
+    ({"PROMPTCACHE_HOST": "127.0.0.1"}, ("--hos", "::")),  # argparse takes a shortened flag
+    ({"PROMPTCACHE_HOST": "localhost"}, ("--log-level", "info", "--host", "10.0.0.1")),
+])
+def test_entrypoint_refuses_no_keys_however_spelled_and_any_non_loopback_bind(env, args):
+    refused = run_entrypoint(env, *args, "--help")
+    assert refused.returncode == 64 and "without API keys" in refused.stderr, refused.stdout + refused.stderr
+
+
+def test_entrypoint_takes_a_loopback_host_flag_and_real_keys():
+    for env, args in (({"PROMPTCACHE_HOST": "0.0.0.0"}, ("--host", "127.0.0.1")),
+                      ({}, ("--host=::1",)), ({"PROMPTCACHE_API_KEYS": ",k1,"}, ())):
+        passed = run_entrypoint(env, *args, "--help")
+        assert passed.returncode == 0 and "--api-keys-file" in passed.stdout, passed.stderr
+
+
+def test_a_key_list_without_keys_stops_the_server_at_startup_naming_the_variable():
+    """On loopback the entrypoint lets it through; the server's settings refuse it rather than serve open."""
+    failed = run_entrypoint({"PROMPTCACHE_HOST": "127.0.0.1", "PROMPTCACHE_API_KEYS": ",",
+                             "PROMPTCACHE_PORT": str(free_port())})
+    assert failed.returncode != 0 and "PROMPTCACHE_API_KEYS=',' lists no API key" in failed.stderr
+
+
+def redis_bytes(size: str) -> int:
+    """A Redis memory size ("8gb", "6g", "512mb", bytes) in bytes, as redis.conf reads it."""
+    number, unit = re.fullmatch(r"(\d+)([kmg]b?)?", size.lower()).groups()
+    scale = {None: 1, "k": 1000, "kb": 1024, "m": 1000**2, "mb": 1024**2, "g": 1000**3, "gb": 1024**3}[unit]
+    return int(number) * scale
+
+
+def test_compose_keeps_the_tier_budget_under_redis_maxmemory():
+    """Redis runs noeviction: promptcache's own LRU must evict before Redis is full, with room for Redis' overhead,
+    the schema registry and a write in flight, so the budget is at most 0.75 x maxmemory (and the file says so)."""
+    text = (DOCKER / "compose.yaml").read_text()
+    compose = yaml.safe_load(text)
+    command = compose["services"]["redis"]["command"]
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    maxmemory = redis_bytes(command[command.index("--maxmemory") + 1])
+    env = compose["services"]["promptcache"]["environment"]
+    budget = int(env.get("PROMPTCACHE_REDIS_MAX_BYTES", ServerSettings.model_fields["redis_max_bytes"].default))
+    assert budget <= 0.75 * maxmemory, (budget, maxmemory)
+    assert "0.75 x Redis' maxmemory" in text

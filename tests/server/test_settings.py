@@ -5,6 +5,8 @@ mapping alone (the CLI's `encode` and the cluster replicas call the same methods
 from __future__ import annotations
 
 import httpx
+import pytest
+from pydantic import ValidationError
 
 from promptcache.server.service import PromptService
 from promptcache.server.settings import ServerSettings
@@ -19,7 +21,8 @@ SETTINGS = dict(model="/models/m", dtype="bfloat16", device="cpu", model_cache_d
                 fidelity_positions="layout", fidelity_context="schema", max_prefill_tokens=128,
                 max_prefill_tokens_alone=1024, min_prefill_tokens=4, max_step_slowdown=2.0,
                 logits_cache_bytes=1 << 20, max_assembled_kv_bytes=2 << 20, max_waiting_per_tenant=5,
-                tenant_headroom_seqs=20, api_keys_file="/keys.json", max_schema_bytes=1000, max_request_bytes=2000)
+                tenant_headroom_seqs=20, tenant_kv_share=0.25, api_keys_file="/keys.json", max_schema_bytes=1000,
+                max_request_bytes=2000)
 
 
 def test_every_setting_reaches_the_config_field_it_names():
@@ -41,7 +44,23 @@ def test_every_setting_reaches_the_config_field_it_names():
     assert (fidelity.mode, fidelity.head_tokens, fidelity.positions, fidelity.context) == \
         ("balanced", 8, "layout", "schema")
     assert engine.tenant_headroom_seqs == 11  # capped below max_num_seqs: a tenant always gets one slot
+    assert engine.tenant_kv_share == 0.25
+    assert ServerSettings(**{**SETTINGS, "tenant_kv_share": 0}).engine_config().tenant_kv_share is None  # 0: off
+    without_tenants = ServerSettings(**{**SETTINGS, "api_keys_file": None}).engine_config()
+    assert (without_tenants.tenant_headroom_seqs, without_tenants.tenant_kv_share) == (0, None)  # one tenant
     assert (limits.max_schema_bytes, limits.max_prompt_bytes) == (1000, 2000)
+
+
+@pytest.mark.parametrize("value", [",", " , ", ",,,"])
+def test_an_api_key_list_with_no_key_is_refused_naming_the_variable(monkeypatch, value):
+    """A key list that parses to no key was an open server; it is an error at startup."""
+    monkeypatch.setenv("PROMPTCACHE_API_KEYS", value)
+    with pytest.raises(ValidationError, match=r"PROMPTCACHE_API_KEYS=.* lists no API key"):
+        ServerSettings()
+    monkeypatch.setenv("PROMPTCACHE_API_KEYS", " k1 , ,k2,")
+    assert ServerSettings().api_keys == ["k1", "k2"]
+    monkeypatch.setenv("PROMPTCACHE_API_KEYS", "")  # set but empty: no keys asked for
+    assert ServerSettings().api_keys == []
 
 
 def test_settings_that_turn_things_off_map_to_off():

@@ -52,6 +52,8 @@ def test_quota_overrides_apply_per_tenant(tmp_path):
     ({"k": "has space"}, "tenant name"),
     ({"k": "_default"}, "tenant name"),
     ({"": "alpha"}, "non-empty"),
+    ({}, "lists no API key"),
+    ({"keys": {}, "quotas": {}}, "lists no API key"),
     ({"keys": {"k": "alpha"}, "quotas": {"alpha": {"max_rps": 3}}}, "takes only"),
     ({"keys": {"k": "alpha"}, "quotas": {"alpha": {"rate_limit": "fast"}}}, "rate_limit"),
     ({"keys": {"k": "alpha"}, "quotas": {"alpha": {"max_schemas": -1}}}, "max_schemas"),
