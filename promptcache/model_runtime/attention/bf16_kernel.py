@@ -4,7 +4,6 @@ fused decoder-layer ops and the int4 product. Without it, attention keeps PyTorc
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from typing import Any
 
 import torch
 
-from promptcache.model_runtime.attention import kernel_build
+from promptcache.model_runtime.attention import kernel_build, kernel_loading
 from promptcache.model_runtime.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -130,13 +129,11 @@ def _load() -> Any:
                     path, _state["reason"])
         return None
     try:
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        assert spec is not None and spec.loader is not None  # a .so path always has the extension loader
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    except (OSError, ImportError) as error:  # a damaged file, a missing libgomp
-        _state["reason"] = f"the kernel library failed to load ({type(error).__name__})"
-        log.warning("bf16 attention kernel at %s failed to load (%s); using PyTorch's fused attention", path, error)
+        module = kernel_loading.load_library(path)
+    except kernel_loading.KernelLoadError as error:  # refused (owner, mode, symlink), damaged, no libgomp
+        _state["reason"] = str(error)
+        log.warning("bf16 attention kernel at %s not loaded: %s%s; using PyTorch's fused attention", path, error,
+                    f" ({error.__cause__})" if error.__cause__ else "")
         return None
     log.info("bf16 attention kernel loaded from %s", path)
     return module
