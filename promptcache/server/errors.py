@@ -74,6 +74,10 @@ class RequestRejectedError(ServerError):
     """The engine cannot serve this request (e.g. it needs more KV than the whole budget)."""
 
 
+class ClientDisconnectedError(ServerError):
+    """The client closed its connection before its response was ready; the engine's work for it was aborted."""
+
+
 class EngineFailureError(ServerError):
     """The engine failed serving the request; the message is the engine's, with its error id."""
 
@@ -95,6 +99,7 @@ ERROR_TABLE: list[tuple[type[Exception], int, str]] = [
     (UnsupportedParameterError, 400, "unsupported_parameter"),
     (InvalidParameterError, 400, "invalid_request"),
     (RequestRejectedError, 400, "request_rejected"),
+    (ClientDisconnectedError, 499, "client_closed_request"),  # nginx's status: no one receives it
     (EngineFailureError, 500, "engine_error"),
     (PmlLimitError, 413, "pml_limit_exceeded"),
     (PmlError, 400, "invalid_pml"),

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
+
+from starlette.requests import Request
 
 from promptcache.model_runtime import CacheReport, ErrorKind, RequestReport, SamplingParams, TokenEvent
 from promptcache.server import errors, wire
@@ -13,6 +17,7 @@ from promptcache.server.tenants import tenant_label
 
 DONE = "data: [DONE]\n\n"
 SPAN_CONTEXT_TOKENS = 8  # tokens before a span decoded with it, so its text starts as in the whole prompt's
+UNLIKELY_LOGPROB = -9999.0  # OpenAI's logprob of a token too unlikely to report; JSON has no -Infinity or NaN
 
 
 def sampling_params(fields: wire.SamplingFields, max_tokens_limit: int, logprobs: int | None = None, *,
@@ -76,6 +81,36 @@ async def collect(events: AsyncIterator[TokenEvent], n: int) -> Outcome:
     return Outcome(texts, reasons, report, per_sample)
 
 
+async def collect_all(request: Request, streams: Sequence[AsyncIterator[TokenEvent]], n: int) -> list[Outcome]:
+    """Every stream `collect`ed, while watching the connection. Raises ClientDisconnectedError when the client goes
+    away first: the collecting is cancelled, and a stream closed early aborts its request in the engine, which stops
+    computing tokens no one will read."""
+    gone: asyncio.Future[None] = asyncio.ensure_future(_disconnect(request))
+    work: asyncio.Future[list[Outcome]] = asyncio.gather(*(collect(events, n) for events in streams))
+    try:
+        await asyncio.wait((gone, work), return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        work.cancel()
+        await asyncio.wait({work})  # the streams closed: their aborts are posted
+        raise errors.ClientDisconnectedError("the client disconnected before the response was ready")
+    finally:
+        gone.cancel()
+        work.cancel()  # a no-op once done; this handler cancelled (shutdown) aborts the requests too
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the client has disconnected. The route has read the body: what arrives next is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def wire_logprob(value: float) -> float:
+    """A logprob as every route sends it, JSON or SSE: one that is not a finite number (-inf, a token the model rules
+    out; NaN) is UNLIKELY_LOGPROB."""
+    return value if math.isfinite(value) else UNLIKELY_LOGPROB
+
+
 def wire_logprobs(events: list[TokenEvent], token_text: Callable[[int], str]) -> wire.Logprobs | None:
     """The logprobs of a sample's token events (None when the request asked for none)."""
     if not events or events[0].logprobs is None:
@@ -85,10 +120,10 @@ def wire_logprobs(events: list[TokenEvent], token_text: Callable[[int], str]) ->
         assert event.logprobs is not None and event.token_id is not None
         result.tokens.append(token_text(event.token_id))
         result.token_ids.append(event.token_id)
-        result.token_logprobs.append(event.logprobs.logprob)
-        result.top_logprobs.append({token_text(t): lp for t, lp in event.logprobs.top})
+        result.token_logprobs.append(wire_logprob(event.logprobs.logprob))
+        result.top_logprobs.append({token_text(t): wire_logprob(lp) for t, lp in event.logprobs.top})
         result.top_token_ids.append([t for t, _ in event.logprobs.top])
-        result.top_token_logprobs.append([lp for _, lp in event.logprobs.top])
+        result.top_token_logprobs.append([wire_logprob(lp) for _, lp in event.logprobs.top])
     return result
 
 

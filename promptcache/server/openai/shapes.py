@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from promptcache.model_runtime import RequestReport, TokenEvent, TokenLogprobs
-from promptcache.server.generation import to_wire
+from promptcache.server.generation import to_wire, wire_logprob
 
 TokenText = Callable[[int], str]
 
@@ -76,7 +76,7 @@ def echoed_logprobs(prompt: dict, generated: dict) -> dict:
 
 def _legacy(texts: list[str], logprobs: Sequence[TokenLogprobs | None], token_text: TokenText, offset: int) -> dict:
     """Legacy shape of tokens with these texts and logprobs (None: a token without), the first at `offset`."""
-    return {"tokens": texts, "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+    return {"tokens": texts, "token_logprobs": [None if lp is None else wire_logprob(lp.logprob) for lp in logprobs],
             "top_logprobs": [None if lp is None else _legacy_top(text, lp, token_text)
                              for text, lp in zip(texts, logprobs)],
             "text_offset": [offset + o for o in itertools.accumulate((len(t) for t in texts), initial=0)][:-1]}
@@ -84,8 +84,8 @@ def _legacy(texts: list[str], logprobs: Sequence[TokenLogprobs | None], token_te
 
 def _legacy_top(text: str, logprobs: TokenLogprobs, token_text: TokenText) -> dict[str, float]:
     """The N most likely tokens by text, plus the token itself (as OpenAI's legacy shape has it)."""
-    top = {token_text(t): value for t, value in logprobs.top}
-    top.setdefault(text, logprobs.logprob)
+    top = {token_text(t): wire_logprob(value) for t, value in logprobs.top}
+    top.setdefault(text, wire_logprob(logprobs.logprob))
     return top
 
 
@@ -100,4 +100,4 @@ def chat_logprobs(events: list[TokenEvent], token_text: TokenText) -> dict:
 
 
 def _entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": wire_logprob(logprob), "bytes": list(text.encode("utf-8"))}
