@@ -67,6 +67,9 @@ class BatchContext:
     decode: StepDecode | bool | None = field(default=None, repr=False)
     # A step that also prefills: the prefilling sequences' own index tensors (their rows renumbered).
     others_indices: StepIndices | None = field(default=None, repr=False)
+    # Deterministic serving: the step's AttentionPlan (model_runtime/deterministic/), which every sequence attends
+    # through, each over its own logical key sequence; `segments` is then empty.
+    deterministic: Any = field(default=None, repr=False)
     # Per group of sequences attended by the general path: their own KV so far, per layer (keys, values).
     layer_views: dict[tuple[int, ...], list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]] = field(
         default_factory=dict, repr=False)
@@ -147,6 +150,9 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     layer = module.layer_idx
+    if ctx.deterministic is not None:  # [1, H, total_q, D] -> [total_q, H, D] -> [1, total_q, H, D]
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return ctx.deterministic.attend(query[0].transpose(0, 1), layer, scale).unsqueeze(0), None
     indices = ctx.prepare(query.device)
     ctx.plan_decode(query)
     queries = query[0].transpose(0, 1)  # [1, H, total_q, D] -> [total_q, H, D]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from promptcache.model_runtime import deterministic
 from promptcache.model_runtime.attention import bf16_kernel, kernel_build
+from promptcache.model_runtime.deterministic import kernels as deterministic_library
 
 
 @pytest.fixture
@@ -37,3 +39,21 @@ def bf16_kernels() -> None:
         bf16_kernel._state.clear()  # an earlier prepare() ran before the library existed
         if not bf16_kernel.prepare():
             pytest.fail(f"the built bf16 kernels did not load: {bf16_kernel.unavailable_reason()}")
+
+
+@pytest.fixture(scope="session")
+def deterministic_kernels() -> None:
+    """Builds the batch-invariant kernels as `promptcache build-kernels` does and loads them; skips on a CPU without
+    AVX2/FMA or where they cannot be built (no compiler), fails if they can but the build or the load fails."""
+    if not deterministic.supported():
+        pytest.skip("this CPU lacks AVX2 or FMA: no batch-invariant kernels")
+    try:
+        kernel_build.build(library=deterministic.LIBRARY)
+    except kernel_build.KernelBuildError as error:
+        if kernel_build.compiler_missing() is not None:
+            pytest.skip(f"the batch-invariant kernels cannot be built here: {error}")
+        pytest.fail(f"the batch-invariant kernels did not build with a compiler present: {error}")
+    if deterministic.prepare() is None:
+        deterministic_library._state.clear()  # an earlier prepare() ran before the library existed
+        if deterministic.prepare() is None:
+            pytest.fail(f"the built batch-invariant kernels did not load: {deterministic.unavailable_reason()}")

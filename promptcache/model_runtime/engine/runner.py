@@ -14,6 +14,7 @@ import torch
 from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.attention.decode_batch import kernel_takes
 from promptcache.model_runtime.attention.step_indices import to_device
+from promptcache.model_runtime.deterministic import SeqKeys, attention_plan
 from promptcache.model_runtime.engine.kv_groups import AssembledGroups
 from promptcache.model_runtime.engine.prefix import KVView
 from promptcache.model_runtime.engine.request import Request, SeqStatus
@@ -52,7 +53,8 @@ class ModelRunner:
         self.groups = AssembledGroups(max_assembled_bytes, loaded.key_shifter)
         install(loaded.model)
         self.stack = fused_stack_forward(loaded.model.base_model)  # None: the HF forward
-        self.decode_stack = decode_stack_forward(loaded.model.base_model)  # None: `stack` for decodes too
+        # None: `stack` for decodes too (always in deterministic serving: its attention is the deterministic plan's)
+        self.decode_stack = None if loaded.deterministic else decode_stack_forward(loaded.model.base_model)
         if backend == "auto" and loaded.model.dtype == torch.bfloat16 and loaded.model.device.type == "cpu":
             bf16_kernel.prepare()  # built here, at startup, never inside a request
 
@@ -116,10 +118,13 @@ class ModelRunner:
         # Sequences whose own KV lives in one pool get their new KV written with one index_copy_ per layer.
         pool = next((s.own_pool for s in seqs if s.own_pool is not None), None)
         buffers = [s.own_buffers() for s in seqs]
+        deterministic = self.loaded.deterministic
         context = BatchContext(
             query_lens=query_lens, own_keys=[k for k, _ in buffers], own_values=[v for _, v in buffers],
-            own_starts=[s.own_length for s in seqs], segments=self._segments(entries), backend=self.backend,
-            pool=pool, own_slots=[s.own_slot if pool is not None and s.own_pool is pool else None for s in seqs])
+            own_starts=[s.own_length for s in seqs], segments=[] if deterministic else self._segments(entries),
+            backend=self.backend, pool=pool,
+            own_slots=[s.own_slot if pool is not None and s.own_pool is pool else None for s in seqs],
+            deterministic=attention_plan(self._sequence_keys(entries)) if deterministic else None)
         cache = BatchCache(context, self.loaded.num_layers)
         with active_batch(context):
             if self.decode_stack is not None and kernel_takes(model.dtype, device, self.loaded.head_dim, query_lens,
@@ -155,6 +160,22 @@ class ModelRunner:
                 rows += [token_logprobs(row, token, num_top) for row, token in zip(scores, chunk)]
             found.append(tuple(rows))
             start += n
+        return found
+
+    def _sequence_keys(self, entries: Seq[ScheduledSeq]) -> list[SeqKeys]:
+        """Deterministic serving: each entry's logical key sequence, its shared KV in its own order (modules, prefix
+        blocks, a fork's prompt) then its own KV; the same keys in the same order cold, warm, alone or batched."""
+        found: list[SeqKeys] = []
+        for entry in entries:
+            seq = entry.seq
+            shared = []
+            for kv in seq.shared:  # row offsets as in `_segments`; a view's shifted keys made once, kept by `groups`
+                keys, values = self.groups.get((kv.view,), {kv.view: kv.block})
+                first = max(0, kv.visible_from - seq.prefill_done) if seq.status == SeqStatus.PREFILL else 0
+                shared.append((keys, values, first))
+            own_keys, own_values = seq.own_buffers()
+            found.append((shared, own_keys, own_values, seq.own_length + entry.num_tokens, entry.num_tokens))
+        self.groups.trim()
         return found
 
     def _segments(self, entries: Seq[ScheduledSeq]):

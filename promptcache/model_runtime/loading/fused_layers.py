@@ -1,6 +1,7 @@
 """Fused Llama/Mistral/Qwen2 decoder layers (`fuse_layers`, at load): q|k|v and gate|up as one projection each, RMSNorm,
-RoPE and the SiLU gate as one-pass bf16 kernels on AVX512-BF16 CPUs (csrc/fused_bf16.cpp) or fewer torch ops on a GPU
-(torch_layer_ops.py). They round where the HF modules do: equal outputs but for rare last-bit ties."""
+RoPE and the SiLU gate as one-pass bf16 kernels on AVX512-BF16 CPUs (csrc/fused_bf16.cpp), fewer torch ops on a GPU
+(torch_layer_ops.py), or the batch-invariant ops of deterministic serving (model_runtime/deterministic/). They round
+where the HF modules do: equal outputs but for rare last-bit ties."""
 
 from __future__ import annotations
 
@@ -167,7 +168,7 @@ def decode_stack_forward(base_model: Any) -> DecodeForward | None:
 
 def _fused_layers(base_model: Any) -> list[Any] | None:
     """The model's decoder layers when every one is fused, else None."""
-    if not _fusable(base_model.config):  # another architecture (GPT-2's blocks are `h`, with other parts)
+    if not _fusable_architecture(base_model.config):  # another architecture (GPT-2's blocks are `h`, other parts)
         return None
     layers = list(base_model.layers[: base_model.config.num_hidden_layers])
     if not layers or not all(isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedGatedMLP)
@@ -177,10 +178,14 @@ def _fused_layers(base_model: Any) -> list[Any] | None:
     return layers
 
 
-def fuse_layers(model: torch.nn.Module) -> int:
+def fuse_layers(model: torch.nn.Module, ops: LayerOps | None = None) -> int:
     """Swap a Llama/Mistral/Qwen2 model's norms, attention blocks and gated MLPs for fused ones in place; returns how
-    many (0 where no ops or shapes apply). Call before packing: the joined projections are plain `nn.Linear`s."""
-    ops = _layer_ops(next(model.parameters())) if _fusable(model.config) else None
+    many (0 where no ops or shapes apply). `ops`: these (any shapes of the architecture), else the bf16 kernels' or
+    torch's for the weights' device and dtype. Call before packing: the joined projections are plain `nn.Linear`s."""
+    if ops is None:
+        ops = _layer_ops(next(model.parameters())) if _fusable(model.config) else None
+    elif not _fusable_architecture(model.config):
+        return 0
     if ops is None:
         return 0
     swapped = 0
@@ -190,7 +195,7 @@ def fuse_layers(model: torch.nn.Module) -> int:
             if fused is not None:
                 setattr(parent, name, fused(child, ops))
                 swapped += 1
-    log.info("fused %d decoder modules (%s)", swapped, "torch ops" if ops is torch_layer_ops else "bf16 kernels")
+    log.info("fused %d decoder modules (%s)", swapped, "torch ops" if ops is torch_layer_ops else type(ops).__name__)
     return swapped
 
 
@@ -204,11 +209,16 @@ def _layer_ops(parameter: torch.Tensor) -> LayerOps | None:
 
 
 def _fusable(config) -> bool:
-    """Shapes the kernels implement: SiLU gating, full-head RoPE, head dim % 32, hidden and intermediate % 16."""
+    """Shapes the bf16 kernels implement: the architecture's, head dim % 32, hidden and intermediate % 16."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return (_fusable_architecture(config) and head_dim % (2 * _LANES) == 0 and config.hidden_size % _LANES == 0
+            and config.intermediate_size % _LANES == 0)
+
+
+def _fusable_architecture(config) -> bool:
+    """The layers the fused modules replace: Llama, Mistral and Qwen2 with SiLU gating and full-head RoPE."""
     return (config.model_type in ("llama", "mistral", "qwen2") and config.hidden_act == "silu"
-            and head_dim % (2 * _LANES) == 0 and config.hidden_size % _LANES == 0
-            and config.intermediate_size % _LANES == 0 and getattr(config, "partial_rotary_factor", 1.0) == 1.0)
+            and getattr(config, "partial_rotary_factor", 1.0) == 1.0)
 
 
 def _concatenated(*linears: torch.nn.Linear) -> torch.nn.Linear:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from promptcache.model_runtime import deterministic as determinism
 from promptcache.model_runtime.cpu_features import auto_dtype
 from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
 from promptcache.model_runtime.loading import fused_layers, quantized_linear
@@ -41,7 +42,9 @@ class ModelConfig:
     None: ~/.cache/promptcache/models). `dtype="auto"`: bf16 where the hardware computes it natively, else fp32.
     `pack_weights`: oneDNN-packed linear weights (packed_linear.py); `fuse_layers`: fused decoder layers
     (fused_layers.py); `weights` int8/int4: quantized CPU linear weights (int4 loads the built-in model's Q4_1 blocks as
-    stored). Raises ValueError for an unknown dtype, a malformed device, or quantized weights off the CPU."""
+    stored); `deterministic`: batch-invariant kernels instead of packing and the default fusion (model_runtime/
+    deterministic/). Raises ValueError for an unknown dtype, a malformed device, quantized weights off the CPU, or
+    deterministic serving of a device, dtype or weight format it does not cover."""
 
     name_or_path: str | None = None
     dtype: str = "float32"
@@ -51,6 +54,7 @@ class ModelConfig:
     pack_weights: bool = True
     fuse_layers: bool = True
     weights: WeightFormat = WeightFormat.NATIVE
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES and self.dtype != "auto":
@@ -61,6 +65,9 @@ class ModelConfig:
             raise ValueError(f"weights must be a WeightFormat, got {self.weights!r}")
         if self.weights is not WeightFormat.NATIVE and self.device != "cpu":
             raise ValueError(f"weights {self.weights.value} run on the CPU only, not on {self.device!r}")
+        if self.deterministic and (problem := determinism.problem_of_settings(self.device, self.dtype,
+                                                                             self.weights.value)) is not None:
+            raise ValueError(f"deterministic serving cannot run here: {problem}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -88,6 +95,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     key_shifter: KeyShifter | None = None  # moves cached keys to other positions; None: positions are not RoPE
     weights: WeightFormat = WeightFormat.NATIVE
+    deterministic: bool = False  # laid out for the batch-invariant kernels (model_runtime/deterministic/)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -131,16 +139,19 @@ def load_model(config: ModelConfig) -> LoadedModel:
         raise ModelLoadError(f"cannot load the model at {path!r}: {exc}") from None
     # Called through the class: transformers' @wraps(Module.to) hides from type checkers that it binds self.
     return wrap_model(type(model).to(model, config.device), tokenizer, name=name, pack_weights=config.pack_weights,
-                      fuse_layers=config.fuse_layers, weights=config.weights, blocks=blocks)
+                      fuse_layers=config.fuse_layers, weights=config.weights, blocks=blocks,
+                      deterministic=config.deterministic)
 
 
 def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str,
                pack_weights: bool = False, fuse_layers: bool = False, weights: WeightFormat = WeightFormat.NATIVE,
-               blocks: Mapping[str, Int4Blocks] | None = None) -> LoadedModel:
+               blocks: Mapping[str, Int4Blocks] | None = None, deterministic: bool = False) -> LoadedModel:
     """Check and describe an in-process model as `load_model` does, in eval mode. After fingerprinting the weights (so
     packed, fused and plain servers share KV keys) it fuses layers, quantizes to `weights` (`blocks` as stored; the
-    format is part of the fingerprint) and packs, in place. Raises UnsupportedModelError or ModelLoadError (slow
-    tokenizer, vocabulary mismatch, quantized weights this torch build or CPU cannot run)."""
+    format is part of the fingerprint) and packs, in place; `deterministic`: lays it out for the batch-invariant
+    kernels instead (a KV key of its own: its KV's bits are its kernels'). Raises UnsupportedModelError or
+    ModelLoadError (slow tokenizer, vocabulary mismatch, quantized weights this torch build or CPU cannot run,
+    deterministic serving of a model, device, dtype or weight format it does not cover)."""
     config = model.config
     check_architecture(config)
     if not getattr(tokenizer, "is_fast", False):
@@ -153,21 +164,29 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
     dtype = str(model.dtype).removeprefix("torch.")
     if (problem := quantized_linear.kernel_problem(weights, model.dtype)) is not None:
         raise ModelLoadError(f"{name}: {weights.value} weights cannot run here: {problem}")
-    # KV computed with quantized weights is not the float model's: the format is part of the key.
+    if deterministic and (problem := determinism.problem(config, model.dtype, str(model.device),
+                                                         weights.value)) is not None:
+        raise ModelLoadError(f"{name}: deterministic serving cannot run here: {problem}")
+    # KV computed with quantized weights or by the deterministic kernels is not the default model's: part of the key.
     stored_as = dtype if weights is WeightFormat.NATIVE else f"{dtype}:{weights.value}"
+    stored_as += ":deterministic" if deterministic else ""
     fingerprint = model_fingerprint(name, config, stored_as, weights_digest(model))
-    if fuse_layers:
-        fused_layers.fuse_layers(model)  # before quantizing and packing: they pick up the fused projections
-    quantized_linear.quantize_linears(model, weights, blocks)
-    if pack_weights:
-        pack_linears(model)
+    if deterministic:
+        determinism.apply(model)  # its own fusion and linear layers: nothing to quantize or pack
+    else:
+        if fuse_layers:
+            fused_layers.fuse_layers(model)  # before quantizing and packing: they pick up the fused projections
+        quantized_linear.quantize_linears(model, weights, blocks)
+        if pack_weights:
+            pack_linears(model)
     return LoadedModel(
         model=model.eval(), tokenizer=tokenizer, architecture=config.model_type, name=name,
         model_fingerprint=fingerprint, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         num_layers=config.num_hidden_layers, num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
         uses_rope=config.model_type != "gpt2", max_positions=_max_positions(config),
-        eos_token_ids=_eos_ids(model, tokenizer), key_shifter=KeyShifter.of(model, head_dim), weights=weights)
+        eos_token_ids=_eos_ids(model, tokenizer), key_shifter=KeyShifter.of(model, head_dim), weights=weights,
+        deterministic=deterministic)
 
 
 def check_architecture(hf_config: PretrainedConfig) -> None:
