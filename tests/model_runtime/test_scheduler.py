@@ -193,3 +193,52 @@ def test_a_failed_module_encoding_fails_its_parked_request_only(engines):
     assert len(failed) == 1 and failed[0].report.error.startswith("internal error (id ")
     assert failed[0].report.error_type == "internal"
     assert served == reference_tokens(runtime.loaded, plain, GREEDY) and again == [served, served]
+
+
+@pytest.mark.parametrize("share", [0.5, None], ids=["share", "no-share"])
+def test_a_tenant_past_its_kv_share_is_passed_over_while_another_waits(share):
+    """a's long requests hold most of the KV budget and its next one does not fit; b's short request does. With a
+    share, a is past it while b waits, so b is admitted at once; without one, a's head keeps the turn and b waits for
+    a request of a's to end."""
+    runtime = _runtime()
+    plan_a, plan_b = _text_plan(runtime, TEXTS[0]), _text_plan(runtime, TEXTS[1])
+    long_params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    per_token = runtime.loaded.kv_bytes_per_token
+    fidelity = EngineConfig().fidelity
+    cost_a = (len(resolve(plan_a, fidelity).token_ids) + 1 + 200) * per_token  # own KV: prompt, a token, max_tokens
+    cost_b = (len(resolve(plan_b, fidelity).token_ids) + 1 + GREEDY.max_tokens) * per_token
+    config = EngineConfig(max_num_seqs=8, prefix=None, max_kv_bytes=3 * cost_a + cost_b + per_token,
+                          tenant_kv_share=share)
+    engine = Engine(runtime.module_encoder, config)
+    log: list = []
+
+    async def main():
+        with engine.inbox.wakeup:  # a0-a2 are admitted together; a3 waits for memory
+            tasks = [asyncio.create_task(_run(engine.submit(plan_a, long_params, tenant="a"), log, f"a{i}"))
+                     for i in range(4)]
+        while engine.num_running < 3:
+            await asyncio.sleep(0.001)
+        tasks.append(asyncio.create_task(_run(engine.submit(plan_b, GREEDY, tenant="b"), log, "b")))
+        return await asyncio.gather(*tasks)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.stop()
+    finished = [name for name, kind in log if kind == "final"]
+    if share is not None:
+        assert finished[0] == "b", finished
+    else:
+        assert finished.index("b") > finished.index("a0"), finished
+    assert results[-1] == reference_tokens(runtime.loaded, plan_b, GREEDY)
+    assert engine.scheduler.memory.used_bytes == 0
+
+
+def test_admission_waits_while_an_encoding_claims_memory():
+    runtime = _runtime()
+    scheduler = Scheduler(EngineConfig(prefix=None), runtime.module_encoder, PrefixReuse(None))
+    scheduler.add(Request("r0", _text_plan(runtime, TEXTS[0]), GREEDY, None, tenant="a"))
+    scheduler.kv.claims.add("b")  # b's next module encoding waits for room: nobody overtakes it
+    assert not scheduler.schedule().batch and len(scheduler.waiting) == 1
+    scheduler.kv.claims.clear()
+    assert [s.seq.request.request_id for s in scheduler.schedule().batch] == ["r0"]

@@ -18,8 +18,9 @@ class EngineConfig:
     `max_prefill_tokens`; with `ttft_target_ms`, also every prompt that would get its first token later at that budget
     (and those queued before it). `logits_cache_bytes`: last-token logits kept for exact repeats (0: off).
     `max_waiting_per_tenant`: queued requests per tenant before QueueFullError. A tenant running `max_num_seqs -
-    tenant_headroom_seqs` sequences takes no more. Within `shared_window_s` of a light tenant's own step, others' steps
-    are held to `shared_step_ratio` times it (None: no cap)."""
+    tenant_headroom_seqs` sequences takes no more, nor one holding `tenant_kv_share` of `max_kv_bytes` (its requests'
+    KV and its module encodings') while another tenant waits (None: no bound). Within `shared_window_s` of a light
+    tenant's own step, others' steps are held to `shared_step_ratio` times it (None: no cap)."""
 
     max_num_seqs: int = 64
     max_kv_bytes: int = 2 << 30
@@ -36,6 +37,7 @@ class EngineConfig:
     max_assembled_bytes: int = 128 << 20  # ~5.6K tokens of SmolLM2-135M's KV in bf16
     max_waiting_per_tenant: int = 1024  # 16 full batches of the default max_num_seqs
     tenant_headroom_seqs: int = 0
+    tenant_kv_share: float | None = None
     shared_step_ratio: float | None = 1.0
     shared_window_s: float = 2.0
 
@@ -43,6 +45,8 @@ class EngineConfig:
         require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         require(0 <= self.tenant_headroom_seqs < self.max_num_seqs,
                 f"tenant_headroom_seqs must be in [0, max_num_seqs), got {self.tenant_headroom_seqs}")
+        require(self.tenant_kv_share is None or 0 < self.tenant_kv_share <= 1,
+                f"tenant_kv_share must be in (0, 1] or None, got {self.tenant_kv_share}")
         require(self.max_waiting_per_tenant >= 1,
                 f"max_waiting_per_tenant must be >= 1, got {self.max_waiting_per_tenant}")
         require(self.max_assembled_bytes >= 0, f"max_assembled_bytes must be >= 0, got {self.max_assembled_bytes}")

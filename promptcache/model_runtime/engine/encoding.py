@@ -1,6 +1,7 @@
 """Module encoding inside engine steps: schema uploads and module KV no tier holds are pseudo-sequences fed in
-chunks of the step's prefill budget (one pass would freeze every stream). Jobs run one at a time, planned when
-they start, so a job reuses the links earlier ones stored (a shared missing context is computed once)."""
+chunks of the step's prefill budget (one pass would freeze every stream). Each owner (tenant) has a queue of its own,
+served round-robin a chunk at a time; an owner's jobs run one at a time, planned when they start, so a job reuses the
+links its owner's earlier ones stored (a shared missing context is computed once)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,18 @@ import concurrent.futures
 import functools
 import itertools
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
+from promptcache.model_runtime.engine.kv_budget import Fit, KVBudget
 from promptcache.model_runtime.engine.prefix import KVView
 from promptcache.model_runtime.engine.request import Request, SeqStatus, Sequence, SharedKV
 from promptcache.model_runtime.engine.runner import ModelRunner, RunOutput
 from promptcache.model_runtime.engine.step_plan import EncodeNeed, ScheduledSeq, StepPlan
+from promptcache.model_runtime.errors import InvalidRequestError
 from promptcache.model_runtime.module_encoder import ChainWork, EncodeReport, ModuleEncoder
 from promptcache.pml import Schema
 
@@ -30,7 +33,8 @@ _seq_ids = itertools.count()
 @dataclass(eq=False)
 class EncodeJob:
     """Encode (segment, context) of a schema for `owner` unless stored; `done` resolves with the target's block (None:
-    stored meanwhile). `keep_local`: in local tiers too; `recompute`: even if a tier holds it."""
+    stored meanwhile). `keep_local`: in local tiers too; `recompute`: even if a tier holds it. `work`: its plan, made
+    when it first comes up and kept while it waits for KV memory."""
 
     target: str  # its store key
     schema: Schema
@@ -41,6 +45,7 @@ class EncodeJob:
     keep_local: bool = True
     recompute: bool = False
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    work: ChainWork | None = None
 
 
 @dataclass(eq=False)
@@ -48,21 +53,36 @@ class _Active:
     job: EncodeJob
     work: ChainWork
     seq: Sequence
+    num_bytes: int  # reserved in the KV budget until it ends
     compute_s: float = 0.0
 
 
-class EncodeQueue:
-    """FIFO of encode jobs; at most one is computing. Used only on the engine thread."""
+@dataclass(eq=False)
+class _OwnerJobs:
+    """One owner's encodings: those not started, in order, and the one computing."""
 
-    def __init__(self, encoder: ModuleEncoder) -> None:
+    waiting: deque[EncodeJob] = field(default_factory=deque)
+    active: _Active | None = None
+
+
+class EncodeQueue:
+    """Encode jobs, a FIFO per owner served round-robin: each step's chunk goes to the next owner in turn whose job
+    can run, so one tenant's many (or long) encodings delay another's by a chunk per owner, not by all of them.
+    Identical jobs (one target) are one, resolving every submitter. With a KVBudget, a job's KV (its tokens and the
+    stored links it attends to) is reserved when it starts and freed when it ends: a job that would take its owner
+    past its share waits while the others' run; one the budget lacks room for claims it (admission waits, as for a
+    request: nobody overtakes it); one larger than the whole budget fails. Used only on the engine thread."""
+
+    def __init__(self, encoder: ModuleEncoder, budget: KVBudget | None = None) -> None:
         self.encoder = encoder
-        self._jobs: deque[EncodeJob] = deque()
+        self.budget = budget
+        self._owners: OrderedDict[str | None, _OwnerJobs] = OrderedDict()  # owners with jobs, in turn order
         self._by_target: dict[str, EncodeJob] = {}
-        self._active: _Active | None = None
+        self._served: tuple[str | None, _Active] | None = None  # the owner and job of the last chunk given out
 
     @property
     def has_work(self) -> bool:
-        return bool(self._jobs or self._active)
+        return bool(self._owners)
 
     def submit(self, schema: Schema, segment_id: int, context_ids: tuple[int, ...], salt: str | None, *,
                owner: str | None = None, keep_local: bool = True, recompute: bool = False) -> EncodeJob:
@@ -72,33 +92,48 @@ class EncodeQueue:
         if job is None:
             job = EncodeJob(target, schema, segment_id, tuple(context_ids), salt, owner, keep_local, recompute)
             self._by_target[target] = job
-            self._jobs.append(job)
+            if owner not in self._owners:  # a new owner takes its turn last
+                self._owners[owner] = _OwnerJobs()
+                self._note_owners()
+            self._owners[owner].waiting.append(job)
         job.keep_local = job.keep_local or keep_local
         job.recompute = job.recompute or recompute
         return job
 
     def next_chunk(self, budget: int) -> ScheduledSeq | None:
-        """The active job's pseudo-sequence with up to `budget` of its tokens, or None."""
+        """The pseudo-sequence of the next owner in turn whose job runs (started here if it has none running), with up
+        to `budget` of its tokens, or None; that owner's turn passes."""
         if budget <= 0:
             return None
-        while self._active is None and self._jobs:
-            self._activate(self._jobs.popleft())
-        if self._active is None:
-            return None
-        seq = self._active.seq
-        return ScheduledSeq(seq, min(len(seq.pending_ids), budget))
+        for owner in list(self._owners):
+            jobs = self._owners[owner]
+            if jobs.active is None:
+                self._start_next(owner, jobs)
+            if jobs.active is not None:
+                self._owners.move_to_end(owner)
+                self._served = (owner, jobs.active)
+                seq = jobs.active.seq
+                return ScheduledSeq(seq, min(len(seq.pending_ids), budget))
+            if not jobs.waiting:
+                self._drop_owner(owner)
+        return None
 
     def after_run(self, chunk: ScheduledSeq, output: RunOutput) -> None:
         """`chunk` ran in `output`'s pass: store and resolve its job after its last chunk; a failed chunk fails it."""
-        active, error = self._active, output.encoding_error
-        if active is None or active.seq is not chunk.seq:
+        if self._served is None or self._served[1].seq is not chunk.seq:
             return
+        (owner, active), error = self._served, output.encoding_error
         if error is None:
             active.compute_s += output.encoding_s or 0.0
             chunk.seq.advance(chunk.num_tokens)
             if chunk.seq.pending_ids:
                 return
-        self._active = None
+        self._served = None
+        self._owners[owner].active = None
+        if self.budget is not None:
+            self.budget.release(owner, active.num_bytes, {})
+        if not self._owners[owner].waiting:
+            self._drop_owner(owner)
         self._by_target.pop(active.job.target, None)
         if error is not None:
             active.job.done.set_exception(error)
@@ -109,28 +144,74 @@ class EncodeQueue:
         active.job.done.set_result(self.encoder.store_tail(work, keys[:, :, :n], values[:, :, :n],
                                                            local=active.job.keep_local))
 
-    def _activate(self, job: EncodeJob) -> None:
-        try:
-            work = self.encoder.plan(job.schema, job.segment_id, job.context_ids, job.salt, owner=job.owner,
-                                     local=job.keep_local, assume_missing=job.recompute)
-        except Exception as exc:  # e.g. positions past the model: this job fails, the queue goes on
-            self._by_target.pop(job.target, None)
-            job.done.set_exception(exc)
+    def _start_next(self, owner: str | None, jobs: _OwnerJobs) -> None:
+        """Start the owner's next job that still has work, if its KV may be reserved now."""
+        if self.budget is not None:
+            self.budget.claims.discard(owner)
+        while jobs.waiting:
+            job = jobs.waiting[0]
+            if job.work is None:
+                try:
+                    job.work = self.encoder.plan(job.schema, job.segment_id, job.context_ids, job.salt,
+                                                 owner=job.owner, local=job.keep_local, assume_missing=job.recompute)
+                except Exception as exc:  # e.g. positions past the model: this job fails, the queue goes on
+                    self._end_unstarted(jobs, exc)
+                    continue
+                if job.work is None:  # stored meanwhile (another job, another replica)
+                    self._end_unstarted(jobs, None)
+                    continue
+            work = job.work
+            num_bytes = (len(work.token_ids) + sum(b.num_tokens for b in work.found)) * \
+                self.encoder.loaded.kv_bytes_per_token
+            fit = Fit.FITS if self.budget is None else self.budget.verdict(owner, num_bytes, {})
+            if fit is Fit.NEVER:
+                assert self.budget is not None
+                self._end_unstarted(jobs, InvalidRequestError(
+                    f"encoding a module of schema {job.schema.name!r} needs {num_bytes} bytes of KV; the engine's "
+                    f"budget is {self.budget.memory.max_bytes}"))
+                continue
+            if fit is Fit.NO_ROOM:
+                assert self.budget is not None
+                self.budget.claims.add(owner)
+            if fit is not Fit.FITS:  # over its share: the other owners' jobs run meanwhile
+                return
+            jobs.waiting.popleft()
+            if self.budget is not None:
+                self.budget.reserve(owner, num_bytes, {})
+            jobs.active = _Active(job, work, self._sequence(work), num_bytes)
             return
-        if work is None:  # stored meanwhile (another job, another replica)
-            self._by_target.pop(job.target, None)
+
+    def _end_unstarted(self, jobs: _OwnerJobs, error: BaseException | None) -> None:
+        """Resolve the owner's first waiting job without computing it: failed, or stored meanwhile (None)."""
+        job = jobs.waiting.popleft()
+        self._by_target.pop(job.target, None)
+        if error is not None:
+            job.done.set_exception(error)
+        else:
             job.done.set_result(None)
-            return
+
+    def _sequence(self, work: ChainWork) -> Sequence:
+        """The pseudo-sequence computing `work`'s tokens after its stored links."""
         loaded, device = self.encoder.loaded, self.encoder.loaded.model.device
+        # [num_layers, num_kv_heads, num_tokens, head_dim]
         shape = (loaded.num_layers, loaded.num_kv_heads, max(1, len(work.token_ids)), loaded.head_dim)
         seq_id = next(_seq_ids)
         shared = [SharedKV(KVView(f"encode-{seq_id}/{i}"), block.to(device)) for i, block in enumerate(work.found)]
-        seq = Sequence(seq_id=seq_id, request=None, index=0, shared=shared,
-                       own_keys=torch.empty(shape, dtype=loaded.model.dtype, device=device),
-                       own_values=torch.empty(shape, dtype=loaded.model.dtype, device=device),
-                       pending_ids=list(work.token_ids), pending_positions=list(work.position_ids),
-                       status=SeqStatus.PREFILL)
-        self._active = _Active(job, work, seq)
+        return Sequence(seq_id=seq_id, request=None, index=0, shared=shared,
+                        own_keys=torch.empty(shape, dtype=loaded.model.dtype, device=device),
+                        own_values=torch.empty(shape, dtype=loaded.model.dtype, device=device),
+                        pending_ids=list(work.token_ids), pending_positions=list(work.position_ids),
+                        status=SeqStatus.PREFILL)
+
+    def _drop_owner(self, owner: str | None) -> None:
+        del self._owners[owner]
+        if self.budget is not None:
+            self.budget.claims.discard(owner)
+        self._note_owners()
+
+    def _note_owners(self) -> None:
+        if self.budget is not None:
+            self.budget.encoding_owners = set(self._owners)
 
 
 class ParkedEncodes:

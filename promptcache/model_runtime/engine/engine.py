@@ -99,7 +99,7 @@ class Engine:
         self.outputs = OutputProcessor(self.scheduler, self.prefix)
         self.runner = ModelRunner(loaded, backend=self.config.attention_backend,
                                   max_assembled_bytes=self.config.max_assembled_bytes)
-        self.encodes = EncodeQueue(encoder)
+        self.encodes = EncodeQueue(encoder, self.scheduler.kv)  # encodings' KV counts in the batch's budget
         self.parked_encodes = ParkedEncodes(self.encodes)
         self.schema_encodes = SchemaEncodes(self.encodes)
         self.inbox = Inbox()

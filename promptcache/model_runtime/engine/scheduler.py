@@ -1,5 +1,6 @@
 """Scheduler: admission from per-tenant queues (waiting.py), round-robin under a sequence cap and a KV byte
-budget (memory.py), each admitted request's KV assembled (assembly.py), and the step's batch (`schedule`)."""
+budget shared with module encoding (kv_budget.py), each admitted request's KV assembled (assembly.py), and the step's
+batch (`schedule`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import time
 
 from promptcache.model_runtime.engine.assembly import Assembled, MissingModules, assemble, missing_modules
 from promptcache.model_runtime.engine.config import EngineConfig
-from promptcache.model_runtime.engine.memory import KVMemory, OwnKV, held_bytes, request_bytes
+from promptcache.model_runtime.engine.kv_budget import Fit, KVBudget
+from promptcache.model_runtime.engine.memory import OwnKV, held_bytes, request_bytes
 from promptcache.model_runtime.engine.prefix import PrefixReuse
 from promptcache.model_runtime.engine.reports import failure_event, final_event, rejection_event
 from promptcache.model_runtime.engine.request import FinishReason, Request, SeqStatus, Sequence, SharedKV, TokenEvent
@@ -30,7 +32,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.admitted: dict[str, Request] = {}  # requests with running sequences, by id
         self._aborted: list[Request] = []  # aborted since the last schedule: their final events are due
-        self.memory = KVMemory(config.max_kv_bytes)
+        self.kv = KVBudget(config.max_kv_bytes, config.tenant_kv_share)  # the engine's encode queue reserves in it too
+        self.memory = self.kv.memory
         self.step_budget = StepBudget(min(config.min_prefill_tokens, config.max_prefill_tokens),
                                       config.max_prefill_tokens, config.max_step_slowdown, config.ttft_target_ms)
         self.bytes_per_token = self.loaded.kv_bytes_per_token
@@ -97,11 +100,13 @@ class Scheduler:
             self.shared_cap.observe_capped(plan.num_decoding + plan.num_prompt_tokens, step_ms)
 
     def _admit(self, events: list[TokenEvent], ready: list, encodes: list[EncodeNeed]) -> None:
-        """Admit heads in turn until one does not fit, which blocks the rest (none starves). Heads whose module KV no
-        tier gives are parked (`encodes`); tenants at their share are passed over; exact repeats go to `ready`."""
+        """Admit heads in turn until one must wait for memory, which blocks the rest (none starves), as does a module
+        encoding waiting for it. Heads whose module KV no tier gives are parked (`encodes`); tenants at their share of
+        sequence slots or KV bytes are passed over; exact repeats go to `ready`."""
         at_share: set[str | None] = set()  # tenants whose next request would eat the others' headroom
         tenant_cap = self.config.max_num_seqs - self.config.tenant_headroom_seqs
         while (request := self.waiting.head(skip=at_share)) is not None:
+            self.kv.waiting_tenants = self.waiting.waiting_tenants()
             num_seqs = request.params.n + (1 if request.params.n > 1 else 0)
             if self.running and len(self.running) + num_seqs > self.config.max_num_seqs:
                 return
@@ -114,13 +119,17 @@ class Scheduler:
                 self._park(request, missing, encodes, recompute=False)
                 continue
             own, shared = request_bytes(request, self.encoder)
-            if self.memory.cost(own, shared) > self.memory.max_bytes:
+            fit = self.kv.verdict(request.tenant, own, shared)
+            if fit is Fit.NEVER:
                 self.waiting.pop(request)
                 events.append(rejection_event(request, f"the request needs {self.memory.cost(own, shared)} bytes of "
                                                        f"KV; the engine's budget is {self.memory.max_bytes}"))
                 continue
-            if not self.memory.fits(own, shared):
-                return  # its tenant keeps the turn: admitted first when memory frees
+            if fit is Fit.OVER_SHARE:  # another tenant's request goes first; this one waits for its tenant's KV
+                at_share.add(request.tenant)
+                continue
+            if fit is Fit.NO_ROOM or self.kv.claims:
+                return  # its tenant keeps the turn: admitted first when memory frees (after a waiting encoding)
             try:
                 assembled = assemble(request, self.encoder, self.prefix)
             except Exception as exc:  # one request's failure never touches another
@@ -136,7 +145,7 @@ class Scheduler:
             except Exception as exc:
                 events.append(self.fail(request, exc))
                 continue
-            self.memory.reserve(own, shared)
+            self.kv.reserve(request.tenant, own, shared)
             self._reservations[request.request_id] = (own, shared)
             self.admitted[request.request_id] = request
             logits = request.stream.logits if request.stream is not None else None
@@ -205,7 +214,7 @@ class Scheduler:
         self.admitted.pop(request.request_id, None)
         reservation = self._reservations.pop(request.request_id, None)
         if reservation is not None:
-            self.memory.release(*reservation)
+            self.kv.release(request.tenant, *reservation)
         if request.held_keys:
             self.encoder.store.release(request.held_keys)
             request.held_keys = ()

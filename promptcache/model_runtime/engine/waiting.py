@@ -20,6 +20,7 @@ class WaitingRequests:
         self.max_per_tenant = max_per_tenant
         self._queues: OrderedDict[str | None, OrderedDict[str, Request]] = OrderedDict()  # tenants in turn order
         self._parked: dict[str, Request] = {}
+        self._num_parked: dict[str | None, int] = {}  # per tenant
         self._requests: dict[str, Request] = {}  # every request queued or parked, by id
         self._counts: dict[str | None, int] = {}  # per tenant: reserved and not yet left
         self._lock = threading.Lock()
@@ -52,6 +53,10 @@ class WaitingRequests:
         """Tenants with requests queued (parked ones aside). O(number of tenants)."""
         return set(self._queues)
 
+    def waiting_tenants(self) -> set[str | None]:
+        """Tenants with requests queued or parked. O(number of tenants)."""
+        return set(self._queues) | set(self._num_parked)
+
     def head(self, skip: frozenset[str | None] | set[str | None] = frozenset()) -> Request | None:
         """The first request of the tenant whose turn it is, tenants in `skip` passed over. O(number of tenants)."""
         for tenant, queue in self._queues.items():
@@ -70,11 +75,13 @@ class WaitingRequests:
         """Set the head `request` aside while its module KV is encoded; its tenant keeps the turn."""
         self._unqueue(request)
         self._parked[request.request_id] = request
+        self._num_parked[request.tenant] = self._num_parked.get(request.tenant, 0) + 1
 
     def resume(self, request_id: str) -> None:
         """A parked request's encodings finished: back to its queue's front (no-op if it left meanwhile)."""
         request = self._parked.pop(request_id, None)
         if request is not None:
+            self._unpark(request)
             queue = self._queues.setdefault(request.tenant, OrderedDict())
             queue[request_id] = request
             queue.move_to_end(request_id, last=False)
@@ -86,6 +93,8 @@ class WaitingRequests:
             return None
         if self._parked.pop(request_id, None) is None:
             self._unqueue(request)
+        else:
+            self._unpark(request)
         self._leave(request)
         return request
 
@@ -101,6 +110,13 @@ class WaitingRequests:
         del queue[request.request_id]
         if not queue:
             del self._queues[request.tenant]
+
+    def _unpark(self, request: Request) -> None:
+        count = self._num_parked[request.tenant] - 1
+        if count > 0:
+            self._num_parked[request.tenant] = count
+        else:
+            del self._num_parked[request.tenant]
 
     def _leave(self, request: Request) -> None:
         del self._requests[request.request_id]
