@@ -114,3 +114,18 @@ def test_reservations_from_many_threads_never_pass_the_bound():
     for thread in threads:
         thread.join()
     assert len(granted) == 100
+
+
+def test_waiting_tenants_count_parked_requests_until_they_leave():
+    waiting = WaitingRequests(max_per_tenant=10)
+    _queue(waiting, "a", "a0")
+    _queue(waiting, "b", "b0", "b1")
+    waiting.park(waiting.head())  # a0 waits for its module KV: a still waits
+    assert waiting.tenants() == {"b"} and waiting.waiting_tenants() == {"a", "b"}
+    waiting.remove("a0")
+    assert waiting.waiting_tenants() == {"b"}
+    waiting.park(waiting.head())
+    waiting.resume("b0")
+    waiting.pop(waiting.head())
+    waiting.pop(waiting.head())
+    assert waiting.waiting_tenants() == set() and len(waiting) == 0
