@@ -6,7 +6,7 @@ import asyncio
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from promptcache.pml import Schema
@@ -14,10 +14,11 @@ from promptcache.server import generation, wire
 from promptcache.server.errors import public_error
 from promptcache.server.fidelity import report_options
 from promptcache.server.json_body import json_off_loop
+from promptcache.server.request_body import OffLoopBodyRoute
 from promptcache.server.service import PromptService, Rates, Service, Tenant
 from promptcache.server.tenants import registry_name
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=OffLoopBodyRoute)
 
 
 def schema_info(service: PromptService, schema: Schema, tenant: str | None) -> wire.SchemaInfo:
@@ -80,7 +81,7 @@ async def delete_schema(name: str, service: Service, tenant: Tenant) -> Response
 
 
 @router.post("/generate", response_model=wire.GenerateResponse)
-async def generate(body: wire.GenerateRequest, service: Service, tenant: Tenant, rates: Rates):
+async def generate(body: wire.GenerateRequest, service: Service, tenant: Tenant, rates: Rates, request: Request):
     rates.check(tenant, body.n, already_counted=1)
     plan = await asyncio.to_thread(lambda: service.plan(body.prompt, tenant=tenant))  # parsing stays off the loop
     params = generation.sampling_params(body, service.settings.max_tokens_limit, body.logprobs)
@@ -92,7 +93,7 @@ async def generate(body: wire.GenerateRequest, service: Service, tenant: Tenant,
     if body.stream:
         return StreamingResponse(generation.sse_stream(_chunks(service, events, request_id, tenant, body.return_spans)),
                                  media_type="text/event-stream")
-    outcome = await generation.collect(events, params.n)
+    [outcome] = await generation.collect_all(request, [events], params.n)  # a client gone: aborted
     generation.record(service.metrics, outcome.report, outcome.finish_reasons, tenant)
 
     def answer() -> wire.GenerateResponse:  # decodes span texts and looks up every token's logprobs: off the loop

@@ -47,6 +47,8 @@ class ServerSettings(BaseSettings):
     max_num_seqs: int = 64
     tenant_headroom_seqs: int = Field(8, ge=0, description="with an API keys file: sequence slots one tenant "
                                       "leaves free for the others' requests; 0: none")
+    tenant_kv_share: float = Field(0.5, ge=0, le=1, description="with an API keys file: the most of max_kv_bytes one "
+                                   "tenant's requests and module encodings hold while others wait; 0: no bound")
     shared_step_ratio: float = Field(1.0, ge=0, description="while a light tenant is served beside busy ones, "
                                      "their steps are held to this many times its step of its own; 0: no cap")
     max_kv_bytes: int = 2 << 30
@@ -63,7 +65,7 @@ class ServerSettings(BaseSettings):
     max_request_bytes: int = 2 << 20
     max_schema_bytes: int = 4 << 20
     max_tokens_limit: int = 4096
-    max_prompts_per_request: int = Field(256, ge=1, description="prompts one /v1/completions request may list")
+    max_prompts_per_request: int = Field(256, ge=1, le=4096, description="prompts one /v1/completions request may list")
     prefix_caching: bool = True
     prefix_block_size: int = Field(32, ge=1, le=4096, description="tokens per automatic prefix block")
     prefix_ttl_s: float | None = Field(None, gt=0, description="unused prefix blocks expire after this")
@@ -93,6 +95,8 @@ class ServerSettings(BaseSettings):
                                                 "AVX512-BF16 (same outputs; off: the HF modules)")
     weights: Literal["native", "int8", "int4"] = Field("native", description="CPU: decoder linear weights as loaded, "
                                                        "int8 per channel or int4 per 32-group (docs/api.md)")
+    deterministic: bool = Field(False, description="batch-invariant kernels: a request and seed give the same tokens "
+                                "whatever the cache state and the batch (CPU, fp32/bf16, native weights; docs/api.md)")
 
     def load_config(self) -> ModelConfig:
         """The model these settings serve, as the runtime loads it."""
@@ -100,7 +104,7 @@ class ServerSettings(BaseSettings):
 
         return ModelConfig(self.model, dtype=self.dtype, device=self.device, cache_dir=self.model_cache_dir,
                            pack_weights=self.pack_weights, fuse_layers=self.fuse_layers,
-                           weights=WeightFormat(self.weights))
+                           weights=WeightFormat(self.weights), deterministic=self.deterministic)
 
     def store_config(self, owner_shares: Mapping[str, float] | None = None) -> StoreConfig:
         """The KV store of server and `promptcache encode` alike; `owner_shares`: each tenant's share of each tier."""
@@ -127,7 +131,8 @@ class ServerSettings(BaseSettings):
             logits_cache_bytes=self.logits_cache_bytes, shared_step_ratio=self.shared_step_ratio or None,
             max_assembled_bytes=self.max_assembled_kv_bytes, max_waiting_per_tenant=self.max_waiting_per_tenant,
             # Headroom is for other tenants: only an API keys file makes several.
-            tenant_headroom_seqs=min(self.tenant_headroom_seqs, self.max_num_seqs - 1) if self.api_keys_file else 0)
+            tenant_headroom_seqs=min(self.tenant_headroom_seqs, self.max_num_seqs - 1) if self.api_keys_file else 0,
+            tenant_kv_share=(self.tenant_kv_share or None) if self.api_keys_file else None)
 
     def default_fidelity(self) -> Fidelity:
         """The fidelity of requests that name none."""
@@ -146,5 +151,9 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _split_keys(cls, value):
         if isinstance(value, str):  # PROMPTCACHE_API_KEYS="k1,k2"
-            return [k.strip() for k in value.split(",") if k.strip()]
+            keys = [k.strip() for k in value.split(",") if k.strip()]
+            if value.strip() and not keys:  # "," meant keys and holds none: refused, never an open server
+                raise ValueError(f"PROMPTCACHE_API_KEYS={value!r} lists no API key; give comma-separated keys, "
+                                 "or unset it for a server without authentication")
+            return keys
         return value

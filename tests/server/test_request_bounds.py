@@ -36,14 +36,15 @@ def test_more_prompts_than_the_cap_is_a_400_naming_cap_and_count(live_server):
         api.completions.create(model="m", prompt=[[5, 6]] * 5, max_tokens=1)  # token-id lists count alike
 
 
-def test_more_chat_messages_than_the_cap_is_a_400_naming_it(live_server):
+def test_more_chat_messages_than_the_cap_is_a_422_naming_it(live_server):
     server = live_server()
     messages = [{"role": "user", "content": "hi"}] * (MAX_CHAT_MESSAGES + 1)
-    with pytest.raises(openai.BadRequestError) as raised:
+    with pytest.raises(openai.UnprocessableEntityError) as raised:
         _api(server).chat.completions.create(model="m", messages=messages, max_tokens=1)
-    assert f"at most {MAX_CHAT_MESSAGES}" in raised.value.message
+    assert f"messages: Value error, at most {MAX_CHAT_MESSAGES} items, got {MAX_CHAT_MESSAGES + 1}" in \
+        raised.value.message
     tokenized = httpx.post(server.url + "/tokenize", json={"messages": messages})
-    assert tokenized.status_code == 400 and f"at most {MAX_CHAT_MESSAGES}" in tokenized.json()["error"]["message"]
+    assert tokenized.status_code == 422 and f"at most {MAX_CHAT_MESSAGES}" in tokenized.json()["error"]["message"]
 
 
 def test_rate_limits_count_prompts_times_n(live_server, tmp_path):

@@ -7,18 +7,19 @@ import asyncio
 from typing import Any
 from xml.sax.saxutils import escape
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from promptcache.pml import PromptPlan
 from promptcache.server.errors import UnsupportedParameterError
-from promptcache.server.generation import collect, raise_for_error, record, sampling_params, sse_stream
+from promptcache.server.generation import collect_all, raise_for_error, record, sampling_params, sse_stream
 from promptcache.server.json_body import json_off_loop
 from promptcache.server.openai import shapes, wire
+from promptcache.server.request_body import OffLoopBodyRoute
 from promptcache.server.service import PromptService, Rates, Service, Tenant
 
-router = APIRouter(prefix="/v1")
-tokenizer_router = APIRouter()  # vLLM's paths: no /v1
+router = APIRouter(prefix="/v1", route_class=OffLoopBodyRoute)
+tokenizer_router = APIRouter(route_class=OffLoopBodyRoute)  # vLLM's paths: no /v1
 
 
 @router.get("/models")
@@ -28,7 +29,7 @@ async def models(service: Service) -> dict:
 
 
 @router.post("/completions")
-async def completions(body: wire.CompletionRequest, service: Service, tenant: Tenant, rates: Rates):
+async def completions(body: wire.CompletionRequest, service: Service, tenant: Tenant, rates: Rates, request: Request):
     wire.refuse_unsupported(body)
     prompts = body.prompts()
     if not prompts or any(not p for p in prompts):
@@ -42,8 +43,8 @@ async def completions(body: wire.CompletionRequest, service: Service, tenant: Te
     # Parsing, tokenizing and detokenizing run off the event loop (a long prompt must not stall other clients).
     plans, echoes, prompt_ids = await asyncio.to_thread(_prepare, service, body, prompts, tenant)
     if len(plans) == 1 and not body.echo:
-        return await _run(service, body, plans[0], tenant)
-    return await _run_many(service, body, plans, echoes, prompt_ids, tenant)
+        return await _run(service, body, plans[0], tenant, request)
+    return await _run_many(service, body, plans, echoes, prompt_ids, tenant, request)
 
 
 def _prepare(service: PromptService, body: wire.CompletionRequest, prompts: list[str | list[int]],
@@ -59,7 +60,8 @@ def _prepare(service: PromptService, body: wire.CompletionRequest, prompts: list
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: wire.ChatCompletionRequest, service: Service, tenant: Tenant, rates: Rates):
+async def chat_completions(body: wire.ChatCompletionRequest, service: Service, tenant: Tenant, rates: Rates,
+                           request: Request):
     wire.refuse_unsupported(body)
     rates.check(tenant, body.n, already_counted=1)
     if body.max_completion_tokens is not None:
@@ -71,7 +73,7 @@ async def chat_completions(body: wire.ChatCompletionRequest, service: Service, t
         plan = await asyncio.to_thread(lambda: service.plan(_chat_pml(schema_name, messages), tenant=tenant))
     else:
         plan = await asyncio.to_thread(service.runtime.plan_chat, messages)
-    return await _run(service, body, plan, tenant)
+    return await _run(service, body, plan, tenant, request)
 
 
 def _chat_pml(schema: str, messages: list[dict[str, str]]) -> str:
@@ -86,7 +88,7 @@ def _chat_pml(schema: str, messages: list[dict[str, str]]) -> str:
 
 
 async def _run(service: PromptService, body: wire.ChatCompletionRequest | wire.CompletionRequest, plan: PromptPlan,
-               tenant: str | None):
+               tenant: str | None, request: Request):
     chat = isinstance(body, wire.ChatCompletionRequest)
     # The alternatives each token's logprobs carry; None: the request wants no logprobs.
     num_logprobs = (body.logprobs if isinstance(body, wire.CompletionRequest)
@@ -100,7 +102,7 @@ async def _run(service: PromptService, body: wire.ChatCompletionRequest | wire.C
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(sse_stream(_chunks(service, events, head, chat, include_usage, tenant)),
                                  media_type="text/event-stream")
-    outcome = await collect(events, params.n)
+    [outcome] = await collect_all(request, [events], params.n)  # a client gone: aborted
     record(service.metrics, outcome.report, outcome.finish_reasons, tenant)
     token_text = service.token_strings.text
 
@@ -149,7 +151,8 @@ async def _chunks(service: PromptService, events, head: dict, chat: bool, includ
 
 
 async def _run_many(service: PromptService, body: wire.CompletionRequest, plans: list[PromptPlan],
-                    echoes: list[str] | None, prompt_ids: list[list[int]] | None, tenant: str | None) -> Response:
+                    echoes: list[str] | None, prompt_ids: list[list[int]] | None, tenant: str | None,
+                    request: Request) -> Response:
     """Several prompts, or echo (not streamed): prompt p's n choices from index p x n, all submitted at once (all queued
     or a 429) so shared text shares its KV; none run for `max_tokens` 0 without logprobs. `echoes`: texts to prepend;
     `prompt_ids` (echo with logprobs): the prompts' tokens get logprobs too, the first None as OpenAI reports it."""
@@ -160,7 +163,7 @@ async def _run_many(service: PromptService, body: wire.CompletionRequest, plans:
                                  prompt_logprobs=body.logprobs if prompt_ids is not None else None)
         streams = service.submit_many(plans, params, body.cache_salt, [f"{head['id']}-{i}" for i in range(len(plans))],
                                       service.fidelity(body.fidelity, body), tenant)
-        outcomes = list(await asyncio.gather(*(collect(events, params.n) for events in streams)))
+        outcomes = list(await collect_all(request, streams, params.n))
         for outcome in outcomes:
             record(service.metrics, outcome.report, outcome.finish_reasons, tenant)
     return await json_off_loop(lambda: {**head, **_answer(service, body, plans, outcomes, echoes, prompt_ids)})

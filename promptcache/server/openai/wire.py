@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from promptcache.server.errors import UnsupportedParameterError
-from promptcache.server.wire import SamplingFields, StrictModel
+from promptcache.server.errors import InvalidParameterError, UnsupportedParameterError
+from promptcache.server.wire import SamplingFields, StrictModel, at_most
 
 MAX_CHAT_MESSAGES = 1024  # a chat's turns; its tokens are bounded by the model's positions after rendering
+MAX_CONTENT_PARTS = 32  # one message's content parts
+MAX_PROMPTS = 4096  # prompts in one completion request (max_prompts_per_request may allow fewer, never more)
+MAX_TOKEN_IDS = 1 << 20  # token ids in one prompt (or one /detokenize list); a model's positions bound it further
+MAX_OTHER_ITEMS = 128  # fields OpenAI defines that we accept only empty (tools, functions, modalities, metadata)
+
+
+def _bounded_prompt(value: Any) -> Any:
+    """The completion prompt's list bound by its shape, decided by the first item, before any item is validated:
+    token ids (at most MAX_TOKEN_IDS) or texts / token-id lists (at most MAX_PROMPTS)."""
+    if isinstance(value, list) and value:
+        is_ids = isinstance(value[0], int) and not isinstance(value[0], bool)
+        cap = MAX_TOKEN_IDS if is_ids else MAX_PROMPTS
+        if len(value) > cap:
+            raise ValueError(f"at most {cap} {'token ids' if is_ids else 'prompts'}, got {len(value)}")
+    return value
 
 
 class StreamOptions(StrictModel):
@@ -28,7 +43,8 @@ class _OpenAIFields(SamplingFields):
 
 class CompletionRequest(_OpenAIFields):
     # A text, a list of texts, token ids, or a list of token-id lists: each prompt one group of n choices.
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[Annotated[list[int], at_most(MAX_TOKEN_IDS)]],
+                      BeforeValidator(_bounded_prompt)]
     max_tokens: int = Field(16, ge=0, description="0 only with echo: return the prompt, generate nothing")
 
     def prompts(self) -> list[str | list[int]]:
@@ -45,27 +61,27 @@ class CompletionRequest(_OpenAIFields):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Annotated[list[dict[str, Any]], at_most(MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(_OpenAIFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: Annotated[list[ChatMessage], at_most(MAX_CHAT_MESSAGES)] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     schema_name: str | None = Field(None, alias="schema", description="PML schema whose modules messages import")
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None
+    tools: Annotated[list[Any], at_most(MAX_OTHER_ITEMS)] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    functions: list[Any] | None = None
+    functions: Annotated[list[Any], at_most(MAX_OTHER_ITEMS)] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: Annotated[dict[str, Any], at_most(MAX_OTHER_ITEMS)] | None = None
     audio: Any = None
-    modalities: list[str] | None = None
+    modalities: Annotated[list[str], at_most(MAX_OTHER_ITEMS)] | None = None
     prediction: Any = None
     reasoning_effort: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[str, str], at_most(MAX_OTHER_ITEMS)] | None = None
     store: bool | None = None
     service_tier: str | None = None
     web_search_options: Any = None
@@ -74,15 +90,17 @@ class ChatCompletionRequest(_OpenAIFields):
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Role/content dicts for the chat template: text parts joined, `developer` as `system`. Raises
-    UnsupportedParameterError for non-text content parts and past MAX_CHAT_MESSAGES messages."""
-    if len(messages) > MAX_CHAT_MESSAGES:
-        raise UnsupportedParameterError(f"messages: {len(messages)} messages in one request; this server takes at "
-                                        f"most {MAX_CHAT_MESSAGES}")
+    """Role/content dicts for the chat template: text parts joined, `developer` as `system` (at most MAX_CHAT_MESSAGES:
+    the wire models refuse more). Raises UnsupportedParameterError for non-text content parts, InvalidParameterError for
+    a text part whose `text` is not a string."""
     rendered = []
     for index, message in enumerate(messages):
         if isinstance(message.content, list) and any(part.get("type") != "text" for part in message.content):
             raise UnsupportedParameterError(f"messages[{index}]: only text content parts are supported")
+        for number, part in enumerate(message.content if isinstance(message.content, list) else []):
+            if not isinstance(part.get("text"), str):  # joined below: anything else was a TypeError, a 500
+                raise InvalidParameterError(f"messages[{index}].content[{number}].text: expected a string, got "
+                                            f"{type(part.get('text')).__name__}")
         content = message.content if isinstance(message.content, str) else "".join(
             part.get("text", "") for part in message.content or [] if part.get("type") == "text")
         rendered.append({"role": "system" if message.role == "developer" else message.role, "content": content})
@@ -94,7 +112,7 @@ class TokenizeRequest(StrictModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], at_most(MAX_CHAT_MESSAGES)] | None = None
     add_special_tokens: bool = Field(True, description="False is refused: prompts are tokenized as the completion "
                                                        "routes tokenize them")
     add_generation_prompt: bool = Field(True, description="False is refused: chats are rendered for a reply")
@@ -103,7 +121,7 @@ class TokenizeRequest(StrictModel):
 
 class DetokenizeRequest(StrictModel):
     model: str | None = None
-    tokens: list[int] = Field(..., max_length=1 << 20)
+    tokens: Annotated[list[int], at_most(MAX_TOKEN_IDS)]
 
 
 def _no(value: Any) -> bool:
