@@ -87,6 +87,8 @@ async def collect_all(request: Request, streams: Sequence[AsyncIterator[TokenEve
     computing tokens no one will read."""
     gone: asyncio.Future[None] = asyncio.ensure_future(_disconnect(request))
     work: asyncio.Future[list[Outcome]] = asyncio.gather(*(collect(events, n) for events in streams))
+    # Cancelled, gather() holds a CancelledError as its exception: read it, or asyncio logs it as never retrieved.
+    work.add_done_callback(lambda done: done.cancelled() or done.exception())
     try:
         await asyncio.wait((gone, work), return_when=asyncio.FIRST_COMPLETED)
         if work.done():
