@@ -10,12 +10,17 @@ import torch
 
 from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import ModelRuntime, wrap_model
+from tests import numeric_paths
 from tests.model_factories import make_test_tokenizer, make_tiny_model
 
 # Tests compare against fp32 oracles, so the servers they start (in process or as subprocesses, which
 # inherit this) run fp32 on every machine; `--dtype auto` would pick bf16 on AMX/avx512_bf16 CPUs. bf16
 # has its own tolerance-based tests (tests/model_runtime/test_dtype.py).
 os.environ.setdefault("PROMPTCACHE_DTYPE", "float32")
+# Unless a rerun names another numeric path for them (tests/numeric_paths.py: scripts/test.sh reruns the docs test
+# and the end-to-end tests under each path this machine can take).
+if (NUMERIC_PATH := numeric_paths.selected()) is not None:
+    os.environ.update(NUMERIC_PATH.env)
 
 # The device of the tiny-model runtimes and their stores: `PROMPTCACHE_TEST_DEVICE=cuda` runs the
 # model-runtime, engine and store tests that build them on a GPU (scripts/gpu_check.sh does).
@@ -44,10 +49,11 @@ def tiny_runtime():
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The real default model (SmolLM2-135M-Instruct, fp32), loaded once per session."""
+    """The real default model (SmolLM2-135M-Instruct, fp32 or the rerun's numeric path's dtype), loaded once per
+    session."""
     from promptcache.model_runtime import ModelConfig, load_model
 
-    return load_model(ModelConfig())
+    return load_model(ModelConfig(dtype=NUMERIC_PATH.dtype if NUMERIC_PATH is not None else "float32"))
 
 
 @pytest.fixture

@@ -28,6 +28,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import numeric_paths
+from tests.e2e.answer_margins import RecordingProxy, answers, deciding_margins
 from tests.e2e.doc_examples import (
     ROOT,
     RUNNABLE_LANGUAGES,
@@ -40,6 +42,11 @@ from tests.e2e.doc_examples import (
 )
 from tests.redis_server import free_port
 
+# The least margin (nats) by which every token of an expected answer, up to the expected string, beats the runner-up.
+# Between SmolLM2's fp32 and bf16 paths the gap between a greedy token and its runner-up moved by 0.06 nats at the
+# median and 0.44 at most (313 tokens of 10 chat answers; 4 of them flipped); another CPU's bf16 kernels move it
+# less. An example must not depend on where that lands.
+MIN_MARGIN = 0.5
 ALL = [e for path in doc_paths() for e in examples(path)]
 MARKED = [e for e in ALL if e.action is not None]
 GENERATE = {"max_tokens": 48, "temperature": 0}
@@ -58,13 +65,17 @@ class DocServer:
 
     def __init__(self, log_path: Path) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.server_url = f"http://127.0.0.1:{self.port}"
+        self.proxy = RecordingProxy(self.server_url)
+        self.url = self.proxy.url  # what the examples talk to: the proxy records their generations
         self.log_path = log_path
         self.last: object = None
         command = shutil.which("promptcache")
         argv = [command] if command else [sys.executable, "-m", "promptcache.cli"]
-        # A new user's environment: no PROMPTCACHE_* settings (the suite's conftest sets a dtype).
+        # A new user's environment: no PROMPTCACHE_* settings (the suite's conftest sets a dtype), but for those of
+        # the numeric path a rerun names (tests/numeric_paths.py).
         env = {k: v for k, v in os.environ.items() if not k.startswith("PROMPTCACHE_")}
+        env.update(path.env if (path := numeric_paths.selected()) is not None else {})
         self.log = log_path.open("w")
         self.process = subprocess.Popen([*argv, "serve", "--port", str(self.port)], env=env, cwd=ROOT,
                                         stdout=self.log, stderr=subprocess.STDOUT)
@@ -74,7 +85,8 @@ class DocServer:
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.log_path.read_text()
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.server_url + "/health", timeout=2).status_code == 200:
+                    self.proxy.start()
                     return
             except httpx.HTTPError:
                 pass
@@ -82,6 +94,7 @@ class DocServer:
         raise AssertionError("the server did not become ready:\n" + self.log_path.read_text())
 
     def stop(self) -> None:
+        self.proxy.stop()
         self.process.terminate()
         try:
             self.process.wait(timeout=30)
@@ -132,10 +145,29 @@ def test_doc_example(example: Example, doc_server: DocServer, tmp_path):
     if example.action == "response":
         _check_sample(json.loads(example.text), doc_server.last, "")
         return
+    doc_server.proxy.take()
     run = {"bash": _run_bash, "python": _run_python, "xml": _run_xml}[example.language]
     output = run(example, doc_server, tmp_path)
     for expected in example.expect:
         assert expected.lower() in output.lower(), f"{example.name}: {expected!r} not in the output:\n{output}"
+    _check_margins(example, doc_server, output)
+
+
+def _check_margins(example: Example, server: DocServer, output: str) -> None:
+    """Every expected string that only a greedy answer puts in the output was chosen by a clear margin, token by
+    token up to its end (one the example prints anyway, from its prompt or a report, is no answer's doing)."""
+    generations = server.proxy.take()
+    rest = output
+    for answer in (answer for generation in generations for answer in answers(generation)):
+        rest = rest.replace(answer, "").replace(json.dumps(answer)[1:-1], "")
+    for expected in (e for e in example.expect if e.lower() not in rest.lower()):
+        for generation in generations:
+            for deciding in deciding_margins(server.server_url, generation, expected) or ():
+                weakest = min(deciding, key=lambda token: token.margin)
+                assert weakest.margin >= MIN_MARGIN, (
+                    f"{example.name}: {expected!r} hangs on a near-tie: token {weakest.token!r} beat the runner-up "
+                    f"by {weakest.margin:.3f} nats (at least {MIN_MARGIN} needed); margins up to it: "
+                    f"{[(t.token, round(t.margin, 3)) for t in deciding]}")
 
 
 def test_the_server_started_without_warnings(doc_server: DocServer):
