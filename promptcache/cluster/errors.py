@@ -27,7 +27,8 @@ class ReplicaStartError(ClusterError):
 
 
 class RequestTooLargeError(ClusterError):
-    """The request body exceeds the replicas' limit (the gateway reads it whole before choosing one)."""
+    """The request body exceeds the replicas' limit (the gateway reads it whole before choosing one), or a body
+    came to a path that takes none."""
 
 
 class ReplicasBusyError(ClusterError):

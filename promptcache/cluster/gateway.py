@@ -22,7 +22,7 @@ from promptcache.cluster.errors import ClusterError, ReplicaLostError, ReplicasB
 from promptcache.cluster.forwarded import ForwardedRequest
 from promptcache.cluster.readiness import ReplicaReadiness
 from promptcache.server.app import declares_body, is_open_path
-from promptcache.server.errors import PayloadTooLargeError, ServerError, response_for
+from promptcache.server.errors import ServerError, response_for
 from promptcache.server.generation import DONE, sse_error
 from promptcache.server.settings import ServerSettings
 from promptcache.server.tenants import Quota, TenantDirectory
@@ -91,7 +91,7 @@ class Gateway:
         if not is_open_path(request.path):
             self.tenants.authenticate(request.header("authorization"))
         elif declares_body(Headers(raw=list(request.headers))):
-            raise PayloadTooLargeError(f"{request.path} takes no request body")
+            raise RequestTooLargeError(f"{request.path} takes no request body")
 
     async def _read_body(self, receive: Receive) -> bytes:
         """The whole body, refusing more than the replicas' request limit (they check it again)."""

@@ -30,8 +30,29 @@ INT4_DEQUANTIZE_ROWS = 80
 INT4_BF16_KERNEL_ROWS = 256
 HEAD = "lm_head"  # the output head's key in a mapping of stored blocks (gguf_weights.read_q8_0_head)
 INT4_PACK_ROWS = 16  # the int4 packing needs output features in multiples of this
-_PACK_BLOCK = 64  # output channels per block of the CPU int4 packing
 _INT4_OFFSET = 8  # the kernel's q - 8
+
+
+def _unpacked_t(packed: torch.Tensor, in_features: int, block: int) -> torch.Tensor:
+    """q^T [in, out / b, b] read from PyTorch's CPU int4 packing, if it holds per block of b output channels an
+    [in, b / 2] byte array with channels 0..b/2-1 in the low nibbles and b/2..b-1 in the high ones."""
+    blocks = packed.view(-1, in_features, block // 2)  # [out / b, in, b / 2]
+    both = torch.cat([blocks & 0x0F, blocks >> 4], dim=2)  # [out / b, in, b]
+    return both.permute(1, 0, 2)
+
+
+@functools.cache
+def _pack_block() -> int | None:
+    """Output channels per block of this build's CPU int4 packing: it follows the kernel's vector width (PyTorch
+    2.6-2.13: 64 where AVX-512 runs, 32 on AVX2), so it is read off a probe; None where neither layout matches
+    (the layers then never dequantize and keep to the kernel)."""
+    out_features, in_features = 128, 2 * GROUP_SIZE
+    values = torch.randint(0, 16, (out_features, in_features), generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), 1)
+    for block in (64, 32):
+        if torch.equal(_unpacked_t(packed, in_features, block).reshape(in_features, -1).t(), values.to(torch.uint8)):
+            return block
+    return None
 
 
 class WeightFormat(enum.Enum):
@@ -137,7 +158,8 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("minimums", blocks.minimums.t().to(dtype).contiguous())
         self.bias = _bias(bias, dtype)
         # The dequantized copy reads the kernel's layout: only where it is the one known here.
-        self.can_dequantize = (self.out_features % _PACK_BLOCK == 0
+        block = _pack_block()
+        self.can_dequantize = (block is not None and self.out_features % block == 0
                                and torch.equal(self._values_t().reshape(self.in_features, -1).t(), blocks.values))
         ops = bf16_kernel.int4_ops() if dtype == torch.bfloat16 and bf16_kernel.prepare() else None
         packed = ops.pack(blocks.values, blocks.scales, blocks.minimums) if ops is not None else [None] * 3
@@ -157,18 +179,17 @@ class Int4Linear(torch.nn.Module):
 
     def dequantized_t(self) -> torch.Tensor:
         """W^T [in, out] in the activations' dtype: `scale * q + minimum` per group, rounded once."""
-        values = torch.empty(self.in_features, self.out_features // _PACK_BLOCK, _PACK_BLOCK,
-                             dtype=self.minimums.dtype).copy_(self._values_t())  # [in, out / 64, 64]
+        block = _pack_block()
+        assert block is not None and self.can_dequantize
+        values = torch.empty(self.in_features, self.out_features // block, block,
+                             dtype=self.minimums.dtype).copy_(self._values_t())  # [in, out / b, b]
         groups = values.view(-1, GROUP_SIZE, self.out_features)  # [in / G, G, out]
         torch.addcmul(self.minimums.unsqueeze(1), groups, self.scales.unsqueeze(1), out=groups)
         return values.view(self.in_features, self.out_features)
 
     def _values_t(self) -> torch.Tensor:
-        """q^T as a view [in, out / 64, 64] uint8 of the CPU packing: per block of 64 output channels an
-        [in, 32] byte array, low nibbles channels 0..31, high nibbles 32..63 (PyTorch 2.6-2.13)."""
-        packed = self.weight_int4.view(-1, self.in_features, _PACK_BLOCK // 2)  # [out / 64, in, 32]
-        both = torch.cat([packed & 0x0F, packed >> 4], dim=2)  # [out / 64, in, 64]
-        return both.permute(1, 0, 2)
+        """q^T as a view [in, out / b, b] uint8 of the CPU packing (b = _pack_block())."""
+        return _unpacked_t(self.weight_int4, self.in_features, _pack_block() or self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
