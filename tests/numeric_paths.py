@@ -24,7 +24,7 @@ class NumericPath:
     dtype: str = "float32"
 
 
-def _no_kernels_dir() -> str:
+def no_kernels_dir() -> str:
     """An empty kernel folder of this user's: the server finds no kernel there and runs PyTorch's attention."""
     folder = Path(tempfile.gettempdir()) / f"promptcache-no-kernels-{os.getuid()}"
     folder.mkdir(mode=0o755, exist_ok=True)
@@ -36,7 +36,7 @@ def available() -> list[NumericPath]:
     from promptcache.model_runtime.attention import bf16_kernel, kernel_build
 
     paths = [NumericPath(MAIN_RUN, {"PROMPTCACHE_DTYPE": "float32"}),
-             NumericPath("bf16-torch", {"PROMPTCACHE_DTYPE": "bfloat16", "PROMPTCACHE_KERNEL_DIR": _no_kernels_dir()},
+             NumericPath("bf16-torch", {"PROMPTCACHE_DTYPE": "bfloat16", "PROMPTCACHE_KERNEL_DIR": no_kernels_dir()},
                          "bfloat16")]
     if bf16_kernel.supported() and kernel_build.library_path().exists():
         paths.append(NumericPath("bf16-kernel", {"PROMPTCACHE_DTYPE": "bfloat16"}, "bfloat16"))

@@ -65,7 +65,8 @@ class RecordingProxy:
 
     def stop(self) -> None:
         self._server.should_exit = True
-        self._thread.join(timeout=30)
+        if self._thread.ident is not None:  # started (a server that never became ready never starts its proxy)
+            self._thread.join(timeout=30)
 
     def take(self) -> list[Generation]:
         with self._lock:
@@ -113,7 +114,8 @@ def is_greedy(generation: Generation) -> bool:
 def deciding_margins(server_url: str, generation: Generation, expected: str) -> list[list[TokenMargin]] | None:
     """For each choice whose answer holds `expected` (any case), the margin of every token up to the end of its first
     occurrence, from the same request asked again with two alternatives per token; None if the request is not
-    greedy. Raises AssertionError if the answer asked again is not the recorded one."""
+    greedy. Raises AssertionError if the answer asked again differs from the recorded one before that end (past it,
+    the default numerics may answer a repeat otherwise: docs/api.md, "Determinism")."""
     if not is_greedy(generation):
         return None
     recorded = answers(generation)
@@ -123,9 +125,13 @@ def deciding_margins(server_url: str, generation: Generation, expected: str) -> 
     found = []
     for index, choice in enumerate(response.json()["choices"]):
         answer = choice.get("text") if "text" in choice else choice["message"]["content"]
-        assert index < len(recorded) and answer == recorded[index], (
-            f"the same greedy request answered {recorded[index] if index < len(recorded) else None!r}, "
-            f"then {answer!r}: a near-tie, or a cache hit changed the answer")
+        first = recorded[index] if index < len(recorded) else ""
+        if (at := first.lower().find(expected.lower())) < 0:
+            continue
+        end = at + len(expected)
+        assert answer[:end] == first[:end], (
+            f"the same greedy request answered {first!r}, then {answer!r}: they part before {expected!r} ends, "
+            "a near-tie, or a cache hit changed the answer")
         tokens = _token_margins(generation.path, choice)
         # Token strings spell the answer (and any end-of-sequence token after it): offsets are theirs.
         text = "".join(token.token for token in tokens)
