@@ -12,7 +12,6 @@ import torch
 from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.detokenizer import Detokenizer
 from promptcache.model_runtime.engine import Engine
-from promptcache.model_runtime.sampling import Sampler
 
 
 class PhaseProbe:
@@ -34,7 +33,7 @@ class PhaseProbe:
         self._wrap(runner, "run", "run")
         self._wrap(engine, "_deliver", "deliver")
         self._wrap(engine, "_store_prefixes", "store_prefixes")
-        self._wrap_class(Sampler, "sample", "sample")
+        self._wrap(engine.outputs, "_draw", "sample")  # the step's picks, all rows at once
         self._wrap_class(Detokenizer, "push", "detokenize")
         model = engine.runner.loaded.model
         if runner.stack is not None:  # batch steps of fused models run the layers as plain loops

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,9 @@ from promptcache.model_runtime.engine.request import FinishReason, SeqStatus, Se
 from promptcache.model_runtime.engine.runner import RunOutput
 from promptcache.model_runtime.engine.scheduler import Scheduler
 from promptcache.model_runtime.engine.step_plan import StepPlan
-from promptcache.model_runtime.sampling import Sampler, token_logprobs
+from promptcache.model_runtime.sampling import Draw, Sampler, sample_batch
+
+logger = logging.getLogger(__name__)
 
 # A prefix-cache write a step leaves, run after the step's events went out: storing blocks never delays a token.
 Write = Callable[[], None]
@@ -40,14 +43,42 @@ class OutputProcessor:
 
     def postprocess(self, plan: StepPlan, output: RunOutput) -> StepResult:
         """Fail the requests that broke the pass alone, then sample for each sequence whose prompt is computed
-        (`plan.ready` first); a failure while sampling or detokenizing fails its request only."""
+        (`plan.ready` first), all the step's samples together (`sample_batch`: one copy each way); a failure while
+        sampling or detokenizing fails its request only."""
         events: list[TokenEvent] = [self.scheduler.fail(request, exc) for request, exc in output.failures]
         writes: list[Write | None] = []
-        rows: list[tuple[Sequence, torch.Tensor, float, int | None]] = [(seq, logits, 0.0, None)
-                                                                        for seq, logits in plan.ready]
-        # Every row's argmax in one op: a greedy sample's token without a per-sequence copy of its logits.
-        argmax = output.logits.argmax(dim=-1).tolist() if len(output.logits) else []
-        for entry, row, found, best in zip(output.ran, output.logits, output.prompt_logprobs, argmax):
+        logits, rows = self._step_logits(plan, output)
+        samples: list[tuple[Sequence, int]] = []  # (sequence, its logits row), in the order tokens go out
+        for seq, row, step_ms in rows:
+            request = seq.owner
+            if request.is_failed:
+                continue
+            try:
+                if seq.status == SeqStatus.PREFILL:
+                    request.prefill_ms += step_ms
+                    writes.append(logits_write(seq, logits[row], self.prefix))
+                forks = self._fork(seq, writes) if seq.is_prompt else [seq]
+                samples += [(self._start(fork, writes), row) for fork in forks]
+            except Exception as exc:
+                events.append(self.scheduler.fail(request, exc))
+        draws = self._draw(samples, logits)
+        for (seq, _), draw in zip(samples, draws):
+            request = seq.owner
+            if request.is_failed:
+                continue
+            try:
+                if draw.error is not None:
+                    raise draw.error
+                self._emit(seq, draw, events, writes)
+            except Exception as exc:
+                events.append(self.scheduler.fail(request, exc))
+        return StepResult(tuple(events), tuple(w for w in writes if w is not None))
+
+    def _step_logits(self, plan: StepPlan, output: RunOutput) -> tuple[torch.Tensor, list[tuple[Sequence, int, float]]]:
+        """The step's logits [num_rows, vocab] on the pass's device (an exact repeat's cached CPU row copied there:
+        a request samples on one device throughout) and (sequence, row, step_ms) of each sequence to sample."""
+        rows: list[tuple[Sequence, int, float]] = []
+        for index, (entry, found) in enumerate(zip(output.ran, output.prompt_logprobs)):
             seq, request = entry.seq, entry.seq.owner
             seq.advance(entry.num_tokens)
             if found is not None and request.prompt_logprobs is not None:
@@ -55,25 +86,32 @@ class OutputProcessor:
             if seq.status == SeqStatus.PREFILL and seq.pending_ids:
                 request.prefill_ms += output.step_ms  # a chunk of a long prefill: nothing to sample yet
             else:
-                rows.append((seq, row, output.step_ms, best))
-        for seq, row, step_ms, best in rows:
-            request = seq.owner
-            if request.is_failed:
-                continue
-            try:
-                if seq.status == SeqStatus.PREFILL:
-                    request.prefill_ms += step_ms
-                    writes.append(logits_write(seq, row, self.prefix))
-                if seq.is_prompt:
-                    self._fork(seq, row, events, writes)
-                else:
-                    self._sample(seq, row, events, writes, argmax=best)
-            except Exception as exc:
-                events.append(self.scheduler.fail(request, exc))
-        return StepResult(tuple(events), tuple(w for w in writes if w is not None))
+                rows.append((seq, len(plan.ready) + index, output.step_ms))
+        if not plan.ready:
+            return output.logits, rows
+        device = output.logits.device if output.ran else self.loaded.model.device
+        ready = torch.stack([row for _, row in plan.ready]).to(device, non_blocking=True)  # [num_ready, vocab]
+        logits = torch.cat([ready, output.logits]) if output.ran else ready
+        return logits, [(seq, index, 0.0) for index, (seq, _) in enumerate(plan.ready)] + rows
 
-    def _fork(self, prompt: Sequence, logits: torch.Tensor, events: list[TokenEvent],
-              writes: list[Write | None]) -> None:
+    def _draw(self, samples: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[Draw]:
+        """Every sample's pick at once; if the batch itself breaks, each alone, so a bad row fails its request only."""
+        samplers = [seq.sampler for seq, _ in samples if seq.sampler is not None]
+        assert len(samplers) == len(samples), "a sample without its sampler"
+        try:
+            return sample_batch(samplers, logits, [row for _, row in samples])
+        except Exception:
+            logger.warning("sampling the step failed; sampling its %d rows one by one", len(samples), exc_info=True)
+            draws = []
+            for sampler, (_, row) in zip(samplers, samples):
+                try:
+                    draws += sample_batch([sampler], logits, [row])
+                except Exception as alone:
+                    draws.append(Draw(0, error=alone))
+            return draws
+
+    def _fork(self, prompt: Sequence, writes: list[Write | None]) -> list[Sequence]:
+        """The prompt of n > 1 samples is computed: the n samples, to sample from its logits."""
         request = prompt.owner
         self.scheduler.finish(prompt)
         n = prompt.own_length
@@ -82,25 +120,30 @@ class OutputProcessor:
         prompt_kv = SharedKV(KVView(f"{request.request_id}/prompt"), KVBlock(
             keys[:, :, :n], values[:, :, :n], torch.arange(n, dtype=torch.long)))
         writes.append(prompt_write(prompt, self.prefix))
+        forks = []
         for index in range(request.params.n):
             seq = self.scheduler.new_sequence(request, index, [*prompt.shared, prompt_kv], request.params.max_tokens)
             seq.next_position = seq.first_position = prompt.next_position
-            self._sample(seq, logits, events, writes)
+            forks.append(seq)
+        return forks
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor, events: list[TokenEvent],
-                writes: list[Write | None], *, argmax: int | None = None) -> None:
-        """Pick the next token from `logits` [vocab] (`argmax`: theirs, when known), stream its text, and finish
-        on an end-of-sequence token, a stop string, max_tokens or the model's last position."""
+    def _start(self, seq: Sequence, writes: list[Write | None]) -> Sequence:
+        """Before a sequence's first token (its prompt is computed): its sampler and detokenizer."""
         request = seq.owner
-        params, sampler, detokenizer = request.params, seq.sampler, seq.detokenizer
-        if sampler is None or detokenizer is None:  # its first token: the prompt is computed
+        if seq.sampler is None or seq.detokenizer is None:
             if seq.status == SeqStatus.PREFILL:
                 writes.append(prompt_write(seq, self.prefix))
             seq.status = SeqStatus.DECODE
-            sampler = seq.sampler = Sampler(params, seed_offset=seq.index, prompt=request.prompt_tokens)
-            detokenizer = seq.detokenizer = Detokenizer(self.loaded.tokenizer, params.stop)
-        token = sampler.take(argmax) if argmax is not None and params.is_plain_greedy else sampler.sample(logits)
-        logprobs = None if params.logprobs is None else token_logprobs(logits, token, params.logprobs)
+            seq.sampler = Sampler(request.params, seed_offset=seq.index, prompt=request.prompt_tokens)
+            seq.detokenizer = Detokenizer(self.loaded.tokenizer, request.params.stop)
+        return seq
+
+    def _emit(self, seq: Sequence, draw: Draw, events: list[TokenEvent], writes: list[Write | None]) -> None:
+        """Stream the drawn token's text, and finish on an end-of-sequence token, a stop string, max_tokens or the
+        model's last position."""
+        request, token, logprobs = seq.owner, draw.token_id, draw.logprobs
+        params, detokenizer = request.params, seq.detokenizer
+        assert detokenizer is not None
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         seq.output_ids.append(token)

@@ -22,7 +22,7 @@ from promptcache.model_runtime.engine.step_plan import ScheduledSeq, StepPlan
 from promptcache.model_runtime.loading.fused_layers import decode_stack_forward, fused_stack_forward
 from promptcache.model_runtime.loading.loader import LoadedModel
 from promptcache.model_runtime.packed_attention import BatchCache, BatchContext, active_batch, cache_argument, install
-from promptcache.model_runtime.sampling import TokenLogprobs, token_logprobs
+from promptcache.model_runtime.sampling import TokenLogprobs, batch_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class ModelRunner:
                 chunk = following[first: first + _LOGPROB_ROWS]
                 scores = self.loaded.model.get_output_embeddings()(
                     hidden[start + first: start + first + len(chunk)]).float()  # [rows, vocab]
-                rows += [token_logprobs(row, token, num_top) for row, token in zip(scores, chunk)]
+                rows += batch_logprobs(scores, chunk, num_top)  # one copy back per chunk
             found.append(tuple(rows))
             start += n
         return found
