@@ -20,6 +20,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from promptcache.model_runtime.attention import OwnPool, SharedSegment, StepIndices, shared_module_attention
 from promptcache.model_runtime.attention.decode_batch import StepDecode, plan_step_decode
+from promptcache.model_runtime.attention.shared_prefix import SharedPrefixPlan, kernel_serves, plan_shared_prefix
 from promptcache.model_runtime.kv_pool import KVPool
 
 
@@ -65,6 +66,9 @@ class BatchContext:
     writes: list[OwnWrite] | None = field(default=None, repr=False)
     # The decoding sequences as one kernel call a layer (decode_batch.py), planned at the first; False: not taken
     decode: StepDecode | bool | None = field(default=None, repr=False)
+    # The pass as one shared-prefix kernel call a layer (attention/shared_prefix.py), planned at the first; False: not
+    # taken (another device, dtype or backend, a sequence outside the pool)
+    shared_prefix: SharedPrefixPlan | bool | None = field(default=None, repr=False)
     # A step that also prefills: the prefilling sequences' own index tensors (their rows renumbered).
     others_indices: StepIndices | None = field(default=None, repr=False)
     # Deterministic serving: the step's AttentionPlan (model_runtime/deterministic/), which every sequence attends
@@ -91,6 +95,18 @@ class BatchContext:
             self.decode = plan_step_decode(query, self.query_lens, self.own_keys, self.own_values, own_lens,
                                            self.segments, self.backend) or False
         return self.decode
+
+    def plan_shared_prefix(self, query: torch.Tensor) -> SharedPrefixPlan | None:
+        """The pass's tables for the shared-prefix kernel (`query`: the first layer's [1, H, Q, D]), or None."""
+        if self.shared_prefix is None:
+            plan = None
+            if (self.deterministic is None and self.pool is not None and self.own_slots is not None
+                    and kernel_serves(self.backend, query.device, query.dtype)):
+                own_lens = [s + n for s, n in zip(self.own_starts, self.query_lens)]
+                plan = plan_shared_prefix(self.query_lens, own_lens, self.own_slots, self.pool.keys, self.pool.values,
+                                          self.segments, num_heads=query.shape[1])
+            self.shared_prefix = plan or False
+        return self.shared_prefix if isinstance(self.shared_prefix, SharedPrefixPlan) else None
 
     def decode_batch(self, query: torch.Tensor) -> Any:
         """The `DecodeBatch` of an all-decode pass the kernel takes (`query`: the first layer's [B, H, D])."""
@@ -154,6 +170,10 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return ctx.deterministic.attend(query[0].transpose(0, 1), layer, scale).unsqueeze(0), None
     indices = ctx.prepare(query.device)
+    kernel = ctx.plan_shared_prefix(query)
+    if kernel is not None:  # every sequence, segment and layer of the pass: one kernel pair
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return kernel.attend(query[0].transpose(0, 1), layer, scale)[0].unsqueeze(0), None  # [1, Q, H, D]
     ctx.plan_decode(query)
     queries = query[0].transpose(0, 1)  # [1, H, total_q, D] -> [total_q, H, D]
     if not isinstance(ctx.decode, StepDecode):
