@@ -11,6 +11,11 @@ python3 -m ruff check promptcache tests benchmarks
 python3 -m mypy
 python3 -m pytest "$@"
 if [ "$#" -eq 0 ]; then
+  # The Triton kernels on the CPU: Triton's interpreter must be on before triton is first imported, so they run
+  # in a pytest process of their own (in the run above they skip; tests/model_runtime/triton_interpreter.py).
+  echo "== the Triton kernels under Triton's interpreter"
+  TRITON_INTERPRET=1 python3 -m pytest -q -W ignore::RuntimeWarning tests/model_runtime/test_triton_shared.py \
+    tests/model_runtime/test_triton_decode.py
   for path in $(python3 -m tests.numeric_paths --others); do
     echo "== the docs and the default model under the numeric path $path"
     PROMPTCACHE_TEST_NUMERIC_PATH="$path" python3 -m pytest -q tests/e2e/test_docs_examples.py \

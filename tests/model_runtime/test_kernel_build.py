@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from promptcache.cli import main as cli_main
-from promptcache.model_runtime.attention import bf16_kernel, kernel_build
+from promptcache.model_runtime.attention import bf16_kernel, kernel_build, shared_prefix
 from promptcache.model_runtime.attention.selection import AttentionPath, describe
 
 needs_avx512_bf16 = pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
@@ -101,4 +101,12 @@ def test_the_report_gives_the_fallbacks_reason(monkeypatch):
     monkeypatch.setattr(bf16_kernel, "_state", {"kernel": None, "ops": None, "reason": "the CPU lacks avx512_bf16"})
     report = describe("auto", torch.device("cpu"), torch.bfloat16)
     assert report.as_dict() == {"path": "torch_fused_cpu", "reason": "the CPU lacks avx512_bf16"}
+    monkeypatch.setattr(shared_prefix, "triton_installed", lambda: False)
     assert describe("auto", torch.device("cuda"), torch.bfloat16).path is AttentionPath.TORCH_GPU
+
+
+def test_the_report_names_the_triton_kernel_where_it_serves(monkeypatch):
+    monkeypatch.setattr(shared_prefix, "triton_installed", lambda: True)
+    assert describe("auto", torch.device("cuda"), torch.bfloat16).path is AttentionPath.TRITON_SHARED
+    assert describe("auto", torch.device("cuda"), torch.float32).path is AttentionPath.TORCH_GPU  # fp32: torch's ops
+    assert describe("flash", torch.device("cuda"), torch.float16).path is AttentionPath.TORCH_GPU  # the kernel off

@@ -1,25 +1,19 @@
 """The Triton prototype of a decode step's shared-module attention (benchmarks/kernels/triton_decode.py)
 against plain attention over each sequence's whole KV. On a GPU the kernels run compiled. Without one they
-run in Triton's interpreter, which must be on before Triton is first imported and needs NumPy < 2.4:
-`TRITON_INTERPRET=1 pytest tests/model_runtime/test_triton_decode.py`. Skipped otherwise, and where Triton
-is not installed."""
+run in Triton's interpreter, which must be on before Triton is first imported (scripts/test.sh runs this file
+with TRITON_INTERPRET=1: tests/model_runtime/triton_interpreter.py)."""
 
 from __future__ import annotations
 
-import os
-
-import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available() and (os.environ.get("TRITON_INTERPRET") != "1"
-                                      or np.lib.NumpyVersion(np.__version__) >= "2.4.0"):
-    pytest.skip("no GPU, and no Triton interpreter (TRITON_INTERPRET=1, NumPy < 2.4)", allow_module_level=True)
-pytest.importorskip("triton")
+from tests.model_runtime.triton_interpreter import skip_unless_kernels_run
 
-from benchmarks.kernels.triton_decode import shared_decode_attention
+DEVICE = skip_unless_kernels_run()
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from benchmarks.kernels.triton_decode import shared_decode_attention  # noqa: E402  (needs triton: after the skip)
+
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
 
 

@@ -1,29 +1,32 @@
 """The shared-prefix Triton kernel (attention/triton_shared.py) against plain attention: an fp32 softmax over
 exactly the keys each query sees (its sequence's segments from their row offsets on, its own KV up to itself).
 On a GPU the kernels run compiled; without one in Triton's interpreter, which must be on before Triton is first
-imported and needs NumPy < 2.4 (scripts/test.sh runs this file so: TRITON_INTERPRET=1). Skipped otherwise."""
+imported (scripts/test.sh runs this file so: TRITON_INTERPRET=1; tests/model_runtime/triton_interpreter.py)."""
 
 from __future__ import annotations
 
-import os
+import asyncio
+import random
 
-import numpy as np
 import pytest
 import torch
-
-if not torch.cuda.is_available() and (os.environ.get("TRITON_INTERPRET") != "1"
-                                      or np.lib.NumpyVersion(np.__version__) >= "2.4.0"):
-    pytest.skip("no GPU, and no Triton interpreter (TRITON_INTERPRET=1, NumPy < 2.4)", allow_module_level=True)
-pytest.importorskip("triton")
-
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.attention import shared_prefix
 from promptcache.model_runtime.attention.shared_prefix import plan_shared_prefix
+from promptcache.model_runtime.engine import Engine, EngineConfig
+from promptcache.model_runtime.engine.runner import ModelRunner
+from tests.conftest import make_tiny_runtime
+from tests.model_runtime.engine_probe import feed
+from tests.model_runtime.oracles import reference_tokens
+from tests.model_runtime.test_engine import SCHEMA, _collect, _prompts
+from tests.model_runtime.test_kv_pool import _loaded, _sequences
+from tests.model_runtime.triton_interpreter import skip_unless_kernels_run
 
+DEVICE = skip_unless_kernels_run()
 assert shared_prefix.load_kernel(), "triton imports: the op must register"
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 runs at IEEE precision inside tl.dot; bf16 within its rounding.
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 NUM_LAYERS, LAYER = 2, 1  # the second layer: layer strides are applied
@@ -197,10 +200,6 @@ def kernel_on_test_device(monkeypatch):
 @pytest.mark.parametrize("num_tokens", [1, 3], ids=["decode", "prefill"])
 @pytest.mark.parametrize("pooled", [{0, 1, 2}, {0, 2}], ids=["pooled", "one-outside"])
 def test_an_engine_pass_equals_the_general_path(num_tokens, pooled, kernel_on_test_device):
-    from promptcache.model_runtime.engine.runner import ModelRunner
-    from tests.model_runtime.engine_probe import feed
-    from tests.model_runtime.test_kv_pool import _loaded, _sequences
-
     loaded = _loaded(2, DEVICE)
 
     def logits() -> torch.Tensor:
@@ -222,15 +221,6 @@ def test_an_engine_pass_equals_the_general_path(num_tokens, pooled, kernel_on_te
 
 
 def test_the_engine_through_the_kernel_answers_as_full_prefill(kernel_on_test_device):
-    import asyncio
-    import random
-
-    from promptcache.model_runtime import SamplingParams
-    from promptcache.model_runtime.engine import Engine, EngineConfig
-    from tests.conftest import make_tiny_runtime
-    from tests.model_runtime.oracles import reference_tokens
-    from tests.model_runtime.test_engine import SCHEMA, _collect, _prompts
-
     runtime = make_tiny_runtime("llama", device=DEVICE)
     runtime.add_schema(runtime.parse_schema(SCHEMA))
     rng = random.Random(4)

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from promptcache.model_runtime.attention import bf16_kernel, dispatch, gpu_backends
+from promptcache.model_runtime.attention import bf16_kernel, dispatch, gpu_backends, shared_prefix
 
 
 class AttentionPath(str, enum.Enum):
     BF16_KERNEL = "bf16_kernel"  # our AVX512-BF16 kernel (CPU, bf16), built ahead of time
     TORCH_FUSED_CPU = "torch_fused_cpu"  # torch's fused CPU attention op
     TORCH_GPU = "torch_gpu"  # torch's fused CUDA ops (flash-attn / FlashInfer first when installed)
+    TRITON_SHARED = "triton_shared"  # our shared-prefix Triton kernel (GPU, bf16/fp16), torch's CUDA ops elsewhere
     MATMUL = "matmul"  # the reference kernel
 
 
@@ -34,6 +35,10 @@ def describe(backend: str, device: torch.device, dtype: torch.dtype) -> Attentio
     """The path prompts take on `device` in `dtype` with `backend` (the bf16 kernel counts once prepare() ran)."""
     if backend == "matmul":
         return AttentionReport(AttentionPath.MATMUL, "attention backend 'matmul' configured")
+    if (backend == "auto" and device.type in shared_prefix.KERNEL_DEVICE_TYPES and dtype in shared_prefix.KERNEL_DTYPES
+            and shared_prefix.triton_installed()):
+        return AttentionReport(AttentionPath.TRITON_SHARED, "the shared-prefix Triton kernel for passes whose own KV "
+                               "is in the pool; torch's CUDA ops for the others and for module encoding")
     if device.type in dispatch.GPU_DEVICE_TYPES:
         optional = [name for name in gpu_backends.OPTIONAL_KERNELS if importlib.util.find_spec(name) is not None]
         first = f"{' and '.join(optional)} first where applicable, then " if optional else ""
