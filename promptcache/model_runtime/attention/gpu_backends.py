@@ -113,6 +113,12 @@ def gpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
 CONCATENATED_MAX_BYTES = 256 << 20
 
 
+def concatenated_reads_groups(q: torch.Tensor) -> bool:
+    """Whether `attend_concatenated` reads grouped KV as it is (flash: SDPA's enable_gqa, no copy per query
+    head); otherwise it expands KV to every query head."""
+    return flash_applicable(q)
+
+
 def attend_concatenated(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                         scale: float) -> torch.Tensor:
     """q [T, H, D], one sequence's queries, attends the concatenation of `keys`/`values` ([H_kv, N_i, D], N >= T)
@@ -122,11 +128,12 @@ def attend_concatenated(q: torch.Tensor, keys: list[torch.Tensor], values: list[
     k = torch.cat(keys, dim=1) if len(keys) > 1 else keys[0]             # [H_kv, N, D]
     v = torch.cat(values, dim=1) if len(values) > 1 else values[0]
     group = num_heads // k.shape[0]
-    if group > 1:  # the fused kernels take equal head counts
+    grouped = group > 1 and concatenated_reads_groups(q)
+    if group > 1 and not grouped:  # the efficient kernel takes equal head counts (with enable_gqa: math)
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [H, N, D]
     mask = None if num_rows == 1 else causal_lower_right(num_rows, k.shape[1])
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale)  # [1, H, T, D]
+        q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=grouped)  # [1, H, T, D]
     return out[0].transpose(0, 1)
 
 

@@ -16,7 +16,12 @@ import torch
 from promptcache.model_runtime.attention import bf16_kernel, dispatch
 from promptcache.model_runtime.attention.backends import matmul_attend
 from promptcache.model_runtime.attention.dispatch import CAUSAL_FUSED_MIN_WORK, choose, decode_in_place
-from promptcache.model_runtime.attention.gpu_backends import CONCATENATED_MAX_BYTES, attend_concatenated, gpu_attend
+from promptcache.model_runtime.attention.gpu_backends import (
+    CONCATENATED_MAX_BYTES,
+    attend_concatenated,
+    concatenated_reads_groups,
+    gpu_attend,
+)
 from promptcache.model_runtime.attention.lse_merge import RowMerge
 from promptcache.model_runtime.attention.own_decode import OwnPool, own_decode, own_decode_in_place
 from promptcache.model_runtime.attention.step_indices import StepIndices
@@ -51,9 +56,10 @@ def shared_module_attention(queries: torch.Tensor, query_lens: Sequence[int], ow
 
     if (len(query_lens) == 1 and backend != "matmul" and dispatch.on_gpu(queries)
             and own_keys[0].shape[1] >= total_q and not any(any(s.row_offsets or ()) for s in segments)
-            # the K and V copies `attend_concatenated` makes, expanded to every query head, in bytes
-            and 2 * num_heads * (own_keys[0].shape[1] + sum(s.keys.shape[1] for s in segments)) * head_dim
-            * queries.element_size() <= CONCATENATED_MAX_BYTES):
+            # the K and V copies `attend_concatenated` makes (expanded to every query head unless read grouped)
+            and 2 * (num_kv_heads if concatenated_reads_groups(queries) else num_heads) * head_dim
+            * (own_keys[0].shape[1] + sum(s.keys.shape[1] for s in segments)) * queries.element_size()
+            <= CONCATENATED_MAX_BYTES):
         # A lone sequence on a GPU: its KV concatenated, one fused call instead of a call and merge each.
         return attend_concatenated(queries, [*(s.keys for s in segments), own_keys[0]],
                                    [*(s.values for s in segments), own_values[0]], scale)
