@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
                        "e.g. 0.25; a tenant at its share evicts only its own entries (default: no limit)")
     serve.add_argument("--no-examples", action="store_true", help="do not preload the bundled example schemas")
     serve.add_argument("--no-prefix-caching", action="store_true", help="turn off automatic prefix reuse")
+    serve.add_argument("--no-cuda-graphs", action="store_true", help="a GPU runs every step eagerly (default: "
+                       "all-decode steps and lone prefills replayed from CUDA graphs)")
     serve.add_argument("--prefix-block-size", type=int, help="tokens per automatic prefix block (default 32)")
     serve.add_argument("--max-prefill-tokens", type=int, help="most prompt/encoding tokens a step while others decode "
                        "(default 256)")
@@ -84,6 +86,7 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 _SWITCHES = {"no_examples": ("preload_examples", False), "no_prefix_caching": ("prefix_caching", False),
+             "no_cuda_graphs": ("cuda_graphs", False),
              "no_weight_packing": ("pack_weights", False), "no_layer_fusion": ("fuse_layers", False),
              "second_encodings_at_upload": ("second_encodings_at_upload", True),
              "deterministic": ("deterministic", True)}

@@ -130,8 +130,10 @@ def load_shape(args: argparse.Namespace):
     return model, loaded
 
 
-def run_mode(mode: str, model, loaded, batch: int, shared: int, own: int, steps: int) -> dict:
-    """Time `steps - 1` decode steps (after one warm-up step) of `mode` on the model's device."""
+def run_mode(mode: str, model, loaded, batch: int, shared: int, own: int, steps: int, *, cuda_graphs: bool = True,
+             warmup: int = 1) -> dict:
+    """Time `steps - warmup` decode steps (after `warmup` untimed ones) of `mode` on the model's device; `cuda_graphs`:
+    the shared mode's runner replays uniform steps from graphs where it can (a GPU: warm up 2, the second captures)."""
     layers, kv_heads, head_dim, dtype = loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, model.dtype
     device = model.device
     kv = functools.partial(_kv, dtype=dtype, device=device)
@@ -140,7 +142,7 @@ def run_mode(mode: str, model, loaded, batch: int, shared: int, own: int, steps:
     if mode == "shared":
         block = KVBlock(kv(layers, kv_heads, shared, head_dim), kv(layers, kv_heads, shared, head_dim),
                         torch.arange(shared))
-        runner = ModelRunner(loaded)
+        runner = ModelRunner(loaded, cuda_graphs=cuda_graphs)
         seqs = pooled_sequences(loaded, [[SharedKV(KVView("modules"), block)] for _ in range(batch)], own + steps, own)
 
         def step(t: int) -> None:
@@ -173,10 +175,11 @@ def run_mode(mode: str, model, loaded, batch: int, shared: int, own: int, steps:
                 cache = out.past_key_values
 
     with torch.inference_mode():
-        step(0)  # warm-up step (not timed)
+        for t in range(warmup):  # not timed
+            step(t)
         _synchronize(device)
         started = time.perf_counter()
-        for t in range(1, steps):
+        for t in range(warmup, steps):
             step(t)
         _synchronize(device)
         elapsed = time.perf_counter() - started
@@ -185,8 +188,8 @@ def run_mode(mode: str, model, loaded, batch: int, shared: int, own: int, steps:
     return {"mode": mode, "batch": batch, "shared_tokens": shared, "own_tokens": own,
             "dtype": str(dtype).removeprefix("torch."),
             "packed": any(type(m).__name__ == "PackedLinear" for m in model.modules()),
-            "tokens_per_s": round(batch * (steps - 1) / elapsed, 2),
-            "ms_per_step": round(elapsed / (steps - 1) * 1e3, 2),
+            "tokens_per_s": round(batch * (steps - warmup) / elapsed, 2),
+            "ms_per_step": round(elapsed / (steps - warmup) * 1e3, 2),
             "peak_rss_mb": round(peak_mb, 1)}
 
 

@@ -16,8 +16,9 @@ class EngineTimer:
     alone (a repeated prompt would otherwise reuse its own new text)."""
 
     def __init__(self, runtime: ModelRuntime, *, prefix: BlockIndexConfig | None = None,
-                 max_kv_bytes: int = 8 << 30) -> None:
-        self.engine = Engine(runtime.module_encoder, EngineConfig(prefix=prefix, max_kv_bytes=max_kv_bytes))
+                 max_kv_bytes: int = 8 << 30, cuda_graphs: bool = True) -> None:
+        self.engine = Engine(runtime.module_encoder, EngineConfig(prefix=prefix, max_kv_bytes=max_kv_bytes,
+                                                                  cuda_graphs=cuda_graphs))
 
     def first_token(self, plan: PromptPlan) -> tuple[int, float, TokenEvent]:
         """(greedy first token, submit-to-token ms, final event) for one request with max_tokens=1."""

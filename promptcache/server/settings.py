@@ -95,6 +95,8 @@ class ServerSettings(BaseSettings):
                                                 "AVX512-BF16 (same outputs; off: the HF modules)")
     weights: Literal["native", "int8", "int4"] = Field("native", description="CPU: decoder linear weights as loaded, "
                                                        "int8 per channel or int4 per 32-group (docs/api.md)")
+    cuda_graphs: bool = Field(True, description="a GPU's all-decode steps and lone prefills of <= 256 tokens "
+                              "replayed from CUDA graphs (bf16/fp16 with Triton; same results as eager up to rounding)")
     deterministic: bool = Field(False, description="batch-invariant kernels: a request and seed give the same tokens "
                                 "whatever the cache state and the batch (CPU, fp32/bf16, native weights; docs/api.md)")
 
@@ -130,6 +132,7 @@ class ServerSettings(BaseSettings):
             max_step_slowdown=self.max_step_slowdown or None, ttft_target_ms=self.ttft_target_ms or None,
             logits_cache_bytes=self.logits_cache_bytes, shared_step_ratio=self.shared_step_ratio or None,
             max_assembled_bytes=self.max_assembled_kv_bytes, max_waiting_per_tenant=self.max_waiting_per_tenant,
+            cuda_graphs=self.cuda_graphs,
             # Headroom is for other tenants: only an API keys file makes several.
             tenant_headroom_seqs=min(self.tenant_headroom_seqs, self.max_num_seqs - 1) if self.api_keys_file else 0,
             tenant_kv_share=(self.tenant_kv_share or None) if self.api_keys_file else None)

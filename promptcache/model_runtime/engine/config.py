@@ -20,7 +20,8 @@ class EngineConfig:
     `max_waiting_per_tenant`: queued requests per tenant before QueueFullError. A tenant running `max_num_seqs -
     tenant_headroom_seqs` sequences takes no more, nor one holding `tenant_kv_share` of `max_kv_bytes` (its requests'
     KV and its module encodings') while another tenant waits (None: no bound). Within `shared_window_s` of a light
-    tenant's own step, others' steps are held to `shared_step_ratio` times it (None: no cap)."""
+    tenant's own step, others' steps are held to `shared_step_ratio` times it (None: no cap). `cuda_graphs`:
+    uniform steps of a bf16/fp16 CUDA model replayed from CUDA graphs (engine/cuda_graphs.py); off: all eager."""
 
     max_num_seqs: int = 64
     max_kv_bytes: int = 2 << 30
@@ -40,6 +41,7 @@ class EngineConfig:
     tenant_kv_share: float | None = None
     shared_step_ratio: float | None = 1.0
     shared_window_s: float = 2.0
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -15,6 +15,7 @@ from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.attention.decode_batch import kernel_takes
 from promptcache.model_runtime.attention.step_indices import to_device
 from promptcache.model_runtime.deterministic import SeqKeys, attention_plan
+from promptcache.model_runtime.engine.cuda_graphs import GraphedSteps, graphs_serve
 from promptcache.model_runtime.engine.kv_groups import AssembledGroups
 from promptcache.model_runtime.engine.prefix import KVView
 from promptcache.model_runtime.engine.request import Request, SeqStatus
@@ -47,7 +48,8 @@ class RunOutput:
 class ModelRunner:
     """Runs batch steps; shared blocks are grouped by the sequences using them (AssembledGroups)."""
 
-    def __init__(self, loaded: LoadedModel, *, backend: str = "auto", max_assembled_bytes: int = 128 << 20) -> None:
+    def __init__(self, loaded: LoadedModel, *, backend: str = "auto", max_assembled_bytes: int = 128 << 20,
+                 cuda_graphs: bool = True, max_num_seqs: int = 64) -> None:
         self.loaded = loaded
         self.backend = backend
         self.groups = AssembledGroups(max_assembled_bytes, loaded.key_shifter)
@@ -55,6 +57,10 @@ class ModelRunner:
         self.stack = fused_stack_forward(loaded.model.base_model)  # None: the HF forward
         # None: `stack` for decodes too (always in deterministic serving: its attention is the deterministic plan's)
         self.decode_stack = None if loaded.deterministic else decode_stack_forward(loaded.model.base_model)
+        # Uniform steps (all-decode, a lone prefill <= 256 tokens) replayed from CUDA graphs (engine/cuda_graphs.py).
+        self.graphs = GraphedSteps(loaded.model, backend=backend, max_num_seqs=max_num_seqs, use_graphs=True) \
+            if graphs_serve(loaded.model, enabled=cuda_graphs, backend=backend, deterministic=loaded.deterministic) \
+            else None
         if backend == "auto" and loaded.model.dtype == torch.bfloat16 and loaded.model.device.type == "cpu":
             bf16_kernel.prepare()  # built here, at startup, never inside a request
 
@@ -107,6 +113,10 @@ class ModelRunner:
     def forward(self, entries: Seq[ScheduledSeq]) -> tuple[torch.Tensor, list[PromptLogprobs]]:
         """Feed each entry's next `num_tokens` pending tokens, writing their KV at its `own_length` on; returns the
         float32 logits [num_entries, vocab] of each one's last token and each one's prompt logprobs."""
+        if self.graphs is not None:
+            graphed = self._graphed(entries)
+            if graphed is not None:
+                return graphed, [None] * len(entries)  # uniform steps never carry prompt logprobs
         model, device = self.loaded.model, self.loaded.model.device
         seqs = [e.seq for e in entries]
         query_lens = [e.num_tokens for e in entries]
@@ -138,6 +148,18 @@ class ModelRunner:
         last_rows = to_device(torch.tensor(query_lens).cumsum(0) - 1, device)  # [num_seqs]
         logits = model.get_output_embeddings()(hidden[0, last_rows]).float()  # [num_seqs, vocab]
         return logits, self._prompt_logprobs(entries, hidden[0])
+
+    def _graphed(self, entries: Seq[ScheduledSeq]) -> torch.Tensor | None:
+        """The last-token logits [num_entries, vocab] of a uniform step replayed from a graph (a copy: the next replay
+        overwrites its outputs), or None for the eager path. A graph that fails turns graphs off, logged, once."""
+        assert self.graphs is not None
+        try:
+            output = self.graphs.run(entries, self._segments)
+        except Exception:
+            logger.exception("a graphed step failed; CUDA graphs are off for this runner")
+            self.graphs = None
+            return None
+        return None if output is None else output.logits[: len(entries)].clone()
 
     def _prompt_logprobs(self, entries: Seq[ScheduledSeq], hidden: torch.Tensor) -> list[PromptLogprobs]:
         """Of prefilling sequences whose request wants them: each fed row [Q, hidden_size] scores the next token."""

@@ -166,6 +166,11 @@ def decode_stack_forward(base_model: Any) -> DecodeForward | None:
     return forward
 
 
+def fused_decoder_layers(base_model: Any) -> list[Any] | None:
+    """The model's decoder layers when every one is fused (their joined projections and `ops`), else None."""
+    return _fused_layers(base_model)
+
+
 def _fused_layers(base_model: Any) -> list[Any] | None:
     """The model's decoder layers when every one is fused, else None."""
     if not _fusable_architecture(base_model.config):  # another architecture (GPT-2's blocks are `h`, other parts)
