@@ -6,8 +6,8 @@ numeric path, with and without `--deterministic`, and what `--deterministic` cos
 
 Numeric paths (as tests/numeric_paths.py names them): `fp32`; `bf16-torch` (`--dtype bfloat16` with an empty kernel
 folder: PyTorch's attention, what a CPU without our kernels runs); `bf16-kernel` (our AVX512-BF16 kernels, the default
-bf16 path where the CPU has them; elsewhere recorded as not available on this CPU). Each path runs as served (default) and with `--deterministic` (in
-bf16 both bf16 paths pair with the one deterministic bf16 server).
+bf16 path where the CPU has them; elsewhere recorded as not available on this CPU). Each path runs as served (default)
+and with `--deterministic` (in bf16 both bf16 paths pair with the one deterministic bf16 server).
 
 Answers: one `promptcache serve` of the default model per (path, variant). A schema of 10 documents is uploaded; the
 prompts are half PML (1-2 imported documents and a question, varied) and half plain text (10 questions after each
