@@ -1,5 +1,5 @@
 """In-process models and tokenizer for tests: a real byte-level BPE tokenizer with a ChatML template,
-and tiny random-weight Llama / Mistral / Qwen2 / GPT-2 models built from HF configs (no downloads)."""
+and tiny random-weight Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / GPT-2 models built from HF configs (no downloads)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from promptcache.model_runtime.loading.loader import LoadedModel, wrap_model
@@ -32,7 +34,7 @@ def add(a, b): return a + b  # code, numbers 0123456789 and symbols <>&"' are by
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2")
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,20 +55,27 @@ def make_test_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_config(arch: str, *, vocab_size: int) -> PretrainedConfig:
-    """Config of a tiny `arch` model: hidden 64, 2 layers, 4 heads (2 KV heads for the RoPE archs)."""
+def tiny_config(arch: str, *, vocab_size: int, hidden_size: int = 64) -> PretrainedConfig:
+    """Config of a tiny `arch` model: 2 layers, 4 heads (2 KV heads for the RoPE archs; Qwen3's heads twice as wide
+    as hidden / heads, as its real models' are wider), an MLP twice as wide as `hidden_size` (64; 256 gives heads of
+    64, shapes the bf16 kernels take)."""
     # initializer_range 0.1 (HF default 0.02) spreads the logits, so greedy argmax is never a near-tie.
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.1)
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  initializer_range=0.1)
     if arch == "llama":
         return LlamaConfig(**common)
     if arch == "mistral":
         return MistralConfig(**common, sliding_window=None)
     if arch == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)  # q/k/v biases are Qwen2's built-in default
+    if arch == "qwen3":  # q/k RMSNorm per head before RoPE
+        return Qwen3Config(**common, head_dim=hidden_size // 2, use_sliding_window=False)
+    if arch == "phi3":  # joined qkv_proj and gate_up_proj; its default ids (32000) lie outside a tiny vocabulary
+        return Phi3Config(**common, pad_token_id=None, bos_token_id=None, eos_token_id=None)
     if arch == "gpt2":
-        return GPT2Config(vocab_size=vocab_size, n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=2048,
-                          initializer_range=0.1, bos_token_id=None, eos_token_id=None)
+        return GPT2Config(vocab_size=vocab_size, n_embd=hidden_size, n_inner=2 * hidden_size, n_layer=2, n_head=4,
+                          n_positions=2048, initializer_range=0.1, bos_token_id=None, eos_token_id=None)
     raise ValueError(f"no tiny model for {arch!r}; choose one of {ARCHITECTURES}")
 
 

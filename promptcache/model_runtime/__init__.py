@@ -14,13 +14,8 @@ from promptcache.model_runtime.errors import (
 )
 from promptcache.model_runtime.facade import ModelRuntime, PromptRuntime, RuntimeStats
 from promptcache.model_runtime.intraop_threads import confine_to_this_thread, confined_executor, run_in_passing_thread
-from promptcache.model_runtime.loading.loader import (
-    SUPPORTED_ARCHITECTURES,
-    LoadedModel,
-    ModelConfig,
-    load_model,
-    wrap_model,
-)
+from promptcache.model_runtime.loading.architectures import SUPPORTED_ARCHITECTURES
+from promptcache.model_runtime.loading.loader import LoadedModel, ModelConfig, load_model, wrap_model
 from promptcache.model_runtime.loading.quantized_linear import WeightFormat
 from promptcache.model_runtime.module_encoder import EncodeReport, ModuleEncoder
 from promptcache.model_runtime.results import CacheReport, ModuleUse, PrefixUse, Timings, Usage

@@ -91,7 +91,8 @@ def harness(engines, deterministic_kernels):
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize(("arch", "dtype"), [("llama", torch.float32), ("llama", torch.bfloat16),
-                                             ("qwen2", torch.float32)])
+                                             ("qwen2", torch.float32), ("qwen3", torch.float32),
+                                             ("phi3", torch.float32)])
 def test_cold_warm_chunked_and_batched_answers_are_the_same_bits(harness, arch, dtype, params):
     loaded = _loaded(arch, dtype)
     alone = harness(loaded)

@@ -10,7 +10,7 @@ from promptcache.model_runtime.baseline import full_prefill_greedy, full_prefill
 from tests.model_runtime.engine_probe import engine_tokens, first_step
 from tests.model_runtime.oracles import approximation_reference
 
-ARCHS = ["llama", "mistral", "qwen2", "gpt2"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2"]
 EXACT_SCHEMA = """<schema name="exact">
   <system>You are a careful assistant who answers briefly.</system>
   <user><module name="doc">The river Nile flows north through eleven countries into the sea.</module></user>

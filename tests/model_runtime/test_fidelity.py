@@ -34,7 +34,7 @@ MODES = [Fidelity("fast"), Fidelity("fast", positions="contiguous"), Fidelity("b
          Fidelity("balanced", 5), Fidelity("balanced", 2, "contiguous"), Fidelity("exact", positions="contiguous"),
          Fidelity("fast", positions="contiguous", context="predecessor"),
          Fidelity("balanced", 2, "contiguous", "predecessor")]
-ARCHS = ["llama", "qwen2", "gpt2"]
+ARCHS = ["llama", "qwen2", "qwen3", "gpt2"]  # qwen3: keys normalised per head before RoPE, then moved
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 

@@ -13,13 +13,14 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import ModelRuntime, SamplingParams, wrap_model
 from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.engine import Engine, EngineConfig
+from promptcache.model_runtime.loading.architectures import ARCHITECTURES
 from promptcache.model_runtime.loading.fused_layers import (
     FusedAttention,
     FusedGatedMLP,
@@ -28,10 +29,12 @@ from promptcache.model_runtime.loading.fused_layers import (
     fuse_layers,
     fused_stack_forward,
 )
-from tests.model_factories import make_test_tokenizer, make_tiny_model
+from tests.model_factories import make_test_tokenizer, make_tiny_model, tiny_config
 from tests.model_runtime.test_torch_layer_ops import assert_rope_matches_hf
 
 pytestmark = pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
+
+LLAMA = ARCHITECTURES["llama"]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +69,7 @@ def test_gated_mlp_matches_llama_mlp(ops):
         mlp = LlamaMLP(config).bfloat16()
     x = torch.randn(3, 57, 128).bfloat16()
     with torch.inference_mode():
-        assert_bf16_close(FusedGatedMLP(copy.deepcopy(mlp), ops)(x), mlp(x))
+        assert_bf16_close(FusedGatedMLP(copy.deepcopy(mlp), ops, LLAMA)(x), mlp(x))
         gate_up = (torch.randn(200, 2 * 352) * 6).bfloat16()  # SiLU over a wide range, both tails
         want = torch.nn.functional.silu(gate_up[:, :352]) * gate_up[:, 352:]
         assert_bf16_close(ops.silu_mul(gate_up), want)
@@ -78,16 +81,14 @@ def test_rope_matches_apply_rotary_pos_emb_bit_for_bit(ops, heads, kv_heads, dim
 
 
 def _model(arch: str, vocab_size: int) -> torch.nn.Module:
-    """Llama or Qwen2 (q/k/v biases) with head dim 64 and GQA, random weights, bf16."""
-    common = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.1)
-    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common, use_sliding_window=False)
+    """`arch` at the kernels' shapes (heads of 64, Qwen3's of 128) with GQA, random weights, bf16."""
+    config = tiny_config(arch, vocab_size=vocab_size, hidden_size=256)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_fused_model_matches_the_hf_model(ops, arch):
     """Whole forward passes (prefill, then decode over the cache): every module swapped, logits as the
     unfused model's within what one differently rounded bf16 element can move them over two layers."""

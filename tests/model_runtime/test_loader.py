@@ -14,7 +14,8 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Qwen2Config
 
 from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
 from promptcache.model_runtime.loading import default_model
-from promptcache.model_runtime.loading.loader import ModelConfig, check_architecture, load_model, wrap_model
+from promptcache.model_runtime.loading.architectures import check_architecture
+from promptcache.model_runtime.loading.loader import ModelConfig, load_model, wrap_model
 from tests.model_factories import ARCHITECTURES, make_test_tokenizer, make_tiny_model
 
 IDS = torch.tensor([[5, 9, 42, 7, 300, 11]])
@@ -37,13 +38,14 @@ def save_tiny(arch: str, path, **config_changes):
     return model
 
 
-@pytest.mark.parametrize(("arch", "kv_heads", "rope"), [("llama", 2, True), ("mistral", 2, True), ("qwen2", 2, True),
-                                                         ("gpt2", 4, False)])
-def test_wrap_describes_each_architecture(arch, kv_heads, rope):
+@pytest.mark.parametrize(("arch", "kv_heads", "head_dim", "rope"), [
+    ("llama", 2, 16, True), ("mistral", 2, 16, True), ("qwen2", 2, 16, True), ("qwen3", 2, 32, True),
+    ("phi3", 2, 16, True), ("gpt2", 4, 16, False)])
+def test_wrap_describes_each_architecture(arch, kv_heads, head_dim, rope):
     tokenizer = make_test_tokenizer()
     loaded = wrap_model(make_tiny_model(arch, vocab_size=len(tokenizer)), tokenizer, name=arch)
     assert (loaded.architecture, loaded.num_layers, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim,
-            loaded.uses_rope, loaded.max_positions) == (arch, 2, 4, kv_heads, 16, rope, 2048)
+            loaded.uses_rope, loaded.max_positions) == (arch, 2, 4, kv_heads, head_dim, rope, 2048)
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in loaded.eos_token_ids
     assert not loaded.model.training
 
@@ -100,7 +102,7 @@ def test_unsupported_architecture_refused_before_weights(tmp_path):
                            intermediate_size=64)
     GPTNeoXForCausalLM(config).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"not weights")  # reading it would fail differently
-    with pytest.raises(UnsupportedModelError, match=r"gpt_neox.*gpt2, llama, mistral, qwen2"):
+    with pytest.raises(UnsupportedModelError, match=r"gpt_neox.*gpt2, llama, mistral, phi3, qwen2, qwen3"):
         load_model(ModelConfig(str(tmp_path)))
     with pytest.raises(UnsupportedModelError, match="gpt_neox"):
         wrap_model(GPTNeoXForCausalLM(config), make_test_tokenizer(), name="neox")

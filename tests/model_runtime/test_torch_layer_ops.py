@@ -9,16 +9,19 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
 from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import ModelRuntime, SamplingParams, wrap_model
 from promptcache.model_runtime.loading import fused_layers, torch_layer_ops
+from promptcache.model_runtime.loading.architectures import ARCHITECTURES
 from promptcache.model_runtime.loading.fused_layers import FusedAttention, FusedGatedMLP, FusedRMSNorm
 from tests.conftest import TEST_DEVICE
-from tests.model_factories import make_test_tokenizer
+from tests.model_factories import make_test_tokenizer, tiny_config
 from tests.model_runtime.engine_probe import engine_tokens
+
+LLAMA = ARCHITECTURES["llama"]
 
 
 @pytest.fixture
@@ -62,23 +65,22 @@ def test_rms_norm_and_mlp_match_the_llama_modules(dtype):
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: one rounding step of the largest outputs
     with torch.inference_mode():
         for fused, plain in ((FusedRMSNorm(norm, torch_layer_ops), norm),
-                             (FusedGatedMLP(copy.deepcopy(mlp), torch_layer_ops), mlp)):
+                             (FusedGatedMLP(copy.deepcopy(mlp), torch_layer_ops, LLAMA), mlp)):
             got, want = fused(x).float(), plain(x).float()
             assert got.dtype == want.dtype and ((got - want).abs().max() / want.abs().max()).item() <= tolerance
 
 
 def _model(arch: str, vocab_size: int, dtype: torch.dtype) -> torch.nn.Module:
-    """Llama or Qwen2 (q/k/v biases), head dim 64 and GQA, random weights drawn in fp32, on the test device."""
-    common = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.1)
-    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common, use_sliding_window=False)
+    """`arch` at the bf16 kernels' shapes (heads of 64, Qwen3's of 128) and GQA, random weights drawn in fp32, on the
+    test device."""
+    config = tiny_config(arch, vocab_size=vocab_size, hidden_size=256)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     return model.to(dtype).to(TEST_DEVICE).eval()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_fused_model_matches_the_hf_model(torch_ops_here, arch):
     """fp32 forward passes (prefill, then a decode step over the cache): every module swapped, the same logits."""
     plain = _model(arch, 512, torch.float32)

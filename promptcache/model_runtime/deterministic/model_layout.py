@@ -8,11 +8,12 @@ import torch
 
 from promptcache.model_runtime.deterministic import kernels
 from promptcache.model_runtime.deterministic.layers import SUPPORTED_DTYPES, RotaryTable, ops, replace_linears
-from promptcache.model_runtime.loading import fused_layers
+from promptcache.model_runtime.loading import architectures, fused_layers
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
-# RoPE whose angles depend on the sequence's length: a position's cos/sin is no fixed table entry.
-_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+# The architectures whose decoder layers fuse (architectures.py): their fused modules run on the kernels' ops (Qwen3's
+# per-head q/k RMSNorm too: a row of D each). A position's cos/sin must be a fixed table entry: RoPE that rescales
+# with the length (LENGTH_DEPENDENT_ROPE) is refused below, as the loader refuses it for every mode.
+ARCHITECTURES = tuple(a.model_type for a in architectures.ARCHITECTURES.values() if a.fusable)
 
 
 def problem_of_settings(device: str, dtype: str, weights: str) -> str | None:
@@ -32,12 +33,11 @@ def problem(config: Any, dtype: torch.dtype, device: str, weights: str) -> str |
         return found
     if config.model_type not in ARCHITECTURES:
         return f"it serves {', '.join(ARCHITECTURES)} models, not {config.model_type!r}"
-    if config.hidden_act != "silu" or getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+    if config.hidden_act != "silu" or architectures.rotary_fraction(config) != 1.0:
         return "it needs SiLU gating and RoPE over whole heads"
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in _LENGTH_DEPENDENT_ROPE:
-        return f"its RoPE ({rope.get('rope_type', rope.get('type'))}) rescales with the sequence length"
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if (rope_type := architectures.rope_parameters(config).get("rope_type")) in architectures.LENGTH_DEPENDENT_ROPE:
+        return f"its RoPE ({rope_type}) rescales with the sequence length"
+    head_dim = architectures.head_dim_of(config)
     if head_dim % 8:
         return f"it needs a head dimension that is a multiple of 8, not {head_dim}"
     if kernels.prepare() is None:

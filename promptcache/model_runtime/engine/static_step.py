@@ -47,8 +47,9 @@ def static_forward_supported(model: Any) -> bool:
 
 
 def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
-    """x [R, H] -> RMSNorm with `norm`'s weight, one op (statistics in fp32 inside; one rounding at the end where the
-    HF module rounds before the weight: bf16 outputs may differ from the eager pass's in the last bit)."""
+    """x [R, H] (or [R, heads, D]: per head) -> RMSNorm with `norm`'s weight, one op (statistics in fp32 inside; one
+    rounding at the end where the HF module rounds before the weight: bf16 outputs may differ from the eager pass's in
+    the last bit)."""
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
 
 
@@ -97,6 +98,8 @@ class StaticForward:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = attn.qkv_proj(_rms_norm(hidden, layer.input_layernorm))    # [R, (H + 2 H_kv) D]
             qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
+            if attn.q_norm is not None:  # Qwen3: each head of q and k RMS-normalised before RoPE
+                qk = torch.cat([_rms_norm(qk[:, :heads], attn.q_norm), _rms_norm(qk[:, heads:], attn.k_norm)], dim=1)
             qk = torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin)      # [R, H + H_kv, D]
             value = qkv[:, (heads + kv_heads) * dim:].view(rows, kv_heads, dim)  # [R, H_kv, D]
             attended = attention(qk[:, :heads], qk[:, heads:], value, attn.layer_idx)  # [R, H, D]

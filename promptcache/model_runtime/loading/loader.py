@@ -1,6 +1,5 @@
-"""Load Hugging Face causal LMs (local directory or hub id) and describe them for the runtime. Supported: Llama,
-Mistral, Qwen2 and GPT-2 with full attention (module KV at arbitrary positions assumes every token sees every earlier
-one): others, and an active sliding window shorter than the context, are refused from the config, before any weight."""
+"""Load Hugging Face causal LMs (local directory or hub id) and describe them for the runtime. The architectures served
+and what is refused from the config, before any weight is read, are architectures.py's."""
 
 from __future__ import annotations
 
@@ -15,8 +14,9 @@ import torch
 
 from promptcache.model_runtime import deterministic as determinism
 from promptcache.model_runtime.cpu_features import auto_dtype
-from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
+from promptcache.model_runtime.errors import ModelLoadError
 from promptcache.model_runtime.loading import fused_layers, quantized_linear
+from promptcache.model_runtime.loading.architectures import check_architecture, head_dim_of, max_positions
 from promptcache.model_runtime.loading.packed_linear import pack_linears
 from promptcache.model_runtime.loading.quantized_linear import Int4Blocks, WeightFormat
 from promptcache.model_runtime.rope_shift import KeyShifter
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-SUPPORTED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "gpt2"})
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 # Keys that change with the transformers version, the load path or runtime switches, not the model.
@@ -105,7 +104,7 @@ class LoadedModel:
 
 def load_model(config: ModelConfig) -> LoadedModel:
     """Load model + tokenizer from a local directory, a hub id or (None) the built-in model, the architecture checked
-    first. Raises UnsupportedModelError (also sliding window) or ModelLoadError (naming the path; no CUDA too)."""
+    first. Raises UnsupportedModelError (check_architecture) or ModelLoadError (naming the path; no CUDA too)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _check_device(config.device)
@@ -153,14 +152,14 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
     ModelLoadError (slow tokenizer, vocabulary mismatch, quantized weights this torch build or CPU cannot run,
     deterministic serving of a model, device, dtype or weight format it does not cover)."""
     config = model.config
-    check_architecture(config)
+    arch = check_architecture(config)
     if not getattr(tokenizer, "is_fast", False):
         raise ModelLoadError(f"{name}: promptcache needs a fast (Rust-backed) tokenizer")
     if len(tokenizer) > config.vocab_size:
         raise ModelLoadError(f"{name}: tokenizer has {len(tokenizer)} tokens but the model's vocabulary has only "
                              f"{config.vocab_size}")
     num_heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    head_dim = head_dim_of(config)
     dtype = str(model.dtype).removeprefix("torch.")
     if (problem := quantized_linear.kernel_problem(weights, model.dtype)) is not None:
         raise ModelLoadError(f"{name}: {weights.value} weights cannot run here: {problem}")
@@ -184,25 +183,9 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
         model_fingerprint=fingerprint, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         num_layers=config.num_hidden_layers, num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
-        uses_rope=config.model_type != "gpt2", max_positions=_max_positions(config),
+        uses_rope=arch.uses_rope, max_positions=max_positions(config),
         eos_token_ids=_eos_ids(model, tokenizer), key_shifter=KeyShifter.of(model, head_dim), weights=weights,
         deterministic=deterministic)
-
-
-def check_architecture(hf_config: PretrainedConfig) -> None:
-    """Raise UnsupportedModelError unless `hf_config` is a supported full-attention model."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(f"model_type {model_type!r} is not supported; supported: "
-                                    f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
-    window = getattr(hf_config, "sliding_window", None)
-    if window is None or window >= _max_positions(hf_config):
-        return
-    # Qwen2 lists which layers slide (none unless use_sliding_window); Mistral slides in every layer.
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is None or "sliding_attention" in layer_types:
-        raise UnsupportedModelError(f"{model_type} model with sliding-window attention (window {window}) is not "
-                                    "supported; promptcache needs full attention")
 
 
 def model_fingerprint(name: str, hf_config: PretrainedConfig, dtype: str, weights: str) -> str:
@@ -273,12 +256,6 @@ def _check_device(device: str) -> None:
         raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
     if device != "cpu" and int(device.partition(":")[2] or 0) >= torch.cuda.device_count():
         raise ModelLoadError(f"device {device!r} requested but only {torch.cuda.device_count()} CUDA devices exist")
-
-
-def _max_positions(hf_config: PretrainedConfig) -> int:
-    # GPT-2 calls it n_positions (aliased to max_position_embeddings on recent configs).
-    positions = getattr(hf_config, "max_position_embeddings", None)
-    return int(positions) if positions else int(getattr(hf_config, "n_positions", 1024))
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:

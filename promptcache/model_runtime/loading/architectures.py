@@ -1,0 +1,112 @@
+"""The architectures promptcache serves, each described once (`ARCHITECTURES`), and the config check that refuses the
+rest before any weight is read (`check_architecture`): another model type, an active sliding window, or RoPE whose
+angles rescale with the sequence's length. Module KV computed at fixed positions is reused verbatim, so a model must
+give a token the same keys and values whatever follows it and however long the sequence grows."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from promptcache.model_runtime.errors import UnsupportedModelError
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    """How one HF `model_type` is laid out, for the loader, the fused layers and the deterministic layout.
+
+    A RoPE decoder (`uses_rope`) has Llama's skeleton: `base_model.layers[i]` with `self_attn`, `mlp`,
+    `input_layernorm` and `post_attention_layernorm` (RMSNorm), a SiLU-gated MLP, `base_model.rotary_emb` and a
+    final `norm`. What differs is named here: the linear layers whose outputs are q|k|v (`qkv`) and gate|up
+    (`gate_up`) side by side — three and two in Llama, one each in Phi-3's checkpoint — and Qwen3's RMSNorm over each
+    head of q and k before RoPE (`qk_norm`: the attention's `q_norm`, `k_norm`). GPT-2 (learned positions, `h`
+    blocks) is served by its HF modules only: `fusable` False."""
+
+    model_type: str
+    uses_rope: bool = True
+    fusable: bool = True
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    gate_up: tuple[str, ...] = ("gate_proj", "up_proj")
+    qk_norm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fusable and not (self.uses_rope and self.qkv and self.gate_up):
+            raise ValueError(f"{self.model_type}: fused layers need RoPE, q|k|v and gate|up projections")
+
+
+ARCHITECTURES: Mapping[str, Architecture] = {arch.model_type: arch for arch in (
+    Architecture("llama"),
+    Architecture("mistral"),
+    Architecture("qwen2"),
+    Architecture("qwen3", qk_norm=True),
+    Architecture("phi3", qkv=("qkv_proj",), gate_up=("gate_up_proj",)),
+    Architecture("gpt2", uses_rope=False, fusable=False, qkv=(), gate_up=()),
+)}
+SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
+
+# Model types people ask for that are refused on purpose, and why (the error names it).
+_REFUSED_WHY = {
+    "gemma2": "its local sliding-window layers, logit soft-capping and extra norms are not implemented",
+    "gemma3": "its local sliding-window layers, second RoPE base and extra norms are not implemented",
+    "gemma3_text": "its local sliding-window layers, second RoPE base and extra norms are not implemented",
+    "phi": "Phi-1/2's parallel attention and MLP block and partial LayerNorm layout are not implemented",
+}
+# RoPE whose angles depend on the sequence's length (HF recomputes the frequencies from the largest position in the
+# pass): stored module keys would carry other angles than a full prefill's, and a batch would change them.
+LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+
+
+def architecture_of(hf_config: Any) -> Architecture:
+    """The description of `hf_config`'s model type; raises UnsupportedModelError naming it when there is none."""
+    model_type = getattr(hf_config, "model_type", None)
+    found = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
+    if found is None:
+        why = _REFUSED_WHY.get(model_type) if isinstance(model_type, str) else None
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported{f' ({why})' if why else ''}; "
+                                    f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    return found
+
+
+def check_architecture(hf_config: Any) -> Architecture:
+    """`hf_config`'s architecture when promptcache serves it as configured; raises UnsupportedModelError for another
+    model type, a sliding window shorter than the context in any layer, or length-dependent RoPE."""
+    arch = architecture_of(hf_config)
+    model_type, positions = arch.model_type, max_positions(hf_config)
+    window = getattr(hf_config, "sliding_window", None)
+    # Qwen2/Qwen3 list which layers slide (none unless use_sliding_window); Mistral and Phi-3 slide in every layer.
+    layer_types = getattr(hf_config, "layer_types", None)
+    if window is not None and window < positions and (layer_types is None or "sliding_attention" in layer_types):
+        raise UnsupportedModelError(f"{model_type} model with sliding-window attention (window {window}) is not "
+                                    "supported; promptcache needs full attention")
+    if arch.uses_rope and (rope_type := rope_parameters(hf_config).get("rope_type")) in LENGTH_DEPENDENT_ROPE:
+        raise UnsupportedModelError(f"{model_type} model with {rope_type} RoPE scaling is not supported: its angles "
+                                    "change with the sequence's length, so cached keys would not be a full "
+                                    "prefill's; the same model with plain RoPE is served")
+    return arch
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The config's RoPE settings (transformers 5's `rope_parameters`, else the older `rope_scaling`), `rope_type`
+    filled in from the old `type` key; {} when it has none."""
+    found = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if not isinstance(found, dict):
+        return {}
+    return {**found, "rope_type": found.get("rope_type", found.get("type", "default"))}
+
+
+def rotary_fraction(hf_config: Any) -> float:
+    """The fraction of each head RoPE rotates (Phi-3's and others' `partial_rotary_factor`; 1.0: whole heads)."""
+    return float(rope_parameters(hf_config).get("partial_rotary_factor",
+                                                getattr(hf_config, "partial_rotary_factor", None) or 1.0))
+
+
+def max_positions(hf_config: Any) -> int:
+    """Positions the model was trained for (GPT-2 calls it n_positions, aliased on recent configs)."""
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    return int(positions) if positions else int(getattr(hf_config, "n_positions", 1024))
+
+
+def head_dim_of(hf_config: Any) -> int:
+    """Dimensions of one attention head (an explicit `head_dim`, as Qwen3 has, else hidden / heads)."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
