@@ -50,7 +50,7 @@ _REFUSED_WHY = {
     "gemma2": "its local sliding-window layers, logit soft-capping and extra norms are not implemented",
     "gemma3": "its local sliding-window layers, second RoPE base and extra norms are not implemented",
     "gemma3_text": "its local sliding-window layers, second RoPE base and extra norms are not implemented",
-    "phi": "Phi-1/2's parallel attention and MLP block and partial LayerNorm layout are not implemented",
+    "phi": "Phi-1/2's parallel attention and MLP block over one LayerNorm is not implemented",
 }
 # RoPE whose angles depend on the sequence's length (HF recomputes the frequencies from the largest position in the
 # pass): stored module keys would carry other angles than a full prefill's, and a batch would change them.
