@@ -2,7 +2,8 @@
 numeric path, with and without `--deterministic`, and what `--deterministic` costs.
 
     python -m benchmarks.determinism [--prompts 200] [--max-tokens 12] [--paths fp32 bf16-torch bf16-kernel]
-                                     [--threads N] [--timing-runs 7] [--skip-answers] [--skip-timing] [--out FILE]
+                                     [--threads N] [--timing-runs 7] [--variants default deterministic]
+                                     [--skip-answers] [--skip-timing] [--out FILE]
 
 Numeric paths (as tests/numeric_paths.py names them): `fp32`; `bf16-torch` (`--dtype bfloat16` with an empty kernel
 folder: PyTorch's attention, what a CPU without our kernels runs); `bf16-kernel` (our AVX512-BF16 kernels, the default
@@ -297,6 +298,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads of every server (default: "
                         "torch's, one per core)")
     parser.add_argument("--timing-runs", type=int, default=7)
+    parser.add_argument("--variants", nargs="+", choices=("default", "deterministic"),
+                        default=["default", "deterministic"], help="which servers answer (default: both)")
     parser.add_argument("--skip-answers", action="store_true")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS / "determinism.jsonl")
@@ -311,8 +314,11 @@ def main() -> None:
             emit({**base, "kind": "unavailable", "path": path, "reason": why}, args.out)
             continue
         if not args.skip_answers:
-            records += measure_answers(args, path, False, schema, prompts, base)
-            if path == "fp32":
+            if "default" in args.variants:
+                records += measure_answers(args, path, False, schema, prompts, base)
+            if "deterministic" not in args.variants:
+                pass
+            elif path == "fp32":
                 records += measure_answers(args, path, True, schema, prompts, base)
             elif deterministic_bf16 is None:  # one deterministic bf16 server serves both bf16 paths' rows
                 deterministic_bf16 = measure_answers(args, path, True, schema, prompts, base)
