@@ -78,8 +78,9 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu | cuda | cuda:N")
     parser.add_argument("--no-weight-packing", action="store_true", help="no weights prepacked for oneDNN on CPU")
     parser.add_argument("--no-layer-fusion", action="store_true", help="the HF decoder modules, not fused layers")
-    parser.add_argument("--weights", choices=["native", "int8", "int4"], help="CPU: decoder linear weights as loaded "
-                        "(default), int8 per channel or int4 per 32-group; faster decode, see docs/api.md")
+    parser.add_argument("--weights", choices=["auto", "native", "int8", "int4"], help="CPU: decoder linear weights "
+                        "as loaded (native), int8 per channel or int4 per 32-group (faster decode); auto (default): "
+                        "int4 for a GGUF stored in 4 bits (the built-in model), else native; see docs/api.md")
     parser.add_argument("--deterministic", action="store_true", help="batch-invariant kernels: the same request and "
                         "seed give the same tokens whatever the cache state and the batch (docs/api.md)")
     parser.add_argument("--redis-url", help="redis://host:port/db for the shared KV tier and schema registry")
@@ -143,7 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
                   f"{deterministic.unavailable_reason()}", file=sys.stderr)
             return 2
     dtype = str(config.torch_dtype).removeprefix("torch.")
-    if settings.weights != "native":
+    if settings.weights != "native":  # auto: the log's "promptcache ready" line and /health name the outcome
         dtype += f", {settings.weights} weights"
     if settings.deterministic:
         dtype += ", deterministic"

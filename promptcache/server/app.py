@@ -102,7 +102,8 @@ async def _start(app: FastAPI, settings: ServerSettings, tenants: TenantDirector
         app.state.load_error = f"startup failed (id {error_id}; the server log says why)"
         return
     app.state.service = service
-    logger.info("promptcache ready: model %s; attention %s (%s)", loaded.name, service.attention.path.value,
+    logger.info("promptcache ready: model %s (%s, %s weights); attention %s (%s)", loaded.name,
+                str(loaded.model.dtype).removeprefix("torch."), loaded.weights.value, service.attention.path.value,
                 service.attention.reason)
 
 
@@ -114,7 +115,8 @@ async def health(request: Request) -> JSONResponse:
     if (service := getattr(request.app.state, "service", None)) is None:
         error = getattr(request.app.state, "load_error", None)
         return JSONResponse({"status": "failed", "error": error} if error else {"status": "loading"}, status_code=503)
-    return JSONResponse({"status": "ok", "model": service.model_name, "attention": service.attention.as_dict()})
+    return JSONResponse({"status": "ok", "model": service.model_name, "weights": service.weights.value,
+                         "attention": service.attention.as_dict()})
 
 
 @system.get(METRICS_PATH)

@@ -37,6 +37,7 @@ class PromptService:
         store_config = settings.store_config(self.tenants.cache_shares())  # as `promptcache encode` maps it
         signer = cache_store.BlobSigner(store_config.blob_key)
         self.model_name = loaded.name
+        self.weights = loaded.weights  # as loaded: `auto` resolved (int4 for a 4-bit GGUF)
         self.store = cache_store.build_store(store_config, device=settings.device)
         self.registry = cache_store.SchemaRegistry(settings.redis_url, namespace=settings.namespace,
                                                    timeout_s=settings.redis_timeout_s, signer=signer)

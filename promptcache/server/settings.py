@@ -93,8 +93,9 @@ class ServerSettings(BaseSettings):
     pack_weights: bool = Field(True, description="linear weights prepacked for oneDNN on CPU (same results)")
     fuse_layers: bool = Field(True, description="fused decoder layers on a GPU, and in bf16 on CPUs with "
                                                 "AVX512-BF16 (same outputs; off: the HF modules)")
-    weights: Literal["native", "int8", "int4"] = Field("native", description="CPU: decoder linear weights as loaded, "
-                                                       "int8 per channel or int4 per 32-group (docs/api.md)")
+    weights: Literal["auto", "native", "int8", "int4"] = Field("auto", description="CPU: decoder linear weights as "
+                                                               "loaded, int8 per channel or int4 per 32-group; auto: "
+                                                               "int4 for a 4-bit GGUF, else native (docs/api.md)")
     cuda_graphs: bool = Field(True, description="a GPU's all-decode steps and lone prefills of <= 256 tokens "
                               "replayed from CUDA graphs (bf16/fp16 with Triton; same results as eager up to rounding)")
     deterministic: bool = Field(False, description="batch-invariant kernels: a request and seed give the same tokens "

@@ -1,15 +1,25 @@
-"""The README's serve path: the built-in SmolLM2 with the example schemas preloaded gives real answers."""
+"""The README's serve path: the built-in SmolLM2, loaded as `promptcache serve` loads it by default (its GGUF is
+4-bit: int4 weights as stored), with the example schemas preloaded gives real answers."""
 
 from __future__ import annotations
 
 import httpx
+import pytest
 
+from promptcache.model_runtime import LoadedModel, WeightFormat, load_model
 from tests.server.conftest import LiveServer, settings_for
 
 
-def test_default_model_answers_from_the_preloaded_example(smollm2):
-    server = LiveServer(settings_for(preload_examples=True), lambda: smollm2).start()
+@pytest.fixture(scope="module")
+def served_default() -> LoadedModel:
+    return load_model(settings_for().load_config())
+
+
+def test_default_model_answers_from_the_preloaded_example(served_default):
+    assert served_default.weights is WeightFormat.INT4  # the settings' default: auto
+    server = LiveServer(settings_for(preload_examples=True), lambda: served_default).start()
     try:
+        assert httpx.get(server.url + "/health").json()["weights"] == "int4"
         names = [s["name"] for s in httpx.get(server.url + "/v1/schemas").json()["data"]]
         assert {"library", "trip-planner"} <= set(names)
         prompt = ('<prompt schema="library"><user><doc-amazon/>Into which ocean does the Amazon flow?</user>'

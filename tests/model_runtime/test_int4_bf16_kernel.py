@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from promptcache.model_runtime.attention import bf16_kernel
-from promptcache.model_runtime.loading.gguf_weights import read_q4_1, read_q8_0_head
+from promptcache.model_runtime.loading.gguf_weights import read_layers, read_q8_0_head
 from promptcache.model_runtime.loading.quantized_linear import (
     GROUP_SIZE,
     HEAD,
@@ -91,7 +91,7 @@ def test_int4_pack_holds_fp16_scales_only_where_exact(bf16_kernels):
 
 
 def test_int4_mm_multiplies_gguf_q4_1_blocks(bf16_kernels, tmp_path):
-    """Blocks as a Q4_1 file stores them (read_q4_1) multiply by the weight gguf's dequantize gives."""
+    """Blocks as a Q4_1 file stores them (read_layers) multiply by the weight gguf's dequantize gives."""
     weight = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32) * 0.02
     writer = GGUFWriter(tmp_path / "m.gguf", "llama")
     stored = quantize(weight, GGMLQuantizationType.Q4_1)
@@ -100,7 +100,7 @@ def test_int4_mm_multiplies_gguf_q4_1_blocks(bf16_kernels, tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    blocks = read_q4_1(tmp_path / "m.gguf", 4, 2)["model.layers.0.mlp.down_proj"]
+    blocks = read_layers(tmp_path / "m.gguf", 4, 2).blocks["model.layers.0.mlp.down_proj"]
     want_weight = torch.from_numpy(dequantize(stored, GGMLQuantizationType.Q4_1).copy())
     x = torch.randn(5, 256).bfloat16()
     packed = _ops().pack(blocks.values, blocks.scales, blocks.minimums)

@@ -1,4 +1,5 @@
-"""int8 / int4 linear layers (loading/quantized_linear.py) and GGUF Q4_1 blocks (loading/gguf_weights.py).
+"""int8 / int4 linear layers (loading/quantized_linear.py) and GGUF Q4_1 blocks (loading/gguf_weights.py; the other
+block types: test_gguf_blocks.py).
 
 Oracles: a float matmul of the dequantized weight; the `gguf` package's own quantization and
 dequantization; transformers' GGUF loader (the converted default model) and its q/k row permutation; the
@@ -23,7 +24,7 @@ from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.baseline import full_prefill_logits
 from promptcache.model_runtime.engine import Engine, EngineConfig
 from promptcache.model_runtime.loading.fused_layers import FusedAttention
-from promptcache.model_runtime.loading.gguf_weights import read_q4_1
+from promptcache.model_runtime.loading.gguf_weights import read_layers
 from promptcache.model_runtime.loading.quantized_linear import (
     GROUP_SIZE,
     INT4_DEQUANTIZE_ROWS,
@@ -122,7 +123,7 @@ def test_q4_1_blocks_dequantize_bit_exactly_as_gguf_does(tmp_path):
                "blk.0.ffn_down.weight": rng.standard_normal((64, 256)) * 0.02,
                "token_embd.weight": rng.standard_normal((32, 64))}
     stored = _q4_1_file(tmp_path / "m.gguf", {k: v.astype(np.float32) for k, v in tensors.items()})
-    blocks = read_q4_1(tmp_path / "m.gguf", heads, kv_heads)
+    blocks = read_layers(tmp_path / "m.gguf", heads, kv_heads).blocks
     assert set(blocks) == {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
                            "model.layers.0.mlp.down_proj"}  # the Q8_0 embedding is not 4-bit
     processor = LlamaTensorProcessor({"num_attention_heads": heads, "num_key_value_heads": kv_heads})
@@ -147,7 +148,7 @@ def test_smollm2_q4_1_blocks_are_the_weights_transformers_loads(smollm2):
     from promptcache.model_runtime.loading.default_model import default_model_path, gguf_path
 
     config = smollm2.model.config
-    blocks = read_q4_1(gguf_path(), config.num_attention_heads, config.num_key_value_heads)
+    blocks = read_layers(gguf_path(), config.num_attention_heads, config.num_key_value_heads).blocks
     assert len(blocks) == 7 * config.num_hidden_layers
     converted = load_file(default_model_path() / "model.safetensors")
     for name, layer_blocks in blocks.items():
@@ -239,14 +240,17 @@ def test_model_config_and_settings_take_the_weights_choice(monkeypatch):
     from promptcache import cli
     from promptcache.server.settings import ServerSettings
 
-    assert ServerSettings().load_config().weights is WeightFormat.NATIVE
+    assert ServerSettings().load_config().weights is WeightFormat.AUTO  # int4 for a 4-bit GGUF (test_gguf_blocks)
+    assert ModelConfig().weights is WeightFormat.NATIVE  # the library's default: the model as loaded
     assert ServerSettings(weights="int4").load_config().weights is WeightFormat.INT4
+    assert ServerSettings(weights="native").load_config().weights is WeightFormat.NATIVE
     monkeypatch.setenv("PROMPTCACHE_WEIGHTS", "int8")
     assert ServerSettings().load_config().weights is WeightFormat.INT8
     with pytest.raises(ValueError):
         ServerSettings(weights="int3")
     with pytest.raises(ValueError, match="CPU only"):
         ModelConfig(device="cuda", weights=WeightFormat.INT4)
+    ModelConfig(device="cuda", weights=WeightFormat.AUTO)  # resolves to native there
     seen = []
 
     def encode(args) -> int:

@@ -1,16 +1,20 @@
-"""The 4-bit (Q4_1) and 8-bit (Q8_0) blocks of a Llama-family GGUF checkpoint, read as stored, named as the
-Hugging Face model names them."""
+"""A Llama-family GGUF checkpoint's 4-bit (Q4_0, Q4_1, Q4_K: gguf_blocks.py) and 8-bit head (Q8_0) blocks, read as
+stored, named as the Hugging Face model names them; which layers it stores in more bits."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from promptcache.model_runtime.errors import ModelLoadError
+from promptcache.model_runtime.loading.gguf_blocks import q4_0_blocks, q4_1_blocks, q4_k_blocks
 from promptcache.model_runtime.loading.quantized_linear import GROUP_SIZE, HEAD, Int4Blocks
 
 # GGUF tensor -> HF module (llama.cpp's names for the Llama family; transformers maps them the same way)
@@ -20,33 +24,56 @@ _MODULES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
-_BLOCK_BYTES = 4 + GROUP_SIZE // 2  # fp16 d, fp16 m, 32 nibbles
+# The 4-bit block types, as Int4Blocks; any other type of a projection is "wider"
+_READERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Int4Blocks]] = {
+    GGMLQuantizationType.Q4_0: q4_0_blocks, GGMLQuantizationType.Q4_1: q4_1_blocks,
+    GGMLQuantizationType.Q4_K: q4_k_blocks}
 _Q8_0_BLOCK_BYTES = 2 + GROUP_SIZE  # fp16 d, 32 int8
 
 
-def read_q4_1(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, Int4Blocks]:
-    """The decoder layers' Q4_1 tensors in the GGUF at `path` by HF module name (`model.layers.3.mlp.up_proj`), q and k
-    rows in HF order (llama.cpp interleaves each head's halves for RoPE). Raises ModelLoadError if it cannot be read."""
-    from gguf import GGMLQuantizationType
+@dataclass(frozen=True, slots=True)
+class GGUFLayers:
+    """A GGUF file's decoder projections by HF module name (`model.layers.3.mlp.up_proj`): the 4-bit ones (Q4_0,
+    Q4_1, Q4_K) as stored blocks, q and k rows in HF order; `wider`: the rest (Q5_K, Q6_K, Q8_0, F16 ...), which
+    int4 serving keeps as loaded (dequantized to the serving dtype), never re-quantized to fewer bits."""
 
+    blocks: dict[str, Int4Blocks]
+    wider: frozenset[str]
+
+
+def read_layers(path: str | Path, num_heads: int, num_kv_heads: int) -> GGUFLayers:
+    """The decoder projections of the GGUF at `path` (llama.cpp interleaves q's and k's head halves for RoPE; undone
+    here as transformers' loader undoes it). Raises ModelLoadError if it cannot be read."""
     blocks: dict[str, Int4Blocks] = {}
+    wider: set[str] = set()
     for tensor in _tensors(path).values():
-        match = _LAYER_TENSOR.fullmatch(tensor.name)
-        if tensor.tensor_type != GGMLQuantizationType.Q4_1 or match is None or match[2] not in _MODULES:
+        if (name := _hf_name(tensor.name)) is None:
             continue
-        layer = _blocks(np.asarray(tensor.data))
-        if match[2] in ("attn_q", "attn_k"):
-            layer = _unpermuted(layer, num_heads if match[2] == "attn_q" else num_kv_heads)
-        blocks[f"model.layers.{match[1]}.{_MODULES[match[2]]}"] = layer
-    return blocks
+        read = _READERS.get(tensor.tensor_type)
+        if read is None:
+            wider.add(name)
+            continue
+        layer = read(np.asarray(tensor.data))
+        if tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            layer = _unpermuted(layer, num_heads if "attn_q" in tensor.name else num_kv_heads)
+        blocks[name] = layer
+    return GGUFLayers(blocks, frozenset(wider))
+
+
+def is_4bit(path: str | Path) -> bool:
+    """Whether most of the decoder projections' weights in the GGUF at `path` are stored in a 4-bit block type
+    (Q4_0, Q4_1, Q4_K: a Q4_K_M file's Q6_K layers are the minority). Raises ModelLoadError if it cannot be read."""
+    counts = {True: 0, False: 0}
+    for tensor in _tensors(path).values():
+        if _hf_name(tensor.name) is not None:
+            counts[tensor.tensor_type in _READERS] += int(tensor.n_elements)
+    return counts[True] > counts[False]
 
 
 def read_q8_0_head(path: str | Path) -> dict[str, Int4Blocks]:
     """The output head's Q8_0 blocks (`output.weight`, else the tied `token_embd.weight`) keyed HEAD, as one int4
     layer over the input written twice (`SplitByteLinear`); empty when stored otherwise. q = d * (16 h + l - 128)
     (h, l: q + 128's nibbles) splits into groups of scale 16 d, minimum -128 d and of scale d, minimum 0."""
-    from gguf import GGMLQuantizationType
-
     tensors = _tensors(path)
     tensor = tensors.get("output.weight", tensors.get("token_embd.weight"))
     if tensor is None or tensor.tensor_type != GGMLQuantizationType.Q8_0:
@@ -72,16 +99,12 @@ def _tensors(path: str | Path) -> dict[str, Any]:
         raise ModelLoadError(f"cannot read the GGUF file {path}: {exc}") from None
 
 
-def _blocks(raw: np.ndarray) -> Int4Blocks:
-    """Q4_1 bytes [out, in / 32 * 20] -> Int4Blocks (a block: fp16 d, fp16 m, nibbles of values 0..15 | 16..31)."""
-    data = torch.from_numpy(raw.copy())
-    out_features = data.shape[0]
-    data = data.view(out_features, -1, _BLOCK_BYTES)  # [out, in / G, 20]
-    scales = data[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()  # [out, in / G]
-    minimums = data[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
-    nibbles = data[..., 4:]  # [out, in / G, 16]
-    values = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(out_features, -1)  # [out, in]
-    return Int4Blocks(values, scales, minimums)
+def _hf_name(gguf_name: str) -> str | None:
+    """`blk.3.ffn_up.weight` -> `model.layers.3.mlp.up_proj`; None for any other tensor."""
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match[2] not in _MODULES:
+        return None
+    return f"model.layers.{match[1]}.{_MODULES[match[2]]}"
 
 
 def _unpermuted(blocks: Int4Blocks, num_heads: int) -> Int4Blocks:

@@ -15,10 +15,11 @@ import torch
 from promptcache.model_runtime import deterministic as determinism
 from promptcache.model_runtime.cpu_features import auto_dtype
 from promptcache.model_runtime.errors import ModelLoadError
-from promptcache.model_runtime.loading import fused_layers, quantized_linear
+from promptcache.model_runtime.loading import fused_layers, quantized_linear, stored_weights
 from promptcache.model_runtime.loading.architectures import check_architecture, head_dim_of, max_positions
 from promptcache.model_runtime.loading.packed_linear import pack_linears
 from promptcache.model_runtime.loading.quantized_linear import Int4Blocks, WeightFormat
+from promptcache.model_runtime.loading.stored_weights import StoredWeights
 from promptcache.model_runtime.rope_shift import KeyShifter
 
 if TYPE_CHECKING:
@@ -40,10 +41,11 @@ class ModelConfig:
     """Which model to load and how. `name_or_path=None`: the built-in SmolLM2-135M-Instruct (converted into `cache_dir`,
     None: ~/.cache/promptcache/models). `dtype="auto"`: bf16 where the hardware computes it natively, else fp32.
     `pack_weights`: oneDNN-packed linear weights (packed_linear.py); `fuse_layers`: fused decoder layers
-    (fused_layers.py); `weights` int8/int4: quantized CPU linear weights (int4 loads the built-in model's Q4_1 blocks as
-    stored); `deterministic`: batch-invariant kernels instead of packing and the default fusion (model_runtime/
-    deterministic/). Raises ValueError for an unknown dtype, a malformed device, quantized weights off the CPU, or
-    deterministic serving of a device, dtype or weight format it does not cover."""
+    (fused_layers.py); `weights` int8/int4: quantized CPU linear weights (int4 loads the built-in model's 4-bit GGUF
+    blocks as stored), auto: int4 where the checkpoint is a GGUF stored in 4 bits and the kernel runs, else native
+    (stored_weights.py); `deterministic`: batch-invariant kernels instead of packing and the default fusion
+    (model_runtime/deterministic/). Raises ValueError for an unknown dtype, a malformed device, quantized weights off
+    the CPU, or deterministic serving of a device, dtype or weight format it does not cover."""
 
     name_or_path: str | None = None
     dtype: str = "float32"
@@ -62,10 +64,11 @@ class ModelConfig:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not isinstance(self.weights, WeightFormat):
             raise ValueError(f"weights must be a WeightFormat, got {self.weights!r}")
-        if self.weights is not WeightFormat.NATIVE and self.device != "cpu":
+        if self.weights in (WeightFormat.INT8, WeightFormat.INT4) and self.device != "cpu":
             raise ValueError(f"weights {self.weights.value} run on the CPU only, not on {self.device!r}")
+        asked = "native" if self.weights is WeightFormat.AUTO else self.weights.value  # auto then resolves native
         if self.deterministic and (problem := determinism.problem_of_settings(self.device, self.dtype,
-                                                                             self.weights.value)) is not None:
+                                                                             asked)) is not None:
             raise ValueError(f"deterministic serving cannot run here: {problem}")
 
     @property
@@ -123,13 +126,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     except Exception as exc:
         raise ModelLoadError(f"cannot read a model config from {path!r}: {exc}") from None
     check_architecture(hf_config)
-    blocks = None
-    if config.weights is WeightFormat.INT4 and config.name_or_path is None:  # the GGUF's own 4-bit blocks
-        from promptcache.model_runtime.loading.default_model import gguf_path
-        from promptcache.model_runtime.loading.gguf_weights import read_q4_1, read_q8_0_head
-
-        blocks = {**read_q4_1(gguf_path(), hf_config.num_attention_heads, hf_config.num_key_value_heads),
-                  **read_q8_0_head(gguf_path())}
+    stored = _stored_weights(config, hf_config)
     try:
         tokenizer = _load_tokenizer(path, options)
         model = AutoModelForCausalLM.from_pretrained(
@@ -138,20 +135,23 @@ def load_model(config: ModelConfig) -> LoadedModel:
         raise ModelLoadError(f"cannot load the model at {path!r}: {exc}") from None
     # Called through the class: transformers' @wraps(Module.to) hides from type checkers that it binds self.
     return wrap_model(type(model).to(model, config.device), tokenizer, name=name, pack_weights=config.pack_weights,
-                      fuse_layers=config.fuse_layers, weights=config.weights, blocks=blocks,
-                      deterministic=config.deterministic)
+                      fuse_layers=config.fuse_layers, weights=stored.weights, blocks=stored.blocks,
+                      wider=stored.wider, deterministic=config.deterministic)
 
 
 def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str,
                pack_weights: bool = False, fuse_layers: bool = False, weights: WeightFormat = WeightFormat.NATIVE,
-               blocks: Mapping[str, Int4Blocks] | None = None, deterministic: bool = False) -> LoadedModel:
+               blocks: Mapping[str, Int4Blocks] | None = None, wider: frozenset[str] = frozenset(),
+               deterministic: bool = False) -> LoadedModel:
     """Check and describe an in-process model as `load_model` does, in eval mode. After fingerprinting the weights (so
-    packed, fused and plain servers share KV keys) it fuses layers, quantizes to `weights` (`blocks` as stored; the
-    format is part of the fingerprint) and packs, in place; `deterministic`: lays it out for the batch-invariant
-    kernels instead (a KV key of its own: its KV's bits are its kernels'). Raises UnsupportedModelError or
-    ModelLoadError (slow tokenizer, vocabulary mismatch, quantized weights this torch build or CPU cannot run,
-    deterministic serving of a model, device, dtype or weight format it does not cover)."""
+    packed, fused and plain servers share KV keys) it fuses layers, quantizes to `weights` (`blocks` as stored, `wider`
+    kept float; auto is native: no file behind the model; the format is part of the fingerprint) and packs, in place;
+    `deterministic`: lays it out for the batch-invariant kernels instead (a KV key of its own: its KV's bits are its
+    kernels'). Raises UnsupportedModelError or ModelLoadError (slow tokenizer, vocabulary mismatch, quantized weights
+    this torch build or CPU cannot run, deterministic serving of a model, device, dtype or weight format it does not
+    cover)."""
     config = model.config
+    weights = WeightFormat.NATIVE if weights is WeightFormat.AUTO else weights
     arch = check_architecture(config)
     if not getattr(tokenizer, "is_fast", False):
         raise ModelLoadError(f"{name}: promptcache needs a fast (Rust-backed) tokenizer")
@@ -175,7 +175,7 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
     else:
         if fuse_layers:
             fused_layers.fuse_layers(model)  # before quantizing and packing: they pick up the fused projections
-        quantized_linear.quantize_linears(model, weights, blocks)
+        quantized_linear.quantize_linears(model, weights, blocks, wider)
         if pack_weights:
             pack_linears(model)
     return LoadedModel(
@@ -249,6 +249,19 @@ def _load_tokenizer(path: str, options: dict[str, Any]) -> PreTrainedTokenizerBa
     if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
         return PreTrainedTokenizerFast.from_pretrained(path, **options)
     return AutoTokenizer.from_pretrained(path, **options)
+
+
+def _stored_weights(config: ModelConfig, hf_config: PretrainedConfig) -> StoredWeights:
+    """The weight format `config` resolves to and, for int4 from the built-in model's GGUF, its stored blocks."""
+    gguf = None
+    if config.name_or_path is None:
+        from promptcache.model_runtime.loading.default_model import gguf_path
+
+        gguf = gguf_path()
+    num_heads = hf_config.num_attention_heads
+    return stored_weights.choose(config.weights, gguf, num_heads, getattr(hf_config, "num_key_value_heads", None)
+                                 or num_heads, device=config.device, dtype=config.torch_dtype,
+                                 deterministic=config.deterministic)
 
 
 def _check_device(device: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +56,11 @@ def _pack_block() -> int | None:
 
 
 class WeightFormat(enum.Enum):
-    """How a model's linear weights are held: as loaded (`native`), int8 per channel, or int4 per group."""
+    """How a model's linear weights are held: as loaded (`native`), int8 per channel, or int4 per group; `auto`
+    (asked for, never loaded): int4 for a GGUF stored in 4 bits where the kernel runs, else native
+    (stored_weights.choose)."""
 
+    AUTO = "auto"
     NATIVE = "native"
     INT8 = "int8"
     INT4 = "int4"
@@ -207,16 +210,19 @@ class SplitByteLinear(torch.nn.Module):
         return self.planes(torch.cat([x, x], dim=-1))  # [..., 2 in] -> [..., out]
 
 
-def quantize_linears(model: torch.nn.Module, weights: WeightFormat,
-                     blocks: Mapping[str, Int4Blocks] | None = None) -> int:
+def quantize_linears(model: torch.nn.Module, weights: WeightFormat, blocks: Mapping[str, Int4Blocks] | None = None,
+                     wider: Collection[str] = frozenset()) -> int:
     """Replace a CPU model's `nn.Linear` layers with Int8Linear or Int4Linear in place (after fusing, before packing);
-    returns how many. int4 uses `blocks` (HF module name -> the checkpoint's 4-bit weights) as stored; a layer not
-    `fits_int4` stays float. The output head stays as loaded unless `blocks` holds its 8 bits (HEAD)."""
+    returns how many. int4 uses `blocks` (HF module name -> the checkpoint's 4-bit weights) as stored and keeps float
+    a layer not `fits_int4` or built from one the checkpoint stores in more bits (`wider`: not rounded again).
+    The output head stays as loaded unless `blocks` holds its 8 bits (HEAD)."""
+    assert weights is not WeightFormat.AUTO, "resolved before loading (stored_weights.choose)"
     if weights is WeightFormat.NATIVE:
         return 0
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     head_blocks = (blocks or {}).get(HEAD) if weights is WeightFormat.INT4 else None
+    wider_sources = frozenset(wider)
     replaced = 0
     for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
@@ -229,10 +235,12 @@ def quantize_linears(model: torch.nn.Module, weights: WeightFormat,
                 layer: torch.nn.Module = SplitByteLinear(head_blocks, dtype)  # the file's own 8 bits
             elif weights is WeightFormat.INT8:
                 layer = Int8Linear(child)
-            elif fits_int4(child):
-                sources = getattr(parent, "JOINED_PROJECTIONS", {}).get(name, (name,))
-                stored = _stored(blocks or {}, [f"{prefix}.{source}".lstrip(".") for source in sources])
+            elif fits_int4(child) and not wider_sources.intersection(names := _sources(parent, prefix, name)):
+                stored = _stored(blocks or {}, names)
                 layer = Int4Linear(stored or Int4Blocks.of(child.weight, dtype), child.bias, dtype)
+            elif fits_int4(child):
+                logger.info("%s.%s keeps its float weight: the checkpoint stores it in more than 4 bits", prefix, name)
+                continue
             else:
                 logger.info("%s.%s keeps its float weight: %s x %s is not an int4 kernel shape",
                             prefix, name, child.out_features, child.in_features)
@@ -271,6 +279,11 @@ def kernel_problem(weights: WeightFormat, dtype: torch.dtype) -> str | None:
     except Exception as exc:  # an op missing from this torch build or refusing this CPU
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def _sources(parent: torch.nn.Module, prefix: str, name: str) -> list[str]:
+    """The checkpoint's module names behind `parent.name` (a fused layer's joined projections, else itself)."""
+    return [f"{prefix}.{source}".lstrip(".") for source in getattr(parent, "JOINED_PROJECTIONS", {}).get(name, (name,))]
 
 
 def _stored(blocks: Mapping[str, Int4Blocks], names: list[str]) -> Int4Blocks | None:

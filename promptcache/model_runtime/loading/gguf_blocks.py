@@ -1,0 +1,65 @@
+"""GGUF's 4-bit block types as Int4Blocks (per 32 inputs `w = scale * q + minimum`, q in 0..15), read bit for bit:
+Q4_0 (`d * (q - 8)`: scale d, minimum -8 d), Q4_1 (`d * q + m`) and Q4_K (super-blocks of 256 with eight 6-bit scales
+and mins, `d * sc * q - dmin * m`: scale d * sc, minimum -dmin * m). In fp32 each product and the one sum round as
+gguf's own dequantize rounds them, so the weights are equal bit for bit (tests/model_runtime/test_gguf_blocks.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from promptcache.model_runtime.loading.quantized_linear import GROUP_SIZE, Int4Blocks
+
+Q4_0_BLOCK_BYTES = 2 + GROUP_SIZE // 2  # fp16 d, 32 nibbles
+Q4_1_BLOCK_BYTES = 4 + GROUP_SIZE // 2  # fp16 d, fp16 m, 32 nibbles
+SUPER_BLOCK = 256  # QK_K: weights of one Q4_K block
+Q4_K_BLOCK_BYTES = 4 + 12 + SUPER_BLOCK // 2  # fp16 d, fp16 dmin, 8 x (6-bit scale, 6-bit min) in 12 bytes, nibbles
+_SUB_BLOCKS = SUPER_BLOCK // GROUP_SIZE  # 8
+
+
+def q4_0_blocks(raw: np.ndarray) -> Int4Blocks:
+    """Q4_0 bytes [out, in / 32 * 18] -> Int4Blocks (a block: fp16 d, nibbles of values 0..15 | 16..31)."""
+    data = _bytes(raw, Q4_0_BLOCK_BYTES)  # [out, in / G, 18]
+    d = _fp16(data[..., 0:2])  # [out, in / G]
+    return Int4Blocks(_low_then_high(data[..., 2:]), d, -8 * d)
+
+
+def q4_1_blocks(raw: np.ndarray) -> Int4Blocks:
+    """Q4_1 bytes [out, in / 32 * 20] -> Int4Blocks (a block: fp16 d, fp16 m, nibbles of values 0..15 | 16..31)."""
+    data = _bytes(raw, Q4_1_BLOCK_BYTES)  # [out, in / G, 20]
+    return Int4Blocks(_low_then_high(data[..., 4:]), _fp16(data[..., 0:2]), _fp16(data[..., 2:4]))
+
+
+def q4_k_blocks(raw: np.ndarray) -> Int4Blocks:
+    """Q4_K bytes [out, in / 256 * 144] -> Int4Blocks, one group per sub-block (ggml's block_q4_K)."""
+    data = _bytes(raw, Q4_K_BLOCK_BYTES)  # [out, in / 256, 144]
+    out_features, num_super = data.shape[:2]
+    d, dmin = _fp16(data[..., 0:2]), _fp16(data[..., 2:4])  # [out, in / 256]
+    # ggml's get_scale_min_k4: bytes 0-3 hold sub-blocks 0-3's scales in their low 6 bits, 4-7 their mins; sub-blocks
+    # 4-7 take their low 4 bits from bytes 8-11 (scale: low nibble, min: high) and their top 2 from bytes 0-3 / 4-7.
+    packed = data[..., 4:16].view(out_features, num_super, 3, 4)  # [out, in / 256, 3, 4]
+    low_sc, low_m, high = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    sc = torch.cat([low_sc & 0x3F, (high & 0x0F) | ((low_sc >> 2) & 0x30)], dim=-1)  # [out, in / 256, 8]
+    m = torch.cat([low_m & 0x3F, (high >> 4) | ((low_m >> 2) & 0x30)], dim=-1)
+    scales = (d[..., None] * sc.float()).reshape(out_features, -1)  # [out, in / G]
+    minimums = -(dmin[..., None] * m.float()).reshape(out_features, -1)
+    # 4 chunks of 32 bytes: chunk j's low nibbles are sub-block 2j, its high nibbles sub-block 2j + 1
+    nibbles = data[..., 16:].reshape(out_features, num_super, 4, 1, GROUP_SIZE)  # [out, in / 256, 4, 1, 32]
+    values = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=3)  # [out, in / 256, 4, 2, 32]
+    return Int4Blocks(values.reshape(out_features, -1), scales, minimums)
+
+
+def _bytes(raw: np.ndarray, block_bytes: int) -> torch.Tensor:
+    """A tensor's stored bytes [out, row bytes] as [out, blocks, block_bytes] uint8 (a copy: the file is mapped)."""
+    data = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8).copy())
+    return data.view(data.shape[0], -1, block_bytes)
+
+
+def _fp16(pair: torch.Tensor) -> torch.Tensor:
+    """Little-endian fp16 bytes [..., 2] -> float32 [...]."""
+    return pair.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _low_then_high(nibbles: torch.Tensor) -> torch.Tensor:
+    """Q4_0/Q4_1 nibbles [out, blocks, 16] -> values [out, in]: a block's low nibbles are its values 0..15."""
+    return torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(nibbles.shape[0], -1)

@@ -1,0 +1,64 @@
+"""Which weight format a model is served in and the checkpoint blocks that go with it: `auto` (the server's default)
+serves a GGUF whose decoder layers are stored in 4 bits as stored (int4: the kernel reads them at a quarter of bf16's
+bytes, and nothing is rounded that the file did not round), anything else as loaded."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from promptcache.model_runtime.loading import quantized_linear
+from promptcache.model_runtime.loading.quantized_linear import Int4Blocks, WeightFormat
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredWeights:
+    """The format a model loads in (never auto); for int4 from a GGUF its 4-bit blocks by HF module name (with its
+    8-bit head under HEAD) and `wider`, the layers it stores in more bits (kept float: never rounded to 4 bits);
+    `reason`: why this format (the startup log says it)."""
+
+    weights: WeightFormat
+    reason: str
+    blocks: Mapping[str, Int4Blocks] = field(default_factory=dict)
+    wider: frozenset[str] = frozenset()
+
+
+def choose(requested: WeightFormat, gguf: Path | None, num_heads: int, num_kv_heads: int, *, device: str,
+           dtype: torch.dtype, deterministic: bool) -> StoredWeights:
+    """Resolve `requested` for a checkpoint (`gguf`: the file it was loaded from, None for other formats) served on
+    `device` in `dtype`, and read the file's blocks if it is served int4. Called once per load, before the model is
+    wrapped; reads the file's header (auto) and its 4-bit tensors (int4). Raises ModelLoadError if the file is
+    unreadable."""
+    from promptcache.model_runtime.loading import gguf_weights
+
+    weights, reason = requested, "asked for"
+    if requested is WeightFormat.AUTO:
+        weights, reason = _auto(gguf, device, dtype, deterministic)
+        logger.info("weights auto: %s (%s)", weights.value, reason)
+    if weights is not WeightFormat.INT4 or gguf is None:
+        return StoredWeights(weights, reason)
+    layers = gguf_weights.read_layers(gguf, num_heads, num_kv_heads)
+    return StoredWeights(weights, reason, {**layers.blocks, **gguf_weights.read_q8_0_head(gguf)}, layers.wider)
+
+
+def _auto(gguf: Path | None, device: str, dtype: torch.dtype, deterministic: bool) -> tuple[WeightFormat, str]:
+    """int4 for a GGUF stored in 4 bits that this machine's int4 kernel serves, else native; and why."""
+    from promptcache.model_runtime.loading.gguf_weights import is_4bit
+
+    if gguf is None:
+        return WeightFormat.NATIVE, "not a GGUF checkpoint"
+    if not is_4bit(gguf):
+        return WeightFormat.NATIVE, "the GGUF stores most decoder weights in more than 4 bits"
+    if device != "cpu":
+        return WeightFormat.NATIVE, f"the int4 kernel runs on the CPU, not on {device}"
+    if deterministic:
+        return WeightFormat.NATIVE, "the batch-invariant kernels have no quantized products"
+    if (problem := quantized_linear.kernel_problem(WeightFormat.INT4, dtype)) is not None:
+        return WeightFormat.NATIVE, f"the int4 kernel cannot run here: {problem}"
+    return WeightFormat.INT4, "the GGUF stores its decoder weights in 4 bits: served as stored"

@@ -1,0 +1,199 @@
+"""GGUF block types (loading/gguf_blocks.py, gguf_weights.py) and the weight format a file is served in
+(loading/stored_weights.py).
+
+Oracle: the `gguf` package's own `dequantize` (and its `quantize` where it has one: Q4_0, Q4_1, Q8_0); the K-quants it
+cannot quantize are built here byte by byte from ggml's block_q4_K / block_q5_K / block_q6_K and checked against the
+formula they encode. Transformers' GGUF loader (gguf's dequantize plus its q/k row permutation) loads the same files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from transformers import AutoModelForCausalLM
+from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+from promptcache.model_runtime import WeightFormat
+from promptcache.model_runtime.loading import stored_weights
+from promptcache.model_runtime.loading.gguf_blocks import q4_0_blocks, q4_1_blocks, q4_k_blocks
+from promptcache.model_runtime.loading.gguf_weights import is_4bit, read_layers
+from promptcache.model_runtime.loading.quantized_linear import Int4Linear, quantize_linears
+
+Q = GGMLQuantizationType
+HEADS, KV_HEADS, HIDDEN, FFN = 4, 2, 256, 512  # head_dim 64; every input width a whole Q4_K super-block
+
+
+def _fp16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16)[..., None].view(np.uint8)  # [..., 2]
+
+
+def q4_k_raw(rng: np.random.Generator, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random Q4_K bytes [rows, cols / 256 * 144] as ggml's block_q4_K lays them out, and the weight they encode
+    (d * sc * q - dmin * m in fp32, computed here from the parts)."""
+    num_super = cols // 256
+    d, dmin = (rng.uniform(1e-4, 2e-3, (rows, num_super)).astype(np.float16) for _ in range(2))
+    sc, m = (rng.integers(0, 64, (rows, num_super, 8), dtype=np.uint8) for _ in range(2))
+    sc[0, 0], m[0, 0] = 63, 63  # the 6-bit extremes
+    q = rng.integers(0, 16, (rows, num_super, 8, 32), dtype=np.uint8)  # [rows, super, sub-block, 32]
+    scales = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)  # [rows, super, 12]
+    pairs = q.reshape(rows, num_super, 4, 2, 32)
+    nibbles = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, num_super, 128)
+    raw = np.concatenate([_fp16_bytes(d), _fp16_bytes(dmin), scales, nibbles], axis=-1)  # [rows, super, 144]
+    weight = (d.astype(np.float32)[..., None] * sc.astype(np.float32))[..., None] * q.astype(np.float32) \
+        - (dmin.astype(np.float32)[..., None] * m.astype(np.float32))[..., None]
+    return raw.reshape(rows, -1), weight.reshape(rows, cols)
+
+
+def wide_raw(rng: np.random.Generator, kind: Q, rows: int, cols: int) -> np.ndarray:
+    """Q5_K (block_q5_K: d, dmin, 12 scale bytes, qh[32], qs[128]) or Q6_K (ql[128], qh[64], int8 scales[16], d)
+    bytes: any bits are valid blocks once the fp16 fields are finite."""
+    num_super, block_bytes = cols // 256, {Q.Q5_K: 176, Q.Q6_K: 210}[kind]
+    raw = rng.integers(0, 256, (rows, num_super, block_bytes), dtype=np.uint8)
+    d = _fp16_bytes(rng.uniform(1e-4, 1e-3, (rows, num_super, 2 if kind is Q.Q5_K else 1)))
+    if kind is Q.Q5_K:
+        raw[..., 0:4] = d.reshape(rows, num_super, 4)
+    else:
+        raw[..., 208:210] = d.reshape(rows, num_super, 2)
+    return raw.reshape(rows, -1)
+
+
+def test_q4_k_blocks_are_gguf_dequantize_bit_for_bit():
+    raw, weight = q4_k_raw(np.random.default_rng(0), 48, 512)
+    want = dequantize(raw, Q.Q4_K)
+    np.testing.assert_array_equal(want, weight)  # the bytes say what ggml's layout means
+    blocks = q4_k_blocks(raw)
+    assert blocks.scales.shape == (48, 512 // 32)  # one group per sub-block
+    got = blocks.dequantized().numpy()
+    assert np.array_equal(got.view(np.int32), want.view(np.int32))  # the same bits, not only close
+
+
+@pytest.mark.parametrize(("kind", "read"), [(Q.Q4_0, q4_0_blocks), (Q.Q4_1, q4_1_blocks)])
+def test_q4_0_and_q4_1_blocks_are_gguf_dequantize_bit_for_bit(kind, read):
+    weight = np.random.default_rng(1).standard_normal((32, 256)).astype(np.float32) * 0.05
+    raw = quantize(weight, kind)
+    want = dequantize(raw, kind)
+    got = read(raw).dequantized().numpy()
+    assert np.array_equal(got + 0.0, want + 0.0)  # + 0.0: Q4_0's d * 0 may be -0.0 where ours is +0.0
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_int4_linear_multiplies_by_the_stored_weight(kind):
+    """fp32: the dequantized copy is the file's weight bit for bit; the kernel computes (q - 8) s + (m + 8 s), one
+    more rounding of the zero point (within 1e-6 relative)."""
+    rng = np.random.default_rng(2)
+    if kind is Q.Q4_K:
+        raw, _ = q4_k_raw(rng, 64, 256)
+    else:
+        raw = quantize(rng.standard_normal((64, 256)).astype(np.float32) * 0.05, kind)
+    want = torch.from_numpy(dequantize(raw, kind).copy())
+    layer = Int4Linear({Q.Q4_0: q4_0_blocks, Q.Q4_1: q4_1_blocks, Q.Q4_K: q4_k_blocks}[kind](raw), None, torch.float32)
+    assert layer.can_dequantize and torch.equal(layer.dequantized_t().t() + 0.0, want + 0.0)
+    with torch.no_grad():
+        kernel_weight = layer(torch.eye(layer.in_features)).t()  # row i of eye picks input i: [out, in]
+    torch.testing.assert_close(kernel_weight, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+
+
+def _projections(rng: np.random.Generator, kinds: dict[str, Q]) -> dict[str, tuple[np.ndarray, Q]]:
+    """One Llama layer's projections as stored bytes of the given types (the rest Q4_K)."""
+    shapes = {"attn_q": (HEADS * 64, HIDDEN), "attn_k": (KV_HEADS * 64, HIDDEN), "attn_v": (KV_HEADS * 64, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
+              "ffn_down": (HIDDEN, FFN)}
+    stored = {}
+    for name, (rows, cols) in shapes.items():
+        kind = kinds.get(name, Q.Q4_K)
+        if kind is Q.Q4_K:
+            raw = q4_k_raw(rng, rows, cols)[0]
+        elif kind in (Q.Q5_K, Q.Q6_K):
+            raw = wide_raw(rng, kind, rows, cols)
+        else:
+            raw = quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, kind)
+        stored[f"blk.0.{name}.weight"] = (raw, kind)
+    return stored
+
+
+def write_llama_gguf(path, kinds: dict[str, Q]) -> dict[str, tuple[np.ndarray, Q]]:
+    """A one-layer Llama GGUF transformers can load (config keys, F32 norms and embedding); returns the projections."""
+    rng = np.random.default_rng(3)
+    stored = _projections(rng, kinds)
+    writer = GGUFWriter(path, "llama")
+    for key, value in [("context_length", 128), ("embedding_length", HIDDEN), ("block_count", 1),
+                       ("feed_forward_length", FFN), ("head_count", HEADS), ("head_count_kv", KV_HEADS)]:
+        getattr(writer, f"add_{key}")(value)
+    writer.add_rope_dimension_count(64)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(64)
+    for name, shape in [("token_embd.weight", (64, HIDDEN)), ("output_norm.weight", (HIDDEN,)),
+                        ("blk.0.attn_norm.weight", (HIDDEN,)), ("blk.0.ffn_norm.weight", (HIDDEN,))]:
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    for name, (raw, kind) in stored.items():
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+def _hf_weights(stored: dict[str, tuple[np.ndarray, Q]]) -> dict[str, torch.Tensor]:
+    """gguf's dequantize of each projection, q and k rows permuted as transformers' loader permutes them."""
+    processor = LlamaTensorProcessor({"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS})
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
+    return {f"model.layers.0.{names[name.split('.')[2]]}": torch.from_numpy(
+        processor.process(dequantize(raw, kind), name).weights.copy()) for name, (raw, kind) in stored.items()}
+
+
+MIXED = {"attn_k": Q.Q4_0, "attn_v": Q.Q6_K, "ffn_down": Q.Q4_1, "ffn_up": Q.Q5_K, "attn_output": Q.Q8_0}
+
+
+def test_a_mixed_file_serves_4_bit_layers_as_stored_and_the_rest_dequantized(tmp_path):
+    """Q4_K_M-like: q, gate Q4_K, k Q4_0, down Q4_1 as int4 blocks; v Q6_K, up Q5_K, o Q8_0 kept float as
+    transformers dequantizes them. Every served weight is gguf's dequantize of the file's tensor."""
+    stored = write_llama_gguf(tmp_path / "m.gguf", MIXED)
+    assert is_4bit(tmp_path / "m.gguf")  # 4-bit: q, k, gate, down (360,448 weights) vs 229,376
+    choice = stored_weights.choose(WeightFormat.AUTO, tmp_path / "m.gguf", HEADS, KV_HEADS, device="cpu",
+                                   dtype=torch.float32, deterministic=False)
+    assert choice.weights is WeightFormat.INT4
+    assert choice.wider == {"model.layers.0.self_attn.v_proj", "model.layers.0.mlp.up_proj",
+                            "model.layers.0.self_attn.o_proj"}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    assert quantize_linears(model, choice.weights, choice.blocks, choice.wider) == 4  # the head: F32 embedding
+    modules = dict(model.named_modules())
+    for name, want in _hf_weights(stored).items():
+        layer = modules[name]
+        if name in choice.wider:
+            assert type(layer) is torch.nn.Linear and torch.equal(layer.weight, want), name
+        else:
+            assert isinstance(layer, Int4Linear) and torch.equal(layer.dequantized_t().t() + 0.0, want + 0.0), name
+
+
+def test_auto_is_native_unless_the_file_is_mostly_4_bit(tmp_path):
+    wide = {name: Q.Q8_0 for name in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")}
+    write_llama_gguf(tmp_path / "m.gguf", {**wide, "attn_v": Q.Q6_K, "ffn_down": Q.Q5_K})
+    assert not is_4bit(tmp_path / "m.gguf")
+    for path in (tmp_path / "m.gguf", None):
+        choice = stored_weights.choose(WeightFormat.AUTO, path, HEADS, KV_HEADS, device="cpu",
+                                       dtype=torch.float32, deterministic=False)
+        assert choice.weights is WeightFormat.NATIVE and not choice.blocks
+
+
+def test_auto_is_native_where_int4_cannot_serve(tmp_path):
+    write_llama_gguf(tmp_path / "m.gguf", {})
+    for device, deterministic in (("cuda", False), ("cpu", True)):
+        choice = stored_weights.choose(WeightFormat.AUTO, tmp_path / "m.gguf", HEADS, KV_HEADS, device=device,
+                                       dtype=torch.float32, deterministic=deterministic)
+        assert choice.weights is WeightFormat.NATIVE, choice.reason
+    asked = stored_weights.choose(WeightFormat.NATIVE, tmp_path / "m.gguf", HEADS, KV_HEADS, device="cpu",
+                                  dtype=torch.float32, deterministic=False)
+    assert asked.weights is WeightFormat.NATIVE  # --weights native still widens
+
+
+def test_read_layers_keys_every_projection_once(tmp_path):
+    write_llama_gguf(tmp_path / "m.gguf", MIXED)
+    layers = read_layers(tmp_path / "m.gguf", HEADS, KV_HEADS)
+    assert set(layers.blocks).isdisjoint(layers.wider) and len(layers.blocks) + len(layers.wider) == 7
