@@ -88,8 +88,9 @@ def workload(num_prompts: int, seed: int = 0) -> tuple[str, list[str]]:
     return schema, prompts[:num_prompts]
 
 
-def server_flags(path: str, deterministic: bool) -> tuple[list[str], dict[str, str]]:
-    """The serve flags and environment of a path's default or deterministic server."""
+def server_flags(path: str, deterministic: bool, weights: str = "auto") -> tuple[list[str], dict[str, str]]:
+    """The serve flags and environment of a path's default or deterministic server; `weights` the default
+    server's `--weights` (auto: int4 for the 4-bit built-in model; the deterministic server serves native ones)."""
     if path == "fp32":
         flags, env = ["--dtype", "float32"], {}
     elif deterministic:
@@ -98,7 +99,7 @@ def server_flags(path: str, deterministic: bool) -> tuple[list[str], dict[str, s
         flags, env = ["--dtype", "bfloat16"], {"PROMPTCACHE_KERNEL_DIR": no_kernels_dir()}
     else:
         flags, env = ["--dtype", "bfloat16"], {}
-    return [*flags, *(["--deterministic"] if deterministic else [])], env
+    return [*flags, *(["--deterministic"] if deterministic else ["--weights", weights])], env
 
 
 def available(path: str) -> str | None:
@@ -152,7 +153,7 @@ def server_env(args, env: dict[str, str]) -> dict[str, str]:
 
 
 def measure_answers(args, path: str, deterministic: bool, schema: str, prompts: list[str], base: dict) -> list[dict]:
-    flags, env = server_flags(path, deterministic)
+    flags, env = server_flags(path, deterministic, args.default_weights)
     env = server_env(args, env)
     log(f"{path} {'deterministic' if deterministic else 'default'}: serve {' '.join(flags)} {env or ''}")
     process, url = start_promptcache(flags, env=env)
@@ -188,7 +189,7 @@ def measure_cost(args, path: str, base: dict) -> dict:
     servers = {}
     try:
         for deterministic in (False, True):
-            flags, env = server_flags(path, deterministic)
+            flags, env = server_flags(path, deterministic, args.default_weights)
             servers[deterministic] = start_promptcache(flags, env=server_env(args, env))
         samples: dict[str, dict[bool, list[float]]] = {k: {False: [], True: []}
                                                       for k in ("ttft_ms", "tokens_per_s", "batch16_tokens_per_s")}
@@ -211,7 +212,8 @@ def measure_cost(args, path: str, base: dict) -> dict:
         for process, _ in servers.values():
             process.terminate()
             process.wait(timeout=60)
-    record = {**base, "kind": "cost", "path": path, "timing_runs": args.timing_runs}
+    record = {**base, "kind": "cost", "path": path, "timing_runs": args.timing_runs,
+              "default_weights": args.default_weights}
     for metric, by_variant in samples.items():
         default, det = statistics.median(by_variant[False]), statistics.median(by_variant[True])
         record.update({f"{metric}_default": round(default, 2), f"{metric}_deterministic": round(det, 2),
@@ -300,6 +302,8 @@ def main() -> None:
     parser.add_argument("--timing-runs", type=int, default=7)
     parser.add_argument("--variants", nargs="+", choices=("default", "deterministic"),
                         default=["default", "deterministic"], help="which servers answer (default: both)")
+    parser.add_argument("--default-weights", choices=("auto", "native", "int8", "int4"), default="auto",
+                        help="the default server's --weights (default: auto, as served)")
     parser.add_argument("--skip-answers", action="store_true")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS / "determinism.jsonl")
