@@ -320,11 +320,10 @@ def main() -> None:
         if not args.skip_answers:
             if "default" in args.variants:
                 records += measure_answers(args, path, False, schema, prompts, base)
-            if "deterministic" not in args.variants:
-                pass
-            elif path == "fp32":
+            wanted = "deterministic" in args.variants
+            if wanted and path == "fp32":
                 records += measure_answers(args, path, True, schema, prompts, base)
-            elif deterministic_bf16 is None:  # one deterministic bf16 server serves both bf16 paths' rows
+            elif wanted and deterministic_bf16 is None:  # one deterministic bf16 server serves both bf16 paths' rows
                 deterministic_bf16 = measure_answers(args, path, True, schema, prompts, base)
                 records += deterministic_bf16
         if not args.skip_timing:
