@@ -26,6 +26,7 @@ from tests.model_runtime.test_shared_attention import CASES, make_case
 
 ATEN = torch.ops.aten
 REAL_FLASH, REAL_EFFICIENT = ATEN._scaled_dot_product_flash_attention, ATEN._scaled_dot_product_efficient_attention
+REAL_VARLEN = ATEN._flash_attention_forward
 # Beyond test_shared_attention's CASES: empty segments, row offsets (rows before a segment), a
 # sequence whose rows see no segment, GQA 3 and 6, a segment long enough to be split over its keys with
 # a tail (2050 keys in 4 splits: 3 chunks of 513 keys and a tail call of 511), prefill next to decode,
@@ -101,6 +102,26 @@ class CudaOpTwins:
         self.calls.append(("flash", tuple(q.shape), is_causal))
         return (out, lse, *meta[2:])
 
+    def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale):
+        """The varlen flash op: q [total_q, H, D], k/v [total_k, H_kv, D] packed by cumulative offsets."""
+        assert dropout_p == 0.0 and return_debug_mask is False and q.dtype in (torch.float16, torch.bfloat16)
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and all(t.stride(-1) == 1 for t in (q, k, v))
+        meta = REAL_VARLEN(*(t.to("meta") for t in (q, k, v, cu_q, cu_k)), max_q, max_k, dropout_p, is_causal,
+                           return_debug_mask, scale=scale)
+        outs, lses = [], []
+        for b in range(cu_q.numel() - 1):
+            rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            assert rows.stop - rows.start <= max_q and keys.stop - keys.start <= max_k
+            group = q.shape[1] // k.shape[1]
+            out, lse = _cpu_attention(q[rows].transpose(0, 1)[None], *(t[keys].transpose(0, 1).repeat_interleave(
+                group, 0)[None] for t in (k, v)), scale, is_causal)  # [1, H, M, D], [1, H, M]
+            outs.append(out[0].transpose(0, 1))
+            lses.append(lse[0])
+        out, lse = torch.cat(outs), torch.cat(lses, dim=1)  # [total_q, H, D], [H, total_q]
+        assert meta[0].shape == out.shape and meta[1].shape == lse.shape and meta[1].dtype == torch.float32
+        self.calls.append(("flash", tuple(q.shape), is_causal))
+        return (out, lse, *meta[2:])
+
     def efficient(self, q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, *, scale):
         assert attn_bias is None and compute_log_sumexp is True and dropout_p == 0.0
         self._check_layout(q, k, v, is_causal)
@@ -127,6 +148,7 @@ def gpu_branch_on_cpu(monkeypatch):
     monkeypatch.setattr(dispatch, "GPU_DEVICE_TYPES", frozenset({"cpu"}))
     monkeypatch.setattr(ATEN, "_scaled_dot_product_flash_attention", twins.flash)
     monkeypatch.setattr(ATEN, "_scaled_dot_product_efficient_attention", twins.efficient)
+    monkeypatch.setattr(ATEN, "_flash_attention_forward", twins.varlen)
     return twins
 
 

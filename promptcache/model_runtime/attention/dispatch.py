@@ -23,8 +23,9 @@ FUSED_MIN_WORK = 16
 # (attention_thresholds.py --causal; on an AVX2 EPYC the matmul won below 64K): used throughout.
 CAUSAL_FUSED_MIN_WORK = 0
 # Decode: a sequence with at least this many own keys attends them in place with one fused call of its own;
-# shorter ones share one padded batch call (which copies every sequence's KV each layer). Per layer, batch 32:
-# 64 own keys padded 1.06 ms vs fused per sequence 1.26 ms; 128: 2.36 vs 1.50; 2048: 46.8 vs 12.2.
+# shorter ones share one packed batch call (which copies every sequence's KV each layer). Per layer, batch 32,
+# measured when that call padded to the longest: 64 own keys padded 1.06 ms vs fused per sequence 1.26 ms;
+# 128: 2.36 vs 1.50; 2048: 46.8 vs 12.2.
 OWN_DECODE_FUSED_MIN_KEYS = 128
 
 

@@ -109,7 +109,8 @@ def shared_module_attention(queries: torch.Tensor, query_lens: Sequence[int], ow
             pool = own_pool._replace(first_slots=tuple(own_pool.first_slots[i] for i in padded))
         whole = len(padded) == total_q  # every row decodes, in order: no gather of the query rows
         merge(rows, *own_decode(queries, None if whole else rows, [own_keys[i] for i in padded],
-                                [own_values[i] for i in padded], num_kv_heads, group, scale, indices, pool),
+                                [own_values[i] for i in padded], num_kv_heads, group, scale, indices, pool,
+                                backend),
               whole=whole)
     if in_place:
         out, lse = own_decode_in_place(queries, [starts[i] for i in in_place], [own_keys[i] for i in in_place],
