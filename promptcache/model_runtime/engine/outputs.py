@@ -61,7 +61,7 @@ class OutputProcessor:
                 samples += [(self._start(fork, writes), row) for fork in forks]
             except Exception as exc:
                 events.append(self.scheduler.fail(request, exc))
-        draws = self._draw(samples, logits)
+        draws = self._draw(samples, logits, None if plan.ready else output.greedy_ids)
         for (seq, _), draw in zip(samples, draws):
             request = seq.owner
             if request.is_failed:
@@ -94,10 +94,16 @@ class OutputProcessor:
         logits = torch.cat([ready, output.logits]) if output.ran else ready
         return logits, [(seq, index, 0.0) for index, (seq, _) in enumerate(plan.ready)] + rows
 
-    def _draw(self, samples: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[Draw]:
-        """Every sample's pick at once; if the batch itself breaks, each alone, so a bad row fails its request only."""
+    def _draw(self, samples: list[tuple[Sequence, int]], logits: torch.Tensor,
+              greedy_ids: torch.Tensor | None = None) -> list[Draw]:
+        """Every sample's pick at once; if the batch itself breaks, each alone, so a bad row fails its request only.
+        `greedy_ids` [num_rows]: each row's argmax, computed by the pass; taken as they are (one small copy back, the
+        logits unread) where every sampler takes only the argmax."""
         samplers = [seq.sampler for seq, _ in samples if seq.sampler is not None]
         assert len(samplers) == len(samples), "a sample without its sampler"
+        if greedy_ids is not None and samplers and all(sampler.takes_argmax for sampler in samplers):
+            tokens = greedy_ids.tolist()  # the step's one device-to-host copy
+            return [Draw(sampler.take(int(tokens[row]))) for sampler, (_, row) in zip(samplers, samples)]
         try:
             return sample_batch(samplers, logits, [row for _, row in samples])
         except Exception:

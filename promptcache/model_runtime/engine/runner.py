@@ -43,6 +43,9 @@ class RunOutput:
     encoding_s: float | None = None  # the encoding chunk's compute time (None: none ran, or it failed)
     encoding_error: BaseException | None = None
     step_ms: float = 0.0
+    # [len(ran)] int64 on the pass's device: each row's argmax, given where the pass computed it (a graphed step) and
+    # every row takes only that (`Sampler.takes_argmax`); `logits` is then the graph's output, valid until its next step
+    greedy_ids: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -72,14 +75,15 @@ class ModelRunner:
         started = time.perf_counter()
         entries = [*plan.batch, plan.encoding] if plan.encoding is not None else list(plan.batch)
         try:
-            logits, found = self.forward(entries)
+            logits, greedy_ids, found = self._forward(entries)
         except Exception:
             logger.warning("a batch step failed; running its %d sequences one by one", len(plan.batch), exc_info=True)
             return self._one_by_one(plan, started)
         elapsed = time.perf_counter() - started
         n = len(plan.batch)
-        return RunOutput(plan.batch, logits[:n], tuple(found[:n]),
-                         encoding_s=elapsed if plan.encoding is not None else None, step_ms=elapsed * 1e3)
+        return RunOutput(plan.batch, logits[:n], tuple(found[:n]), greedy_ids=None if greedy_ids is None
+                         else greedy_ids[:n], encoding_s=elapsed if plan.encoding is not None else None,
+                         step_ms=elapsed * 1e3)
 
     def _one_by_one(self, plan: StepPlan, started: float) -> RunOutput:
         encoding_s, encoding_error = None, None
@@ -114,9 +118,20 @@ class ModelRunner:
         """Feed each entry's next `num_tokens` pending tokens, writing their KV at its `own_length` on; returns the
         float32 logits [num_entries, vocab] of each one's last token and each one's prompt logprobs."""
         if self.graphs is not None:
-            graphed = self._graphed(entries)
+            graphed = self._graphed(entries, argmax_only=False)
             if graphed is not None:
-                return graphed, [None] * len(entries)  # uniform steps never carry prompt logprobs
+                return graphed[0], [None] * len(entries)  # uniform steps never carry prompt logprobs
+        logits, _, found = self._forward(entries)
+        return logits, found
+
+    @torch.inference_mode()
+    def _forward(self, entries: Seq[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor | None, list[PromptLogprobs]]:
+        """`forward`, and each entry's argmax [num_entries] where a graphed step computed it and every entry takes
+        only that (RunOutput.greedy_ids)."""
+        if self.graphs is not None:
+            graphed = self._graphed(entries, argmax_only=all(_takes_argmax(e) for e in entries))
+            if graphed is not None:
+                return *graphed, [None] * len(entries)  # uniform steps never carry prompt logprobs
         model, device = self.loaded.model, self.loaded.model.device
         seqs = [e.seq for e in entries]
         query_lens = [e.num_tokens for e in entries]
@@ -147,11 +162,14 @@ class ModelRunner:
                                           **cache_argument(model.base_model, cache)).last_hidden_state
         last_rows = to_device(torch.tensor(query_lens).cumsum(0) - 1, device)  # [num_seqs]
         logits = model.get_output_embeddings()(hidden[0, last_rows]).float()  # [num_seqs, vocab]
-        return logits, self._prompt_logprobs(entries, hidden[0])
+        return logits, None, self._prompt_logprobs(entries, hidden[0])
 
-    def _graphed(self, entries: Seq[ScheduledSeq]) -> torch.Tensor | None:
-        """The last-token logits [num_entries, vocab] of a uniform step replayed from a graph (a copy: the next replay
-        overwrites its outputs), or None for the eager path. A graph that fails turns graphs off, logged, once."""
+    def _graphed(self, entries: Seq[ScheduledSeq], *, argmax_only: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The last-token logits [num_entries, vocab] of a uniform step replayed from a graph, or None for the eager
+        path. `argmax_only`: every entry takes the graph's argmax, returned too ([num_entries], a copy: the next replay
+        overwrites the outputs), the logits left where they are (no [B, V] copy); else the logits are a copy. A graph
+        that fails turns graphs off, logged, once."""
         assert self.graphs is not None
         try:
             output = self.graphs.run(entries, self._segments)
@@ -159,7 +177,12 @@ class ModelRunner:
             logger.exception("a graphed step failed; CUDA graphs are off for this runner")
             self.graphs = None
             return None
-        return None if output is None else output.logits[: len(entries)].clone()
+        if output is None:
+            return None
+        n = len(entries)
+        if argmax_only:
+            return output.logits[:n], output.greedy_ids[:n].clone()
+        return output.logits[:n].clone(), None
 
     def _prompt_logprobs(self, entries: Seq[ScheduledSeq], hidden: torch.Tensor) -> list[PromptLogprobs]:
         """Of prefilling sequences whose request wants them: each fed row [Q, hidden_size] scores the next token."""
@@ -225,3 +248,10 @@ class ModelRunner:
             segments += [(*self.groups.get(part, blocks), indices, offsets) for part in self.groups.split(views)]
         self.groups.trim()
         return segments
+
+
+def _takes_argmax(entry: ScheduledSeq) -> bool:
+    """Whether the entry's next token is its row's argmax and nothing else reads the row: a decoding sequence whose
+    sampler `takes_argmax` (a prompt's last chunk also keeps its logits for exact repeats and forks n samples)."""
+    seq = entry.seq
+    return seq.status == SeqStatus.DECODE and seq.sampler is not None and seq.sampler.takes_argmax

@@ -76,6 +76,12 @@ class Sampler:
         them (plain greedy: the logits). Adds recorded tokens to `counts`; records nothing."""
         return batch_scores([self], logits.unsqueeze(0))[0]
 
+    @property
+    def takes_argmax(self) -> bool:
+        """Whether this sampler's next pick is its logits row's argmax and nothing else of the row is read (plain
+        greedy, no logprobs): a pass that computed the argmax on the device can hand it to `take`."""
+        return self.params.is_plain_greedy and self.params.logprobs is None
+
     def take(self, token_id: int) -> int:
         """Record `token_id`, the argmax computed elsewhere for plain greedy params, and return it."""
         assert self.params.is_plain_greedy, "only plain greedy sampling takes a precomputed argmax"
