@@ -9,7 +9,8 @@
 # | step | what                                                                   | cap   | output          |
 # | 0    | probe: GPU, torch/transformers/triton versions, the attention op schemas | 20 s  | env.json        |
 # | 1    | CPU control: one exactness test on this machine's transformers          | 30 s  | check.log       |
-# | 2    | CUDA tests (test_cuda.py, test_cuda_graphs.py), then tiny-model tests with PROMPTCACHE_TEST_DEVICE=cuda | 110 s | junit.xml |
+# | 2    | CUDA tests (test_cuda.py, the Triton kernels, graphs, static steps, sampling), then tiny-model tests
+# |      | with PROMPTCACHE_TEST_DEVICE=cuda                                        | 110 s | junit.xml       |
 # | 3    | attention microbenchmark: B = 32, 8K shared + 256 own, bf16             | 50 s  | attention.jsonl |
 # | 4    | TTFT at 4K, ~1B Llama shape, bf16: cached modules (graphs on, off; the engine's own ttft_ms and
 # |      | prefill_ms beside wall time) vs HF full prefill                          | 70 s  | ttft.jsonl      |
@@ -70,8 +71,13 @@ DEVICE_TESTS=(tests/model_runtime/test_cuda.py tests/model_runtime/test_attentio
   tests/model_runtime/test_module_reuse.py tests/model_runtime/test_engine.py
   tests/model_runtime/test_prefix_reuse.py tests/model_runtime/test_generation.py
   tests/model_runtime/test_kv_pool.py tests/model_runtime/test_torch_layer_ops.py
-  tests/model_runtime/test_triton_decode.py tests/model_runtime/test_cuda_graphs.py
-  tests/model_runtime/test_static_step.py)
+  tests/model_runtime/test_triton_decode.py tests/model_runtime/test_triton_shared.py
+  tests/model_runtime/test_cuda_graphs.py tests/model_runtime/test_static_step.py
+  tests/model_runtime/test_graphed_greedy.py tests/model_runtime/test_own_decode.py
+  tests/model_runtime/test_sampling_batch.py tests/model_runtime/test_sampling_processors.py
+  tests/model_runtime/test_sampling_syncs.py)
+# What step 2 runs in a CPU smoke run (the rest only collects there): the static step and its greedy path.
+SMOKE_TESTS=(tests/model_runtime/test_static_step.py tests/model_runtime/test_graphed_greedy.py)
 
 step_0() {
   DEVICE="$DEVICE" python3 - "$RESULTS/env.json" <<'EOF'
@@ -104,7 +110,7 @@ step_1() {
 step_2() {
   if [ -n "$SMOKE" ]; then  # a CPU smoke run: every file collects (imports, markers), the static step runs
     "${PYTEST[@]}" --collect-only "${DEVICE_TESTS[@]}" >/dev/null || return 1
-    PROMPTCACHE_TEST_DEVICE="$DEVICE" "${PYTEST[@]}" --junitxml="$RESULTS/junit.xml" tests/model_runtime/test_static_step.py
+    PROMPTCACHE_TEST_DEVICE="$DEVICE" "${PYTEST[@]}" --junitxml="$RESULTS/junit.xml" "${SMOKE_TESTS[@]}"
     return
   fi
   PROMPTCACHE_TEST_DEVICE="$DEVICE" "${PYTEST[@]}" --junitxml="$RESULTS/junit.xml" "${DEVICE_TESTS[@]}"
@@ -137,7 +143,7 @@ for step in $STEPS; do
   echo "=== step $step: $name (cap ${cap} s, device $DEVICE${SMOKE:+, smoke})" | tee -a "$LOG"
   started=$(date +%s.%N)
   # SIGINT first: pytest still writes its junit report; then KILL 5 s later.
-  timeout -s INT -k 5 "$cap" bash -c "$(declare -f "step_$step"); $(declare -p DEVICE SMOKE RESULTS PYTEST DEVICE_TESTS); step_$step" \
+  timeout -s INT -k 5 "$cap" bash -c "$(declare -f "step_$step"); $(declare -p DEVICE SMOKE RESULTS PYTEST DEVICE_TESTS SMOKE_TESTS); step_$step" \
     2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
   seconds=$(python3 -c "import time; print(round(time.time() - $started, 1))")
