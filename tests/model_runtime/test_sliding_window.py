@@ -1,7 +1,8 @@
 """Sliding-window attention (Mistral in every layer, Qwen2 with local and full layers mixed) against Hugging Face's own
 forward of an untouched twin of the same random weights: cached prefill and `exact` module reuse, batched decode over
-shared modules and greedy generation past the window; the windowed attention against plain masked attention over
-discontinuous positions; KV out of every query's reach is never read on a local layer."""
+shared modules and greedy generation past the window, chunked prefill, forked samples and prefix blocks; `fast` reuse at
+discontinuous positions against HF's forward under an explicit mask; the windowed attention against plain masked
+attention over discontinuous positions; KV out of every query's reach is never read on a local layer."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import ModelRuntime, SamplingParams, UnsupportedModelError, wrap_model
 from promptcache.model_runtime.attention.sliding_window import WindowedPass
 from promptcache.model_runtime.baseline import full_prefill_greedy, full_prefill_logits
-from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity
+from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, resolve
 from promptcache.model_runtime.loading.architectures import check_architecture, layer_windows
 from tests.model_factories import make_test_tokenizer, tiny_config
 from tests.model_runtime.engine_probe import first_step
+from tests.model_runtime.oracles import reuse_reference
 from tests.model_runtime.test_architectures import _together
 from tests.model_runtime.test_fidelity import PROMPTS, SCHEMA
 
@@ -116,8 +118,8 @@ def test_cached_prefill_and_exact_module_reuse_equal_the_hf_forward(request, arc
 @pytest.mark.parametrize("layers", LAYERS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_decode_and_greedy_generation_past_the_window_equal_the_hf_forward(request, arch, layers):
-    """All prompts in one engine (`exact`, n=2 for the first: its samples share the prompt's KV): decode steps batch
-    several sequences over shared modules; every greedy token and its logprob equal HF's."""
+    """All prompts in one engine (`exact`): decode steps batch several sequences over shared modules, generating past
+    the window; every greedy token and its logprob equal HF's."""
     runtime, oracle = _served(arch, layers, request)
     engine = Engine(runtime.module_encoder, EngineConfig(prefix=None, max_num_seqs=4, fidelity=EXACT))
     batch_sizes: list[int] = []
@@ -144,6 +146,22 @@ def test_batched_decode_and_greedy_generation_past_the_window_equal_the_hf_forwa
         want = rows.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]  # [NUM_TOKENS]
         got = torch.tensor([logprob for _, logprob in answer])
         assert (got - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("fidelity", [Fidelity("fast"), Fidelity("fast", positions="contiguous")])
+def test_module_reuse_at_discontinuous_positions_equals_the_masked_forward(request, fidelity):
+    """`fast` reuse (modules at their layout positions, with gaps, or moved): Mistral slides in every layer, so HF's
+    forward under the reuse oracle's mask AND the window by each row's position computes what the engine does."""
+    runtime, oracle = _served("mistral", "hf", request)
+    for prompt in PROMPTS:
+        plan = runtime.plan(prompt)
+        logits, _ = first_step(runtime, plan, fidelity)
+        tokens, positions, mask = reuse_reference(plan, resolve(plan, fidelity))
+        where = torch.tensor(positions)
+        windowed = mask & (where[:, None] - where[None, :] < WINDOW)  # [1, 1, n, n]: rows query, columns key
+        assert not torch.equal(windowed, mask)
+        reference = full_prefill_logits(oracle, tokens, positions, windowed)[-1]
+        assert (logits - reference).abs().max().item() <= 1e-4, prompt
 
 
 # Unit tests of the windowed attention: 2 layers (0 slides), KV heads 2, query heads 4, head_dim 8.
@@ -219,3 +237,30 @@ def test_kv_out_of_reach_is_not_read_on_local_layers(window, per_row):
     got = window_pass.attend(queries, 0, own_kv, D ** -0.5)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_forked_samples_and_reused_prefix_blocks_equal_the_hf_forward(request, arch):
+    """A prompt prefilled in chunks of 8 (own KV at positions earlier chunks fed), forked into n=2 samples (the prompt's
+    KV shared at its real positions), served twice (the second time from stored prefix blocks): every sample's greedy
+    tokens are HF's."""
+    runtime, oracle = _served(arch, "hf", request)
+    engine = Engine(runtime.module_encoder, EngineConfig(max_prefill_tokens=8, max_prefill_tokens_alone=8,
+                                                         min_prefill_tokens=4, fidelity=EXACT))
+    plan = runtime.plan(PROMPTS[1])
+    want = full_prefill_greedy(oracle, plan.token_ids(), list(range(plan.num_prompt_tokens)), NUM_TOKENS)
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, n=2)
+
+    async def samples() -> dict[int, list[int]]:
+        found: dict[int, list[int]] = {0: [], 1: []}
+        async for event in engine.submit(plan, params):
+            assert event.report is None or event.report.error is None, event.report
+            if event.token_id is not None:
+                found[event.index].append(event.token_id)
+        return found
+
+    try:
+        for _ in range(2):
+            assert asyncio.run(samples()) == {0: want, 1: want}
+    finally:
+        engine.stop()
