@@ -17,7 +17,9 @@ from promptcache.model_runtime import ModelRuntime, SamplingParams, UnsupportedM
 from promptcache.model_runtime.attention.sliding_window import WindowedPass
 from promptcache.model_runtime.baseline import full_prefill_greedy, full_prefill_logits
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, resolve
+from promptcache.model_runtime.loading import torch_layer_ops
 from promptcache.model_runtime.loading.architectures import check_architecture, layer_windows
+from promptcache.model_runtime.loading.fused_layers import fuse_layers
 from tests.model_factories import make_test_tokenizer, tiny_config
 from tests.model_runtime.engine_probe import first_step
 from tests.model_runtime.oracles import reuse_reference
@@ -28,7 +30,7 @@ WINDOW = 8  # far shorter than the prompts (~40 tokens)
 EXACT = Fidelity("exact")
 NUM_TOKENS = 12
 ARCHS = ["mistral", "qwen2"]
-LAYERS = ["hf", "deterministic"]
+LAYERS = ["hf", "fused", "deterministic"]
 
 
 def _config(arch: str, window: int | None = WINDOW):
@@ -53,12 +55,15 @@ def _model(config) -> torch.nn.Module:
 
 
 def _served(arch: str, layers: str, request: pytest.FixtureRequest) -> tuple[ModelRuntime, torch.nn.Module]:
-    """(a runtime over the tiny windowed `arch` model with schema `lib`, an untouched HF twin: the oracle)."""
+    """(a runtime over the tiny windowed `arch` model with schema `lib` and `layers`, an untouched HF twin: the
+    oracle). Deterministic layers need the batch-invariant kernels (skipped where they cannot be built)."""
     if layers == "deterministic":
         request.getfixturevalue("deterministic_kernels")
     served = _model(_config(arch))
     oracle = AutoModelForCausalLM.from_config(served.config, attn_implementation="sdpa").eval()
     oracle.load_state_dict(served.state_dict())
+    if layers == "fused":  # torch's ops: what a GPU runs
+        assert fuse_layers(served, torch_layer_ops) > 0
     loaded = wrap_model(served, make_test_tokenizer(), name=f"tiny-{arch}-window-{layers}",
                         deterministic=layers == "deterministic")
     assert loaded.layer_windows == ((WINDOW, WINDOW) if arch == "mistral" else (WINDOW, None))
