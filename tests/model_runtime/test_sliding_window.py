@@ -17,9 +17,11 @@ from promptcache.model_runtime import ModelRuntime, SamplingParams, UnsupportedM
 from promptcache.model_runtime.attention.sliding_window import WindowedPass
 from promptcache.model_runtime.baseline import full_prefill_greedy, full_prefill_logits
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, resolve
+from promptcache.model_runtime.engine.runner import ModelRunner
 from promptcache.model_runtime.loading import torch_layer_ops
 from promptcache.model_runtime.loading.architectures import check_architecture, layer_windows
 from promptcache.model_runtime.loading.fused_layers import fuse_layers
+from promptcache.model_runtime.packed_attention import ATTENTION_NAME
 from tests.model_factories import make_test_tokenizer, tiny_config
 from tests.model_runtime.engine_probe import first_step
 from tests.model_runtime.oracles import reuse_reference
@@ -102,6 +104,17 @@ def test_the_oracle_slides(arch):
     ids, positions = plan.token_ids(), range(plan.num_prompt_tokens)
     difference = full_prefill_logits(windowed, ids, positions) - full_prefill_logits(full, ids, positions)
     assert difference.abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_plain_forward_outside_a_batch_step_keeps_hf_s_window(request, arch):
+    """The served model's own forward outside a batch step (promptcache's attention installed, HF's sliding mask)."""
+    runtime, oracle = _served(arch, "hf", request)
+    ModelRunner(runtime.loaded)  # installs promptcache's attention function
+    assert runtime.loaded.model.config._attn_implementation == ATTENTION_NAME
+    ids = runtime.plan(PROMPTS[0]).token_ids()
+    got = full_prefill_logits(runtime.loaded.model, ids)
+    torch.testing.assert_close(got, full_prefill_logits(oracle, ids), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("layers", LAYERS)
