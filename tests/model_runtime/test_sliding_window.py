@@ -2,7 +2,8 @@
 forward of an untouched twin of the same random weights: cached prefill and `exact` module reuse, batched decode over
 shared modules and greedy generation past the window, chunked prefill, forked samples and prefix blocks; `fast` reuse at
 discontinuous positions against HF's forward under an explicit mask; the windowed attention against plain masked
-attention over discontinuous positions; KV out of every query's reach is never read on a local layer."""
+attention over discontinuous positions; KV out of every query's reach is never read on a local layer; deterministic
+serving's same bits however a windowed prompt is served."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from tests.model_factories import make_test_tokenizer, tiny_config
 from tests.model_runtime.engine_probe import first_step
 from tests.model_runtime.oracles import reuse_reference
 from tests.model_runtime.test_architectures import _together
+from tests.model_runtime.test_deterministic import GREEDY as DETERMINISTIC_GREEDY
+from tests.model_runtime.test_deterministic import Harness
 from tests.model_runtime.test_fidelity import PROMPTS, SCHEMA
 
 WINDOW = 8  # far shorter than the prompts (~40 tokens)
@@ -282,3 +285,17 @@ def test_chunked_prefill_forked_samples_and_reused_prefix_blocks_equal_the_hf_fo
             assert asyncio.run(samples()) == {0: want, 1: want}
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_deterministic_serving_gives_the_same_bits_cold_warm_chunked_and_batched(engines, deterministic_kernels, arch):
+    """A windowed model under deterministic serving (local-layer rows each over exactly their window): 16 prompts
+    (plain and over cached modules, ~50 tokens) answer the same bits cold, warm, in chunks of 5 and all together."""
+    loaded = wrap_model(_model(_config(arch)), make_test_tokenizer(), name=f"tiny-{arch}-window", deterministic=True)
+    alone = engines(Harness, loaded=loaded)
+    plans = alone.plans()
+    cold = [alone.alone(plan, DETERMINISTIC_GREEDY) for plan in plans]
+    assert [alone.alone(plan, DETERMINISTIC_GREEDY) for plan in plans] == cold  # prefix blocks and cached logits
+    chunked = engines(Harness, loaded=loaded, max_prefill_tokens=5, max_prefill_tokens_alone=5, min_prefill_tokens=1)
+    assert [chunked.alone(plan, DETERMINISTIC_GREEDY) for plan in plans[::3]] == cold[::3]
+    assert engines(Harness, loaded=loaded).together(plans, DETERMINISTIC_GREEDY) == cold
