@@ -21,6 +21,7 @@ from transformers.modeling_utils import AttentionInterface
 from promptcache.model_runtime.attention import OwnPool, SharedSegment, StepIndices, shared_module_attention
 from promptcache.model_runtime.attention.decode_batch import StepDecode, plan_step_decode
 from promptcache.model_runtime.attention.shared_prefix import SharedPrefixPlan, kernel_serves, plan_shared_prefix
+from promptcache.model_runtime.attention.sliding_window import WindowedPass
 from promptcache.model_runtime.kv_pool import KVPool
 
 
@@ -74,6 +75,8 @@ class BatchContext:
     # Deterministic serving: the step's AttentionPlan (model_runtime/deterministic/), which every sequence attends
     # through, each over its own logical key sequence; `segments` is then empty.
     deterministic: Any = field(default=None, repr=False)
+    # A model with sliding-window layers: the pass's positions; a window layer it cuts attends through it alone.
+    window: WindowedPass | None = field(default=None, repr=False)
     # Per group of sequences attended by the general path: their own KV so far, per layer (keys, values).
     layer_views: dict[tuple[int, ...], list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]] = field(
         default_factory=dict, repr=False)
@@ -166,6 +169,11 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     layer = module.layer_idx
+    if ctx.window is not None and ctx.window.cuts(layer):  # [1, H, total_q, D] -> [total_q, H, D] -> [1, total_q, H, D]
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        everyone = tuple(range(len(ctx.query_lens)))
+        own = ctx.window.attend(query[0].transpose(0, 1), layer, lambda at: ctx.own_kv(everyone, at), scale)
+        return own.unsqueeze(0), None
     if ctx.deterministic is not None:  # [1, H, total_q, D] -> [total_q, H, D] -> [1, total_q, H, D]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return ctx.deterministic.attend(query[0].transpose(0, 1), layer, scale).unsqueeze(0), None

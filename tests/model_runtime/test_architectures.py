@@ -158,15 +158,15 @@ def test_partial_rotary_phi3_is_served_by_its_hf_modules():
 def test_unserved_models_are_refused_naming_what_and_why():
     common = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=2048)
-    with pytest.raises(UnsupportedModelError, match=r"gemma3_text.*sliding-window.*supported: gpt2, llama"):
+    with pytest.raises(UnsupportedModelError, match=r"gemma3_text.*second RoPE base.*supported: gpt2, llama"):
         check_architecture(Gemma3TextConfig(**common))
     longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
                 "original_max_position_embeddings": 1024}
     phi3 = Phi3Config(**common, pad_token_id=None, rope_parameters=longrope)
     with pytest.raises(UnsupportedModelError, match=r"phi3 .*longrope RoPE scaling.*length"):
         check_architecture(phi3)
-    with pytest.raises(UnsupportedModelError, match=r"phi3 .*sliding-window.*2047"):
-        check_architecture(Phi3Config(**common, pad_token_id=None, sliding_window=2047))
+    with pytest.raises(UnsupportedModelError, match=r"phi3 .*attn_logit_softcapping"):
+        check_architecture(Phi3Config(**common, pad_token_id=None, sliding_window=2047, attn_logit_softcapping=30.0))
     dynamic = LlamaConfig(**common, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     with pytest.raises(UnsupportedModelError, match="dynamic RoPE scaling"):
         check_architecture(dynamic)

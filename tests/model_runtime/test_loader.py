@@ -14,7 +14,7 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Qwen2Config
 
 from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
 from promptcache.model_runtime.loading import default_model
-from promptcache.model_runtime.loading.architectures import check_architecture
+from promptcache.model_runtime.loading.architectures import check_architecture, layer_windows
 from promptcache.model_runtime.loading.loader import ModelConfig, load_model, wrap_model
 from tests.model_factories import ARCHITECTURES, make_test_tokenizer, make_tiny_model
 
@@ -108,15 +108,14 @@ def test_unsupported_architecture_refused_before_weights(tmp_path):
         wrap_model(GPTNeoXForCausalLM(config), make_test_tokenizer(), name="neox")
 
 
-def test_sliding_window_refused(tmp_path):
+def test_sliding_window_loaded_with_its_layers_windows(tmp_path):
     save_tiny("mistral", tmp_path, sliding_window=16)
     assert json.loads((tmp_path / "config.json").read_text())["sliding_window"] == 16
-    with pytest.raises(UnsupportedModelError, match="sliding"):
-        load_model(ModelConfig(str(tmp_path)))
+    assert load_model(ModelConfig(str(tmp_path))).layer_windows == (16, 16)
     common = dict(num_hidden_layers=2, max_position_embeddings=2048, use_sliding_window=True, sliding_window=16)
-    with pytest.raises(UnsupportedModelError, match="sliding"):
-        check_architecture(Qwen2Config(**common, max_window_layers=1))
-    check_architecture(Qwen2Config(**common, max_window_layers=2))  # every layer full: accepted
+    assert layer_windows(Qwen2Config(**common, max_window_layers=1)) == (None, 16)
+    assert layer_windows(Qwen2Config(**common, max_window_layers=2)) == (None, None)  # every layer full
+    check_architecture(Qwen2Config(**common, max_window_layers=1))
 
 
 def test_missing_or_broken_model_raises_model_load_error(tmp_path):

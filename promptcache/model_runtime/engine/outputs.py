@@ -124,7 +124,7 @@ class OutputProcessor:
         keys, values = prompt.own_buffers()
         # The n samples reference the prompt's computed KV as one more shared block (a view, no copy).
         prompt_kv = SharedKV(KVView(f"{request.request_id}/prompt"), KVBlock(
-            keys[:, :, :n], values[:, :, :n], torch.arange(n, dtype=torch.long)))
+            keys[:, :, :n], values[:, :, :n], torch.tensor(prompt.own_positions, dtype=torch.long)))
         writes.append(prompt_write(prompt, self.prefix))
         forks = []
         for index in range(request.params.n):

@@ -91,6 +91,7 @@ class Sequence:
     own_pool: KVPool | None = None
     own_slot: int | None = None
     own_length: int = 0
+    own_positions: list[int] = field(default_factory=list)  # of the own KV's tokens, in its order (sliding windows)
     pending_ids: list[int] = field(default_factory=list)        # tokens still to feed
     pending_positions: list[int] = field(default_factory=list)
     prefill_done: int = 0  # prompt tokens fed by earlier chunks of this sequence's prefill
@@ -118,6 +119,7 @@ class Sequence:
     def advance(self, num_tokens: int) -> None:
         """The first `num_tokens` pending tokens were fed (their KV written at own_length on): count them."""
         self.own_length += num_tokens
+        self.own_positions += self.pending_positions[:num_tokens]
         self.pending_ids, self.pending_positions = self.pending_ids[num_tokens:], self.pending_positions[num_tokens:]
         if self.status == SeqStatus.PREFILL:
             self.prefill_done += num_tokens

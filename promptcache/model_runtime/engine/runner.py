@@ -13,6 +13,7 @@ import torch
 
 from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.attention.decode_batch import kernel_takes
+from promptcache.model_runtime.attention.sliding_window import WindowedPass
 from promptcache.model_runtime.attention.step_indices import to_device
 from promptcache.model_runtime.deterministic import SeqKeys, attention_plan
 from promptcache.model_runtime.engine.cuda_graphs import GraphedSteps, graphs_serve
@@ -117,19 +118,26 @@ class ModelRunner:
     def forward(self, entries: Seq[ScheduledSeq]) -> tuple[torch.Tensor, list[PromptLogprobs]]:
         """Feed each entry's next `num_tokens` pending tokens, writing their KV at its `own_length` on; returns the
         float32 logits [num_entries, vocab] of each one's last token and each one's prompt logprobs."""
-        if self.graphs is not None:
-            graphed = self._graphed(entries, argmax_only=False)
-            if graphed is not None:
-                return graphed[0], [None] * len(entries)  # uniform steps never carry prompt logprobs
-        logits, _, found = self._forward(entries)
+        logits, _, found = self._forward(entries, argmax_only=False)
         return logits, found
 
     @torch.inference_mode()
-    def _forward(self, entries: Seq[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor | None, list[PromptLogprobs]]:
+    def _forward(self, entries: Seq[ScheduledSeq], *, argmax_only: bool | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[PromptLogprobs]]:
         """`forward`, and each entry's argmax [num_entries] where a graphed step computed it and every entry takes
-        only that (RunOutput.greedy_ids)."""
-        if self.graphs is not None:
-            graphed = self._graphed(entries, argmax_only=all(_takes_argmax(e) for e in entries))
+        only that (RunOutput.greedy_ids; `argmax_only` None: decided from the entries)."""
+        deterministic = self.loaded.deterministic
+        window, segments = None, None
+        if self.loaded.has_windows:
+            segment_positions: list[torch.Tensor] = []
+            segments = [] if deterministic else self._segments(entries, segment_positions)
+            window = self._window_pass(entries, segments, segment_positions)
+        # Graphs and the decode kernel attend without windows: a pass some window cuts runs eagerly, through `window`.
+        cut = window is not None and window.cuts_any()
+        if self.graphs is not None and not cut:
+            if argmax_only is None:
+                argmax_only = all(_takes_argmax(e) for e in entries)
+            graphed = self._graphed(entries, segments, argmax_only=argmax_only)
             if graphed is not None:
                 return *graphed, [None] * len(entries)  # uniform steps never carry prompt logprobs
         model, device = self.loaded.model, self.loaded.model.device
@@ -143,17 +151,18 @@ class ModelRunner:
         # Sequences whose own KV lives in one pool get their new KV written with one index_copy_ per layer.
         pool = next((s.own_pool for s in seqs if s.own_pool is not None), None)
         buffers = [s.own_buffers() for s in seqs]
-        deterministic = self.loaded.deterministic
+        if segments is None:
+            segments = [] if deterministic else self._segments(entries)
         context = BatchContext(
             query_lens=query_lens, own_keys=[k for k, _ in buffers], own_values=[v for _, v in buffers],
-            own_starts=[s.own_length for s in seqs], segments=[] if deterministic else self._segments(entries),
-            backend=self.backend, pool=pool,
+            own_starts=[s.own_length for s in seqs], segments=segments, backend=self.backend, pool=pool,
             own_slots=[s.own_slot if pool is not None and s.own_pool is pool else None for s in seqs],
-            deterministic=attention_plan(self._sequence_keys(entries)) if deterministic else None)
+            deterministic=attention_plan(self._sequence_keys(entries)) if deterministic else None,
+            window=window)
         cache = BatchCache(context, self.loaded.num_layers)
         with active_batch(context):
-            if self.decode_stack is not None and kernel_takes(model.dtype, device, self.loaded.head_dim, query_lens,
-                                                              self.backend):
+            if self.decode_stack is not None and not cut and kernel_takes(model.dtype, device, self.loaded.head_dim,
+                                                                          query_lens, self.backend):
                 hidden = self.decode_stack(input_ids, positions, context)  # [1, Q, hidden]
             elif self.stack is not None:
                 hidden = self.stack(input_ids, positions, cache)  # [1, Q, hidden]
@@ -164,15 +173,15 @@ class ModelRunner:
         logits = model.get_output_embeddings()(hidden[0, last_rows]).float()  # [num_seqs, vocab]
         return logits, None, self._prompt_logprobs(entries, hidden[0])
 
-    def _graphed(self, entries: Seq[ScheduledSeq], *, argmax_only: bool
+    def _graphed(self, entries: Seq[ScheduledSeq], segments: list | None, *, argmax_only: bool
                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The last-token logits [num_entries, vocab] of a uniform step replayed from a graph, or None for the eager
         path. `argmax_only`: every entry takes the graph's argmax, returned too ([num_entries], a copy: the next replay
         overwrites the outputs), the logits left where they are (no [B, V] copy); else the logits are a copy. A graph
-        that fails turns graphs off, logged, once."""
+        that fails turns graphs off, logged, once. `segments`: the step's, when already made."""
         assert self.graphs is not None
         try:
-            output = self.graphs.run(entries, self._segments)
+            output = self.graphs.run(entries, self._segments if segments is None else lambda _: segments)
         except Exception:
             logger.exception("a graphed step failed; CUDA graphs are off for this runner")
             self.graphs = None
@@ -223,7 +232,26 @@ class ModelRunner:
         self.groups.trim()
         return found
 
-    def _segments(self, entries: Seq[ScheduledSeq]):
+    def _window_pass(self, entries: Seq[ScheduledSeq], segments: list, positions: list[torch.Tensor]) -> WindowedPass:
+        """The positions of a pass over a model with sliding-window layers: its queries', each sequence's own KV's (its
+        earlier tokens, then this pass's), and each segment's (`positions`; deterministic serving: each sequence's
+        shared KV in its own order, as `_sequence_keys` lists it)."""
+        fed = [e.seq.pending_positions[: e.num_tokens] for e in entries]
+        own = [e.seq.own_positions + p for e, p in zip(entries, fed)]
+        assert all(len(p) == e.seq.own_length + e.num_tokens for e, p in zip(entries, own)), "own KV positions"
+        if self.loaded.deterministic:  # the step has no shared segments: each sequence's shared KV is one
+            segments, positions = [], []
+            for index, (entry, keys) in enumerate(zip(entries, self._sequence_keys(entries))):
+                for kv, (shared_keys, shared_values, first) in zip(entry.seq.shared, keys[0]):
+                    segments.append((shared_keys, shared_values, (index,), (first,)))
+                    positions.append(_positions((kv.view,), {kv.view: kv.block}))
+        return WindowedPass(self.loaded.layer_windows, [torch.tensor(p, dtype=torch.long) for p in fed],
+                            [torch.tensor(p, dtype=torch.long) for p in own], segments, positions,
+                            per_row=self.loaded.deterministic)
+
+    def _segments(self, entries: Seq[ScheduledSeq], positions: list[torch.Tensor] | None = None):
+        """The step's shared segments (BatchContext.segments); with `positions`, each one's key positions [n] appended
+        to it in the same order (sliding windows)."""
         users: dict[KVView, list[tuple[int, int]]] = defaultdict(list)
         blocks = {}
         for index, entry in enumerate(entries):
@@ -245,7 +273,10 @@ class ModelRunner:
             indices = tuple(i for i, _ in pairs)
             offsets = tuple(o for _, o in pairs) if any(o for _, o in pairs) else None
             # keys and values [num_layers, num_kv_heads, sum n, head_dim] of each part, concatenated once
-            segments += [(*self.groups.get(part, blocks), indices, offsets) for part in self.groups.split(views)]
+            for part in self.groups.split(views):
+                segments.append((*self.groups.get(part, blocks), indices, offsets))
+                if positions is not None:
+                    positions.append(_positions(part, blocks))
         self.groups.trim()
         return segments
 
@@ -255,3 +286,9 @@ def _takes_argmax(entry: ScheduledSeq) -> bool:
     sampler `takes_argmax` (a prompt's last chunk also keeps its logits for exact repeats and forks n samples)."""
     seq = entry.seq
     return seq.status == SeqStatus.DECODE and seq.sampler is not None and seq.sampler.takes_argmax
+
+
+def _positions(views: tuple[KVView, ...], blocks) -> torch.Tensor:
+    """Positions [sum n] (host, int64) of the keys AssembledGroups.get concatenates for `views`: each block's own
+    positions moved by its view's shift."""
+    return torch.cat([blocks[view].position_ids.cpu() + view.shift for view in views])

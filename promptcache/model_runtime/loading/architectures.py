@@ -1,7 +1,8 @@
 """The architectures promptcache serves, each described once (`ARCHITECTURES`), and the config check that refuses the
-rest before any weight is read (`check_architecture`): another model type, an active sliding window, or RoPE whose
-angles rescale with the sequence's length. Module KV computed at fixed positions is reused verbatim, so a model must
-give a token the same keys and values whatever follows it and however long the sequence grows."""
+rest before any weight is read (`check_architecture`): another model type, soft-capped logits, or RoPE whose angles
+rescale with the sequence's length. Module KV computed at fixed positions is reused verbatim, so a model must give a
+token the same keys and values whatever follows it and however long the sequence grows. A sliding window does not
+change a token's keys, only which of them a later token reads: `layer_windows` names it per layer."""
 
 from __future__ import annotations
 
@@ -47,9 +48,9 @@ SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
 
 # Model types people ask for that are refused on purpose, and why (the error names it).
 _REFUSED_WHY = {
-    "gemma2": "its local sliding-window layers, logit soft-capping and extra norms are not implemented",
-    "gemma3": "its local sliding-window layers, second RoPE base and extra norms are not implemented",
-    "gemma3_text": "its local sliding-window layers, second RoPE base and extra norms are not implemented",
+    "gemma2": "its logit soft-capping and extra norms are not implemented",
+    "gemma3": "its second RoPE base for local layers and extra norms are not implemented",
+    "gemma3_text": "its second RoPE base for local layers and extra norms are not implemented",
     "phi": "Phi-1/2's parallel attention and MLP block over one LayerNorm is not implemented",
 }
 # RoPE whose angles depend on the sequence's length (HF recomputes the frequencies from the largest position in the
@@ -70,20 +71,46 @@ def architecture_of(hf_config: Any) -> Architecture:
 
 def check_architecture(hf_config: Any) -> Architecture:
     """`hf_config`'s architecture when promptcache serves it as configured; raises UnsupportedModelError for another
-    model type, a sliding window shorter than the context in any layer, or length-dependent RoPE."""
+    model type, soft-capped attention or output logits, a layer kind other than full or sliding-window attention, or
+    length-dependent RoPE."""
     arch = architecture_of(hf_config)
-    model_type, positions = arch.model_type, max_positions(hf_config)
-    window = getattr(hf_config, "sliding_window", None)
-    # Qwen2/Qwen3 list which layers slide (none unless use_sliding_window); Mistral and Phi-3 slide in every layer.
-    layer_types = getattr(hf_config, "layer_types", None)
-    if window is not None and window < positions and (layer_types is None or "sliding_attention" in layer_types):
-        raise UnsupportedModelError(f"{model_type} model with sliding-window attention (window {window}) is not "
-                                    "supported; promptcache needs full attention")
+    model_type = arch.model_type
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(hf_config, name, None) is not None:
+            raise UnsupportedModelError(f"{model_type} model with {name} is not supported: promptcache's attention "
+                                        "and output logits do not soft-cap")
+    layer_types = getattr(hf_config, "layer_types", None) or ()
+    if unknown := sorted(set(layer_types) - set(_WINDOW_OF_LAYER_TYPE)):
+        raise UnsupportedModelError(f"{model_type} model with layer types {unknown} is not supported; promptcache "
+                                    "serves full_attention and sliding_attention layers")
     if arch.uses_rope and (rope_type := rope_parameters(hf_config).get("rope_type")) in LENGTH_DEPENDENT_ROPE:
         raise UnsupportedModelError(f"{model_type} model with {rope_type} RoPE scaling is not supported: its angles "
                                     "change with the sequence's length, so cached keys would not be a full "
                                     "prefill's; the same model with plain RoPE is served")
     return arch
+
+
+# Whether a layer of each kind slides (transformers' `layer_types` names).
+_WINDOW_OF_LAYER_TYPE = {"full_attention": False, "sliding_attention": True}
+
+
+def layer_windows(hf_config: Any) -> tuple[int | None, ...]:
+    """Per decoder layer, the sliding window W its attention has (None: full attention): a query at position q reads
+    a key at position k only if q - k < W, as transformers' sliding-window mask (`kv_idx > q_idx - W`). Configs that
+    list `layer_types` (Qwen2/Qwen3, Gemma 3) slide in their "sliding_attention" layers; others with a
+    `sliding_window` (Mistral, Phi-3) in every layer. A window no shorter than the model's positions never cuts: None.
+    """
+    num_layers: int = hf_config.num_hidden_layers  # GPT-2's n_layer is aliased
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or window >= max_positions(hf_config):
+        return (None,) * num_layers
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None:
+        return (int(window),) * num_layers
+    if len(layer_types) != num_layers:
+        raise UnsupportedModelError(f"{hf_config.model_type} config lists {len(layer_types)} layer types for "
+                                    f"{num_layers} layers")
+    return tuple(int(window) if _WINDOW_OF_LAYER_TYPE.get(kind) else None for kind in layer_types)
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:

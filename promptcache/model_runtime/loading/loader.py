@@ -16,7 +16,12 @@ from promptcache.model_runtime import deterministic as determinism
 from promptcache.model_runtime.cpu_features import auto_dtype
 from promptcache.model_runtime.errors import ModelLoadError
 from promptcache.model_runtime.loading import fused_layers, quantized_linear, stored_weights
-from promptcache.model_runtime.loading.architectures import check_architecture, head_dim_of, max_positions
+from promptcache.model_runtime.loading.architectures import (
+    check_architecture,
+    head_dim_of,
+    layer_windows,
+    max_positions,
+)
 from promptcache.model_runtime.loading.packed_linear import pack_linears
 from promptcache.model_runtime.loading.quantized_linear import Int4Blocks, WeightFormat
 from promptcache.model_runtime.loading.stored_weights import StoredWeights
@@ -98,6 +103,13 @@ class LoadedModel:
     key_shifter: KeyShifter | None = None  # moves cached keys to other positions; None: positions are not RoPE
     weights: WeightFormat = WeightFormat.NATIVE
     deterministic: bool = False  # laid out for the batch-invariant kernels (model_runtime/deterministic/)
+    # Per layer its sliding window (architectures.layer_windows; None: full attention); (): no layer slides
+    layer_windows: tuple[int | None, ...] = ()
+
+    @property
+    def has_windows(self) -> bool:
+        """Whether some layer attends through a sliding window."""
+        return any(w is not None for w in self.layer_windows)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -185,7 +197,7 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
         uses_rope=arch.uses_rope, max_positions=max_positions(config),
         eos_token_ids=_eos_ids(model, tokenizer), key_shifter=KeyShifter.of(model, head_dim), weights=weights,
-        deterministic=deterministic)
+        deterministic=deterministic, layer_windows=layer_windows(config))
 
 
 def model_fingerprint(name: str, hf_config: PretrainedConfig, dtype: str, weights: str) -> str:

@@ -1,0 +1,143 @@
+"""Sliding-window attention over positioned KV: on a layer with window W a query at position q reads a key at position
+k only if the key is visible today (a segment from its row offset on, own KV causally) and q - k < W, the positions
+being those the prompt plan gave the tokens (module KV lies at fixed, possibly discontinuous positions). A pass whose
+window cuts nothing takes the ordinary paths; otherwise each sequence gathers only the keys some query of it can
+still reach (KV wholly out of reach is never read) and attends them under one bool mask."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+# A shared segment as BatchContext holds it: keys and values [L, H_kv, n, D], member sequences, their row offsets.
+Segment = tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...] | None]
+# Own keys and values so far of every sequence at one layer: per sequence [H_kv, S_i, D].
+OwnKV = Callable[[int], tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Gather:
+    """What one sequence reads on layers of one window: per part (segment number, or -1 for its own KV) the kept key
+    indices (None: all of them), and which query row sees which gathered key."""
+
+    rows: slice
+    parts: tuple[tuple[int, torch.Tensor | None], ...]
+    mask: torch.Tensor  # [T_i, m] bool, True = attend; m: the gathered keys, parts in order
+
+
+@dataclass(eq=False)
+class WindowedPass:
+    """The positions one forward pass attends, for its sliding-window layers (built on the host by the runner).
+
+    `windows[l]`: layer l's window (None: full attention). `query_positions[i]` [T_i] and `own_positions[i]` [S_i]
+    (int64, host): sequence i's queries this pass and its own KV after this pass's writes (the last T_i being the
+    queries' own tokens); `segment_positions[j]` [n_j]: the positions of `segments[j]`'s keys. `per_row`: every query
+    row attends exactly the keys in its own window, one call each, whatever else the pass holds (deterministic
+    serving: the same keys in the same order however a prompt is chunked or batched)."""
+
+    windows: tuple[int | None, ...]
+    query_positions: list[torch.Tensor]
+    own_positions: list[torch.Tensor]
+    segments: Sequence[Segment]
+    segment_positions: Sequence[torch.Tensor]
+    per_row: bool = False
+    _spans: list[int] = field(init=False, repr=False)
+    _gathers: dict[tuple[int, str], list[_Gather]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        # Per sequence: its last query's position minus the smallest position of a key it sees (the window cuts
+        # nothing of it while this is < W).
+        lowest = [int(p.min()) for p in self.own_positions]
+        for (_, _, members, offsets), positions in zip(self.segments, self.segment_positions):
+            for index, seq in enumerate(members):
+                offset = offsets[index] if offsets else 0
+                if positions.numel() and offset < self.query_positions[seq].numel():
+                    lowest[seq] = min(lowest[seq], int(positions.min()))
+        self._spans = [int(q.max()) - low for q, low in zip(self.query_positions, lowest)]
+
+    def cuts(self, layer: int) -> bool:
+        """Whether `layer` slides and its window hides some visible key from some query of this pass."""
+        window = self.windows[layer] if layer < len(self.windows) else None
+        return window is not None and (self.per_row or any(span >= window for span in self._spans))
+
+    def cuts_any(self) -> bool:
+        """Whether some layer's window cuts in this pass (fast paths that ignore windows stay off then)."""
+        return any(self.cuts(layer) for layer in range(len(self.windows)))
+
+    def attend(self, queries: torch.Tensor, layer: int, own_kv: OwnKV, scale: float) -> torch.Tensor:
+        """queries [total_q, H, D] (sequences in row order) at window layer `layer`; returns [total_q, H, D]."""
+        window = self.windows[layer]
+        assert window is not None, "a layer without a window takes the ordinary paths"
+        own_keys, own_values = own_kv(layer)
+        out = torch.empty_like(queries)
+        for seq, gather in enumerate(self._gathers_of(window, queries.device)):
+            keys = torch.cat(self._parts(gather, layer, own_keys[seq], 0), dim=1)     # [H_kv, m, D]
+            values = torch.cat(self._parts(gather, layer, own_values[seq], 1), dim=1)
+            q = queries[gather.rows]                                                   # [T_i, H, D]
+            if self.per_row:
+                for row in range(q.shape[0]):
+                    seen = gather.mask[row].nonzero()[:, 0]
+                    out[gather.rows.start + row] = _sdpa(q[row: row + 1], keys[:, seen], values[:, seen], None,
+                                                         scale)[0]
+            else:
+                out[gather.rows] = _sdpa(q, keys, values, gather.mask, scale)
+        return out
+
+    def _parts(self, gather: _Gather, layer: int, own: torch.Tensor, which: int) -> list[torch.Tensor]:
+        found = []
+        for part, index in gather.parts:
+            if part < 0:
+                states = own
+            else:
+                keys, values, _, _ = self.segments[part]
+                states = (values if which else keys)[layer]  # [H_kv, n, D]
+            found.append(states if index is None else states.index_select(1, index))
+        return found
+
+    def _gathers_of(self, window: int, device: torch.device) -> list[_Gather]:
+        key = (window, str(device))
+        if key not in self._gathers:
+            self._gathers[key] = [self._gather(seq, window, device) for seq in range(len(self.query_positions))]
+        return self._gathers[key]
+
+    def _gather(self, seq: int, window: int, device: torch.device) -> _Gather:
+        # A key at position k is read by some query of the sequence only if k > (its smallest query position) - W:
+        # everything else (whole segments, the front of its own KV) is neither gathered nor attended.
+        q_pos = self.query_positions[seq]                                # [T]
+        num_q, reach = q_pos.numel(), int(q_pos.min()) - window
+        rows = torch.arange(num_q)
+        start = sum(p.numel() for p in self.query_positions[:seq])
+        parts: list[tuple[int, torch.Tensor | None]] = []
+        masks: list[torch.Tensor] = []
+        for number, ((_, _, members, offsets), positions) in enumerate(zip(self.segments, self.segment_positions)):
+            if seq not in members:
+                continue
+            offset = offsets[members.index(seq)] if offsets else 0
+            if offset >= num_q:
+                continue  # every query of this pass precedes the segment
+            kept = (positions > reach).nonzero()[:, 0]
+            if kept.numel() == 0:
+                continue
+            visible = (rows >= offset)[:, None].expand(num_q, kept.numel())  # today's rule: rows from the offset
+            masks.append(visible & (q_pos[:, None] - positions[kept][None, :] < window))
+            parts.append((number, None if kept.numel() == positions.numel() else kept.to(device)))
+        own = self.own_positions[seq]                                    # [S]: a prefix, then the T queries' own
+        kept = (own > reach).nonzero()[:, 0]
+        before = own.numel() - num_q
+        # own key c is visible to row r if it precedes the queries (c < before) or is an earlier query (c - before <= r)
+        visible = kept[None, :] - before <= rows[:, None]
+        masks.append(visible & (q_pos[:, None] - own[kept][None, :] < window))
+        parts.append((-1, None if kept.numel() == own.numel() else kept.to(device)))
+        return _Gather(slice(start, start + num_q), tuple(parts), torch.cat(masks, dim=1).to(device))
+
+
+def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+          scale: float) -> torch.Tensor:
+    """q [T, H, D] over keys/values [H_kv, m, D] (mask [T, m] bool or None); returns [T, H, D]."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                         attn_mask=None if mask is None else mask[None, None], scale=scale,
+                                         enable_gqa=keys.shape[0] != q.shape[1])  # [1, H, T, D]
+    return out[0].transpose(0, 1)
