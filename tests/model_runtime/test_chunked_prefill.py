@@ -99,16 +99,16 @@ def _encode_while_decoding(fail_fused_once: bool):
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     engine = Engine(runtime.module_encoder, EngineConfig(prefix=None, max_prefill_tokens=4))
     passes, failed = [], []
-    forward = engine.runner.forward
+    forward = engine.runner._forward  # every pass of a step goes through it
 
-    def counted(entries):
+    def counted(entries, **kwargs):
         passes.append(len(entries))
         if fail_fused_once and not failed and len(entries) > 1 and any(e.seq.request is None for e in entries):
             failed.append(True)
             raise RuntimeError("injected failure of a pass that carries an encoding chunk")
-        return forward(entries)
+        return forward(entries, **kwargs)
 
-    engine.runner.forward = counted
+    engine.runner._forward = counted
     schema = runtime.parse_schema(SCHEMA)
 
     async def main():
