@@ -1,6 +1,7 @@
 """Serving benchmark over HTTP: the workload of the llama.cpp comparison, TTFT from the client's clock.
 
     python -m benchmarks.serving [--peer-url http://127.0.0.1:8080 --peer-name llama.cpp]
+    python -m benchmarks.serving --rows abc --no-baseline --server before= --server after= --source before=/tmp/old
 
 Starts `promptcache serve` (the default SmolLM2-135M-Instruct, CPU) twice — prefix caching on, and off
 (`--no-prefix-caching`, to price the lookup on a full miss) — and optionally measures a peer
@@ -149,7 +150,7 @@ def run_rows(targets: list[Target], work: Workload, *, runs: int, rows: set[str]
     return medians
 
 
-def plot(results: dict[str, dict[str, float]], path: Path) -> None:
+def plot(results: dict[str, dict[str, float]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -164,7 +165,7 @@ def plot(results: dict[str, dict[str, float]], path: Path) -> None:
     ax.set_xticks([r + width * (len(results) - 1) / 2 for r in range(len(rows))], rows, rotation=30, fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("median TTFT over HTTP (ms, log)")
-    ax.set_title("SmolLM2-135M-Instruct on 2 CPU cores: client-side TTFT")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -182,8 +183,14 @@ def main() -> None:
     parser.add_argument("--no-baseline", action="store_true", help="skip the --no-prefix-caching server")
     parser.add_argument("--pml-fidelity", nargs="+", default=["fast"], metavar="MODE",
                         help="fidelity modes of row c's PML prompts, one row each (e.g. fast balanced exact)")
+    parser.add_argument("--source", action="append", default=[], metavar="NAME=DIR",
+                        help="run server NAME from the source tree DIR (PYTHONPATH), e.g. a worktree of an older "
+                             "commit for a before/after comparison in one run (repeatable)")
+    parser.add_argument("--title", default="SmolLM2-135M-Instruct on 2 CPU cores: client-side TTFT",
+                        help="the PNG's title")
     parser.add_argument("--out", type=Path, default=RESULTS / "serving.jsonl")
     args = parser.parse_args()
+    sources = dict(spec.split("=", 1) for spec in args.source)
     work, rows = build(), set(args.rows)
     baseline = [] if args.no_baseline else ["promptcache-no-prefix=--no-prefix-caching"]
     specs = args.server or ["promptcache=", *baseline]
@@ -191,10 +198,11 @@ def main() -> None:
     processes, targets = [], []
     try:
         for name, flags in configs:
-            process, url = start_promptcache(flags)
+            source = {"PYTHONPATH": sources[name]} if name in sources else None
+            process, url = start_promptcache(flags, env=source)
             processes.append(process)
             targets.append(Target(name, url, is_promptcache=True))
-            log(f"{name}: {url} {' '.join(flags)}")
+            log(f"{name}: {url} {' '.join(flags)}{f' from {sources[name]}' if name in sources else ''}")
         for target in targets:  # first, into empty tiers: the device tier then holds the modules' KV only
             response = target.client.post(target.url + "/v1/schemas", json={"pml": work.retrieval_schema})
             response.raise_for_status()
@@ -212,7 +220,7 @@ def main() -> None:
         for process in processes:
             process.terminate()
             process.wait(timeout=30)
-    plot(results, args.out.with_suffix(".png"))
+    plot(results, args.out.with_suffix(".png"), args.title)
 
 
 if __name__ == "__main__":
