@@ -13,7 +13,7 @@ import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Qwen2Config
 
 from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
-from promptcache.model_runtime.loading import default_model
+from promptcache.model_runtime.loading import default_model, gguf_conversion
 from promptcache.model_runtime.loading.architectures import check_architecture
 from promptcache.model_runtime.loading.loader import ModelConfig, load_model, wrap_model
 from tests.model_factories import ARCHITECTURES, make_test_tokenizer, make_tiny_model
@@ -150,7 +150,7 @@ def test_default_model_path_needs_the_package(monkeypatch, tmp_path):
 
 
 def fake_converter(calls: list):
-    def convert(source, out):  # the real conversion takes 15-45 s; its output is tested on SmolLM2 below
+    def convert(source, out, hint=""):  # the real conversion takes 15-45 s; its output is tested on SmolLM2 below
         calls.append(out)
         for name in ("config.json", "model.safetensors", "tokenizer.json"):
             (out / name).write_text(str(out))
@@ -162,7 +162,7 @@ def test_conversion_is_written_atomically_and_reused(monkeypatch, tmp_path):
     stale.mkdir(), live.mkdir()
     os.utime(stale, (time.time() - 7200, time.time() - 7200))  # left by a process killed 2 h ago
     calls: list = []
-    monkeypatch.setattr(default_model, "_convert", fake_converter(calls))
+    monkeypatch.setattr(gguf_conversion, "convert", fake_converter(calls))
     path = default_model.default_model_path(tmp_path)
     assert default_model.default_model_path(tmp_path) == path and len(calls) == 1
     assert path.parent == tmp_path and path.name.startswith("SmolLM2-135M-Instruct-")
@@ -172,15 +172,15 @@ def test_conversion_is_written_atomically_and_reused(monkeypatch, tmp_path):
 
 def test_conversion_race_keeps_the_first_copy(monkeypatch, tmp_path):
     calls: list = []
-    monkeypatch.setattr(default_model, "_convert", fake_converter(calls))
+    monkeypatch.setattr(gguf_conversion, "convert", fake_converter(calls))
     path = default_model.default_model_path(tmp_path)
     winner = path.rename(tmp_path / "winner")
 
-    def convert_while_another_finishes(source, out):
+    def convert_while_another_finishes(source, out, hint=""):
         fake_converter(calls)(source, out)
         winner.rename(path)  # another process renames its copy into place first
 
-    monkeypatch.setattr(default_model, "_convert", convert_while_another_finishes)
+    monkeypatch.setattr(gguf_conversion, "convert", convert_while_another_finishes)
     assert default_model.default_model_path(tmp_path) == path
     assert (path / "config.json").read_text() == str(calls[0]) and len(calls) == 2
     assert [p.name for p in tmp_path.iterdir()] == [path.name]

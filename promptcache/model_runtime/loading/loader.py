@@ -16,7 +16,9 @@ from promptcache.model_runtime import deterministic as determinism
 from promptcache.model_runtime.cpu_features import auto_dtype
 from promptcache.model_runtime.errors import ModelLoadError
 from promptcache.model_runtime.loading import fused_layers, quantized_linear, stored_weights
-from promptcache.model_runtime.loading.architectures import check_architecture, head_dim_of, max_positions
+from promptcache.model_runtime.loading.architectures import check_architecture, head_dim_of, served_positions
+from promptcache.model_runtime.loading.gguf_conversion import converted_path
+from promptcache.model_runtime.loading.packaged_models import PACKAGED_MODELS, SMOLLM2
 from promptcache.model_runtime.loading.packed_linear import pack_linears
 from promptcache.model_runtime.loading.quantized_linear import Int4Blocks, WeightFormat
 from promptcache.model_runtime.loading.stored_weights import StoredWeights
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_TURN_ENDS = ("<|im_end|>", "<end_of_turn>")  # tokens chat templates end each turn with
 # Keys that change with the transformers version, the load path or runtime switches, not the model.
 _VOLATILE_CONFIG_KEYS = frozenset({
     "transformers_version", "_name_or_path", "_commit_hash", "_attn_implementation",
@@ -38,11 +41,13 @@ _VOLATILE_CONFIG_KEYS = frozenset({
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Which model to load and how. `name_or_path=None`: the built-in SmolLM2-135M-Instruct (converted into `cache_dir`,
-    None: ~/.cache/promptcache/models). `dtype="auto"`: bf16 where the hardware computes it natively, else fp32.
-    `pack_weights`: oneDNN-packed linear weights (packed_linear.py); `fuse_layers`: fused decoder layers
-    (fused_layers.py); `weights` int8/int4: quantized CPU linear weights (int4 loads the built-in model's 4-bit GGUF
-    blocks as stored), auto: int4 where the checkpoint is a GGUF stored in 4 bits and the kernel runs, else native
+    """Which model to load and how. `name_or_path`: a local directory, a hub id, a `.gguf` file or a packaged model's
+    short name (packaged_models.py: smollm2-135m, gemma3-270m); None: the built-in SmolLM2-135M-Instruct. GGUF files are
+    converted once into `cache_dir` (None: ~/.cache/promptcache/models). `dtype="auto"`: bf16 where the hardware
+    computes it natively, else fp32. `pack_weights`: oneDNN-packed linear weights (packed_linear.py); `fuse_layers`:
+    fused decoder layers (fused_layers.py); `weights` int8/int4: quantized CPU linear weights (int4 loads a Llama-family
+    GGUF's 4-bit blocks as stored), auto: int4 where the checkpoint is such a GGUF stored in 4 bits and the kernel runs,
+    else native
     (stored_weights.py); `deterministic`: batch-invariant kernels instead of packing and the default fusion
     (model_runtime/deterministic/). Raises ValueError for an unknown dtype, a malformed device, quantized weights off
     the CPU, or deterministic serving of a device, dtype or weight format it does not cover."""
@@ -75,6 +80,17 @@ class ModelConfig:
     def torch_dtype(self) -> torch.dtype:
         """The dtype to load in ("auto" resolved for this machine)."""
         return DTYPES[auto_dtype(self.device) if self.dtype == "auto" else self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where a model loads from: `path` (a directory or hub id; `is_local`: a directory, never the hub), `name` (in
+    its fingerprint and the server's reports), `gguf` (the GGUF file `path` was converted from, else None)."""
+
+    path: str
+    name: str
+    is_local: bool
+    gguf: Path | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -111,13 +127,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _check_device(config.device)
-    if config.name_or_path is None:
-        from promptcache.model_runtime.loading.default_model import DEFAULT_MODEL_NAME, default_model_path
-
-        path, name, is_local = str(default_model_path(config.cache_dir)), DEFAULT_MODEL_NAME, True
-    else:
-        path, is_local = _resolve(config.name_or_path)
-        name = path
+    source = model_source(config.name_or_path, config.cache_dir)
+    path, is_local = source.path, source.is_local
     # A local directory must never fall back to the hub (a typo would otherwise become a download).
     options: dict[str, Any] = ({"trust_remote_code": config.trust_remote_code}
                                | ({"local_files_only": True} if is_local else {}))
@@ -126,7 +137,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     except Exception as exc:
         raise ModelLoadError(f"cannot read a model config from {path!r}: {exc}") from None
     check_architecture(hf_config)
-    stored = _stored_weights(config, hf_config)
+    stored = _stored_weights(config, hf_config, source.gguf)
     try:
         tokenizer = _load_tokenizer(path, options)
         model = AutoModelForCausalLM.from_pretrained(
@@ -134,9 +145,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model at {path!r}: {exc}") from None
     # Called through the class: transformers' @wraps(Module.to) hides from type checkers that it binds self.
-    return wrap_model(type(model).to(model, config.device), tokenizer, name=name, pack_weights=config.pack_weights,
-                      fuse_layers=config.fuse_layers, weights=stored.weights, blocks=stored.blocks,
-                      wider=stored.wider, deterministic=config.deterministic)
+    return wrap_model(type(model).to(model, config.device), tokenizer, name=source.name,
+                      pack_weights=config.pack_weights, fuse_layers=config.fuse_layers, weights=stored.weights,
+                      blocks=stored.blocks, wider=stored.wider, deterministic=config.deterministic)
 
 
 def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str,
@@ -183,7 +194,7 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
         model_fingerprint=fingerprint, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         num_layers=config.num_hidden_layers, num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
-        uses_rope=arch.uses_rope, max_positions=max_positions(config),
+        uses_rope=arch.uses_rope, max_positions=served_positions(config),
         eos_token_ids=_eos_ids(model, tokenizer), key_shifter=KeyShifter.of(model, head_dim), weights=weights,
         deterministic=deterministic)
 
@@ -228,6 +239,26 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return digest.hexdigest()
 
 
+def model_source(name_or_path: str | None, cache_dir: str | None = None) -> ModelSource:
+    """Where `ModelConfig.name_or_path` loads from: None, the built-in model; a packaged model's short name or a `.gguf`
+    file, its directory converted once under `cache_dir` (the package's GGUF assembled first where it must be); else
+    a local directory or a hub id. Raises ModelLoadError for a missing package, file or directory."""
+    packaged = SMOLLM2 if name_or_path is None else PACKAGED_MODELS.get(name_or_path)
+    if packaged is not None:
+        gguf = packaged.gguf_path()
+        path = converted_path(gguf, packaged.name, cache_dir, hint=f"reinstall it: {packaged.install_hint}")
+        return ModelSource(str(path), packaged.name, True, gguf)
+    assert name_or_path is not None
+    candidate = Path(name_or_path).expanduser()
+    if candidate.suffix.lower() == ".gguf":
+        if not candidate.is_file():
+            raise ModelLoadError(f"GGUF file {name_or_path!r} does not exist")
+        gguf = candidate.resolve()
+        return ModelSource(str(converted_path(gguf, gguf.stem, cache_dir)), str(gguf), True, gguf)
+    path, is_local = _resolve(name_or_path)
+    return ModelSource(path, path, is_local)
+
+
 def _resolve(name_or_path: str) -> tuple[str, bool]:
     """(path or hub id, is_local). Local directories are made absolute so the fingerprint is cwd-free."""
     candidate = Path(name_or_path).expanduser()
@@ -251,13 +282,8 @@ def _load_tokenizer(path: str, options: dict[str, Any]) -> PreTrainedTokenizerBa
     return AutoTokenizer.from_pretrained(path, **options)
 
 
-def _stored_weights(config: ModelConfig, hf_config: PretrainedConfig) -> StoredWeights:
-    """The weight format `config` resolves to and, for int4 from the built-in model's GGUF, its stored blocks."""
-    gguf = None
-    if config.name_or_path is None:
-        from promptcache.model_runtime.loading.default_model import gguf_path
-
-        gguf = gguf_path()
+def _stored_weights(config: ModelConfig, hf_config: PretrainedConfig, gguf: Path | None) -> StoredWeights:
+    """The weight format `config` resolves to and, for int4 from a GGUF (`gguf`, else None), its stored blocks."""
     num_heads = hf_config.num_attention_heads
     return stored_weights.choose(config.weights, gguf, num_heads, getattr(hf_config, "num_key_value_heads", None)
                                  or num_heads, device=config.device, dtype=config.torch_dtype,
@@ -278,9 +304,11 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tupl
             ids.append(source)
         elif source:
             ids.extend(int(i) for i in source)
-    # A ChatML template ends every turn with <|im_end|>, even on models whose eos is <|endoftext|>.
+    # A ChatML template ends every turn with <|im_end|>, even on models whose eos is <|endoftext|>; Gemma's with
+    # <end_of_turn> (its eos is <eos>).
     template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, str) and "<|im_end|>" in template and "<|im_end|>" in tokenizer.get_vocab():
-        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")  # one token in, one id out
-        ids.extend([im_end] if isinstance(im_end, int) else im_end)
+    for turn_end in _TURN_ENDS:
+        if isinstance(template, str) and turn_end in template and turn_end in tokenizer.get_vocab():
+            end_id = tokenizer.convert_tokens_to_ids(turn_end)  # one token in, one id out
+            ids.extend([end_id] if isinstance(end_id, int) else end_id)
     return tuple(dict.fromkeys(ids))
