@@ -31,9 +31,9 @@ class KeyShifter:
         self.inv_freq = inv_freq.detach().float().cpu()  # [R/2] or [L, R/2], R = rotated dimensions
         self.head_dim = head_dim
         # Per layer: its row among the distinct ones (Gemma 3: two), so each row's cos/sin is computed once a shift.
-        distinct, self._row_of_layer = (self.inv_freq.unique(dim=0, return_inverse=True) if inv_freq.dim() == 2
-                                        else (self.inv_freq[None], torch.zeros(1, dtype=torch.long)))
-        self._rows = distinct  # [U, R/2]
+        self._rows, self._row_of_layer = self.inv_freq[None], torch.zeros(1, dtype=torch.long)  # [U, R/2], [L]
+        if inv_freq.dim() == 2:
+            self._rows, self._row_of_layer = self.inv_freq.unique(dim=0, return_inverse=True)
 
     @property
     def is_per_layer(self) -> bool:
@@ -61,10 +61,9 @@ class KeyShifter:
                         head_dim: int) -> KeyShifter | None:
         if any(rope_types.get(kind) not in _STATIC_ROPE_TYPES for kind in layer_types):
             return None
-        rows = [getattr(rotary, f"{kind}_inv_freq", None) for kind in layer_types]
-        if not all(isinstance(row, torch.Tensor) for row in rows):
-            return None
-        return cls(torch.stack(rows), head_dim)  # [L, R/2]
+        rows = [row for kind in layer_types if isinstance(row := getattr(rotary, f"{kind}_inv_freq", None),
+                                                           torch.Tensor)]
+        return cls(torch.stack(rows), head_dim) if len(rows) == len(layer_types) else None  # [L, R/2]
 
     def shift_into(self, out: torch.Tensor, keys: torch.Tensor, shift: torch.Tensor) -> None:
         """Write `keys` [..., n, D] moved by `shift` [n] positions (long) into `out` (same shape; may

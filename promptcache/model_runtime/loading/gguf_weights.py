@@ -29,9 +29,9 @@ _READERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Int4Blocks]] = {
     GGMLQuantizationType.Q4_0: q4_0_blocks, GGMLQuantizationType.Q4_1: q4_1_blocks,
     GGMLQuantizationType.Q4_K: q4_k_blocks}
 _Q8_0_BLOCK_BYTES = 2 + GROUP_SIZE  # fp16 d, 32 int8
-# The GGUF architectures whose tensors `read_layers` names and lays out as transformers loads them: llama.cpp's Llama
-# family (q and k rows interleaved for its RoPE). Gemma 3 files keep other names for their extra norms and do not
-# interleave q and k: their blocks are not read (int4 refused, auto serves them native).
+# The model types (as transformers loads the GGUF) whose tensors `read_layers` names and lays out as transformers does:
+# llama.cpp's Llama family, q and k rows interleaved for its RoPE. Others (Gemma 3: q and k not interleaved) are not
+# read: int4 is refused for them and auto serves them native, before the file's 262K-entry vocabulary is parsed.
 BLOCK_ARCHITECTURES = frozenset({"llama"})
 
 
@@ -62,18 +62,6 @@ def read_layers(path: str | Path, num_heads: int, num_kv_heads: int) -> GGUFLaye
             layer = _unpermuted(layer, num_heads if "attn_q" in tensor.name else num_kv_heads)
         blocks[name] = layer
     return GGUFLayers(blocks, frozenset(wider))
-
-
-def architecture(path: str | Path) -> str:
-    """The file's `general.architecture` ("llama", "gemma3", ...); "" when it names none. Raises ModelLoadError if it
-    cannot be read."""
-    from gguf import GGUFReader
-
-    try:
-        field = GGUFReader(path).fields.get("general.architecture")
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read the GGUF file {path}: {exc}") from None
-    return "" if field is None else bytes(field.parts[field.data[0]]).decode()
 
 
 def is_4bit(path: str | Path) -> bool:

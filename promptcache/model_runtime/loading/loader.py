@@ -255,8 +255,8 @@ def model_source(name_or_path: str | None, cache_dir: str | None = None) -> Mode
             raise ModelLoadError(f"GGUF file {name_or_path!r} does not exist")
         gguf = candidate.resolve()
         return ModelSource(str(converted_path(gguf, gguf.stem, cache_dir)), str(gguf), True, gguf)
-    path, is_local = _resolve(name_or_path)
-    return ModelSource(path, path, is_local)
+    found, is_local = _resolve(name_or_path)
+    return ModelSource(found, found, is_local)
 
 
 def _resolve(name_or_path: str) -> tuple[str, bool]:
@@ -287,7 +287,7 @@ def _stored_weights(config: ModelConfig, hf_config: PretrainedConfig, gguf: Path
     num_heads = hf_config.num_attention_heads
     return stored_weights.choose(config.weights, gguf, num_heads, getattr(hf_config, "num_key_value_heads", None)
                                  or num_heads, device=config.device, dtype=config.torch_dtype,
-                                 deterministic=config.deterministic)
+                                 deterministic=config.deterministic, model_type=hf_config.model_type)
 
 
 def _check_device(device: str) -> None:
