@@ -16,7 +16,8 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Qwen2Config
 from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
 from promptcache.model_runtime.loading import default_model, gguf_conversion, packaged_models
 from promptcache.model_runtime.loading.architectures import check_architecture
-from promptcache.model_runtime.loading.loader import ModelConfig, load_model, model_source, wrap_model
+from promptcache.model_runtime.loading.loader import ModelConfig, load_model, wrap_model
+from promptcache.model_runtime.loading.sources import model_source
 from tests.model_factories import ARCHITECTURES, make_test_tokenizer, make_tiny_model
 
 IDS = torch.tensor([[5, 9, 42, 7, 300, 11]])

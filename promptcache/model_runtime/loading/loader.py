@@ -1,4 +1,4 @@
-"""Load Hugging Face causal LMs (local directory or hub id) and describe them for the runtime. The architectures served
+"""Load Hugging Face causal LMs (from where sources.py says) and describe them for the runtime. The architectures served
 and what is refused from the config, before any weight is read, are architectures.py's."""
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ from promptcache.model_runtime.cpu_features import auto_dtype
 from promptcache.model_runtime.errors import ModelLoadError
 from promptcache.model_runtime.loading import fused_layers, quantized_linear, stored_weights
 from promptcache.model_runtime.loading.architectures import check_architecture, head_dim_of, served_positions
-from promptcache.model_runtime.loading.gguf_conversion import converted_path
-from promptcache.model_runtime.loading.packaged_models import PACKAGED_MODELS, SMOLLM2
 from promptcache.model_runtime.loading.packed_linear import pack_linears
 from promptcache.model_runtime.loading.quantized_linear import Int4Blocks, WeightFormat
+from promptcache.model_runtime.loading.sources import model_source
 from promptcache.model_runtime.loading.stored_weights import StoredWeights
 from promptcache.model_runtime.rope_shift import KeyShifter
 
@@ -80,17 +79,6 @@ class ModelConfig:
     def torch_dtype(self) -> torch.dtype:
         """The dtype to load in ("auto" resolved for this machine)."""
         return DTYPES[auto_dtype(self.device) if self.dtype == "auto" else self.dtype]
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSource:
-    """Where a model loads from: `path` (a directory or hub id; `is_local`: a directory, never the hub), `name` (in
-    its fingerprint and the server's reports), `gguf` (the GGUF file `path` was converted from, else None)."""
-
-    path: str
-    name: str
-    is_local: bool
-    gguf: Path | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -237,36 +225,6 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     for part in (definition, roles, template if isinstance(template, str) else json.dumps(template)):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()
-
-
-def model_source(name_or_path: str | None, cache_dir: str | None = None) -> ModelSource:
-    """Where `ModelConfig.name_or_path` loads from: None, the built-in model; a packaged model's short name or a `.gguf`
-    file, its directory converted once under `cache_dir` (the package's GGUF assembled first where it must be); else
-    a local directory or a hub id. Raises ModelLoadError for a missing package, file or directory."""
-    packaged = SMOLLM2 if name_or_path is None else PACKAGED_MODELS.get(name_or_path)
-    if packaged is not None:
-        gguf = packaged.gguf_path()
-        path = converted_path(gguf, packaged.name, cache_dir, hint=f"reinstall it: {packaged.install_hint}")
-        return ModelSource(str(path), packaged.name, True, gguf)
-    assert name_or_path is not None
-    candidate = Path(name_or_path).expanduser()
-    if candidate.suffix.lower() == ".gguf":
-        if not candidate.is_file():
-            raise ModelLoadError(f"GGUF file {name_or_path!r} does not exist")
-        gguf = candidate.resolve()
-        return ModelSource(str(converted_path(gguf, gguf.stem, cache_dir)), str(gguf), True, gguf)
-    found, is_local = _resolve(name_or_path)
-    return ModelSource(found, found, is_local)
-
-
-def _resolve(name_or_path: str) -> tuple[str, bool]:
-    """(path or hub id, is_local). Local directories are made absolute so the fingerprint is cwd-free."""
-    candidate = Path(name_or_path).expanduser()
-    if candidate.is_dir():
-        return str(candidate.resolve()), True
-    if candidate.is_absolute() or name_or_path.startswith((".", "~")) or candidate.exists():
-        raise ModelLoadError(f"model path {name_or_path!r} is not a directory")
-    return name_or_path, False
 
 
 def _load_tokenizer(path: str, options: dict[str, Any]) -> PreTrainedTokenizerBase:
