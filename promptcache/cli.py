@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="HF model path or hub id (default: built-in SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", help="HF model directory or hub id, a .gguf file (converted once into the model "
+                        "cache), or a short name: smollm2-135m, gemma3-270m (default: built-in SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto (default for serve): bf16 where the hardware computes it natively, else fp32")
     parser.add_argument("--device", help="cpu | cuda | cuda:N")

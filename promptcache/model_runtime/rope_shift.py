@@ -1,6 +1,7 @@
 """KeyShifter: moves cached keys that carry rotary position embeddings (RoPE) to other positions. Rotations in
 one plane compose, so rotating a key stored at p by `shift`'s angle gives RoPE's key at p + shift (up to rounding):
-fidelity modes re-align reused module KV to contiguous positions for one request (reuse_plan.py)."""
+fidelity modes re-align reused module KV to contiguous positions for one request (reuse_plan.py). Gemma 3 rotates its
+local and global layers with different bases: its shifter holds one row of frequencies per layer."""
 
 from __future__ import annotations
 
@@ -19,29 +20,71 @@ _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 
 
 class KeyShifter:
-    """Shifts keys [..., n, head_dim] in HF's rotate-half layout by a per-token number of positions."""
+    """Shifts keys [..., n, head_dim] in HF's rotate-half layout by a per-token number of positions; keys of every
+    layer [L, ..., n, head_dim] when the frequencies differ by layer (`inv_freq` [L, R/2])."""
 
     def __init__(self, inv_freq: torch.Tensor, head_dim: int) -> None:
-        if 2 * inv_freq.numel() > head_dim:
-            raise ValueError(f"{inv_freq.numel()} RoPE frequencies do not fit a head of {head_dim} dimensions")
-        self.inv_freq = inv_freq.detach().float().cpu()  # [R/2], R = rotated dimensions
+        if 2 * inv_freq.shape[-1] > head_dim:
+            raise ValueError(f"{inv_freq.shape[-1]} RoPE frequencies do not fit a head of {head_dim} dimensions")
+        if inv_freq.dim() not in (1, 2):
+            raise ValueError(f"inv_freq must be [R/2] or [num_layers, R/2], got shape {tuple(inv_freq.shape)}")
+        self.inv_freq = inv_freq.detach().float().cpu()  # [R/2] or [L, R/2], R = rotated dimensions
         self.head_dim = head_dim
+        # Per layer: its row among the distinct ones (Gemma 3: two), so each row's cos/sin is computed once a shift.
+        self._rows, self._row_of_layer = self.inv_freq[None], torch.zeros(1, dtype=torch.long)  # [U, R/2], [L]
+        if inv_freq.dim() == 2:
+            self._rows, self._row_of_layer = self.inv_freq.unique(dim=0, return_inverse=True)
+
+    @property
+    def is_per_layer(self) -> bool:
+        """Whether the frequencies differ by layer: keys then come with all layers, the layer first."""
+        return self.inv_freq.dim() == 2
 
     @classmethod
     def of(cls, model: PreTrainedModel, head_dim: int) -> KeyShifter | None:
-        """The shifter of an HF decoder whose rotary embedding is static, else None (learned or rescaling)."""
+        """The shifter of an HF decoder whose rotary embedding is static, else None (learned or rescaling). Gemma 3's
+        rotary embedding keeps one table per layer type (`{type}_inv_freq`, `rope_type` a dict by type): each layer
+        gets its type's."""
         rotary = getattr(model.base_model, "rotary_emb", None)
-        if rotary is None or getattr(rotary, "rope_type", "default") not in _STATIC_ROPE_TYPES:
+        if rotary is None:
+            return None
+        rope_type = getattr(rotary, "rope_type", "default")
+        if isinstance(rope_type, dict):
+            return cls._per_layer_type(rotary, rope_type, model.config.layer_types, head_dim)
+        if rope_type not in _STATIC_ROPE_TYPES:
             return None
         inv_freq = getattr(rotary, "inv_freq", None)
         return cls(inv_freq, head_dim) if isinstance(inv_freq, torch.Tensor) else None
 
+    @classmethod
+    def _per_layer_type(cls, rotary: torch.nn.Module, rope_types: dict[str, str], layer_types: list[str],
+                        head_dim: int) -> KeyShifter | None:
+        if any(rope_types.get(kind) not in _STATIC_ROPE_TYPES for kind in layer_types):
+            return None
+        rows = [row for kind in layer_types if isinstance(row := getattr(rotary, f"{kind}_inv_freq", None),
+                                                           torch.Tensor)]
+        return cls(torch.stack(rows), head_dim) if len(rows) == len(layer_types) else None  # [L, R/2]
+
     def shift_into(self, out: torch.Tensor, keys: torch.Tensor, shift: torch.Tensor) -> None:
         """Write `keys` [..., n, D] moved by `shift` [n] positions (long) into `out` (same shape; may
-        be a view of a larger buffer, must not alias `keys`). The angles are computed in float32."""
-        half = self.inv_freq.numel()
-        angle = shift.to(torch.float32)[:, None] * self.inv_freq.to(shift.device)[None, :]  # [n, R/2]
-        cos, sin = angle.cos().to(keys.dtype), angle.sin().to(keys.dtype)                   # [n, R/2]
+        be a view of a larger buffer, must not alias `keys`); per-layer frequencies: `keys` [L, ..., n, D]. The angles
+        are computed in float32."""
+        if not self.is_per_layer:
+            self._rotate_into(out, keys, *self._cos_sin(0, shift, keys.dtype))
+            return
+        if keys.shape[0] != self.inv_freq.shape[0]:
+            raise ValueError(f"keys of {keys.shape[0]} layers for RoPE frequencies of {self.inv_freq.shape[0]}")
+        tables = [self._cos_sin(row, shift, keys.dtype) for row in range(self._rows.shape[0])]
+        for layer, row in enumerate(self._row_of_layer.tolist()):
+            self._rotate_into(out[layer], keys[layer], *tables[row])
+
+    def _cos_sin(self, row: int, shift: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [n, R/2] of the angles `shift` moves by under the frequencies of row `row`."""
+        angle = shift.to(torch.float32)[:, None] * self._rows[row].to(shift.device)[None, :]  # [n, R/2]
+        return angle.cos().to(dtype), angle.sin().to(dtype)
+
+    def _rotate_into(self, out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        half = cos.shape[-1]
         ops = bf16_kernel.fused_ops()
         if ops is not None and keys.dtype == out.dtype == torch.bfloat16 and not keys.is_cuda and half % 16 == 0:
             rows_in, rows_out = _rows(keys), _rows(out)

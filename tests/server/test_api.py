@@ -9,8 +9,10 @@ import httpx
 import pytest
 import torch
 
-from promptcache.model_runtime import SamplingParams
+from promptcache.model_runtime import SamplingParams, wrap_model
+from promptcache.model_runtime.loading.gguf_conversion import GEMMA_TEMPLATE
 from tests.conftest import make_tiny_runtime
+from tests.model_factories import make_test_tokenizer, make_tiny_model
 from tests.model_runtime.oracles import reference_text, reference_tokens
 
 SCHEMA = """<schema name="docs"><system>Answer from the documents.</system>
@@ -210,3 +212,14 @@ def test_the_default_fidelity_answers_like_a_full_prefill(live_server):
     assert body["cache"]["fidelity"] == "exact" and body["cache"]["exact"] is True
     assert first == int(reference.argmax())
     assert abs(body["choices"][0]["logprobs"]["token_logprobs"][0] - reference[first].item()) < 1e-4
+
+
+def test_examples_a_model_cannot_take_are_skipped_at_startup(live_server):
+    """Gemma's template moves the system text into the first user turn: the bundled examples' role tags cannot be
+    split from it, so they are left out with a warning and the server starts without them."""
+    tokenizer = make_test_tokenizer.__wrapped__()
+    tokenizer.chat_template = GEMMA_TEMPLATE
+    model = make_tiny_model("llama", vocab_size=len(tokenizer))
+    server = live_server(lambda: wrap_model(model, tokenizer, name="tiny-gemma-template"), preload_examples=True)
+    assert httpx.get(server.url + "/v1/schemas").json()["data"] == []
+    assert httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}, timeout=60).status_code == 400  # role tags

@@ -35,7 +35,7 @@ def problem(config: Any, dtype: torch.dtype, device: str, weights: str) -> str |
         return f"it serves {', '.join(ARCHITECTURES)} models, not {config.model_type!r}"
     if config.hidden_act != "silu" or architectures.rotary_fraction(config) != 1.0:
         return "it needs SiLU gating and RoPE over whole heads"
-    if (rope_type := architectures.rope_parameters(config).get("rope_type")) in architectures.LENGTH_DEPENDENT_ROPE:
+    if (rope_type := architectures.length_dependent_rope(config)) is not None:
         return f"its RoPE ({rope_type}) rescales with the sequence length"
     head_dim = architectures.head_dim_of(config)
     if head_dim % 8:

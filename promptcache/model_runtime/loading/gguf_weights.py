@@ -29,6 +29,10 @@ _READERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Int4Blocks]] = {
     GGMLQuantizationType.Q4_0: q4_0_blocks, GGMLQuantizationType.Q4_1: q4_1_blocks,
     GGMLQuantizationType.Q4_K: q4_k_blocks}
 _Q8_0_BLOCK_BYTES = 2 + GROUP_SIZE  # fp16 d, 32 int8
+# The model types (as transformers loads the GGUF) whose tensors `read_layers` names and lays out as transformers does:
+# llama.cpp's Llama family, q and k rows interleaved for its RoPE. Others (Gemma 3: q and k not interleaved) are not
+# read: int4 is refused for them and auto serves them native, before the file's 262K-entry vocabulary is parsed.
+BLOCK_ARCHITECTURES = frozenset({"llama"})
 
 
 @dataclass(frozen=True, slots=True)

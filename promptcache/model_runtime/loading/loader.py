@@ -1,4 +1,4 @@
-"""Load Hugging Face causal LMs (local directory or hub id) and describe them for the runtime. The architectures served
+"""Load Hugging Face causal LMs (from where sources.py says) and describe them for the runtime. The architectures served
 and what is refused from the config, before any weight is read, are architectures.py's."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from promptcache.model_runtime.loading.architectures import (
 )
 from promptcache.model_runtime.loading.packed_linear import pack_linears
 from promptcache.model_runtime.loading.quantized_linear import Int4Blocks, WeightFormat
+from promptcache.model_runtime.loading.sources import model_source
 from promptcache.model_runtime.loading.stored_weights import StoredWeights
 from promptcache.model_runtime.rope_shift import KeyShifter
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_TURN_ENDS = ("<|im_end|>", "<end_of_turn>")  # tokens chat templates end each turn with
 # Keys that change with the transformers version, the load path or runtime switches, not the model.
 _VOLATILE_CONFIG_KEYS = frozenset({
     "transformers_version", "_name_or_path", "_commit_hash", "_attn_implementation",
@@ -43,11 +45,13 @@ _VOLATILE_CONFIG_KEYS = frozenset({
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Which model to load and how. `name_or_path=None`: the built-in SmolLM2-135M-Instruct (converted into `cache_dir`,
-    None: ~/.cache/promptcache/models). `dtype="auto"`: bf16 where the hardware computes it natively, else fp32.
-    `pack_weights`: oneDNN-packed linear weights (packed_linear.py); `fuse_layers`: fused decoder layers
-    (fused_layers.py); `weights` int8/int4: quantized CPU linear weights (int4 loads the built-in model's 4-bit GGUF
-    blocks as stored), auto: int4 where the checkpoint is a GGUF stored in 4 bits and the kernel runs, else native
+    """Which model to load and how. `name_or_path`: a local directory, a hub id, a `.gguf` file or a packaged model's
+    short name (packaged_models.py: smollm2-135m, gemma3-270m); None: the built-in SmolLM2-135M-Instruct. GGUF files are
+    converted once into `cache_dir` (None: ~/.cache/promptcache/models). `dtype="auto"`: bf16 where the hardware
+    computes it natively, else fp32. `pack_weights`: oneDNN-packed linear weights (packed_linear.py); `fuse_layers`:
+    fused decoder layers (fused_layers.py); `weights` int8/int4: quantized CPU linear weights (int4 loads a Llama-family
+    GGUF's 4-bit blocks as stored), auto: int4 where the checkpoint is such a GGUF stored in 4 bits and the kernel runs,
+    else native
     (stored_weights.py); `deterministic`: batch-invariant kernels instead of packing and the default fusion
     (model_runtime/deterministic/). Raises ValueError for an unknown dtype, a malformed device, quantized weights off
     the CPU, or deterministic serving of a device, dtype or weight format it does not cover."""
@@ -123,13 +127,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _check_device(config.device)
-    if config.name_or_path is None:
-        from promptcache.model_runtime.loading.default_model import DEFAULT_MODEL_NAME, default_model_path
-
-        path, name, is_local = str(default_model_path(config.cache_dir)), DEFAULT_MODEL_NAME, True
-    else:
-        path, is_local = _resolve(config.name_or_path)
-        name = path
+    source = model_source(config.name_or_path, config.cache_dir)
+    path, is_local = source.path, source.is_local
     # A local directory must never fall back to the hub (a typo would otherwise become a download).
     options: dict[str, Any] = ({"trust_remote_code": config.trust_remote_code}
                                | ({"local_files_only": True} if is_local else {}))
@@ -138,7 +137,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     except Exception as exc:
         raise ModelLoadError(f"cannot read a model config from {path!r}: {exc}") from None
     check_architecture(hf_config)
-    stored = _stored_weights(config, hf_config)
+    stored = _stored_weights(config, hf_config, source.gguf)
     try:
         tokenizer = _load_tokenizer(path, options)
         model = AutoModelForCausalLM.from_pretrained(
@@ -146,9 +145,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model at {path!r}: {exc}") from None
     # Called through the class: transformers' @wraps(Module.to) hides from type checkers that it binds self.
-    return wrap_model(type(model).to(model, config.device), tokenizer, name=name, pack_weights=config.pack_weights,
-                      fuse_layers=config.fuse_layers, weights=stored.weights, blocks=stored.blocks,
-                      wider=stored.wider, deterministic=config.deterministic)
+    return wrap_model(type(model).to(model, config.device), tokenizer, name=source.name,
+                      pack_weights=config.pack_weights, fuse_layers=config.fuse_layers, weights=stored.weights,
+                      blocks=stored.blocks, wider=stored.wider, deterministic=config.deterministic)
 
 
 def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str,
@@ -240,16 +239,6 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return digest.hexdigest()
 
 
-def _resolve(name_or_path: str) -> tuple[str, bool]:
-    """(path or hub id, is_local). Local directories are made absolute so the fingerprint is cwd-free."""
-    candidate = Path(name_or_path).expanduser()
-    if candidate.is_dir():
-        return str(candidate.resolve()), True
-    if candidate.is_absolute() or name_or_path.startswith((".", "~")) or candidate.exists():
-        raise ModelLoadError(f"model path {name_or_path!r} is not a directory")
-    return name_or_path, False
-
-
 def _load_tokenizer(path: str, options: dict[str, Any]) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from transformers.models.auto.tokenization_auto import get_tokenizer_config
@@ -263,17 +252,12 @@ def _load_tokenizer(path: str, options: dict[str, Any]) -> PreTrainedTokenizerBa
     return AutoTokenizer.from_pretrained(path, **options)
 
 
-def _stored_weights(config: ModelConfig, hf_config: PretrainedConfig) -> StoredWeights:
-    """The weight format `config` resolves to and, for int4 from the built-in model's GGUF, its stored blocks."""
-    gguf = None
-    if config.name_or_path is None:
-        from promptcache.model_runtime.loading.default_model import gguf_path
-
-        gguf = gguf_path()
+def _stored_weights(config: ModelConfig, hf_config: PretrainedConfig, gguf: Path | None) -> StoredWeights:
+    """The weight format `config` resolves to and, for int4 from a GGUF (`gguf`, else None), its stored blocks."""
     num_heads = hf_config.num_attention_heads
     return stored_weights.choose(config.weights, gguf, num_heads, getattr(hf_config, "num_key_value_heads", None)
                                  or num_heads, device=config.device, dtype=config.torch_dtype,
-                                 deterministic=config.deterministic)
+                                 deterministic=config.deterministic, model_type=hf_config.model_type)
 
 
 def _check_device(device: str) -> None:
@@ -290,9 +274,11 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tupl
             ids.append(source)
         elif source:
             ids.extend(int(i) for i in source)
-    # A ChatML template ends every turn with <|im_end|>, even on models whose eos is <|endoftext|>.
+    # A ChatML template ends every turn with <|im_end|>, even on models whose eos is <|endoftext|>; Gemma's with
+    # <end_of_turn> (its eos is <eos>).
     template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, str) and "<|im_end|>" in template and "<|im_end|>" in tokenizer.get_vocab():
-        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")  # one token in, one id out
-        ids.extend([im_end] if isinstance(im_end, int) else im_end)
+    for turn_end in _TURN_ENDS:
+        if isinstance(template, str) and turn_end in template and turn_end in tokenizer.get_vocab():
+            end_id = tokenizer.convert_tokens_to_ids(turn_end)  # one token in, one id out
+            ids.extend([end_id] if isinstance(end_id, int) else end_id)
     return tuple(dict.fromkeys(ids))

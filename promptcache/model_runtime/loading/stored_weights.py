@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from promptcache.model_runtime.errors import ModelLoadError
 from promptcache.model_runtime.loading import quantized_linear
 from promptcache.model_runtime.loading.quantized_linear import Int4Blocks, WeightFormat
 
@@ -30,29 +31,38 @@ class StoredWeights:
 
 
 def choose(requested: WeightFormat, gguf: Path | None, num_heads: int, num_kv_heads: int, *, device: str,
-           dtype: torch.dtype, deterministic: bool) -> StoredWeights:
-    """Resolve `requested` for a checkpoint (`gguf`: the file it was loaded from, None for other formats) served on
-    `device` in `dtype`, and read the file's blocks if it is served int4. Called once per load, before the model is
-    wrapped; reads the file's header (auto) and its 4-bit tensors (int4). Raises ModelLoadError if the file is
-    unreadable."""
+           dtype: torch.dtype, deterministic: bool, model_type: str = "llama") -> StoredWeights:
+    """Resolve `requested` for a checkpoint (`gguf`: the file it was loaded from, None for other formats; `model_type`:
+    what transformers loaded it as) served on `device` in `dtype`, and read the file's blocks if it is served int4.
+    Called once per load, before the model is wrapped; reads the file's header (auto) and its 4-bit tensors (int4).
+    Raises ModelLoadError if the file is unreadable, or int4 is asked for a GGUF whose tensors gguf_weights does not
+    map (BLOCK_ARCHITECTURES)."""
     from promptcache.model_runtime.loading import gguf_weights
 
     weights, reason = requested, "asked for"
     if requested is WeightFormat.AUTO:
-        weights, reason = _auto(gguf, device, dtype, deterministic)
+        weights, reason = _auto(gguf, model_type, device, dtype, deterministic)
         logger.info("weights auto: %s (%s)", weights.value, reason)
     if weights is not WeightFormat.INT4 or gguf is None:
         return StoredWeights(weights, reason)
+    if model_type not in gguf_weights.BLOCK_ARCHITECTURES:
+        readable = ", ".join(sorted(gguf_weights.BLOCK_ARCHITECTURES))
+        raise ModelLoadError(f"int4 weights read the 4-bit blocks of {readable} GGUF files, not of {gguf.name} "
+                             f"({model_type}); serve it with --weights native (or auto)")
     layers = gguf_weights.read_layers(gguf, num_heads, num_kv_heads)
     return StoredWeights(weights, reason, {**layers.blocks, **gguf_weights.read_q8_0_head(gguf)}, layers.wider)
 
 
-def _auto(gguf: Path | None, device: str, dtype: torch.dtype, deterministic: bool) -> tuple[WeightFormat, str]:
+def _auto(gguf: Path | None, model_type: str, device: str, dtype: torch.dtype,
+          deterministic: bool) -> tuple[WeightFormat, str]:
     """int4 for a GGUF stored in 4 bits that this machine's int4 kernel serves, else native; and why."""
-    from promptcache.model_runtime.loading.gguf_weights import is_4bit
+    from promptcache.model_runtime.loading.gguf_weights import BLOCK_ARCHITECTURES, is_4bit
 
     if gguf is None:
         return WeightFormat.NATIVE, "not a GGUF checkpoint"
+    if model_type not in BLOCK_ARCHITECTURES:
+        return WeightFormat.NATIVE, f"int4 reads the blocks of {', '.join(sorted(BLOCK_ARCHITECTURES))} GGUF files, " \
+                                    f"not {model_type}'s"
     if not is_4bit(gguf):
         return WeightFormat.NATIVE, "the GGUF stores most decoder weights in more than 4 bits"
     if device != "cpu":

