@@ -111,13 +111,13 @@ def test_batched_decode_and_greedy_generation_equal_the_hf_forward():
     runtime, oracle = _served()
     engine = Engine(runtime.module_encoder, EngineConfig(prefix=None, max_num_seqs=4, fidelity=EXACT))
     batch_sizes: list[int] = []
-    forward = engine.runner.forward
+    forward = engine.runner._forward  # every pass of a step goes through it
 
-    def counted(entries):
+    def counted(entries, **kwargs):
         batch_sizes.append(sum(e.num_tokens == 1 for e in entries))  # the step's decoding sequences
-        return forward(entries)
+        return forward(entries, **kwargs)
 
-    engine.runner.forward = counted  # type: ignore[method-assign]
+    engine.runner._forward = counted  # type: ignore[method-assign]
     plans = [runtime.plan(prompt) for prompt in PROMPTS]
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
     try:
