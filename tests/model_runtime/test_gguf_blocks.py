@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from promptcache.model_runtime import WeightFormat
-from promptcache.model_runtime.loading import stored_weights
+from promptcache.model_runtime.loading import quantized_linear, stored_weights
 from promptcache.model_runtime.loading.gguf_blocks import q4_0_blocks, q4_1_blocks, q4_k_blocks
 from promptcache.model_runtime.loading.gguf_weights import is_4bit, read_layers
 from promptcache.model_runtime.loading.quantized_linear import Int4Linear, quantize_linears
@@ -151,9 +151,11 @@ def _hf_weights(stored: dict[str, tuple[np.ndarray, Q]]) -> dict[str, torch.Tens
 MIXED = {"attn_k": Q.Q4_0, "attn_v": Q.Q6_K, "ffn_down": Q.Q4_1, "ffn_up": Q.Q5_K, "attn_output": Q.Q8_0}
 
 
-def test_a_mixed_file_serves_4_bit_layers_as_stored_and_the_rest_dequantized(tmp_path):
+def test_a_mixed_file_serves_4_bit_layers_as_stored_and_the_rest_dequantized(tmp_path, monkeypatch):
     """Q4_K_M-like: q, gate Q4_K, k Q4_0, down Q4_1 as int4 blocks; v Q6_K, up Q5_K, o Q8_0 kept float as
-    transformers dequantizes them. Every served weight is gguf's dequantize of the file's tensor."""
+    transformers dequantizes them. Every served weight is gguf's dequantize of the file's tensor. (Auto as on an
+    AVX-512 CPU, where the kernel is vectorized: the blocks are the same on any CPU.)"""
+    monkeypatch.setattr(quantized_linear, "int4_kernel_is_vectorized", lambda: True)
     stored = write_llama_gguf(tmp_path / "m.gguf", MIXED)
     assert is_4bit(tmp_path / "m.gguf")  # 4-bit: q, k, gate, down (360,448 weights) vs 229,376
     choice = stored_weights.choose(WeightFormat.AUTO, tmp_path / "m.gguf", HEADS, KV_HEADS, device="cpu",
@@ -191,6 +193,17 @@ def test_auto_is_native_where_int4_cannot_serve(tmp_path):
     asked = stored_weights.choose(WeightFormat.NATIVE, tmp_path / "m.gguf", HEADS, KV_HEADS, device="cpu",
                                   dtype=torch.float32, deterministic=False)
     assert asked.weights is WeightFormat.NATIVE  # --weights native still widens
+
+
+def test_auto_is_native_where_the_int4_kernel_is_not_vectorized(tmp_path, monkeypatch):
+    write_llama_gguf(tmp_path / "m.gguf", {})
+    monkeypatch.setattr(quantized_linear, "int4_kernel_is_vectorized", lambda: False)
+    choice = stored_weights.choose(WeightFormat.AUTO, tmp_path / "m.gguf", HEADS, KV_HEADS, device="cpu",
+                                   dtype=torch.float32, deterministic=False)
+    assert choice.weights is WeightFormat.NATIVE and "AVX-512" in choice.reason
+    asked = stored_weights.choose(WeightFormat.INT4, tmp_path / "m.gguf", HEADS, KV_HEADS, device="cpu",
+                                  dtype=torch.float32, deterministic=False)
+    assert asked.weights is WeightFormat.INT4 and asked.blocks  # --weights int4 still serves the blocks
 
 
 def test_read_layers_keys_every_projection_once(tmp_path):

@@ -55,6 +55,13 @@ def _pack_block() -> int | None:
     return None
 
 
+def int4_kernel_is_vectorized() -> bool:
+    """Whether PyTorch's CPU int4 kernel runs its AVX-512 code here (the 64-channel packing). Elsewhere it runs
+    element by element: on an AVX2 Zen 4 core, SmolLM2's 576 -> 3072 layer took 2.0 ms a decode row against fp32's
+    0.38 ms, and 60 ms for 32 rows against 1.7 ms, so 4-bit weights there cost time instead of saving it."""
+    return _pack_block() == 64
+
+
 class WeightFormat(enum.Enum):
     """How a model's linear weights are held: as loaded (`native`), int8 per channel, or int4 per group; `auto`
     (asked for, never loaded): int4 for a GGUF stored in 4 bits where the kernel runs, else native

@@ -1,6 +1,7 @@
 """Which weight format a model is served in and the checkpoint blocks that go with it: `auto` (the server's default)
-serves a GGUF whose decoder layers are stored in 4 bits as stored (int4: the kernel reads them at a quarter of bf16's
-bytes, and nothing is rounded that the file did not round), anything else as loaded."""
+serves a GGUF whose decoder layers are stored in 4 bits as stored where the int4 kernel is vectorized (AVX-512 CPUs;
+int4: the kernel reads them at a quarter of bf16's bytes, and nothing is rounded that the file did not round),
+anything else as loaded."""
 
 from __future__ import annotations
 
@@ -71,4 +72,7 @@ def _auto(gguf: Path | None, model_type: str, device: str, dtype: torch.dtype,
         return WeightFormat.NATIVE, "the batch-invariant kernels have no quantized products"
     if (problem := quantized_linear.kernel_problem(WeightFormat.INT4, dtype)) is not None:
         return WeightFormat.NATIVE, f"the int4 kernel cannot run here: {problem}"
+    if not quantized_linear.int4_kernel_is_vectorized():
+        return WeightFormat.NATIVE, "PyTorch's CPU int4 kernel has no vector code for this CPU (no AVX-512): " \
+                                    "slower than the widened weights"
     return WeightFormat.INT4, "the GGUF stores its decoder weights in 4 bits: served as stored"
