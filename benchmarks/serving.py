@@ -186,12 +186,14 @@ def main() -> None:
     parser.add_argument("--source", action="append", default=[], metavar="NAME=DIR",
                         help="run server NAME from the source tree DIR (PYTHONPATH), e.g. a worktree of an older "
                              "commit for a before/after comparison in one run (repeatable)")
+    parser.add_argument("--no-role-tags", action="store_true", help="row c's PML without role tags (models whose "
+                        "chat template cannot be split per role, e.g. Gemma)")
     parser.add_argument("--title", default="SmolLM2-135M-Instruct on 2 CPU cores: client-side TTFT",
                         help="the PNG's title")
     parser.add_argument("--out", type=Path, default=RESULTS / "serving.jsonl")
     args = parser.parse_args()
     sources = dict(spec.split("=", 1) for spec in args.source)
-    work, rows = build(), set(args.rows)
+    work, rows = build(role_tags=not args.no_role_tags), set(args.rows)
     baseline = [] if args.no_baseline else ["promptcache-no-prefix=--no-prefix-caching"]
     specs = args.server or ["promptcache=", *baseline]
     configs = [(name, flags.split()) for name, _, flags in (spec.partition("=") for spec in specs)]

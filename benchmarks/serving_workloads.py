@@ -32,22 +32,26 @@ class Workload:
 
 
 def build(*, num_docs: int = 20, pick: int = 8, num_retrieval: int = 20, doc_repeats: int = 10,
-          seed: int = 0) -> Workload:
-    """`doc_repeats` documents make the ~2K-token plain prompt (SmolLM2's tokenizer: ~200 each)."""
+          seed: int = 0, role_tags: bool = True) -> Workload:
+    """`doc_repeats` documents make the ~2K-token plain prompt (SmolLM2's tokenizer: ~200 each). `role_tags` False:
+    the PML of row c is plain text (the system line, the modules, the question), for models whose chat template
+    cannot be split per role (Gemma's moves the system text into the first user turn)."""
     rng = random.Random(seed)
     documents = make_documents(num_docs, seed)
     plain = "\n\n".join(d.text for d in documents[:doc_repeats])
     questions = [q.format(town=documents[i % doc_repeats].town) for i, q in
                  enumerate(QUESTIONS * 3)]
     modules = "".join(f'<module name="{d.name}">{d.text}\n\n</module>' for d in documents)
-    schema = f'<schema name="retrieval"><system>{SYSTEM}</system><user>{modules}</user></schema>'
+    schema = (f'<schema name="retrieval"><system>{SYSTEM}</system><user>{modules}</user></schema>' if role_tags
+              else f'<schema name="retrieval">{SYSTEM}\n\n{modules}</schema>')
     pml, chats = [], []
     for _ in range(num_retrieval):
         chosen = rng.sample(documents, pick)
         target = rng.choice(chosen)
         question = rng.choice(QUESTIONS).format(town=target.town)
         imports = "".join(f"<{d.name}/>" for d in chosen)
-        pml.append(f'<prompt schema="retrieval"><user>{imports}{question}</user><assistant/></prompt>')
+        pml.append(f'<prompt schema="retrieval"><user>{imports}{question}</user><assistant/></prompt>' if role_tags
+                   else f'<prompt schema="retrieval">{imports}{question}\nAnswer:</prompt>')
         chats.append([{"role": "system", "content": SYSTEM},
                       {"role": "user", "content": "".join(d.text + "\n\n" for d in chosen) + question}])
     chat_system = SYSTEM + "\n\n" + "\n\n".join(d.text for d in documents[:5])
