@@ -1,4 +1,5 @@
-"""Fidelity: what reusing module KV does to answers, per fidelity mode, over HTTP on SmolLM2-135M-Instruct.
+"""Fidelity: what reusing module KV does to answers, per fidelity mode, over HTTP on SmolLM2-135M-Instruct (or
+`--model`, e.g. gemma3-270m).
 
     python -m benchmarks.fidelity --tasks lookalike --seeds 0 1 \\
         --modes exact fast balanced:16 balanced:32 balanced:64 --out benchmarks/results/fidelity_lookalike.jsonl
@@ -9,7 +10,8 @@ A mode is "fidelity[:k][@positions][/context]": k is `fidelity_head_tokens`, pos
 `fidelity_positions`, context `fidelity_context`; whatever a mode leaves out is the server's default
 (so "fast" and "balanced" are the modes as shipped).
 
-The evaluation set (benchmarks/evalset/) is generated in-repo from fixed seeds, one prompt set per seed.
+The evaluation set (benchmarks/evalset/) is generated in-repo from fixed seeds, one prompt set per seed; a model
+whose chat template PML cannot split per role (Gemma 3's) gets its texts without role tags (`--prompt-form`).
 Reference: a plain full prefill of each prompt's tokens at contiguous positions with Hugging Face
 transformers in this process (greedy, the independent oracle). Every promptcache mode runs through a real
 `promptcache serve` (same model, `--dtype`, fp32 by default) with default settings but no automatic
@@ -50,6 +52,7 @@ from benchmarks.harness import RESULTS, emit, log, setup
 from benchmarks.live_server import promptcache_server
 from benchmarks.serving import Target
 from promptcache.model_runtime import ModelConfig, load_model
+from promptcache.pml import TextEncoder
 
 FULL = "full_prefill"
 TTFT_K = {"lookalike": 8}  # the task's timed prompts import this many documents (8 of 20)
@@ -122,6 +125,9 @@ def main() -> None:
                         help="the servers' linear weights (the in-process reference keeps the native ones)")
     parser.add_argument("--model", help="HF model path or hub id for the servers and the reference alike "
                                         "(default: the built-in SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompt-form", choices=["auto", "chat", "plain"], default="auto",
+                        help="chat: the evaluation set's role tags; plain: the same texts without them "
+                             "(evalset.tasks.without_roles); auto: plain where the model refuses role tags")
     parser.add_argument("--skip-servers", action="store_true", help="the in-process reference only")
     parser.add_argument("--reference-cache", type=Path,
                         help="keep the in-process full-prefill answers here (a .pt file) and reuse them when the "
@@ -135,11 +141,14 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the servers' torch threads, as this process's
     args.out.unlink(missing_ok=True)
     loaded = load_model(ModelConfig(name_or_path=args.model, dtype=args.dtype, fuse_layers=False))  # HF's modules
-    eval_set = build_eval_set(per_task=args.per_task, seeds=tuple(args.seeds), tasks=tuple(args.tasks))
+    roles = args.prompt_form == "chat" or (
+        args.prompt_form == "auto" and TextEncoder.from_tokenizer(loaded.tokenizer).chat_format_error is None)
+    form = {"prompt_form": "chat" if roles else "plain"}
+    eval_set = build_eval_set(per_task=args.per_task, seeds=tuple(args.seeds), tasks=tuple(args.tasks), roles=roles)
     items = eval_set.items
     timed = timed_items(items, args.ttft_per_task)
     modes = [] if args.skip_servers else [Mode.parse(spec) for spec in args.modes]
-    log(f"{len(items)} prompts over {args.tasks}, seeds {args.seeds}; TTFT on {len(timed)}")
+    log(f"{len(items)} prompts over {args.tasks}, seeds {args.seeds}, {form['prompt_form']} form; TTFT on {len(timed)}")
 
     if args.reference_answers:
         references = stored_references(args.reference_answers, items, loaded.tokenizer)
@@ -159,9 +168,9 @@ def main() -> None:
                             [references[i] for i in index], task_ttft)
             if row["median_ttft_ms"] and full_ttft:
                 row["ttft_vs_full_prefill"] = round(row["median_ttft_ms"] / statistics.median(full_ttft), 3)
-            emit({**row, "seeds": args.seeds, "dtype": args.dtype, "weights": args.weights}, args.out)
+            emit({**row, "seeds": args.seeds, "dtype": args.dtype, "weights": args.weights, **form}, args.out)
     for row in paired(items, answers, [FULL]):
-        emit({**row, "seeds": args.seeds, "dtype": args.dtype, "weights": args.weights}, args.out)
+        emit({**row, "seeds": args.seeds, "dtype": args.dtype, "weights": args.weights, **form}, args.out)
     with args.out.with_suffix(".answers.jsonl").open("w") as fh:
         for spec, mode_list in answers.items():
             for item, answer in zip(items, mode_list):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 import re
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from xml.sax.saxutils import escape
 
 from benchmarks.evalset.data import FACTS, Document, balanced, make_documents
@@ -122,9 +122,11 @@ def fact_qa_items(count: int, seed: int) -> tuple[dict[str, str], list[tuple[str
 BUILDERS = {"fact_qa": fact_qa_items, "ruler": ruler_items, "template": template_items, "lookalike": lookalike_items}
 
 
-def build_eval_set(*, per_task: int = 200, seeds: tuple[int, ...] = (0,), tasks: tuple[str, ...] = TASKS) -> EvalSet:
+def build_eval_set(*, per_task: int = 200, seeds: tuple[int, ...] = (0,), tasks: tuple[str, ...] = TASKS,
+                   roles: bool = True) -> EvalSet:
     """`per_task` items of each task per seed, in TASKS order then seed order; the same arguments give
-    identical schemas and items. Schemas of seed s > 0 are named "<name>-s<s>" (seed 0 keeps the names)."""
+    identical schemas and items. Schemas of seed s > 0 are named "<name>-s<s>" (seed 0 keeps the names).
+    `roles=False`: the same texts without role tags (`without_roles`)."""
     schemas: dict[str, str] = {}
     items: list[EvalItem] = []
     for task in (t for t in TASKS if t in tasks):
@@ -137,4 +139,20 @@ def build_eval_set(*, per_task: int = 200, seeds: tuple[int, ...] = (0,), tasks:
             for schema, prompt, answers, meta in task_items:
                 prompt = prompt.replace(f'<prompt schema="{schema}"', f'<prompt schema="{rename[schema]}"', 1)
                 items.append(EvalItem(task, rename[schema], prompt, answers, {"seed": seed, **meta}))
+    if not roles:
+        schemas = {name: without_roles(text) for name, text in schemas.items()}
+        items = [replace(item, prompt=without_roles(item.prompt)) for item in items]
     return EvalSet(schemas, items)
+
+
+# Every task wraps its schema as <system>S</system><user>modules</user> and its prompt as <user>...</user><assistant/>.
+_PLAIN_ROLES = (("<system>", ""), ("</system>", "\n\n"), ("<user>", ""), ("</user>", ""), ("<assistant/>", "\nAnswer:"))
+
+
+def without_roles(pml: str) -> str:
+    """`pml` with its role tags as plain text: the system text, a blank line, the user text, "Answer:". The prompt form
+    for a model whose chat template PML cannot split into fixed per-role markup (Gemma's folds the system text into
+    the first user turn), where role tags are refused."""
+    for tag, text in _PLAIN_ROLES:
+        pml = pml.replace(tag, text)
+    return pml

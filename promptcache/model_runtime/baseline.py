@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -11,12 +11,15 @@ from promptcache.model_runtime.packed_attention import cache_argument, past_cach
 
 @torch.inference_mode()
 def full_prefill_logits(model, token_ids: Sequence[int], position_ids: Sequence[int] | None = None,
-                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                        attention_mask: torch.Tensor | Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Logits [n, vocab] (float32) of one plain forward pass over `token_ids`; `attention_mask` [1, 1, n, n] (True: may
-    attend), else causal (all-ones 2-D: else transformers reads a position jump as a new packed sequence)."""
+    attend) or, for models mixing local and full layers, one per layer type (transformers' own mapping), else causal
+    (all-ones 2-D: else transformers reads a position jump as a new packed sequence)."""
     device = model.device
     input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)  # [1, n]
-    kwargs = {"attention_mask": (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(device)}
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    kwargs: dict = {"attention_mask": ({kind: m.to(device) for kind, m in mask.items()} if isinstance(mask, Mapping)
+                                       else mask.to(device))}
     if position_ids is not None:
         kwargs["position_ids"] = torch.tensor([list(position_ids)], dtype=torch.long, device=device)  # [1, n]
     return model(input_ids=input_ids, use_cache=False, **kwargs).logits[0].float()

