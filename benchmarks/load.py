@@ -185,6 +185,8 @@ def main() -> None:
     parser.add_argument("--peer-llama", metavar="PATH", help="a llama-server binary to run on the same rows")
     parser.add_argument("--peer-llama-args", default="", help="extra llama-server flags, e.g. '--poll 0' (no "
                         "busy-waiting threads: on a machine shared with other work they stall each other)")
+    parser.add_argument("--peer-gguf", metavar="PATH", help="the GGUF llama-server loads (default: the built-in "
+                        "SmolLM2's; pass the same model as --server-flags' --model, e.g. Gemma 3 270M's file)")
     parser.add_argument("--server-flags", default="", help="extra `promptcache serve` flags")
     parser.add_argument("--warmup", choices=["slots", "first"], default="slots",
                         help="before each window: the first request, then one per client (slots) or none (first)")
@@ -208,8 +210,8 @@ def main() -> None:
         finally:
             stop(process)
         if args.peer_llama:
-            process, url = start_llama_server(args.peer_llama, str(gguf_path()), num_slots=num_clients,
-                                               extra=tuple(args.peer_llama_args.split()))
+            process, url = start_llama_server(args.peer_llama, args.peer_gguf or str(gguf_path()),
+                                               num_slots=num_clients, extra=tuple(args.peer_llama_args.split()))
             log(f"llama.cpp: {url}, {num_clients} slots")
             try:
                 measure("llama.cpp", process, url, workloads, num_clients, args,
