@@ -8,20 +8,19 @@ test_gemma3.py)."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3Config, LlamaConfig, Phi3Config
 
 from promptcache.cache_store import StoreConfig, build_store
-from promptcache.model_runtime import ModelRuntime, SamplingParams, UnsupportedModelError, wrap_model
-from promptcache.model_runtime.baseline import full_prefill_greedy, full_prefill_logits
-from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, resolve
+from promptcache.model_runtime import ModelRuntime, UnsupportedModelError, wrap_model
+from promptcache.model_runtime.baseline import full_prefill_logits
+from promptcache.model_runtime.engine import Fidelity, resolve
 from promptcache.model_runtime.loading import torch_layer_ops
 from promptcache.model_runtime.loading.architectures import check_architecture
 from promptcache.model_runtime.loading.fused_layers import FusedAttention, fuse_layers
 from tests.model_factories import make_test_tokenizer, make_tiny_model, tiny_config
+from tests.model_runtime.batched_generation import assert_batched_generation_equals_hf, assert_exact_prefill_equals_hf
 from tests.model_runtime.engine_probe import first_step
 from tests.model_runtime.oracles import reuse_reference
 from tests.model_runtime.test_fidelity import PROMPTS, SCHEMA
@@ -59,15 +58,7 @@ def test_cached_prefill_and_exact_module_reuse_equal_the_hf_forward(request, arc
     """Each prompt's first-token logits in `exact` mode: the modules a full prefill would compute identically come from
     the store (one prompt reuses d0), the rest is prefilled over them; HF's forward of the whole prompt agrees."""
     runtime, oracle = _served(arch, layers, request=request)
-    num_cached = 0
-    for prompt in PROMPTS:
-        plan = runtime.plan(prompt)
-        logits, final = first_step(runtime, plan, EXACT)
-        reference = full_prefill_logits(oracle, plan.token_ids(), range(plan.num_prompt_tokens))[-1]
-        assert (logits - reference).abs().max().item() <= 1e-4, prompt
-        assert final.report.cache.is_exact
-        num_cached += final.report.usage.cached_tokens
-    assert num_cached > 0  # module KV was reused, not only recomputed
+    assert_exact_prefill_equals_hf(runtime, oracle, PROMPTS, EXACT)
 
 
 @pytest.mark.parametrize("layers", LAYERS)
@@ -76,46 +67,7 @@ def test_batched_decode_and_greedy_generation_equal_the_hf_forward(request, arch
     """All prompts at once through one engine (`exact`): steps decode several sequences together over shared module
     KV; every greedy token equals HF's own generation loop and its logprob HF's forward over prompt + answer."""
     runtime, oracle = _served(arch, layers, request=request)
-    engine = Engine(runtime.module_encoder, EngineConfig(prefix=None, max_num_seqs=4, fidelity=EXACT))
-    batch_sizes: list[int] = []
-    forward = engine.runner._forward  # every pass of a step goes through it
-
-    def counted(entries, **kwargs):
-        batch_sizes.append(sum(e.num_tokens == 1 for e in entries))  # the step's decoding sequences
-        return forward(entries, **kwargs)
-
-    engine.runner._forward = counted  # type: ignore[method-assign]
-    plans = [runtime.plan(prompt) for prompt in PROMPTS]
-    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-    try:
-        answers = asyncio.run(_together(engine, plans, params))
-    finally:
-        engine.stop()
-    assert max(batch_sizes) >= 2, batch_sizes
-    for plan, answer in zip(plans, answers):
-        tokens = [token for token, _ in answer]
-        positions = list(range(plan.num_prompt_tokens))
-        assert tokens == full_prefill_greedy(oracle, plan.token_ids(), positions, NUM_TOKENS)
-        rows = full_prefill_logits(oracle, [*plan.token_ids(), *tokens[:-1]],
-                                   range(plan.num_prompt_tokens + NUM_TOKENS - 1))[plan.num_prompt_tokens - 1:]
-        want = rows.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]  # [NUM_TOKENS]
-        got = torch.tensor([logprob for _, logprob in answer])
-        assert (got - want).abs().max().item() <= 1e-4
-
-
-async def _together(engine: Engine, plans, params: SamplingParams) -> list[list[tuple[int, float]]]:
-    """Each plan's (token, logprob) pairs, the plans submitted in one step."""
-    async def collect(stream) -> list[tuple[int, float]]:
-        out = []
-        async for event in stream:
-            assert event.report is None or event.report.error is None, event.report
-            if event.token_id is not None:
-                out.append((event.token_id, event.logprobs.logprob))
-        return out
-
-    with engine.inbox.wakeup:  # admitted together: their decodes share steps
-        streams = [engine.submit(plan, params) for plan in plans]
-    return await asyncio.gather(*(collect(stream) for stream in streams))
+    assert_batched_generation_equals_hf(runtime, oracle, PROMPTS, num_tokens=NUM_TOKENS, fidelity=EXACT)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

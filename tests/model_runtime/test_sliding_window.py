@@ -24,9 +24,9 @@ from promptcache.model_runtime.loading.architectures import check_architecture, 
 from promptcache.model_runtime.loading.fused_layers import fuse_layers
 from promptcache.model_runtime.packed_attention import ATTENTION_NAME
 from tests.model_factories import make_test_tokenizer, tiny_config
+from tests.model_runtime.batched_generation import assert_batched_generation_equals_hf, assert_exact_prefill_equals_hf
 from tests.model_runtime.engine_probe import first_step
 from tests.model_runtime.oracles import reuse_reference
-from tests.model_runtime.test_architectures import _together
 from tests.model_runtime.test_deterministic import GREEDY as DETERMINISTIC_GREEDY
 from tests.model_runtime.test_deterministic import Harness
 from tests.model_runtime.test_fidelity import PROMPTS, SCHEMA
@@ -136,15 +136,7 @@ def test_plain_forward_outside_a_batch_step_keeps_hf_s_window(request, arch):
 def test_cached_prefill_and_exact_module_reuse_equal_the_hf_forward(request, arch, layers):
     """First-token logits in `exact` mode (modules from the store, the rest prefilled over them) equal HF's forward."""
     runtime, oracle = _served(arch, layers, request)
-    num_cached = 0
-    for prompt in PROMPTS:
-        plan = runtime.plan(prompt)
-        logits, final = first_step(runtime, plan, EXACT)
-        reference = full_prefill_logits(oracle, plan.token_ids(), range(plan.num_prompt_tokens))[-1]
-        assert (logits - reference).abs().max().item() <= 1e-4, prompt
-        assert final.report.cache.is_exact
-        num_cached += final.report.usage.cached_tokens
-    assert num_cached > 0  # module KV was reused
+    assert_exact_prefill_equals_hf(runtime, oracle, PROMPTS, EXACT)
 
 
 @pytest.mark.parametrize(("arch", "layers"), SERVED)
@@ -152,31 +144,7 @@ def test_batched_decode_and_greedy_generation_past_the_window_equal_the_hf_forwa
     """All prompts in one engine (`exact`): decode steps batch several sequences over shared modules, generating past
     the window; every greedy token and its logprob equal HF's."""
     runtime, oracle = _served(arch, layers, request)
-    engine = Engine(runtime.module_encoder, EngineConfig(prefix=None, max_num_seqs=4, fidelity=EXACT))
-    batch_sizes: list[int] = []
-    forward = engine.runner._forward  # every pass of a step goes through it
-
-    def counted(entries, **kwargs):
-        batch_sizes.append(sum(e.num_tokens == 1 for e in entries))
-        return forward(entries, **kwargs)
-
-    engine.runner._forward = counted  # type: ignore[method-assign]
-    plans = [runtime.plan(prompt) for prompt in PROMPTS]
-    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-    try:
-        answers = asyncio.run(_together(engine, plans, params))
-    finally:
-        engine.stop()
-    assert max(batch_sizes) >= 2, batch_sizes
-    for plan, answer in zip(plans, answers):
-        tokens = [token for token, _ in answer]
-        assert tokens == full_prefill_greedy(oracle, plan.token_ids(), list(range(plan.num_prompt_tokens)),
-                                             NUM_TOKENS)
-        rows = full_prefill_logits(oracle, [*plan.token_ids(), *tokens[:-1]],
-                                   range(plan.num_prompt_tokens + NUM_TOKENS - 1))[plan.num_prompt_tokens - 1:]
-        want = rows.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]  # [NUM_TOKENS]
-        got = torch.tensor([logprob for _, logprob in answer])
-        assert (got - want).abs().max().item() <= 1e-4
+    assert_batched_generation_equals_hf(runtime, oracle, PROMPTS, num_tokens=NUM_TOKENS, fidelity=EXACT)
 
 
 @pytest.mark.parametrize("fidelity", [Fidelity("fast"), Fidelity("fast", positions="contiguous")])
