@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     encode.add_argument("schema", type=Path, help="a .pml schema file")
 
     kernels = commands.add_parser("build-kernels", help="compile the CPU kernels: bf16 attention and layers for "
-                                  "AVX512-BF16 CPUs, the batch-invariant ones of --deterministic (needs g++)")
+                                  "AVX512-BF16 CPUs, the batch-invariant ones of --deterministic, fp32 decode ones for "
+                                  "AVX2 CPUs (needs g++)")
     kernels.add_argument("--dir", type=Path, help="output folder (default: $PROMPTCACHE_KERNEL_DIR, else "
                          "~/.cache/promptcache/kernels)")
     kernels.add_argument("--force", action="store_true", help="rebuild even if this torch's library exists")
@@ -107,13 +108,14 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 def _build_kernels(args: argparse.Namespace) -> int:
     """Install-time step: the server only loads what this builds (model_runtime/attention/kernel_build.py)."""
-    from promptcache.model_runtime import deterministic
+    from promptcache.model_runtime import avx2, deterministic
     from promptcache.model_runtime.attention import bf16_kernel
     from promptcache.model_runtime.attention.kernel_build import KernelBuildError, bf16_library, build
 
     failed = False
     for label, library, runs_here in (("bf16", bf16_library(), bf16_kernel.supported()),
-                                      ("batch-invariant", deterministic.LIBRARY, deterministic.supported())):
+                                      ("batch-invariant", deterministic.LIBRARY, deterministic.supported()),
+                                      ("AVX2 fp32", avx2.LIBRARY, avx2.KERNELS.supported())):
         if args.this_cpu and not runs_here:
             continue
         try:

@@ -1,9 +1,10 @@
-"""The numeric paths a server can take on this machine: fp32, bf16 through PyTorch's attention (what a machine without
-our kernels runs), and bf16 through our kernels (AVX512-BF16 CPUs where they are built). Each rounds differently, so
-an answer decided by a near-tie may differ between them. `PROMPTCACHE_TEST_NUMERIC_PATH=<name>` makes the servers the
-tests start (in process, `promptcache serve`, the docs' server) take that path; scripts/test.sh reruns the docs test
-and the server end-to-end tests under every path the main run did not take. `python3 -m tests.numeric_paths
---others` prints those paths' names."""
+"""The numeric paths a server can take on this machine: fp32 (through our AVX2 kernels where they are built), fp32
+through PyTorch's ops alone (there: what a machine without them runs), bf16 through PyTorch's attention (what a
+machine without our kernels runs), and bf16 through our kernels (AVX512-BF16 CPUs where they are built). Each rounds
+differently, so an answer decided by a near-tie may differ between them. `PROMPTCACHE_TEST_NUMERIC_PATH=<name>`
+makes the servers the tests start (in process, `promptcache serve`, the docs' server) take that path; scripts/test.sh
+reruns the docs test and the server end-to-end tests under every path the main run did not take.
+`python3 -m tests.numeric_paths --others` prints those paths' names."""
 
 from __future__ import annotations
 
@@ -32,12 +33,17 @@ def no_kernels_dir() -> str:
 
 
 def available() -> list[NumericPath]:
-    """Every path this machine can take; bf16 through our kernels only where they are built for this CPU."""
+    """Every path this machine can take; fp32 without kernels and bf16 through ours only where ours are built for this
+    CPU."""
+    from promptcache.model_runtime import avx2
     from promptcache.model_runtime.attention import bf16_kernel, kernel_build
 
     paths = [NumericPath(MAIN_RUN, {"PROMPTCACHE_DTYPE": "float32"}),
              NumericPath("bf16-torch", {"PROMPTCACHE_DTYPE": "bfloat16", "PROMPTCACHE_KERNEL_DIR": no_kernels_dir()},
                          "bfloat16")]
+    if avx2.KERNELS.supported() and kernel_build.library_path(library=avx2.LIBRARY).exists():
+        paths.append(NumericPath("fp32-torch", {"PROMPTCACHE_DTYPE": "float32",
+                                                "PROMPTCACHE_KERNEL_DIR": no_kernels_dir()}))
     if bf16_kernel.supported() and kernel_build.library_path().exists():
         paths.append(NumericPath("bf16-kernel", {"PROMPTCACHE_DTYPE": "bfloat16"}, "bfloat16"))
     return paths

@@ -1,6 +1,6 @@
 """The README's serve path: the built-in SmolLM2, loaded as `promptcache serve` loads it by default (its GGUF is
-4-bit: int4 weights as stored where the int4 kernel is vectorized), with the example schemas preloaded gives real
-answers."""
+4-bit: int4 weights as stored where an int4 product with vector code runs), with the example schemas preloaded
+gives real answers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from promptcache.model_runtime import LoadedModel, WeightFormat, load_model
-from promptcache.model_runtime.loading.quantized_linear import int4_kernel_is_vectorized
+from promptcache.model_runtime.loading.quantized_linear import int4_is_fast
 from tests.server.conftest import LiveServer, settings_for
 
 
@@ -18,8 +18,8 @@ def served_default() -> LoadedModel:
 
 
 def test_default_model_answers_from_the_preloaded_example(served_default):
-    # The settings' default, auto: the Q4_1 GGUF as stored where the int4 kernel is vectorized, else widened.
-    expected = WeightFormat.INT4 if int4_kernel_is_vectorized() else WeightFormat.NATIVE
+    # The settings' default, auto: the Q4_1 GGUF as stored where an int4 product has vector code, else widened.
+    expected = WeightFormat.INT4 if int4_is_fast(served_default.model.dtype) else WeightFormat.NATIVE
     assert served_default.weights is expected
     server = LiveServer(settings_for(preload_examples=True), lambda: served_default).start()
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from promptcache.model_runtime import deterministic
+from promptcache.model_runtime import avx2, deterministic
 from promptcache.model_runtime.attention import bf16_kernel, kernel_build
 from promptcache.model_runtime.deterministic import kernels as deterministic_library
 
@@ -54,6 +54,24 @@ def deterministic_kernels() -> None:
             pytest.skip(f"the batch-invariant kernels cannot be built here: {error}")
         pytest.fail(f"the batch-invariant kernels did not build with a compiler present: {error}")
     if deterministic.prepare() is None:
-        deterministic_library._state.clear()  # an earlier prepare() ran before the library existed
+        deterministic_library.KERNELS.reset()  # an earlier prepare() ran before the library existed
         if deterministic.prepare() is None:
             pytest.fail(f"the built batch-invariant kernels did not load: {deterministic.unavailable_reason()}")
+
+
+@pytest.fixture(scope="session")
+def avx2_kernels() -> None:
+    """Builds the AVX2 fp32 kernels as `promptcache build-kernels` does and loads them; skips on a CPU without AVX2, FMA
+    and F16C or where they cannot be built (no compiler), fails if they can but the build or the load fails."""
+    if not avx2.KERNELS.supported():
+        pytest.skip("this CPU lacks AVX2, FMA or F16C: no AVX2 fp32 kernels")
+    try:
+        kernel_build.build(library=avx2.LIBRARY)
+    except kernel_build.KernelBuildError as error:
+        if kernel_build.compiler_missing() is not None:
+            pytest.skip(f"the AVX2 fp32 kernels cannot be built here: {error}")
+        pytest.fail(f"the AVX2 fp32 kernels did not build with a compiler present: {error}")
+    if avx2.KERNELS.prepare() is None:
+        avx2.KERNELS.reset()  # an earlier prepare() ran before the library existed
+        if avx2.KERNELS.prepare() is None:
+            pytest.fail(f"the built AVX2 fp32 kernels did not load: {avx2.KERNELS.unavailable_reason()}")

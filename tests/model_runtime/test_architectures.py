@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma3Config, LlamaConfig, Phi3Config
 
 from promptcache.cache_store import StoreConfig, build_store
-from promptcache.model_runtime import ModelRuntime, UnsupportedModelError, wrap_model
+from promptcache.model_runtime import ModelRuntime, UnsupportedModelError, avx2, wrap_model
 from promptcache.model_runtime.baseline import full_prefill_logits
 from promptcache.model_runtime.engine import Fidelity, resolve
 from promptcache.model_runtime.loading import torch_layer_ops
@@ -27,7 +27,7 @@ from tests.model_runtime.test_fidelity import PROMPTS, SCHEMA
 from tests.model_runtime.test_static_step import _both, _sequences
 
 ARCHS = ["qwen3", "phi3"]
-LAYERS = ["hf", "fused", "deterministic"]
+LAYERS = ["hf", "fused", "avx2", "deterministic"]
 EXACT = Fidelity("exact")
 NUM_TOKENS = 10
 
@@ -35,16 +35,18 @@ NUM_TOKENS = 10
 def _served(arch: str, layers: str, model: torch.nn.Module | None = None,
             request: pytest.FixtureRequest | None = None) -> tuple[ModelRuntime, torch.nn.Module]:
     """(a runtime over the tiny `arch` model with schema `lib` and `layers`, an untouched HF twin of its weights: the
-    oracle). Deterministic layers need the batch-invariant kernels (skipped where they cannot be built)."""
-    if layers == "deterministic":
+    oracle). Deterministic layers need the batch-invariant kernels, `avx2` the AVX2 fp32 ones (skipped where they cannot
+    be built)."""
+    if layers in ("deterministic", "avx2"):
         assert request is not None
-        request.getfixturevalue("deterministic_kernels")
+        request.getfixturevalue("deterministic_kernels" if layers == "deterministic" else "avx2_kernels")
     tokenizer = make_test_tokenizer()
     served = model if model is not None else make_tiny_model(arch, vocab_size=len(tokenizer))
     oracle = AutoModelForCausalLM.from_config(served.config, attn_implementation="sdpa").eval()
     oracle.load_state_dict(served.state_dict())
-    if layers == "fused":
-        assert fuse_layers(served, torch_layer_ops) == 4 * served.config.num_hidden_layers + 1
+    if layers in ("fused", "avx2"):
+        ops = torch_layer_ops if layers == "fused" else avx2.fused_ops()
+        assert fuse_layers(served, ops) == 4 * served.config.num_hidden_layers + 1
     loaded = wrap_model(served, tokenizer, name=f"tiny-{arch}-{layers}", deterministic=layers == "deterministic")
     assert isinstance(served.model.layers[0].self_attn, FusedAttention) == (layers != "hf")
     runtime = ModelRuntime(loaded, build_store(StoreConfig()))

@@ -155,7 +155,7 @@ def test_a_mixed_file_serves_4_bit_layers_as_stored_and_the_rest_dequantized(tmp
     """Q4_K_M-like: q, gate Q4_K, k Q4_0, down Q4_1 as int4 blocks; v Q6_K, up Q5_K, o Q8_0 kept float as
     transformers dequantizes them. Every served weight is gguf's dequantize of the file's tensor. (Auto as on an
     AVX-512 CPU, where the kernel is vectorized: the blocks are the same on any CPU.)"""
-    monkeypatch.setattr(quantized_linear, "int4_kernel_is_vectorized", lambda: True)
+    monkeypatch.setattr(quantized_linear, "int4_is_fast", lambda dtype: True)
     stored = write_llama_gguf(tmp_path / "m.gguf", MIXED)
     assert is_4bit(tmp_path / "m.gguf")  # 4-bit: q, k, gate, down (360,448 weights) vs 229,376
     choice = stored_weights.choose(WeightFormat.AUTO, tmp_path / "m.gguf", HEADS, KV_HEADS, device="cpu",
@@ -195,9 +195,9 @@ def test_auto_is_native_where_int4_cannot_serve(tmp_path):
     assert asked.weights is WeightFormat.NATIVE  # --weights native still widens
 
 
-def test_auto_is_native_where_the_int4_kernel_is_not_vectorized(tmp_path, monkeypatch):
+def test_auto_is_native_where_no_int4_product_is_vectorized(tmp_path, monkeypatch):
     write_llama_gguf(tmp_path / "m.gguf", {})
-    monkeypatch.setattr(quantized_linear, "int4_kernel_is_vectorized", lambda: False)
+    monkeypatch.setattr(quantized_linear, "int4_is_fast", lambda dtype: False)
     choice = stored_weights.choose(WeightFormat.AUTO, tmp_path / "m.gguf", HEADS, KV_HEADS, device="cpu",
                                    dtype=torch.float32, deterministic=False)
     assert choice.weights is WeightFormat.NATIVE and "AVX-512" in choice.reason

@@ -18,7 +18,7 @@ from promptcache.model_runtime.loading.gguf_weights import read_layers, read_q8_
 from promptcache.model_runtime.loading.quantized_linear import (
     GROUP_SIZE,
     HEAD,
-    INT4_BF16_KERNEL_ROWS,
+    INT4_KERNEL_ROWS,
     Int4Blocks,
     Int4Linear,
     SplitByteLinear,
@@ -130,7 +130,7 @@ def test_a_q8_0_head_multiplies_as_the_file_stores_it(bf16_kernels, tmp_path, nu
     want_weight = torch.from_numpy(dequantize(stored, GGMLQuantizationType.Q8_0).copy())
     assert torch.equal(blocks.dequantized()[:, :128] + blocks.dequantized()[:, 128:], want_weight)
     head = SplitByteLinear(blocks, torch.bfloat16)
-    assert head.planes.bf16_scales is not None and head.planes.bf16_scales.dtype == torch.float16
+    assert head.planes.kernel_scales is not None and head.planes.kernel_scales.dtype == torch.float16
     x = torch.randn(num_rows, 128, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
     got = head(x)
     assert got.shape == (num_rows, 96)
@@ -151,7 +151,7 @@ def test_int4_linear_runs_the_kernel_in_bf16_and_agrees_with_torchs_int4_kernel(
     linear.weight.copy_(torch.randn(960, 576, generator=generator) * 0.1)
     blocks = Int4Blocks.of(linear.weight, torch.bfloat16)
     layer = Int4Linear(blocks, linear.bias, torch.bfloat16)
-    assert layer.bf16_values is not None and "bf16_values" not in layer.state_dict()
+    assert layer.kernel_values is not None and "kernel_values" not in layer.state_dict()
     x = torch.randn(2, num_rows, 576, generator=generator).bfloat16()
     calls: list[int] = []
     ops = _ops()
@@ -172,10 +172,10 @@ def test_int4_linear_runs_the_kernel_in_bf16_and_agrees_with_torchs_int4_kernel(
 
 
 def test_int4_linear_keeps_its_other_paths(bf16_kernels):
-    """From INT4_BF16_KERNEL_ROWS rows a layer multiplies its dequantized copy, and fp32 layers never
+    """From INT4_KERNEL_ROWS[torch.bfloat16] rows a layer multiplies its dequantized copy, and fp32 layers never
     hold the bf16 packing."""
     blocks = Int4Blocks.of(torch.randn(64, 128) * 0.1, torch.bfloat16)
     layer = Int4Linear(blocks, None, torch.bfloat16)
-    x = torch.randn(INT4_BF16_KERNEL_ROWS, 128).bfloat16()
+    x = torch.randn(INT4_KERNEL_ROWS[torch.bfloat16], 128).bfloat16()
     assert torch.equal(layer(x), torch.matmul(x, layer.dequantized_t()))
-    assert Int4Linear(blocks, None, torch.float32).bf16_values is None
+    assert Int4Linear(blocks, None, torch.float32).kernel_values is None

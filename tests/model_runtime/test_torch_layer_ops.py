@@ -31,14 +31,14 @@ def torch_ops_here(monkeypatch):
         monkeypatch.setattr(fused_layers, "_layer_ops", lambda parameter: torch_layer_ops)
 
 
-def assert_rope_matches_hf(rope_qk, heads: int, kv_heads: int, dim: int) -> None:
-    """`rope_qk` (the torch ops' or the bf16 kernels') equals `apply_rotary_pos_emb` bit for bit."""
+def assert_rope_matches_hf(rope_qk, heads: int, kv_heads: int, dim: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    """`rope_qk` (the torch ops', the bf16 or the fp32 kernels') equals `apply_rotary_pos_emb` bit for bit."""
     generator = torch.Generator().manual_seed(dim + heads)
     rows = 133
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator).bfloat16()
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
     angles = torch.arange(rows)[:, None] * torch.rand(dim // 2, generator=generator)[None] * 3  # [rows, D/2]
-    cos = torch.cat([angles.cos(), angles.cos()], -1).bfloat16()
-    sin = torch.cat([angles.sin(), angles.sin()], -1).bfloat16()
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
     q = qkv[:, : heads * dim].view(1, rows, heads, dim).transpose(1, 2)
     k = qkv[:, heads * dim: (heads + kv_heads) * dim].view(1, rows, kv_heads, dim).transpose(1, 2)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])

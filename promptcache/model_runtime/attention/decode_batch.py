@@ -1,6 +1,7 @@
-"""A decode step's attention for every layer as one kernel object (bf16 kernel, `decode_bf16.cpp`): the step's KV is
-handed over once ([L, H_kv, N, D]), then each layer is one `attend(q, layer, scale)` call merging in C++ (cheaper than
-`shared_module_attention`'s per-layer Python from 4 sequences up). Prefilling sequences take the general path."""
+"""A decode step's attention for every layer as one kernel object (bf16: `attention/csrc/decode_bf16.cpp` on
+AVX512-BF16; fp32: `avx2/csrc/decode_f32.cpp` on AVX2): the step's KV is handed over once ([L, H_kv, N, D]), then each
+layer is one `attend(q, layer, scale)` call merging in C++ (cheaper than `shared_module_attention`'s per-layer Python
+from 4 sequences up in bf16, at every batch in fp32). Prefilling sequences take the general path."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from promptcache.model_runtime import avx2
 from promptcache.model_runtime.attention import bf16_kernel
 
 Segment = tuple[torch.Tensor, torch.Tensor, tuple[int, ...], "tuple[int, ...] | None"]
@@ -78,12 +80,19 @@ def plan_decode_batch(query: torch.Tensor, query_lens: Sequence[int], own_keys: 
     # A row offset of 1 or more hides the segment from a sequence whose one row is row 0.
     kept = [(keys, values, seeing) for keys, values, members, offsets in segments
             if keys.shape[2] > 0 and (seeing := [m for j, m in enumerate(members) if not offsets or offsets[j] == 0])]
-    return bf16_kernel.decode_batch_type()(list(own_keys), list(own_values), list(own_lens), [s[0] for s in kept],
-                                           [s[1] for s in kept], [s[2] for s in kept])
+    return decode_batch_type(query.dtype)(list(own_keys), list(own_values), list(own_lens), [s[0] for s in kept],
+                                          [s[1] for s in kept], [s[2] for s in kept])
+
+
+def decode_batch_type(dtype: torch.dtype) -> Any:
+    """The loaded `DecodeBatch` class for KV in `dtype` (bf16 kernel, AVX2 fp32 kernel), or None."""
+    if dtype == torch.bfloat16:
+        return bf16_kernel.decode_batch_type()
+    return avx2.decode_batch_type() if dtype == torch.float32 else None
 
 
 def kernel_takes(dtype: torch.dtype, device: torch.device, head_dim: int, query_lens: Sequence[int],
                  backend: str) -> bool:
-    """Whether the decode kernel takes a step: `auto`, the kernel loaded, bf16 on a CPU, HEAD_DIMS, one token each."""
-    return (bf16_kernel.decode_batch_type() is not None and backend == "auto" and device.type == "cpu"
-            and dtype == torch.bfloat16 and head_dim in bf16_kernel.HEAD_DIMS and all(n == 1 for n in query_lens))
+    """Whether a decode kernel takes a step: `auto`, a CPU, a kernel loaded for `dtype`, HEAD_DIMS, one token each."""
+    return (backend == "auto" and device.type == "cpu" and head_dim in bf16_kernel.HEAD_DIMS
+            and all(n == 1 for n in query_lens) and decode_batch_type(dtype) is not None)

@@ -4,10 +4,16 @@ dlopens only a file that no one but this server's user or root could have put or
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import stat
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+from promptcache.model_runtime.cpu_features import cpu_flags
+
+log = logging.getLogger(__name__)
 
 
 class KernelLoadError(RuntimeError):
@@ -45,3 +51,57 @@ def load_library(path: Path) -> ModuleType:
     except (OSError, ImportError) as error:  # gone meanwhile, a damaged file, a missing libgomp
         raise KernelLoadError(f"the kernel library failed to load ({type(error).__name__})") from error
     return module
+
+
+class PrebuiltLibrary:
+    """A kernel library that `promptcache build-kernels` compiles and the server only loads: `prepare()` loads it once
+    for this CPU (never compiles) and keeps why it could not (`unavailable_reason()`, no paths: /health shows it)."""
+
+    def __init__(self, library: Any, required_flags: frozenset[str], label: str) -> None:
+        self.library = library  # a kernel_build.KernelLibrary
+        self.required_flags = required_flags
+        self.label = label  # names the library in log lines and reasons
+        self._module: ModuleType | None = None
+        self._reason: str | None = None
+        self._prepared = False
+
+    def supported(self) -> bool:
+        """Whether this CPU has the instructions the library is compiled for."""
+        return cpu_flags() >= self.required_flags
+
+    def prepare(self) -> ModuleType | None:
+        """The library's module, loaded on the first call; None where unavailable (`unavailable_reason()` says why)."""
+        if not self._prepared:
+            self._prepared = True
+            if missing := sorted(self.required_flags - cpu_flags()):
+                self._reason = f"the CPU lacks {', '.join(missing)}"
+            else:
+                self._module = self._load()
+        return self._module
+
+    def unavailable_reason(self) -> str | None:
+        """Why `prepare()` found no library (None if it did or has not run)."""
+        return None if self._module is not None else self._reason
+
+    def reset(self) -> None:
+        """Forget an earlier `prepare()` (a test built the library after it ran)."""
+        self._module, self._reason, self._prepared = None, None, False
+
+    def _load(self) -> ModuleType | None:
+        from promptcache.model_runtime.attention import kernel_build
+
+        path = kernel_build.library_path(library=self.library)
+        if not path.exists():
+            why = kernel_build.compiler_missing()
+            self._reason = (f"no {self.label} kernel library built for this torch; `promptcache build-kernels` builds "
+                            "it" + (f" (here it cannot: {why})" if why else ""))
+            return None
+        try:
+            module = load_library(path)
+        except KernelLoadError as error:  # refused (owner, mode, symlink), damaged, no libgomp
+            self._reason = str(error)
+            log.warning("%s kernels at %s not loaded: %s%s", self.label, path, error,
+                        f" ({error.__cause__})" if error.__cause__ else "")
+            return None
+        log.info("%s kernels loaded from %s", self.label, path)
+        return module

@@ -15,6 +15,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from promptcache.model_runtime import avx2
 from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.loading import torch_layer_ops
 from promptcache.model_runtime.loading.architectures import ARCHITECTURES, Architecture, head_dim_of, rotary_fraction
@@ -26,7 +27,8 @@ log = logging.getLogger(__name__)
 
 
 class LayerOps(Protocol):
-    """The fused modules' element-wise ops: `bf16_kernel.FusedOps` on a CPU, `torch_layer_ops` on a GPU."""
+    """The fused modules' element-wise ops: `bf16_kernel.FusedOps` / `avx2.FusedOps` on a CPU (bf16 / fp32),
+    `torch_layer_ops` on a GPU."""
 
     @property
     def rms_norm(self) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]: ...
@@ -216,9 +218,12 @@ def fuse_layers(model: Any, ops: LayerOps | None = None) -> int:
 
 
 def _layer_ops(parameter: torch.Tensor) -> LayerOps | None:
-    """The ops for weights like `parameter`: torch's on a GPU (any dtype), the bf16 kernels in bf16 on a CPU."""
+    """The ops for weights like `parameter`: torch's on a GPU (any dtype); on a CPU the bf16 kernels' in bf16, the AVX2
+    library's in fp32 (None where not loaded: the HF modules)."""
     if parameter.device.type == "cuda":
         return torch_layer_ops
+    if parameter.dtype == torch.float32 and parameter.device.type == "cpu":
+        return avx2.fused_ops()
     if parameter.dtype != torch.bfloat16 or parameter.device.type != "cpu" or not bf16_kernel.prepare():
         return None
     return bf16_kernel.fused_ops()

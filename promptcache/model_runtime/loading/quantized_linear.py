@@ -1,7 +1,8 @@
 """int8 / int4 weight-only CPU linear layers (PyTorch's kernels): `quantize_linears` puts them in, `kernel_problem` says
 whether this machine runs them. int4 is GGUF's Q4_1 (`w = d * q + m` per GROUP_SIZE inputs: the kernel's `(q - 8) * s
 + z` with s = d, z = m + 8 d), loaded as stored. From *_DEQUANTIZE_ROWS rows a dequantized copy runs through oneDNN;
-in bf16 below INT4_BF16_KERNEL_ROWS, the extension's int4 product (csrc/int4_bf16.cpp)."""
+below INT4_KERNEL_ROWS, our own int4 product where it is built: bf16 on AVX512-BF16 (attention/csrc/int4_bf16.cpp),
+fp32 on AVX2 (avx2/csrc/int4_f32.cpp)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from promptcache.model_runtime import avx2
 from promptcache.model_runtime.attention import bf16_kernel
+from promptcache.model_runtime.attention.bf16_kernel import Int4Ops
 from promptcache.model_runtime.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -27,7 +30,9 @@ INT4_DEQUANTIZE_ROWS = 80
 # Below this many rows the extension's int4 product beats the dequantized copy (bf16, 2 threads, Zen 4, ms a
 # call, kernel vs dequantized: 576 -> 3072 at 160 rows 0.85 vs 0.98, at 400 rows 2.11 vs 1.87; 1536 -> 576
 # 0.44 vs 0.53 and 1.10 vs 0.95; 576 -> 960 0.28 vs 0.35 and 0.69 vs 0.61).
-INT4_BF16_KERNEL_ROWS = 256
+# fp32 on AVX2 (2 threads, Zen 4, ms a call, kernel vs fp32 weights): 576 -> 3072 at 1 row 0.08 vs 0.31, 16 rows 0.79
+# vs 1.39, 64 rows 2.2 vs 3.2; below the dequantized copy's rows it always runs (PyTorch's kernel has no AVX2 code).
+INT4_KERNEL_ROWS = {torch.bfloat16: 256, torch.float32: INT4_DEQUANTIZE_ROWS}
 HEAD = "lm_head"  # the output head's key in a mapping of stored blocks (gguf_weights.read_q8_0_head)
 INT4_PACK_ROWS = 16  # the int4 packing needs output features in multiples of this
 _INT4_OFFSET = 8  # the kernel's q - 8
@@ -53,6 +58,20 @@ def _pack_block() -> int | None:
         if torch.equal(_unpacked_t(packed, in_features, block).reshape(in_features, -1).t(), values.to(torch.uint8)):
             return block
     return None
+
+
+def int4_kernel(dtype: torch.dtype) -> Int4Ops | None:
+    """Our int4 product for `dtype` activations where its library is loaded here: bf16 on AVX512-BF16 CPUs, fp32 on
+    AVX2 ones; else None (PyTorch's kernel or the dequantized copy)."""
+    if dtype == torch.bfloat16:
+        return bf16_kernel.int4_ops() if bf16_kernel.prepare() else None
+    return avx2.int4_ops() if dtype == torch.float32 else None
+
+
+def int4_is_fast(dtype: torch.dtype) -> bool:
+    """Whether a decode row's int4 product has vector code here for `dtype` activations (our kernel, or PyTorch's
+    AVX-512 one): where it has not, 4-bit weights cost time instead of saving it."""
+    return int4_kernel(dtype) is not None or int4_kernel_is_vectorized()
 
 
 def int4_kernel_is_vectorized() -> bool:
@@ -144,16 +163,17 @@ class Int8Linear(torch.nn.Module):
 
 
 class Int4Linear(torch.nn.Module):
-    """`y = x @ W^T + b` with W held as Int4Blocks in the CPU int4 kernel's packed layout, and in bf16 with the
-    bf16 kernels also in the extension's layout (`bf16_values`, `bf16_scales`, `bf16_minimums`; else None)."""
+    """`y = x @ W^T + b` with W held as Int4Blocks in the CPU int4 kernel's packed layout, and where our int4 product
+    runs for its dtype (`int4_kernel`) also in that kernel's layout (`kernel_values`, `kernel_scales`,
+    `kernel_minimums`; else None)."""
 
     weight_int4: torch.Tensor
     scales_and_zeros: torch.Tensor
     scales: torch.Tensor
     minimums: torch.Tensor
-    bf16_values: torch.Tensor | None
-    bf16_scales: torch.Tensor | None
-    bf16_minimums: torch.Tensor | None
+    kernel_values: torch.Tensor | None
+    kernel_scales: torch.Tensor | None
+    kernel_minimums: torch.Tensor | None
 
     def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
@@ -171,16 +191,17 @@ class Int4Linear(torch.nn.Module):
         block = _pack_block()
         self.can_dequantize = (block is not None and self.out_features % block == 0
                                and torch.equal(self._values_t().reshape(self.in_features, -1).t(), blocks.values))
-        ops = bf16_kernel.int4_ops() if dtype == torch.bfloat16 and bf16_kernel.prepare() else None
+        self.dtype = dtype
+        ops = int4_kernel(dtype)
         packed = ops.pack(blocks.values, blocks.scales, blocks.minimums) if ops is not None else [None] * 3
-        for name, tensor in zip(("bf16_values", "bf16_scales", "bf16_minimums"), packed, strict=True):
+        for name, tensor in zip(("kernel_values", "kernel_scales", "kernel_minimums"), packed, strict=True):
             self.register_buffer(name, tensor, persistent=False)  # derived from the blocks: not in state_dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [rows, in]
-        ops = bf16_kernel.int4_ops() if self.bf16_values is not None and rows.dtype == torch.bfloat16 else None
-        if ops is not None and rows.shape[0] < INT4_BF16_KERNEL_ROWS:
-            y = ops.mm(rows, self.bf16_values, self.bf16_scales, self.bf16_minimums)
+        ops = int4_kernel(rows.dtype) if self.kernel_values is not None and rows.dtype == self.dtype else None
+        if ops is not None and rows.shape[0] < INT4_KERNEL_ROWS[rows.dtype]:
+            y = ops.mm(rows.contiguous(), self.kernel_values, self.kernel_scales, self.kernel_minimums)
         elif rows.shape[0] >= INT4_DEQUANTIZE_ROWS and self.can_dequantize:
             y = torch.matmul(rows, self.dequantized_t())
         else:
@@ -276,7 +297,7 @@ def kernel_problem(weights: WeightFormat, dtype: torch.dtype) -> str | None:
             blocks = Int4Blocks.of(linear.weight, dtype)
             layer, weight = Int4Linear(blocks, linear.bias, dtype), blocks.dequantized()
         # the kernel, the dequantized copy
-        for num_rows in (3, max(INT8_DEQUANTIZE_ROWS, INT4_DEQUANTIZE_ROWS, INT4_BF16_KERNEL_ROWS)):
+        for num_rows in (3, max(INT8_DEQUANTIZE_ROWS, INT4_DEQUANTIZE_ROWS, *INT4_KERNEL_ROWS.values())):
             x = torch.randn(num_rows, 2 * GROUP_SIZE, generator=generator).to(dtype)  # [rows, in]
             with torch.no_grad():
                 got = layer(x).float()

@@ -72,7 +72,8 @@ def _auto(gguf: Path | None, model_type: str, device: str, dtype: torch.dtype,
         return WeightFormat.NATIVE, "the batch-invariant kernels have no quantized products"
     if (problem := quantized_linear.kernel_problem(WeightFormat.INT4, dtype)) is not None:
         return WeightFormat.NATIVE, f"the int4 kernel cannot run here: {problem}"
-    if not quantized_linear.int4_kernel_is_vectorized():
-        return WeightFormat.NATIVE, "PyTorch's CPU int4 kernel has no vector code for this CPU (no AVX-512): " \
-                                    "slower than the widened weights"
+    if not quantized_linear.int4_is_fast(dtype):
+        return WeightFormat.NATIVE, "no int4 product with vector code here (PyTorch's needs AVX-512; ours, " \
+                                    "`promptcache build-kernels`, AVX2 for fp32 or AVX512-BF16): slower than the " \
+                                    "widened weights"
     return WeightFormat.INT4, "the GGUF stores its decoder weights in 4 bits: served as stored"

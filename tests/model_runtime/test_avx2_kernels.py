@@ -1,0 +1,215 @@
+"""The AVX2 fp32 kernels (model_runtime/avx2/csrc/) against plain arithmetic: the int4 product against gguf's own
+dequantize and a float64 matmul, the decode batch against float64 softmax attention over the concatenated KV, the
+layer ops against the HF modules (RoPE bit for bit), and a tiny model served through all of them against HF's forward.
+Skipped on CPUs without AVX2/FMA/F16C; a CPU that has them and a compiler must build the library."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+from promptcache.model_runtime import avx2
+from promptcache.model_runtime.attention import decode_batch
+from promptcache.model_runtime.loading import quantized_linear
+from promptcache.model_runtime.loading.architectures import ARCHITECTURES
+from promptcache.model_runtime.loading.fused_layers import FusedGatedMLP, FusedRMSNorm
+from promptcache.model_runtime.loading.gguf_weights import read_layers
+from promptcache.model_runtime.loading.quantized_linear import INT4_KERNEL_ROWS, Int4Blocks, Int4Linear
+from tests.model_runtime.test_torch_layer_ops import assert_rope_matches_hf
+
+pytestmark = pytest.mark.usefixtures("avx2_kernels")
+
+
+def _product_close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """fp32 sums in another order than a float64 matmul: ~1e-6 of the largest output."""
+    return (got.double() - want.double()).abs().max().item() <= 2e-6 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 4, 5, 9])
+def test_int4_product_of_a_q4_1_file_equals_ggufs_dequantized_weight(tmp_path, num_rows):
+    """SmolLM2's Q4_1 blocks read from a file multiply as gguf's dequantize of the same tensor, fp16 scales held."""
+    weight = np.random.default_rng(0).standard_normal((96, 256)).astype(np.float32) * 0.05
+    writer = GGUFWriter(tmp_path / "m.gguf", "llama")
+    writer.add_uint32("llama.attention.head_count", 4)
+    writer.add_uint32("llama.attention.head_count_kv", 2)
+    stored = quantize(weight, GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.ffn_down.weight", stored, raw_shape=stored.shape, raw_dtype=GGMLQuantizationType.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    blocks = read_layers(tmp_path / "m.gguf", 4, 2).blocks["model.layers.0.mlp.down_proj"]
+    want_weight = torch.from_numpy(dequantize(stored, GGMLQuantizationType.Q4_1).copy())
+    ops = avx2.int4_ops()
+    assert ops is not None
+    packed = ops.pack(blocks.values, blocks.scales, blocks.minimums)
+    assert packed[1].dtype == packed[2].dtype == torch.float16  # Q4_1's own fp16 d and m, as stored
+    x = torch.randn(num_rows, 256, generator=torch.Generator().manual_seed(num_rows))
+    got = ops.mm(x, *packed)
+    assert got.shape == (num_rows, 96) and _product_close(got, x.double() @ want_weight.double().T)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(8, 32), (40, 64), (3072, 576), (576, 1536)])
+def test_int4_product_with_fp32_scales_at_many_shapes(out_features, in_features):
+    """Blocks whose scales are not fp16 values keep fp32 ones; every pass width and row count (1..4 in registers,
+    then more passes) against float64."""
+    generator = torch.Generator().manual_seed(out_features)
+    blocks = Int4Blocks.of(torch.randn(out_features, in_features, generator=generator) * 0.1, torch.float32)
+    ops = avx2.int4_ops()
+    assert ops is not None
+    packed = ops.pack(blocks.values, blocks.scales, blocks.minimums)
+    assert packed[1].dtype == torch.float32
+    for num_rows in (1, 2, 3, 4, 6, 13):
+        x = torch.randn(num_rows, in_features, generator=generator)
+        assert _product_close(ops.mm(x, *packed), x.double() @ blocks.dequantized().double().T)
+
+
+def test_int4_linear_in_fp32_runs_the_kernel_below_its_rows(monkeypatch):
+    linear = torch.nn.Linear(576, 960).requires_grad_(False)
+    blocks = Int4Blocks.of(linear.weight, torch.float32)
+    layer = Int4Linear(blocks, linear.bias, torch.float32)
+    assert layer.kernel_values is not None and "kernel_values" not in layer.state_dict()
+    ops, calls = avx2.int4_ops(), []
+    assert ops is not None
+
+    def counted_mm(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return ops.mm(*args)
+
+    monkeypatch.setattr(avx2, "int4_ops", lambda: quantized_linear.Int4Ops(ops.pack, counted_mm))
+    for num_rows in (1, 7, INT4_KERNEL_ROWS[torch.float32] - 1, INT4_KERNEL_ROWS[torch.float32]):
+        x = torch.randn(1, num_rows, 576)
+        want = x.double() @ blocks.dequantized().double().T + linear.bias.double()
+        assert _product_close(layer(x), want)
+    assert calls == [1, 7, INT4_KERNEL_ROWS[torch.float32] - 1]  # the last: the dequantized copy
+    assert quantized_linear.int4_is_fast(torch.float32)
+
+
+def _attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float):
+    """float64 softmax attention of q [H, D] over the concatenated keys/values [H_kv, n, D]: (out [H, D], lse [H])."""
+    group = q.shape[0] // keys[0].shape[0]
+    k = torch.cat(keys, 1).double().repeat_interleave(group, 0)  # [H, N, D]
+    v = torch.cat(values, 1).double().repeat_interleave(group, 0)
+    scores = torch.einsum("hd,hnd->hn", q.double(), k) * scale
+    return torch.einsum("hn,hnd->hd", scores.softmax(-1), v), scores.logsumexp(-1)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 64)])
+def test_decode_batch_equals_attention_over_each_sequences_kv(heads, kv_heads, dim):
+    """Ragged own KV (none, a partial key step, hundreds) in views of larger buffers, segments shared by several
+    sequences and segments of one, against float64 attention over each sequence's keys in order."""
+    generator = torch.Generator().manual_seed(heads * dim)
+    layers, capacity = 2, 512
+
+    def kv(n: int) -> tuple[torch.Tensor, torch.Tensor]:  # [L, H_kv, n, D] views with a padded row stride
+        full = torch.randn(2, layers, kv_heads, n, dim + 8, generator=generator)
+        return full[0, ..., :dim], full[1, ..., :dim]
+
+    own_lens = [5, 0, 300]
+    own = [kv(capacity) for _ in own_lens]
+    segments = [(*kv(37), [0, 1, 2]), (*kv(1000), [2]), (*kv(3), [0, 1]), (*kv(0), [0])]
+    batch = avx2.decode_batch_type()([k for k, _ in own], [v for _, v in own], own_lens, [s[0] for s in segments],
+                                     [s[1] for s in segments], [s[2] for s in segments])
+    scale = dim ** -0.5
+    for layer in range(layers):
+        q = torch.randn(len(own_lens), heads, dim + 4, generator=generator)[..., :dim]  # strided rows
+        out, lse = batch.attend(q, layer, scale)
+        for seq, n in enumerate(own_lens):
+            seen = [s for s in segments if seq in s[2]]
+            want_out, want_lse = _attention(q[seq], [s[0][layer] for s in seen] + [own[seq][0][layer, :, :n]],
+                                            [s[1][layer] for s in seen] + [own[seq][1][layer, :, :n]], scale)
+            assert (out[seq].double() - want_out).abs().max().item() <= 2e-6
+            assert (lse[seq].double() - want_lse).abs().max().item() <= 2e-5
+
+
+def test_decode_batch_refuses_what_it_cannot_attend():
+    k = torch.zeros(1, 2, 4, 64)
+    with pytest.raises(RuntimeError, match="has no keys"):
+        avx2.decode_batch_type()([k], [k], [0], [], [], [])
+    with pytest.raises(RuntimeError, match="float32"):
+        avx2.decode_batch_type()([k.bfloat16()], [k.bfloat16()], [4], [], [], [])
+    batch = avx2.decode_batch_type()([k], [k], [4], [], [], [])
+    with pytest.raises(RuntimeError, match="layer 1 of 1"):
+        batch.attend(torch.zeros(1, 4, 64), 1, 0.125)
+    assert decode_batch.kernel_takes(torch.float32, torch.device("cpu"), 64, [1, 1], "auto")
+    assert not decode_batch.kernel_takes(torch.float32, torch.device("cpu"), 64, [1, 2], "auto")
+    assert not decode_batch.kernel_takes(torch.float32, torch.device("cpu"), 64, [1], "matmul")
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128)])
+def test_rope_matches_apply_rotary_pos_emb_bit_for_bit(heads, kv_heads, dim):
+    ops = avx2.fused_ops()
+    assert ops is not None
+    assert_rope_matches_hf(ops.rope_qk, heads, kv_heads, dim, torch.float32)
+
+
+def test_rms_norm_and_mlp_match_the_llama_modules():
+    ops = avx2.fused_ops()
+    assert ops is not None
+    generator = torch.Generator().manual_seed(3)
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=generator))
+    from transformers import LlamaConfig
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        mlp = LlamaMLP(LlamaConfig(hidden_size=576, intermediate_size=1536))
+    x = torch.randn(2, 41, 576, generator=generator) * 3
+    with torch.inference_mode():
+        for fused, plain in ((FusedRMSNorm(norm, ops), norm), (FusedGatedMLP(mlp, ops, ARCHITECTURES["llama"]), mlp)):
+            got, want = fused(x), plain(x)
+            assert got.dtype == want.dtype == torch.float32
+            assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-6
+
+
+def test_a_model_served_through_the_kernels_generates_as_hf_with_its_dequantized_weights(monkeypatch):
+    """The serve path on an AVX2 CPU: fused layers on the fp32 ops, int4 weights through the kernel, decode steps
+    through one DecodeBatch; batched greedy tokens and logprobs equal HF's forward of the same (dequantized) weights."""
+    import copy
+
+    from promptcache.cache_store import StoreConfig, build_store
+    from promptcache.model_runtime import ModelRuntime, WeightFormat, wrap_model
+    from promptcache.model_runtime.engine import Fidelity
+    from promptcache.model_runtime.loading.fused_layers import FusedAttention
+    from tests.model_factories import make_test_tokenizer
+    from tests.model_runtime.batched_generation import assert_batched_generation_equals_hf
+    from tests.model_runtime.test_fidelity import PROMPTS, SCHEMA
+    from tests.model_runtime.test_torch_layer_ops import _model
+
+    tokenizer = make_test_tokenizer()
+    served = _model("llama", len(tokenizer), torch.float32)
+    with torch.no_grad():  # 4-bit representable weights: the oracle multiplies exactly what the kernel does
+        for module in served.modules():
+            if type(module) is torch.nn.Linear and module is not served.lm_head:
+                module.weight.copy_(Int4Blocks.of(module.weight, torch.float32).dequantized())
+    oracle = copy.deepcopy(served)
+    calls = {"attend": 0, "int4": 0}
+    batch_type, ops = avx2.decode_batch_type(), avx2.int4_ops()
+    assert ops is not None
+
+    class CountedBatch:
+        def __init__(self, *args):
+            self.batch = batch_type(*args)
+
+        def attend(self, q, layer, scale):
+            calls["attend"] += 1
+            return self.batch.attend(q, layer, scale)
+
+    def counted_mm(*args: torch.Tensor) -> torch.Tensor:
+        calls["int4"] += 1
+        return ops.mm(*args)
+
+    monkeypatch.setattr(avx2, "decode_batch_type", lambda: CountedBatch)
+    monkeypatch.setattr(avx2, "int4_ops", lambda: quantized_linear.Int4Ops(ops.pack, counted_mm))
+    loaded = wrap_model(served, tokenizer, name="d64-int4", fuse_layers=True, weights=WeightFormat.INT4)
+    assert isinstance(served.model.layers[0].self_attn, FusedAttention)
+    assert isinstance(served.model.layers[0].self_attn.qkv_proj, Int4Linear)
+    runtime = ModelRuntime(loaded, build_store(StoreConfig()))
+    runtime.add_schema(runtime.parse_schema(SCHEMA))
+    assert_batched_generation_equals_hf(runtime, oracle, PROMPTS, num_tokens=8, fidelity=Fidelity("exact"))
+    assert calls["attend"] > 0 and calls["int4"] > 0
