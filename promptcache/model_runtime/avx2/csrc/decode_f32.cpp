@@ -114,7 +114,12 @@ void attend_keys(const float (*q)[D], int64_t rows, const RowSet& set, int64_t g
       const int64_t i = k0 + j - part_start;
       k[j] = p.k + g * p.k_head + i * p.k_row;
       v[j] = p.v + g * p.v_head + i * p.v_row;
-      if (j == 0 && k0 + kKeys < end) _mm_prefetch(reinterpret_cast<const char*>(k[0] + kKeys * p.k_row), _MM_HINT_T0);
+      // Two steps ahead (in this segment or past its end, harmlessly): each key is read from memory once, and
+      // the rows' latency is what a step waits on.
+      for (int line = 0; line < D; line += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(k[j] + 2 * kKeys * p.k_row + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(v[j] + 2 * kKeys * p.v_row + line), _MM_HINT_T0);
+      }
     }
     const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 valid = _mm256_cmp_ps(lanes, _mm256_set1_ps(static_cast<float>(nk)), _CMP_LT_OQ);
@@ -135,10 +140,14 @@ void attend_keys(const float (*q)[D], int64_t rows, const RowSet& set, int64_t g
       alignas(32) float pj[kKeys];
       _mm256_store_ps(pj, p);
       const __m256 c = _mm256_set1_ps(correction);
-      for (int d = 0; d < D; d += 8) {
-        __m256 a = _mm256_mul_ps(_mm256_load_ps(st.acc[r] + d), c);
-        for (int j = 0; j < nk; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(pj[j]), _mm256_loadu_ps(v[j] + d), a);
-        _mm256_store_ps(st.acc[r] + d, a);
+      for (int d0 = 0; d0 < D; d0 += 64) {  // 8 accumulators in registers, 8 independent FMA chains per key
+        __m256 a[8];
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_mul_ps(_mm256_load_ps(st.acc[r] + d0 + 8 * i), c);
+        for (int j = 0; j < nk; ++j) {
+          const __m256 pv = _mm256_set1_ps(pj[j]);
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v[j] + d0 + 8 * i), a[i]);
+        }
+        for (int i = 0; i < 8; ++i) _mm256_store_ps(st.acc[r] + d0 + 8 * i, a[i]);
       }
     }
   }
