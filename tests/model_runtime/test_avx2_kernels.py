@@ -17,8 +17,15 @@ from promptcache.model_runtime.attention import decode_batch
 from promptcache.model_runtime.loading import quantized_linear
 from promptcache.model_runtime.loading.architectures import ARCHITECTURES
 from promptcache.model_runtime.loading.fused_layers import FusedGatedMLP, FusedRMSNorm
-from promptcache.model_runtime.loading.gguf_weights import read_layers
-from promptcache.model_runtime.loading.quantized_linear import INT4_KERNEL_ROWS, Int4Blocks, Int4Linear
+from promptcache.model_runtime.loading.gguf_weights import read_layers, read_q8_0_head
+from promptcache.model_runtime.loading.quantized_linear import (
+    HEAD,
+    INT4_KERNEL_ROWS,
+    Int4Blocks,
+    Int4Linear,
+    SplitByteLinear,
+    WeightFormat,
+)
 from tests.model_runtime.test_torch_layer_ops import assert_rope_matches_hf
 
 pytestmark = pytest.mark.usefixtures("avx2_kernels")
@@ -213,3 +220,58 @@ def test_a_model_served_through_the_kernels_generates_as_hf_with_its_dequantized
     runtime.add_schema(runtime.parse_schema(SCHEMA))
     assert_batched_generation_equals_hf(runtime, oracle, PROMPTS, num_tokens=8, fidelity=Fidelity("exact"))
     assert calls["attend"] > 0 and calls["int4"] > 0
+
+
+def _write_q8_0_head(path, weight: np.ndarray) -> np.ndarray:
+    writer = GGUFWriter(path, "llama")
+    stored = quantize(weight, GGMLQuantizationType.Q8_0)
+    writer.add_tensor("token_embd.weight", stored, raw_shape=stored.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 6])
+def test_a_q8_0_head_multiplies_the_files_bytes_in_fp32(tmp_path, monkeypatch, num_rows):
+    """The tied embedding's Q8_0 blocks multiply through the int8 product (one pass, not two 4-bit planes) as gguf's
+    dequantize of the file gives them; from INT4_DEQUANTIZE_ROWS rows the planes' dequantized copy, the same weights."""
+    weight = np.random.default_rng(1).standard_normal((96, 128)).astype(np.float32) * 0.05
+    stored = _write_q8_0_head(tmp_path / "m.gguf", weight)
+    want_weight = torch.from_numpy(dequantize(stored, GGMLQuantizationType.Q8_0).copy()).double()
+    ops, calls = avx2.int8_ops(), []
+    assert ops is not None
+
+    def counted_mm(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return ops.mm(*args)
+
+    monkeypatch.setattr(avx2, "int8_ops", lambda: avx2.kernels.Int8Ops(ops.pack, counted_mm))
+    head = SplitByteLinear(read_q8_0_head(tmp_path / "m.gguf")[HEAD], torch.float32)
+    assert head.kernel_scales is not None and head.kernel_scales.dtype == torch.float16  # Q8_0's own fp16 d
+    for rows in (num_rows, quantized_linear.INT4_DEQUANTIZE_ROWS):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+        assert _product_close(head(x), x.double() @ want_weight.T)
+    assert calls == [num_rows]
+
+
+def test_auto_serves_a_native_ggufs_q8_0_head_from_its_blocks_in_fp32(tmp_path):
+    """A GGUF served native (here: decoder weights in 8 bits) keeps its Q8_0 head's blocks under auto in fp32 (exact
+    there), not with --weights native or in bf16 (where widening rounds them otherwise)."""
+    from tests.model_runtime.test_gguf_blocks import HEADS, KV_HEADS, Q, write_llama_gguf
+
+    write_llama_gguf(tmp_path / "m.gguf", {name: Q.Q8_0 for name in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                                                     "ffn_gate", "ffn_up", "ffn_down")})
+    head_weight = np.random.default_rng(5).standard_normal((64, 64)).astype(np.float32)
+    _write_q8_0_head(tmp_path / "h.gguf", head_weight)
+    from promptcache.model_runtime.loading import stored_weights
+
+    def choose(requested: WeightFormat, dtype: torch.dtype, path=tmp_path / "h.gguf"):
+        return stored_weights.choose(requested, path, HEADS, KV_HEADS, device="cpu", dtype=dtype, deterministic=False)
+
+    auto = choose(WeightFormat.AUTO, torch.float32)
+    assert auto.weights is WeightFormat.NATIVE and set(auto.blocks) == {HEAD} and "Q8_0" in auto.reason
+    assert not choose(WeightFormat.NATIVE, torch.float32).blocks
+    assert not choose(WeightFormat.AUTO, torch.bfloat16).blocks
+    assert not choose(WeightFormat.AUTO, torch.float32, tmp_path / "m.gguf").blocks  # its head is F32

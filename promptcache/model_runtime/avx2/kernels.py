@@ -16,7 +16,7 @@ from promptcache.model_runtime.attention.kernel_loading import PrebuiltLibrary
 _CSRC = Path(__file__).parent / "csrc"
 LIBRARY = kernel_build.KernelLibrary(
     name="promptcache_avx2",
-    sources=(_CSRC / "int4_f32.cpp", _CSRC / "decode_f32.cpp", _CSRC / "fused_f32.cpp"),
+    sources=tuple(_CSRC / name for name in ("int4_f32.cpp", "int8_f32.cpp", "decode_f32.cpp", "fused_f32.cpp")),
     headers=(),
     # -ffp-contract=off: a product and a sum round twice, as the HF modules' ops (RoPE bit for bit); FMAs are explicit.
     cflags=("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"),
@@ -32,6 +32,22 @@ def int4_ops() -> Int4Ops | None:
     (out % 8 == 0, in % 32 == 0) and `mm(x fp32 [rows, in], *packed) -> y fp32 [rows, out]`."""
     module = KERNELS.prepare()
     return None if module is None else Int4Ops(module.int4_pack, module.int4_mm)
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Ops:
+    """The fp32 product with Q8_0 weights for few rows (csrc/int8_f32.cpp): `pack(values int8 [out, in], scales fp32
+    [out, in / 32]) -> [packed, scales]` (out % 8 == 0, in % 32 == 0; scales held as fp16 where all are fp16 values)
+    and `mm(x fp32 [rows, in], *packed) -> y fp32 [rows, out]`."""
+
+    pack: Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]
+    mm: Callable[..., torch.Tensor]
+
+
+def int8_ops() -> Int8Ops | None:
+    """The fp32 Q8_0 product if the library is loaded here, else None."""
+    module = KERNELS.prepare()
+    return None if module is None else Int8Ops(module.int8_pack, module.int8_mm)
 
 
 def decode_batch_type() -> Any:

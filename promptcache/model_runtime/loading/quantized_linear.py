@@ -227,15 +227,37 @@ class Int4Linear(torch.nn.Module):
 
 
 class SplitByteLinear(torch.nn.Module):
-    """`y = x @ W^T` for an 8-bit weight as two 4-bit planes (read_q8_0_head): `[x, x] @ [W_high | W_low]^T`."""
+    """`y = x @ W^T` for an 8-bit weight as two 4-bit planes (read_q8_0_head): `[x, x] @ [W_high | W_low]^T`; in fp32
+    where the AVX2 library is loaded, decode rows multiply the Q8_0 bytes themselves (`kernel_values`, `kernel_scales`:
+    half the arithmetic of two planes, the same weights)."""
+
+    kernel_values: torch.Tensor | None
+    kernel_scales: torch.Tensor | None
 
     def __init__(self, blocks: Int4Blocks, dtype: torch.dtype) -> None:
         super().__init__()
         self.planes = Int4Linear(blocks, None, dtype)
         self.in_features, self.out_features = self.planes.in_features // 2, self.planes.out_features
+        ops = avx2.int8_ops() if dtype == torch.float32 else None
+        packed = ops.pack(*_q8_0_of_planes(blocks)) if ops is not None else [None] * 2
+        for name, tensor in zip(("kernel_values", "kernel_scales"), packed, strict=True):
+            self.register_buffer(name, tensor, persistent=False)  # derived from the blocks: not in state_dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # [rows, in]
+        ops = avx2.int8_ops() if self.kernel_values is not None and rows.dtype == torch.float32 else None
+        if ops is not None and rows.shape[0] < INT4_DEQUANTIZE_ROWS:
+            y = ops.mm(rows.contiguous(), self.kernel_values, self.kernel_scales)
+            return y.view(*x.shape[:-1], self.out_features)
         return self.planes(torch.cat([x, x], dim=-1))  # [..., 2 in] -> [..., out]
+
+
+def _q8_0_of_planes(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [out, in], d fp32 [out, in / GROUP_SIZE]) of read_q8_0_head's planes: q = 16 h + l - 128 with h, l the
+    high and low planes' values, d the low plane's scale."""
+    in_features = blocks.values.shape[1] // 2
+    high, low = blocks.values[:, :in_features].int(), blocks.values[:, in_features:].int()
+    return (16 * high + low - 128).to(torch.int8), blocks.scales[:, in_features // GROUP_SIZE:].contiguous()
 
 
 def quantize_linears(model: torch.nn.Module, weights: WeightFormat, blocks: Mapping[str, Int4Blocks] | None = None,
@@ -245,11 +267,11 @@ def quantize_linears(model: torch.nn.Module, weights: WeightFormat, blocks: Mapp
     a layer not `fits_int4` or built from one the checkpoint stores in more bits (`wider`: not rounded again).
     The output head stays as loaded unless `blocks` holds its 8 bits (HEAD)."""
     assert weights is not WeightFormat.AUTO, "resolved before loading (stored_weights.choose)"
-    if weights is WeightFormat.NATIVE:
-        return 0
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    head_blocks = (blocks or {}).get(HEAD) if weights is WeightFormat.INT4 else None
+    head_blocks = (blocks or {}).get(HEAD) if weights is not WeightFormat.INT8 else None
+    if weights is WeightFormat.NATIVE:  # at most the head, from its 8 bits (stored_weights: fp32 only, exact)
+        return _replace_head(model, head, head_blocks) if head_blocks is not None else 0
     wider_sources = frozenset(wider)
     replaced = 0
     for prefix, parent in list(model.named_modules()):
@@ -307,6 +329,16 @@ def kernel_problem(weights: WeightFormat, dtype: torch.dtype) -> str | None:
     except Exception as exc:  # an op missing from this torch build or refusing this CPU
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def _replace_head(model: torch.nn.Module, head: torch.nn.Module | None, blocks: Int4Blocks) -> int:
+    """Put a SplitByteLinear of `blocks` in the head's place (1), or leave a model without a CPU head alone (0)."""
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if child is head and type(child) is torch.nn.Linear and child.weight.device.type == "cpu":
+                setattr(parent, name, SplitByteLinear(blocks, child.weight.dtype))
+                return 1
+    return 0
 
 
 def _sources(parent: torch.nn.Module, prefix: str, name: str) -> list[str]:

@@ -45,6 +45,11 @@ def choose(requested: WeightFormat, gguf: Path | None, num_heads: int, num_kv_he
         weights, reason = _auto(gguf, model_type, device, dtype, deterministic)
         logger.info("weights auto: %s (%s)", weights.value, reason)
     if weights is not WeightFormat.INT4 or gguf is None:
+        if requested is WeightFormat.AUTO and _head_as_stored(gguf, device, dtype, deterministic):
+            assert gguf is not None
+            head = gguf_weights.read_q8_0_head(gguf)
+            if head:  # the very weights the widened head holds, at a quarter of its bytes
+                return StoredWeights(weights, f"{reason}; the output head multiplies the file's Q8_0 blocks", head)
         return StoredWeights(weights, reason)
     if model_type not in gguf_weights.BLOCK_ARCHITECTURES:
         readable = ", ".join(sorted(gguf_weights.BLOCK_ARCHITECTURES))
@@ -52,6 +57,15 @@ def choose(requested: WeightFormat, gguf: Path | None, num_heads: int, num_kv_he
                              f"({model_type}); serve it with --weights native (or auto)")
     layers = gguf_weights.read_layers(gguf, num_heads, num_kv_heads)
     return StoredWeights(weights, reason, {**layers.blocks, **gguf_weights.read_q8_0_head(gguf)}, layers.wider)
+
+
+def _head_as_stored(gguf: Path | None, device: str, dtype: torch.dtype, deterministic: bool) -> bool:
+    """Whether auto serves a native GGUF's Q8_0 output head from its blocks: in fp32 on a CPU with the AVX2 Q8_0 product
+    (an fp16 scale times an int8 is exact in fp32, so the weights are the widened head's)."""
+    from promptcache.model_runtime import avx2
+
+    return (gguf is not None and device == "cpu" and dtype == torch.float32 and not deterministic
+            and avx2.int8_ops() is not None)
 
 
 def _auto(gguf: Path | None, model_type: str, device: str, dtype: torch.dtype,

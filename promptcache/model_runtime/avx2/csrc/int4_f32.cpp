@@ -172,13 +172,15 @@ torch::Tensor int4_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
   return y;
 }
 
-// decode_f32.cpp and fused_f32.cpp, built into the same extension
+// decode_f32.cpp, fused_f32.cpp and int8_f32.cpp, built into the same extension
 void bind_decode(pybind11::module_& m);
 void bind_fused(pybind11::module_& m);
+void bind_int8(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode(m);
   bind_fused(m);
+  bind_int8(m);
   m.def("int4_pack", &int4_pack, "(values uint8 [out, in] 0..15, scales fp32 [out, in/32], minimums fp32 "
         "[out, in/32]) -> [packed, scales, minimums]: Q4_1 blocks in int4_mm's layout (out % 8 == 0)");
   m.def("int4_mm", &int4_mm, "(x fp32 [rows, in], packed, scales, minimums) -> y fp32 [rows, out]: x @ W^T for "
