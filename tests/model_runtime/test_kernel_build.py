@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from promptcache.cli import main as cli_main
+from promptcache.model_runtime import avx2
 from promptcache.model_runtime.attention import bf16_kernel, kernel_build, shared_prefix
 from promptcache.model_runtime.attention.selection import AttentionPath, describe
 
@@ -93,8 +94,16 @@ def test_build_kernels_reuses_this_torchs_library(bf16_kernels, capsys):
 def test_the_report_names_the_kernel_once_loaded(bf16_kernels):
     report = describe("auto", torch.device("cpu"), torch.bfloat16)
     assert report.path is AttentionPath.BF16_KERNEL
-    assert describe("auto", torch.device("cpu"), torch.float32).path is AttentionPath.TORCH_FUSED_CPU
+    fp32 = AttentionPath.AVX2_KERNEL if avx2.KERNELS.prepare() is not None else AttentionPath.TORCH_FUSED_CPU
+    assert describe("auto", torch.device("cpu"), torch.float32).path is fp32
     assert describe("matmul", torch.device("cpu"), torch.bfloat16).path is AttentionPath.MATMUL
+
+
+def test_the_report_names_the_avx2_kernel_in_fp32(avx2_kernels, monkeypatch):
+    assert describe("auto", torch.device("cpu"), torch.float32).path is AttentionPath.AVX2_KERNEL
+    assert describe("fused_cpu", torch.device("cpu"), torch.float32).path is AttentionPath.TORCH_FUSED_CPU
+    monkeypatch.setattr(avx2.KERNELS, "prepare", lambda: None)  # not built here
+    assert describe("auto", torch.device("cpu"), torch.float32).path is AttentionPath.TORCH_FUSED_CPU
 
 
 def test_the_report_gives_the_fallbacks_reason(monkeypatch):

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from promptcache.model_runtime import avx2
 from promptcache.model_runtime.attention import bf16_kernel, dispatch, gpu_backends, shared_prefix
 
 
 class AttentionPath(str, enum.Enum):
     BF16_KERNEL = "bf16_kernel"  # our AVX512-BF16 kernel (CPU, bf16), built ahead of time
+    AVX2_KERNEL = "avx2_kernel"  # our AVX2 decode kernel (CPU, fp32), built ahead of time; prompts: torch's fused op
     TORCH_FUSED_CPU = "torch_fused_cpu"  # torch's fused CPU attention op
     TORCH_GPU = "torch_gpu"  # torch's fused CUDA ops (flash-attn / FlashInfer first when installed)
     TRITON_SHARED = "triton_shared"  # our shared-prefix Triton kernel (GPU, bf16/fp16), torch's CUDA ops elsewhere
@@ -47,6 +49,9 @@ def describe(backend: str, device: torch.device, dtype: torch.dtype) -> Attentio
         return AttentionReport(AttentionPath.MATMUL, "attention backend 'flash' is the reference kernel on a CPU")
     if backend == "fused_cpu":
         return AttentionReport(AttentionPath.TORCH_FUSED_CPU, "attention backend 'fused_cpu' configured")
+    if dtype == torch.float32 and avx2.KERNELS.prepare() is not None:
+        return AttentionReport(AttentionPath.AVX2_KERNEL, "decode steps through our AVX2 fp32 kernel (built ahead of "
+                               "time); prompts through torch's fused op")
     if dtype != torch.bfloat16:
         return AttentionReport(AttentionPath.TORCH_FUSED_CPU, f"the model runs in {str(dtype).removeprefix('torch.')}; "
                                "the bf16 kernel serves bfloat16 only")
