@@ -26,6 +26,7 @@ from promptcache.model_runtime.loading.quantized_linear import (
     SplitByteLinear,
     WeightFormat,
 )
+from tests.model_runtime.test_int4_bf16_kernel import _write_gguf
 from tests.model_runtime.test_torch_layer_ops import assert_rope_matches_hf
 
 pytestmark = pytest.mark.usefixtures("avx2_kernels")
@@ -223,14 +224,7 @@ def test_a_model_served_through_the_kernels_generates_as_hf_with_its_dequantized
 
 
 def _write_q8_0_head(path, weight: np.ndarray) -> np.ndarray:
-    writer = GGUFWriter(path, "llama")
-    stored = quantize(weight, GGMLQuantizationType.Q8_0)
-    writer.add_tensor("token_embd.weight", stored, raw_shape=stored.shape, raw_dtype=GGMLQuantizationType.Q8_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return stored
+    return _write_gguf(path, "token_embd.weight", weight, GGMLQuantizationType.Q8_0)
 
 
 @pytest.mark.parametrize("num_rows", [1, 3, 6])

@@ -17,7 +17,7 @@ _CSRC = Path(__file__).parent / "csrc"
 LIBRARY = kernel_build.KernelLibrary(
     name="promptcache_avx2",
     sources=tuple(_CSRC / name for name in ("int4_f32.cpp", "int8_f32.cpp", "decode_f32.cpp", "fused_f32.cpp")),
-    headers=(),
+    headers=(_CSRC.parent.parent / "attention" / "csrc" / "decode_plan.h",),  # the DecodeBatch plan, shared
     # -ffp-contract=off: a product and a sum round twice, as the HF modules' ops (RoPE bit for bit); FMAs are explicit.
     cflags=("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"),
     ldflags=("-fopenmp",))

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "attend_bf16.h"
+#include "decode_plan.h"
 
 namespace attend {
 namespace {
@@ -205,60 +206,28 @@ std::vector<torch::Tensor> decode_bf16(torch::Tensor q, std::vector<std::vector<
   return {out, lse};
 }
 
-// A decode step's attention, planned once for all layers: which KV each sequence attends (its own KV,
-// segments only it sees) and which segments several sequences share. Tensors are [L, H_kv, N, D] (any
-// strides, last dim contiguous); `attend(q, layer, scale)` reads layer `layer` of each.
+// A decode step's attention, planned once for all layers (decode_plan.h); `attend(q, layer, scale)` reads layer
+// `layer` of each of the step's KV tensors.
 class DecodeBatch {
  public:
   DecodeBatch(std::vector<torch::Tensor> own_k, std::vector<torch::Tensor> own_v, std::vector<int64_t> own_lens,
               std::vector<torch::Tensor> seg_k, std::vector<torch::Tensor> seg_v,
               std::vector<std::vector<int64_t>> seg_members)
-      : batch_(static_cast<int64_t>(own_k.size())) {
-    TORCH_CHECK(batch_ > 0 && own_v.size() == own_k.size() && own_lens.size() == own_k.size(),
-                "DecodeBatch: one own key, value and length per sequence");
-    TORCH_CHECK(seg_v.size() == seg_k.size() && seg_members.size() == seg_k.size(),
-                "DecodeBatch: one value tensor and one member list per segment");
-    kv_heads_ = own_k[0].size(1);
-    head_dim_ = own_k[0].size(3);
-    layers_ = own_k[0].size(0);
-    std::vector<Plan> own(batch_);
-    for (int64_t b = 0; b < batch_; ++b) own[b].members = {b};
-    std::map<std::vector<int64_t>, size_t> shared_index;
-    std::vector<Plan> shared;
-    for (size_t i = 0; i < seg_k.size(); ++i) {
-      if (seg_k[i].size(2) == 0) continue;
-      const auto& members = seg_members[i];
-      TORCH_CHECK(!members.empty(), "DecodeBatch: segment ", i, " has no members");
-      for (int64_t b : members) TORCH_CHECK(0 <= b && b < batch_, "DecodeBatch: member ", b, " out of range");
-      Plan* plan;
-      if (members.size() == 1) {
-        plan = &own[members[0]];
-      } else {  // segments seen by the same sequences: one set, attended once by all their rows
-        auto [it, added] = shared_index.try_emplace(members, shared.size());
-        if (added) shared.push_back(Plan{members, {}});
-        plan = &shared[it->second];
-      }
-      plan->parts.push_back(layer_part(seg_k[i], seg_v[i], seg_k[i].size(2)));
-    }
-    for (int64_t b = 0; b < batch_; ++b)
-      if (own_lens[b] > 0) own[b].parts.push_back(layer_part(own_k[b], own_v[b], own_lens[b]));
-    for (auto& plan : shared) plans_.push_back(std::move(plan));
-    for (auto& plan : own)
-      if (!plan.parts.empty()) plans_.push_back(std::move(plan));
-    keep_ = {std::move(own_k), std::move(own_v), std::move(seg_k), std::move(seg_v)};
-  }
+      : plan_(std::move(own_k), std::move(own_v), std::move(own_lens), std::move(seg_k), std::move(seg_v),
+              std::move(seg_members), at::kBFloat16, "bfloat16") {}
 
   // q [B, H, D] (any strides, last dim contiguous), one row per sequence -> [out [B, H, D], lse [B, H] fp32].
   std::vector<torch::Tensor> attend(torch::Tensor q, int64_t layer, double scale) const {
     check_queries(q);
-    TORCH_CHECK(q.size(0) == batch_ && q.size(2) == head_dim_, "DecodeBatch: q must be [", batch_, ", H, ",
-                head_dim_, "]");
-    TORCH_CHECK(0 <= layer && layer < layers_, "DecodeBatch: layer ", layer, " of ", layers_);
+    const int64_t batch = plan_.batch();
+    TORCH_CHECK(q.size(0) == batch && q.size(2) == plan_.head_dim(), "DecodeBatch: q must be [", batch, ", H, ",
+                plan_.head_dim(), "]");
+    TORCH_CHECK(0 <= layer && layer < plan_.layers(), "DecodeBatch: layer ", layer, " of ", plan_.layers());
     std::vector<RowSet> sets;
-    sets.reserve(plans_.size());
-    for (const Plan& plan : plans_) {
+    sets.reserve(plan_.plans().size());
+    for (const auto& plan : plan_.plans()) {
       RowSet set{plan.members, {}, {}, 0};
-      for (const LayerPart& p : plan.parts) {
+      for (const auto& p : plan.parts) {
         set.k.push_back({p.k + layer * p.k_layer, p.k_head, p.k_row, p.n});
         set.v.push_back({p.v + layer * p.v_layer, p.v_head, p.v_row, p.n});
         set.n += p.n;
@@ -266,35 +235,14 @@ class DecodeBatch {
       sets.push_back(std::move(set));
     }
     auto out = torch::empty_like(q);
-    auto lse = torch::empty({batch_, q.size(1)}, q.options().dtype(at::kFloat));
-    attend::attend_sets(sets, batch_, rows_of(q), out_of(out, lse), q.size(1), kv_heads_, head_dim_,
+    auto lse = torch::empty({batch, q.size(1)}, q.options().dtype(at::kFloat));
+    attend::attend_sets(sets, batch, rows_of(q), out_of(out, lse), q.size(1), plan_.kv_heads(), plan_.head_dim(),
                         static_cast<float>(scale) * kLog2e);
     return {out, lse};
   }
 
  private:
-  struct LayerPart {  // a segment's first n keys, every layer: layer l at k + l * k_layer
-    const at::BFloat16 *k, *v;
-    int64_t k_layer, k_head, k_row, v_layer, v_head, v_row, n;
-  };
-  struct Plan {
-    std::vector<int64_t> members;
-    std::vector<LayerPart> parts;
-  };
-
-  LayerPart layer_part(const torch::Tensor& k, const torch::Tensor& v, int64_t n) const {
-    TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 && k.dim() == 4 && v.dim() == 4,
-                "DecodeBatch: KV must be bfloat16 [L, H_kv, N, D]");
-    TORCH_CHECK(k.size(0) == layers_ && v.size(0) == layers_ && k.size(1) == kv_heads_ && v.size(1) == kv_heads_ &&
-                k.size(3) == head_dim_ && v.size(3) == head_dim_ && k.stride(3) == 1 && v.stride(3) == 1 &&
-                n <= k.size(2) && n <= v.size(2), "DecodeBatch: KV shapes disagree");
-    return {k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), n};
-  }
-
-  int64_t batch_, kv_heads_ = 0, head_dim_ = 0, layers_ = 0;
-  std::vector<Plan> plans_;
-  std::vector<std::vector<torch::Tensor>> keep_;  // the tensors the plans point into stay alive
+  decode_plan::StepPlan<at::BFloat16> plan_;
 };
 
 void bind_decode(pybind11::module_& m) {

@@ -17,8 +17,9 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
-#include <map>
 #include <vector>
+
+#include "../../attention/csrc/decode_plan.h"
 
 namespace {
 
@@ -246,109 +247,57 @@ void attend_sets_d(const std::vector<RowSet>& sets, int64_t num_members, const Q
   });
 }
 
-// A decode step's attention, planned once for all layers (the bf16 kernel's DecodeBatch, in fp32): which KV each
-// sequence attends (its own KV, segments only it sees) and which segments several sequences share (attended once by
-// all their rows). Tensors are [L, H_kv, N, D] (any strides, last dim contiguous); `attend(q, layer, scale)` reads
-// layer `layer` of each.
+// A decode step's attention, planned once for all layers (decode_plan.h, as the bf16 kernel's DecodeBatch);
+// `attend(q, layer, scale)` reads layer `layer` of each of the step's KV tensors.
 class DecodeBatch {
  public:
   DecodeBatch(std::vector<torch::Tensor> own_k, std::vector<torch::Tensor> own_v, std::vector<int64_t> own_lens,
               std::vector<torch::Tensor> seg_k, std::vector<torch::Tensor> seg_v,
               std::vector<std::vector<int64_t>> seg_members)
-      : batch_(static_cast<int64_t>(own_k.size())) {
-    TORCH_CHECK(batch_ > 0 && own_v.size() == own_k.size() && own_lens.size() == own_k.size(),
-                "DecodeBatch: one own key, value and length per sequence");
-    TORCH_CHECK(seg_v.size() == seg_k.size() && seg_members.size() == seg_k.size(),
-                "DecodeBatch: one value tensor and one member list per segment");
-    kv_heads_ = own_k[0].size(1);
-    head_dim_ = own_k[0].size(3);
-    layers_ = own_k[0].size(0);
-    TORCH_CHECK(head_dim_ == 64 || head_dim_ == 128, "DecodeBatch: head dim must be 64 or 128, got ", head_dim_);
-    std::vector<Plan> own(batch_);
-    for (int64_t b = 0; b < batch_; ++b) own[b].members = {b};
-    std::map<std::vector<int64_t>, size_t> shared_index;
-    std::vector<Plan> shared;
-    for (size_t i = 0; i < seg_k.size(); ++i) {
-      if (seg_k[i].size(2) == 0) continue;
-      const auto& members = seg_members[i];
-      TORCH_CHECK(!members.empty(), "DecodeBatch: segment ", i, " has no members");
-      for (int64_t b : members) TORCH_CHECK(0 <= b && b < batch_, "DecodeBatch: member ", b, " out of range");
-      Plan* plan;
-      if (members.size() == 1) {
-        plan = &own[members[0]];
-      } else {  // segments seen by the same sequences: one set, attended once by all their rows
-        auto [it, added] = shared_index.try_emplace(members, shared.size());
-        if (added) shared.push_back(Plan{members, {}});
-        plan = &shared[it->second];
-      }
-      plan->parts.push_back(layer_part(seg_k[i], seg_v[i], seg_k[i].size(2)));
-    }
-    for (int64_t b = 0; b < batch_; ++b)
-      if (own_lens[b] > 0) own[b].parts.push_back(layer_part(own_k[b], own_v[b], own_lens[b]));
-    for (auto& plan : shared) plans_.push_back(std::move(plan));
-    for (auto& plan : own)
-      if (!plan.parts.empty()) plans_.push_back(std::move(plan));
-    std::vector<bool> covered(batch_, false);
-    for (const auto& plan : plans_)
+      : plan_(std::move(own_k), std::move(own_v), std::move(own_lens), std::move(seg_k), std::move(seg_v),
+              std::move(seg_members), at::kFloat, "float32") {
+    TORCH_CHECK(plan_.head_dim() == 64 || plan_.head_dim() == 128, "DecodeBatch: head dim must be 64 or 128, got ",
+                plan_.head_dim());
+    std::vector<bool> covered(plan_.batch(), false);
+    for (const auto& plan : plan_.plans())
       for (int64_t b : plan.members) covered[b] = true;
-    for (int64_t b = 0; b < batch_; ++b) TORCH_CHECK(covered[b], "DecodeBatch: sequence ", b, " has no keys");
-    keep_ = {std::move(own_k), std::move(own_v), std::move(seg_k), std::move(seg_v)};
+    for (int64_t b = 0; b < plan_.batch(); ++b) TORCH_CHECK(covered[b], "DecodeBatch: sequence ", b, " has no keys");
   }
 
   // q [B, H, D] fp32 (any strides, last dim contiguous), one row per sequence -> [out [B, H, D], lse [B, H]].
   std::vector<torch::Tensor> attend(torch::Tensor q, int64_t layer, double scale) const {
+    const int64_t batch = plan_.batch(), kv_heads = plan_.kv_heads(), head_dim = plan_.head_dim();
     TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1, "DecodeBatch: q must be float32 "
                 "[B, H, D] with a contiguous last dim");
-    TORCH_CHECK(q.size(0) == batch_ && q.size(2) == head_dim_, "DecodeBatch: q must be [", batch_, ", H, ", head_dim_,
+    TORCH_CHECK(q.size(0) == batch && q.size(2) == head_dim, "DecodeBatch: q must be [", batch, ", H, ", head_dim,
                 "]");
-    TORCH_CHECK(q.size(1) % kv_heads_ == 0 && q.size(1) / kv_heads_ <= kBlockRows, "DecodeBatch: ", q.size(1),
-                " query heads for ", kv_heads_, " KV heads");
-    TORCH_CHECK(0 <= layer && layer < layers_, "DecodeBatch: layer ", layer, " of ", layers_);
+    TORCH_CHECK(q.size(1) % kv_heads == 0 && q.size(1) / kv_heads <= kBlockRows, "DecodeBatch: ", q.size(1),
+                " query heads for ", kv_heads, " KV heads");
+    TORCH_CHECK(0 <= layer && layer < plan_.layers(), "DecodeBatch: layer ", layer, " of ", plan_.layers());
     std::vector<RowSet> sets;
-    sets.reserve(plans_.size());
-    for (const Plan& plan : plans_) {
+    sets.reserve(plan_.plans().size());
+    for (const auto& plan : plan_.plans()) {
       RowSet set{plan.members, {}, 0};
-      for (const LayerPart& p : plan.parts) {
+      for (const auto& p : plan.parts) {
         set.parts.push_back({p.k + layer * p.k_layer, p.v + layer * p.v_layer, p.k_head, p.k_row, p.v_head, p.v_row,
                              p.n});
         set.n += p.n;
       }
       sets.push_back(std::move(set));
     }
-    auto out = torch::empty({batch_, q.size(1), head_dim_}, q.options());
-    auto lse = torch::empty({batch_, q.size(1)}, q.options());
+    auto out = torch::empty({batch, q.size(1), head_dim}, q.options());
+    auto lse = torch::empty({batch, q.size(1)}, q.options());
     const Queries rows{q.data_ptr<float>(), q.stride(0), q.stride(1)};
     const Outputs outs{out.data_ptr<float>(), out.stride(0), out.stride(1), lse.data_ptr<float>(), lse.stride(0),
                        lse.stride(1)};
     const float scale_log2 = static_cast<float>(scale) * kLog2e;
-    if (head_dim_ == 64) attend_sets_d<64>(sets, batch_, rows, outs, q.size(1), kv_heads_, scale_log2);
-    else attend_sets_d<128>(sets, batch_, rows, outs, q.size(1), kv_heads_, scale_log2);
+    if (head_dim == 64) attend_sets_d<64>(sets, batch, rows, outs, q.size(1), kv_heads, scale_log2);
+    else attend_sets_d<128>(sets, batch, rows, outs, q.size(1), kv_heads, scale_log2);
     return {out, lse};
   }
 
  private:
-  struct LayerPart {  // a segment's first n keys, every layer: layer l at k + l * k_layer
-    const float *k, *v;
-    int64_t k_layer, k_head, k_row, v_layer, v_head, v_row, n;
-  };
-  struct Plan {
-    std::vector<int64_t> members;
-    std::vector<LayerPart> parts;
-  };
-
-  LayerPart layer_part(const torch::Tensor& k, const torch::Tensor& v, int64_t n) const {
-    TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 4 && v.dim() == 4,
-                "DecodeBatch: KV must be float32 [L, H_kv, N, D]");
-    TORCH_CHECK(k.size(0) == layers_ && v.size(0) == layers_ && k.size(1) == kv_heads_ && v.size(1) == kv_heads_ &&
-                k.size(3) == head_dim_ && v.size(3) == head_dim_ && k.stride(3) == 1 && v.stride(3) == 1 &&
-                n <= k.size(2) && n <= v.size(2), "DecodeBatch: KV shapes disagree");
-    return {k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), n};
-  }
-
-  int64_t batch_, kv_heads_ = 0, head_dim_ = 0, layers_ = 0;
-  std::vector<Plan> plans_;
-  std::vector<std::vector<torch::Tensor>> keep_;  // the tensors the plans point into stay alive
+  decode_plan::StepPlan<float> plan_;
 };
 
 }  // namespace
