@@ -41,7 +41,10 @@ def available() -> list[NumericPath]:
     paths = [NumericPath(MAIN_RUN, {"PROMPTCACHE_DTYPE": "float32"}),
              NumericPath("bf16-torch", {"PROMPTCACHE_DTYPE": "bfloat16", "PROMPTCACHE_KERNEL_DIR": no_kernels_dir()},
                          "bfloat16")]
-    if avx2.KERNELS.supported() and kernel_build.library_path(library=avx2.LIBRARY).exists():
+    # A rerun under a no-kernels path hides the libraries from this process too: its path was listed by the run that
+    # chose it.
+    hidden = os.environ.get(kernel_build.KERNEL_DIR_ENV) == no_kernels_dir()
+    if avx2.KERNELS.supported() and (hidden or kernel_build.library_path(library=avx2.LIBRARY).exists()):
         paths.append(NumericPath("fp32-torch", {"PROMPTCACHE_DTYPE": "float32",
                                                 "PROMPTCACHE_KERNEL_DIR": no_kernels_dir()}))
     if bf16_kernel.supported() and kernel_build.library_path().exists():
