@@ -1,7 +1,7 @@
 """Which weight format a model is served in and the checkpoint blocks that go with it: `auto` (the server's default)
-serves a GGUF whose decoder layers are stored in 4 bits as stored where the int4 kernel is vectorized (AVX-512 CPUs;
-int4: the kernel reads them at a quarter of bf16's bytes, and nothing is rounded that the file did not round),
-anything else as loaded."""
+serves a GGUF whose decoder layers are stored in 4 bits as stored where an int4 product with vector code runs
+(`quantized_linear.int4_is_fast`; int4: the kernel reads them at a quarter of bf16's bytes, and nothing is rounded
+that the file did not round), in fp32 a native GGUF's Q8_0 head from its blocks, anything else as loaded."""
 
 from __future__ import annotations
 
