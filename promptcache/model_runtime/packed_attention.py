@@ -19,7 +19,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from promptcache.model_runtime.attention import OwnPool, SharedSegment, StepIndices, shared_module_attention
-from promptcache.model_runtime.attention.decode_batch import StepDecode, plan_step_decode
+from promptcache.model_runtime.attention.decode_batch import (
+    StepDecode,
+    decode_batch_type,
+    kernel_takes,
+    plan_step_decode,
+)
 from promptcache.model_runtime.attention.shared_prefix import SharedPrefixPlan, kernel_serves, plan_shared_prefix
 from promptcache.model_runtime.attention.sliding_window import WindowedPass
 from promptcache.model_runtime.kv_pool import KVPool
@@ -77,6 +82,8 @@ class BatchContext:
     deterministic: Any = field(default=None, repr=False)
     # A model with sliding-window layers: the pass's positions; a window layer it cuts attends through it alone.
     window: WindowedPass | None = field(default=None, repr=False)
+    # Per window of the pass's cut layers: their `DecodeBatch` where every sequence decodes and the kernel takes it
+    window_batches: dict[int, Any] = field(default_factory=dict, repr=False)
     # Per group of sequences attended by the general path: their own KV so far, per layer (keys, values).
     layer_views: dict[tuple[int, ...], list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]] = field(
         default_factory=dict, repr=False)
@@ -98,6 +105,24 @@ class BatchContext:
             self.decode = plan_step_decode(query, self.query_lens, self.own_keys, self.own_values, own_lens,
                                            self.segments, self.backend) or False
         return self.decode
+
+    def window_batch(self, query: torch.Tensor, layer: int) -> Any | None:
+        """The `DecodeBatch` of what the pass's queries reach through `layer`'s window (`query`: [1, H, total_q, D]),
+        planned once per window; None where not every sequence decodes or the kernel does not take the pass."""
+        assert self.window is not None
+        window = self.window.windows[layer]
+        assert window is not None
+        if window not in self.window_batches:
+            batch = None
+            if kernel_takes(query.dtype, query.device, query.shape[-1], self.query_lens, self.backend):
+                own_lens = [s + n for s, n in zip(self.own_starts, self.query_lens)]
+                parts = self.window.decode_parts(window, self.own_keys, self.own_values, own_lens)
+                if parts is not None:
+                    batch = decode_batch_type(query.dtype)(
+                        parts.own_keys, parts.own_values, parts.own_lens, parts.segment_keys, parts.segment_values,
+                        parts.segment_members)
+            self.window_batches[window] = batch
+        return self.window_batches[window]
 
     def plan_shared_prefix(self, query: torch.Tensor) -> SharedPrefixPlan | None:
         """The pass's tables for the shared-prefix kernel (`query`: the first layer's [1, H, Q, D]), or None."""
@@ -171,6 +196,8 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     layer = module.layer_idx
     if ctx.window is not None and ctx.window.cuts(layer):  # [1, H, total_q, D] -> [total_q, H, D] -> [1, total_q, H, D]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if (batch := ctx.window_batch(query, layer)) is not None:  # every sequence decodes: the window's suffixes
+            return batch.attend(query[0].transpose(0, 1), layer, scale)[0].unsqueeze(0), None
         everyone = tuple(range(len(ctx.query_lens)))
         own = ctx.window.attend(query[0].transpose(0, 1), layer, lambda at: ctx.own_kv(everyone, at), scale)
         return own.unsqueeze(0), None

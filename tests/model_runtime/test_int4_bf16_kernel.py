@@ -21,8 +21,8 @@ from promptcache.model_runtime.loading.quantized_linear import (
     INT4_KERNEL_ROWS,
     Int4Blocks,
     Int4Linear,
-    SplitByteLinear,
 )
+from promptcache.model_runtime.loading.stored_linear import SplitByteLinear
 
 pytestmark = pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
 
@@ -128,7 +128,9 @@ def test_a_q8_0_head_multiplies_as_the_file_stores_it(bf16_kernels, tmp_path, nu
     stored = _write_gguf(tmp_path / "m.gguf", "token_embd.weight", weight, GGMLQuantizationType.Q8_0)
     blocks = read_q8_0_head(tmp_path / "m.gguf")[HEAD]
     want_weight = torch.from_numpy(dequantize(stored, GGMLQuantizationType.Q8_0).copy())
-    assert torch.equal(blocks.dequantized()[:, :128] + blocks.dequantized()[:, 128:], want_weight)
+    assert torch.equal(blocks.dequantized(), want_weight)
+    planes = blocks.planes().dequantized()  # [96, 2 x 128]: high plane | low plane
+    assert torch.equal(planes[:, :128] + planes[:, 128:], want_weight)
     head = SplitByteLinear(blocks, torch.bfloat16)
     assert head.planes.kernel_scales is not None and head.planes.kernel_scales.dtype == torch.float16
     x = torch.randn(num_rows, 128, generator=torch.Generator().manual_seed(num_rows)).bfloat16()

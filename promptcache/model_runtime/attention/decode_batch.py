@@ -93,6 +93,8 @@ def decode_batch_type(dtype: torch.dtype) -> Any:
 
 def kernel_takes(dtype: torch.dtype, device: torch.device, head_dim: int, query_lens: Sequence[int],
                  backend: str) -> bool:
-    """Whether a decode kernel takes a step: `auto`, a CPU, a kernel loaded for `dtype`, HEAD_DIMS, one token each."""
-    return (backend == "auto" and device.type == "cpu" and head_dim in bf16_kernel.HEAD_DIMS
+    """Whether a decode kernel takes a step: `auto`, a CPU, a kernel loaded for `dtype` and its head dims, one token
+    each."""
+    head_dims = bf16_kernel.HEAD_DIMS if dtype == torch.bfloat16 else avx2.DECODE_HEAD_DIMS
+    return (backend == "auto" and device.type == "cpu" and head_dim in head_dims
             and all(n == 1 for n in query_lens) and decode_batch_type(dtype) is not None)

@@ -28,6 +28,19 @@ class _Gather:
     mask: torch.Tensor  # [T_i, m] bool, True = attend; m: the gathered keys, parts in order
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeParts:
+    """A `DecodeBatch`'s arguments (attention/decode_batch.py), in its order: own keys, values, lengths; segment keys,
+    values, member sequences."""
+
+    own_keys: list[torch.Tensor]
+    own_values: list[torch.Tensor]
+    own_lens: list[int]
+    segment_keys: list[torch.Tensor]
+    segment_values: list[torch.Tensor]
+    segment_members: list[list[int]]
+
+
 @dataclass(eq=False)
 class WindowedPass:
     """The positions one forward pass attends, for its sliding-window layers (built on the host by the runner).
@@ -86,6 +99,41 @@ class WindowedPass:
                 out[gather.rows] = _sdpa(q, keys, values, gather.mask, scale)
         return out
 
+    def decode_parts(self, window: int, own_keys: Sequence[torch.Tensor], own_values: Sequence[torch.Tensor],
+                     own_lens: Sequence[int]) -> DecodeParts | None:
+        """For a pass where every sequence decodes one token: what its query reaches on layers of `window` (keys at
+        positions > q - W), as the decode kernel's `DecodeBatch` takes it (own KV [L, H_kv, capacity, D] holding
+        own_lens keys): views, nothing copied. Own KV lies at ascending positions, so a query reaches its suffix; a
+        segment (prefix blocks need not lie in position order) is cut into the runs of keys a member reaches, each
+        run one view for the members that reach exactly it. None where own positions do not ascend (the masked path
+        takes the pass)."""
+        if self.per_row or any(q.numel() != 1 for q in self.query_positions):
+            return None
+        reach = [int(q[0]) - window for q in self.query_positions]
+        own_k, own_v, lens = [], [], []
+        for seq, (keys, values, n) in enumerate(zip(own_keys, own_values, own_lens)):
+            positions = self.own_positions[seq]
+            assert positions.numel() == n, "own positions after the writes, one per own key"
+            if positions.numel() > 1 and not bool((positions[1:] >= positions[:-1]).all()):
+                return None
+            start = int(torch.searchsorted(positions, reach[seq], right=True))
+            own_k.append(keys[:, :, start:])
+            own_v.append(values[:, :, start:])
+            lens.append(n - start)
+        seg_k, seg_v, seg_members = [], [], []
+        for (keys, values, members, offsets), positions in zip(self.segments, self.segment_positions):
+            by_run: dict[tuple[int, int], list[int]] = {}
+            for index, seq in enumerate(members):
+                if offsets and offsets[index] > 0:
+                    continue  # a row offset of 1 or more hides the segment from a sequence's one row
+                for run in _runs(positions > reach[seq]):
+                    by_run.setdefault(run, []).append(seq)
+            for (start, end), seeing in by_run.items():
+                seg_k.append(keys[:, :, start:end])
+                seg_v.append(values[:, :, start:end])
+                seg_members.append(seeing)
+        return DecodeParts(own_k, own_v, lens, seg_k, seg_v, seg_members)
+
     def _parts(self, gather: _Gather, layer: int, own: torch.Tensor, which: int) -> list[torch.Tensor]:
         found = []
         for part, index in gather.parts:
@@ -141,3 +189,12 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch
                                          attn_mask=None if mask is None else mask[None, None], scale=scale,
                                          enable_gqa=keys.shape[0] != q.shape[1])  # [1, H, T, D]
     return out[0].transpose(0, 1)
+
+
+def _runs(kept: torch.Tensor) -> list[tuple[int, int]]:
+    """The [start, end) index ranges where `kept` [n] bool is True, in order."""
+    if not bool(kept.any()):
+        return []
+    flags = torch.cat([kept.new_zeros(1), kept, kept.new_zeros(1)]).to(torch.int8)  # [n + 2]
+    edges = (flags[1:] - flags[:-1]).nonzero()[:, 0].tolist()  # a run's start (+1), then its end (-1)
+    return list(zip(edges[0::2], edges[1::2], strict=True))

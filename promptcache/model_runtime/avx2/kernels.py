@@ -50,6 +50,9 @@ def int8_ops() -> Int8Ops | None:
     return None if module is None else Int8Ops(module.int8_pack, module.int8_mm)
 
 
+DECODE_HEAD_DIMS = (64, 128, 256)  # the fp32 DecodeBatch's head dims (the bf16 one's: bf16_kernel.HEAD_DIMS)
+
+
 def decode_batch_type() -> Any:
     """The fp32 `DecodeBatch` (csrc/decode_f32.cpp) if the library is loaded here, else None: the bf16 kernel's
     interface (attention/decode_batch.py) for fp32 KV."""

@@ -1,7 +1,8 @@
 """GGUF's 4-bit block types as Int4Blocks (per 32 inputs `w = scale * q + minimum`, q in 0..15), read bit for bit:
 Q4_0 (`d * (q - 8)`: scale d, minimum -8 d), Q4_1 (`d * q + m`) and Q4_K (super-blocks of 256 with eight 6-bit scales
-and mins, `d * sc * q - dmin * m`: scale d * sc, minimum -dmin * m). In fp32 each product and the one sum round as
-gguf's own dequantize rounds them, so the weights are equal bit for bit (tests/model_runtime/test_gguf_blocks.py)."""
+and mins, `d * sc * q - dmin * m`: scale d * sc, minimum -dmin * m); its 8-bit ones as Int8Blocks (`scale * q` per 32
+inputs): Q8_0 (`d * q`) and Q5_0 (`d * (q - 16)`, q in 0..31). In fp32 each product and the one sum round as gguf's
+own dequantize rounds them, so the weights are equal bit for bit (tests/model_runtime/test_gguf_blocks.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import numpy as np
 import torch
 
 from promptcache.model_runtime.loading.quantized_linear import GROUP_SIZE, Int4Blocks
+from promptcache.model_runtime.loading.stored_linear import Int8Blocks
 
 Q4_0_BLOCK_BYTES = 2 + GROUP_SIZE // 2  # fp16 d, 32 nibbles
 Q4_1_BLOCK_BYTES = 4 + GROUP_SIZE // 2  # fp16 d, fp16 m, 32 nibbles
+Q8_0_BLOCK_BYTES = 2 + GROUP_SIZE  # fp16 d, 32 int8
+Q5_0_BLOCK_BYTES = 2 + 4 + GROUP_SIZE // 2  # fp16 d, 32 fifth bits, 32 nibbles
 SUPER_BLOCK = 256  # QK_K: weights of one Q4_K block
 Q4_K_BLOCK_BYTES = 4 + 12 + SUPER_BLOCK // 2  # fp16 d, fp16 dmin, 8 x (6-bit scale, 6-bit min) in 12 bytes, nibbles
 _SUB_BLOCKS = SUPER_BLOCK // GROUP_SIZE  # 8
@@ -47,6 +51,23 @@ def q4_k_blocks(raw: np.ndarray) -> Int4Blocks:
     nibbles = data[..., 16:].reshape(out_features, num_super, 4, 1, GROUP_SIZE)  # [out, in / 256, 4, 1, 32]
     values = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=3)  # [out, in / 256, 4, 2, 32]
     return Int4Blocks(values.reshape(out_features, -1), scales, minimums)
+
+
+def q8_0_blocks(raw: np.ndarray) -> Int8Blocks:
+    """Q8_0 bytes [out, in / 32 * 34] -> Int8Blocks (a block: fp16 d, 32 int8)."""
+    data = _bytes(raw, Q8_0_BLOCK_BYTES)  # [out, in / G, 34]
+    return Int8Blocks(data[..., 2:].contiguous().view(torch.int8).reshape(data.shape[0], -1), _fp16(data[..., 0:2]))
+
+
+def q5_0_blocks(raw: np.ndarray) -> Int8Blocks:
+    """Q5_0 bytes [out, in / 32 * 22] -> Int8Blocks of q - 16 (ggml's block_q5_0: fp16 d, a little-endian uint32
+    whose bit j is value j's fifth bit, nibbles of values 0..15 | 16..31)."""
+    data = _bytes(raw, Q5_0_BLOCK_BYTES)  # [out, in / G, 22]
+    high_bits = data[..., 2:6].to(torch.int64)  # [out, in / G, 4] bytes of the uint32, low byte first
+    bit = torch.arange(GROUP_SIZE)
+    fifth = (high_bits[..., bit // 8] >> (bit % 8)) & 1  # [out, in / G, 32]
+    values = _low_then_high(data[..., 6:]).view(*fifth.shape).to(torch.int64) | (fifth << 4)  # 0..31
+    return Int8Blocks((values - 16).to(torch.int8).reshape(data.shape[0], -1), _fp16(data[..., 0:2]))
 
 
 def _bytes(raw: np.ndarray, block_bytes: int) -> torch.Tensor:

@@ -23,8 +23,9 @@ from promptcache.model_runtime.loading.architectures import (
     max_positions,
 )
 from promptcache.model_runtime.loading.packed_linear import pack_linears
-from promptcache.model_runtime.loading.quantized_linear import Int4Blocks, WeightFormat
+from promptcache.model_runtime.loading.quantized_linear import WeightFormat
 from promptcache.model_runtime.loading.sources import model_source
+from promptcache.model_runtime.loading.stored_linear import StoredBlocks, quantize_linears
 from promptcache.model_runtime.loading.stored_weights import StoredWeights
 from promptcache.model_runtime.rope_shift import KeyShifter
 
@@ -152,7 +153,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
 
 def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str,
                pack_weights: bool = False, fuse_layers: bool = False, weights: WeightFormat = WeightFormat.NATIVE,
-               blocks: Mapping[str, Int4Blocks] | None = None, wider: frozenset[str] = frozenset(),
+               blocks: Mapping[str, StoredBlocks] | None = None, wider: frozenset[str] = frozenset(),
                deterministic: bool = False) -> LoadedModel:
     """Check and describe an in-process model as `load_model` does, in eval mode. After fingerprinting the weights (so
     packed, fused and plain servers share KV keys) it fuses layers, quantizes to `weights` (`blocks` as stored, `wider`
@@ -186,7 +187,7 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
     else:
         if fuse_layers:
             fused_layers.fuse_layers(model)  # before quantizing and packing: they pick up the fused projections
-        quantized_linear.quantize_linears(model, weights, blocks, wider)
+        quantize_linears(model, weights, blocks, wider)
         if pack_weights:
             pack_linears(model)
     return LoadedModel(

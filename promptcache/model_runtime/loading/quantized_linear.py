@@ -1,15 +1,14 @@
-"""int8 / int4 weight-only CPU linear layers (PyTorch's kernels): `quantize_linears` puts them in, `kernel_problem` says
-whether this machine runs them. int4 is GGUF's Q4_1 (`w = d * q + m` per GROUP_SIZE inputs: the kernel's `(q - 8) * s
-+ z` with s = d, z = m + 8 d), loaded as stored. From *_DEQUANTIZE_ROWS rows a dequantized copy runs through oneDNN;
-below INT4_KERNEL_ROWS, our own int4 product where it is built: bf16 on AVX512-BF16 (attention/csrc/int4_bf16.cpp),
-fp32 on AVX2 (avx2/csrc/int4_f32.cpp)."""
+"""int8 / int4 weight-only CPU linear layers (PyTorch's kernels): `stored_linear.quantize_linears` puts them in,
+`kernel_problem` says whether this machine runs them. int4 is GGUF's Q4_1 (`w = d * q + m` per GROUP_SIZE inputs: the
+kernel's `(q - 8) * s + z` with s = d, z = m + 8 d), loaded as stored. From *_DEQUANTIZE_ROWS rows a dequantized copy
+runs through oneDNN; below INT4_KERNEL_ROWS, our own int4 product where it is built: bf16 on AVX512-BF16
+(attention/csrc/int4_bf16.cpp), fp32 on AVX2 (avx2/csrc/int4_f32.cpp)."""
 
 from __future__ import annotations
 
 import enum
 import functools
 import logging
-from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +16,6 @@ import torch
 from promptcache.model_runtime import avx2
 from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.attention.bf16_kernel import Int4Ops
-from promptcache.model_runtime.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -226,80 +224,6 @@ class Int4Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class SplitByteLinear(torch.nn.Module):
-    """`y = x @ W^T` for an 8-bit weight as two 4-bit planes (read_q8_0_head): `[x, x] @ [W_high | W_low]^T`; in fp32
-    where the AVX2 library is loaded, decode rows multiply the Q8_0 bytes themselves (`kernel_values`, `kernel_scales`:
-    half the arithmetic of two planes, the same weights)."""
-
-    kernel_values: torch.Tensor | None
-    kernel_scales: torch.Tensor | None
-
-    def __init__(self, blocks: Int4Blocks, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.planes = Int4Linear(blocks, None, dtype)
-        self.in_features, self.out_features = self.planes.in_features // 2, self.planes.out_features
-        ops = avx2.int8_ops() if dtype == torch.float32 else None
-        packed = ops.pack(*_q8_0_of_planes(blocks)) if ops is not None else [None] * 2
-        for name, tensor in zip(("kernel_values", "kernel_scales"), packed, strict=True):
-            self.register_buffer(name, tensor, persistent=False)  # derived from the blocks: not in state_dict
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)  # [rows, in]
-        ops = avx2.int8_ops() if self.kernel_values is not None and rows.dtype == torch.float32 else None
-        if ops is not None and rows.shape[0] < INT4_DEQUANTIZE_ROWS:
-            y = ops.mm(rows.contiguous(), self.kernel_values, self.kernel_scales)
-            return y.view(*x.shape[:-1], self.out_features)
-        return self.planes(torch.cat([x, x], dim=-1))  # [..., 2 in] -> [..., out]
-
-
-def _q8_0_of_planes(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 [out, in], d fp32 [out, in / GROUP_SIZE]) of read_q8_0_head's planes: q = 16 h + l - 128 with h, l the
-    high and low planes' values, d the low plane's scale."""
-    in_features = blocks.values.shape[1] // 2
-    high, low = blocks.values[:, :in_features].int(), blocks.values[:, in_features:].int()
-    return (16 * high + low - 128).to(torch.int8), blocks.scales[:, in_features // GROUP_SIZE:].contiguous()
-
-
-def quantize_linears(model: torch.nn.Module, weights: WeightFormat, blocks: Mapping[str, Int4Blocks] | None = None,
-                     wider: Collection[str] = frozenset()) -> int:
-    """Replace a CPU model's `nn.Linear` layers with Int8Linear or Int4Linear in place (after fusing, before packing);
-    returns how many. int4 uses `blocks` (HF module name -> the checkpoint's 4-bit weights) as stored and keeps float
-    a layer not `fits_int4` or built from one the checkpoint stores in more bits (`wider`: not rounded again).
-    The output head stays as loaded unless `blocks` holds its 8 bits (HEAD)."""
-    assert weights is not WeightFormat.AUTO, "resolved before loading (stored_weights.choose)"
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    head_blocks = (blocks or {}).get(HEAD) if weights is not WeightFormat.INT8 else None
-    if weights is WeightFormat.NATIVE:  # at most the head, from its 8 bits (stored_weights: fp32 only, exact)
-        return _replace_head(model, head, head_blocks) if head_blocks is not None else 0
-    wider_sources = frozenset(wider)
-    replaced = 0
-    for prefix, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not torch.nn.Linear or child.weight.device.type != "cpu":
-                continue
-            dtype = child.weight.dtype
-            if child is head:
-                if head_blocks is None:
-                    continue
-                layer: torch.nn.Module = SplitByteLinear(head_blocks, dtype)  # the file's own 8 bits
-            elif weights is WeightFormat.INT8:
-                layer = Int8Linear(child)
-            elif fits_int4(child) and not wider_sources.intersection(names := _sources(parent, prefix, name)):
-                stored = _stored(blocks or {}, names)
-                layer = Int4Linear(stored or Int4Blocks.of(child.weight, dtype), child.bias, dtype)
-            elif fits_int4(child):
-                logger.info("%s.%s keeps its float weight: the checkpoint stores it in more than 4 bits", prefix, name)
-                continue
-            else:
-                logger.info("%s.%s keeps its float weight: %s x %s is not an int4 kernel shape",
-                            prefix, name, child.out_features, child.in_features)
-                continue
-            setattr(parent, name, layer)
-            replaced += 1
-    return replaced
-
-
 @functools.cache
 def kernel_problem(weights: WeightFormat, dtype: torch.dtype) -> str | None:
     """Why `weights` cannot run here for `dtype` activations (a missing op, a refusing CPU, wrong results
@@ -329,32 +253,6 @@ def kernel_problem(weights: WeightFormat, dtype: torch.dtype) -> str | None:
     except Exception as exc:  # an op missing from this torch build or refusing this CPU
         return f"{type(exc).__name__}: {exc}"
     return None
-
-
-def _replace_head(model: torch.nn.Module, head: torch.nn.Module | None, blocks: Int4Blocks) -> int:
-    """Put a SplitByteLinear of `blocks` in the head's place (1), or leave a model without a CPU head alone (0)."""
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            if child is head and type(child) is torch.nn.Linear and child.weight.device.type == "cpu":
-                setattr(parent, name, SplitByteLinear(blocks, child.weight.dtype))
-                return 1
-    return 0
-
-
-def _sources(parent: torch.nn.Module, prefix: str, name: str) -> list[str]:
-    """The checkpoint's module names behind `parent.name` (a fused layer's joined projections, else itself)."""
-    return [f"{prefix}.{source}".lstrip(".") for source in getattr(parent, "JOINED_PROJECTIONS", {}).get(name, (name,))]
-
-
-def _stored(blocks: Mapping[str, Int4Blocks], names: list[str]) -> Int4Blocks | None:
-    """The checkpoint's blocks of the layers `names` side by side; None when it stores none of them as
-    blocks. Some but not all would mix rounding schemes inside one layer: refused."""
-    found = [blocks[n] for n in names if n in blocks]
-    if not found:
-        return None
-    if len(found) < len(names):
-        raise ModelLoadError(f"the checkpoint stores 4-bit blocks for only some of {names}")
-    return found[0] if len(found) == 1 else Int4Blocks.concatenated(found)
 
 
 def fits_int4(linear: torch.nn.Linear) -> bool:

@@ -1,7 +1,9 @@
 """Which weight format a model is served in and the checkpoint blocks that go with it: `auto` (the server's default)
 serves a GGUF whose decoder layers are stored in 4 bits as stored where an int4 product with vector code runs
 (`quantized_linear.int4_is_fast`; int4: the kernel reads them at a quarter of bf16's bytes, and nothing is rounded
-that the file did not round), in fp32 a native GGUF's Q8_0 head from its blocks, anything else as loaded."""
+that the file did not round); a GGUF it serves native, in fp32 on a CPU with the AVX2 products, multiplies every block
+that widens to fp32 exactly (Q8_0, Q5_0, Q4_0, Q4_1, Q4_K layers and a Q8_0 head: the widened model's very weights)
+from the file's blocks; anything else as loaded."""
 
 from __future__ import annotations
 
@@ -14,20 +16,21 @@ import torch
 
 from promptcache.model_runtime.errors import ModelLoadError
 from promptcache.model_runtime.loading import quantized_linear
-from promptcache.model_runtime.loading.quantized_linear import Int4Blocks, WeightFormat
+from promptcache.model_runtime.loading.quantized_linear import WeightFormat
+from promptcache.model_runtime.loading.stored_linear import StoredBlocks
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class StoredWeights:
-    """The format a model loads in (never auto); for int4 from a GGUF its 4-bit blocks by HF module name (with its
-    8-bit head under HEAD) and `wider`, the layers it stores in more bits (kept float: never rounded to 4 bits);
-    `reason`: why this format (the startup log says it)."""
+    """The format a model loads in (never auto); the checkpoint's blocks served as stored by HF module name (its 8-bit
+    head under HEAD): for int4 its 4-bit layers, for native under auto in fp32 those that widen exactly; `wider`, the
+    layers int4 keeps float (stored in more bits: never rounded to 4 bits); `reason`: why (the startup log says it)."""
 
     weights: WeightFormat
     reason: str
-    blocks: Mapping[str, Int4Blocks] = field(default_factory=dict)
+    blocks: Mapping[str, StoredBlocks] = field(default_factory=dict)
     wider: frozenset[str] = frozenset()
 
 
@@ -35,37 +38,54 @@ def choose(requested: WeightFormat, gguf: Path | None, num_heads: int, num_kv_he
            dtype: torch.dtype, deterministic: bool, model_type: str = "llama") -> StoredWeights:
     """Resolve `requested` for a checkpoint (`gguf`: the file it was loaded from, None for other formats; `model_type`:
     what transformers loaded it as) served on `device` in `dtype`, and read the file's blocks if it is served int4.
-    Called once per load, before the model is wrapped; reads the file's header (auto) and its 4-bit tensors (int4).
+    Called once per load, before the model is wrapped; reads the file's header (auto) and the tensors it serves as
+    stored.
     Raises ModelLoadError if the file is unreadable, or int4 is asked for a GGUF whose tensors gguf_weights does not
     map (BLOCK_ARCHITECTURES)."""
-    from promptcache.model_runtime.loading import gguf_weights
 
     weights, reason = requested, "asked for"
     if requested is WeightFormat.AUTO:
         weights, reason = _auto(gguf, model_type, device, dtype, deterministic)
-        logger.info("weights auto: %s (%s)", weights.value, reason)
+    stored = _blocks(requested, weights, reason, gguf, num_heads, num_kv_heads, device=device, dtype=dtype,
+                     deterministic=deterministic, model_type=model_type)
+    if requested is WeightFormat.AUTO:
+        logger.info("weights auto: %s (%s)", stored.weights.value, stored.reason)
+    return stored
+
+
+def _blocks(requested: WeightFormat, weights: WeightFormat, reason: str, gguf: Path | None, num_heads: int,
+            num_kv_heads: int, *, device: str, dtype: torch.dtype, deterministic: bool,
+            model_type: str) -> StoredWeights:
+    """`weights` (resolved) with the file's blocks it serves as stored: int4's 4-bit layers and 8-bit head; under
+    auto, native's exactly widening blocks where they run (`exact_blocks_here`)."""
+    from promptcache.model_runtime.loading import gguf_weights
+
     if weights is not WeightFormat.INT4 or gguf is None:
-        if requested is WeightFormat.AUTO and _head_as_stored(gguf, device, dtype, deterministic):
-            assert gguf is not None
-            head = gguf_weights.read_q8_0_head(gguf)
-            if head:  # the very weights the widened head holds, at a quarter of its bytes
-                return StoredWeights(weights, f"{reason}; the output head multiplies the file's Q8_0 blocks", head)
+        if requested is WeightFormat.AUTO and gguf is not None and exact_blocks_here(device, dtype, deterministic):
+            blocks: dict[str, StoredBlocks] = dict(gguf_weights.read_q8_0_head(gguf))
+            if model_type in gguf_weights.BLOCK_ARCHITECTURES:
+                blocks |= gguf_weights.read_layers(gguf, num_heads, num_kv_heads, model_type=model_type,
+                                                   int8=True).blocks
+            if blocks:  # the very weights the widened model holds, at a quarter to an eighth of their bytes
+                return StoredWeights(weights, f"{reason}; the file's blocks of {len(blocks)} layers multiply as stored "
+                                              "(exact in fp32)", blocks)
         return StoredWeights(weights, reason)
     if model_type not in gguf_weights.BLOCK_ARCHITECTURES:
         readable = ", ".join(sorted(gguf_weights.BLOCK_ARCHITECTURES))
         raise ModelLoadError(f"int4 weights read the 4-bit blocks of {readable} GGUF files, not of {gguf.name} "
                              f"({model_type}); serve it with --weights native (or auto)")
-    layers = gguf_weights.read_layers(gguf, num_heads, num_kv_heads)
+    layers = gguf_weights.read_layers(gguf, num_heads, num_kv_heads, model_type=model_type)
     return StoredWeights(weights, reason, {**layers.blocks, **gguf_weights.read_q8_0_head(gguf)}, layers.wider)
 
 
-def _head_as_stored(gguf: Path | None, device: str, dtype: torch.dtype, deterministic: bool) -> bool:
-    """Whether auto serves a native GGUF's Q8_0 output head from its blocks: in fp32 on a CPU with the AVX2 Q8_0 product
-    (an fp16 scale times an int8 is exact in fp32, so the weights are the widened head's)."""
+def exact_blocks_here(device: str, dtype: torch.dtype, deterministic: bool) -> bool:
+    """Whether auto serves a native GGUF's exactly widening blocks as stored: in fp32 on a CPU with the AVX2 int8 and
+    int4 products (an fp16 scale times an int8, and Q4_K's scale times a nibble plus its minimum, round in fp32 as
+    the widened weights do: the same weights, summed in another order)."""
     from promptcache.model_runtime import avx2
 
-    return (gguf is not None and device == "cpu" and dtype == torch.float32 and not deterministic
-            and avx2.int8_ops() is not None)
+    return (device == "cpu" and dtype == torch.float32 and not deterministic and avx2.int8_ops() is not None
+            and avx2.int4_ops() is not None)
 
 
 def _auto(gguf: Path | None, model_type: str, device: str, dtype: torch.dtype,

@@ -256,8 +256,8 @@ class DecodeBatch {
               std::vector<std::vector<int64_t>> seg_members)
       : plan_(std::move(own_k), std::move(own_v), std::move(own_lens), std::move(seg_k), std::move(seg_v),
               std::move(seg_members), at::kFloat, "float32") {
-    TORCH_CHECK(plan_.head_dim() == 64 || plan_.head_dim() == 128, "DecodeBatch: head dim must be 64 or 128, got ",
-                plan_.head_dim());
+    TORCH_CHECK(plan_.head_dim() == 64 || plan_.head_dim() == 128 || plan_.head_dim() == 256,
+                "DecodeBatch: head dim must be 64, 128 or 256, got ", plan_.head_dim());
     std::vector<bool> covered(plan_.batch(), false);
     for (const auto& plan : plan_.plans())
       for (int64_t b : plan.members) covered[b] = true;
@@ -292,7 +292,8 @@ class DecodeBatch {
                        lse.stride(1)};
     const float scale_log2 = static_cast<float>(scale) * kLog2e;
     if (head_dim == 64) attend_sets_d<64>(sets, batch, rows, outs, q.size(1), kv_heads, scale_log2);
-    else attend_sets_d<128>(sets, batch, rows, outs, q.size(1), kv_heads, scale_log2);
+    else if (head_dim == 128) attend_sets_d<128>(sets, batch, rows, outs, q.size(1), kv_heads, scale_log2);
+    else attend_sets_d<256>(sets, batch, rows, outs, q.size(1), kv_heads, scale_log2);  // Gemma 3
     return {out, lse};
   }
 

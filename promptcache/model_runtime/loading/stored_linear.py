@@ -1,0 +1,201 @@
+"""Linear layers that multiply a checkpoint's stored blocks, and `quantize_linears`, which puts every quantized or
+as-stored layer in a CPU model. A GGUF's 8-bit blocks (Q8_0, and Q5_0's `d * (q - 16)`) are Int8Blocks: in fp32,
+where the AVX2 library is loaded, `Int8BlockLinear` multiplies their bytes (an fp16 scale times an int8 is exact in
+fp32: the widened layer's very weights, summed in another order); elsewhere an 8-bit head runs as two 4-bit planes
+(`SplitByteLinear`). 4-bit blocks are quantized_linear's Int4Blocks and Int4Linear."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from promptcache.model_runtime import avx2
+from promptcache.model_runtime.errors import ModelLoadError
+from promptcache.model_runtime.loading.quantized_linear import (
+    GROUP_SIZE,
+    HEAD,
+    INT4_DEQUANTIZE_ROWS,
+    Int4Blocks,
+    Int4Linear,
+    Int8Linear,
+    WeightFormat,
+    fits_int4,
+)
+
+logger = logging.getLogger(__name__)
+
+INT8_BLOCK_ROWS = INT4_DEQUANTIZE_ROWS  # from here on a dequantized copy through oneDNN beats the int8 product
+_CHANNEL_BLOCK = 8  # the int8 product's output channels per block
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Blocks:
+    """One linear layer's 8-bit weights: `w[n, k] = scales[n, g] * values[n, k]` with g = k // GROUP_SIZE (Q8_0's
+    form)."""
+
+    values: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out, in // GROUP_SIZE] float32
+
+    def __post_init__(self) -> None:
+        out_features, in_features = self.values.shape
+        assert self.values.dtype == torch.int8 and in_features % GROUP_SIZE == 0, (self.values.dtype, in_features)
+        assert self.scales.shape == (out_features, in_features // GROUP_SIZE)
+
+    @classmethod
+    def concatenated(cls, parts: list[Int8Blocks]) -> Int8Blocks:
+        """The blocks of one layer whose output is `parts`' outputs side by side."""
+        return cls(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]))
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [out, in] the blocks describe."""
+        out_features, in_features = self.values.shape
+        groups = self.values.view(out_features, -1, GROUP_SIZE).float() * self.scales[..., None]  # [out, in / G, G]
+        return groups.view(out_features, in_features)
+
+    def planes(self) -> Int4Blocks:
+        """The weight as one int4 layer over the input written twice: q = 16 h + l - 128 (h, l: q + 128's nibbles)
+        splits into groups of scale 16 d, minimum -128 d (high plane) and of scale d, minimum 0 (low plane)."""
+        biased = (self.values.to(torch.int16) + 128).to(torch.uint8)  # [out, in]
+        d = self.scales
+        return Int4Blocks(torch.cat([biased >> 4, biased & 0x0F], dim=1), torch.cat([16 * d, d], dim=1),
+                          torch.cat([-128 * d, torch.zeros_like(d)], dim=1))
+
+
+StoredBlocks = Int4Blocks | Int8Blocks  # a layer's weights as its checkpoint stores them
+
+
+def int8_blocks_run_here(dtype: torch.dtype) -> bool:
+    """Whether `Int8BlockLinear` runs for `dtype` activations here: fp32 with the AVX2 library loaded."""
+    return dtype == torch.float32 and avx2.int8_ops() is not None
+
+
+class Int8BlockLinear(torch.nn.Module):
+    """`y = x @ W^T + b` for Int8Blocks in fp32: up to INT8_BLOCK_ROWS rows the AVX2 int8 product reads the packed
+    bytes (`weight_int8`, `block_scales`: int8_pack's layout), more rows multiply a dequantized fp32 copy."""
+
+    weight_int8: torch.Tensor
+    block_scales: torch.Tensor
+
+    def __init__(self, blocks: Int8Blocks, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        ops = avx2.int8_ops()
+        if ops is None:
+            raise ModelLoadError("8-bit blocks are multiplied by the AVX2 library, which is not loaded here")
+        self.out_features, self.in_features = blocks.values.shape
+        if self.out_features % _CHANNEL_BLOCK:
+            raise ModelLoadError(f"the int8 product needs outputs in multiples of {_CHANNEL_BLOCK}, "
+                                 f"not {self.out_features}")
+        packed, scales = ops.pack(blocks.values.contiguous(), blocks.scales.float().contiguous())
+        self.register_buffer("weight_int8", packed)    # [out / 8, in / 8, 64]
+        self.register_buffer("block_scales", scales)   # [out / 8, in / G, 8] fp16 where exact, else fp32
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # [rows, in]
+        ops = avx2.int8_ops()
+        if ops is not None and rows.shape[0] < INT8_BLOCK_ROWS:
+            y = ops.mm(rows.float().contiguous(), self.weight_int8, self.block_scales)  # [rows, out]
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = torch.nn.functional.linear(rows, self.blocks().dequantized(), self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def blocks(self) -> Int8Blocks:
+        """The Int8Blocks back from the packed layout (byte 8n + j of an octet: channel j's input 8t + n)."""
+        channel_blocks, octets, _ = self.weight_int8.shape
+        values = self.weight_int8.view(channel_blocks, octets, 8, _CHANNEL_BLOCK).permute(0, 3, 1, 2)
+        scales = self.block_scales.permute(0, 2, 1).reshape(self.out_features, -1).float()  # [out, in / G]
+        return Int8Blocks(values.reshape(self.out_features, self.in_features), scales)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class SplitByteLinear(torch.nn.Module):
+    """`y = x @ W^T` for an 8-bit head where the int8 product does not run (bf16): its two 4-bit planes
+    (`Int8Blocks.planes`) through the int4 layer, `[x, x] @ [W_high | W_low]^T`."""
+
+    def __init__(self, blocks: Int8Blocks, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.planes = Int4Linear(blocks.planes(), None, dtype)
+        self.in_features, self.out_features = blocks.values.shape[1], blocks.values.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.planes(torch.cat([x, x], dim=-1))  # [..., 2 in] -> [..., out]
+
+
+def head_layer(blocks: Int8Blocks, dtype: torch.dtype) -> torch.nn.Module:
+    """The layer that serves an 8-bit head's blocks in `dtype`: the int8 product where it runs, else the planes."""
+    return Int8BlockLinear(blocks, None) if int8_blocks_run_here(dtype) else SplitByteLinear(blocks, dtype)
+
+
+def quantize_linears(model: torch.nn.Module, weights: WeightFormat, blocks: Mapping[str, StoredBlocks] | None = None,
+                     wider: Collection[str] = frozenset()) -> int:
+    """Replace a CPU model's `nn.Linear` layers in place (after fusing, before packing); returns how many. A layer
+    whose checkpoint modules all have `blocks` (HF module name -> as stored; HEAD: the output head's 8 bits) of one
+    kind multiplies them, in any format but int8. Otherwise int8 quantizes every layer, int4 every layer that
+    `fits_int4` and is not built from one the checkpoint stores in more bits (`wider`: not rounded again), native
+    none."""
+    assert weights is not WeightFormat.AUTO, "resolved before loading (stored_weights.choose)"
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    stored_blocks = blocks if blocks is not None and weights is not WeightFormat.INT8 else {}
+    wider_sources = frozenset(wider)
+    replaced = 0
+    for prefix, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or child.weight.device.type != "cpu":
+                continue
+            dtype = child.weight.dtype
+            names = _sources(parent, prefix, name)
+            layer: torch.nn.Module | None
+            if child is head:
+                head_blocks = stored_blocks.get(HEAD)
+                layer = None if not isinstance(head_blocks, Int8Blocks) else head_layer(head_blocks, dtype)
+            elif (stored := _stored(stored_blocks, names, wider_sources)) is not None:
+                layer = _stored_layer(stored, child, dtype)
+            elif weights is WeightFormat.INT8:
+                layer = Int8Linear(child)
+            elif weights is WeightFormat.NATIVE:
+                layer = None
+            elif fits_int4(child) and not wider_sources.intersection(names):
+                layer = Int4Linear(Int4Blocks.of(child.weight, dtype), child.bias, dtype)
+            else:
+                logger.info("%s.%s keeps its float weight: %s", prefix, name,
+                            "the checkpoint stores it in more than 4 bits" if fits_int4(child) else
+                            f"{child.out_features} x {child.in_features} is not an int4 kernel shape")
+                layer = None
+            if layer is not None:
+                setattr(parent, name, layer)
+                replaced += 1
+    return replaced
+
+
+def _stored_layer(stored: StoredBlocks, child: torch.nn.Linear, dtype: torch.dtype) -> torch.nn.Module:
+    if isinstance(stored, Int8Blocks):
+        return Int8BlockLinear(stored, child.bias)
+    return Int4Linear(stored, child.bias, dtype)
+
+
+def _sources(parent: torch.nn.Module, prefix: str, name: str) -> list[str]:
+    """The checkpoint's module names behind `parent.name` (a fused layer's joined projections, else itself)."""
+    return [f"{prefix}.{source}".lstrip(".") for source in getattr(parent, "JOINED_PROJECTIONS", {}).get(name, (name,))]
+
+
+def _stored(blocks: Mapping[str, StoredBlocks], names: list[str], wider: frozenset[str]) -> StoredBlocks | None:
+    """The checkpoint's blocks of the layers `names` side by side; None when it stores none of them as blocks, or
+    some in another kind of block or float (`wider`): that layer keeps its float weight. Some blocks and others
+    missing without a reason would mix rounding schemes inside one layer: refused."""
+    found = [blocks[n] for n in names if n in blocks]
+    if not found:
+        return None
+    if len(found) < len(names) or len({type(f) for f in found}) > 1:
+        if wider.intersection(names) or len(found) == len(names):
+            return None
+        raise ModelLoadError(f"the checkpoint stores blocks for only some of {names}")
+    if isinstance(found[0], Int8Blocks):
+        return found[0] if len(found) == 1 else Int8Blocks.concatenated(found)  # type: ignore[arg-type]
+    return found[0] if len(found) == 1 else Int4Blocks.concatenated(found)  # type: ignore[arg-type]
