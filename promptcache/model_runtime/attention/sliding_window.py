@@ -15,6 +15,7 @@ import torch.nn.functional as F
 # A shared segment as BatchContext holds it: keys and values [L, H_kv, n, D], member sequences, their row offsets.
 Segment = tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...] | None]
 # Own keys and values so far of every sequence at one layer: per sequence [H_kv, S_i, D].
+QUERY_BLOCK = 256  # rows of a long pass attended per SDPA call on a local layer
 OwnKV = Callable[[int], tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]
 
 
@@ -96,7 +97,7 @@ class WindowedPass:
                     out[gather.rows.start + row] = _sdpa(q[row: row + 1], keys[:, seen], values[:, seen], None,
                                                          scale)[0]
             else:
-                out[gather.rows] = _sdpa(q, keys, values, gather.mask, scale)
+                out[gather.rows] = _blockwise_sdpa(q, keys, values, gather.mask, scale)
         return out
 
     def decode_parts(self, window: int, own_keys: Sequence[torch.Tensor], own_values: Sequence[torch.Tensor],
@@ -180,6 +181,21 @@ class WindowedPass:
         masks.append(visible & (q_pos[:, None] - own[kept][None, :] < window))
         parts.append((-1, None if kept.numel() == own.numel() else kept.to(device)))
         return _Gather(slice(start, start + num_q), tuple(parts), torch.cat(masks, dim=1).to(device))
+
+
+def _blockwise_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """`_sdpa` in blocks of QUERY_BLOCK rows, each over only the keys some row of it sees: a long prefill's local layer
+    then costs rows x (block + W) instead of rows x keys (SDPA computes every masked-out score too)."""
+    if q.shape[0] <= QUERY_BLOCK:
+        return _sdpa(q, keys, values, mask, scale)
+    out = torch.empty_like(q)
+    for start in range(0, q.shape[0], QUERY_BLOCK):
+        rows = slice(start, start + QUERY_BLOCK)
+        seen = mask[rows].any(0).nonzero()[:, 0]  # [m'] the keys this block's rows see (each sees its own)
+        out[rows] = _sdpa(q[rows], keys.index_select(1, seen), values.index_select(1, seen), mask[rows][:, seen],
+                          scale)
+    return out
 
 
 def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
