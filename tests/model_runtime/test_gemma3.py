@@ -76,8 +76,8 @@ def _served(model: torch.nn.Module | None = None) -> tuple[ModelRuntime, torch.n
 
 
 def test_the_hf_modules_serve_it_with_nothing_fused_or_static():
-    """Embedding scale, (1 + w) norms, GELU-tanh and the per-type RoPE stay the HF modules': no fused layer, stack or
-    static step replaces them; the whole context is served, local layers through their window."""
+    """Embedding scale, GELU-tanh and the per-type RoPE stay the HF modules' (the (1 + w) norms too but in fp32 with the
+    AVX2 library, below): no fused layer, stack or static step replaces them; the whole context is served, local layers through their window."""
     tokenizer = make_test_tokenizer()
     model = make_tiny_gemma3(len(tokenizer))
     assert fuse_layers(model, torch_layer_ops) == 0
@@ -88,6 +88,25 @@ def test_the_hf_modules_serve_it_with_nothing_fused_or_static():
     assert loaded.max_positions == model.config.max_position_embeddings
     assert WINDOW in loaded.layer_windows and None in loaded.layer_windows == layer_windows(model.config)
     assert loaded.key_shifter is not None and loaded.key_shifter.is_per_layer
+
+
+def test_its_norms_run_as_one_pass_in_fp32_with_the_avx2_library(avx2_kernels):
+    """In fp32 where the AVX2 library is loaded every Gemma3RMSNorm ((1 + w) times the normalised x) becomes one fused
+    pass, computing what HF's module computes (the sum of squares in another order: within a few ulps); the
+    oracle tests above and below then serve through them."""
+    from promptcache.model_runtime.loading.fused_layers import FusedGemmaRMSNorm
+
+    model = make_tiny_gemma3(len(make_test_tokenizer()))
+    norms = {name: module for name, module in model.named_modules() if type(module).__name__ == "Gemma3RMSNorm"}
+    assert fuse_layers(model) == len(norms) == 4 * len(LAYER_TYPES) + 2 * len(LAYER_TYPES) + 1
+    modules = dict(model.named_modules())
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0)) * 3
+    for name, norm in norms.items():
+        fused = modules[name]
+        assert isinstance(fused, FusedGemmaRMSNorm)
+        inputs = x if norm.weight.numel() == 64 else x[..., :HEAD_DIM].transpose(0, 1)  # q/k norms: strided heads
+        want = norm(inputs)
+        torch.testing.assert_close(fused(inputs), want, rtol=2e-6, atol=2e-6 * want.abs().max().item())
 
 
 def test_cached_prefill_and_exact_module_reuse_equal_the_hf_forward():
