@@ -77,7 +77,8 @@ def _served(model: torch.nn.Module | None = None) -> tuple[ModelRuntime, torch.n
 
 def test_the_hf_modules_serve_it_with_nothing_fused_or_static():
     """Embedding scale, GELU-tanh and the per-type RoPE stay the HF modules' (the (1 + w) norms too but in fp32 with the
-    AVX2 library, below): no fused layer, stack or static step replaces them; the whole context is served, local layers through their window."""
+    AVX2 library, below): no fused layer, stack or static step replaces them; the whole context is served, local
+    layers through their window."""
     tokenizer = make_test_tokenizer()
     model = make_tiny_gemma3(len(tokenizer))
     assert fuse_layers(model, torch_layer_ops) == 0
