@@ -299,3 +299,18 @@ def test_auto_serves_a_native_ggufs_exact_blocks_as_stored_in_fp32(tmp_path):
         got_row, want_row = model(ids[:, :1]).logits, widened(ids[:, :1]).logits  # the kernels' decode row
     for g, w in ((got, want), (got_row, want_row)):
         assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()  # summation order only
+
+
+def test_8_bit_layer_blocks_are_refused_where_their_product_does_not_run():
+    """A layer's Int8Blocks multiply in fp32 only: a bf16 model given them is refused, not served fp32 outputs."""
+    from promptcache.model_runtime.errors import ModelLoadError
+    from promptcache.model_runtime.loading.stored_linear import Int8Blocks, quantize_linears
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 16, bias=False)).to(torch.bfloat16)
+    blocks = {"0": Int8Blocks(torch.randint(-128, 128, (16, 64), dtype=torch.int8), torch.rand(16, 2))}
+    with pytest.raises(ModelLoadError, match="fp32"):
+        quantize_linears(model, WeightFormat.NATIVE, blocks)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 16, bias=False))
+    assert quantize_linears(model, WeightFormat.NATIVE, blocks) == 1 and isinstance(model[0], Int8BlockLinear)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(model(x), x @ blocks["0"].dequantized().T, rtol=1e-5, atol=1e-5)

@@ -175,7 +175,11 @@ def quantize_linears(model: torch.nn.Module, weights: WeightFormat, blocks: Mapp
 
 
 def _stored_layer(stored: StoredBlocks, child: torch.nn.Linear, dtype: torch.dtype) -> torch.nn.Module:
+    """The layer that multiplies a (non-head) layer's stored blocks in `dtype`. Raises ModelLoadError for 8-bit blocks
+    where their product does not run (it computes in fp32: stored_weights gives them only there)."""
     if isinstance(stored, Int8Blocks):
+        if not int8_blocks_run_here(dtype):
+            raise ModelLoadError(f"8-bit blocks are multiplied in fp32 with the AVX2 library, not in {dtype} here")
         return Int8BlockLinear(stored, child.bias)
     return Int4Linear(stored, child.bias, dtype)
 
