@@ -15,8 +15,8 @@ import torch.nn.functional as F
 # A shared segment as BatchContext holds it: keys and values [L, H_kv, n, D], member sequences, their row offsets.
 Segment = tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...] | None]
 # Own keys and values so far of every sequence at one layer: per sequence [H_kv, S_i, D].
-QUERY_BLOCK = 256  # rows of a long pass attended per SDPA call on a local layer
 OwnKV = Callable[[int], tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]
+QUERY_BLOCK = 256  # rows of a long pass attended per SDPA call on a local layer
 
 
 @dataclass(frozen=True, slots=True)
