@@ -254,9 +254,9 @@ def test_a_q8_0_head_multiplies_the_files_bytes_in_fp32(tmp_path, monkeypatch, n
 
 def test_auto_serves_a_native_ggufs_exact_blocks_as_stored_in_fp32(tmp_path):
     """A GGUF served native (Gemma 3 270M's mix: Q5_0, Q8_0, Q4_K and Q6_K layers) multiplies, under auto in fp32,
-    every layer whose blocks widen to fp32 exactly from the file's blocks (Q5_0, Q8_0: the int8 product; Q4_K: the
-    int4 one), each the very weight transformers loads; Q6_K stays widened; the model computes the widened model's
-    logits. Not with --weights native or in bf16 (where widening rounds otherwise); a Q8_0 head likewise."""
+    every layer whose blocks widen to fp32 exactly from the file's blocks (Q5_0, Q8_0 and Q6_K: the int8 product, Q6_K
+    in 16-input groups; Q4_K: the int4 one), each the very weight transformers loads; the model computes the widened
+    model's logits. Not with --weights native or in bf16 (where widening rounds otherwise); a Q8_0 head likewise."""
     from transformers import AutoModelForCausalLM
 
     from promptcache.model_runtime.loading import stored_weights
@@ -274,24 +274,24 @@ def test_auto_serves_a_native_ggufs_exact_blocks_as_stored_in_fp32(tmp_path):
     auto = choose(WeightFormat.AUTO, torch.float32)
     assert auto.weights is WeightFormat.NATIVE and "exact" in auto.reason
     assert set(auto.blocks) == {f"model.layers.0.{name}" for name in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")}
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+        "mlp.down_proj")}
     assert not choose(WeightFormat.NATIVE, torch.float32).blocks
     assert not choose(WeightFormat.AUTO, torch.bfloat16).blocks
     assert set(choose(WeightFormat.AUTO, torch.float32, tmp_path / "h.gguf").blocks) == {HEAD}
 
     widened = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
-    assert quantize_linears(model, auto.weights, auto.blocks) == 6
+    assert quantize_linears(model, auto.weights, auto.blocks) == 7
     modules = dict(model.named_modules())
     for name, want in _hf_weights(stored).items():
         layer = modules[name]
         if isinstance(layer, Int8BlockLinear):
             got = layer.blocks().dequantized()
-        elif isinstance(layer, Int4Linear):
-            got = layer.dequantized_t().t()
+            assert layer.blocks().group == (16 if name.endswith("down_proj") else 32), name  # Q6_K's sub-blocks
         else:
-            assert name.endswith("down_proj"), name  # Q6_K: widened as loaded
-            got = layer.weight
+            assert isinstance(layer, Int4Linear), name
+            got = layer.dequantized_t().t()
         assert torch.equal(got + 0.0, want + 0.0), name  # the same bits (+ 0.0: a -0.0 of d * 0)
     ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -299,6 +299,22 @@ def test_auto_serves_a_native_ggufs_exact_blocks_as_stored_in_fp32(tmp_path):
         got_row, want_row = model(ids[:, :1]).logits, widened(ids[:, :1]).logits  # the kernels' decode row
     for g, w in ((got, want), (got_row, want_row)):
         assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()  # summation order only
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 7, 8])
+def test_int8_product_of_q6_k_sub_blocks_equals_ggufs_dequantized_weight(num_rows):
+    """Q6_K's 16-input groups through the int8 product (fp32 scales: d * sc is not an fp16) equal gguf's dequantize
+    of the same bytes; from INT8_BLOCK_ROWS rows the dequantized copy, the same weight."""
+    from promptcache.model_runtime.loading.gguf_blocks import q6_k_blocks
+    from tests.model_runtime.test_gguf_blocks import Q, wide_raw
+
+    raw = wide_raw(np.random.default_rng(3), Q.Q6_K, 40, 512)
+    want_weight = torch.from_numpy(dequantize(raw, Q.Q6_K).copy()).double()
+    layer = Int8BlockLinear(q6_k_blocks(raw), None)
+    assert layer.block_scales.shape == (5, 32, 8)
+    for rows in (num_rows, INT8_BLOCK_ROWS):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        assert _product_close(layer(x), x.double() @ want_weight.T), rows
 
 
 def test_8_bit_layer_blocks_are_refused_where_their_product_does_not_run():

@@ -18,7 +18,7 @@ from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from promptcache.model_runtime import WeightFormat
 from promptcache.model_runtime.loading import quantized_linear, stored_weights
-from promptcache.model_runtime.loading.gguf_blocks import q4_0_blocks, q4_1_blocks, q4_k_blocks
+from promptcache.model_runtime.loading.gguf_blocks import q4_0_blocks, q4_1_blocks, q4_k_blocks, q6_k_blocks
 from promptcache.model_runtime.loading.gguf_weights import is_4bit, read_layers
 from promptcache.model_runtime.loading.quantized_linear import Int4Linear
 from promptcache.model_runtime.loading.stored_linear import quantize_linears
@@ -70,6 +70,17 @@ def test_q4_k_blocks_are_gguf_dequantize_bit_for_bit():
     assert blocks.scales.shape == (48, 512 // 32)  # one group per sub-block
     got = blocks.dequantized().numpy()
     assert np.array_equal(got.view(np.int32), want.view(np.int32))  # the same bits, not only close
+
+
+def test_q6_k_blocks_are_gguf_dequantize_bit_for_bit():
+    """Q6_K as 8-bit blocks of 16 inputs: `d * sc` times `q - 32` is gguf's dequantize bit for bit (any bytes)."""
+    raw = wide_raw(np.random.default_rng(7), Q.Q6_K, 24, 512)
+    raw.reshape(24, 2, 210)[0, 0, 192:208] = np.array([127, 128, 0, 1] * 4, dtype=np.uint8)  # int8 scale extremes
+    want = torch.from_numpy(dequantize(raw, Q.Q6_K).copy())
+    blocks = q6_k_blocks(raw)
+    assert blocks.group == 16 and blocks.values.dtype == torch.int8
+    assert int(blocks.values.min()) >= -32 and int(blocks.values.max()) <= 31
+    assert torch.equal(blocks.dequantized() + 0.0, want + 0.0)
 
 
 @pytest.mark.parametrize(("kind", "read"), [(Q.Q4_0, q4_0_blocks), (Q.Q4_1, q4_1_blocks)])

@@ -22,10 +22,11 @@ QUERY_BLOCK = 256  # rows of a long pass attended per SDPA call on a local layer
 @dataclass(frozen=True, slots=True)
 class _Gather:
     """What one sequence reads on layers of one window: per part (segment number, or -1 for its own KV) the kept key
-    indices (None: all of them), and which query row sees which gathered key."""
+    indices (None: all of them; a slice: one run of them, read as a view), and which query row sees which gathered
+    key."""
 
     rows: slice
-    parts: tuple[tuple[int, torch.Tensor | None], ...]
+    parts: tuple[tuple[int, torch.Tensor | slice | None], ...]
     mask: torch.Tensor  # [T_i, m] bool, True = attend; m: the gathered keys, parts in order
 
 
@@ -143,7 +144,12 @@ class WindowedPass:
             else:
                 keys, values, _, _ = self.segments[part]
                 states = (values if which else keys)[layer]  # [H_kv, n, D]
-            found.append(states if index is None else states.index_select(1, index))
+            if index is None:
+                found.append(states)
+            elif isinstance(index, slice):
+                found.append(states[:, index])  # a view: the one copy is the caller's cat
+            else:
+                found.append(states.index_select(1, index))
         return found
 
     def _gathers_of(self, window: int, device: torch.device) -> list[_Gather]:
@@ -159,7 +165,7 @@ class WindowedPass:
         num_q, reach = q_pos.numel(), int(q_pos.min()) - window
         rows = torch.arange(num_q)
         start = sum(p.numel() for p in self.query_positions[:seq])
-        parts: list[tuple[int, torch.Tensor | None]] = []
+        parts: list[tuple[int, torch.Tensor | slice | None]] = []
         masks: list[torch.Tensor] = []
         for number, ((_, _, members, offsets), positions) in enumerate(zip(self.segments, self.segment_positions)):
             if seq not in members:
@@ -172,15 +178,25 @@ class WindowedPass:
                 continue
             visible = (rows >= offset)[:, None].expand(num_q, kept.numel())  # today's rule: rows from the offset
             masks.append(visible & (q_pos[:, None] - positions[kept][None, :] < window))
-            parts.append((number, None if kept.numel() == positions.numel() else kept.to(device)))
+            parts.append((number, _index(kept, positions.numel(), device)))
         own = self.own_positions[seq]                                    # [S]: a prefix, then the T queries' own
         kept = (own > reach).nonzero()[:, 0]
         before = own.numel() - num_q
         # own key c is visible to row r if it precedes the queries (c < before) or is an earlier query (c - before <= r)
         visible = kept[None, :] - before <= rows[:, None]
         masks.append(visible & (q_pos[:, None] - own[kept][None, :] < window))
-        parts.append((-1, None if kept.numel() == own.numel() else kept.to(device)))
+        parts.append((-1, _index(kept, own.numel(), device)))
         return _Gather(slice(start, start + num_q), tuple(parts), torch.cat(masks, dim=1).to(device))
+
+
+def _index(kept: torch.Tensor, total: int, device: torch.device) -> torch.Tensor | slice | None:
+    """How to take the `kept` [k] ascending key indices of `total`: None for all, a slice for a run, else an index."""
+    if kept.numel() == total:
+        return None
+    first, last = int(kept[0]), int(kept[-1])
+    if last - first + 1 == kept.numel():
+        return slice(first, last + 1)
+    return kept.to(device)
 
 
 def _blockwise_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -200,11 +216,20 @@ def _blockwise_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
 
 def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
           scale: float) -> torch.Tensor:
-    """q [T, H, D] over keys/values [H_kv, m, D] (mask [T, m] bool or None); returns [T, H, D]."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                         attn_mask=None if mask is None else mask[None, None], scale=scale,
-                                         enable_gqa=keys.shape[0] != q.shape[1])  # [1, H, T, D]
-    return out[0].transpose(0, 1)
+    """q [T, H, D] over keys/values [H_kv, m, D] (mask [T, m] bool or None); returns [T, H, D]. The G = H / H_kv query
+    heads sharing a KV head are folded into its rows ([H_kv, T G, D]) and the mask made additive: on a CPU that runs
+    ~1.3x faster than SDPA's own GQA with a bool mask (a 256-row block of Gemma 3's local layer: 11.8 vs 15.9 ms)."""
+    num_rows, num_heads, dim = q.shape
+    kv_heads = keys.shape[0]
+    group = num_heads // kv_heads
+    folded = q.view(num_rows, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, num_rows * group, dim)
+    bias = None
+    if mask is not None:  # row t g of a head reads what row t does
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        bias = bias.repeat_interleave(group, dim=0)[None, None]  # [1, 1, T G, m]
+    out = F.scaled_dot_product_attention(folded[None], keys[None], values[None], attn_mask=bias,
+                                         scale=scale)  # [1, H_kv, T G, D]
+    return out[0].view(kv_heads, num_rows, group, dim).permute(1, 0, 2, 3).reshape(num_rows, num_heads, dim)
 
 
 def _runs(kept: torch.Tensor) -> list[tuple[int, int]]:

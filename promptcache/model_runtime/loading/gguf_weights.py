@@ -19,6 +19,7 @@ from promptcache.model_runtime.loading.gguf_blocks import (
     q4_1_blocks,
     q4_k_blocks,
     q5_0_blocks,
+    q6_k_blocks,
     q8_0_blocks,
 )
 from promptcache.model_runtime.loading.quantized_linear import HEAD, Int4Blocks
@@ -37,7 +38,8 @@ _READERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Int4Blocks]] = {
     GGMLQuantizationType.Q4_K: q4_k_blocks}
 # The 8-bit ones (read only when asked: `read_layers(int8=True)`), as Int8Blocks
 _INT8_READERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Int8Blocks]] = {
-    GGMLQuantizationType.Q8_0: q8_0_blocks, GGMLQuantizationType.Q5_0: q5_0_blocks}
+    GGMLQuantizationType.Q8_0: q8_0_blocks, GGMLQuantizationType.Q5_0: q5_0_blocks,
+    GGMLQuantizationType.Q6_K: q6_k_blocks}
 # The model types (as transformers loads the GGUF) whose tensors `read_layers` names as transformers does, and whether
 # llama.cpp interleaved their q and k rows for its RoPE (the Llama family; Gemma 3's are as in the HF checkpoint).
 # Others are not read: int4 is refused for them and auto serves them widened.
@@ -48,8 +50,8 @@ BLOCK_ARCHITECTURES = frozenset(_INTERLEAVED_QK)
 @dataclass(frozen=True, slots=True)
 class GGUFLayers:
     """A GGUF file's decoder projections by HF module name (`model.layers.3.mlp.up_proj`): the 4-bit ones (Q4_0,
-    Q4_1, Q4_K) as stored blocks, and the 8-bit ones (Q8_0, Q5_0) where asked, q and k rows in HF order; `wider`: the
-    rest (Q5_K, Q6_K, F16 ...), which stay as loaded (dequantized to the serving dtype), never re-quantized."""
+    Q4_1, Q4_K) as stored blocks, and the 8-bit ones (Q8_0, Q5_0, Q6_K) where asked, q and k rows in HF order;
+    `wider`: the rest (Q5_K, F16 ...), which stay as loaded (dequantized to the serving dtype), never re-quantized."""
 
     blocks: dict[str, StoredBlocks]
     wider: frozenset[str]
@@ -58,8 +60,8 @@ class GGUFLayers:
 def read_layers(path: str | Path, num_heads: int, num_kv_heads: int, *, model_type: str = "llama",
                 int8: bool = False) -> GGUFLayers:
     """The decoder projections of the GGUF at `path`, a `model_type` of BLOCK_ARCHITECTURES (llama.cpp interleaves
-    the Llama family's q and k head halves for RoPE; undone here as transformers' loader undoes it); `int8`: Q8_0 and
-    Q5_0 as Int8Blocks too (else wider). Raises ModelLoadError if it cannot be read."""
+    the Llama family's q and k head halves for RoPE; undone here as transformers' loader undoes it); `int8`: Q8_0,
+    Q5_0 and Q6_K as Int8Blocks too (else wider). Raises ModelLoadError if it cannot be read."""
     readers: dict[GGMLQuantizationType, Callable[[np.ndarray], StoredBlocks]] = {
         **_READERS, **(_INT8_READERS if int8 else {})}
     blocks: dict[str, StoredBlocks] = {}

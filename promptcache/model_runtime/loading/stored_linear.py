@@ -28,36 +28,48 @@ from promptcache.model_runtime.loading.quantized_linear import (
 logger = logging.getLogger(__name__)
 
 INT8_BLOCK_ROWS = INT4_DEQUANTIZE_ROWS  # from here on a dequantized copy through oneDNN beats the int8 product
+INT8_SUB_GROUP = 16  # Q6_K's inputs per scale (its super-block's sixteen sub-blocks)
 _CHANNEL_BLOCK = 8  # the int8 product's output channels per block
 
 
 @dataclass(frozen=True, slots=True)
 class Int8Blocks:
-    """One linear layer's 8-bit weights: `w[n, k] = scales[n, g] * values[n, k]` with g = k // GROUP_SIZE (Q8_0's
-    form)."""
+    """One linear layer's 8-bit weights: `w[n, k] = scales[n, g] * values[n, k]` with g = k // group, the group being
+    GROUP_SIZE (Q8_0's form; Q5_0's) or INT8_SUB_GROUP (Q6_K's sub-blocks, values in -32..31)."""
 
     values: torch.Tensor  # [out, in] int8
-    scales: torch.Tensor  # [out, in // GROUP_SIZE] float32
+    scales: torch.Tensor  # [out, in // group] float32
 
     def __post_init__(self) -> None:
         out_features, in_features = self.values.shape
-        assert self.values.dtype == torch.int8 and in_features % GROUP_SIZE == 0, (self.values.dtype, in_features)
-        assert self.scales.shape == (out_features, in_features // GROUP_SIZE)
+        assert self.values.dtype == torch.int8, self.values.dtype
+        assert self.scales.shape[0] == out_features and self.scales.shape[1] * self.group == in_features, (
+            tuple(self.values.shape), tuple(self.scales.shape))
+
+    @property
+    def group(self) -> int:
+        """Inputs per scale: GROUP_SIZE or INT8_SUB_GROUP."""
+        in_features, num_groups = self.values.shape[1], self.scales.shape[1]
+        group = in_features // max(num_groups, 1)
+        assert group in (GROUP_SIZE, INT8_SUB_GROUP), f"{num_groups} scales for {in_features} inputs"
+        return group
 
     @classmethod
     def concatenated(cls, parts: list[Int8Blocks]) -> Int8Blocks:
-        """The blocks of one layer whose output is `parts`' outputs side by side."""
+        """The blocks of one layer whose output is `parts`' outputs side by side (one group size)."""
+        assert len({p.group for p in parts}) == 1, "parts of one layer share their group size"
         return cls(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]))
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] the blocks describe."""
         out_features, in_features = self.values.shape
-        groups = self.values.view(out_features, -1, GROUP_SIZE).float() * self.scales[..., None]  # [out, in / G, G]
+        groups = self.values.view(out_features, -1, self.group).float() * self.scales[..., None]  # [out, in / g, g]
         return groups.view(out_features, in_features)
 
     def planes(self) -> Int4Blocks:
         """The weight as one int4 layer over the input written twice: q = 16 h + l - 128 (h, l: q + 128's nibbles)
         splits into groups of scale 16 d, minimum -128 d (high plane) and of scale d, minimum 0 (low plane)."""
+        assert self.group == GROUP_SIZE, "int4 planes take groups of GROUP_SIZE inputs"
         biased = (self.values.to(torch.int16) + 128).to(torch.uint8)  # [out, in]
         d = self.scales
         return Int4Blocks(torch.cat([biased >> 4, biased & 0x0F], dim=1), torch.cat([16 * d, d], dim=1),
@@ -196,7 +208,8 @@ def _stored(blocks: Mapping[str, StoredBlocks], names: list[str], wider: frozens
     found = [blocks[n] for n in names if n in blocks]
     if not found:
         return None
-    if len(found) < len(names) or len({type(f) for f in found}) > 1:
+    kinds = {(type(f), f.group if isinstance(f, Int8Blocks) else None) for f in found}
+    if len(found) < len(names) or len(kinds) > 1:
         if wider.intersection(names) or len(found) == len(names):
             return None
         raise ModelLoadError(f"the checkpoint stores blocks for only some of {names}")
