@@ -11,7 +11,8 @@ A mode is "fidelity[:k][@positions][/context]": k is `fidelity_head_tokens`, pos
 (so "fast" and "balanced" are the modes as shipped).
 
 The evaluation set (benchmarks/evalset/) is generated in-repo from fixed seeds, one prompt set per seed; a model
-whose chat template PML cannot split per role (Gemma 3's) gets its texts without role tags (`--prompt-form`).
+whose chat template PML cannot split per role gets its texts without role tags (`--prompt-form`; a base model such as
+Gemma 3 270M is best asked in the plain form too).
 Reference: a plain full prefill of each prompt's tokens at contiguous positions with Hugging Face
 transformers in this process (greedy, the independent oracle). Every promptcache mode runs through a real
 `promptcache serve` (same model, `--dtype`, fp32 by default) with default settings but no automatic

@@ -40,7 +40,11 @@ class ScaffoldError(SchemaError):
 
 
 class ChatTemplateError(SchemaError):
-    """The tokenizer's chat template cannot be split into per-role prefixes and suffixes."""
+    """The tokenizer's chat template cannot be split into per-role prefixes and suffixes, or cannot express the role
+    layout written (under a template that folds the system text into the first user turn: FOLDED_SYSTEM)."""
+
+
+FOLDED_SYSTEM = "this model's chat template writes the system text into the first user turn"
 
 
 class PromptError(PmlError):

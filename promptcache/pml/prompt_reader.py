@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from lxml import etree
 
 from promptcache.pml.errors import (
+    FOLDED_SYSTEM,
     ArgumentTooLongError,
+    ChatTemplateError,
     DuplicateImportError,
     PromptError,
     UnknownModuleError,
@@ -68,7 +70,13 @@ class PromptReader:
         self.union_of = {id(member): union for module in schema.modules.values() for union in module.unions
                          for member in union.members}
         self.suffix_of = {s.role_suffix_of: s.segment_id for s in schema.segments if s.role_suffix_of is not None}
-
+        # A template that folds the system text into the first user turn (ChatFormat.folds_system): whether the
+        # schema ends in that system section, where a prompt system turn is, and the user turn that follows either.
+        self.folds = encoder.chat_format_error is None and encoder.chat_format.folds_system
+        self.system_open = self.folds and any(
+            s.role == "system" and s.end == schema.num_positions for s in schema.role_sections.values())
+        self.system_turn: int | None = None  # item index
+        self.folded_user: int | None = None  # item index
     def read(self, root: etree._Element, *, add_generation_prompt: bool = False) -> PromptItems:
         """The prompt's items in document order. `add_generation_prompt`: unless the prompt ends in an
         open assistant turn (a final `<assistant>` that imports nothing), a last item opens one."""
@@ -85,10 +93,22 @@ class PromptReader:
         self._apply_union_defaults(self.schema.root, self.out.implicit)
         is_open = isinstance(last, etree._Element) and last.tag == "assistant" and not any(
             isinstance(c, etree._Element) for c in last)
+        if self.folds:
+            self._check_folded_system(root.sourceline)
         if add_generation_prompt and not is_open:
             self._open_generation_prompt(root.sourceline, uses_roles=any(
                 isinstance(c, etree._Element) and c.tag in ROLE_TAGS for c in content))
         return self.out
+
+    def _check_folded_system(self, line: int) -> None:
+        """Under a template that writes the system text into the first user turn, that user turn exists and follows
+        the system text directly: new turns and imports placed after it would come between them."""
+        if (self.system_open or self.system_turn is not None) and self.folded_user is None:
+            raise ChatTemplateError(f"{FOLDED_SYSTEM}: follow the system text with a <user> turn", line=line)
+        if self.folded_user is not None and any(isinstance(item, ImportItem)
+                                                for item in self.out.items[self.folded_user:]):
+            raise ChatTemplateError(f"{FOLDED_SYSTEM}: import modules before the <user> turn it opens (imports "
+                                    "after it are placed before the system text)", line=line)
 
     def _open_generation_prompt(self, line: int, *, uses_roles: bool) -> None:
         # Without a chat template, only where the prompt or its schema has role turns: plain text stays plain.
@@ -132,8 +152,27 @@ class PromptReader:
     def _new_turn(self, role: str, text: str, line: int, *, is_last: bool) -> None:
         fmt = self.encoder.role_format(line)
         is_open = role == "assistant" and is_last  # an open turn for the model to continue
-        markup = fmt.generation_prompt + text if is_open else fmt.prefixes[role] + text + fmt.suffixes[role]
+        prefix = self._folded_prefix(role, line) if self.folds else fmt.prefixes[role]
+        markup = fmt.generation_prompt + text if is_open else prefix + text + fmt.suffixes[role]
         self._text(markup, line, kind="role")
+
+    def _folded_prefix(self, role: str, line: int) -> str:
+        """A new turn's prefix under a template that folds the system text into the first user turn: a system turn
+        only as the prompt's first text, in a schema without one; the user turn right after the system text (the
+        schema's, or the prompt's turn before) without a prefix of its own."""
+        fmt, items = self.encoder.chat_format, self.out.items
+        first_text = not any(isinstance(item, TextPiece) for item in items)
+        if role == "system":
+            if not first_text or any(s.role == "system" for s in self.schema.role_sections.values()):
+                raise ChatTemplateError(f"{FOLDED_SYSTEM}: a <system> turn must be the prompt's first text, in a "
+                                        "schema without <system>", line=line)
+            self.system_turn = len(items)
+        elif role == "user" and ((self.system_open and first_text) or self.system_turn == len(items) - 1):
+            self.folded_user = len(items)
+            return fmt.user_prefix_after("system")
+        elif self.system_turn == len(items) - 1:
+            raise ChatTemplateError(f"{FOLDED_SYSTEM}: the turn after <system> must be <user>", line=line)
+        return fmt.prefixes[role]
 
     def _bound_section(self, role: str, imports: list[etree._Element]) -> RoleSection:
         sections = set()

@@ -6,7 +6,14 @@ from types import MappingProxyType
 
 from lxml import etree
 
-from promptcache.pml.errors import InvalidNameError, InvalidParamError, PmlLimitError, SchemaError
+from promptcache.pml.errors import (
+    FOLDED_SYSTEM,
+    ChatTemplateError,
+    InvalidNameError,
+    InvalidParamError,
+    PmlLimitError,
+    SchemaError,
+)
 from promptcache.pml.schema import ROLE_TAGS, Module, Node, Param, RoleSection, Schema, TextRun, Union, check_name
 from promptcache.pml.segments import ContextBudget, build_scaffolds, build_segments
 from promptcache.pml.text_encoder import TextEncoder
@@ -39,11 +46,16 @@ class _SchemaBuilder:
         self.sections: dict[int, RoleSection] = {}
         self.scaffold_elements: list[etree._Element] = []
         self.start = len(encoder.bos_token_ids)  # the first position after BOS: text there starts the sequence
+        self.system_end: int | None = None  # where a folded system section ends (ChatFormat.folds_system)
+        self.folded_user_follows = False  # a root user section starts there
 
     def build(self, element: etree._Element, name: str, text: str, *, placeholders: bool) -> Schema:
         bos = self.encoder.bos_token_ids
         head: tuple[Node, ...] = (TextRun(bos, 0, element.sourceline),) if bos else ()
         root = self._module(element, name=name, path="", cursor=len(bos), is_cached=True, lead=head, is_root=True)
+        if self.system_end is not None and not self.folded_user_follows and self.system_end != root.end:
+            raise ChatTemplateError(f"{FOLDED_SYSTEM}: put a <user> section right after <system>, or end the schema "
+                                    "with it (the prompt then opens the user turn)", line=element.sourceline)
         if root.end > self.limits.max_schema_tokens:
             raise PmlLimitError(f"schema {name!r} spans {root.end} token positions; the limit is "
                                 f"{self.limits.max_schema_tokens}")
@@ -188,12 +200,24 @@ class _SchemaBuilder:
         fmt = self.encoder.role_format(line)
         section_id = len(self.sections)
         children: list[Node] = []
-        end = self._add_text(children, fmt.prefixes[role], cursor, line)
+        prefix = fmt.prefixes[role]
+        if fmt.folds_system and role == "system":
+            if not is_root or self.sections:
+                raise ChatTemplateError(f"{FOLDED_SYSTEM}: <system> must be the schema's first role section, "
+                                        "outside modules", line=line)
+        elif fmt.folds_system and role == "user" and cursor == self.system_end:
+            if not is_root:
+                raise ChatTemplateError(f"{FOLDED_SYSTEM}: the <user> section after <system> must be outside "
+                                        "modules", line=line)
+            prefix, self.folded_user_follows = fmt.user_prefix_after("system"), True
+        end = self._add_text(children, prefix, cursor, line)
         inner, end = self._content(element, path=path, cursor=end, is_cached=is_cached, scope=scope,
                                    params=params, unions=unions, role=role, is_root=is_root)
         children.extend(inner)
         end = self._add_text(children, fmt.suffixes[role], end, line, role_suffix_of=section_id)
         self.sections[section_id] = section = RoleSection(role, section_id, path, tuple(children), cursor, end, line)
+        if fmt.folds_system and role == "system":
+            self.system_end = end
         return section
 
 

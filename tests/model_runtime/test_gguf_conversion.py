@@ -1,6 +1,6 @@
 """The chat templates a base model's GGUF gets at conversion: Gemma's renders as Google publishes it (the system text
-opening the first user turn, user/model turns closed by <end_of_turn>, roles alternating); the PML role sections
-cannot be split from it, so role tags are refused naming why (plain PML and the chat route serve it)."""
+opening the first user turn, user/model turns closed by <end_of_turn>, roles alternating); PML's role sections are
+split from it with the system text folded into the first user turn."""
 
 from __future__ import annotations
 
@@ -31,6 +31,14 @@ def test_gemmas_template_renders_as_published(tokenizer):
                                       tokenize=False)
 
 
-def test_role_tags_are_refused_under_gemmas_template(tokenizer):
+def test_role_tags_fold_the_system_text_under_gemmas_template(tokenizer):
+    """Its system text opens the first user turn (tests/pml/test_folded_system.py renders prompts with it)."""
+    fmt = chat_format_from_tokenizer(tokenizer, adds_bos=True)
+    assert fmt.folds_system and fmt.prefixes["system"] == fmt.prefixes["user"] == "<start_of_turn>user\n"
+    assert fmt.generation_prompt == "<start_of_turn>model\n"
+
+
+def test_a_template_that_drops_the_system_text_is_refused(tokenizer):
+    tokenizer.chat_template = GEMMA_TEMPLATE.replace("messages[0]['content'] + '\n\n'", "''")
     with pytest.raises(ChatTemplateError, match="alters or drops message content"):
-        chat_format_from_tokenizer(tokenizer, adds_bos=False)
+        chat_format_from_tokenizer(tokenizer, adds_bos=True)

@@ -36,8 +36,9 @@ def int4_ops() -> Int4Ops | None:
 
 @dataclass(frozen=True, slots=True)
 class Int8Ops:
-    """The fp32 product with Q8_0 weights for few rows (csrc/int8_f32.cpp): `pack(values int8 [out, in], scales fp32
-    [out, in / 32]) -> [packed, scales]` (out % 8 == 0, in % 32 == 0; scales held as fp16 where all are fp16 values)
+    """The fp32 product with 8-bit block weights for few rows (csrc/int8_f32.cpp): `pack(values int8 [out, in], scales
+    fp32 [out, in / G]) -> [packed, scales]` (G = 32, or 16 for Q6_K; out % 8 == 0; scales held as fp16 where all are
+    fp16 values)
     and `mm(x fp32 [rows, in], *packed) -> y fp32 [rows, out]`."""
 
     pack: Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]
