@@ -9,16 +9,9 @@ import pytest
 from promptcache.model_runtime.loading.gguf_conversion import GEMMA_TEMPLATE
 from promptcache.pml import ChatTemplateError, TextEncoder, parse_prompt, parse_schema
 from tests.model_factories import make_test_tokenizer
+from tests.pml.test_generation_prompt import SCHEMA as SECTIONS  # schema "kb": <system>, then a <user> section
 
 SYSTEM = "You are a helpful assistant."
-SECTIONS = f"""<schema name="kb">
-    <system>{SYSTEM}</system>
-    <user>
-        Read the documents.
-        <module name="cats">Cats sleep most of the day.</module>
-        <module name="tea">Tea is brewed with hot water.</module>
-    </user>
-</schema>"""
 SYSTEM_ONLY = f'<schema name="persona"><system>{SYSTEM}</system></schema>'
 DOCS_FIRST = f"""<schema name="notes">
     <module name="cats">Cats sleep most of the day.</module>
