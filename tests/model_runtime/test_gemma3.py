@@ -75,10 +75,10 @@ def _served(model: torch.nn.Module | None = None) -> tuple[ModelRuntime, torch.n
     return runtime, oracle
 
 
-def test_the_hf_modules_serve_it_with_nothing_fused_or_static():
-    """Embedding scale, GELU-tanh and the per-type RoPE stay the HF modules' (the (1 + w) norms too but in fp32 with the
-    AVX2 library, below): no fused layer, stack or static step replaces them; the whole context is served, local
-    layers through their window."""
+def test_its_decoder_stack_stays_hf_with_nothing_static():
+    """Embedding scale, the decoder layers and the per-type RoPE stay the HF modules' (its norms, attention blocks and
+    MLPs are fused in fp32 with the AVX2 library, below; the Llama-family fusion never takes it): no fused stack or
+    static step replaces them; the whole context is served, local layers through their window."""
     tokenizer = make_test_tokenizer()
     model = make_tiny_gemma3(len(tokenizer))
     assert fuse_layers(model, torch_layer_ops) == 0
@@ -91,15 +91,23 @@ def test_the_hf_modules_serve_it_with_nothing_fused_or_static():
     assert loaded.key_shifter is not None and loaded.key_shifter.is_per_layer
 
 
-def test_its_norms_run_as_one_pass_in_fp32_with_the_avx2_library(avx2_kernels):
+def test_its_modules_are_fused_in_fp32_with_the_avx2_library(avx2_kernels):
     """In fp32 where the AVX2 library is loaded every Gemma3RMSNorm ((1 + w) times the normalised x) becomes one fused
-    pass, computing what HF's module computes (the sum of squares in another order: within a few ulps); the
+    pass and every attention block and MLP its fused twin (q|k|v and gate|up joined, q/k normalised per head and
+    rotated in one pass each), computing what HF's modules compute (sums in another order: within a few ulps). The
     oracle tests above and below then serve through them."""
-    from promptcache.model_runtime.loading.fused_layers import FusedGemmaRMSNorm
+    from promptcache.model_runtime.loading.fused_gemma import (
+        FusedGemmaAttention,
+        FusedGemmaMLP,
+        FusedGemmaRMSNorm,
+        fuse_gemma,
+    )
 
     model = make_tiny_gemma3(len(make_test_tokenizer()))
+    twin = make_tiny_gemma3(len(make_test_tokenizer()))
     norms = {name: module for name, module in model.named_modules() if type(module).__name__ == "Gemma3RMSNorm"}
-    assert fuse_layers(model) == len(norms) == 4 * len(LAYER_TYPES) + 2 * len(LAYER_TYPES) + 1
+    num_norms = 4 * len(LAYER_TYPES) + 2 * len(LAYER_TYPES) + 1
+    assert fuse_layers(model) == 0 and fuse_gemma(model) == len(norms) + 2 * len(LAYER_TYPES) == num_norms + 6
     modules = dict(model.named_modules())
     x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0)) * 3
     for name, norm in norms.items():
@@ -108,6 +116,13 @@ def test_its_norms_run_as_one_pass_in_fp32_with_the_avx2_library(avx2_kernels):
         inputs = x if norm.weight.numel() == 64 else x[..., :HEAD_DIM].transpose(0, 1)  # q/k norms: strided heads
         want = norm(inputs)
         torch.testing.assert_close(fused(inputs), want, rtol=2e-6, atol=2e-6 * want.abs().max().item())
+    layers = model.model.layers
+    assert all(isinstance(layer.self_attn, FusedGemmaAttention) and isinstance(layer.mlp, FusedGemmaMLP)
+               for layer in layers)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = model(ids).logits, twin(ids).logits  # every layer type's RoPE, window and norms
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_cached_prefill_and_exact_module_reuse_equal_the_hf_forward():

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from promptcache.model_runtime import avx2
@@ -54,22 +53,6 @@ class FusedRMSNorm(torch.nn.Module):
         return self.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
 
-class FusedGemmaRMSNorm(torch.nn.Module):
-    """Gemma's RMSNorm, `(x * rsqrt(mean(x^2) + eps)) * (1 + w)` in fp32, in one pass: the fp32 RMSNorm with 1 + w
-    made once (`scale`, not in the state dict: `weight` stays the checkpoint's)."""
-
-    scale: torch.Tensor
-
-    def __init__(self, norm: Any, ops: LayerOps) -> None:  # a Hugging Face Gemma3RMSNorm (duck-typed)
-        super().__init__()
-        self.weight, self.eps, self.ops = norm.weight, float(norm.eps), ops
-        self.register_buffer("scale", (1.0 + norm.weight.detach().float()).contiguous(), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [..., H] (any strides) -> [..., H]: rows in x's logical order
-        return self.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.scale, self.eps).view(x.shape)
-
-
 class FusedGatedMLP(torch.nn.Module):
     """`down(silu(gate(x)) * up(x))` with gate and up as one projection and SiLU-times-up in one pass."""
 
@@ -77,7 +60,7 @@ class FusedGatedMLP(torch.nn.Module):
         super().__init__()
         # The checkpoint's layers behind the joined projection (quantize_linears finds their stored blocks by name).
         self.JOINED_PROJECTIONS = {"gate_up_proj": arch.gate_up}
-        self.gate_up_proj = _joined(mlp, arch.gate_up)
+        self.gate_up_proj = joined_projection(mlp, arch.gate_up)
         self.down_proj, self.ops = mlp.down_proj, ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +82,7 @@ class FusedAttention(torch.nn.Module):
         self.num_heads, self.num_key_value_heads = config.num_attention_heads, config.num_key_value_heads
         self.num_key_value_groups, self.is_causal = attention.num_key_value_groups, True
         self.JOINED_PROJECTIONS = {"qkv_proj": arch.qkv}  # read by quantize_linears, as the MLP's
-        self.qkv_proj = _joined(attention, arch.qkv)
+        self.qkv_proj = joined_projection(attention, arch.qkv)
         self.o_proj = attention.o_proj
         # Qwen3: RMSNorm over each head's D dimensions of q and k, before RoPE ([D] weights, the model's eps).
         self.q_norm = FusedRMSNorm(attention.q_norm, ops) if arch.qk_norm else None
@@ -214,13 +197,11 @@ def _fused_layers(base_model: Any) -> list[Any] | None:
 
 def fuse_layers(model: Any, ops: LayerOps | None = None) -> int:
     """Swap the norms, attention blocks and gated MLPs of a model whose architecture fuses (architectures.py) for
-    fused ones in place (of a Gemma 3 text model, only its norms where `_fuse_gemma_norms` applies); returns how many
-    (0 where no ops or shapes apply). `ops`: these (any shapes of the
+    fused ones in place (Gemma 3's own: fused_gemma.py); returns how many (0 where no ops or shapes apply). `ops`:
+    these (any shapes of the
     architecture), else the bf16 kernels' or torch's for the weights' device and dtype. Call before packing: the
     joined projections are plain `nn.Linear`s."""
     arch = _fusable_arch(model.config)
-    if ops is None and arch is None:
-        return _fuse_gemma_norms(model)
     if ops is None and arch is not None and _kernel_shapes(model.config):
         ops = _layer_ops(next(model.parameters()))
     if ops is None or arch is None:
@@ -234,25 +215,6 @@ def fuse_layers(model: Any, ops: LayerOps | None = None) -> int:
     base.norm = FusedRMSNorm(base.norm, ops)
     swapped = 4 * model.config.num_hidden_layers + 1
     log.info("fused %d decoder modules (%s)", swapped, "torch ops" if ops is torch_layer_ops else type(ops).__name__)
-    return swapped
-
-
-def _fuse_gemma_norms(model: Any) -> int:
-    """A Gemma 3 text model in fp32 on a CPU with the AVX2 library: its RMSNorms (four a layer, q and k per head, the
-    final one; 1 + w) as one pass each, the rest its HF modules; returns how many (0 elsewhere: in bf16 HF rounds
-    the normalised x times 1 + w once, which the bf16 kernel does not)."""
-    parameter = next(model.parameters())
-    if (getattr(model.config, "model_type", None) != "gemma3_text" or parameter.dtype != torch.float32
-            or parameter.device.type != "cpu" or model.config.hidden_size % 8 or head_dim_of(model.config) % 8
-            or (ops := avx2.fused_ops()) is None):
-        return 0
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Gemma3RMSNorm):
-                setattr(parent, name, FusedGemmaRMSNorm(child, ops))
-                swapped += 1
-    log.info("fused %d Gemma RMSNorms (%s)", swapped, type(ops).__name__)
     return swapped
 
 
@@ -283,7 +245,7 @@ def _fusable_arch(config: Any) -> Architecture | None:
     return arch
 
 
-def _joined(module: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Module:
+def joined_projection(module: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Module:
     """`module`'s projection whose output is the layers `names`' outputs side by side: the one layer where the
     checkpoint joins them already (kept as it is), else a new Linear with their weights and biases stacked."""
     linears = [getattr(module, name) for name in names]

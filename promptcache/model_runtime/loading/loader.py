@@ -15,7 +15,7 @@ import torch
 from promptcache.model_runtime import deterministic as determinism
 from promptcache.model_runtime.cpu_features import auto_dtype
 from promptcache.model_runtime.errors import ModelLoadError
-from promptcache.model_runtime.loading import fused_layers, quantized_linear, stored_weights
+from promptcache.model_runtime.loading import fused_gemma, fused_layers, quantized_linear, stored_weights
 from promptcache.model_runtime.loading.architectures import (
     check_architecture,
     head_dim_of,
@@ -186,7 +186,8 @@ def wrap_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, na
         determinism.apply(model)  # its own fusion and linear layers: nothing to quantize or pack
     else:
         if fuse_layers:
-            fused_layers.fuse_layers(model)  # before quantizing and packing: they pick up the fused projections
+            # before quantizing and packing: they pick up the fused projections
+            fused_layers.fuse_layers(model) or fused_gemma.fuse_gemma(model)
         quantize_linears(model, weights, blocks, wider)
         if pack_weights:
             pack_linears(model)
