@@ -111,10 +111,11 @@ class PromptReader:
                                     "after it are placed before the system text)", line=line)
 
     def _open_generation_prompt(self, line: int, *, uses_roles: bool) -> None:
-        # Without a chat template, only where the prompt or its schema has role turns: plain text stays plain.
+        # Without a chat template, or under one that folds the system turn (Gemma's, which promptcache also gives a
+        # base Gemma GGUF that has none), only where the prompt or its schema has role turns: plain text stays plain.
         fmt = self.encoder.chat_format
         if self.encoder.chat_format_error is not None or not fmt.generation_prompt or (
-                fmt.is_fallback and not uses_roles and not self.schema.role_sections):
+                (fmt.is_fallback or fmt.folds_system) and not uses_roles and not self.schema.role_sections):
             return
         tokens = self.encoder.encode(fmt.generation_prompt)
         self.out.items.append(TextPiece(tokens, "role", line, fmt.generation_prompt[:40],

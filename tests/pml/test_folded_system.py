@@ -68,6 +68,16 @@ def test_a_schema_ending_in_system_opens_the_prompts_first_user_turn(gemma):
     assert chat.token_ids() == rendered(("system", SYSTEM), ("user", "Hi"), ("assistant", "Hello."), ("user", "Bye"))
 
 
+def test_plain_text_stays_a_continuation(gemma):
+    """As without a chat template: no turn is opened after a prompt with no role tags in a schema without any (a base
+    Gemma GGUF gets this template at conversion; its completion-style prompts stay completions)."""
+    encoder, plan, _ = gemma
+    result = plan('<prompt schema="plain"><cats/> They dream.</prompt>')
+    assert not result.generation_prompt_added
+    assert result.token_ids() == [*encoder.encode("Cats sleep most of the day."), *encoder.encode(" They dream.")]
+    assert plan('<prompt schema="plain"><cats/><user>Who?</user></prompt>').generation_prompt_added
+
+
 def test_a_prompt_system_turn_opens_the_user_turn_after_it(gemma):
     _, plan, rendered = gemma
     result = plan('<prompt schema="plain"><system>Be brief.</system><user>Hi</user></prompt>')
