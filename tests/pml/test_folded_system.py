@@ -110,3 +110,26 @@ def test_prompts_the_template_cannot_express_are_refused(gemma, prompt, message)
     _, plan, _ = gemma
     with pytest.raises(ChatTemplateError, match=message):
         plan(prompt)
+
+
+LLAMA2_TEMPLATE = (  # Llama-2-chat's shape: the system text inside the first [INST], between <<SYS>> markers
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+    "{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' }}{% if loop.first and system %}"
+    "{{ '<<SYS>>' + system + '<</SYS>> ' }}{% endif %}{{ m['content'] + ' [/INST]' }}"
+    "{% else %}{{ ' ' + m['content'] + ' </s>' }}{% endif %}{% endfor %}")
+
+
+def test_another_folding_template_renders_as_itself():
+    """Not only Gemma's: a Llama-2-chat-shaped template folds too, and a conversation renders as it does."""
+    tokenizer = make_test_tokenizer.__wrapped__()
+    tokenizer.chat_template = LLAMA2_TEMPLATE
+    encoder = TextEncoder.from_tokenizer(tokenizer)
+    assert encoder.chat_format.folds_system and encoder.chat_format.prefixes["system"] == "[INST] <<SYS>>"
+    schemas = {"kb": parse_schema(SECTIONS, encoder)}
+    result = parse_prompt('<prompt schema="kb"><user><tea/>How hot?</user><assistant>Very.</assistant>'
+                          '<user>Why?</user></prompt>', schemas, encoder)
+    text = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {
+        "role": "user", "content": "Read the documents.Tea is brewed with hot water.How hot?"},
+        {"role": "assistant", "content": "Very."}, {"role": "user", "content": "Why?"}], tokenize=False)
+    assert result.token_ids() == tokenizer(text, add_special_tokens=False).input_ids

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from promptcache.model_runtime import SamplingParams, wrap_model
-from promptcache.model_runtime.loading.gguf_conversion import GEMMA_TEMPLATE
 from tests.conftest import make_tiny_runtime
 from tests.model_factories import make_test_tokenizer, make_tiny_model
 from tests.model_runtime.oracles import reference_text, reference_tokens
 
+# Lower-cases each message: the content is not copied verbatim, so no per-role prefix and suffix can be split from it.
+UNSPLITTABLE_TEMPLATE = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] | lower + '\\n' }}{% endfor %}"
 SCHEMA = """<schema name="docs"><system>Answer from the documents.</system>
   <user><module name="d1">Cats sleep most of the day.</module><module name="d2">Tea is brewed hot.</module></user>
   <scaffold modules="d1 d2"/>
@@ -215,11 +216,11 @@ def test_the_default_fidelity_answers_like_a_full_prefill(live_server):
 
 
 def test_examples_a_model_cannot_take_are_skipped_at_startup(live_server):
-    """Gemma's template moves the system text into the first user turn: the bundled examples' role tags cannot be
-    split from it, so they are left out with a warning and the server starts without them."""
+    """A template that alters message content cannot be split per role: the bundled examples' role tags are left out
+    with a warning and the server starts without them."""
     tokenizer = make_test_tokenizer.__wrapped__()
-    tokenizer.chat_template = GEMMA_TEMPLATE
+    tokenizer.chat_template = UNSPLITTABLE_TEMPLATE
     model = make_tiny_model("llama", vocab_size=len(tokenizer))
-    server = live_server(lambda: wrap_model(model, tokenizer, name="tiny-gemma-template"), preload_examples=True)
+    server = live_server(lambda: wrap_model(model, tokenizer, name="tiny-unsplittable"), preload_examples=True)
     assert httpx.get(server.url + "/v1/schemas").json()["data"] == []
     assert httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}, timeout=60).status_code == 400  # role tags

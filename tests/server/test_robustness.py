@@ -22,14 +22,7 @@ from promptcache.server import ServerSettings
 from promptcache.server.app import RequestGuard
 from promptcache.server.tenants import RequestRateLimiter, TenantDirectory
 from tests.model_factories import make_test_tokenizer, make_tiny_model
-from tests.server.test_api import PROMPT, SCHEMA
-
-LLAMA2_TEMPLATE = (  # folds the system prompt into the first user turn: not splittable per role
-    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
-    "{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"
-    "{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' }}{% if loop.first and system %}"
-    "{{ '<<SYS>>' + system + '<</SYS>> ' }}{% endif %}{{ m['content'] + ' [/INST]' }}"
-    "{% else %}{{ ' ' + m['content'] + ' </s>' }}{% endif %}{% endfor %}")
+from tests.server.test_api import PROMPT, SCHEMA, UNSPLITTABLE_TEMPLATE
 
 
 @pytest.mark.parametrize(("field", "value"), [("seed", 2**64), ("seed", -1), ("temperature", 1e-40),
@@ -163,12 +156,12 @@ def test_a_registry_that_lost_its_data_is_restored_not_followed(live_server, red
 
 def test_unsplittable_chat_template_still_serves(live_server):
     tokenizer = make_test_tokenizer.__wrapped__()
-    tokenizer.chat_template = LLAMA2_TEMPLATE
+    tokenizer.chat_template = UNSPLITTABLE_TEMPLATE
 
     def loader():
         from promptcache.model_runtime import wrap_model
 
-        return wrap_model(make_tiny_model("llama", vocab_size=len(tokenizer)), tokenizer, name="tiny-llama2chat")
+        return wrap_model(make_tiny_model("llama", vocab_size=len(tokenizer)), tokenizer, name="tiny-unsplittable")
 
     server = live_server(loader)
     chat = httpx.post(server.url + "/v1/chat/completions", json={
