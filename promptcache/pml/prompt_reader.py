@@ -77,6 +77,7 @@ class PromptReader:
             s.role == "system" and s.end == schema.num_positions for s in schema.role_sections.values())
         self.system_turn: int | None = None  # item index
         self.folded_user: int | None = None  # item index
+
     def read(self, root: etree._Element, *, add_generation_prompt: bool = False) -> PromptItems:
         """The prompt's items in document order. `add_generation_prompt`: unless the prompt ends in an
         open assistant turn (a final `<assistant>` that imports nothing), a last item opens one."""
