@@ -25,7 +25,12 @@ from promptcache.model_runtime.attention.decode_batch import (
     kernel_takes,
     plan_step_decode,
 )
-from promptcache.model_runtime.attention.shared_prefix import SharedPrefixPlan, kernel_serves, plan_shared_prefix
+from promptcache.model_runtime.attention.shared_prefix import (
+    PassPositions,
+    SharedPrefixPlan,
+    kernel_serves,
+    plan_shared_prefix,
+)
 from promptcache.model_runtime.attention.sliding_window import WindowedPass
 from promptcache.model_runtime.kv_pool import KVPool
 
@@ -131,8 +136,11 @@ class BatchContext:
             if (self.deterministic is None and self.pool is not None and self.own_slots is not None
                     and kernel_serves(self.backend, query.device, query.dtype)):
                 own_lens = [s + n for s, n in zip(self.own_starts, self.query_lens)]
+                window = self.window
+                positions = None if window is None else PassPositions(
+                    window.query_positions, window.own_positions, window.segment_positions)
                 plan = plan_shared_prefix(self.query_lens, own_lens, self.own_slots, self.pool.keys, self.pool.values,
-                                          self.segments, num_heads=query.shape[1])
+                                          self.segments, num_heads=query.shape[1], positions=positions)
             self.shared_prefix = plan or False
         return self.shared_prefix if isinstance(self.shared_prefix, SharedPrefixPlan) else None
 
@@ -196,6 +204,9 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     layer = module.layer_idx
     if ctx.window is not None and ctx.window.cuts(layer):  # [1, H, total_q, D] -> [total_q, H, D] -> [1, total_q, H, D]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if (kernel := ctx.plan_shared_prefix(query)) is not None:  # the GPU kernel, masking by positions
+            out, _ = kernel.attend(query[0].transpose(0, 1), layer, scale, window=ctx.window.windows[layer])
+            return out.unsqueeze(0), None
         if (batch := ctx.window_batch(query, layer)) is not None:  # every sequence decodes: the window's suffixes
             return batch.attend(query[0].transpose(0, 1), layer, scale)[0].unsqueeze(0), None
         everyone = tuple(range(len(ctx.query_lens)))

@@ -15,13 +15,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from promptcache.model_runtime import SamplingParams
 from promptcache.model_runtime.attention import shared_prefix
 from promptcache.model_runtime.attention.shared_prefix import plan_shared_prefix
-from promptcache.model_runtime.engine import Engine, EngineConfig
+from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity
 from promptcache.model_runtime.engine.runner import ModelRunner
 from tests.conftest import make_tiny_runtime
+from tests.model_runtime.batched_generation import assert_batched_generation_equals_hf, assert_exact_prefill_equals_hf
 from tests.model_runtime.engine_probe import feed
 from tests.model_runtime.oracles import reference_tokens
 from tests.model_runtime.test_engine import SCHEMA, _collect, _prompts
+from tests.model_runtime.test_fidelity import PROMPTS as WINDOW_PROMPTS
 from tests.model_runtime.test_kv_pool import _loaded, _sequences
+from tests.model_runtime.test_sliding_window import _pass as windowed_pass
+from tests.model_runtime.test_sliding_window import _served as served_windowed
 from tests.model_runtime.triton_interpreter import skip_unless_kernels_run
 
 DEVICE = skip_unless_kernels_run()
@@ -181,17 +185,26 @@ def test_opcheck_schema_and_fake_tensor():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+class Calls(list):
+    """The layers of the kernel's calls, in order; `windows`: each call's sliding window (None: full attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.windows: list[int | None] = []
+
+
 @pytest.fixture
 def kernel_on_test_device(monkeypatch):
     """The engine's passes take the kernel on the test device in fp32 too (on a CPU: Triton's interpreter);
     yields the list of layers each kernel call attended."""
     monkeypatch.setattr(shared_prefix, "KERNEL_DEVICE_TYPES", frozenset({DEVICE}))
     monkeypatch.setattr(shared_prefix, "KERNEL_DTYPES", frozenset({torch.float32}))
-    attend, layers = shared_prefix.SharedPrefixPlan.attend, []
+    attend, layers = shared_prefix.SharedPrefixPlan.attend, Calls()
 
-    def counted(self, queries, layer, scale):
+    def counted(self, queries, layer, scale, window=None):
         layers.append(layer)
-        return attend(self, queries, layer, scale)
+        layers.windows.append(window)
+        return attend(self, queries, layer, scale, window)
 
     monkeypatch.setattr(shared_prefix.SharedPrefixPlan, "attend", counted)
     return layers
@@ -241,3 +254,54 @@ def test_the_engine_through_the_kernel_answers_as_full_prefill(kernel_on_test_de
     for result, want, sp in zip(results, expected, params):
         assert result["final"].report.error is None
         assert all(result["tokens"][i] == want for i in range(sp.n))
+
+
+def _windowed_plan(window: int, poison: bool):
+    """test_sliding_window's pass (two sequences, three segments, discontinuous positions) as the kernel takes it: each
+    sequence's own KV copied into a NaN-filled pool; returns the plan, its queries and the float64 oracle's output."""
+    window_pass, queries, own_kv, expected = windowed_pass(window, poison=poison)
+    own_keys, own_values = zip(*(own_kv(layer) for layer in range(2)))  # per layer, per sequence [H_kv, n, D]
+    lengths = [k.shape[1] for k in own_keys[0]]
+    firsts = [3, 3 + lengths[0] + 4]
+    shape = (2, own_keys[0][0].shape[0], firsts[-1] + lengths[-1] + 2, own_keys[0][0].shape[2])
+    pool_keys, pool_values = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    for layer in range(2):
+        for seq, first in enumerate(firsts):
+            pool_keys[layer, :, first:first + lengths[seq]] = own_keys[layer][seq]
+            pool_values[layer, :, first:first + lengths[seq]] = own_values[layer][seq]
+    segments = [(k.to(DEVICE), v.to(DEVICE), m, o) for k, v, m, o in window_pass.segments]
+    positions = shared_prefix.PassPositions(window_pass.query_positions, window_pass.own_positions,
+                                            window_pass.segment_positions)
+    plan = plan_shared_prefix([p.numel() for p in window_pass.query_positions], lengths, firsts, pool_keys.to(DEVICE),
+                              pool_values.to(DEVICE), segments, num_heads=queries.shape[1], num_chunks=2,
+                              positions=positions)
+    assert plan is not None
+    return plan, queries.to(DEVICE), expected
+
+
+@pytest.mark.parametrize("poison", [False, True], ids=["plain", "out-of-reach-nan"])
+@pytest.mark.parametrize("window", [4, 8, 12, 25, 100])
+def test_a_windowed_layer_equals_plain_masked_attention(window, poison):
+    """A local layer (window W) through the kernel: every query over the keys it sees at positions q - k < W (segments
+    from their row offsets on, own KV causally), against float64 masked attention. Poisoned: KV beyond every query's
+    reach set to NaN is never loaded (a load, even masked out of the softmax, would spread NaN)."""
+    plan, queries, expected = _windowed_plan(window, poison)
+    head_dim = queries.shape[2]
+    out, lse = plan.attend(queries, 0, head_dim ** -0.5, window=window)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out.cpu(), expected, rtol=2e-5, atol=2e-5)
+    if not poison:  # the full layer of the same plan ignores positions: different from the window's answer
+        full, _ = plan.attend(queries, 0, head_dim ** -0.5)
+        assert (window >= 100) == torch.allclose(full.cpu(), expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_windowed_models_through_the_kernel_equal_the_hf_forward(request, arch, kernel_on_test_device):
+    """Tiny windowed models (window 8, ~40-token prompts) with every pass through the kernel: `exact` prefill over
+    cached modules and batched greedy generation past the window equal HF's own forward; the local layers' calls
+    carried their window."""
+    runtime, oracle = served_windowed(arch, "hf", request)
+    assert_exact_prefill_equals_hf(runtime, oracle, WINDOW_PROMPTS, Fidelity("exact"))
+    assert_batched_generation_equals_hf(runtime, oracle, WINDOW_PROMPTS, num_tokens=12, fidelity=Fidelity("exact"))
+    windows = {w for w in kernel_on_test_device.windows}
+    assert windows == ({8} if arch == "mistral" else {8, None})

@@ -57,6 +57,16 @@ def kernel_serves(backend: str, device: torch.device, dtype: torch.dtype) -> boo
             and triton_installed() and load_kernel())
 
 
+@dataclass(frozen=True, slots=True)
+class PassPositions:
+    """The positions the prompt plan gave a pass's tokens (int64, host): per sequence its queries' [T_i] and its own
+    KV's after this pass's writes [S_i], per segment its keys' [n_j] (as attention/sliding_window.py holds them)."""
+
+    query_positions: Sequence[torch.Tensor]
+    own_positions: Sequence[torch.Tensor]
+    segment_positions: Sequence[torch.Tensor]
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class SharedPrefixPlan:
     """One pass's kernel inputs on the device (tables: triton_shared.py). `held` keeps the segments' KV alive
@@ -71,22 +81,34 @@ class SharedPrefixPlan:
     held: tuple[torch.Tensor, ...]
     num_chunks: int
     max_query_len: int
+    # Sliding windows: int32 query positions [Q], key positions [P] and where each sequence's own, then each
+    # segment's, start in them [B + S] (triton_shared.py); None for a pass planned without positions.
+    positions: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def attend(self, queries: torch.Tensor, layer: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """queries [Q, H, D] of layer `layer` -> out [Q, H, D] (their dtype), natural-log lse [Q, H] fp32."""
+    def attend(self, queries: torch.Tensor, layer: int, scale: float,
+               window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """queries [Q, H, D] of layer `layer` -> out [Q, H, D] (their dtype), natural-log lse [Q, H] fp32.
+        `window`: the layer's sliding window (a plan made with positions only)."""
+        if window is None:
+            return torch.ops.promptcache.shared_prefix_attention(
+                queries, self.pool_keys, self.pool_values, self.seq_table, self.token_table, self.segment_table,
+                self.segment_rows, layer, scale, self.num_chunks, self.max_query_len)
+        assert self.positions is not None and window > 0, "a windowed layer needs a plan with positions"
         return torch.ops.promptcache.shared_prefix_attention(
             queries, self.pool_keys, self.pool_values, self.seq_table, self.token_table, self.segment_table,
-            self.segment_rows, layer, scale, self.num_chunks, self.max_query_len)
+            self.segment_rows, layer, scale, self.num_chunks, self.max_query_len, window, *self.positions)
 
 
 def plan_shared_prefix(query_lens: Sequence[int], own_lens: Sequence[int], first_slots: Sequence[int | None],
                        pool_keys: torch.Tensor, pool_values: torch.Tensor, segments: Sequence[Segment], *,
-                       num_heads: int, num_chunks: int | None = None) -> SharedPrefixPlan | None:
+                       num_heads: int, num_chunks: int | None = None,
+                       positions: PassPositions | None = None) -> SharedPrefixPlan | None:
     """The tables of a pass: sequence i feeds query_lens[i] tokens (rows in order), its own KV (own_lens[i]
     keys, the last query_lens[i] of them its new tokens) is pool slots first_slots[i] on; `segments` as the
     engine holds them; `num_heads` query heads. None where the kernel cannot read the pass where it lies (a
     sequence outside the pool, KV of another dtype or device, a head dim not contiguous). `num_chunks`: key
-    chunks per segment (None: enough programs for the device's SMs)."""
+    chunks per segment (None: enough programs for the device's SMs). `positions`: the pass's token positions,
+    for layers with a sliding window."""
     if any(first is None for first in first_slots) or not _readable(pool_keys, pool_values, segments):
         return None
     if pool_keys.stride() != pool_values.stride():
@@ -115,9 +137,25 @@ def plan_shared_prefix(query_lens: Sequence[int], own_lens: Sequence[int], first
         num_blocks = num_kv_heads * max(1, len(kept)) * -(-num_tokens * (num_heads // num_kv_heads) // ROWS_PER_PROGRAM)
         num_chunks = num_splits(num_blocks, longest, num_sms(pool_keys.device))
     device = pool_keys.device
+    tables = None
+    if positions is not None:
+        kept_positions = [p for s, p in zip(segments, positions.segment_positions, strict=True) if s[0].shape[2] > 0]
+        tables = tuple(to_device(t, device) for t in _position_tables(positions, kept_positions))
     return SharedPrefixPlan(pool_keys, pool_values, to_device(seq_table, device), to_device(token_table, device),
                             to_device(segment_table, device), to_device(segment_rows, device),
-                            tuple(t for k, v, _, _ in kept for t in (k, v)), num_chunks, max(query_lens, default=0))
+                            tuple(t for k, v, _, _ in kept for t in (k, v)), num_chunks, max(query_lens, default=0),
+                            tables)
+
+
+def _position_tables(positions: PassPositions, segment_positions: Sequence[torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's query positions [Q], key positions [P] (own KV per sequence, then each segment's) and where each
+    sequence's and segment's start in them [B + S], int32."""
+    keys = [*positions.own_positions, *segment_positions]
+    starts = list(itertools.accumulate((p.numel() for p in keys), initial=0))[:-1]
+    queries = torch.cat([*positions.query_positions, torch.zeros(0, dtype=torch.long)])        # [Q]
+    flat = torch.cat([*keys, torch.zeros(1, dtype=torch.long)])                                # [P + 1]: never empty
+    return queries.to(torch.int32), flat.to(torch.int32), torch.tensor(starts, dtype=torch.int32)
 
 
 def _readable(pool_keys: torch.Tensor, pool_values: torch.Tensor, segments: Sequence[Segment]) -> bool:

@@ -13,6 +13,11 @@ Tables (device tensors, built on the host once per pass: shared_prefix.py says h
     token_table   int32 [Q, 2]    the sequence of each query token and its index t within it
     segment_table int64 [S, 9]    k and v addresses, length, k's and v's (layer, head, token) strides
     segment_rows  int32 [S, B]    the first query index t of sequence b that sees segment s (>= T_b: none)
+A layer with a sliding window W (`window` > 0) also takes the positions the prompt plan gave the tokens:
+    query_positions int32 [Q]     each query token's position
+    key_positions   int32 [P]     every sequence's own KV's positions (pool order), then every segment's keys'
+    position_starts int32 [B + S] where sequence b's, then segment s's, positions start in key_positions
+and a query at position q reads a key at k only if q - k < W; a key no row of a program reaches is not loaded.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ BLOCK_KEYS = 64  # keys per inner step
 MIN_DOT = 16  # tl.dot takes blocks of at least 16 along every dimension
 SEGMENT_COLUMNS = 9
 SEQ_COLUMNS = 4
+FAR = 1 << 30  # a position above any real one: rows outside the pass never lower a block's reach
 
 
 @triton.jit
@@ -49,6 +55,7 @@ def _online_block(q, k, v, visible, scale, top, total, acc, precision: tl.conste
 @triton.jit
 def _shared_partials(q_ptr, stride_qt, stride_qh, token_ptr, segment_ptr, segment_rows_ptr, part_out_ptr,
                      part_lse_ptr, kv_ptr, layer, scale, num_rows, num_seqs, num_chunks,
+                     query_pos_ptr, key_pos_ptr, pos_start_ptr, window, windowed: tl.constexpr,
                      group: tl.constexpr, head_dim: tl.constexpr, block_d: tl.constexpr,
                      block_rows: tl.constexpr, block_keys: tl.constexpr, precision: tl.constexpr, upcast: tl.constexpr):
     h = tl.program_id(0)
@@ -66,6 +73,10 @@ def _shared_partials(q_ptr, stride_qt, stride_qh, token_ptr, segment_ptr, segmen
     row_ok = row_in & (t >= first_row)  # a member sequence's query from its row offset on
     q_offsets = token.to(tl.int64) * stride_qt + (h * group + rows % group) * stride_qh
     q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if windowed:  # keys at positions <= reach are out of every row's window
+        q_pos = tl.load(query_pos_ptr + token, mask=row_ok, other=FAR)
+        reach = tl.min(q_pos, 0) - window
+        segment_pos = key_pos_ptr + tl.load(pos_start_ptr + num_seqs + segment)
 
     # The segment's KV where it lies: addresses and strides from its table row (views need not be contiguous).
     entry = segment_ptr + segment * 9
@@ -86,11 +97,15 @@ def _shared_partials(q_ptr, stride_qt, stride_qh, token_ptr, segment_ptr, segmen
     for start in range(lo, hi, block_keys):
         keys = start + tl.arange(0, block_keys)
         key_ok = keys < hi
+        visible = row_ok[:, None] & key_ok[None, :]
+        if windowed:
+            k_pos = tl.load(segment_pos + keys, mask=key_ok, other=0)
+            key_ok = key_ok & (k_pos > reach)
+            visible = visible & key_ok[None, :] & (q_pos[:, None] - k_pos[None, :] < window)
         load_ok = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_base + keys[:, None] * k_token + dims[None, :], mask=load_ok, other=0.0)
         v = tl.load(v_base + keys[:, None] * v_token + dims[None, :], mask=load_ok, other=0.0)
-        top, total, acc = _online_block(q, k, v, row_ok[:, None] & key_ok[None, :], scale, top, total, acc,
-                                        precision, upcast)
+        top, total, acc = _online_block(q, k, v, visible, scale, top, total, acc, precision, upcast)
     # partials [parts, H_kv, rows, D] and [parts, H_kv, rows]; a row that saw no key: zeros and lse -inf.
     base = (part * tl.num_programs(0) + h).to(tl.int64) * num_rows + rows
     tl.store(part_out_ptr + base[:, None] * head_dim + dims[None, :],
@@ -101,6 +116,7 @@ def _shared_partials(q_ptr, stride_qt, stride_qh, token_ptr, segment_ptr, segmen
 @triton.jit
 def _own_and_merge(q_ptr, stride_qt, stride_qh, seq_ptr, pool_k_ptr, pool_v_ptr, stride_ph, stride_ps,
                    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, scale, num_rows, num_parts,
+                   query_pos_ptr, key_pos_ptr, pos_start_ptr, window, windowed: tl.constexpr,
                    group: tl.constexpr, num_heads: tl.constexpr, head_dim: tl.constexpr, block_d: tl.constexpr,
                    block_rows: tl.constexpr, block_keys: tl.constexpr, precision: tl.constexpr, upcast: tl.constexpr):
     b = tl.program_id(0)
@@ -124,17 +140,25 @@ def _own_and_merge(q_ptr, stride_qt, stride_qh, seq_ptr, pool_k_ptr, pool_v_ptr,
     limit = tl.where(row_ok, length - q_len + t, -1)                    # [rows]
     end = tl.minimum(length, tl.max(limit, 0) + 1)
     kv_base = h.to(tl.int64) * stride_ph  # pool_k_ptr/pool_v_ptr: this layer's [H_kv, slots, D]
+    if windowed:  # own keys at positions <= reach are out of every row's window
+        q_pos = tl.load(query_pos_ptr + token, mask=row_ok, other=FAR)
+        reach = tl.min(q_pos, 0) - window
+        own_pos = key_pos_ptr + tl.load(pos_start_ptr + b)
     top = tl.full([block_rows], float("-inf"), tl.float32)
     total = tl.zeros([block_rows], tl.float32)
     acc = tl.zeros([block_rows, block_d], tl.float32)
     for start in range(0, end, block_keys):
         keys = start + tl.arange(0, block_keys)
         key_ok = keys < end
+        visible = key_ok[None, :] & (keys[None, :] <= limit[:, None])
+        if windowed:
+            k_pos = tl.load(own_pos + keys, mask=key_ok, other=0)
+            key_ok = key_ok & (k_pos > reach)
+            visible = visible & key_ok[None, :] & (q_pos[:, None] - k_pos[None, :] < window)
         offsets = kv_base + (first + keys)[:, None] * stride_ps + dims[None, :]
         load_ok = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(pool_k_ptr + offsets, mask=load_ok, other=0.0)
         v = tl.load(pool_v_ptr + offsets, mask=load_ok, other=0.0)
-        visible = key_ok[None, :] & (keys[None, :] <= limit[:, None])
         top, total, acc = _online_block(q, k, v, visible, scale, top, total, acc, precision, upcast)
 
     # Every (segment, chunk) partial of these rows merged in: each is (out, lse) over its keys, lse -inf if none.
@@ -162,11 +186,14 @@ def _own_and_merge(q_ptr, stride_qt, stride_qh, seq_ptr, pool_k_ptr, pool_v_ptr,
 def shared_prefix_attention(queries: torch.Tensor, pool_keys: torch.Tensor, pool_values: torch.Tensor,
                             seq_table: torch.Tensor, token_table: torch.Tensor, segment_table: torch.Tensor,
                             segment_rows: torch.Tensor, layer: int, scale: float, num_chunks: int,
-                            max_query_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+                            max_query_len: int, window: int = 0, query_positions: torch.Tensor | None = None,
+                            key_positions: torch.Tensor | None = None, position_starts: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """queries [Q, H, D] (the step's tokens, grouped by sequence; the last dim contiguous) attend, for
     layer `layer`, the shared segments of `segment_table` their sequences see and their own KV in the pool
     keys/values [L, H_kv, slots, D] (tables: the module docstring). Each segment's keys are cut into
-    `num_chunks` chunks (programs for idle SMs); `max_query_len` is the largest T_b. Returns out [Q, H, D]
+    `num_chunks` chunks (programs for idle SMs); `max_query_len` is the largest T_b. `window` > 0: the layer's
+    sliding window, over the three position tables (the module docstring). Returns out [Q, H, D]
     in the queries' dtype and the natural-log lse [Q, H] fp32 (-inf, out 0, for a row that sees no key)."""
     num_tokens, num_heads, head_dim = queries.shape
     num_kv_heads = pool_keys.shape[1]
@@ -178,6 +205,13 @@ def shared_prefix_attention(queries: torch.Tensor, pool_keys: torch.Tensor, pool
     upcast = queries.device.type == "cpu"
     precision = "ieee" if upcast or queries.dtype == torch.float32 else "tf32"  # fp32: no TF32 inside tl.dot
     stride_qt, stride_qh = queries.stride(0), queries.stride(1)
+    windowed = window > 0
+    if windowed:
+        assert query_positions is not None and key_positions is not None and position_starts is not None, \
+            "a windowed layer reads the pass's positions"
+        positions = (query_positions, key_positions, position_starts, window)
+    else:  # never read
+        positions = (seq_table, seq_table, seq_table, 0)
     # partials [parts, H_kv, Q * G, D] fp32 and their lse [parts, H_kv, Q * G]
     part_out = torch.empty((max(num_parts, 1), num_kv_heads, num_rows, head_dim), dtype=torch.float32,
                            device=queries.device)
@@ -185,8 +219,9 @@ def shared_prefix_attention(queries: torch.Tensor, pool_keys: torch.Tensor, pool
     if num_parts and num_rows:
         _shared_partials[(num_kv_heads, triton.cdiv(num_rows, BLOCK_ROWS), num_parts)](
             queries, stride_qt, stride_qh, token_table, segment_table, segment_rows, part_out, part_lse, pool_keys,
-            layer, scale, num_rows, num_seqs, num_chunks, group=group, head_dim=head_dim, block_d=block_d,
-            block_rows=BLOCK_ROWS, block_keys=BLOCK_KEYS, precision=precision, upcast=upcast)
+            layer, scale, num_rows, num_seqs, num_chunks, *positions, windowed=windowed, group=group,
+            head_dim=head_dim, block_d=block_d, block_rows=BLOCK_ROWS, block_keys=BLOCK_KEYS, precision=precision,
+            upcast=upcast)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=queries.dtype, device=queries.device)
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=queries.device)
     own_rows = max(MIN_DOT, min(BLOCK_ROWS, triton.next_power_of_2(max(1, max_query_len * group))))
@@ -195,15 +230,17 @@ def shared_prefix_attention(queries: torch.Tensor, pool_keys: torch.Tensor, pool
         _own_and_merge[(num_seqs, num_kv_heads, triton.cdiv(max_query_len * group, own_rows))](
             queries, stride_qt, stride_qh, seq_table, layer_keys, layer_values, layer_keys.stride(0),
             layer_keys.stride(1), part_out, part_lse, out, lse, scale, num_rows,
-            num_parts, group=group, num_heads=num_heads, head_dim=head_dim, block_d=block_d, block_rows=own_rows,
-            block_keys=BLOCK_KEYS, precision=precision, upcast=upcast)
+            num_parts, *positions, windowed=windowed, group=group, num_heads=num_heads, head_dim=head_dim,
+            block_d=block_d, block_rows=own_rows, block_keys=BLOCK_KEYS, precision=precision, upcast=upcast)
     return out, lse
 
 
 @shared_prefix_attention.register_fake
 def _(queries: torch.Tensor, pool_keys: torch.Tensor, pool_values: torch.Tensor, seq_table: torch.Tensor,
       token_table: torch.Tensor, segment_table: torch.Tensor, segment_rows: torch.Tensor, layer: int, scale: float,
-      num_chunks: int, max_query_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+      num_chunks: int, max_query_len: int, window: int = 0, query_positions: torch.Tensor | None = None,
+      key_positions: torch.Tensor | None = None, position_starts: torch.Tensor | None = None
+      ) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_heads, _ = queries.shape
     return (queries.new_empty(queries.shape),                                           # [Q, H, D]
             queries.new_empty((num_tokens, num_heads), dtype=torch.float32))            # [Q, H]
