@@ -10,7 +10,14 @@ import random
 import pytest
 import torch
 
-from promptcache.model_runtime.sampling import PromptTokens, Sampler, SamplingParams, batch_scores, sample_batch
+from promptcache.model_runtime.sampling import (
+    PromptTokens,
+    Sampler,
+    SamplingParams,
+    batch_scores,
+    processors,
+    sample_batch,
+)
 from tests.model_runtime.sampling_reference import ReferenceSampler, reference_logprobs
 
 VOCAB = 300
@@ -164,3 +171,42 @@ def test_forked_rows_read_their_logits_row_and_keep_their_own_counts():
     assert [d.token_id for d in draws] == [r.sample(prompt_logits[1]) for r in theirs]
     step = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2))
     assert [d.token_id for d in sample_batch(ours, step)] == [r.sample(row) for r, row in zip(theirs, step)]
+
+
+def test_inverse_cdf_picks_the_token_whose_interval_holds_the_uniform():
+    """draw_by_cdf against the intervals by hand: token i owns [cdf[i-1], cdf[i]); a token of probability 0 owns none,
+    at either end too, and a uniform just below 1 (whose product with the total rounds up to it) lands in the last
+    live token."""
+    probs = torch.tensor([[0.0, 0.25, 0.25, 0.0, 0.5, 0.0]] * 6)                   # [6, 6]
+    uniform = torch.tensor([0.0, 0.24, 0.25, 0.5, 0.75, 1.0 - 2.0 ** -53], dtype=torch.float64)
+    assert processors.draw_by_cdf(probs, uniform).tolist() == [1, 1, 2, 4, 4, 4]
+    unnormalised = torch.tensor([[3.0, 0.0, 1.0]] * 3)  # a total other than 1 scales the intervals
+    assert processors.draw_by_cdf(unnormalised, torch.tensor([0.7, 0.75, 0.99])).tolist() == [0, 2, 2]
+    # Three blocks (the last one padded): mass at a block's last token, inside the next, past a block of zeros.
+    block = processors.CDF_BLOCK
+    spread = torch.zeros(5, 2 * block + 5)
+    spread[:, [block - 1, block + 476, 2 * block + 2]] = torch.tensor([0.25, 0.25, 0.5])
+    uniform = torch.tensor([0.0, 0.2499, 0.25, 0.5, 1.0 - 2.0 ** -53], dtype=torch.float64)
+    assert processors.draw_by_cdf(spread, uniform).tolist() == [block - 1, block - 1, block + 476, 2 * block + 2,
+                                                                2 * block + 2]
+
+
+def test_unseeded_rows_of_a_large_vocabulary_follow_their_distribution():
+    """A 262,144-token row (Gemma 3's vocabulary) with its mass on a few hundred tokens: 1,000 unseeded draws (10 steps
+    of 100 rows), their frequencies per mass bucket against the softmax (binomial standard errors), none outside it."""
+    torch.manual_seed(1)
+    vocab, rows, steps = 262_144, 100, 10
+    logits = torch.full((1, vocab), -1e4)
+    live = torch.randperm(vocab)[:300]
+    logits[0, live] = torch.randn(300) * 2
+    tokens = torch.tensor([d.token_id for _ in range(steps)
+                           for d in sample_batch([Sampler(SamplingParams(temperature=1.0)) for _ in range(rows)],
+                                                 logits, [0] * rows)])
+    probs = torch.softmax(logits[0], dim=-1)
+    assert bool(torch.isin(tokens, live).all())
+    order = live[probs[live].argsort(descending=True)]
+    for bucket in (order[:3], order[3:20], order[20:]):  # the likeliest tokens, the middle, the tail
+        expected = float(probs[bucket].sum())
+        observed = float(torch.isin(tokens, bucket).float().mean())
+        error = (expected * (1 - expected) / tokens.numel()) ** 0.5
+        assert abs(observed - expected) <= 5 * error + 1e-9, (observed, expected)

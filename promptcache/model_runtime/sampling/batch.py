@@ -1,6 +1,7 @@
 """A step's tokens picked for all its rows at once: per-row parameters copied to the device in one transfer
-(StepInputs), the processors as [B, V] ops, greedy rows by argmax, sampled rows by the exponential race, and the
-tokens, the non-finite flags and the asked-for logprobs read back in one device-to-host copy."""
+(StepInputs), the processors as [B, V] ops, greedy rows by argmax, unseeded sampled rows by inverse CDF, seeded ones by
+the exponential race on their own generators, and the tokens, the non-finite flags and the asked-for logprobs read
+back in one device-to-host copy."""
 
 from __future__ import annotations
 
@@ -54,16 +55,18 @@ def draw_on_device(inputs: StepInputs, logits: torch.Tensor) -> torch.Tensor:
     rows' chosen logprobs, then their top ids and top logprobs ([R, max_top] each, flattened). Reads nothing back."""
     base = _base(inputs, logits)                                                     # [B, V] float32
     scores = _scores(inputs, base)
-    tokens = scores.argmax(dim=-1)                                                   # [B] greedy picks
+    tokens = None if inputs.is_all_sampled else scores.argmax(dim=-1)               # [B] greedy picks
     pieces = []
     if inputs.sampled:
         sampled = inputs.pack.ints("sampled")
         sub = scores if inputs.is_all_sampled else scores.index_select(0, sampled)   # [S, V]
         probs = torch.softmax(sub, dim=-1)
-        # Flag, never check here: a host check per row would stall the step; the host fails those rows.
-        pieces.append((~torch.isfinite(probs).all(dim=-1)).double())                # [S]
-        picks = processors.draw(probs, _noise(inputs, probs))
-        tokens = picks if inputs.is_all_sampled else tokens.index_copy(0, sampled, picks)
+        # Flag, never check here: a host check per row would stall the step; the host fails those rows. Softmax's
+        # outputs lie in [0, 1] or are NaN, so a row's sum is finite exactly when all of it is (one pass, not four).
+        pieces.append((~torch.isfinite(probs.sum(dim=-1))).double())                # [S]
+        picks = _draw(inputs, probs)
+        tokens = picks if tokens is None else tokens.index_copy(0, sampled, picks)
+    assert tokens is not None, "a step whose every row is sampled has picks"
     pieces.insert(0, tokens.double())
     if inputs.logprob_rows:
         which = inputs.pack.ints("logprob_rows")
@@ -126,17 +129,25 @@ def _scores(inputs: StepInputs, base: torch.Tensor) -> torch.Tensor:
     return scores
 
 
-def _noise(inputs: StepInputs, probs: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise [S, V]: unseeded rows from the device's default generator in one op, each seeded row from
-    its own generator (a row of a contiguous tensor draws what torch.multinomial's own buffer would)."""
-    noise = torch.empty_like(probs)                                                  # [S, V]
+def _draw(inputs: StepInputs, probs: torch.Tensor) -> torch.Tensor:
+    """One token per sampled row of `probs` [S, V]: unseeded rows by inverse CDF on one float64 uniform each from the
+    device's default generator (one op for all of them); each seeded row by the exponential race on its own generator,
+    Exp(1) noise [V] drawn as torch.multinomial's own buffer would, so a seed picks what it picked before. [S] int64."""
     generators = [inputs.samplers[row].generator(probs.device) for row in inputs.sampled]
+    picks = None
     if any(g is None for g in generators):
-        noise.exponential_()
+        uniform = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device)  # [S]
+        picks = processors.draw_by_cdf(probs, uniform)
+    if all(g is None for g in generators):
+        assert picks is not None
+        return picks
+    if picks is None:
+        picks = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     for i, generator in enumerate(generators):
         if generator is not None:
-            noise[i].exponential_(generator=generator)
-    return noise
+            noise = torch.empty_like(probs[i]).exponential_(generator=generator)       # [V]
+            picks[i] = processors.draw(probs[i: i + 1], noise[None])[0]
+    return picks
 
 
 def batch_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: int) -> list[TokenLogprobs]:
