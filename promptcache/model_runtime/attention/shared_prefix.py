@@ -140,7 +140,8 @@ def plan_shared_prefix(query_lens: Sequence[int], own_lens: Sequence[int], first
     tables = None
     if positions is not None:
         kept_positions = [p for s, p in zip(segments, positions.segment_positions, strict=True) if s[0].shape[2] > 0]
-        tables = tuple(to_device(t, device) for t in _position_tables(positions, kept_positions))
+        query_at, key_at, start_at = _position_tables(positions, kept_positions)
+        tables = (to_device(query_at, device), to_device(key_at, device), to_device(start_at, device))
     return SharedPrefixPlan(pool_keys, pool_values, to_device(seq_table, device), to_device(token_table, device),
                             to_device(segment_table, device), to_device(segment_rows, device),
                             tuple(t for k, v, _, _ in kept for t in (k, v)), num_chunks, max(query_lens, default=0),
