@@ -134,15 +134,10 @@ def _draw(inputs: StepInputs, probs: torch.Tensor) -> torch.Tensor:
     device's default generator (one op for all of them); each seeded row by the exponential race on its own generator,
     Exp(1) noise [V] drawn as torch.multinomial's own buffer would, so a seed picks what it picked before. [S] int64."""
     generators = [inputs.samplers[row].generator(probs.device) for row in inputs.sampled]
-    picks = None
-    if any(g is None for g in generators):
-        uniform = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device)  # [S]
-        picks = processors.draw_by_cdf(probs, uniform)
-    if all(g is None for g in generators):
-        assert picks is not None
-        return picks
-    if picks is None:
-        picks = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    if any(g is None for g in generators):  # every row drawn so; seeded rows' picks are replaced below
+        picks = processors.draw_by_cdf(probs, torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device))
+    else:
+        picks = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)        # [S]
     for i, generator in enumerate(generators):
         if generator is not None:
             noise = torch.empty_like(probs[i]).exponential_(generator=generator)       # [V]
