@@ -10,7 +10,9 @@ time from sending the request to the first streamed token, measured by this clie
 tokenization and HTTP included). Rows:
   a_cold        a ~2K-token plain prompt never seen before
   b_repeat      the exact same prompt again
-  b_question    the same ~2K-token document with a new question
+  b_first_question  the first new question over the document after its prompt was computed (one sample: a server
+                may pay once here for the document's reuse, e.g. promptcache assembling its blocks)
+  b_question    the same ~2K-token document with a new question (after b_first_question)
   c_plain       8 of 20 documents in random order + a question, as plain chat (prefix reuse only)
   c_pml         the same prompts as PML importing the documents as modules (promptcache only), `fast`;
                 c_pml_<mode> the same in another fidelity mode (--pml-fidelity)
@@ -122,6 +124,8 @@ def run_rows(targets: list[Target], work: Workload, *, runs: int, rows: set[str]
         for target in targets:
             complete(target, repeat)
         each("b_repeat", targets, [repeat] * runs, complete)
+        first = f"{work.document}\n\n{work.questions[0]} Answer in one word."
+        each("b_first_question", targets, [first], complete)
         each("b_question", targets, [f"{work.document}\n\n{q}" for q in work.questions[1: runs + 1]], complete)
     if "c" in rows:
         each("c_plain", targets, work.retrieval_chat, lambda t, m: t.ttft(
