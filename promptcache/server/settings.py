@@ -134,7 +134,7 @@ class ServerSettings(BaseSettings):
             max_step_slowdown=self.max_step_slowdown or None, ttft_target_ms=self.ttft_target_ms or None,
             logits_cache_bytes=self.logits_cache_bytes, shared_step_ratio=self.shared_step_ratio or None,
             max_assembled_bytes=self.max_assembled_kv_bytes, max_waiting_per_tenant=self.max_waiting_per_tenant,
-            cuda_graphs=self.cuda_graphs,
+            cuda_graphs=self.cuda_graphs, reserve_assembled=True,
             # Headroom is for other tenants: only an API keys file makes several.
             tenant_headroom_seqs=min(self.tenant_headroom_seqs, self.max_num_seqs - 1) if self.api_keys_file else 0,
             tenant_kv_share=(self.tenant_kv_share or None) if self.api_keys_file else None)

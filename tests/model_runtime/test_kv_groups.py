@@ -102,3 +102,24 @@ def test_requests_over_one_document_attend_one_kept_group():
         assert len(whole) == 1 and len(whole[0]) == 5  # the document's five blocks, assembled once
     finally:
         h.engine.stop()
+
+
+def test_groups_are_carved_from_the_reserve_until_it_runs_out():
+    blocks = _blocks(4, 4, 4, 4)
+    groups = AssembledGroups(max_bytes=_bytes(8) * 2 + _bytes(4))  # two groups of two blocks, not a third
+    groups.reserve(torch.float32, torch.device("cpu"))
+    reserve = groups._reserve
+    assert reserve is not None and not bool(reserve.any())  # touched: written through once
+    storage = reserve.untyped_storage().data_ptr()
+    first_names, second_names = (KVView("b0"), KVView("b1")), (KVView("b2"), KVView("b3"))
+    first, _ = groups.get(first_names, blocks)
+    second, second_values = groups.get(second_names, blocks)
+    for keys in (first, second):
+        assert keys.untyped_storage().data_ptr() == storage  # carved, not allocated
+    assert second.data_ptr() >= first.data_ptr() + first.numel() * 4  # apart: no overlap
+    assert torch.equal(second, torch.cat([blocks[n].keys for n in second_names], dim=2))
+    assert torch.equal(second_values, torch.cat([blocks[n].values for n in second_names], dim=2))
+    assert torch.equal(first, torch.cat([blocks[n].keys for n in first_names], dim=2))  # not overwritten by the second
+    third, _ = groups.get((KVView("b0"), KVView("b3")), blocks)  # the reserve's rest is too small: a buffer of its own
+    assert third.untyped_storage().data_ptr() != storage
+    assert torch.equal(third, torch.cat([blocks[KVView("b0")].keys, blocks[KVView("b3")].keys], dim=2))

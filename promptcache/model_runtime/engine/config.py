@@ -21,7 +21,9 @@ class EngineConfig:
     tenant_headroom_seqs` sequences takes no more, nor one holding `tenant_kv_share` of `max_kv_bytes` (its requests'
     KV and its module encodings') while another tenant waits (None: no bound). Within `shared_window_s` of a light
     tenant's own step, others' steps are held to `shared_step_ratio` times it (None: no cap). `cuda_graphs`:
-    uniform steps of a bf16/fp16 CUDA model replayed from CUDA graphs (engine/cuda_graphs.py); off: all eager."""
+    uniform steps of a bf16/fp16 CUDA model replayed from CUDA graphs (engine/cuda_graphs.py); off: all eager.
+    `reserve_assembled`: on a CPU, `max_assembled_bytes` allocated and touched when the engine starts, so that the first
+    assembled group does not pay for first touches of fresh memory (kv_groups.AssembledGroups.reserve)."""
 
     max_num_seqs: int = 64
     max_kv_bytes: int = 2 << 30
@@ -42,6 +44,7 @@ class EngineConfig:
     shared_step_ratio: float | None = 1.0
     shared_window_s: float = 2.0
     cuda_graphs: bool = True
+    reserve_assembled: bool = False
 
     def __post_init__(self) -> None:
         require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -99,7 +99,8 @@ class Engine:
         self.outputs = OutputProcessor(self.scheduler, self.prefix)
         self.runner = ModelRunner(loaded, backend=self.config.attention_backend,
                                   max_assembled_bytes=self.config.max_assembled_bytes,
-                                  cuda_graphs=self.config.cuda_graphs, max_num_seqs=self.config.max_num_seqs)
+                                  cuda_graphs=self.config.cuda_graphs, max_num_seqs=self.config.max_num_seqs,
+                                  reserve_assembled=self.config.reserve_assembled)
         self.encodes = EncodeQueue(encoder, self.scheduler.kv)  # encodings' KV counts in the batch's budget
         self.parked_encodes = ParkedEncodes(self.encodes)
         self.schema_encodes = SchemaEncodes(self.encodes)

@@ -31,7 +31,9 @@ class _Group:
 class AssembledGroups:
     """Concatenations of shared blocks the same sequences attend together, named by their blocks (one kernel call per
     layer, not per block). Kept while in use, then LRU within `max_bytes`; past the budget a new group takes an old
-    one's buffer (fresh tensors page-fault: ~15 ms on 2 cores for a 2.3K-token 135M prompt). `split` keeps whole blocks
+    one's buffer (fresh tensors page-fault: ~15 ms on 2 cores for a 2.3K-token 135M prompt); after `reserve`, new
+    buffers are first carved from memory touched at startup (held until its last group is dropped: with it, the groups
+    hold at most twice `max_bytes`). `split` keeps whole blocks
     apart from views, which differ per request; `shifter` applies a view's `shift` as keys are copied."""
 
     def __init__(self, max_bytes: int, shifter: KeyShifter | None = None) -> None:
@@ -41,6 +43,14 @@ class AssembledGroups:
         self.shifter = shifter
         self._groups: OrderedDict[tuple[KVView, ...], _Group] = OrderedDict()
         self._live: set[tuple[KVView, ...]] = set()
+        self._reserve: torch.Tensor | None = None  # [2, capacity]: memory touched ahead, new buffers carved from it
+
+    def reserve(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate and touch the budget's memory now (at startup), so that new groups are carved from memory already
+        backed: the first touch of fresh memory is what a first group costs (on the 2-core VM of docs/benchmarks.md,
+        filling a fresh 100 MB buffer took 164 ms, the same buffer again 3.7 ms)."""
+        capacity = self.max_bytes // (2 * dtype.itemsize)
+        self._reserve = torch.zeros((2, capacity), dtype=dtype, device=device) if capacity > 0 else None
 
     @property
     def num_bytes(self) -> int:
@@ -109,9 +119,16 @@ class AssembledGroups:
                 held -= self._groups.pop(names).num_bytes
 
     def _buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A [2, >= numel] buffer: a new one (with headroom) while the budget allows it, else the buffer
-        of the least recently used group not in use that is large enough (that group is dropped)."""
+        """A [2, >= numel] buffer (each half contiguous): the reserve's front while the reserve is large enough, else a
+        new one (with headroom) while the budget allows it, else the buffer of the least recently used group not in
+        use that is large enough (that group is dropped)."""
         size = int(numel * HEADROOM)
+        reserve = self._reserve
+        if (reserve is not None and reserve.dtype == dtype and reserve.device == device
+                and reserve.shape[1] >= numel):  # its front, with headroom where it fits; the rest stays reserved
+            size = min(size, reserve.shape[1])
+            self._reserve = reserve[:, size:] if reserve.shape[1] > size else None
+            return reserve[:, :size]
         if self.num_bytes + 2 * size * dtype.itemsize > self.max_bytes:
             for names, group in self._groups.items():
                 buffer = group.buffer

@@ -53,10 +53,12 @@ class ModelRunner:
     """Runs batch steps; shared blocks are grouped by the sequences using them (AssembledGroups)."""
 
     def __init__(self, loaded: LoadedModel, *, backend: str = "auto", max_assembled_bytes: int = 128 << 20,
-                 cuda_graphs: bool = True, max_num_seqs: int = 64) -> None:
+                 cuda_graphs: bool = True, max_num_seqs: int = 64, reserve_assembled: bool = False) -> None:
         self.loaded = loaded
         self.backend = backend
         self.groups = AssembledGroups(max_assembled_bytes, loaded.key_shifter)
+        if reserve_assembled and loaded.model.device.type == "cpu":  # a GPU's allocator hands out backed memory
+            self.groups.reserve(loaded.model.dtype, loaded.model.device)
         install(loaded.model)
         self.stack = fused_stack_forward(loaded.model.base_model)  # None: the HF forward
         # None: `stack` for decodes too (always in deterministic serving: its attention is the deterministic plan's)
