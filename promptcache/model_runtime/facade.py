@@ -19,6 +19,7 @@ from promptcache.model_runtime.errors import ChatRenderError, InvalidRequestErro
 from promptcache.model_runtime.loading.loader import LoadedModel
 from promptcache.model_runtime.module_encoder import EncodeReport, KVStore, ModuleEncoder
 from promptcache.model_runtime.packed_attention import install
+from promptcache.model_runtime.recent_encodings import RecentEncodings
 from promptcache.model_runtime.results import CacheReport
 from promptcache.model_runtime.sampling import SamplingParams
 from promptcache.pml import PmlLimits, PromptPlan, Schema, TextEncoder, parse_prompt, parse_schema, token_plan
@@ -110,6 +111,9 @@ def key_salt(owner: str | None, salt: str | None) -> str | None:
     return salt if owner is None else owned_salt(owner, salt)
 
 
+RECENT_PROMPT_CHARS = 1 << 21  # characters of recent prompts whose token ids are kept (~2 MB of text, ~20 MB of ids)
+
+
 class PromptRuntime:
     """Schemas, plans and generation of one model over one KV store, per `owner` (a tenant; None: the default): its own
     schema namespace and KV key salt, whatever `salt` its client sends. `submit` needs a running loop."""
@@ -124,6 +128,11 @@ class PromptRuntime:
         # Plain-text and chat prompts' empty schema, in a namespace no owner's is ('' or a name not starting with '_').
         self._plain = self.model.parse_schema('<schema name="plain"/>')
         self.model.add_schema(self._plain, encode=False, namespace="_plain")
+        tokenizer = loaded.tokenizer
+        self._texts = RecentEncodings[str](lambda text: completion_tokens(tokenizer, text), len, RECENT_PROMPT_CHARS)
+        self._chats = RecentEncodings[tuple[tuple[tuple[str, str], ...], ...]](
+            lambda chat: chat_tokens(tokenizer, [dict(message) for message in chat]),
+            lambda chat: sum(len(value) for message in chat for _, value in message), RECENT_PROMPT_CHARS)
 
     @property
     def max_positions(self) -> int:
@@ -194,9 +203,9 @@ class PromptRuntime:
     def tokenize(self, text: str | None = None, messages: Sequence[Mapping[str, str]] | None = None) -> tuple[int, ...]:
         """Token ids exactly as `plan_text(text)` or `plan_chat(messages)` feeds them."""
         if messages is not None:
-            return chat_tokens(self.model.loaded.tokenizer, messages)
+            return self._chats(tuple(tuple(message.items()) for message in messages))
         assert text is not None, "tokenize takes a text or messages"
-        return completion_tokens(self.model.loaded.tokenizer, text)
+        return self._texts(text)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.model.detokenize(token_ids)
