@@ -123,3 +123,15 @@ def test_groups_are_carved_from_the_reserve_until_it_runs_out():
     third, _ = groups.get((KVView("b0"), KVView("b3")), blocks)  # the reserve's rest is too small: a buffer of its own
     assert third.untyped_storage().data_ptr() != storage
     assert torch.equal(third, torch.cat([blocks[KVView("b0")].keys, blocks[KVView("b3")].keys], dim=2))
+
+
+def test_release_drops_the_groups_and_the_reserve():
+    blocks = _blocks(4, 4)
+    groups = AssembledGroups(max_bytes=_bytes(8) * 2)
+    groups.reserve(torch.float32, torch.device("cpu"))
+    names = (KVView("b0"), KVView("b1"))
+    groups.get(names, blocks)
+    groups.release()
+    assert len(groups) == 0 and groups._reserve is None and groups.num_bytes == 0
+    keys, _ = groups.get(names, blocks)  # assembled again, from a buffer of its own
+    assert torch.equal(keys, torch.cat([blocks[n].keys for n in names], dim=2))

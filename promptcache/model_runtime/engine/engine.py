@@ -120,7 +120,10 @@ class Engine:
         self.inbox.close()
         if self._thread is not None:
             self._thread.join(timeout=30)
-            self._thread = None
+            stepping, self._thread = self._thread.is_alive(), None
+            if stepping:
+                return  # its step still reads the groups
+        self.runner.groups.release()  # freed even while the engine object lives on (a reserve is 128 MiB)
 
     def submit(self, plan: PromptPlan, params: SamplingParams, *, cache_salt: str | None = None,
                request_id: str | None = None, fidelity: Fidelity | None = None,

@@ -118,6 +118,12 @@ class AssembledGroups:
             if names not in live:
                 held -= self._groups.pop(names).num_bytes
 
+    def release(self) -> None:
+        """Drop every group and the reserve (a stopped engine's)."""
+        self._groups.clear()
+        self._live.clear()
+        self._reserve = None
+
     def _buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A [2, >= numel] buffer (each half contiguous): the reserve's front while the reserve is large enough, else a
         new one (with headroom) while the budget allows it, else the buffer of the least recently used group not in
