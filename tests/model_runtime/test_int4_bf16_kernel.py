@@ -13,6 +13,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from promptcache.model_runtime import avx2
 from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.loading.gguf_weights import read_layers, read_q8_0_head
 from promptcache.model_runtime.loading.quantized_linear import (
@@ -175,9 +176,17 @@ def test_int4_linear_runs_the_kernel_in_bf16_and_agrees_with_torchs_int4_kernel(
 
 def test_int4_linear_keeps_its_other_paths(bf16_kernels):
     """From INT4_KERNEL_ROWS[torch.bfloat16] rows a layer multiplies its dequantized copy, and fp32 layers never
-    hold the bf16 packing."""
+    hold the bf16 packing: the AVX2 library's where it is loaded (this CPU has AVX2 too), else none."""
     blocks = Int4Blocks.of(torch.randn(64, 128) * 0.1, torch.bfloat16)
     layer = Int4Linear(blocks, None, torch.bfloat16)
     x = torch.randn(INT4_KERNEL_ROWS[torch.bfloat16], 128).bfloat16()
     assert torch.equal(layer(x), torch.matmul(x, layer.dequantized_t()))
-    assert Int4Linear(blocks, None, torch.float32).kernel_values is None
+    fp32 = Int4Linear(blocks, None, torch.float32)
+    fp32_ops = avx2.int4_ops()
+    if fp32_ops is None:
+        assert fp32.kernel_values is None
+    else:
+        assert fp32.kernel_values is not None
+        assert torch.equal(fp32.kernel_values, fp32_ops.pack(blocks.values, blocks.scales, blocks.minimums)[0])
+        rows = torch.randn(3, 128)
+        assert torch.allclose(fp32(rows), rows @ blocks.dequantized().float().T, rtol=1e-5, atol=1e-5)
