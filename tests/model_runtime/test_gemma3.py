@@ -15,6 +15,7 @@ from transformers.models.gemma3.modeling_gemma3 import apply_rotary_pos_emb
 
 from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import ModelRuntime, UnsupportedModelError, wrap_model
+from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.baseline import full_prefill_logits
 from promptcache.model_runtime.engine import Fidelity, resolve
 from promptcache.model_runtime.engine.runner import ModelRunner
@@ -123,6 +124,43 @@ def test_its_modules_are_fused_in_fp32_with_the_avx2_library(avx2_kernels):
     with torch.no_grad():
         got, want = model(ids).logits, twin(ids).logits  # every layer type's RoPE, window and norms
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
+def test_its_modules_are_fused_in_bf16_with_the_bf16_kernels(bf16_kernels):
+    """In bf16 every Gemma3RMSNorm upcasts, normalises, scales by (1 + w) and rounds once as HF's does (torch's fused
+    RMSNorm: its sum of squares in another order, so a last bf16 bit may differ at a rounding tie), the attention
+    blocks rotate with the bf16 kernel's RoPE and the joined projections multiply the same weights: logits of the
+    whole model within a bf16 step of HF's twin in bf16 (equal here), and the served model fuses them at load."""
+    from promptcache.model_runtime.loading.fused_gemma import (
+        Bf16GemmaOps,
+        FusedGemmaAttention,
+        FusedGemmaMLP,
+        FusedGemmaRMSNorm,
+        fuse_gemma,
+    )
+
+    model = make_tiny_gemma3(len(make_test_tokenizer())).to(torch.bfloat16)
+    twin = make_tiny_gemma3(len(make_test_tokenizer())).to(torch.bfloat16)
+    norms = {name: module for name, module in twin.named_modules() if type(module).__name__ == "Gemma3RMSNorm"}
+    assert fuse_gemma(model) == len(norms) + 2 * len(LAYER_TYPES)
+    modules = dict(model.named_modules())
+    x = (torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    for name, norm in norms.items():
+        fused = modules[name]
+        assert isinstance(fused, FusedGemmaRMSNorm) and isinstance(fused.ops, Bf16GemmaOps)
+        inputs = x if norm.weight.numel() == 64 else x[..., :HEAD_DIM].transpose(0, 1)  # q/k norms: strided heads
+        want = norm(inputs).float()
+        torch.testing.assert_close(fused(inputs).float(), want, rtol=2.0 ** -8, atol=1e-6 * want.abs().max().item())
+    assert all(isinstance(layer.self_attn, FusedGemmaAttention) and isinstance(layer.mlp, FusedGemmaMLP)
+               for layer in model.model.layers)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = model(ids).logits.float(), twin(ids).logits.float()
+    torch.testing.assert_close(got, want, rtol=2.0 ** -7, atol=2.0 ** -7 * want.abs().max().item())
+    served = wrap_model(make_tiny_gemma3(len(make_test_tokenizer())).to(torch.bfloat16), make_test_tokenizer(),
+                        name="tiny-gemma3", pack_weights=True, fuse_layers=True).model
+    assert all(isinstance(layer.self_attn, FusedGemmaAttention) for layer in served.model.layers)
 
 
 def test_cached_prefill_and_exact_module_reuse_equal_the_hf_forward():

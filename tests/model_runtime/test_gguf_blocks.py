@@ -11,17 +11,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 from transformers import AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from promptcache.model_runtime import WeightFormat
+from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.loading import quantized_linear, stored_weights
 from promptcache.model_runtime.loading.gguf_blocks import q4_0_blocks, q4_1_blocks, q4_k_blocks, q6_k_blocks
 from promptcache.model_runtime.loading.gguf_weights import is_4bit, read_layers
 from promptcache.model_runtime.loading.quantized_linear import Int4Linear
-from promptcache.model_runtime.loading.stored_linear import quantize_linears
+from promptcache.model_runtime.loading.stored_linear import HEAD, SplitByteLinear, quantize_linears
 
 Q = GGMLQuantizationType
 HEADS, KV_HEADS, HIDDEN, FFN = 4, 2, 256, 512  # head_dim 64; every input width a whole Q4_K super-block
@@ -127,8 +128,9 @@ def _projections(rng: np.random.Generator, kinds: dict[str, Q]) -> dict[str, tup
     return stored
 
 
-def write_llama_gguf(path, kinds: dict[str, Q]) -> dict[str, tuple[np.ndarray, Q]]:
-    """A one-layer Llama GGUF transformers can load (config keys, F32 norms and embedding); returns the projections."""
+def write_llama_gguf(path, kinds: dict[str, Q], embedding: Q = Q.F32) -> dict[str, tuple[np.ndarray, Q]]:
+    """A one-layer Llama GGUF transformers can load (config keys, F32 norms, the tied embedding F32 or `embedding`);
+    returns the projections."""
     rng = np.random.default_rng(3)
     stored = _projections(rng, kinds)
     writer = GGUFWriter(path, "llama")
@@ -140,7 +142,12 @@ def write_llama_gguf(path, kinds: dict[str, Q]) -> dict[str, tuple[np.ndarray, Q
     writer.add_vocab_size(64)
     for name, shape in [("token_embd.weight", (64, HIDDEN)), ("output_norm.weight", (HIDDEN,)),
                         ("blk.0.attn_norm.weight", (HIDDEN,)), ("blk.0.ffn_norm.weight", (HIDDEN,))]:
-        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+        values = rng.standard_normal(shape).astype(np.float32)
+        if name == "token_embd.weight" and embedding is not Q.F32:
+            raw = quantize(values, embedding)
+            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=embedding)
+        else:
+            writer.add_tensor(name, values)
     for name, (raw, kind) in stored.items():
         writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
     writer.write_header_to_file()
@@ -196,6 +203,33 @@ def test_auto_is_native_unless_the_file_is_mostly_4_bit(tmp_path, monkeypatch):
         choice = stored_weights.choose(WeightFormat.AUTO, path, HEADS, KV_HEADS, device="cpu",
                                        dtype=torch.float32, deterministic=False)
         assert choice.weights is WeightFormat.NATIVE and not choice.blocks
+
+
+@pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
+def test_auto_serves_a_q8_0_head_as_stored_in_bf16(bf16_kernels, tmp_path):
+    """A native GGUF in bf16: its Q8_0 (tied) head multiplies the file's blocks, within a bf16 rounding of the product
+    with gguf's dequantize; asked for native, or deterministic, the head is widened as loaded."""
+    wide = {name: Q.Q8_0 for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    write_llama_gguf(tmp_path / "m.gguf", wide, embedding=Q.Q8_0)
+    reader = GGUFReader(tmp_path / "m.gguf")
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    want = torch.from_numpy(dequantize(embedding.data, Q.Q8_0).copy())  # [64, HIDDEN]
+    choice = stored_weights.choose(WeightFormat.AUTO, tmp_path / "m.gguf", HEADS, KV_HEADS, device="cpu",
+                                   dtype=torch.bfloat16, deterministic=False)
+    assert choice.weights is WeightFormat.NATIVE and set(choice.blocks) == {HEAD}, choice.reason
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.bfloat16).eval()
+    assert quantize_linears(model, choice.weights, choice.blocks, choice.wider) == 1
+    head = model.get_output_embeddings()
+    assert isinstance(head, SplitByteLinear)
+    hidden = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(0)).bfloat16()
+    product = hidden.float() @ want.T
+    with torch.no_grad():
+        got = head(hidden).float()
+    assert bool(((got - product).abs() <= product.abs() * 2.0 ** -8 + 1e-5 * product.abs().max()).all())
+    for requested, deterministic in ((WeightFormat.NATIVE, False), (WeightFormat.AUTO, True)):
+        other = stored_weights.choose(requested, tmp_path / "m.gguf", HEADS, KV_HEADS, device="cpu",
+                                      dtype=torch.bfloat16, deterministic=deterministic)
+        assert other.weights is WeightFormat.NATIVE and not other.blocks
 
 
 def test_auto_is_native_where_int4_cannot_serve(tmp_path):

@@ -1,9 +1,11 @@
-"""Gemma 3 text models' fused modules in fp32 on a CPU with the AVX2 library (`fuse_gemma`): its (1 + w) RMSNorms as
-one pass each, q|k|v and gate|up as one projection each (one pass over a layer's stored blocks instead of three and
-two), q and k normalised per head and rotated in one pass, GELU-tanh times up as torch ops. The decoder layers, the
-scaled embedding and the RoPE of each layer type (local 10K, global 1M) stay Hugging Face's, which hand each attention
-block its layer type's cos and sin. They compute what the HF modules compute (RoPE bit for bit; a norm's sum of
-squares and a joined product's sums in another order: within a few ulps; tests/model_runtime/test_gemma3.py)."""
+"""Gemma 3 text models' fused modules on a CPU (`fuse_gemma`): in fp32 with the AVX2 library, in bf16 with the bf16
+kernels. Its (1 + w) RMSNorms as one pass each (fp32: the AVX2 kernel; bf16: torch's fused RMSNorm over the upcast
+rows, rounded once to bf16 as HF's module rounds), q|k|v and gate|up as one projection each (one pass over a layer's
+weights instead of three and two), q and k normalised per head and rotated in one pass, GELU-tanh times up as torch
+ops. The decoder layers, the scaled embedding and the RoPE of each layer type (local 10K, global 1M) stay Hugging
+Face's, which hand each attention block its layer type's cos and sin. They compute what the HF modules compute (RoPE
+bit for bit; a norm's sum of squares and a joined product's sums in another order: within a few ulps in fp32, a last
+bf16 bit at a rounding tie in bf16; tests/model_runtime/test_gemma3.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention, Gemma3ML
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from promptcache.model_runtime import avx2
+from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.loading.architectures import head_dim_of
 from promptcache.model_runtime.loading.fused_layers import joined_projection
 
@@ -26,12 +29,12 @@ _GATE_UP = ("gate_proj", "up_proj")
 
 
 class FusedGemmaRMSNorm(torch.nn.Module):
-    """Gemma's RMSNorm, `(x * rsqrt(mean(x^2) + eps)) * (1 + w)` in fp32, in one pass: the fp32 RMSNorm with 1 + w
-    made once (`scale`, not in the state dict: `weight` stays the checkpoint's)."""
+    """Gemma's RMSNorm, `(x * rsqrt(mean(x^2) + eps)) * (1 + w)` in fp32 (rounded once to x's dtype), in one pass: the
+    RMSNorm with 1 + w made once (`scale`, not in the state dict: `weight` stays the checkpoint's)."""
 
     scale: torch.Tensor
 
-    def __init__(self, norm: Any, ops: Any) -> None:  # a Hugging Face Gemma3RMSNorm; avx2.FusedOps
+    def __init__(self, norm: Any, ops: Any) -> None:  # a Hugging Face Gemma3RMSNorm; gemma_ops()
         super().__init__()
         self.weight, self.eps, self.ops = norm.weight, float(norm.eps), ops
         self.register_buffer("scale", (1.0 + norm.weight.detach().float()).contiguous(), persistent=False)
@@ -46,7 +49,7 @@ class FusedGemmaAttention(torch.nn.Module):
     as the HF module is (its decoder layer passes the layer type's cos and sin), the cache update and attention
     function the model's, with the HF module's arguments (its window included)."""
 
-    def __init__(self, attention: Any, ops: Any) -> None:  # a Hugging Face Gemma3Attention; avx2.FusedOps
+    def __init__(self, attention: Any, ops: Any) -> None:  # a Hugging Face Gemma3Attention; gemma_ops()
         super().__init__()
         config = attention.config
         self.config, self.layer_idx, self.ops = config, attention.layer_idx, ops
@@ -98,14 +101,41 @@ class FusedGemmaMLP(torch.nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
+class Bf16GemmaOps:
+    """The ops the fused modules take, for bf16 weights: Gemma's RMSNorm `bf16(x * rsqrt(mean(x^2) + eps) * scale)`
+    in fp32 (HF's module upcasts and rounds once: the bf16 kernel's Llama norm rounds the normalised x first), the
+    bf16 kernel's RoPE (the HF formula, rounded where it rounds)."""
+
+    def __init__(self, kernel_ops: bf16_kernel.FusedOps) -> None:
+        self.rope_qk = kernel_ops.rope_qk
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+        # x [N, H] bf16, scale [H] fp32 (1 + w) -> [N, H] bf16
+        return torch.rms_norm(x.float(), (x.shape[-1],), scale, eps).to(x.dtype)
+
+
+def gemma_ops(parameter: torch.Tensor) -> Any:
+    """The ops for Gemma weights like `parameter` on a CPU: the AVX2 library's in fp32, Bf16GemmaOps in bf16 with the
+    bf16 kernels; None elsewhere (the HF modules)."""
+    if parameter.device.type != "cpu":
+        return None
+    if parameter.dtype == torch.float32:
+        return avx2.fused_ops()
+    if parameter.dtype == torch.bfloat16 and bf16_kernel.prepare() and (kernel_ops := bf16_kernel.fused_ops()):
+        return Bf16GemmaOps(kernel_ops)
+    return None
+
+
 def fuse_gemma(model: Any) -> int:
-    """A Gemma 3 text model in fp32 on a CPU with the AVX2 library: its RMSNorms, attention blocks and MLPs swapped
-    for the fused ones in place; returns how many modules (0 elsewhere: in bf16 HF rounds the normalised x times
-    1 + w once, which the bf16 kernel does not). Call before quantizing: the joined projections are plain Linears."""
+    """A Gemma 3 text model on a CPU with the ops for its dtype (`gemma_ops`): its RMSNorms, attention blocks and MLPs
+    swapped for the fused ones in place; returns how many modules (0 elsewhere). Call before quantizing: the joined
+    projections are plain Linears."""
     parameter = next(model.parameters())
-    if (getattr(model.config, "model_type", None) != "gemma3_text" or parameter.dtype != torch.float32
-            or parameter.device.type != "cpu" or model.config.hidden_size % 8 or head_dim_of(model.config) % 8
-            or (ops := avx2.fused_ops()) is None):
+    # the kernels' vector widths: fp32 rows in 8s; bf16's RoPE takes heads in multiples of 32
+    lanes = 32 if parameter.dtype == torch.bfloat16 else 8
+    if (getattr(model.config, "model_type", None) != "gemma3_text" or model.config.hidden_size % 8
+            or head_dim_of(model.config) % lanes or (ops := gemma_ops(parameter)) is None):
         return 0
     swapped = 0
     for parent in list(model.modules()):
