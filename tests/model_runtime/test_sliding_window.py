@@ -282,21 +282,24 @@ def test_deterministic_serving_gives_the_same_bits_cold_warm_chunked_and_batched
     assert engines(Harness, loaded=loaded).together(plans, DETERMINISTIC_GREEDY) == cold
 
 
+@pytest.mark.parametrize("shuffled", [False, True])
 @pytest.mark.parametrize("window", [64, 300])
-def test_a_long_pass_attends_its_window_in_query_blocks(window):
+def test_a_long_pass_attends_its_window_in_query_blocks(window, shuffled):
     """A prefill of 700 tokens (more than one QUERY_BLOCK) on a local layer, blocks of rows each over only the keys
-    they see, equals float64 softmax attention under the causal window mask."""
+    they see (a run of keys in position order as views; keys at shuffled positions, as a plan's discontinuous
+    positions may place them, gathered), equals float64 softmax attention under the causal window mask."""
     from promptcache.model_runtime.attention.sliding_window import QUERY_BLOCK
 
     num = 700
     assert num > 2 * QUERY_BLOCK
     gen = torch.Generator().manual_seed(7)
-    positions = torch.arange(num) + 5
+    positions = (torch.randperm(num, generator=gen) if shuffled else torch.arange(num)) + 5
     own = (torch.randn(L, H_KV, num, D, generator=gen), torch.randn(L, H_KV, num, D, generator=gen))
     queries = torch.randn(num, H, D, generator=gen)
     window_pass = WindowedPass((window, None), [positions], [positions], [], [])
     got = window_pass.attend(queries, 0, lambda layer: ([own[0][layer]], [own[1][layer]]), D ** -0.5)
-    mask = (positions[None, :] <= positions[:, None]) & (positions[:, None] - positions[None, :] < window)
+    order = torch.arange(num)  # causal in the pass's row order; the window on positions
+    mask = (order[None, :] <= order[:, None]) & (positions[:, None] - positions[None, :] < window)
     k, v = (t[0].double().repeat_interleave(H // H_KV, 0) for t in own)  # [H, n, D]
     scores = (queries.double().transpose(0, 1) @ k.transpose(1, 2) * D ** -0.5).masked_fill(~mask, float("-inf"))
     expected = (scores.softmax(-1) @ v).transpose(0, 1).float()

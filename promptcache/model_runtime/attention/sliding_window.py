@@ -16,7 +16,10 @@ import torch.nn.functional as F
 Segment = tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...] | None]
 # Own keys and values so far of every sequence at one layer: per sequence [H_kv, S_i, D].
 OwnKV = Callable[[int], tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]
-QUERY_BLOCK = 256  # rows of a long pass attended per SDPA call on a local layer
+# Rows of a long pass attended per SDPA call on a local layer: each block computes rows x (block + W) scores for
+# rows x W it keeps. Gemma 3 270M's local layer over 2.2K rows (W 512, bf16, 2 threads, an AVX512-BF16 EPYC):
+# 256 rows 39.7 ms, 128 34.2, 64 32.5-34.0, 32 39.4 (smaller blocks pay per call).
+QUERY_BLOCK = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,8 +212,13 @@ def _blockwise_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     for start in range(0, q.shape[0], QUERY_BLOCK):
         rows = slice(start, start + QUERY_BLOCK)
         seen = mask[rows].any(0).nonzero()[:, 0]  # [m'] the keys this block's rows see (each sees its own)
-        out[rows] = _sdpa(q[rows], keys.index_select(1, seen), values.index_select(1, seen), mask[rows][:, seen],
-                          scale)
+        first, last = int(seen[0]), int(seen[-1])
+        if last - first + 1 == seen.numel():  # one run (keys in position order: a band): views, nothing gathered
+            cols = slice(first, last + 1)
+            out[rows] = _sdpa(q[rows], keys[:, cols], values[:, cols], mask[rows, cols], scale)
+        else:
+            out[rows] = _sdpa(q[rows], keys.index_select(1, seen), values.index_select(1, seen), mask[rows][:, seen],
+                              scale)
     return out
 
 
