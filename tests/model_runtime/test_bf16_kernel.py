@@ -55,6 +55,8 @@ SHAPES = [  # (heads, kv heads, rows M, keys N, head dim, causal)
     (4, 2, 70, 129, 128, True), (2, 2, 5, 300, 128, False),
     # decode-shaped (every row sees every key, G x M <= 32 rows per KV head): packed as read, split over keys
     (9, 3, 1, 3001, 64, True), (8, 2, 4, 1000, 128, False), (6, 2, 10, 700, 64, False), (32, 1, 1, 64, 64, False),
+    # Gemma 3's heads of 256 (4 query heads, one KV head): a prefill, a new question over cached keys, a decode row
+    (4, 1, 300, 300, 256, True), (4, 1, 11, 2211, 256, True), (4, 1, 1, 523, 256, False),
 ]
 
 
@@ -101,7 +103,7 @@ def test_kernel_rejects_what_it_cannot_compute(kernel):
         kernel(q, [], [], 0.125, False)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_segments_are_attended_as_their_concatenation(kernel, d):
     """Keys and values given as segments (strided views of larger buffers, lengths not multiples of 16)
     give bit for bit what one call over their concatenation gives, causal or not."""
@@ -148,7 +150,7 @@ def test_batch_decode_attends_each_sequences_own_segments(kernel):
     lengths not multiples of 64, one long enough to be split over the keys), against plain fp32 attention
     per sequence and `flash_bf16` on that sequence alone (the key chunks differ: equal within rounding)."""
     decode = bf16_kernel.decode_loaded()
-    for d in (64, 128):
+    for d in (64, 128, 256):
         g = torch.Generator().manual_seed(d + 7)
         lengths = [[300, 1], [17], [2500, 33, 9], [64]]
         buffer = torch.randn(2, 4000, d + 16, generator=g).bfloat16()
@@ -174,7 +176,7 @@ def test_batch_decode_attends_each_sequences_own_segments(kernel):
         decode(q, keys[:1], values[:1], 0.1)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_decode_batch_matches_plain_attention_on_every_layer(kernel, d):
     """A decode step planned once for all layers (`plan_decode_batch`): each sequence's own KV (capacity
     past its length), a segment only one sequence sees, segments several share (two with the same

@@ -62,6 +62,22 @@ def test_rms_norm_matches_llama_rms_norm(ops, width):
         assert_bf16_close(FusedRMSNorm(norm, ops)(x), norm(x))
 
 
+@pytest.mark.parametrize("width", [256, 640])
+def test_scaled_rms_norm_matches_gemmas_rms_norm(ops, width):
+    """`rms_norm_scaled` (Gemma 3's (1 + w) norm: its hidden 640, its q/k heads 256) against HF's Gemma3RMSNorm in
+    bf16, which upcasts, scales in fp32 and rounds once."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    generator = torch.Generator().manual_seed(width)
+    norm = Gemma3RMSNorm(width, eps=1e-6).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width, generator=generator) * 0.5)
+    x = (torch.randn(301, width, generator=generator) * 3).bfloat16()
+    scale = 1.0 + norm.weight.float()
+    with torch.inference_mode():
+        assert_bf16_close(ops.rms_norm_scaled(x, scale, 1e-6), norm(x))
+
+
 def test_gated_mlp_matches_llama_mlp(ops):
     config = LlamaConfig(hidden_size=128, intermediate_size=352)
     with torch.random.fork_rng(devices=[]):

@@ -128,8 +128,8 @@ def test_its_modules_are_fused_in_fp32_with_the_avx2_library(avx2_kernels):
 
 @pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
 def test_its_modules_are_fused_in_bf16_with_the_bf16_kernels(bf16_kernels):
-    """In bf16 every Gemma3RMSNorm upcasts, normalises, scales by (1 + w) and rounds once as HF's does (torch's fused
-    RMSNorm: its sum of squares in another order, so a last bf16 bit may differ at a rounding tie), the attention
+    """In bf16 every Gemma3RMSNorm upcasts, normalises, scales by (1 + w) and rounds once as HF's does (the bf16
+    kernels' norm: its sum of squares in another order, so a last bf16 bit may differ at a rounding tie), the attention
     blocks rotate with the bf16 kernel's RoPE and the joined projections multiply the same weights: logits of the
     whole model within a bf16 step of HF's twin in bf16 (equal here), and the served model fuses them at load."""
     from promptcache.model_runtime.loading.fused_gemma import (

@@ -17,7 +17,7 @@ from promptcache.model_runtime.cpu_features import cpu_flags
 log = logging.getLogger(__name__)
 
 REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)  # 256: Gemma 3
 
 # (q [H, M, D], keys [[H_kv, N_i, D], ...], values (the same shapes), scale, causal[, first_rows])
 #   -> [out [H, M, D], lse [H, M] fp32]: attention over the segments' concatenation (N = sum N_i), each
@@ -34,12 +34,14 @@ class FusedOps:
     """The decoder layer's element-wise ops built with the kernel (csrc/fused_bf16.cpp), bf16 only:
     `rms_norm(x [N, H], weight [H], eps)`, `silu_mul(gate_up [N, 2I]) -> [N, I]` and
     `rope_qk(qkv [N, (H + 2 H_kv) D], cos [N, D], sin [N, D], H, H_kv) -> [q [N, H, D], k [N, H_kv, D]]`;
-    and KeyShifter's rotation, `shift_keys(out [B, n, D], keys [B, n, D], cos [n, R/2], sin [n, R/2])`."""
+    KeyShifter's rotation, `shift_keys(out [B, n, D], keys [B, n, D], cos [n, R/2], sin [n, R/2])`; and Gemma's
+    RMSNorm, `rms_norm_scaled(x [N, H], scale [H] fp32, eps)`: x * rsqrt(mean(x^2) + eps) * scale rounded once."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     rope_qk: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], list[torch.Tensor]]
     shift_keys: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    rms_norm_scaled: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +71,8 @@ def prepare() -> bool:
         module = _load() if not missing else None
         _state.update(dict.fromkeys(("kernel", "decode", "decode_batch", "ops", "int4")) if module is None else {
             "kernel": module.flash_bf16, "decode": module.decode_bf16, "decode_batch": module.DecodeBatch,
-            "ops": FusedOps(module.rms_norm, module.silu_mul, module.rope_qk, module.shift_keys),
+            "ops": FusedOps(module.rms_norm, module.silu_mul, module.rope_qk, module.shift_keys,
+                            module.rms_norm_scaled),
             "int4": Int4Ops(module.int4_pack, module.int4_mm)})
         if missing:
             _state["reason"] = f"the CPU lacks {', '.join(missing)}"

@@ -231,7 +231,7 @@ inline int64_t checked_length(const std::vector<torch::Tensor>& k, const std::ve
 
 // Attends every set; a member in several sets (a sequence's shared modules and its own KV) gets their
 // softmax merged by log-sum-exp. Every member 0 .. num_members - 1 must be in at least one set with keys.
-// D = 64 or 128; G = heads / kv_heads <= 32. Defined in decode_bf16.cpp.
+// D = 64, 128 or 256; G = heads / kv_heads <= 32. Defined in decode_bf16.cpp.
 void attend_sets(const std::vector<RowSet>& sets, int64_t num_members, const QRows& q, const OutRows& out,
                  int64_t heads, int64_t kv_heads, int64_t d, float scale_log2);
 

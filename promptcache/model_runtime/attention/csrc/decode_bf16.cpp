@@ -157,7 +157,8 @@ void attend_sets(const std::vector<RowSet>& sets, int64_t num_members, const QRo
   for (int64_t member = 0; member < num_members; ++member)
     TORCH_CHECK(covered[member], "decode attention: sequence ", member, " has no keys");
   if (d == 64) attend_sets_d<64>(sets, num_members, q, out, heads, kv_heads, scale_log2);
-  else attend_sets_d<128>(sets, num_members, q, out, heads, kv_heads, scale_log2);
+  else if (d == 128) attend_sets_d<128>(sets, num_members, q, out, heads, kv_heads, scale_log2);
+  else attend_sets_d<256>(sets, num_members, q, out, heads, kv_heads, scale_log2);
 }
 
 }  // namespace attend
@@ -177,7 +178,8 @@ OutRows out_of(torch::Tensor& out, torch::Tensor& lse) {
 void check_queries(const torch::Tensor& q) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.stride(2) == 1 && q.size(0) > 0,
               "decode attention: q must be bfloat16 [B, H, D] with a contiguous last dim");
-  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "decode attention: head dim must be 64 or 128, got ", q.size(2));
+  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128 || q.size(2) == 256,
+              "decode attention: head dim must be 64, 128 or 256, got ", q.size(2));
 }
 
 constexpr float kLog2e = 1.4426950408889634f;

@@ -6,7 +6,7 @@
 // q [H, M, D] (any strides, last dim contiguous); k and v as lists of segments [H_kv, N_i, D], attended
 // as their concatenation (N = sum N_i) without copying them together: module KV, a sequence's earlier
 // tokens and its new ones in one call, one online softmax, no merges. H a multiple of H_kv (GQA: query
-// head h reads KV head h / (H / H_kv)); D = 64 or 128. Returns out (q's layout, bf16) and lse [H, M]
+// head h reads KV head h / (H / H_kv)); D = 64, 128 or 256 (Gemma 3). Returns out (q's layout, bf16) and lse [H, M]
 // fp32: the natural log of sum_j exp(scale * q.k_j). Causal masks are bottom-right aligned: query row r
 // sees keys 0 .. r + N - M (the new tokens are the last M of the N keys). `first_rows` (optional, one per
 // segment) hides a segment from the query rows before it: a prefill that recomputes tokens among cached
@@ -63,7 +63,7 @@ std::vector<torch::Tensor> flash_bf16(torch::Tensor q, std::vector<torch::Tensor
               "flash_bf16: q must be bfloat16 [H, M, D] with a contiguous last dim");
   TORCH_CHECK(!k.empty(), "flash_bf16: at least one KV segment");
   const int64_t heads = q.size(0), m = q.size(1), d = q.size(2), kv_heads = k[0].size(0);
-  TORCH_CHECK(d == 64 || d == 128, "flash_bf16: head dim must be 64 or 128, got ", d);
+  TORCH_CHECK(d == 64 || d == 128 || d == 256, "flash_bf16: head dim must be 64, 128 or 256, got ", d);
   TORCH_CHECK(heads % kv_heads == 0, "flash_bf16: ", heads, " query heads for ", kv_heads, " KV heads");
   const int64_t n = checked_length(k, v, kv_heads, d);
   TORCH_CHECK(n > 0 && (!causal || n >= m), "flash_bf16: need N > 0 and, when causal, N >= M");
@@ -94,7 +94,8 @@ std::vector<torch::Tensor> flash_bf16(torch::Tensor q, std::vector<torch::Tensor
   }
   const int32_t* first_row = key_first_row.empty() ? nullptr : key_first_row.data();
   if (d == 64) attend_packed<64>(q, k, v, n, causal, first_row, scale_log2, out, lse);
-  else attend_packed<128>(q, k, v, n, causal, first_row, scale_log2, out, lse);
+  else if (d == 128) attend_packed<128>(q, k, v, n, causal, first_row, scale_log2, out, lse);
+  else attend_packed<256>(q, k, v, n, causal, first_row, scale_log2, out, lse);
   return {out, lse};
 }
 
@@ -105,6 +106,7 @@ void bind_int4(pybind11::module_& m);
 
 // fused_bf16.cpp, built into the same extension
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor rms_norm_scaled(torch::Tensor x, torch::Tensor scale, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads,
                                    int64_t kv_heads);
@@ -117,6 +119,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode(m);
   bind_int4(m);
   m.def("rms_norm", &rms_norm, "(x [N, H], weight [H], eps) -> LlamaRMSNorm in bf16");
+  m.def("rms_norm_scaled", &rms_norm_scaled, "(x [N, H], scale [H] fp32, eps) -> Gemma's RMSNorm (1 + w) in bf16");
   m.def("silu_mul", &silu_mul, "(gate_up [N, 2I]) -> silu(gate) * up in bf16");
   m.def("shift_keys", &shift_keys, "(out [B, n, D], keys [B, n, D], cos [n, R/2], sin [n, R/2]): KeyShifter in bf16");
   m.def("rope_qk", &rope_qk, "(qkv [N, (H + 2 H_kv) D], cos [N, D], sin [N, D], H, H_kv) -> [q, k] rotated");
