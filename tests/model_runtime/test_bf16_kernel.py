@@ -74,6 +74,32 @@ def test_kernel_matches_plain_attention(kernel, shape):
     assert (lse - want_lse).abs().max().item() <= LSE_TOLERANCE
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "m", "n", "d", "window"), [
+    (4, 1, 300, 300, 256, 64), (4, 1, 11, 600, 256, 512), (9, 3, 200, 300, 64, 100), (2, 2, 70, 70, 128, 1),
+    (4, 2, 130, 1000, 64, 2000)])
+def test_a_window_hides_the_keys_out_of_each_rows_reach(kernel, heads, kv_heads, m, n, d, window):
+    """`window` W: row r of a causal call sees keys r + N - M - W + 1 .. r + N - M (a sliding-window layer over keys at
+    consecutive positions; the steps wholly before a block's reach skipped), against plain fp32 attention under that
+    band, segments given in pieces; a window longer than the keys is the plain causal call, bit for bit."""
+    g = torch.Generator().manual_seed(m * 7 + n + window)
+    q = torch.randn(heads, m, d, generator=g).bfloat16()
+    k, v = (torch.randn(kv_heads, n, d, generator=g).bfloat16() for _ in range(2))
+    cut = n // 3
+    out, lse = kernel(q, [k[:, :cut], k[:, cut:]], [v[:, :cut], v[:, cut:]], d ** -0.5, True, [], window)
+    last = torch.arange(m)[:, None] + n - m                                  # each row's last visible key
+    keys = torch.arange(n)[None, :]
+    mask = (keys <= last) & (keys > last - window)
+    group = heads // kv_heads
+    want_out, want_lse = matmul_attend(q, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), d ** -0.5,
+                                       mask.expand(heads, m, n))
+    assert (out.float() - want_out).abs().max().item() <= OUT_TOLERANCE
+    assert (lse - want_lse).abs().max().item() <= LSE_TOLERANCE
+    if window >= n:
+        assert all(torch.equal(a, b) for a, b in zip((out, lse), kernel(q, [k], [v], d ** -0.5, True)))
+    with pytest.raises(RuntimeError, match="causal calls only"):
+        kernel(q, [k], [v], d ** -0.5, False, [], window)
+
+
 def test_kernel_reads_strided_queries_and_writes_their_layout(kernel):
     """The prefill passes q as a [H, T, D] view of [T, H, D] rows; the output keeps that memory layout."""
     g = torch.Generator().manual_seed(1)

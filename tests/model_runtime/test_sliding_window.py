@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, Phi3Config, Qwe
 
 from promptcache.cache_store import StoreConfig, build_store
 from promptcache.model_runtime import ModelRuntime, SamplingParams, UnsupportedModelError, wrap_model
+from promptcache.model_runtime.attention import bf16_kernel
 from promptcache.model_runtime.attention.sliding_window import WindowedPass
 from promptcache.model_runtime.baseline import full_prefill_greedy, full_prefill_logits
 from promptcache.model_runtime.engine import Engine, EngineConfig, Fidelity, resolve
@@ -239,6 +240,41 @@ def test_kv_out_of_reach_is_not_read_on_local_layers(window, per_row):
     got = window_pass.attend(queries, 0, own_kv, D ** -0.5)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
+@pytest.mark.parametrize("case", ["cold", "continued", "gap", "offset"])
+def test_bf16_keys_at_consecutive_positions_take_the_kernels_band(bf16_kernels, monkeypatch, case):
+    """In bf16, a sequence whose gathered keys lie at consecutive positions ending at its last query's (a cold prefill;
+    new text after a cached segment it continues) is attended by the bf16 kernel's causal band, one call; a gap in
+    the positions, or a segment hidden from the first rows (a row offset), keeps the masked path. Each against
+    float64 softmax attention under the visibility and window mask, within bf16 rounding."""
+    d, window, num_q = 64, 100, 300
+    gen = torch.Generator().manual_seed(3)
+    seg_len = 0 if case == "cold" else 250
+    seg_pos = torch.arange(seg_len)
+    own_pos = torch.arange(num_q) + seg_len + (7 if case == "gap" else 0)
+    offset = 5 if case == "offset" else 0
+    segments = [(torch.randn(1, H_KV, seg_len, d, generator=gen).bfloat16(),
+                 torch.randn(1, H_KV, seg_len, d, generator=gen).bfloat16(), (0,), (offset,))] if seg_len else []
+    own = [torch.randn(1, H_KV, num_q, d, generator=gen).bfloat16() for _ in range(2)]
+    queries = torch.randn(num_q, H, d, generator=gen).bfloat16()
+    calls: list[int] = []
+    kernel = bf16_kernel.loaded()
+    assert kernel is not None
+    monkeypatch.setitem(bf16_kernel._state, "kernel", lambda *args: calls.append(1) or kernel(*args))
+    window_pass = WindowedPass((window,), [own_pos], [own_pos], segments, [seg_pos] if seg_len else [])
+    got = window_pass.attend(queries, 0, lambda layer: ([own[0][layer]], [own[1][layer]]), d ** -0.5)
+    assert len(calls) == (1 if case in ("cold", "continued") else 0)
+    rows, keys = torch.arange(num_q)[:, None], torch.arange(seg_len + num_q)[None, :]
+    k_pos = torch.cat([seg_pos, own_pos])
+    visible = (keys <= seg_len + rows) & ((keys >= seg_len) | (rows >= offset))
+    mask = visible & (own_pos[:, None] - k_pos[None, :] < window)
+    k = torch.cat([s[0][0] for s in segments] + [own[0][0]], 1).double().repeat_interleave(H // H_KV, 0)
+    v = torch.cat([s[1][0] for s in segments] + [own[1][0]], 1).double().repeat_interleave(H // H_KV, 0)
+    scores = (queries.double().transpose(0, 1) @ k.transpose(1, 2) * d ** -0.5).masked_fill(~mask, float("-inf"))
+    expected = (scores.softmax(-1) @ v).transpose(0, 1)
+    assert (got.double() - expected).abs().max().item() <= 3e-2
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -2,7 +2,9 @@
 k only if the key is visible today (a segment from its row offset on, own KV causally) and q - k < W, the positions
 being those the prompt plan gave the tokens (module KV lies at fixed, possibly discontinuous positions). A pass whose
 window cuts nothing takes the ordinary paths; otherwise each sequence gathers only the keys some query of it can
-still reach (KV wholly out of reach is never read) and attends them under one bool mask."""
+still reach (KV wholly out of reach is never read) and attends them under one bool mask, or, in bf16 where the keys lie
+at consecutive positions (a prefill of new text, a question after the text it continues), through the bf16 kernel's
+causal band (`window`), which skips the keys out of a block's reach instead of masking them."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from promptcache.model_runtime.attention import bf16_kernel
 
 # A shared segment as BatchContext holds it: keys and values [L, H_kv, n, D], member sequences, their row offsets.
 Segment = tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...] | None]
@@ -31,6 +35,10 @@ class _Gather:
     rows: slice
     parts: tuple[tuple[int, torch.Tensor | slice | None], ...]
     mask: torch.Tensor  # [T_i, m] bool, True = attend; m: the gathered keys, parts in order
+    # The gathered keys lie at consecutive positions ending at the last query's, the queries at consecutive ones, no
+    # segment hidden from a row: the mask is then the causal band of the window over the keys' order (a prefill of
+    # new text, or new text after text it continues), which the bf16 kernel applies itself (`window`).
+    band: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +100,15 @@ class WindowedPass:
         own_keys, own_values = own_kv(layer)
         out = torch.empty_like(queries)
         for seq, gather in enumerate(self._gathers_of(window, queries.device)):
-            keys = torch.cat(self._parts(gather, layer, own_keys[seq], 0), dim=1)     # [H_kv, m, D]
-            values = torch.cat(self._parts(gather, layer, own_values[seq], 1), dim=1)
+            key_parts = self._parts(gather, layer, own_keys[seq], 0)                  # views [H_kv, n_j, D]
+            value_parts = self._parts(gather, layer, own_values[seq], 1)
             q = queries[gather.rows]                                                   # [T_i, H, D]
+            kernel = bf16_kernel.eligible(q, key_parts[0], value_parts[0]) if gather.band else None
+            if kernel is not None and not self.per_row:  # [T_i, H, D] -> [H, T_i, D] views, the band in the kernel
+                out[gather.rows] = kernel(q.transpose(0, 1), key_parts, value_parts, scale, True, [],
+                                          window)[0].transpose(0, 1)
+                continue
+            keys, values = torch.cat(key_parts, dim=1), torch.cat(value_parts, dim=1)  # [H_kv, m, D]
             if self.per_row:
                 for row in range(q.shape[0]):
                     seen = gather.mask[row].nonzero()[:, 0]
@@ -170,6 +184,8 @@ class WindowedPass:
         start = sum(p.numel() for p in self.query_positions[:seq])
         parts: list[tuple[int, torch.Tensor | slice | None]] = []
         masks: list[torch.Tensor] = []
+        key_positions: list[torch.Tensor] = []  # the gathered keys' positions, parts in order
+        hidden = False  # some segment hidden from some row (a row offset)
         for number, ((_, _, members, offsets), positions) in enumerate(zip(self.segments, self.segment_positions)):
             if seq not in members:
                 continue
@@ -182,6 +198,8 @@ class WindowedPass:
             visible = (rows >= offset)[:, None].expand(num_q, kept.numel())  # today's rule: rows from the offset
             masks.append(visible & (q_pos[:, None] - positions[kept][None, :] < window))
             parts.append((number, _index(kept, positions.numel(), device)))
+            key_positions.append(positions[kept])
+            hidden |= offset > 0
         own = self.own_positions[seq]                                    # [S]: a prefix, then the T queries' own
         kept = (own > reach).nonzero()[:, 0]
         before = own.numel() - num_q
@@ -189,7 +207,16 @@ class WindowedPass:
         visible = kept[None, :] - before <= rows[:, None]
         masks.append(visible & (q_pos[:, None] - own[kept][None, :] < window))
         parts.append((-1, _index(kept, own.numel(), device)))
-        return _Gather(slice(start, start + num_q), tuple(parts), torch.cat(masks, dim=1).to(device))
+        key_positions.append(own[kept])
+        band = not hidden and _consecutive(torch.cat(key_positions)) and _consecutive(q_pos) \
+            and int(q_pos[-1]) == int(key_positions[-1][-1])
+        return _Gather(slice(start, start + num_q), tuple(parts), torch.cat(masks, dim=1).to(device), band)
+
+
+def _consecutive(positions: torch.Tensor) -> bool:
+    """Whether `positions` [n] (n >= 1) are p, p + 1, ..., p + n - 1."""
+    return positions.numel() > 0 and int(positions[-1]) - int(positions[0]) == positions.numel() - 1 and bool(
+        (positions[1:] - positions[:-1] == 1).all())
 
 
 def _index(kept: torch.Tensor, total: int, device: torch.device) -> torch.Tensor | slice | None:

@@ -119,11 +119,13 @@ struct RowState {
 
 // Attends `rows` query rows (row0 their first index in the call) to keys [k_begin, key_end) in 64-key
 // steps, k_begin a multiple of 64; `step(k0)` returns that step's K packed [4][D/2][16][2] and V packed
-// [32][D][2] (from a copy of the whole head, or packed on the spot), zero past the last key.
+// [32][D][2] (from a copy of the whole head, or packed on the spot), zero past the last key. Causal: row r
+// sees keys up to row0 + r + visible_offset; `window` > 0 (causal only) also hides the keys W or more
+// before that one (a sliding-window layer whose keys lie at consecutive positions).
 template <int D, class Step>
 void attend_keys(const at::BFloat16* q, int64_t q_stride, int64_t rows, int64_t row0, int64_t k_begin,
                  int64_t key_end, int64_t visible_offset, bool causal, const int32_t* first_row, float scale_log2,
-                 Step step, RowState<D>& st) {
+                 Step step, RowState<D>& st, int64_t window = 0) {
   alignas(64) float s[kBlockM][kBlockN];
   alignas(64) at::BFloat16 p[kBlockM][kBlockN];
   for (int64_t k0 = k_begin; k0 < key_end; k0 += kBlockN) {
@@ -145,10 +147,14 @@ void attend_keys(const at::BFloat16* q, int64_t q_stride, int64_t rows, int64_t 
         for (int b = 0; b < 4; ++b) _mm256_storeu_si256((__m256i*)&p[r][b * 16], _mm256_setzero_si256());
         continue;
       }
+      // With a window, the keys before row0 + r + visible_offset - W + 1 are out of this row's reach.
+      const int64_t hidden_below = window > 0 ? row0 + r + visible_offset - window + 1 - k0 : 0;
       __mmask16 masks[4], any = 0;
       for (int b = 0; b < 4; ++b) {
         int64_t left = visible - b * 16;
         masks[b] = left >= 16 ? (__mmask16)0xFFFF : (left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1));
+        const int64_t below = hidden_below - b * 16;
+        if (below > 0) masks[b] &= below >= 16 ? (__mmask16)0 : (__mmask16)~((1u << below) - 1);
         if (first_row != nullptr)  // keys of segments positioned after this row's token
           masks[b] &= _mm512_cmple_epi32_mask(_mm512_loadu_si512(first_row + k0 + b * 16),
                                               _mm512_set1_epi32(static_cast<int32_t>(row0 + r)));

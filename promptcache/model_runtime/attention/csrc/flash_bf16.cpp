@@ -10,7 +10,9 @@
 // fp32: the natural log of sum_j exp(scale * q.k_j). Causal masks are bottom-right aligned: query row r
 // sees keys 0 .. r + N - M (the new tokens are the last M of the N keys). `first_rows` (optional, one per
 // segment) hides a segment from the query rows before it: a prefill that recomputes tokens among cached
-// ones, where a module's cached tail is positioned after some of the new tokens.
+// ones, where a module's cached tail is positioned after some of the new tokens. `window` W > 0 (causal
+// only): row r also sees no key W or more before its last one, a sliding-window layer whose keys lie at
+// consecutive positions (sliding_window.py checks that), the steps wholly before a block's reach skipped.
 #include <immintrin.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -31,7 +33,7 @@ using namespace attend;
 template <int D>
 void attend_packed(const torch::Tensor& q, const std::vector<torch::Tensor>& k, const std::vector<torch::Tensor>& v,
                    int64_t n, bool causal, const int32_t* first_row, float scale_log2, torch::Tensor& out,
-                   torch::Tensor& lse) {
+                   torch::Tensor& lse, int64_t window) {
   const int64_t heads = q.size(0), m = q.size(1), group = heads / k[0].size(0);
   auto [kp, vp] = pack::pack_kv(k, v, D);  // [H_kv, whole 64-key steps x 16 x D] each, zero past N
   const int64_t row_blocks = (m + kBlockM - 1) / kBlockM;
@@ -46,9 +48,11 @@ void attend_packed(const torch::Tensor& q, const std::vector<torch::Tensor>& k, 
       };
       // Keys this block needs: causal rows see up to row0 + rows - 1 + (n - m).
       const int64_t key_end = causal ? std::min<int64_t>(n, row0 + rows + n - m) : n;
+      // With a window the block's first row reaches back W - 1 keys: the steps before are skipped whole.
+      const int64_t key_begin = window > 0 ? std::max<int64_t>(0, row0 + n - m - window + 1) / kBlockN * kBlockN : 0;
       st.reset(rows);
-      attend_keys<D>(q.data_ptr<at::BFloat16>() + h * q.stride(0) + row0 * q.stride(1), q.stride(1), rows, row0, 0,
-                     key_end, n - m, causal, first_row, scale_log2, step, st);
+      attend_keys<D>(q.data_ptr<at::BFloat16>() + h * q.stride(0) + row0 * q.stride(1), q.stride(1), rows, row0,
+                     key_begin, key_end, n - m, causal, first_row, scale_log2, step, st, window);
       st.finish(0, rows, out.data_ptr<at::BFloat16>() + h * out.stride(0) + row0 * out.stride(1), out.stride(1),
                 lse.data_ptr<float>() + h * m + row0, 1);
     }
@@ -58,7 +62,7 @@ void attend_packed(const torch::Tensor& q, const std::vector<torch::Tensor>& k, 
 }  // namespace
 
 std::vector<torch::Tensor> flash_bf16(torch::Tensor q, std::vector<torch::Tensor> k, std::vector<torch::Tensor> v,
-                                      double scale, bool causal, std::vector<int64_t> first_rows) {
+                                      double scale, bool causal, std::vector<int64_t> first_rows, int64_t window) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.stride(2) == 1,
               "flash_bf16: q must be bfloat16 [H, M, D] with a contiguous last dim");
   TORCH_CHECK(!k.empty(), "flash_bf16: at least one KV segment");
@@ -70,10 +74,11 @@ std::vector<torch::Tensor> flash_bf16(torch::Tensor q, std::vector<torch::Tensor
   auto out = torch::empty_like(q);
   auto lse = torch::empty({heads, m}, q.options().dtype(at::kFloat));
   TORCH_CHECK(first_rows.empty() || first_rows.size() == k.size(), "flash_bf16: one first row per segment");
+  TORCH_CHECK(window >= 0 && (window == 0 || causal), "flash_bf16: a window (>= 0) applies to causal calls only");
   const float scale_log2 = static_cast<float>(scale) * 1.4426950408889634f;
   const bool hidden = std::any_of(first_rows.begin(), first_rows.end(), [](int64_t r) { return r > 0; });
   // Every row sees every key (a causal call of one row too), few rows per KV head: the decode path.
-  if (!hidden && (!causal || m == 1) && (heads / kv_heads) * m <= kBlockM) {
+  if (!hidden && window == 0 && (!causal || m == 1) && (heads / kv_heads) * m <= kBlockM) {
     RowSet rows{{}, {}, {}, n};  // the M rows as members: row r of head h is q[h, r]
     for (int64_t r = 0; r < m; ++r) rows.members.push_back(r);
     for (size_t i = 0; i < k.size(); ++i) rows.k.push_back(pack::part_of(k[i])), rows.v.push_back(pack::part_of(v[i]));
@@ -93,9 +98,9 @@ std::vector<torch::Tensor> flash_bf16(torch::Tensor q, std::vector<torch::Tensor
     }
   }
   const int32_t* first_row = key_first_row.empty() ? nullptr : key_first_row.data();
-  if (d == 64) attend_packed<64>(q, k, v, n, causal, first_row, scale_log2, out, lse);
-  else if (d == 128) attend_packed<128>(q, k, v, n, causal, first_row, scale_log2, out, lse);
-  else attend_packed<256>(q, k, v, n, causal, first_row, scale_log2, out, lse);
+  if (d == 64) attend_packed<64>(q, k, v, n, causal, first_row, scale_log2, out, lse, window);
+  else if (d == 128) attend_packed<128>(q, k, v, n, causal, first_row, scale_log2, out, lse, window);
+  else attend_packed<256>(q, k, v, n, causal, first_row, scale_log2, out, lse, window);
   return {out, lse};
 }
 
@@ -113,9 +118,10 @@ std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::
 void shift_keys(torch::Tensor out, torch::Tensor keys, torch::Tensor cos, torch::Tensor sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("flash_bf16", &flash_bf16, "bf16 flash attention on AVX512-BF16: (q, [k...], [v...], scale, causal, first_rows) -> [out, lse]",
+  m.def("flash_bf16", &flash_bf16,
+        "bf16 flash attention on AVX512-BF16: (q, [k...], [v...], scale, causal, first_rows, window) -> [out, lse]",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("scale"), pybind11::arg("causal"),
-        pybind11::arg("first_rows") = std::vector<int64_t>{});
+        pybind11::arg("first_rows") = std::vector<int64_t>{}, pybind11::arg("window") = 0);
   bind_decode(m);
   bind_int4(m);
   m.def("rms_norm", &rms_norm, "(x [N, H], weight [H], eps) -> LlamaRMSNorm in bf16");
