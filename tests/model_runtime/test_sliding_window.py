@@ -243,16 +243,19 @@ def test_kv_out_of_reach_is_not_read_on_local_layers(window, per_row):
 
 
 @pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
-@pytest.mark.parametrize("case", ["cold", "continued", "gap", "offset"])
+@pytest.mark.parametrize("case", ["cold", "continued", "blocks out of order", "gap", "offset"])
 def test_bf16_keys_at_consecutive_positions_take_the_kernels_band(bf16_kernels, monkeypatch, case):
     """In bf16, a sequence whose gathered keys lie at consecutive positions ending at its last query's (a cold prefill;
-    new text after a cached segment it continues) is attended by the bf16 kernel's causal band, one call; a gap in
-    the positions, or a segment hidden from the first rows (a row offset), keeps the masked path. Each against
-    float64 softmax attention under the visibility and window mask, within bf16 rounding."""
+    new text after a cached segment it continues, its blocks stored in any order, as an assembled group's may be) is
+    attended by the bf16 kernel's causal band, one call; a gap in the positions, or a segment hidden from the first
+    rows (a row offset), keeps the masked path. Each against float64 softmax attention under the visibility and window
+    mask, within bf16 rounding."""
     d, window, num_q = 64, 100, 300
     gen = torch.Generator().manual_seed(3)
     seg_len = 0 if case == "cold" else 250
     seg_pos = torch.arange(seg_len)
+    if case == "blocks out of order":  # the segment's second half stored first
+        seg_pos = torch.cat([seg_pos[seg_len // 2:], seg_pos[: seg_len // 2]])
     own_pos = torch.arange(num_q) + seg_len + (7 if case == "gap" else 0)
     offset = 5 if case == "offset" else 0
     segments = [(torch.randn(1, H_KV, seg_len, d, generator=gen).bfloat16(),
@@ -265,7 +268,7 @@ def test_bf16_keys_at_consecutive_positions_take_the_kernels_band(bf16_kernels, 
     monkeypatch.setitem(bf16_kernel._state, "kernel", lambda *args: calls.append(1) or kernel(*args))
     window_pass = WindowedPass((window,), [own_pos], [own_pos], segments, [seg_pos] if seg_len else [])
     got = window_pass.attend(queries, 0, lambda layer: ([own[0][layer]], [own[1][layer]]), d ** -0.5)
-    assert len(calls) == (1 if case in ("cold", "continued") else 0)
+    assert len(calls) == (1 if case in ("cold", "continued", "blocks out of order") else 0)
     rows, keys = torch.arange(num_q)[:, None], torch.arange(seg_len + num_q)[None, :]
     k_pos = torch.cat([seg_pos, own_pos])
     visible = (keys <= seg_len + rows) & ((keys >= seg_len) | (rows >= offset))

@@ -195,6 +195,8 @@ class WindowedPass:
             kept = (positions > reach).nonzero()[:, 0]
             if kept.numel() == 0:
                 continue
+            # In position order (an assembled group's blocks need not lie so): consecutive positions then make a band.
+            kept = kept[torch.argsort(positions[kept], stable=True)]
             visible = (rows >= offset)[:, None].expand(num_q, kept.numel())  # today's rule: rows from the offset
             masks.append(visible & (q_pos[:, None] - positions[kept][None, :] < window))
             parts.append((number, _index(kept, positions.numel(), device)))
@@ -220,12 +222,11 @@ def _consecutive(positions: torch.Tensor) -> bool:
 
 
 def _index(kept: torch.Tensor, total: int, device: torch.device) -> torch.Tensor | slice | None:
-    """How to take the `kept` [k] ascending key indices of `total`: None for all, a slice for a run, else an index."""
-    if kept.numel() == total:
-        return None
+    """How to take the `kept` [k] key indices of `total`, in that order: None for all in order, a slice for an ascending
+    run, else an index."""
     first, last = int(kept[0]), int(kept[-1])
-    if last - first + 1 == kept.numel():
-        return slice(first, last + 1)
+    if last - first + 1 == kept.numel() and bool((kept[1:] > kept[:-1]).all()):
+        return None if kept.numel() == total else slice(first, last + 1)
     return kept.to(device)
 
 
