@@ -54,19 +54,14 @@ void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, features] with contiguous rows");
 }
 
-}  // namespace
-
-// x [N, H], weight [H] -> [N, H]: weight * bf16(x * rsqrt(mean(x^2) + eps)), as LlamaRMSNorm in bf16.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  check_rows(x, "x");
-  const int64_t rows = x.size(0), width = x.size(1);
-  TORCH_CHECK(width % kLanes == 0 && weight.numel() == width && weight.is_contiguous() &&
-              weight.scalar_type() == at::kBFloat16, "weight must be a contiguous bf16 [H], H a multiple of 16");
+// Each row of x [N, H] (H a multiple of 16) with its 1 / sqrt(mean(x^2) + eps) in fp32, handed to
+// `write(out_row, x_row, inv_rms)`, which scales and rounds it as its norm does.
+template <class Write>
+torch::Tensor normalise_rows(const torch::Tensor& x, double eps, Write write) {
+  const int64_t rows = x.size(0), width = x.size(1), x_stride = x.stride(0);
   auto out = torch::empty({rows, width}, x.options());
   const auto* xp = x.data_ptr<at::BFloat16>();
-  const auto* wp = weight.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
-  const int64_t x_stride = x.stride(0);
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const at::BFloat16* xr = xp + row * x_stride;
@@ -76,43 +71,41 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
         squares = _mm512_fmadd_ps(v, v, squares);
       }
       const float variance = _mm512_reduce_add_ps(squares) / static_cast<float>(width);
-      const __m512 inv_rms = _mm512_set1_ps(1.0f / std::sqrt(variance + static_cast<float>(eps)));
-      for (int64_t j = 0; j < width; j += kLanes) {
-        __m512 normed = round_bf16(_mm512_mul_ps(load_bf16(xr + j), inv_rms));
-        store_bf16(op + row * width + j, _mm512_mul_ps(load_bf16(wp + j), normed));
-      }
+      write(op + row * width, xr, _mm512_set1_ps(1.0f / std::sqrt(variance + static_cast<float>(eps))));
     }
   });
   return out;
+}
+
+}  // namespace
+
+// x [N, H], weight [H] -> [N, H]: weight * bf16(x * rsqrt(mean(x^2) + eps)), as LlamaRMSNorm in bf16.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  const int64_t width = x.size(1);
+  TORCH_CHECK(width % kLanes == 0 && weight.numel() == width && weight.is_contiguous() &&
+              weight.scalar_type() == at::kBFloat16, "weight must be a contiguous bf16 [H], H a multiple of 16");
+  const auto* wp = weight.data_ptr<at::BFloat16>();
+  return normalise_rows(x, eps, [&](at::BFloat16* out, const at::BFloat16* xr, __m512 inv_rms) {
+    for (int64_t j = 0; j < width; j += kLanes) {
+      __m512 normed = round_bf16(_mm512_mul_ps(load_bf16(xr + j), inv_rms));
+      store_bf16(out + j, _mm512_mul_ps(load_bf16(wp + j), normed));
+    }
+  });
 }
 
 // x [N, H], scale [H] fp32 -> [N, H]: bf16(x * rsqrt(mean(x^2) + eps) * scale) in fp32, rounded once, as Gemma's
 // RMSNorm in bf16 (it upcasts x, scales by 1 + w in fp32 and casts back).
 torch::Tensor rms_norm_scaled(torch::Tensor x, torch::Tensor scale, double eps) {
   check_rows(x, "x");
-  const int64_t rows = x.size(0), width = x.size(1);
+  const int64_t width = x.size(1);
   TORCH_CHECK(width % kLanes == 0 && scale.numel() == width && scale.is_contiguous() &&
               scale.scalar_type() == at::kFloat, "scale must be a contiguous fp32 [H], H a multiple of 16");
-  auto out = torch::empty({rows, width}, x.options());
-  const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* sp = scale.data_ptr<float>();
-  auto* op = out.data_ptr<at::BFloat16>();
-  const int64_t x_stride = x.stride(0);
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const at::BFloat16* xr = xp + row * x_stride;
-      __m512 squares = _mm512_setzero_ps();
-      for (int64_t j = 0; j < width; j += kLanes) {
-        __m512 v = load_bf16(xr + j);
-        squares = _mm512_fmadd_ps(v, v, squares);
-      }
-      const float variance = _mm512_reduce_add_ps(squares) / static_cast<float>(width);
-      const __m512 inv_rms = _mm512_set1_ps(1.0f / std::sqrt(variance + static_cast<float>(eps)));
-      for (int64_t j = 0; j < width; j += kLanes)
-        store_bf16(op + row * width + j, _mm512_mul_ps(_mm512_mul_ps(load_bf16(xr + j), inv_rms), _mm512_loadu_ps(sp + j)));
-    }
+  return normalise_rows(x, eps, [&](at::BFloat16* out, const at::BFloat16* xr, __m512 inv_rms) {
+    for (int64_t j = 0; j < width; j += kLanes)
+      store_bf16(out + j, _mm512_mul_ps(_mm512_mul_ps(load_bf16(xr + j), inv_rms), _mm512_loadu_ps(sp + j)));
   });
-  return out;
 }
 
 // gate_up [N, 2I] (gate | up) -> [N, I]: bf16(silu(gate)) * up, as act_fn(gate_proj(x)) * up_proj(x) in bf16.
