@@ -78,6 +78,20 @@ def test_scaled_rms_norm_matches_gemmas_rms_norm(ops, width):
         assert_bf16_close(ops.rms_norm_scaled(x, scale, 1e-6), norm(x))
 
 
+@pytest.mark.parametrize("spread", [1.0, 3.0, 10.0])
+def test_gelu_tanh_mul_matches_gemmas_mlp_ops(ops, spread):
+    """`gelu_tanh_mul` against Gemma 3's MLP ops in bf16, `gelu(gate, approximate="tanh") * up` (its hidden 2048),
+    over both tails: where 1 + tanh cancels (gate below about -4) it must round as PyTorch's formula does."""
+    from transformers.models.gemma3.configuration_gemma3 import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP
+
+    generator = torch.Generator().manual_seed(int(spread))
+    gate_up = (torch.randn(301, 2 * 2048, generator=generator) * spread).bfloat16()
+    act_fn = Gemma3MLP(Gemma3TextConfig(hidden_size=64, intermediate_size=2048)).act_fn
+    with torch.inference_mode():
+        assert_bf16_close(ops.gelu_tanh_mul(gate_up), act_fn(gate_up[:, :2048]) * gate_up[:, 2048:])
+
+
 def test_gated_mlp_matches_llama_mlp(ops):
     config = LlamaConfig(hidden_size=128, intermediate_size=352)
     with torch.random.fork_rng(devices=[]):

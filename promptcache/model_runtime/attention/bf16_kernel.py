@@ -35,13 +35,15 @@ class FusedOps:
     `rms_norm(x [N, H], weight [H], eps)`, `silu_mul(gate_up [N, 2I]) -> [N, I]` and
     `rope_qk(qkv [N, (H + 2 H_kv) D], cos [N, D], sin [N, D], H, H_kv) -> [q [N, H, D], k [N, H_kv, D]]`;
     KeyShifter's rotation, `shift_keys(out [B, n, D], keys [B, n, D], cos [n, R/2], sin [n, R/2])`; and Gemma's
-    RMSNorm, `rms_norm_scaled(x [N, H], scale [H] fp32, eps)`: x * rsqrt(mean(x^2) + eps) * scale rounded once."""
+    RMSNorm, `rms_norm_scaled(x [N, H], scale [H] fp32, eps)`: x * rsqrt(mean(x^2) + eps) * scale rounded once, and
+    its MLP's `gelu_tanh_mul(gate_up [N, 2I]) -> [N, I]`."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     rope_qk: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], list[torch.Tensor]]
     shift_keys: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
     rms_norm_scaled: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +74,7 @@ def prepare() -> bool:
         _state.update(dict.fromkeys(("kernel", "decode", "decode_batch", "ops", "int4")) if module is None else {
             "kernel": module.flash_bf16, "decode": module.decode_bf16, "decode_batch": module.DecodeBatch,
             "ops": FusedOps(module.rms_norm, module.silu_mul, module.rope_qk, module.shift_keys,
-                            module.rms_norm_scaled),
+                            module.rms_norm_scaled, module.gelu_tanh_mul),
             "int4": Int4Ops(module.int4_pack, module.int4_mm)})
         if missing:
             _state["reason"] = f"the CPU lacks {', '.join(missing)}"

@@ -113,6 +113,7 @@ void bind_int4(pybind11::module_& m);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor rms_norm_scaled(torch::Tensor x, torch::Tensor scale, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
 std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads,
                                    int64_t kv_heads);
 void shift_keys(torch::Tensor out, torch::Tensor keys, torch::Tensor cos, torch::Tensor sin);
@@ -127,6 +128,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "(x [N, H], weight [H], eps) -> LlamaRMSNorm in bf16");
   m.def("rms_norm_scaled", &rms_norm_scaled, "(x [N, H], scale [H] fp32, eps) -> Gemma's RMSNorm (1 + w) in bf16");
   m.def("silu_mul", &silu_mul, "(gate_up [N, 2I]) -> silu(gate) * up in bf16");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "(gate_up [N, 2I]) -> gelu_tanh(gate) * up in bf16 (Gemma's MLP)");
   m.def("shift_keys", &shift_keys, "(out [B, n, D], keys [B, n, D], cos [n, R/2], sin [n, R/2]): KeyShifter in bf16");
   m.def("rope_qk", &rope_qk, "(qkv [N, (H + 2 H_kv) D], cos [N, D], sin [N, D], H, H_kv) -> [q, k] rotated");
 }
