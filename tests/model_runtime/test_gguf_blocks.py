@@ -22,7 +22,7 @@ from promptcache.model_runtime.loading import quantized_linear, stored_weights
 from promptcache.model_runtime.loading.gguf_blocks import q4_0_blocks, q4_1_blocks, q4_k_blocks, q6_k_blocks
 from promptcache.model_runtime.loading.gguf_weights import is_4bit, read_layers
 from promptcache.model_runtime.loading.quantized_linear import Int4Linear
-from promptcache.model_runtime.loading.stored_linear import HEAD, SplitByteLinear, quantize_linears
+from promptcache.model_runtime.loading.stored_linear import HEAD, Int8BlockLinear, quantize_linears
 
 Q = GGMLQuantizationType
 HEADS, KV_HEADS, HIDDEN, FFN = 4, 2, 256, 512  # head_dim 64; every input width a whole Q4_K super-block
@@ -206,26 +206,46 @@ def test_auto_is_native_unless_the_file_is_mostly_4_bit(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not bf16_kernel.supported(), reason="this CPU lacks AVX512-BF16")
-def test_auto_serves_a_q8_0_head_as_stored_in_bf16(bf16_kernels, tmp_path):
-    """A native GGUF in bf16: its Q8_0 (tied) head multiplies the file's blocks, within a bf16 rounding of the product
-    with gguf's dequantize; asked for native, or deterministic, the head is widened as loaded."""
-    wide = {name: Q.Q8_0 for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
-    write_llama_gguf(tmp_path / "m.gguf", wide, embedding=Q.Q8_0)
-    reader = GGUFReader(tmp_path / "m.gguf")
-    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    want = torch.from_numpy(dequantize(embedding.data, Q.Q8_0).copy())  # [64, HIDDEN]
+def test_auto_serves_a_native_ggufs_blocks_as_stored_in_bf16(bf16_kernels, tmp_path):
+    """A native GGUF in bf16 (Gemma 3 270M's mix: Q5_0, Q8_0, Q4_K and Q6_K layers, a Q8_0 tied head): under auto every
+    projection and the head multiply the file's blocks, each 8-bit layer holding gguf's dequantize of its tensor bit for
+    bit. The model's logits (a prompt, and decode rows through the kernels) are no further from the fp32 widened
+    model's than the bf16 widened model's are; the head's product is within a bf16 rounding of gguf's. Asked for
+    native, or deterministic, nothing is served as stored."""
+    kinds = {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "ffn_gate": Q.Q5_0, "ffn_up": Q.Q5_0,
+             "ffn_down": Q.Q6_K}  # attn_output: Q4_K
+    stored = write_llama_gguf(tmp_path / "m.gguf", kinds, embedding=Q.Q8_0)
     choice = stored_weights.choose(WeightFormat.AUTO, tmp_path / "m.gguf", HEADS, KV_HEADS, device="cpu",
                                    dtype=torch.bfloat16, deterministic=False)
-    assert choice.weights is WeightFormat.NATIVE and set(choice.blocks) == {HEAD}, choice.reason
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.bfloat16).eval()
-    assert quantize_linears(model, choice.weights, choice.blocks, choice.wider) == 1
+    assert choice.weights is WeightFormat.NATIVE and "bf16 rounding" in choice.reason, choice.reason
+    assert set(choice.blocks) == {HEAD, *_hf_weights(stored)}
+
+    def load(dtype: torch.dtype) -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=dtype).eval()
+
+    exact, widened, model = load(torch.float32), load(torch.bfloat16), load(torch.bfloat16)
+    assert quantize_linears(model, choice.weights, choice.blocks, choice.wider) == 8
+    modules = dict(model.named_modules())
+    for name, want in _hf_weights(stored).items():
+        layer = modules[name]
+        if name.endswith("o_proj"):
+            assert isinstance(layer, Int4Linear), name
+            continue
+        assert isinstance(layer, Int8BlockLinear) and layer.dtype == torch.bfloat16, name
+        assert torch.equal(layer.blocks().dequantized() + 0.0, want + 0.0), name  # + 0.0: a -0.0 of d * 0
     head = model.get_output_embeddings()
-    assert isinstance(head, SplitByteLinear)
+    assert isinstance(head, Int8BlockLinear)
+    embedding = next(t for t in GGUFReader(tmp_path / "m.gguf").tensors if t.name == "token_embd.weight")
     hidden = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(0)).bfloat16()
-    product = hidden.float() @ want.T
+    product = hidden.float() @ torch.from_numpy(dequantize(embedding.data, Q.Q8_0).copy()).T
     with torch.no_grad():
         got = head(hidden).float()
     assert bool(((got - product).abs() <= product.abs() * 2.0 ** -8 + 1e-5 * product.abs().max()).all())
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for rows in (ids, ids[:, :1]):  # a prompt of 9 rows, a decode row
+            want, ours, theirs = (m(rows).logits.float() for m in (exact, model, widened))
+            assert (ours - want).abs().max() <= 2 * (theirs - want).abs().max() + 1e-3 * want.abs().max()
     for requested, deterministic in ((WeightFormat.NATIVE, False), (WeightFormat.AUTO, True)):
         other = stored_weights.choose(requested, tmp_path / "m.gguf", HEADS, KV_HEADS, device="cpu",
                                       dtype=torch.bfloat16, deterministic=deterministic)

@@ -57,7 +57,20 @@ class Int4Ops:
     mm: Callable[..., torch.Tensor]
 
 
-# "kernel", "decode", "decode_batch", "ops" and "int4" once prepare() has run (None if unavailable: "reason" says why)
+@dataclass(frozen=True, slots=True)
+class Int8Ops:
+    """The weight-only product with a GGUF's 8-bit blocks for few rows (csrc/int8_bf16.cpp), avx2.Int8Ops' interface
+    for bf16 activations: `pack(values int8 [out, in], scales fp32 [out, in / G]) -> packed` (two tensors; out % 16
+    == 0, G = 32 or 16; scales held as fp16 where all are fp16 values), `mm(x bf16 [rows, in], *packed) -> y bf16
+    [rows, out]`, and `dequantize(*packed) -> W bf16 [out, in]`, bf16(scale * q), for many rows."""
+
+    pack: Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]
+    mm: Callable[..., torch.Tensor]
+    dequantize: Callable[..., torch.Tensor]
+
+
+# "kernel", "decode", "decode_batch", "ops", "int4" and "int8" once prepare() has run (None if unavailable: "reason"
+# says why)
 _state: dict[str, Any] = {}
 
 
@@ -71,11 +84,13 @@ def prepare() -> bool:
     if "kernel" not in _state:
         missing = sorted(REQUIRED_FLAGS - cpu_flags())
         module = _load() if not missing else None
-        _state.update(dict.fromkeys(("kernel", "decode", "decode_batch", "ops", "int4")) if module is None else {
+        names = ("kernel", "decode", "decode_batch", "ops", "int4", "int8")
+        _state.update(dict.fromkeys(names) if module is None else {
             "kernel": module.flash_bf16, "decode": module.decode_bf16, "decode_batch": module.DecodeBatch,
             "ops": FusedOps(module.rms_norm, module.silu_mul, module.rope_qk, module.shift_keys,
                             module.rms_norm_scaled, module.gelu_tanh_mul),
-            "int4": Int4Ops(module.int4_pack, module.int4_mm)})
+            "int4": Int4Ops(module.int4_pack, module.int4_mm),
+            "int8": Int8Ops(module.int8_pack, module.int8_mm, module.int8_dequantize)})
         if missing:
             _state["reason"] = f"the CPU lacks {', '.join(missing)}"
             log.info("bf16 attention kernel not used: %s", _state["reason"])
@@ -111,6 +126,11 @@ def fused_ops() -> FusedOps | None:
 def int4_ops() -> Int4Ops | None:
     """The int4 product for few rows if `prepare()` loaded the kernel, else None."""
     return _state.get("int4")
+
+
+def int8_ops() -> Int8Ops | None:
+    """The 8-bit block product for few rows if `prepare()` loaded the kernel, else None."""
+    return _state.get("int8")
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> Kernel | None:

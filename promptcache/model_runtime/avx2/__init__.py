@@ -7,10 +7,12 @@ from promptcache.model_runtime.avx2.kernels import (
     DECODE_HEAD_DIMS,
     KERNELS,
     LIBRARY,
+    Int8Ops,
     decode_batch_type,
     fused_ops,
     int4_ops,
     int8_ops,
 )
 
-__all__ = ["DECODE_HEAD_DIMS", "KERNELS", "LIBRARY", "decode_batch_type", "fused_ops", "int4_ops", "int8_ops"]
+__all__ = ["DECODE_HEAD_DIMS", "KERNELS", "LIBRARY", "Int8Ops", "decode_batch_type", "fused_ops", "int4_ops",
+           "int8_ops"]

@@ -1,9 +1,10 @@
 """Which weight format a model is served in and the checkpoint blocks that go with it: `auto` (the server's default)
 serves a GGUF whose decoder layers are stored in 4 bits as stored where an int4 product with vector code runs
 (`quantized_linear.int4_is_fast`; int4: the kernel reads them at a quarter of bf16's bytes, and nothing is rounded
-that the file did not round); a GGUF it serves native, in fp32 on a CPU with the AVX2 products, multiplies every block
-that widens to fp32 exactly (Q8_0, Q5_0, Q4_0, Q4_1, Q4_K layers and a Q8_0 head: the widened model's very weights)
-from the file's blocks, in bf16 with our bf16 int4 product its Q8_0 head (`head_blocks_here`); anything else as
+that the file did not round); a GGUF it serves native multiplies its 8- and 4-bit blocks (Q8_0, Q5_0, Q6_K, Q4_0,
+Q4_1, Q4_K layers and a Q8_0 head) from the file's bytes where our products run: in fp32 on a CPU with the AVX2
+products (`exact_blocks_here`: they widen to fp32 exactly, the widened model's very weights), in bf16 with the bf16
+kernels' (`bf16_blocks_here`: within a bf16 rounding of the widened model, at about half its bytes); anything else as
 loaded."""
 
 from __future__ import annotations
@@ -58,23 +59,21 @@ def _blocks(requested: WeightFormat, weights: WeightFormat, reason: str, gguf: P
             num_kv_heads: int, *, device: str, dtype: torch.dtype, deterministic: bool,
             model_type: str) -> StoredWeights:
     """`weights` (resolved) with the file's blocks it serves as stored: int4's 4-bit layers and 8-bit head; under
-    auto, native's exactly widening blocks where they run (`exact_blocks_here`), in bf16 its Q8_0 head
-    (`head_blocks_here`)."""
+    auto, native's 8- and 4-bit blocks where our products run (`exact_blocks_here` in fp32, `bf16_blocks_here`)."""
     from promptcache.model_runtime.loading import gguf_weights
 
     if weights is not WeightFormat.INT4 or gguf is None:
-        if requested is WeightFormat.AUTO and gguf is not None and exact_blocks_here(device, dtype, deterministic):
+        exact = exact_blocks_here(device, dtype, deterministic)
+        here = exact or bf16_blocks_here(device, dtype, deterministic)
+        if requested is WeightFormat.AUTO and gguf is not None and here:
             blocks: dict[str, StoredBlocks] = dict(gguf_weights.read_q8_0_head(gguf))
             if model_type in gguf_weights.BLOCK_ARCHITECTURES:
                 blocks |= gguf_weights.read_layers(gguf, num_heads, num_kv_heads, model_type=model_type,
                                                    int8=True).blocks
-            if blocks:  # the very weights the widened model holds, at a quarter to an eighth of their bytes
+            if blocks:  # at a quarter to an eighth (fp32), a half to a quarter (bf16) of the widened layers' bytes
+                how = "exact in fp32" if exact else "within a bf16 rounding of the widened weights"
                 return StoredWeights(weights, f"{reason}; the file's blocks of {len(blocks)} layers multiply as stored "
-                                              "(exact in fp32)", blocks)
-        if (requested is WeightFormat.AUTO and gguf is not None and head_blocks_here(device, dtype, deterministic)
-                and (head := gguf_weights.read_q8_0_head(gguf))):
-            return StoredWeights(weights, f"{reason}; the file's 8-bit head multiplies as stored (its two 4-bit "
-                                          "planes: ~0.6x the bytes of the widened head a token)", head)
+                                              f"({how})", blocks)
         return StoredWeights(weights, reason)
     if model_type not in gguf_weights.BLOCK_ARCHITECTURES:
         readable = ", ".join(sorted(gguf_weights.BLOCK_ARCHITECTURES))
@@ -94,13 +93,16 @@ def exact_blocks_here(device: str, dtype: torch.dtype, deterministic: bool) -> b
             and avx2.int4_ops() is not None)
 
 
-def head_blocks_here(device: str, dtype: torch.dtype, deterministic: bool) -> bool:
-    """Whether auto serves a native GGUF's Q8_0 head as stored in bf16: where our bf16 int4 product runs, which
-    multiplies its two 4-bit planes (`SplitByteLinear`). A 262K x 640 head (Gemma 3 270M) a token: 9.4 ms against 14.6
-    ms for the widened bf16 head on an AVX512-BF16 EPYC (2 threads), both within the same error of the file's exact
-    product: widening an fp16 scale times an int8 to bf16 rounds it, the planes' sums round in fp32."""
-    return (device == "cpu" and dtype == torch.bfloat16 and not deterministic
-            and quantized_linear.int4_kernel(dtype) is not None)
+def bf16_blocks_here(device: str, dtype: torch.dtype, deterministic: bool) -> bool:
+    """Whether auto serves a native GGUF's 8- and 4-bit blocks as stored in bf16: where the bf16 kernels' int8 and int4
+    products run. Each multiplies the file's integers exactly in bf16 and sums a group in fp32 before its scale, where
+    the widened bf16 model rounds each `scale * q` to bf16 first: both within a bf16 rounding of the file's exact
+    product. Gemma 3 270M's decode step (2 threads, Zen 4): its 126 projections read ~106 MB instead of 200, its
+    262K x 640 head 178 MB instead of 335."""
+    from promptcache.model_runtime.attention import bf16_kernel
+
+    return (device == "cpu" and dtype == torch.bfloat16 and not deterministic and bf16_kernel.prepare()
+            and bf16_kernel.int8_ops() is not None and quantized_linear.int4_kernel(dtype) is not None)
 
 
 def _auto(gguf: Path | None, model_type: str, device: str, dtype: torch.dtype,

@@ -108,6 +108,7 @@ std::vector<torch::Tensor> flash_bf16(torch::Tensor q, std::vector<torch::Tensor
 void bind_decode(pybind11::module_& m);
 // int4_bf16.cpp, built into the same extension
 void bind_int4(pybind11::module_& m);
+void bind_int8(pybind11::module_& m);  // int8_bf16.cpp
 
 // fused_bf16.cpp, built into the same extension
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -125,6 +126,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("first_rows") = std::vector<int64_t>{}, pybind11::arg("window") = 0);
   bind_decode(m);
   bind_int4(m);
+  bind_int8(m);
   m.def("rms_norm", &rms_norm, "(x [N, H], weight [H], eps) -> LlamaRMSNorm in bf16");
   m.def("rms_norm_scaled", &rms_norm_scaled, "(x [N, H], scale [H] fp32, eps) -> Gemma's RMSNorm (1 + w) in bf16");
   m.def("silu_mul", &silu_mul, "(gate_up [N, 2I]) -> silu(gate) * up in bf16");
