@@ -210,23 +210,26 @@ class WindowedPass:
         masks.append(visible & (q_pos[:, None] - own[kept][None, :] < window))
         parts.append((-1, _index(kept, own.numel(), device)))
         key_positions.append(own[kept])
-        band = not hidden and _consecutive(torch.cat(key_positions)) and _consecutive(q_pos) \
-            and int(q_pos[-1]) == int(key_positions[-1][-1])
+        keys_at = torch.cat(key_positions)
+        band = not hidden and keys_at.numel() > 0 and _run(keys_at) is not None and _run(q_pos) is not None \
+            and int(q_pos[-1]) == int(keys_at[-1])
         return _Gather(slice(start, start + num_q), tuple(parts), torch.cat(masks, dim=1).to(device), band)
 
 
-def _consecutive(positions: torch.Tensor) -> bool:
-    """Whether `positions` [n] (n >= 1) are p, p + 1, ..., p + n - 1."""
-    return positions.numel() > 0 and int(positions[-1]) - int(positions[0]) == positions.numel() - 1 and bool(
-        (positions[1:] - positions[:-1] == 1).all())
+def _run(values: torch.Tensor) -> slice | None:
+    """`slice(v, v + n)` when `values` [n] (n >= 1) are v, v + 1, ..., v + n - 1 (positions at consecutive places,
+    indices of one ascending run), else None."""
+    first, count = int(values[0]), values.numel()
+    if int(values[-1]) - first != count - 1 or not bool((values[1:] - values[:-1] == 1).all()):
+        return None
+    return slice(first, first + count)
 
 
 def _index(kept: torch.Tensor, total: int, device: torch.device) -> torch.Tensor | slice | None:
     """How to take the `kept` [k] key indices of `total`, in that order: None for all in order, a slice for an ascending
     run, else an index."""
-    first, last = int(kept[0]), int(kept[-1])
-    if last - first + 1 == kept.numel() and bool((kept[1:] > kept[:-1]).all()):
-        return None if kept.numel() == total else slice(first, last + 1)
+    if (run := _run(kept)) is not None:
+        return None if kept.numel() == total else run
     return kept.to(device)
 
 
@@ -240,9 +243,7 @@ def _blockwise_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     for start in range(0, q.shape[0], QUERY_BLOCK):
         rows = slice(start, start + QUERY_BLOCK)
         seen = mask[rows].any(0).nonzero()[:, 0]  # [m'] the keys this block's rows see (each sees its own)
-        first, last = int(seen[0]), int(seen[-1])
-        if last - first + 1 == seen.numel():  # one run (keys in position order: a band): views, nothing gathered
-            cols = slice(first, last + 1)
+        if (cols := _run(seen)) is not None:  # one run (keys in position order: a band): views, nothing gathered
             out[rows] = _sdpa(q[rows], keys[:, cols], values[:, cols], mask[rows, cols], scale)
         else:
             out[rows] = _sdpa(q[rows], keys.index_select(1, seen), values.index_select(1, seen), mask[rows][:, seen],
