@@ -122,7 +122,7 @@ def main() -> None:
                         "machine shared with other work: 2 threads wait for each other at every op)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="of the servers and of the in-process reference alike")
-    parser.add_argument("--weights", choices=["native", "int8", "int4"], default="native",
+    parser.add_argument("--weights", choices=["native", "auto", "int8", "int4"], default="native",
                         help="the servers' linear weights (the in-process reference keeps the native ones)")
     parser.add_argument("--model", help="HF model path or hub id for the servers and the reference alike "
                                         "(default: the built-in SmolLM2-135M-Instruct)")

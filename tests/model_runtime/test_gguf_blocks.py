@@ -22,7 +22,13 @@ from promptcache.model_runtime.loading import quantized_linear, stored_weights
 from promptcache.model_runtime.loading.gguf_blocks import q4_0_blocks, q4_1_blocks, q4_k_blocks, q6_k_blocks
 from promptcache.model_runtime.loading.gguf_weights import is_4bit, read_layers
 from promptcache.model_runtime.loading.quantized_linear import Int4Linear
-from promptcache.model_runtime.loading.stored_linear import HEAD, Int8BlockLinear, quantize_linears
+from promptcache.model_runtime.loading.stored_linear import (
+    HEAD,
+    Int8BlockLinear,
+    Int8Blocks,
+    head_layer,
+    quantize_linears,
+)
 
 Q = GGMLQuantizationType
 HEADS, KV_HEADS, HIDDEN, FFN = 4, 2, 256, 512  # head_dim 64; every input width a whole Q4_K super-block
@@ -250,6 +256,17 @@ def test_auto_serves_a_native_ggufs_blocks_as_stored_in_bf16(bf16_kernels, tmp_p
         other = stored_weights.choose(requested, tmp_path / "m.gguf", HEADS, KV_HEADS, device="cpu",
                                       dtype=torch.bfloat16, deterministic=deterministic)
         assert other.weights is WeightFormat.NATIVE and not other.blocks
+
+
+def test_8_bit_blocks_of_shapes_no_product_takes_keep_their_float_weight():
+    """A head of a vocabulary not in 16s (GPT-2's 50,257) or a layer of outputs not in the int8 product's blocks keeps
+    its float weight instead of failing the load."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 50, bias=False), torch.nn.Linear(50, 20, bias=False))
+    odd = {"0": Int8Blocks(torch.randint(-128, 128, (50, 64), dtype=torch.int8), torch.rand(50, 2)),
+           HEAD: Int8Blocks(torch.randint(-128, 128, (20, 64), dtype=torch.int8), torch.rand(20, 2))}
+    assert head_layer(odd[HEAD], torch.float32) is None
+    assert quantize_linears(model, WeightFormat.NATIVE, odd) == 0
+    assert all(type(layer) is torch.nn.Linear for layer in model)
 
 
 def test_auto_is_native_where_int4_cannot_serve(tmp_path):

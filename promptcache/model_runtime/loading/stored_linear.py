@@ -21,6 +21,7 @@ from promptcache.model_runtime.loading.quantized_linear import (
     GROUP_SIZE,
     HEAD,
     INT4_DEQUANTIZE_ROWS,
+    INT4_PACK_ROWS,
     Int4Blocks,
     Int4Linear,
     Int8Linear,
@@ -171,8 +172,13 @@ class SplitByteLinear(torch.nn.Module):
         return self.planes(torch.cat([x, x], dim=-1))  # [..., 2 in] -> [..., out]
 
 
-def head_layer(blocks: Int8Blocks, dtype: torch.dtype) -> torch.nn.Module:
-    """The layer that serves an 8-bit head's blocks in `dtype`: the int8 product where it runs, else the planes."""
+def head_layer(blocks: Int8Blocks, dtype: torch.dtype) -> torch.nn.Module | None:
+    """The layer that serves an 8-bit head's blocks in `dtype`: the int8 product where it runs, else the planes; None
+    (the head keeps its float weight) where neither takes its shape (a vocabulary not in 16s: GPT-2's 50,257)."""
+    if blocks.values.shape[0] % INT4_PACK_ROWS:
+        logger.info("the 8-bit head keeps its float weight: %d outputs are not in multiples of %d",
+                    blocks.values.shape[0], INT4_PACK_ROWS)
+        return None
     return Int8BlockLinear(blocks, None, dtype) if int8_blocks_run_here(dtype) else SplitByteLinear(blocks, dtype)
 
 
@@ -218,11 +224,16 @@ def quantize_linears(model: torch.nn.Module, weights: WeightFormat, blocks: Mapp
     return replaced
 
 
-def _stored_layer(stored: StoredBlocks, child: torch.nn.Linear, dtype: torch.dtype) -> torch.nn.Module:
-    """The layer that multiplies a (non-head) layer's stored blocks in `dtype`. Raises ModelLoadError for 8-bit blocks
-    where their product does not run (fp32 with the AVX2 library, bf16 with the bf16 kernels: stored_weights gives them
+def _stored_layer(stored: StoredBlocks, child: torch.nn.Linear, dtype: torch.dtype) -> torch.nn.Module | None:
+    """The layer that multiplies a (non-head) layer's stored blocks in `dtype`; None (it keeps its float weight) for
+    8-bit blocks whose outputs the int8 product's blocks do not divide. Raises ModelLoadError for 8-bit blocks where
+    their product does not run (fp32 with the AVX2 library, bf16 with the bf16 kernels: stored_weights gives them
     only there)."""
     if isinstance(stored, Int8Blocks):
+        if stored.values.shape[0] % _CHANNEL_BLOCKS.get(dtype, INT4_PACK_ROWS):
+            logger.info("a layer of %d outputs keeps its float weight: the int8 product takes them in blocks of %d",
+                        stored.values.shape[0], _CHANNEL_BLOCKS.get(dtype, INT4_PACK_ROWS))
+            return None
         return Int8BlockLinear(stored, child.bias, dtype)
     return Int4Linear(stored, child.bias, dtype)
 
