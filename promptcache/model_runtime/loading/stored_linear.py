@@ -160,8 +160,9 @@ class Int8BlockLinear(torch.nn.Module):
 
 
 class SplitByteLinear(torch.nn.Module):
-    """`y = x @ W^T` for an 8-bit head where the int8 product does not run (bf16): its two 4-bit planes
-    (`Int8Blocks.planes`) through the int4 layer, `[x, x] @ [W_high | W_low]^T`."""
+    """`y = x @ W^T` for an 8-bit head where no int8 product runs (int4 weights through PyTorch's int4 kernel alone, on
+    an AVX-512 CPU without our libraries): its two 4-bit planes (`Int8Blocks.planes`) through the int4 layer,
+    `[x, x] @ [W_high | W_low]^T`."""
 
     def __init__(self, blocks: Int8Blocks, dtype: torch.dtype) -> None:
         super().__init__()
