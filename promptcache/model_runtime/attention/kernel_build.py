@@ -20,7 +20,8 @@ import torch
 NAME = "promptcache_bf16"
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("flash_bf16.cpp", "decode_bf16.cpp", "fused_bf16.cpp", "int4_bf16.cpp", "int8_bf16.cpp"))
-HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("pack_bf16.h", "attend_bf16.h", "decode_plan.h"))
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("pack_bf16.h", "attend_bf16.h", "decode_plan.h",
+                                                                   "weights_bf16.h"))
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 ARCHITECTURES = frozenset({"x86_64", "amd64"})  # the flags above are x86-64 instructions

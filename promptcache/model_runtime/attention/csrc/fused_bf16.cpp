@@ -77,6 +77,27 @@ torch::Tensor normalise_rows(const torch::Tensor& x, double eps, Write write) {
   return out;
 }
 
+// gate_up [N, 2I] (gate | up) -> [N, I]: bf16(act(gate)) * up, `act` computing 16 lanes in fp32 (rounded to bf16 after,
+// as a bf16 activation module rounds its output before the product).
+template <class Activation>
+torch::Tensor gated_product(const torch::Tensor& gate_up, Activation act) {
+  check_rows(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) % (2 * kLanes) == 0, "gate_up's width must be a multiple of 32");
+  auto out = torch::empty({rows, width}, gate_up.options());
+  const auto* gp = gate_up.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  const int64_t stride = gate_up.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const at::BFloat16* gr = gp + row * stride;
+      for (int64_t j = 0; j < width; j += kLanes)
+        store_bf16(op + row * width + j, _mm512_mul_ps(round_bf16(act(load_bf16(gr + j))), load_bf16(gr + width + j)));
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 // x [N, H], weight [H] -> [N, H]: weight * bf16(x * rsqrt(mean(x^2) + eps)), as LlamaRMSNorm in bf16.
@@ -110,26 +131,10 @@ torch::Tensor rms_norm_scaled(torch::Tensor x, torch::Tensor scale, double eps) 
 
 // gate_up [N, 2I] (gate | up) -> [N, I]: bf16(silu(gate)) * up, as act_fn(gate_proj(x)) * up_proj(x) in bf16.
 torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_rows(gate_up, "gate_up");
-  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
-  TORCH_CHECK(gate_up.size(1) % (2 * kLanes) == 0, "gate_up's width must be a multiple of 32");
-  auto out = torch::empty({rows, width}, gate_up.options());
-  const auto* gp = gate_up.data_ptr<at::BFloat16>();
-  auto* op = out.data_ptr<at::BFloat16>();
-  const int64_t stride = gate_up.stride(0);
   const __m512 one = _mm512_set1_ps(1.0f);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const at::BFloat16* gr = gp + row * stride;
-      for (int64_t j = 0; j < width; j += kLanes) {
-        __m512 g = load_bf16(gr + j);
-        __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, e)));
-        store_bf16(op + row * width + j, _mm512_mul_ps(silu, load_bf16(gr + width + j)));
-      }
-    }
+  return gated_product(gate_up, [&](__m512 g) {
+    return _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
   });
-  return out;
 }
 
 // gate_up [N, 2I] (gate | up) -> [N, I]: bf16(gelu_tanh(gate)) * up, as Gemma's act_fn(gate_proj(x)) * up_proj(x) in
@@ -138,34 +143,21 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // tanh(u) = sign(u) d / (d + 2) with d = e^2|u| - 1 (Sleef's form, whose tanh PyTorch calls: near -1 both round
 // alike), and +-1 from |u| > 8.664339742 on, as Sleef's.
 torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
-  check_rows(gate_up, "gate_up");
-  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
-  TORCH_CHECK(gate_up.size(1) % (2 * kLanes) == 0, "gate_up's width must be a multiple of 32");
-  auto out = torch::empty({rows, width}, gate_up.options());
-  const auto* gp = gate_up.data_ptr<at::BFloat16>();
-  auto* op = out.data_ptr<at::BFloat16>();
-  const int64_t stride = gate_up.stride(0);
-  const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f), kappa = _mm512_set1_ps(0.044715f);
-  const __m512 beta = _mm512_set1_ps(0.7978845608028654f), limit = _mm512_set1_ps(8.664339742f);  // sqrt(2 / pi)
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const at::BFloat16* gr = gp + row * stride;
-      for (int64_t j = 0; j < width; j += kLanes) {
-        __m512 g = load_bf16(gr + j);
-        __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
-        __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(g, _mm512_mul_ps(kappa, cube)));
-        const __m512 magnitude = _mm512_min_ps(_mm512_abs_ps(inner), limit);
-        const __m512 d = _mm512_sub_ps(exp_ps(_mm512_add_ps(magnitude, magnitude)), one);
-        const __m512 y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(magnitude, limit, _CMP_GT_OQ),
-                                              _mm512_div_ps(d, _mm512_add_ps(d, _mm512_set1_ps(2.0f))), one);
-        const __mmask16 negative = _mm512_cmp_ps_mask(inner, _mm512_setzero_ps(), _CMP_LT_OQ);
-        const __m512 tanh = _mm512_mask_sub_ps(y, negative, _mm512_setzero_ps(), y);
-        __m512 gelu = round_bf16(_mm512_mul_ps(_mm512_mul_ps(half, g), _mm512_add_ps(one, tanh)));
-        store_bf16(op + row * width + j, _mm512_mul_ps(gelu, load_bf16(gr + width + j)));
-      }
-    }
+  const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f), half = _mm512_set1_ps(0.5f);
+  const __m512 kappa = _mm512_set1_ps(0.044715f), beta = _mm512_set1_ps(0.7978845608028654f);  // sqrt(2 / pi)
+  const __m512 limit = _mm512_set1_ps(8.664339742f);
+  return gated_product(gate_up, [&](__m512 g) {
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+    const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(g, _mm512_mul_ps(kappa, cube)));
+    const __m512 magnitude = _mm512_abs_ps(inner);
+    // past the limit d may be inf and d / (d + 2) NaN: the blend takes 1 there
+    const __m512 d = _mm512_sub_ps(exp_ps(_mm512_add_ps(magnitude, magnitude)), one);
+    const __m512 y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(magnitude, limit, _CMP_GT_OQ),
+                                          _mm512_div_ps(d, _mm512_add_ps(d, two)), one);
+    const __m512 tanh = _mm512_mask_sub_ps(y, _mm512_cmp_ps_mask(inner, _mm512_setzero_ps(), _CMP_LT_OQ),
+                                           _mm512_setzero_ps(), y);
+    return _mm512_mul_ps(_mm512_mul_ps(half, g), _mm512_add_ps(one, tanh));
   });
-  return out;
 }
 
 // qkv [N, (H + 2 H_kv) D] (q | k | v per token), cos and sin [N, D] -> [q [N, H, D], k [N, H_kv, D]] rotated:

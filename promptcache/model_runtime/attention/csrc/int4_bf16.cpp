@@ -19,10 +19,14 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
+#include "weights_bf16.h"
+
 namespace {
+
+using weights::load16;
+using weights::x_pair;
 
 constexpr int64_t kGroup = 32;      // inputs per scale and minimum
 constexpr int64_t kBlock = 16;      // output channels per block: fp32 lanes of a zmm register
@@ -31,18 +35,7 @@ constexpr int64_t kGroupBytes = kOctetBytes * kGroup / 8;
 constexpr float kOffset = 128.0f;   // the expanded nibble is 128 + q
 constexpr int kMaxRows = 8;         // rows per pass, in registers
 
-inline __m512i x_pair(const at::BFloat16* x) {  // x[0], x[1] as one dword, broadcast to all lanes
-  int32_t pair;
-  std::memcpy(&pair, x, sizeof(pair));  // bf16 pairs need not be 4-byte aligned
-  return _mm512_set1_epi32(pair);
-}
-
 // One pass over `blocks` adjacent blocks of 16 output channels (first at `block`) for ROWS rows.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 template <int ROWS, int BLOCKS, typename Scale>
 void int4_pass(const at::BFloat16* x, int64_t x_stride, const float* row_sums, int64_t groups,
                const uint8_t* packed, const Scale* scales, const Scale* minimums, int64_t block,
@@ -94,27 +87,13 @@ void int4_pass(const at::BFloat16* x, int64_t x_stride, const float* row_sums, i
                           (__m256i)_mm512_cvtneps_pbh(total[r][b]));
 }
 
-// Blocks per pass: enough independent accumulator chains to hide vdpbf16ps latency, few enough that
-// accumulators and totals (2 * ROWS * BLOCKS zmm) stay in registers.
-template <int ROWS>
-constexpr int blocks_per_pass() { return ROWS <= 2 ? 4 : (ROWS <= 4 ? 2 : 1); }
-
 template <int ROWS, typename Scale>
 void int4_rows(const at::BFloat16* x, int64_t x_stride, const float* row_sums, int64_t groups,
                const uint8_t* packed, const Scale* scales, const Scale* minimums, int64_t num_blocks,
                at::BFloat16* y, int64_t y_stride) {
-  constexpr int kPass = blocks_per_pass<ROWS>();
-  const int64_t passes = (num_blocks + kPass - 1) / kPass;
-  at::parallel_for(0, passes, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pass = begin; pass < end; ++pass) {
-      const int64_t block = pass * kPass;
-      if (block + kPass <= num_blocks) {
-        int4_pass<ROWS, kPass, Scale>(x, x_stride, row_sums, groups, packed, scales, minimums, block, y, y_stride);
-      } else {
-        for (int64_t b = block; b < num_blocks; ++b)
-          int4_pass<ROWS, 1, Scale>(x, x_stride, row_sums, groups, packed, scales, minimums, b, y, y_stride);
-      }
-    }
+  weights::over_blocks<ROWS>(num_blocks, [&](auto blocks, int64_t block) {
+    int4_pass<ROWS, decltype(blocks)::value, Scale>(x, x_stride, row_sums, groups, packed, scales, minimums, block, y,
+                                                    y_stride);
   });
 }
 

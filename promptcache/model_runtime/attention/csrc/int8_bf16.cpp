@@ -19,29 +19,24 @@
 #include <cstring>
 #include <vector>
 
+#include "weights_bf16.h"
+
 namespace {
+
+using weights::load16;
+using weights::x_pair;
 
 constexpr int64_t kBlock = 16;     // output channels per block: fp32 lanes of a zmm register
 constexpr int64_t kPairBytes = 32;  // one block's 16 x 2 int8 values
 constexpr int kMaxRows = 8;        // rows per pass, in registers
 
-inline __m512i x_pair(const at::BFloat16* x) {  // x[0], x[1] as one dword, broadcast to all lanes
-  int32_t pair;
-  std::memcpy(&pair, x, sizeof(pair));
-  return _mm512_set1_epi32(pair);
-}
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+// 16 int8 values at p -> 16 fp32 (exact)
+inline __m512 to_fp32(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // 32 int8 values -> 32 bf16 words in the same order (exact: |q| <= 128)
-inline __m512bh widen(const uint8_t* p) {
-  const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-  return _mm512_cvtne2ps_pbh(high, low);
-}
+inline __m512bh widen(const uint8_t* p) { return _mm512_cvtne2ps_pbh(to_fp32(p + 16), to_fp32(p)); }
 
 // One pass over `blocks` adjacent blocks of 16 output channels (first at `block`) for ROWS rows; `group`: inputs
 // per scale.
@@ -81,26 +76,11 @@ void int8_pass(const at::BFloat16* x, int64_t x_stride, int64_t groups, int64_t 
                           (__m256i)_mm512_cvtneps_pbh(total[r][b]));
 }
 
-// Blocks per pass: enough independent accumulator chains to hide vdpbf16ps latency, few enough that
-// accumulators and totals (2 * ROWS * BLOCKS zmm) stay in registers.
-template <int ROWS>
-constexpr int blocks_per_pass() { return ROWS <= 2 ? 4 : (ROWS <= 4 ? 2 : 1); }
-
 template <int ROWS, typename Scale>
 void int8_rows(const at::BFloat16* x, int64_t x_stride, int64_t groups, int64_t group, const uint8_t* packed,
                const Scale* scales, int64_t num_blocks, at::BFloat16* y, int64_t y_stride) {
-  constexpr int kPass = blocks_per_pass<ROWS>();
-  const int64_t passes = (num_blocks + kPass - 1) / kPass;
-  at::parallel_for(0, passes, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pass = begin; pass < end; ++pass) {
-      const int64_t block = pass * kPass;
-      if (block + kPass <= num_blocks) {
-        int8_pass<ROWS, kPass, Scale>(x, x_stride, groups, group, packed, scales, block, y, y_stride);
-      } else {
-        for (int64_t b = block; b < num_blocks; ++b)
-          int8_pass<ROWS, 1, Scale>(x, x_stride, groups, group, packed, scales, b, y, y_stride);
-      }
-    }
+  weights::over_blocks<ROWS>(num_blocks, [&](auto blocks, int64_t block) {
+    int8_pass<ROWS, decltype(blocks)::value, Scale>(x, x_stride, groups, group, packed, scales, block, y, y_stride);
   });
 }
 
@@ -127,7 +107,8 @@ std::vector<torch::Tensor> int8_pack(torch::Tensor values, torch::Tensor scales)
   auto s = scales.to(torch::kFloat32).contiguous();
   auto block_major = s.view({blocks, kBlock, groups}).transpose(1, 2).contiguous();  // [out / 16, G, 16]
   const bool fp16_exact = torch::equal(s.to(torch::kHalf).to(torch::kFloat32), s);
-  return {packed.view(torch::kUInt8).view({blocks, in / 2, kPairBytes}), block_major.to(fp16_exact ? torch::kHalf : torch::kFloat32)};
+  return {packed.view(torch::kUInt8).view({blocks, in / 2, kPairBytes}),
+          block_major.to(fp16_exact ? torch::kHalf : torch::kFloat32)};
 }
 
 void check_packed(const torch::Tensor& packed, const torch::Tensor& scales) {
@@ -185,11 +166,7 @@ torch::Tensor int8_dequantize(torch::Tensor packed, torch::Tensor scales) {
         const __m512 high_scale = _mm512_permutexvar_ps(high_channels, scale);
         for (int64_t t = g * group / 2; t < (g + 1) * group / 2; ++t) {
           const uint8_t* p = qp + (b * (in / 2) + t) * kPairBytes;
-          const __m512 low = _mm512_mul_ps(
-              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))), low_scale);
-          const __m512 high = _mm512_mul_ps(
-              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))),
-              high_scale);
+          const __m512 low = _mm512_mul_ps(to_fp32(p), low_scale), high = _mm512_mul_ps(to_fp32(p + 16), high_scale);
           _mm512_store_si512(pairs, (__m512i)_mm512_cvtne2ps_pbh(high, low));  // dword j: channel j's two weights
           for (int64_t j = 0; j < kBlock; ++j) std::memcpy(wp + (b * kBlock + j) * in + 2 * t, pairs + j, 4);
         }
