@@ -43,18 +43,12 @@ void int4_pass(const at::BFloat16* x, int64_t x_stride, const float* row_sums, i
   const __m512i low_mask = _mm512_set1_epi16(0x000F);
   const __m512i exponent = _mm512_set1_epi16(0x4300);  // bf16 128.0
   __m512 total[ROWS][BLOCKS];
-  for (int r = 0; r < ROWS; ++r)
-    for (int b = 0; b < BLOCKS; ++b) total[r][b] = _mm512_setzero_ps();
+  weights::zero(total);
   for (int64_t g = 0; g < groups; ++g) {
     __m512 acc[ROWS][BLOCKS];
-    for (int r = 0; r < ROWS; ++r)
-      for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_setzero_ps();
-    // Two groups ahead: the weights stream from memory once per step, and each row's latency is what a
-    // pass waits on (the hardware prefetcher alone left it at about half the memory bandwidth).
+    weights::zero(acc);
     for (int b = 0; b < BLOCKS; ++b)
-      for (int64_t line = 0; line < kGroupBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(packed + ((block + b) * groups + g + 2) * kGroupBytes + line),
-                     _MM_HINT_T0);
+      weights::prefetch(packed + ((block + b) * groups + g + 2) * kGroupBytes, kGroupBytes);
     for (int64_t t = 0; t < kGroup / 8; ++t) {
       const int64_t k = g * kGroup + 8 * t;
       __m512i words[BLOCKS];

@@ -45,17 +45,12 @@ void int8_pass(const at::BFloat16* x, int64_t x_stride, int64_t groups, int64_t 
                const Scale* scales, int64_t block, at::BFloat16* y, int64_t y_stride) {
   const int64_t pairs = group / 2, group_bytes = pairs * kPairBytes;
   __m512 total[ROWS][BLOCKS];
-  for (int r = 0; r < ROWS; ++r)
-    for (int b = 0; b < BLOCKS; ++b) total[r][b] = _mm512_setzero_ps();
+  weights::zero(total);
   for (int64_t g = 0; g < groups; ++g) {
     __m512 acc[ROWS][BLOCKS];
-    for (int r = 0; r < ROWS; ++r)
-      for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_setzero_ps();
-    // Two groups ahead, as the int4 product does: the weights stream from memory once per step.
+    weights::zero(acc);
     for (int b = 0; b < BLOCKS; ++b)
-      for (int64_t line = 0; line < group_bytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(packed + ((block + b) * groups + g + 2) * group_bytes + line),
-                     _MM_HINT_T0);
+      weights::prefetch(packed + ((block + b) * groups + g + 2) * group_bytes, group_bytes);
     for (int64_t t = 0; t < pairs; ++t) {
       const int64_t k = g * group + 2 * t;
       __m512bh w[BLOCKS];

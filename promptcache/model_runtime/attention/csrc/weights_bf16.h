@@ -23,6 +23,19 @@ inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+template <int ROWS, int BLOCKS>
+inline void zero(__m512 (&tiles)[ROWS][BLOCKS]) {
+  for (int r = 0; r < ROWS; ++r)
+    for (int b = 0; b < BLOCKS; ++b) tiles[r][b] = _mm512_setzero_ps();
+}
+
+// The `bytes` at p into L1, a cache line at a time: a pass fetches its weights two groups ahead, since they stream
+// from memory once per step and each row's latency is what a pass waits on (the hardware prefetcher alone left the
+// int4 product at about half the memory bandwidth).
+inline void prefetch(const uint8_t* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
+}
+
 // Blocks per pass: enough independent accumulator chains to hide vdpbf16ps latency, few enough that
 // accumulators and totals (2 * ROWS * BLOCKS zmm) stay in registers.
 template <int ROWS>
