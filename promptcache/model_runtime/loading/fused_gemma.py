@@ -146,7 +146,9 @@ def fuse_gemma(model: Any) -> int:
             if isinstance(child, Gemma3Attention):
                 setattr(parent, name, FusedGemmaAttention(child, ops))
             elif isinstance(child, Gemma3MLP):
-                setattr(parent, name, FusedGemmaMLP(child, ops.gelu_mul if isinstance(ops, Bf16GemmaOps) else None))
+                # the kernel takes gate|up rows in 32s (two halves of 16 fp32 lanes each)
+                one_pass = isinstance(ops, Bf16GemmaOps) and child.intermediate_size % 16 == 0
+                setattr(parent, name, FusedGemmaMLP(child, ops.gelu_mul if one_pass else None))
             elif isinstance(child, Gemma3RMSNorm):
                 setattr(parent, name, FusedGemmaRMSNorm(child, ops))
             else:
