@@ -35,59 +35,50 @@ constexpr int64_t kGroupBytes = kOctetBytes * kGroup / 8;
 constexpr float kOffset = 128.0f;   // the expanded nibble is 128 + q
 constexpr int kMaxRows = 8;         // rows per pass, in registers
 
-// One pass over `blocks` adjacent blocks of 16 output channels (first at `block`) for ROWS rows.
-template <int ROWS, int BLOCKS, typename Scale>
+// One pass over the block of 16 output channels `block` for ROWS rows.
+template <int ROWS, typename Scale>
 void int4_pass(const at::BFloat16* x, int64_t x_stride, const float* row_sums, int64_t groups,
                const uint8_t* packed, const Scale* scales, const Scale* minimums, int64_t block,
                at::BFloat16* y, int64_t y_stride) {
   const __m512i low_mask = _mm512_set1_epi16(0x000F);
   const __m512i exponent = _mm512_set1_epi16(0x4300);  // bf16 128.0
-  __m512 total[ROWS][BLOCKS];
+  const uint8_t* block_weights = packed + block * groups * kGroupBytes;
+  __m512 total[ROWS];
   weights::zero(total);
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 acc[ROWS][BLOCKS];
+    __m512 acc[ROWS];
     weights::zero(acc);
-    for (int b = 0; b < BLOCKS; ++b)
-      weights::prefetch(packed + ((block + b) * groups + g + 2) * kGroupBytes, kGroupBytes);
+    weights::prefetch(block_weights + (g + 2) * kGroupBytes, kGroupBytes);
     for (int64_t t = 0; t < kGroup / 8; ++t) {
       const int64_t k = g * kGroup + 8 * t;
-      __m512i words[BLOCKS];
-      for (int b = 0; b < BLOCKS; ++b)
-        words[b] = _mm512_loadu_si512(packed + ((block + b) * groups + g) * kGroupBytes + t * kOctetBytes);
+      const __m512i words = _mm512_loadu_si512(block_weights + g * kGroupBytes + t * kOctetBytes);
       for (int n = 0; n < 4; ++n) {
-        __m512i pairs[BLOCKS];
-        for (int b = 0; b < BLOCKS; ++b)  // ((words >> 4n) & 0xF) | 0x4300: the bf16 values 128 + q
-          pairs[b] = _mm512_ternarylogic_epi32(n == 0 ? words[b] : _mm512_srli_epi16(words[b], 4 * n), low_mask,
-                                               exponent, 0xEA);  // (a & b) | c
-        for (int r = 0; r < ROWS; ++r) {
-          const __m512i xs = x_pair(x + r * x_stride + k + 2 * n);
-          for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xs, (__m512bh)pairs[b]);
-        }
+        // ((words >> 4n) & 0xF) | 0x4300: the bf16 values 128 + q
+        const __m512i pairs = _mm512_ternarylogic_epi32(n == 0 ? words : _mm512_srli_epi16(words, 4 * n), low_mask,
+                                                        exponent, 0xEA);  // (a & b) | c
+        for (int r = 0; r < ROWS; ++r)
+          acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)x_pair(x + r * x_stride + k + 2 * n), (__m512bh)pairs);
       }
     }
-    for (int b = 0; b < BLOCKS; ++b) {
-      const int64_t at = ((block + b) * groups + g) * kBlock;
-      const __m512 scale = load16(scales + at);
-      const __m512 minimum = _mm512_fnmadd_ps(_mm512_set1_ps(kOffset), scale, load16(minimums + at));  // m - 128 s
-      for (int r = 0; r < ROWS; ++r) {
-        total[r][b] = _mm512_fmadd_ps(acc[r][b], scale, total[r][b]);
-        total[r][b] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(row_sums[r * groups + g]), total[r][b]);
-      }
+    const int64_t at = (block * groups + g) * kBlock;
+    const __m512 scale = load16(scales + at);
+    const __m512 minimum = _mm512_fnmadd_ps(_mm512_set1_ps(kOffset), scale, load16(minimums + at));  // m - 128 s
+    for (int r = 0; r < ROWS; ++r) {
+      total[r] = _mm512_fmadd_ps(acc[r], scale, total[r]);
+      total[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(row_sums[r * groups + g]), total[r]);
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int b = 0; b < BLOCKS; ++b)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * y_stride + (block + b) * kBlock),
-                          (__m256i)_mm512_cvtneps_pbh(total[r][b]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * y_stride + block * kBlock),
+                        (__m256i)_mm512_cvtneps_pbh(total[r]));
 }
 
 template <int ROWS, typename Scale>
 void int4_rows(const at::BFloat16* x, int64_t x_stride, const float* row_sums, int64_t groups,
                const uint8_t* packed, const Scale* scales, const Scale* minimums, int64_t num_blocks,
                at::BFloat16* y, int64_t y_stride) {
-  weights::over_blocks<ROWS>(num_blocks, [&](auto blocks, int64_t block) {
-    int4_pass<ROWS, decltype(blocks)::value, Scale>(x, x_stride, row_sums, groups, packed, scales, minimums, block, y,
-                                                    y_stride);
+  weights::over_blocks(num_blocks, [&](int64_t block) {
+    int4_pass<ROWS, Scale>(x, x_stride, row_sums, groups, packed, scales, minimums, block, y, y_stride);
   });
 }
 

@@ -38,44 +38,36 @@ inline __m512 to_fp32(const uint8_t* p) {
 // 32 int8 values -> 32 bf16 words in the same order (exact: |q| <= 128)
 inline __m512bh widen(const uint8_t* p) { return _mm512_cvtne2ps_pbh(to_fp32(p + 16), to_fp32(p)); }
 
-// One pass over `blocks` adjacent blocks of 16 output channels (first at `block`) for ROWS rows; `group`: inputs
-// per scale.
-template <int ROWS, int BLOCKS, typename Scale>
+// One pass over the block of 16 output channels `block` for ROWS rows; `group`: inputs per scale.
+template <int ROWS, typename Scale>
 void int8_pass(const at::BFloat16* x, int64_t x_stride, int64_t groups, int64_t group, const uint8_t* packed,
                const Scale* scales, int64_t block, at::BFloat16* y, int64_t y_stride) {
   const int64_t pairs = group / 2, group_bytes = pairs * kPairBytes;
-  __m512 total[ROWS][BLOCKS];
+  const uint8_t* block_weights = packed + block * groups * group_bytes;
+  __m512 total[ROWS];
   weights::zero(total);
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 acc[ROWS][BLOCKS];
+    __m512 acc[ROWS];
     weights::zero(acc);
-    for (int b = 0; b < BLOCKS; ++b)
-      weights::prefetch(packed + ((block + b) * groups + g + 2) * group_bytes, group_bytes);
+    weights::prefetch(block_weights + (g + 2) * group_bytes, group_bytes);
     for (int64_t t = 0; t < pairs; ++t) {
       const int64_t k = g * group + 2 * t;
-      __m512bh w[BLOCKS];
-      for (int b = 0; b < BLOCKS; ++b) w[b] = widen(packed + ((block + b) * groups + g) * group_bytes + t * kPairBytes);
-      for (int r = 0; r < ROWS; ++r) {
-        const __m512bh xs = (__m512bh)x_pair(x + r * x_stride + k);
-        for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xs, w[b]);
-      }
+      const __m512bh w = widen(block_weights + g * group_bytes + t * kPairBytes);
+      for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)x_pair(x + r * x_stride + k), w);
     }
-    for (int b = 0; b < BLOCKS; ++b) {
-      const __m512 scale = load16(scales + ((block + b) * groups + g) * kBlock);
-      for (int r = 0; r < ROWS; ++r) total[r][b] = _mm512_fmadd_ps(acc[r][b], scale, total[r][b]);
-    }
+    const __m512 scale = load16(scales + (block * groups + g) * kBlock);
+    for (int r = 0; r < ROWS; ++r) total[r] = _mm512_fmadd_ps(acc[r], scale, total[r]);
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int b = 0; b < BLOCKS; ++b)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * y_stride + (block + b) * kBlock),
-                          (__m256i)_mm512_cvtneps_pbh(total[r][b]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * y_stride + block * kBlock),
+                        (__m256i)_mm512_cvtneps_pbh(total[r]));
 }
 
 template <int ROWS, typename Scale>
 void int8_rows(const at::BFloat16* x, int64_t x_stride, int64_t groups, int64_t group, const uint8_t* packed,
                const Scale* scales, int64_t num_blocks, at::BFloat16* y, int64_t y_stride) {
-  weights::over_blocks<ROWS>(num_blocks, [&](auto blocks, int64_t block) {
-    int8_pass<ROWS, decltype(blocks)::value, Scale>(x, x_stride, groups, group, packed, scales, block, y, y_stride);
+  weights::over_blocks(num_blocks, [&](int64_t block) {
+    int8_pass<ROWS, Scale>(x, x_stride, groups, group, packed, scales, block, y, y_stride);
   });
 }
 
