@@ -39,6 +39,27 @@ def test_a_group_is_the_concatenation_of_its_blocks_and_is_kept():
     assert single is blocks[KVView("b1")].keys and len(groups) == 1  # one block: its own tensor
 
 
+def test_a_groups_positions_are_its_blocks_moved_by_their_shifts_and_kept_with_it():
+    blocks = _blocks(3, 5, 2)
+    blocks = {KVView(n.key, shift=shift): b for (n, b), shift in zip(blocks.items(), (0, 7, -2))}
+    names = tuple(blocks)
+    expected = torch.cat([torch.arange(3), torch.arange(5) + 7, torch.arange(2) - 2])
+    groups = AssembledGroups(max_bytes=1 << 20, shifter=_NoShift())
+    assert torch.equal(groups.positions(names, blocks), expected)  # no group yet: computed, not kept
+    groups.get(names, blocks)
+    first = groups.positions(names, blocks)
+    assert torch.equal(first, expected) and groups.positions(names, blocks) is first  # kept with the group
+    one = (names[1],)
+    assert torch.equal(groups.positions(one, blocks), torch.arange(5) + 7)
+
+
+class _NoShift:
+    """A stand-in KeyShifter: copies keys unmoved (this test reads positions, not keys)."""
+
+    def shift_into(self, target: torch.Tensor, keys: torch.Tensor, shifts: torch.Tensor) -> None:
+        target.copy_(keys)
+
+
 def test_whole_blocks_are_split_from_views():
     a5, a03, b, c = KVView("a", 0, 5), KVView("a", 0, 3), KVView("b"), KVView("c")
     assert AssembledGroups.split([c, a5, b]) == [(b, c), (a5,)]

@@ -246,7 +246,7 @@ class ModelRunner:
             for index, (entry, keys) in enumerate(zip(entries, self._sequence_keys(entries))):
                 for kv, (shared_keys, shared_values, first) in zip(entry.seq.shared, keys[0]):
                     segments.append((shared_keys, shared_values, (index,), (first,)))
-                    positions.append(_positions((kv.view,), {kv.view: kv.block}))
+                    positions.append(self.groups.positions((kv.view,), {kv.view: kv.block}))
         return WindowedPass(self.loaded.layer_windows, [torch.tensor(p, dtype=torch.long) for p in fed],
                             [torch.tensor(p, dtype=torch.long) for p in own], segments, positions,
                             per_row=self.loaded.deterministic)
@@ -278,7 +278,7 @@ class ModelRunner:
             for part in self.groups.split(views):
                 segments.append((*self.groups.get(part, blocks), indices, offsets))
                 if positions is not None:
-                    positions.append(_positions(part, blocks))
+                    positions.append(self.groups.positions(part, blocks))
         self.groups.trim()
         return segments
 
@@ -289,8 +289,3 @@ def _takes_argmax(entry: ScheduledSeq) -> bool:
     seq = entry.seq
     return seq.status == SeqStatus.DECODE and seq.sampler is not None and seq.sampler.takes_argmax
 
-
-def _positions(views: tuple[KVView, ...], blocks) -> torch.Tensor:
-    """Positions [sum n] (host, int64) of the keys AssembledGroups.get concatenates for `views`: each block's own
-    positions moved by its view's shift."""
-    return torch.cat([blocks[view].position_ids.cpu() + view.shift for view in views])
