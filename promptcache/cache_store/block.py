@@ -1,32 +1,31 @@
-"""KVBlock: the cached attention states of one token run, all layers; the keys naming them; their binary format.
-A key is SHA-256 over everything that determines a link's KV (a module segment after its encoding context, or a
-prefix block after its parent link, which goes in as `context_digest`: a key covers the whole chain before it).
-A serialized block (little endian): magic "PCKV" | u16 version | u8 dtype code | u8 reserved | 64-byte key (ascii
-hex, zero-padded) | 4 x u32 shape (layers, kv_heads, tokens, head_dim) | u64 payload length | 32-byte checksum |
-payload = position ids (int64) + keys + values. The checksum detects damage (authenticity is signing.py's job):
-version 2 writes XXH3-128 (~10 GB/s; version 1's blake2b-256, still read, was most of a shared read)."""
+"""KVBlock: the cached attention states of one token run, all layers; the keys naming them (block_format.py: their
+binary format). A key is SHA-256 over everything that determines a link's KV (a module segment after its encoding
+context, or a prefix block after its parent link, which goes in as `context_digest`: a key covers the whole chain
+before it)."""
 
 from __future__ import annotations
 
 import hashlib
-import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
-from promptcache.cache_store.errors import BlockMismatchError, CorruptBlockError
+from promptcache.cache_store.errors import BlockMismatchError
+from promptcache.cache_store.layer_reach import LayerReach
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class KVBlock:
-    """Post-RoPE keys and values of `num_tokens` tokens for every layer, and their position ids."""
+    """Post-RoPE keys and values of `num_tokens` tokens for every layer, and their position ids. `present`: a block
+    read in part (a ranged fetch for sliding-window layers) holds per layer only the tokens from its first token on,
+    the rest zeros; None: all of it. Only a request the part covers may use it, and it is never written back."""
 
     keys: torch.Tensor          # [num_layers, num_kv_heads, num_tokens, head_dim]
     values: torch.Tensor        # [num_layers, num_kv_heads, num_tokens, head_dim]
     position_ids: torch.Tensor  # [num_tokens] int64
+    present: LayerReach | None = None
 
     def __post_init__(self) -> None:
         if self.keys.dim() != 4 or self.keys.shape != self.values.shape:
@@ -38,6 +37,13 @@ class KVBlock:
                 or self.position_ids.numel() != self.keys.shape[2]:
             raise BlockMismatchError(f"position_ids must be int64 [{self.keys.shape[2]}], got "
                                      f"{self.position_ids.dtype} {tuple(self.position_ids.shape)}")
+        if self.present is not None and len(self.present.first_tokens) != self.keys.shape[0]:
+            raise BlockMismatchError(f"a part present on {len(self.present.first_tokens)} layers of a "
+                                     f"{self.keys.shape[0]}-layer block")
+
+    def serves(self, reach: LayerReach | None) -> bool:
+        """True if this block holds every token a request reading `reach` (None: all of it) reads."""
+        return self.present is None or self.present.covers(reach)
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +53,15 @@ class KVBlock:
     def nbytes(self) -> int:
         return (self.keys.numel() * self.keys.element_size() * 2
                 + self.position_ids.numel() * self.position_ids.element_size())
+
+    @property
+    def held_nbytes(self) -> int:
+        """The bytes this block holds: `nbytes` less the KV a part read left out."""
+        if self.present is None:
+            return self.nbytes
+        layers, tokens = self.keys.shape[0], self.keys.shape[2]
+        kv = self.keys.numel() * self.keys.element_size() * 2
+        return self.nbytes - kv + kv * self.present.num_read(tokens) // max(1, layers * tokens)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -62,14 +77,14 @@ class KVBlock:
         if torch.device(device) == self.keys.device and not pin_memory:
             return self
         if not pin_memory:
-            return KVBlock(self.keys.to(device), self.values.to(device), self.position_ids.to("cpu"))
+            return KVBlock(self.keys.to(device), self.values.to(device), self.position_ids.to("cpu"), self.present)
         keys, values = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                         for t in (self.keys, self.values))
         if self.keys.is_cuda:  # the host reads these (serialization, later copies): wait for the copies
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event() unannotated
             done.record(torch.cuda.current_stream(self.keys.device))
             done.synchronize()
-        return KVBlock(keys, values, self.position_ids.to("cpu"))
+        return KVBlock(keys, values, self.position_ids.to("cpu"), self.present)
 
 
 KEY_VERSION = b"promptcache-kv-key-v1"
@@ -109,65 +124,3 @@ def owned_salt(owner: str, salt: str | None) -> str:
     """A salt that scopes keys to `owner` (a tenant), with `salt` subdividing inside it; no salt without the mark
     equals one with it. Only keys are made from it: whoever stores the KV is told its owner too (byte shares)."""
     return f"{OWNER_MARK}{owner}\x00{'' if salt is None else '+' + salt}"
-
-
-MAGIC = b"PCKV"
-VERSION = 2
-_CHECKSUMS = {  # version -> digest of the payload, as stored in the 32-byte field
-    1: lambda payload: hashlib.blake2b(payload, digest_size=32).digest(),
-    2: lambda payload: xxhash.xxh3_128(payload).digest().ljust(32, b"\0"),
-}
-_HEADER = struct.Struct("<4sHBB64s4IQ32s")
-HEADER_BYTES = _HEADER.size
-_DTYPES = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}
-_CODES = {dtype: code for code, dtype in _DTYPES.items()}
-
-
-def dumps(block: KVBlock, key: str = "") -> bytes:
-    """Serialize `block` (stored under `key`)."""
-    if block.dtype not in _CODES:
-        raise BlockMismatchError(f"cannot serialize dtype {block.dtype}; supported: {list(_CODES)}")
-    payload = b"".join(map(_raw, (block.position_ids.to(torch.int64), block.keys, block.values)))
-    return _HEADER.pack(MAGIC, VERSION, _CODES[block.dtype], 0, key.encode("ascii").ljust(64, b"\0"),
-                        *block.keys.shape, len(payload), _CHECKSUMS[VERSION](payload)) + payload
-
-
-def loads(data: bytes | bytearray | memoryview, *, expect_key: str | None = None) -> KVBlock:
-    """Parse and verify a blob; CorruptBlockError if damaged, BlockMismatchError if it is another key's."""
-    if len(data) < _HEADER.size:
-        raise CorruptBlockError(f"blob of {len(data)} bytes is shorter than the {_HEADER.size}-byte header")
-    magic, version, code, _, key, layers, heads, tokens, dim, length, digest = _HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise CorruptBlockError(f"bad magic {magic!r}")
-    if version not in _CHECKSUMS:
-        raise CorruptBlockError(f"unsupported format version {version} (this build reads {sorted(_CHECKSUMS)})")
-    if code not in _DTYPES:
-        raise CorruptBlockError(f"unknown dtype code {code}")
-    payload = memoryview(data)[_HEADER.size:]
-    if len(payload) != length:
-        raise CorruptBlockError(f"payload is {len(payload)} bytes, header says {length}")
-    if _CHECKSUMS[version](payload) != digest:
-        raise CorruptBlockError("checksum mismatch")
-    stored_key = key.rstrip(b"\0").decode("ascii")
-    if expect_key is not None and stored_key != expect_key:
-        raise BlockMismatchError(f"blob belongs to key {stored_key[:12]}..., not {expect_key[:12]}...")
-    dtype, shape = _DTYPES[code], (layers, heads, tokens, dim)
-    n_pos, n_kv = tokens * 8, math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if n_pos + 2 * n_kv != length:
-        raise CorruptBlockError("shape does not match payload length")
-    buffer = bytearray(payload)  # one copy, writable, so tensors can own it
-    return KVBlock(_tensor(buffer, dtype, shape, n_pos), _tensor(buffer, dtype, shape, n_pos + n_kv),
-                   _tensor(buffer, torch.int64, (tokens,), 0))
-
-
-def _raw(tensor: torch.Tensor) -> bytes:
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: move the raw 16-bit words
-        flat = flat.view(torch.int16)
-    return flat.numpy().tobytes()
-
-
-def _tensor(buffer: bytearray, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
-    if (count := math.prod(shape)) == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)

@@ -1,7 +1,8 @@
 """A shared tier on local disk: one file per block (same format as Redis), LRU per kind by access time.
 `<key>.kv` holds a "module" entry, `<key>.pkv` a "prefix" one (eviction ranks files from a listing alone). A
 file with a TTL starts with `PCEX` and its expiry (wall-clock seconds, f64). A file that fails verification
-is a miss, never marked as used, and is removed unless a write replaced it meanwhile (writes rename whole files)."""
+is a miss, never marked as used, and is removed unless a write replaced it meanwhile (writes rename whole files).
+A lookup for part of a block (`reach`, a sliding window's) reads the file's head and then only that part."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import struct
 import threading
 import time
 from pathlib import Path
+from typing import BinaryIO
 
-from promptcache.cache_store.block import HEADER_BYTES, KVBlock, dumps, loads
+from promptcache.cache_store.block import KVBlock
+from promptcache.cache_store.block_format import HEADER_BYTES, Ranges, dumps, loads, read_part
 from promptcache.cache_store.errors import CacheStoreError, logger
+from promptcache.cache_store.layer_reach import LayerReach
 from promptcache.cache_store.tier import BlockKind, Eviction, Tier, TierHit, TierUsage
 from promptcache.cache_store.verified_heads import VerifiedHeads, fingerprint
 
@@ -36,18 +40,24 @@ class DiskTier(Tier):
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._heads = VerifiedHeads()
+        self.bytes_read = 0  # of block files, whole or in part (what fetches cost)
 
     def _path(self, key: str, kind: BlockKind = "module") -> Path:
         if not key.isalnum():
             raise CacheStoreError(f"disk tier keys must be alphanumeric, got {key!r}")
         return self.directory / f"{key}{_SUFFIXES[kind]}"
 
-    def lookup(self, key: str) -> TierHit | None:
+    def lookup(self, key: str, reach: LayerReach | None = None) -> TierHit | None:
         for kind in ("module", "prefix"):
             path = self._path(key, kind)
             try:
                 with path.open("rb") as file:
-                    stat, data = os.fstat(file.fileno()), file.read()
+                    stat = os.fstat(file.fileno())
+                    if reach is not None and not reach.is_whole and (part := self._read_part(key, file, reach)):
+                        _touch(path)
+                        return TierHit(part[0], kind, part[1])
+                    data = file.read()
+                    self.bytes_read += len(data)
             except OSError:
                 continue
             hit = self._verify(key, kind, path, stat, data)
@@ -55,6 +65,28 @@ class DiskTier(Tier):
                 _touch(path)  # only a verified file counts as used
             return hit
         return None
+
+    def _read_part(self, key: str, file: BinaryIO, reach: LayerReach) -> tuple[KVBlock, float | None] | None:
+        """(the part of the file's block `reach` reads, its TTL), or None: expired, an older format or failing
+        verification, for the whole read to judge (and drop)."""
+        fd = file.fileno()
+
+        def read(ranges: Ranges) -> list[bytes]:
+            pieces = [os.pread(fd, stop - start, start) for start, stop in ranges]
+            self.bytes_read += sum(map(len, pieces))
+            return pieces
+
+        expiry = os.pread(fd, _EXPIRY.size, 0)
+        base, ttl_s = 0, None
+        if expiry[:4] == _EXPIRY_MAGIC and len(expiry) == _EXPIRY.size:
+            base, ttl_s = _EXPIRY.size, _EXPIRY.unpack(expiry)[1] - time.time()
+            if ttl_s <= 0:
+                return None
+        try:
+            block = read_part(read, reach, expect_key=key, base=base)
+        except CacheStoreError:
+            return None
+        return None if block is None else (block, ttl_s)
 
     def _verify(self, key: str, kind: BlockKind, path: Path, stat: os.stat_result, data: bytes) -> TierHit | None:
         """The entry in `data` (the file at `path`, whose stat is `stat`), or None: expired or failed

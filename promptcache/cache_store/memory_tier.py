@@ -12,6 +12,7 @@ import torch
 
 from promptcache.cache_store.block import KVBlock
 from promptcache.cache_store.errors import CapacityError
+from promptcache.cache_store.layer_reach import LayerReach
 from promptcache.cache_store.tier import BLOCK_KINDS, BlockKind, Eviction, OwnerShares, Tier, TierHit, TierUsage
 
 
@@ -52,12 +53,20 @@ class MemoryTier(Tier):
         self._used = self._evictable_bytes = self._prefix_bytes = 0
         self._lock = threading.Lock()
 
-    def lookup(self, key: str) -> TierHit | None:
+    def lookup(self, key: str, reach: LayerReach | None = None) -> TierHit | None:
         with self._lock:
-            if (entry := self._touch(key)) is None:
+            entry = self._live(key)
+            if entry is None or not entry.block.serves(reach):  # a part read for another request: a miss here
                 return None
+            self._touch(key)
             ttl = None if entry.expires_at is None else entry.expires_at - self._clock()
             return TierHit(entry.block, entry.kind, ttl, entry.owner)
+
+    def get(self, key: str) -> KVBlock | None:
+        """The block under `key`, whole or a part (KVBlock.present); refreshes LRU."""
+        with self._lock:
+            entry = self._touch(key)
+            return None if entry is None else entry.block
 
     def touch(self, key: str) -> None:
         with self._lock:
@@ -79,6 +88,9 @@ class MemoryTier(Tier):
 
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
             kind: BlockKind = "module", owner: str | None = None) -> list[Eviction]:
+        with self._lock:  # a part never replaces an entry that holds it already (the whole block, or more of it)
+            if block.present is not None and (held := self._live(key)) is not None and held.block.serves(block.present):
+                return []
         block = block.to(self.device, pin_memory=self.pin_memory)
         nbytes = block.nbytes
         with self._lock:

@@ -6,7 +6,8 @@ eviction (lowest first) takes "prefix" entries first, each kind in LRU order, an
 evicts that owner's own entries first. A write makes room before it writes, and shrinks the tier when Redis
 itself is full (redis_scripts.py). A read verifies the blob (HMAC tag, checksum, key, decoding) before a
 script marks it used if it is still the value verified; a failing value is deleted only if it is still the bytes
-read. `contains` counts only verified values (verified_heads.py)."""
+read. `contains` counts only verified values (verified_heads.py). A lookup for part of a block (`reach`, a sliding
+window's) reads its head, then only that part, in two round trips, and checks what it read (block_format.py)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,20 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from promptcache.cache_store.block import KVBlock, dumps, loads
+from promptcache.cache_store.block import KVBlock
+from promptcache.cache_store.block_format import HEADER_BYTES, Layout, Ranges, dumps, loads, read_part
 from promptcache.cache_store.errors import CacheStoreError, logger
+from promptcache.cache_store.layer_reach import LayerReach
 from promptcache.cache_store.redis_scripts import DELETE, DROP_IF_UNCHANGED, MODULE_SCORE_OFFSET, PUT, TOUCH
-from promptcache.cache_store.signing import BlobSigner
+from promptcache.cache_store.signing import HEAD_SEAL_BYTES, BlobSigner
 from promptcache.cache_store.tier import BlockKind, Eviction, OwnerShares, Tier, TierHit, TierUsage
 from promptcache.cache_store.verified_heads import HEAD_BYTES, VerifiedHeads, fingerprint
 
 T = TypeVar("T")
+
+
+class _ReadWhole(Exception):
+    """A part read that could not be made: the value is read whole."""
 
 
 def redacted(url: str) -> str:
@@ -99,6 +106,7 @@ class RedisTier(Tier):
         self._put, self._touch, self._delete, self._drop_if_unchanged = (
             self.client.register_script(script) for script in (PUT, TOUCH, DELETE, DROP_IF_UNCHANGED))
         self.heads = VerifiedHeads()
+        self.bytes_read = 0  # of KV values, whole or in part (what fetches cost)
         self._lru, self._sizes, self._pins, self._total, self._prefix_total, self._seq = (
             self.prefix + s for s in ("lru", "size", "pins", "bytes", "prefix_bytes", "seq"))
         self._owners, self._owner_bytes, self._own_prefix = (self.prefix + s for s in ("owner", "owner_bytes", "lru@"))
@@ -106,7 +114,12 @@ class RedisTier(Tier):
     def _blob_key(self, key: str) -> str:
         return f"{self.prefix}kv:{key}"
 
-    def lookup(self, key: str) -> TierHit | None:
+    def lookup(self, key: str, reach: LayerReach | None = None) -> TierHit | None:
+        if reach is not None and not reach.is_whole:
+            try:
+                return self.guard.call(lambda: self._lookup_part(key, reach), None)
+            except _ReadWhole:
+                pass
         blob_key = self._blob_key(key)
 
         def read(pipe: Any) -> None:  # kind, TTL, owner and blob of one state
@@ -119,22 +132,71 @@ class RedisTier(Tier):
         if reply is None or reply[3] is None:
             return None
         score, ttl_ms, owner, sealed = reply
+        self.bytes_read += len(sealed)
         block = self._verify(key, sealed)
         if block is None:
             return None
-        # Marked as used only now, and only if the value is still the one verified.
-        self.guard.call(lambda: self._touch(keys=[blob_key, self._lru, self._seq, self._owners],
-                                            args=[key, self._own_prefix, len(sealed), sealed[:HEAD_BYTES]]), None)
+        return self._hit(key, block, score, ttl_ms, owner, len(sealed), sealed[:HEAD_BYTES])
+
+    def _hit(self, key: str, block: KVBlock, score: Any, ttl_ms: int, owner: Any, length: int, head: bytes) -> TierHit:
+        """A verified read's entry, marked as used only now, and only if the value is still the one verified."""
+        self.guard.call(lambda: self._touch(keys=[self._blob_key(key), self._lru, self._seq, self._owners],
+                                            args=[key, self._own_prefix, length, head]), None)
         kind: BlockKind = "prefix" if score is not None and score < MODULE_SCORE_OFFSET else "module"
         owner = owner.decode() if isinstance(owner, bytes) else owner
         return TierHit(block, kind, None if ttl_ms < 0 else ttl_ms / 1000, owner or None)
 
+    def _lookup_part(self, key: str, reach: LayerReach) -> TierHit | None:
+        """The part of `key`'s block that `reach` reads, or None (absent). Raises _ReadWhole when it cannot be read
+        in part (an older format, a value that fails or changes under the read): the caller reads it whole, which
+        verifies it in full and drops a damaged value."""
+        blob_key, seal = self._blob_key(key), HEAD_SEAL_BYTES if self.signer.enabled else 0
+
+        def first(pipe: Any) -> None:
+            pipe.zscore(self._lru, key)
+            pipe.pttl(blob_key)
+            pipe.hget(self._owners, key)
+            pipe.strlen(blob_key)
+            pipe.getrange(blob_key, 0, max(HEAD_BYTES, seal + HEADER_BYTES) - 1)
+
+        score, ttl_ms, owner, length, head = self._read(first)
+        if not length:
+            return None
+
+        def read(ranges: Ranges) -> list[bytes]:
+            if ranges == [(seal, seal + HEADER_BYTES)]:
+                return [head[seal: seal + HEADER_BYTES]]
+
+            def queue(pipe: Any) -> None:  # one state: the head read again with the ranges must be the same
+                for start, stop in ranges:
+                    pipe.getrange(blob_key, start, stop - 1)
+                pipe.getrange(blob_key, 0, len(head) - 1)
+
+            *pieces, again = self._read(queue)
+            if again != head:
+                raise CacheStoreError("the value changed between its head and its part")
+            self.bytes_read += sum(map(len, pieces))
+            return pieces
+
+        def authentic(head_and_table: bytes) -> bool:
+            return self.signer.check_head(blob_key, head[:seal], head_and_table)
+
+        try:
+            block = read_part(read, reach, expect_key=key, base=seal, secure=self.signer.enabled,
+                              check_head=authentic if self.signer.enabled else None)
+        except CacheStoreError as exc:
+            raise _ReadWhole from exc
+        self.bytes_read += len(head)
+        if block is None:
+            raise _ReadWhole
+        return self._hit(key, block, score, ttl_ms, owner, length, head[:HEAD_BYTES])
+
     def _verify(self, key: str, sealed: bytes) -> KVBlock | None:
         """The block in `sealed` (just read for `key`), or None: it failed verification (logged) and is
         deleted unless a write replaced it meanwhile."""
-        data = self.signer.open(self._blob_key(key), sealed)  # None: no valid tag (logged)
+        opened = self.signer.open_block(self._blob_key(key), sealed)  # None: no valid tag (logged)
         try:
-            block = None if data is None else loads(data, expect_key=key)
+            block = None if opened is None else loads(opened[0], expect_key=key, secure=opened[1])
         except CacheStoreError as exc:
             logger.warning("dropping corrupted KV block %s from Redis: %s", key[:12], exc)
             block = None
@@ -165,7 +227,8 @@ class RedisTier(Tier):
 
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
             kind: BlockKind = "module", owner: str | None = None) -> list[Eviction]:
-        blob = self.signer.seal(self._blob_key(key), dumps(block, key))
+        value = dumps(block, key, secure=self.signer.enabled)
+        blob = self.signer.seal_head(self._blob_key(key), value, Layout.parse(value).head_bytes)
         limit = self.shares.limit(owner, self.max_bytes)
         if len(blob) > (self.max_bytes if limit is None else limit):
             return []

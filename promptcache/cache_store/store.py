@@ -13,6 +13,7 @@ from typing import TypeVar
 from promptcache.cache_store.block import KVBlock
 from promptcache.cache_store.errors import CapacityError, logger
 from promptcache.cache_store.fetch_policy import FetchPolicy
+from promptcache.cache_store.layer_reach import LayerReach
 from promptcache.cache_store.tier import BLOCK_KINDS, BlockKind, Eviction, Tier
 from promptcache.cache_store.write_behind import WriteBehind
 
@@ -80,24 +81,26 @@ class TieredStore:
         self._writer = WriteBehind(write_behind_max_bytes)
         self._held: dict[str, list[tuple[Tier, ...]]] = {}  # key -> tiers of each outstanding acquire
 
-    def get(self, key: str, *, num_tokens: int | None = None, nbytes: int | None = None,
-            promote: bool = True) -> tuple[KVBlock, str] | None:
+    def get(self, key: str, *, num_tokens: int | None = None, nbytes: int | None = None, promote: bool = True,
+            reach: LayerReach | None = None) -> tuple[KVBlock, str] | None:
         """The block and the name of its tier. `num_tokens`/`nbytes` let the fetch policy skip a shared tier
-        slower than recomputing; `promote=False` copies no hit into faster tiers (see `put`'s `local`)."""
+        slower than recomputing; `promote=False` copies no hit into faster tiers (see `put`'s `local`). `reach`: what
+        the caller reads of the block (None: all of it): a shared tier fetches only that (KVBlock.present); such a
+        part is promoted for requests it covers, never written back to a shared tier."""
         with self._lock:
             self._num_gets += 1
         for index, tier in enumerate(self.tiers):
             counters = self._counters[tier.name]
             if not tier.is_shared:
                 with self._lock:
-                    hit = tier.lookup(key)
+                    hit = tier.lookup(key, reach)
             elif nbytes is not None and not self.policy.worth_fetching(tier.name, nbytes, num_tokens):
                 hit = None
             else:
                 started = time.perf_counter()
-                hit = _shared_call(tier, "read", functools.partial(tier.lookup, key), None)  # I/O: outside the lock
+                hit = _shared_call(tier, "read", functools.partial(tier.lookup, key, reach), None)  # I/O: no lock
                 if hit is not None:
-                    self.policy.record_fetch(tier.name, hit.block.nbytes, time.perf_counter() - started)
+                    self.policy.record_fetch(tier.name, hit.block.held_nbytes, time.perf_counter() - started)
             with self._lock:
                 if hit is None:
                     counters.misses += 1
@@ -118,6 +121,8 @@ class TieredStore:
         encoding an uploaded schema) goes to the shared tiers only, unless there are none."""
         if kind not in BLOCK_KINDS:
             raise ValueError(f"block kind must be one of {BLOCK_KINDS}, got {kind!r}")
+        if block.present is not None:
+            raise ValueError("a block read in part is not stored: it lacks KV other requests read")
         local = local or not self._shared
         with self._lock:
             self._num_puts += 1
@@ -153,10 +158,11 @@ class TieredStore:
         counters, below = self._counters[self.tiers[position].name], position + 1
         for victim in evicted:
             key, block, kind, ttl_s, owner = victim.key, victim.block, victim.kind, victim.ttl_s, victim.owner
+            demoted = below < len(self.tiers) and block.present is None  # a part is dropped: it came from below
             with self._lock:
                 counters.evictions += 1
-                counters.demotions += below < len(self.tiers)
-            if below >= len(self.tiers):
+                counters.demotions += demoted
+            if not demoted:
                 continue
             if below < self._num_local:
                 self._place(below, key, block, kind=kind, ttl_s=ttl_s, owner=owner)

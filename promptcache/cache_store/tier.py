@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Literal, NamedTuple, get_args
 
 from promptcache.cache_store.block import KVBlock
+from promptcache.cache_store.layer_reach import LayerReach
 
 BlockKind = Literal["module", "prefix"]
 """A module's KV ("module"), or a cache of work done for requests ("prefix": a prefix block, or a module's second
@@ -67,8 +68,10 @@ class Tier(ABC):
     is_shared: bool = False
 
     @abstractmethod
-    def lookup(self, key: str) -> TierHit | None:
-        """The entry under `key` with its kind, remaining TTL and owner (refreshes LRU); None if absent."""
+    def lookup(self, key: str, reach: LayerReach | None = None) -> TierHit | None:
+        """The entry under `key` with its kind, remaining TTL and owner (refreshes LRU); None if absent. `reach`: what
+        of the block the caller reads (None: all); a shared tier may fetch only that part (KVBlock.present says what
+        it holds), an in-process tier serves an entry only if it holds that part."""
 
     def get(self, key: str) -> KVBlock | None:
         """The block under `key` (refreshes LRU like `lookup`); None if absent."""

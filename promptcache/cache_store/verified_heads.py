@@ -8,10 +8,10 @@ import hashlib
 import threading
 from collections import OrderedDict
 
-from promptcache.cache_store.block import HEADER_BYTES
-from promptcache.cache_store.signing import SEAL_BYTES
+from promptcache.cache_store.block_format import HEADER_BYTES
+from promptcache.cache_store.signing import HEAD_SEAL_BYTES
 
-HEAD_BYTES = SEAL_BYTES + HEADER_BYTES  # the seal (when signed) and the block header: tag and checksum
+HEAD_BYTES = HEAD_SEAL_BYTES + HEADER_BYTES  # the seal (when signed) and the block header: tag and checksum
 
 
 def fingerprint(length: int, head: bytes) -> bytes:

@@ -11,7 +11,7 @@ from typing import Literal, Protocol, TypedDict
 
 import torch
 
-from promptcache.cache_store import BlockKind, FetchPolicy, KVBlock, Tier, make_kv_key
+from promptcache.cache_store import BlockKind, FetchPolicy, KVBlock, LayerReach, Tier, make_kv_key
 from promptcache.model_runtime.errors import PromptTooLongError
 from promptcache.model_runtime.loading.loader import LoadedModel
 from promptcache.pml import Schema, Segment
@@ -22,8 +22,8 @@ class KVStore(Protocol):
 
     policy: FetchPolicy  # decides whether fetching from a shared tier beats recomputing
 
-    def get(self, key: str, *, num_tokens: int | None = None,
-            nbytes: int | None = None, promote: bool = True) -> tuple[KVBlock, str] | None: ...
+    def get(self, key: str, *, num_tokens: int | None = None, nbytes: int | None = None, promote: bool = True,
+            reach: LayerReach | None = None) -> tuple[KVBlock, str] | None: ...
 
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
             kind: Literal["module", "prefix"] = "module", owner: str | None = None, local: bool = True) -> None: ...
@@ -83,11 +83,16 @@ class ModuleEncoder:
                            tokenizer_fingerprint=loaded.tokenizer_fingerprint, position_ids=segment.position_ids,
                            context_digest=schema.context_digest(context_ids), cache_salt=cache_salt)
 
-    def fetch(self, schema: Schema, segment_id: int, context_ids: Sequence[int],
-              cache_salt: str | None = None) -> tuple[KVBlock, str] | None:
+    def fetch(self, schema: Schema, segment_id: int, context_ids: Sequence[int], cache_salt: str | None = None, *,
+              reach: LayerReach | None = None) -> tuple[KVBlock, str] | None:
         """(KV, tier) of `segment_id` encoded after `context_ids` from the store, or None: no tier holds it,
-        or only one the fetch policy skips (recomputing measured faster). Computes nothing."""
-        return self.store.get(self.key(schema, segment_id, context_ids, cache_salt), **self._cost(schema, segment_id))
+        or only one the fetch policy skips (recomputing measured faster). Computes nothing. `reach`: what of it the
+        request reads (sliding-window layers read its last tokens only), the part a shared tier fetches."""
+        cost = self._cost(schema, segment_id)
+        if reach is not None:  # a part costs its share of the bytes
+            layers, tokens = len(reach.first_tokens), cost["num_tokens"]
+            cost["nbytes"] = cost["nbytes"] * reach.num_read(tokens) // max(1, layers * tokens)
+        return self.store.get(self.key(schema, segment_id, context_ids, cache_salt), reach=reach, **cost)
 
     def plan(self, schema: Schema, segment_id: int, context_ids: Sequence[int], cache_salt: str | None = None, *,
              owner: str | None = None, assume_missing: bool = False, local: bool = True) -> ChainWork | None:

@@ -52,10 +52,17 @@ class RacingSigner(BlobSigner):
         self.meanwhile = meanwhile
 
     def open(self, storage_key: str, sealed: bytes) -> bytes | None:
+        self._run_meanwhile()
+        return super().open(storage_key, sealed)
+
+    def open_block(self, storage_key: str, sealed: bytes) -> tuple[bytes, bool] | None:
+        self._run_meanwhile()
+        return super().open_block(storage_key, sealed)
+
+    def _run_meanwhile(self) -> None:
         if self.meanwhile is not None:
             self.meanwhile, run = None, self.meanwhile
             run()
-        return super().open(storage_key, sealed)
 
 
 def test_after_rotation_every_hot_key_is_served_again_after_one_rewrite(redis_server):

@@ -39,7 +39,15 @@ def test_signed_blob_roundtrips_and_any_alteration_is_a_logged_miss(redis_server
     blob = client.get("promptcache:s:kv:a")
     client.set("promptcache:s:kv:a", blob[:-1] + bytes([blob[-1] ^ 1]))  # one bit of the KV flipped
     with caplog.at_level(logging.WARNING, logger="promptcache.cache_store"):
-        assert tier.get("a") is None
+        assert tier.get("a") is None  # the sealed table's SHA-256 digest of its chunk no longer matches
+    assert "checksum mismatch" in caplog.text
+    tier.put("a", blk(3, 5.0))
+    blob = client.get("promptcache:s:kv:a")
+    table = len(blob) - 3 * 8 - 2 * 2 * 2 * 3 * 8 * 4 - 1  # the last byte of the table (positions, then keys, values)
+    client.set("promptcache:s:kv:a", blob[:table] + bytes([blob[table] ^ 1]) + blob[table + 1:])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="promptcache.cache_store"):
+        assert tier.get("a") is None  # a digest altered to match altered KV: the seal over the table fails
     assert "failed its HMAC check" in caplog.text
 
     client.set("promptcache:s:kv:a", client.get("promptcache:s:kv:b"))  # a valid blob moved to another key

@@ -7,6 +7,7 @@ import struct
 
 import pytest
 import torch
+import xxhash
 
 from promptcache.cache_store import BlockMismatchError, CorruptBlockError, KVBlock, dumps, loads, make_kv_key
 
@@ -62,11 +63,15 @@ def test_blobs_of_the_previous_format_are_still_read_and_checked():
     damaged[-1] ^= 0x01
     with pytest.raises(CorruptBlockError, match="checksum"):
         loads(bytes(damaged))
+    version2 = bytearray(old)  # version 2: the same layout, XXH3-128 of the payload
+    version2[4:6] = struct.pack("<H", 2)
+    version2[96:128] = xxhash.xxh3_128(old[128:]).digest().ljust(32, b"\0")
+    assert torch.equal(loads(bytes(version2), expect_key="v" * 64).keys, original.keys)
     new = dumps(original, "v" * 64)
-    assert struct.unpack_from("<H", new, 4)[0] == 2 and new[128:] == old[128:]  # same payload after the header
+    assert struct.unpack_from("<H", new, 4)[0] == 3 and new.endswith(old[128:])  # the same payload, last
     future = bytearray(new)
-    future[4:6] = struct.pack("<H", 3)
-    with pytest.raises(CorruptBlockError, match="version 3"):
+    future[4:6] = struct.pack("<H", 4)
+    with pytest.raises(CorruptBlockError, match="version 4"):
         loads(bytes(future))
 
 

@@ -66,10 +66,10 @@ def test_a_failure_while_admitting_fails_that_request_only(monkeypatch):
     engine = Engine(runtime.module_encoder, EngineConfig(prefix=None))
     fetch = runtime.module_encoder.fetch
 
-    def broken_fetch(schema, segment_id, context_ids, cache_salt=None):
+    def broken_fetch(schema, segment_id, context_ids, cache_salt=None, *, reach=None):
         if schema.segments[segment_id].owner == "d3":
             raise RuntimeError("disk on fire")
-        return fetch(schema, segment_id, context_ids, cache_salt)
+        return fetch(schema, segment_id, context_ids, cache_salt, reach=reach)
 
     monkeypatch.setattr(runtime.module_encoder, "fetch", broken_fetch)
 

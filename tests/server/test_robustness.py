@@ -246,10 +246,10 @@ def test_poison_requests_among_healthy_streams_fail_alone(live_server, monkeypat
     encoder = server.app.state.service.runtime.model.module_encoder
     fetch = encoder.fetch
 
-    def broken_fetch(schema, segment_id, context_ids, cache_salt=None):
+    def broken_fetch(schema, segment_id, context_ids, cache_salt=None, *, reach=None):
         if schema.segments[segment_id].owner == "d2":
             raise RuntimeError("disk on fire")
-        return fetch(schema, segment_id, context_ids, cache_salt)
+        return fetch(schema, segment_id, context_ids, cache_salt, reach=reach)
 
     monkeypatch.setattr(encoder, "fetch", broken_fetch)
     texts: list[str | None] = [None] * len(healthy)

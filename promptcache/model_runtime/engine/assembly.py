@@ -4,9 +4,10 @@ stream reuses, and the tokens left to compute."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from promptcache.cache_store import KVBlock
+from promptcache.cache_store import KVBlock, LayerReach, window_reach
 from promptcache.model_runtime.engine.prefix import KVView, PrefixReuse
 from promptcache.model_runtime.engine.request import Request, SharedKV
 from promptcache.model_runtime.engine.reuse_plan import CachedUse
@@ -61,24 +62,29 @@ def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> A
     use_tiers: list[str] = []
     missing: list[CachedUse] = []
     module_keys = [module_key(encoder, request, use) for use in reuse.uses]
+    # Sliding-window layers read only what the request's first query (and so any later one) still reaches.
+    first_query = min(reuse.position_ids, default=reuse.next_position)
     for use, key in zip(reuse.uses, module_keys):
         segment = use.cached.segment
         if key in request.computed_kv:
             block, tier = request.computed_kv[key], "computed"
         else:
-            fetched = encoder.fetch(plan.schema, segment.segment_id, use.cached.context_ids, request.cache_salt)
+            reach = _reach(loaded.layer_windows, segment.position_ids, use.first, first_query, use.shift)
+            fetched = encoder.fetch(plan.schema, segment.segment_id, use.cached.context_ids, request.cache_salt,
+                                    reach=reach)
             if fetched is None:
                 missing.append(use)
                 continue
             block, tier = fetched
         block = block.to(device)
+        part = None if block.present is None else block.present.first_tokens
         # A range of the stored block is a distinct tensor; shifted keys move for this request only, when
         # the runner attends them.
-        view = KVView(key, shift=use.shift)
+        view = KVView(key, shift=use.shift, part=part)
         if (use.first, use.last) != (0, block.num_tokens):
             block = KVBlock(block.keys[:, :, use.first: use.last], block.values[:, :, use.first: use.last],
                             block.position_ids[use.first: use.last])
-            view = KVView(key, use.first, use.last, use.shift)
+            view = KVView(key, use.first, use.last, use.shift, part)
         shared.append(SharedKV(view, block, use.visible_from))
         tiers.setdefault(segment.owner, []).append(tier)
         used[segment.owner] = used.get(segment.owner, 0) + use.last - use.first
@@ -113,3 +119,16 @@ def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> A
         request.prompt_tokens = PromptTokens(plan.token_ids())
     request.assembly_ms = (time.perf_counter() - started) * 1e3
     return Assembled(shared, token_ids, positions, reuse.next_position)
+
+
+def _reach(windows: tuple[int | None, ...], position_ids: Sequence[int], first: int, first_query: int,
+           shift: int) -> LayerReach | None:
+    """What a request whose first query is at `first_query` reads of a module block (of which it uses tokens from
+    `first` on, at `position_ids`, moved by `shift`): per sliding-window layer its tail in reach, every token
+    elsewhere; None when it reads all of it."""
+    if not windows:
+        return None
+    reach = window_reach(windows, position_ids, first_query, shift)
+    if reach is None or first == 0:
+        return reach
+    return LayerReach(tuple(max(first, t) for t in reach.first_tokens))  # a range from `first` on: none before it

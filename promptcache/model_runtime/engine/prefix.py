@@ -15,20 +15,22 @@ from promptcache.cache_store import BlockIndex, Match, chain_root
 
 class KVView(NamedTuple):
     """Which KV a shared block is: tokens [first, last) of the block stored under `key` (None: to its end), keys moved
-    by `shift` when attended; a view not whole is a distinct tensor, held under its key."""
+    by `shift` when attended; a view not whole is a distinct tensor, held under its key. `part`: a block fetched in part
+    (KVBlock.present: per layer its first token held), another tensor than the block read whole or in another part."""
 
     key: str
     first: int = 0
     last: int | None = None
     shift: int = 0
+    part: tuple[int, ...] | None = None
 
     @property
     def is_whole(self) -> bool:
         return self.first == 0 and self.last is None and self.shift == 0
 
-    def order(self) -> tuple[str, int, bool, int, int]:
+    def order(self) -> tuple[str, int, bool, int, int, tuple[int, ...]]:
         """A total order of views (for sorting): one to the block's end before any range ending earlier."""
-        return self.key, self.first, self.last is not None, self.last or 0, self.shift
+        return self.key, self.first, self.last is not None, self.last or 0, self.shift, self.part or ()
 
 
 # A run of the stream's KV: (first stream index, keys, values), tensors [L, H_kv, n, D] (views).
