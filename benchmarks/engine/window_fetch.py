@@ -1,11 +1,13 @@
-"""What a sliding-window model's module costs to fetch from a shared tier, whole and in part (only the keys its local
-layers still reach), Gemma 3 270M's shape (18 layers, 1 KV head of 256, bf16; 15 local layers, window 512).
+"""What a sliding-window model's cached KV costs to fetch from a shared tier, whole and in part (only the keys its
+local layers still reach), Gemma 3 270M's shape (18 layers, 1 KV head of 256, bf16; 15 local layers, window 512).
 
     python -m benchmarks.engine.window_fetch --tokens 2048 8192
 
-The part is what a request reads whose question follows the module (its first query at the module's end): every
-token on the 3 global layers, the last 511 (rounded down to a 64-token chunk) on the local ones. Starts its own
-redis-server on a free loopback port; bytes are those the tier read (`bytes_read`), times are medians.
+A module: the part is what a request reads whose question follows it (its first query at the module's end): every
+token on the 3 global layers, the last 511 (rounded down to a 64-token chunk) on the local ones. A prefix chain: the
+same tokens as 32-token prefix blocks, matched by a request that adds 20 tokens (`BlockIndex.match`, with the model's
+windows and without). Starts its own redis-server on a free loopback port; bytes are those the tier read
+(`bytes_read`), times are medians.
 """
 
 from __future__ import annotations
@@ -19,7 +21,16 @@ import torch
 
 from benchmarks.harness import RESULTS, emit, log, median_ms, setup
 from benchmarks.live_server import RedisServer
-from promptcache.cache_store import BlobSigner, DiskTier, KVBlock, RedisTier, window_reach
+from promptcache.cache_store import (
+    BlobSigner,
+    BlockIndex,
+    BlockIndexConfig,
+    DiskTier,
+    KVBlock,
+    RedisTier,
+    TieredStore,
+    window_reach,
+)
 
 LAYERS, KV_HEADS, HEAD_DIM, WINDOW = 18, 1, 256, 512
 WINDOWS = tuple(None if (layer + 1) % 6 == 0 else WINDOW for layer in range(LAYERS))  # Gemma 3's 5 local : 1 global
@@ -62,9 +73,37 @@ def main() -> None:
                       "whole_ms": round(row["whole"][1], 3), "part_ms": round(row["part"][1], 3)}, args.out)
                 log(f"{n} tokens, {name}: whole {row['whole'][0] / 2**20:.1f} MiB {row['whole'][1]:.2f} ms, "
                     f"part {row['part'][0] / 2**20:.1f} MiB {row['part'][1]:.2f} ms")
+            prefix_chain(block, tiers["redis"], args)
     finally:
         server.kill()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def prefix_chain(block: KVBlock, redis: RedisTier, args: argparse.Namespace) -> None:
+    """`block`'s tokens as a chain of 32-token prefix blocks in `redis`, matched whole and in part."""
+    n, store = block.num_tokens, TieredStore([redis])
+    ids, positions = list(range(1000, 1000 + n + 20)), list(range(n + 20))
+
+    def index(windows: tuple[int | None, ...]) -> BlockIndex:
+        return BlockIndex(store, BlockIndexConfig(block_size=32), model_fingerprint="bench", tokenizer_fingerprint="b",
+                          bytes_per_token=block.nbytes // n, windows=windows)
+
+    index(()).insert("root", ids[:n], positions[:n], lambda a, b: (block.keys[:, :, a:b], block.values[:, :, a:b]),
+                     salt=None)
+    store.flush()
+    row = {}
+    for read, windows in (("whole", ()), ("part", WINDOWS)):
+        matcher = index(windows)
+        before = redis.bytes_read
+        assert matcher.match("root", ids, positions, salt=None, max_tokens=n + 19).num_tokens == n
+        row[read] = (redis.bytes_read - before, median_ms(
+            lambda m=matcher: m.match("root", ids, positions, salt=None, max_tokens=n + 19), runs=args.runs)[0])
+    emit({"bench": "window_fetch", "shape": "gemma3-270m", "module_tokens": n, "tier": "redis prefix blocks",
+          "whole_bytes": row["whole"][0], "part_bytes": row["part"][0],
+          "part_fraction": round(row["part"][0] / row["whole"][0], 4),
+          "whole_ms": round(row["whole"][1], 3), "part_ms": round(row["part"][1], 3)}, args.out)
+    log(f"{n} tokens as prefix blocks, redis: whole {row['whole'][0] / 2**20:.1f} MiB {row['whole'][1]:.2f} ms, "
+        f"part {row['part'][0] / 2**20:.1f} MiB {row['part'][1]:.2f} ms")
 
 
 if __name__ == "__main__":

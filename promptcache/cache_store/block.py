@@ -41,6 +41,13 @@ class KVBlock:
             raise BlockMismatchError(f"a part present on {len(self.present.first_tokens)} layers of a "
                                      f"{self.keys.shape[0]}-layer block")
 
+    def part(self, reach: LayerReach | None) -> KVBlock:
+        """This block as the part `reach` reads (the same tensors; moved to another device, only that part is
+        copied); itself when `reach` reads all of it or it is a part already."""
+        if reach is None or reach.is_whole or self.present is not None:
+            return self
+        return KVBlock(self.keys, self.values, self.position_ids, reach)
+
     def serves(self, reach: LayerReach | None) -> bool:
         """True if this block holds every token a request reading `reach` (None: all of it) reads."""
         return self.present is None or self.present.covers(reach)
@@ -76,6 +83,12 @@ class KVBlock:
         asynchronous copy straight into pinned memory (not two, through pageable memory), then waited for."""
         if torch.device(device) == self.keys.device and not pin_memory:
             return self
+        if not pin_memory and self.present is not None:  # a part moves only what it holds
+            keys, values = (torch.zeros(t.shape, dtype=t.dtype, device=device) for t in (self.keys, self.values))
+            for layer, first in enumerate(self.present.first_tokens):
+                keys[layer, :, first:].copy_(self.keys[layer, :, first:])
+                values[layer, :, first:].copy_(self.values[layer, :, first:])
+            return KVBlock(keys, values, self.position_ids.to("cpu"), self.present)
         if not pin_memory:
             return KVBlock(self.keys.to(device), self.values.to(device), self.position_ids.to("cpu"), self.present)
         keys, values = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)

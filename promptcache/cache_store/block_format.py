@@ -93,6 +93,11 @@ class Layout:
     def total_bytes(self) -> int:
         return self.head_bytes + self.payload_length
 
+    def same_shape(self, other: Layout) -> bool:
+        """True if `other` lays its bytes out as this one does (key and digests aside)."""
+        return (self.dtype, self.shape, self.chunk_tokens, self.digest_code, self.payload_length) == \
+            (other.dtype, other.shape, other.chunk_tokens, other.digest_code, other.payload_length)
+
     def kept(self, reach: LayerReach | None) -> tuple[int, ...]:
         """Per layer, the first token a read for `reach` fetches: its first token's chunk."""
         tokens = self.shape[2]
@@ -224,21 +229,26 @@ def loads(data: bytes | bytearray | memoryview, *, expect_key: str | None = None
 
 
 def read_part(read: Reader, reach: LayerReach | None, *, expect_key: str, base: int = 0, secure: bool = False,
-              check_head: Callable[[bytes], bool] | None = None) -> KVBlock | None:
+              check_head: Callable[[bytes], bool] | None = None, guess: Layout | None = None) -> KVBlock | None:
     """Read from a stored value, through `read`, only what `reach` reads of the version-3 blob at offset `base`
-    (None: not version 3, read it whole). Two calls of `read`: the header, then the table, position ids and KV
-    ranges. `check_head` authenticates the header and table (a seal); every chunk read is checked against the table.
-    CorruptBlockError or BlockMismatchError when what was read does not verify."""
-    header = read([(base, base + HEADER_BYTES)])[0]
+    (None: not version 3, read it whole). `read` is called for the header, then for the table, position ids and KV
+    ranges; with a `guess` of the layout (another block's of the same shape) once for all of it, and again only where
+    the header read says otherwise. `check_head` authenticates the header and table (a seal); every chunk read is
+    checked against the table. CorruptBlockError or BlockMismatchError when what was read does not verify."""
+    header_range = (base, base + HEADER_BYTES)
+    if guess is not None:
+        kept = guess.kept(reach)
+        header, *rest = read([header_range, *_rest_ranges(guess, kept, base)])
+    else:
+        header, rest = read([header_range])[0], []
     if len(header) < _OLD_HEADER.size or version_of(header) != VERSION or len(header) < HEADER_BYTES:
         return None
     layout = _layout(header, expect_key, secure)
-    kept = layout.kept(reach)
-    ranges = layout.ranges(kept)
-    head_end = layout.head_bytes + layout.positions_bytes
-    pieces = read([(base + HEADER_BYTES, base + head_end), *((base + a, base + b) for a, b in ranges)])
+    if guess is None or not layout.same_shape(guess):
+        kept = layout.kept(reach)
+        rest = read(_rest_ranges(layout, kept, base))
     image = bytearray(layout.total_bytes)
-    for (start, stop), piece in zip([(HEADER_BYTES, head_end), *ranges], pieces):
+    for (start, stop), piece in zip(_rest_ranges(layout, kept, 0), rest):
         if len(piece) != stop - start:
             raise CorruptBlockError(f"read {len(piece)} bytes of a {stop - start}-byte range: the value is shorter")
         image[start:stop] = piece
@@ -247,6 +257,19 @@ def read_part(read: Reader, reach: LayerReach | None, *, expect_key: str, base: 
         raise CorruptBlockError("the seal does not cover this header and table")
     layout.check(image, kept)
     return layout.block(image, kept)
+
+
+def layout_of(data: bytes | bytearray | memoryview) -> Layout | None:
+    """The layout a blob's (version-3) header states, unchecked against the rest; None for another version."""
+    if len(data) < HEADER_BYTES or version_of(data) != VERSION:
+        return None
+    return Layout.parse(data)
+
+
+def _rest_ranges(layout: Layout, kept: Sequence[int], base: int) -> Ranges:
+    """What a part read fetches after the header: table and position ids, then the KV ranges, offset by `base`."""
+    ranges = [(HEADER_BYTES, layout.head_bytes + layout.positions_bytes), *layout.ranges(kept)]
+    return [(base + start, base + stop) for start, stop in ranges]
 
 
 def _layout(data: bytes | bytearray | memoryview, expect_key: str | None, secure: bool) -> Layout:

@@ -1,7 +1,11 @@
 """BlockIndex: automatic prefix reuse as chains of fixed-size KV blocks in the tiered store (docs/architecture.md).
 A token stream is cut into blocks of `block_size` tokens, each keyed (like module KV) by its parent's key, its
 tokens and positions. A request reuses the longest chain of stored blocks; where its tokens diverge inside a
-block, a stored sibling sharing a prefix with them donates that prefix, so reuse is token-exact."""
+block, a stored sibling sharing a prefix with them donates that prefix, so reuse is token-exact. For a model with
+sliding-window layers, a block wholly used is fetched only as far as a window still reaches it from the request's
+first query (layer_reach.py): taken to follow the whole match first, and where the match ends sooner, the blocks then
+in reach are fetched again. A block used in part is fetched whole: its KV is copied into the block the request
+stores in its place."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import Protocol
 import torch
 
 from promptcache.cache_store.block import KVBlock, make_kv_key
+from promptcache.cache_store.layer_reach import LayerReach, window_reach
 from promptcache.cache_store.tier import BlockKind, Tier
 
 # Returns keys and values [num_layers, num_kv_heads, end - start, head_dim] of stream tokens [start, end).
@@ -46,7 +51,7 @@ class Link:
     key: str
     start: int
     num_tokens: int
-    block: KVBlock  # sliced to num_tokens (a view)
+    block: KVBlock  # sliced to num_tokens (a view); a part (KVBlock.present) where windows reach only its tail
     tier: str
     is_whole: bool  # the whole stored block is used (not only a prefix of it)
 
@@ -69,8 +74,8 @@ class Match:
 class BlockStore(Protocol):
     """What BlockIndex needs of a store: TieredStore, or the runtime's KVStore view of it."""
 
-    def get(self, key: str, *, num_tokens: int | None = None,
-            nbytes: int | None = None) -> tuple[KVBlock, str] | None: ...
+    def get(self, key: str, *, num_tokens: int | None = None, nbytes: int | None = None,
+            reach: LayerReach | None = None) -> tuple[KVBlock, str] | None: ...
 
     def put(self, key: str, block: KVBlock, *, ttl_s: float | None = None, kind: BlockKind = "module",
             owner: str | None = None) -> None: ...
@@ -81,11 +86,13 @@ class BlockStore(Protocol):
 
 
 class BlockIndex:
-    """Finds and stores the prefix blocks of token streams. Thread-safe; KV lives in `store`."""
+    """Finds and stores the prefix blocks of token streams. Thread-safe; KV lives in `store`. `windows`: the model's
+    sliding window per layer (None: full attention), so a match fetches what they reach."""
 
     def __init__(self, store: BlockStore, config: BlockIndexConfig, *, model_fingerprint: str,
-                 tokenizer_fingerprint: str, bytes_per_token: int) -> None:
+                 tokenizer_fingerprint: str, bytes_per_token: int, windows: tuple[int | None, ...] = ()) -> None:
         self.store = store
+        self.windows = windows
         self.config = config
         self.model_fingerprint = model_fingerprint
         self.tokenizer_fingerprint = tokenizer_fingerprint
@@ -105,8 +112,14 @@ class BlockIndex:
         caller should `store.acquire` their keys while they are in use."""
         limit = min(max_tokens, len(token_ids))
         links: list[Link] = []
+        # The request's queries lie at or after the lowest position of the tokens the match leaves: guessed as if it
+        # covered `limit` tokens, corrected below where it does not.
+        first_after = _suffix_minima(position_ids) if any(w is not None for w in self.windows) else []
+        guess = first_after[limit] if limit < len(first_after) else None
         for parent, key, start, ids, pos in self._chain(root, token_ids, position_ids, salt, limit):
-            link = self._fetch(key, start, min(len(ids), limit - start))
+            used = min(len(ids), limit - start)
+            reach = None if guess is None or used < len(ids) else window_reach(self.windows, pos, guess)
+            link = self._fetch(key, start, used, reach)
             if link is None:  # a stored sibling block sharing a prefix with `ids`: its first tokens are ours too
                 donor = self._best_child(_family(parent, salt), ids, pos)
                 link = None if donor is None else self._fetch(donor[0], start, min(donor[1], limit - start))
@@ -114,8 +127,27 @@ class BlockIndex:
                 links.append(link)
             if link is None or link.num_tokens < len(ids):
                 break
+        while guess is not None and links and links[-1].end < limit and (widened := self._widen(links, first_after)):
+            links = widened  # the match ended sooner than guessed: what its first query reaches, fetched again
         self.store.touch(link.key for link in reversed(links))  # keep the chain's root the most recent
         return Match(tuple(links))
+
+    def _widen(self, links: list[Link], first_after: list[int]) -> list[Link] | None:
+        """`links` with each part that the first query after the last link reaches beyond fetched again (cut before
+        one no tier gives any more); None when every part holds what it reaches."""
+        first, widened, changed = first_after[links[-1].end], list(links), False
+        for index, link in enumerate(links):
+            if link.block.present is None:
+                continue
+            reach = window_reach(self.windows, link.block.position_ids.tolist(), first)
+            if link.block.serves(reach):
+                continue
+            changed = True
+            refetched = self._fetch(link.key, link.start, link.num_tokens, reach)
+            if refetched is None:
+                return widened[:index]
+            widened[index] = refetched
+        return widened if changed else None
 
     def peek(self, root: str, token_ids: Sequence[int], position_ids: Sequence[int], *,
              salt: str | None) -> list[tuple[str, int]]:
@@ -159,9 +191,12 @@ class BlockIndex:
             yield parent, key, start, ids, pos
             parent = key
 
-    def _fetch(self, key: str, start: int, num_tokens: int) -> Link | None:
+    def _fetch(self, key: str, start: int, num_tokens: int, reach: LayerReach | None = None) -> Link | None:
         size = self.config.block_size
-        if (hit := self.store.get(key, num_tokens=size, nbytes=size * self.bytes_per_token)) is None:
+        nbytes = size * self.bytes_per_token
+        if reach is not None:  # a part costs its share of the bytes
+            nbytes = nbytes * reach.num_read(size) // max(1, len(reach.first_tokens) * size)
+        if (hit := self.store.get(key, num_tokens=size, nbytes=nbytes, reach=reach)) is None:
             return None
         block, tier = hit
         used = min(num_tokens, block.num_tokens)
@@ -217,3 +252,11 @@ def _common_prefix(a: bytes, b: bytes) -> int:
         else:
             high = mid - 1
     return low
+
+
+def _suffix_minima(position_ids: Sequence[int]) -> list[int]:
+    """Per index i, the lowest of position_ids[i:] (a stream's positions need not ascend: recomputed module tokens)."""
+    minima = list(position_ids)
+    for i in range(len(minima) - 2, -1, -1):
+        minima[i] = min(minima[i], minima[i + 1])
+    return minima

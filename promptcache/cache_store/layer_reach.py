@@ -4,15 +4,18 @@ shared tier reads only that part (block_format.py's ranged reads), and a block r
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
 class LayerReach:
-    """Per layer, the first token of a block that is read (0: every token; the block's length: none of them)."""
+    """Per layer, the first token of a block that is read (0: every token; the block's length: none of them), and the
+    block's length where known (a hint for readers: blocks of one length share a layout)."""
 
     first_tokens: tuple[int, ...]
+    num_tokens: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if any(t < 0 for t in self.first_tokens):
@@ -27,7 +30,7 @@ class LayerReach:
 
     def union(self, other: LayerReach) -> LayerReach:
         """What either reach reads."""
-        return LayerReach(tuple(map(min, self.first_tokens, other.first_tokens)))
+        return LayerReach(tuple(map(min, self.first_tokens, other.first_tokens)), self.num_tokens)
 
     @property
     def is_whole(self) -> bool:
@@ -51,6 +54,13 @@ def window_reach(windows: Sequence[int | None], position_ids: Sequence[int], fir
     for window in set(windows) - {None}:
         assert window is not None
         lowest = first_query - window + 1 - shift  # the lowest stored position this layer reads
-        first_token[window] = next((i for i, p in enumerate(position_ids) if p >= lowest), len(position_ids))
+        first_token[window] = _first_at_least(position_ids, lowest)
     firsts = tuple(first_token[w] for w in windows)
-    return None if not any(firsts) else LayerReach(firsts)
+    return None if not any(firsts) else LayerReach(firsts, len(position_ids))
+
+
+def _first_at_least(position_ids: Sequence[int], lowest: int) -> int:
+    """The index of the first position >= `lowest` (the length if none); a range (a segment's) is searched."""
+    if isinstance(position_ids, range) and position_ids.step > 0:
+        return bisect.bisect_left(position_ids, lowest)
+    return next((i for i, p in enumerate(position_ids) if p >= lowest), len(position_ids))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
@@ -20,7 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from promptcache.cache_store.block import KVBlock
-from promptcache.cache_store.block_format import HEADER_BYTES, Layout, Ranges, dumps, loads, read_part
+from promptcache.cache_store.block_format import HEADER_BYTES, Layout, Ranges, dumps, layout_of, loads, read_part
 from promptcache.cache_store.errors import CacheStoreError, logger
 from promptcache.cache_store.layer_reach import LayerReach
 from promptcache.cache_store.redis_scripts import DELETE, DROP_IF_UNCHANGED, MODULE_SCORE_OFFSET, PUT, TOUCH
@@ -33,6 +34,10 @@ T = TypeVar("T")
 
 class _ReadWhole(Exception):
     """A part read that could not be made: the value is read whole."""
+
+
+class _Absent(Exception):
+    """A part read of a key Redis does not hold."""
 
 
 def redacted(url: str) -> str:
@@ -107,6 +112,9 @@ class RedisTier(Tier):
             self.client.register_script(script) for script in (PUT, TOUCH, DELETE, DROP_IF_UNCHANGED))
         self.heads = VerifiedHeads()
         self.bytes_read = 0  # of KV values, whole or in part (what fetches cost)
+        # Layouts by block length, written or read here: a part read guesses one and, when right, makes one round trip.
+        self._layouts: OrderedDict[int, Layout] = OrderedDict()
+        self._layouts_lock = threading.Lock()
         self._lru, self._sizes, self._pins, self._total, self._prefix_total, self._seq = (
             self.prefix + s for s in ("lru", "size", "pins", "bytes", "prefix_bytes", "seq"))
         self._owners, self._owner_bytes, self._own_prefix = (self.prefix + s for s in ("owner", "owner_bytes", "lru@"))
@@ -151,45 +159,56 @@ class RedisTier(Tier):
         in part (an older format, a value that fails or changes under the read): the caller reads it whole, which
         verifies it in full and drops a damaged value."""
         blob_key, seal = self._blob_key(key), HEAD_SEAL_BYTES if self.signer.enabled else 0
-
-        def first(pipe: Any) -> None:
-            pipe.zscore(self._lru, key)
-            pipe.pttl(blob_key)
-            pipe.hget(self._owners, key)
-            pipe.strlen(blob_key)
-            pipe.getrange(blob_key, 0, max(HEAD_BYTES, seal + HEADER_BYTES) - 1)
-
-        score, ttl_ms, owner, length, head = self._read(first)
-        if not length:
-            return None
+        head_bytes = max(HEAD_BYTES, seal + HEADER_BYTES)  # the seal, the header (and the fingerprint's bytes)
+        meta: list[Any] = []  # score, TTL, owner, length and head of the value, from the first read
 
         def read(ranges: Ranges) -> list[bytes]:
-            if ranges == [(seal, seal + HEADER_BYTES)]:
-                return [head[seal: seal + HEADER_BYTES]]
-
-            def queue(pipe: Any) -> None:  # one state: the head read again with the ranges must be the same
+            def queue(pipe: Any) -> None:  # one state; the head again with every read, which must be the same
+                if not meta:
+                    pipe.zscore(self._lru, key)
+                    pipe.pttl(blob_key)
+                    pipe.hget(self._owners, key)
+                    pipe.strlen(blob_key)
                 for start, stop in ranges:
                     pipe.getrange(blob_key, start, stop - 1)
-                pipe.getrange(blob_key, 0, len(head) - 1)
+                pipe.getrange(blob_key, 0, head_bytes - 1)
 
-            *pieces, again = self._read(queue)
-            if again != head:
-                raise CacheStoreError("the value changed between its head and its part")
-            self.bytes_read += sum(map(len, pieces))
-            return pieces
+            replies = self._read(queue)
+            if not meta:
+                meta.extend([*replies[:4], replies[-1]])
+                replies = replies[4:]
+                if not meta[3]:
+                    raise _Absent
+            elif replies[-1] != meta[4]:
+                raise CacheStoreError("the value changed between two reads of its part")
+            self.bytes_read += sum(map(len, replies))
+            return list(replies[:-1])
 
         def authentic(head_and_table: bytes) -> bool:
-            return self.signer.check_head(blob_key, head[:seal], head_and_table)
+            return self.signer.check_head(blob_key, meta[4][:seal], head_and_table)
 
         try:
             block = read_part(read, reach, expect_key=key, base=seal, secure=self.signer.enabled,
-                              check_head=authentic if self.signer.enabled else None)
+                              check_head=authentic if self.signer.enabled else None,
+                              guess=None if reach.num_tokens is None else self._layouts.get(reach.num_tokens))
+        except _Absent:
+            return None
         except CacheStoreError as exc:
             raise _ReadWhole from exc
-        self.bytes_read += len(head)
         if block is None:
             raise _ReadWhole
+        score, ttl_ms, owner, length, head = meta
+        self._remember_layout(layout_of(head[seal:]))
         return self._hit(key, block, score, ttl_ms, owner, length, head[:HEAD_BYTES])
+
+    def _remember_layout(self, layout: Layout | None) -> None:
+        if layout is None:
+            return
+        with self._layouts_lock:
+            self._layouts[layout.shape[2]] = layout
+            self._layouts.move_to_end(layout.shape[2])
+            while len(self._layouts) > 256:
+                self._layouts.popitem(last=False)
 
     def _verify(self, key: str, sealed: bytes) -> KVBlock | None:
         """The block in `sealed` (just read for `key`), or None: it failed verification (logged) and is
@@ -228,7 +247,9 @@ class RedisTier(Tier):
     def put(self, key: str, block: KVBlock, *, pinned: bool = False, ttl_s: float | None = None,
             kind: BlockKind = "module", owner: str | None = None) -> list[Eviction]:
         value = dumps(block, key, secure=self.signer.enabled)
-        blob = self.signer.seal_head(self._blob_key(key), value, Layout.parse(value).head_bytes)
+        layout = Layout.parse(value)
+        self._remember_layout(layout)
+        blob = self.signer.seal_head(self._blob_key(key), value, layout.head_bytes)
         limit = self.shares.limit(owner, self.max_bytes)
         if len(blob) > (self.max_bytes if limit is None else limit):
             return []

@@ -109,7 +109,9 @@ class TieredStore:
                 if index == 0 or not promote:
                     return hit.block, tier.name
                 counters.promotions += 1
-                placed = self._place(0, key, hit.block, kind=hit.kind, ttl_s=hit.ttl_s, stop=index, owner=hit.owner)
+                # From an in-process tier below (host memory under a GPU), only the part the caller reads moves up.
+                block = hit.block.part(reach) if index < self._num_local else hit.block
+                placed = self._place(0, key, block, kind=hit.kind, ttl_s=hit.ttl_s, stop=index, owner=hit.owner)
                 return placed or hit.block, tier.name
         return None
 
@@ -158,7 +160,8 @@ class TieredStore:
         counters, below = self._counters[self.tiers[position].name], position + 1
         for victim in evicted:
             key, block, kind, ttl_s, owner = victim.key, victim.block, victim.kind, victim.ttl_s, victim.owner
-            demoted = below < len(self.tiers) and block.present is None  # a part is dropped: it came from below
+            # A part goes down the in-process tiers only: a shared tier holds (or held) the whole block.
+            demoted = below < len(self.tiers) and (block.present is None or below < self._num_local)
             with self._lock:
                 counters.evictions += 1
                 counters.demotions += demoted

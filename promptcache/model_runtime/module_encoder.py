@@ -11,7 +11,7 @@ from typing import Literal, Protocol, TypedDict
 
 import torch
 
-from promptcache.cache_store import BlockKind, FetchPolicy, KVBlock, LayerReach, Tier, make_kv_key
+from promptcache.cache_store import BlockKind, FetchPolicy, KVBlock, LayerReach, Tier, make_kv_key, window_reach
 from promptcache.model_runtime.errors import PromptTooLongError
 from promptcache.model_runtime.loading.loader import LoadedModel
 from promptcache.pml import Schema, Segment
@@ -88,11 +88,8 @@ class ModuleEncoder:
         """(KV, tier) of `segment_id` encoded after `context_ids` from the store, or None: no tier holds it,
         or only one the fetch policy skips (recomputing measured faster). Computes nothing. `reach`: what of it the
         request reads (sliding-window layers read its last tokens only), the part a shared tier fetches."""
-        cost = self._cost(schema, segment_id)
-        if reach is not None:  # a part costs its share of the bytes
-            layers, tokens = len(reach.first_tokens), cost["num_tokens"]
-            cost["nbytes"] = cost["nbytes"] * reach.num_read(tokens) // max(1, layers * tokens)
-        return self.store.get(self.key(schema, segment_id, context_ids, cache_salt), reach=reach, **cost)
+        return self.store.get(self.key(schema, segment_id, context_ids, cache_salt), reach=reach,
+                              **self._cost(schema, segment_id, reach))
 
     def plan(self, schema: Schema, segment_id: int, context_ids: Sequence[int], cache_salt: str | None = None, *,
              owner: str | None = None, assume_missing: bool = False, local: bool = True) -> ChainWork | None:
@@ -104,8 +101,11 @@ class ModuleEncoder:
         chain = [*sorted(context_ids, key=lambda i: schema.segments[i].start), segment_id]
         found: list[KVBlock] = []
         for index, link in enumerate(chain[:-1]):
-            hit = self.store.get(self.key(schema, link, chain[:index], cache_salt), promote=local,
-                                 **self._cost(schema, link))
+            # No query of the encoding comes before the next link's first token: a window reads this link's tail.
+            reach = window_reach(self.loaded.layer_windows, schema.segments[link].position_ids,
+                                 schema.segments[chain[index + 1]].start)
+            hit = self.store.get(self.key(schema, link, chain[:index], cache_salt), promote=local, reach=reach,
+                                 **self._cost(schema, link, reach))
             if hit is None:
                 break
             found.append(hit[0])
@@ -137,10 +137,13 @@ class ModuleEncoder:
         with self._lock:
             self.num_encoded_segments += len(work.segments)
 
-    def _cost(self, schema: Schema, segment_id: int) -> _Cost:
+    def _cost(self, schema: Schema, segment_id: int, reach: LayerReach | None = None) -> _Cost:
         num_tokens = len(schema.segments[segment_id].token_ids)
         per_token = self.loaded.kv_bytes_per_token + 8  # + the int64 position id
-        return {"num_tokens": num_tokens, "nbytes": num_tokens * per_token}
+        nbytes = num_tokens * per_token
+        if reach is not None:  # a part costs its share of the bytes
+            nbytes = nbytes * reach.num_read(num_tokens) // max(1, len(reach.first_tokens) * num_tokens)
+        return {"num_tokens": num_tokens, "nbytes": nbytes}
 
     def schema_jobs(self, schema: Schema, *, predecessors: bool = False) -> list[tuple[int, tuple[int, ...]]]:
         """(segment, context) of every cached segment's default KV and each scaffold's joint KV; `predecessors`:

@@ -26,6 +26,7 @@ from promptcache.cache_store.block_format import Layout, read_part
 KEY = "a" * 64
 TOKENS = 300  # five chunks of 64, the last one short
 REACH = LayerReach((0, 250, 300, 130))  # a full layer, two windows' tails, one layer reading nothing
+REACH_OF_300 = LayerReach(REACH.first_tokens, TOKENS)  # the same, naming the block's length (a layout hint)
 
 
 def block(tokens: int = TOKENS, dtype: torch.dtype = torch.float32) -> KVBlock:
@@ -42,13 +43,13 @@ def reader(blob: bytes, counted: list[int]):
     return read
 
 
-def assert_part_of(part: KVBlock, whole: KVBlock, reach: LayerReach) -> None:
-    """`part` holds `whole`'s tokens from each layer's chunk-aligned first token on, zeros before it."""
+def assert_part_of(part: KVBlock, whole: KVBlock, reach: LayerReach, chunk: int = 64) -> None:
+    """`part` holds `whole`'s tokens from each layer's first token (aligned down to `chunk`) on, zeros before it."""
     assert part.present is not None and part.serves(reach) and not part.serves(None)
     assert torch.equal(part.position_ids, whole.position_ids)
     for layer, first in enumerate(part.present.first_tokens):
-        assert (first <= reach.first_tokens[layer] and first % 64 == 0) or first == whole.num_tokens
-        assert first > reach.first_tokens[layer] - 64
+        assert (first <= reach.first_tokens[layer] and first % chunk == 0) or first == whole.num_tokens
+        assert first > reach.first_tokens[layer] - chunk
         for got, want in ((part.keys, whole.keys), (part.values, whole.values)):
             assert torch.equal(got[layer, :, first:], want[layer, :, first:])
             assert not got[layer, :, :first].any()
@@ -191,3 +192,53 @@ def test_in_process_tiers_serve_a_part_only_where_it_covers_and_never_write_it_b
         store.put(str(i) * 64, block())
     store.flush()
     assert not store.tiers[0].contains(KEY) and not disk.contains(KEY)
+
+
+def test_a_part_moved_to_another_device_copies_only_what_it_holds():
+    whole = block()
+    part = whole.part(REACH)
+    assert part.present == REACH and part.keys is whole.keys and whole.part(None) is whole
+    moved = part.to("cpu:0")  # another device than the tensors' (no index): the copying path, as to a GPU
+    assert moved is not part and moved.present == REACH
+    assert_part_of(moved, whole, REACH, chunk=1)
+
+
+def test_from_an_in_process_tier_below_only_the_part_moves_up_and_a_part_is_demoted_in_process_only(tmp_path):
+    whole = block()
+    device, host, disk = MemoryTier("device", 2 * whole.nbytes + 1), MemoryTier("host", 8 * whole.nbytes), \
+        DiskTier(tmp_path, max_bytes=1 << 30)
+    store = TieredStore([device, host, disk])
+    host.put(KEY, whole)
+    got = store.get(KEY, reach=REACH)
+    assert got is not None and got[1] == "host"
+    assert device.get(KEY).present == REACH and host.get(KEY).present is None
+    assert store.get(KEY)[1] == "host"  # the whole block: the device's part does not serve it
+    host.delete(KEY)
+    device.delete(KEY)
+    device.put(KEY, whole.part(REACH))
+    for i in range(3):  # evicted from the device, the part goes to the host, never to the disk
+        store.put(str(i) * 64, block())
+    store.flush()
+    assert host.get(KEY).present == REACH and not disk.contains(KEY)
+
+
+def test_a_redis_part_read_takes_one_round_trip_when_it_knows_the_layout_and_two_when_its_guess_is_wrong(redis_server):
+    reader, writer = (RedisTier(redis_server.url, max_bytes=1 << 30, namespace="guess") for _ in range(2))
+    whole = block()
+    reader.put(KEY, whole)  # the reader knows the layout of a 300-token block: this one's
+    calls: list[int] = []
+    read = reader._read
+
+    def counted(queue):
+        calls.append(1)
+        return read(queue)
+
+    reader._read = counted
+    hit = reader.lookup(KEY, window_reach((None, 128, 64, 100), range(TOKENS), TOKENS))
+    assert hit is not None and len(calls) == 1
+    other = block(dtype=torch.bfloat16)  # the same length, another layout: the guess is wrong
+    writer.put(KEY, other)
+    calls.clear()
+    hit = reader.lookup(KEY, REACH_OF_300)
+    assert hit is not None and len(calls) == 2
+    assert_part_of(hit.block, other, REACH_OF_300)

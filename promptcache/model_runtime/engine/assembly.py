@@ -77,7 +77,7 @@ def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> A
                 continue
             block, tier = fetched
         block = block.to(device)
-        part = None if block.present is None else block.present.first_tokens
+        part = _part(block)
         # A range of the stored block is a distinct tensor; shifted keys move for this request only, when
         # the runner attends them.
         view = KVView(key, shift=use.shift, part=part)
@@ -101,8 +101,8 @@ def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> A
     # stream tokens, of which the first `reused` are no longer computed.
     shared = [SharedKV(s.view, s.block, max(0, s.visible_from - reused)) for s in shared]
     # A partly used link is a range of its block: a distinct tensor, a view other than the whole block.
-    shared += [SharedKV(KVView(link.key) if link.is_whole else KVView(link.key, 0, link.num_tokens),
-                        link.block.to(device)) for link in stream.match.links]
+    shared += [SharedKV(KVView(link.key, part=_part(link.block)) if link.is_whole else
+                        KVView(link.key, 0, link.num_tokens), link.block.to(device)) for link in stream.match.links]
     token_ids, positions = list(reuse.token_ids[reused:]), list(reuse.position_ids[reused:])
     check_positions(positions, loaded.max_positions)
     recomputed = dict(reuse.recomputed_from(reused))  # what this request recomputes itself
@@ -121,6 +121,11 @@ def assemble(request: Request, encoder: ModuleEncoder, prefix: PrefixReuse) -> A
     return Assembled(shared, token_ids, positions, reuse.next_position)
 
 
+def _part(block: KVBlock) -> tuple[int, ...] | None:
+    """What of a block a part holds (a view name's `part`); None: all of it."""
+    return None if block.present is None else block.present.first_tokens
+
+
 def _reach(windows: tuple[int | None, ...], position_ids: Sequence[int], first: int, first_query: int,
            shift: int) -> LayerReach | None:
     """What a request whose first query is at `first_query` reads of a module block (of which it uses tokens from
@@ -131,4 +136,4 @@ def _reach(windows: tuple[int | None, ...], position_ids: Sequence[int], first: 
     reach = window_reach(windows, position_ids, first_query, shift)
     if reach is None or first == 0:
         return reach
-    return LayerReach(tuple(max(first, t) for t in reach.first_tokens))  # a range from `first` on: none before it
+    return LayerReach(tuple(max(first, t) for t in reach.first_tokens), reach.num_tokens)  # none before `first`

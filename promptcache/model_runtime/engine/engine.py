@@ -93,7 +93,8 @@ class Engine:
         loaded = encoder.loaded
         index = None if self.config.prefix is None else BlockIndex(
             encoder.store, self.config.prefix, model_fingerprint=loaded.model_fingerprint,
-            tokenizer_fingerprint=loaded.tokenizer_fingerprint, bytes_per_token=loaded.kv_bytes_per_token)
+            tokenizer_fingerprint=loaded.tokenizer_fingerprint, bytes_per_token=loaded.kv_bytes_per_token,
+            windows=loaded.layer_windows)
         self.prefix = PrefixReuse(index, self.config.logits_cache_bytes)
         self.scheduler = Scheduler(self.config, encoder, self.prefix)
         self.outputs = OutputProcessor(self.scheduler, self.prefix)
