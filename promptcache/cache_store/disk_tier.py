@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from promptcache.cache_store.block import KVBlock
-from promptcache.cache_store.block_format import HEADER_BYTES, Ranges, dumps, loads, read_part
+from promptcache.cache_store.block_format import dumps, loads, read_part
+from promptcache.cache_store.block_layout import HEADER_BYTES, Ranges
 from promptcache.cache_store.errors import CacheStoreError, logger
 from promptcache.cache_store.layer_reach import LayerReach
 from promptcache.cache_store.tier import BlockKind, Eviction, Tier, TierHit, TierUsage

@@ -21,7 +21,8 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from promptcache.cache_store.block import KVBlock
-from promptcache.cache_store.block_format import HEADER_BYTES, Layout, Ranges, dumps, layout_of, loads, read_part
+from promptcache.cache_store.block_format import dumps, layout_of, loads, read_part
+from promptcache.cache_store.block_layout import HEADER_BYTES, Layout, Ranges
 from promptcache.cache_store.errors import CacheStoreError, logger
 from promptcache.cache_store.layer_reach import LayerReach
 from promptcache.cache_store.redis_scripts import DELETE, DROP_IF_UNCHANGED, MODULE_SCORE_OFFSET, PUT, TOUCH

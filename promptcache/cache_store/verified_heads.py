@@ -8,7 +8,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 
-from promptcache.cache_store.block_format import HEADER_BYTES
+from promptcache.cache_store.block_layout import HEADER_BYTES
 from promptcache.cache_store.signing import HEAD_SEAL_BYTES
 
 HEAD_BYTES = HEAD_SEAL_BYTES + HEADER_BYTES  # the seal (when signed) and the block header: tag and checksum

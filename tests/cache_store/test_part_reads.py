@@ -11,6 +11,7 @@ import torch
 import promptcache.cache_store.block_format as block_format
 from promptcache.cache_store import (
     BlobSigner,
+    BlockMismatchError,
     CorruptBlockError,
     DiskTier,
     KVBlock,
@@ -21,7 +22,8 @@ from promptcache.cache_store import (
     dumps,
     window_reach,
 )
-from promptcache.cache_store.block_format import Layout, read_part
+from promptcache.cache_store.block_format import read_part
+from promptcache.cache_store.block_layout import HEADER_BYTES, Layout
 
 KEY = "a" * 64
 TOKENS = 300  # five chunks of 64, the last one short
@@ -68,7 +70,7 @@ def test_a_part_read_fetches_and_checks_only_each_layers_tail(dtype, secure):
     layout = Layout.parse(blob)
     kv_row = 2 * 8 * whole.keys.element_size()  # bytes of one token of one layer: heads x head_dim
     read_kv = 2 * kv_row * sum(TOKENS - t for t in part.present.first_tokens)  # keys and values
-    assert sum(counted) == block_format.HEADER_BYTES + (layout.head_bytes - block_format.HEADER_BYTES) \
+    assert sum(counted) == HEADER_BYTES + (layout.head_bytes - HEADER_BYTES) \
         + layout.positions_bytes + read_kv
     assert sum(counted) < len(blob) * 0.55
     assert part.held_nbytes == whole.nbytes - 2 * kv_row * sum(part.present.first_tokens)
@@ -86,17 +88,17 @@ def test_damage_is_caught_where_read_and_never_read_elsewhere():
     with pytest.raises(CorruptBlockError, match="checksum mismatch \\(keys of layer 0\\)"):
         read_part(reader(bytes(damaged), []), REACH, expect_key=KEY)
     unread = bytearray(blob)  # layer 2's first key: no reach of REACH's reads it
-    unread[layout._span(0, 2, 0, 0, 1)[0]] ^= 1
+    unread[layout.span(0, 2, 0, 0, 1)[0]] ^= 1
     part = read_part(reader(bytes(unread), []), REACH, expect_key=KEY)
     assert part is not None
     assert_part_of(part, whole, REACH)
     with pytest.raises(CorruptBlockError, match="checksum"):
         block_format.loads(bytes(unread))  # read whole, it fails
     table = bytearray(blob)
-    table[block_format.HEADER_BYTES] ^= 1
+    table[HEADER_BYTES] ^= 1
     with pytest.raises(CorruptBlockError, match="table"):
         read_part(reader(bytes(table), []), REACH, expect_key=KEY)
-    with pytest.raises(block_format.BlockMismatchError, match="belongs to key"):
+    with pytest.raises(BlockMismatchError, match="belongs to key"):
         read_part(reader(bytes(blob), []), REACH, expect_key="b" * 64)
 
 
