@@ -9,6 +9,8 @@ stores in its place."""
 
 from __future__ import annotations
 
+import itertools
+import operator
 import threading
 from array import array
 from collections import OrderedDict
@@ -256,7 +258,6 @@ def _common_prefix(a: bytes, b: bytes) -> int:
 
 def _suffix_minima(position_ids: Sequence[int]) -> list[int]:
     """Per index i, the lowest of position_ids[i:] (a stream's positions need not ascend: recomputed module tokens)."""
-    minima = list(position_ids)
-    for i in range(len(minima) - 2, -1, -1):
-        minima[i] = min(minima[i], minima[i + 1])
-    return minima
+    if all(map(operator.lt, position_ids, itertools.islice(position_ids, 1, None))):
+        return list(position_ids)  # ascending (the usual stream): each is its own suffix's lowest
+    return list(itertools.accumulate(reversed(position_ids), min))[::-1]

@@ -5,6 +5,7 @@ shared tier reads only that part (block_format.py's ranged reads), and a block r
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +40,8 @@ class LayerReach:
     def num_read(self, num_tokens: int) -> int:
         """How many (layer, token) pairs of a `num_tokens` block are read: the block's bytes times this / (layers x
         tokens) are fetched."""
+        if max(self.first_tokens, default=0) <= num_tokens:  # as window_reach makes them: sums in C
+            return len(self.first_tokens) * num_tokens - sum(self.first_tokens)
         return sum(num_tokens - min(t, num_tokens) for t in self.first_tokens)
 
 
@@ -48,19 +51,22 @@ def window_reach(windows: Sequence[int | None], position_ids: Sequence[int], fir
     `shift` for it): on a layer with window W, a key at position k is read only if first_query - (k + shift) < W
     (later queries lie further on, decode included); None when every layer reads the whole block. Positions that are
     not ascending keep from the first token in reach on: a block is read as one tail per layer."""
-    if not any(w is not None for w in windows):
+    distinct = _distinct_windows(tuple(windows))
+    if not distinct or not position_ids:
         return None
+    ascending = isinstance(position_ids, range) and position_ids.step > 0
+    lo, hi = (position_ids[0], position_ids[-1]) if ascending else (min(position_ids), max(position_ids))
     first_token: dict[int | None, int] = {None: 0}
-    for window in set(windows) - {None}:
-        assert window is not None
+    for window in distinct:
         lowest = first_query - window + 1 - shift  # the lowest stored position this layer reads
-        first_token[window] = _first_at_least(position_ids, lowest)
-    firsts = tuple(first_token[w] for w in windows)
-    return None if not any(firsts) else LayerReach(firsts, len(position_ids))
+        first_token[window] = 0 if lo >= lowest else len(position_ids) if hi < lowest else \
+            bisect.bisect_left(position_ids, lowest) if ascending else \
+            next(i for i, p in enumerate(position_ids) if p >= lowest)
+    if not any(first_token.values()):
+        return None
+    return LayerReach(tuple(map(first_token.__getitem__, windows)), len(position_ids))
 
 
-def _first_at_least(position_ids: Sequence[int], lowest: int) -> int:
-    """The index of the first position >= `lowest` (the length if none); a range (a segment's) is searched."""
-    if isinstance(position_ids, range) and position_ids.step > 0:
-        return bisect.bisect_left(position_ids, lowest)
-    return next((i for i, p in enumerate(position_ids) if p >= lowest), len(position_ids))
+@functools.lru_cache(maxsize=64)
+def _distinct_windows(windows: tuple[int | None, ...]) -> tuple[int, ...]:
+    return tuple(sorted({w for w in windows if w is not None}))
