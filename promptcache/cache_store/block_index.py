@@ -129,8 +129,11 @@ class BlockIndex:
                 links.append(link)
             if link is None or link.num_tokens < len(ids):
                 break
-        while guess is not None and links and links[-1].end < limit and (widened := self._widen(links, first_after)):
-            links = widened  # the match ended sooner than guessed: what its first query reaches, fetched again
+        while guess is not None and links and links[-1].end < limit:  # the match ended sooner than guessed
+            widened = self._widen(links, first_after)  # what its first query reaches, fetched again
+            if widened is None:
+                break
+            links = widened
         self.store.touch(link.key for link in reversed(links))  # keep the chain's root the most recent
         return Match(tuple(links))
 

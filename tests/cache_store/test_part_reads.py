@@ -1,7 +1,8 @@
 """Reading part of a block (what a sliding window still reaches): the part equals the whole block's tokens from each
 layer's first (chunk-aligned) token on, with zeros elsewhere, and verifies on its own — damage in a chunk read is
 caught, damage elsewhere is not read; the Redis and disk tiers fetch only that part (counted bytes against the
-file's size), signed or not; in-process tiers serve a part only to requests it covers, never write it back."""
+file's size), signed or not; in-process tiers serve a part only to requests it covers, never write it back; a prefix
+match that ends sooner than guessed widens its parts, and ends before a block that vanished meanwhile."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 import promptcache.cache_store.block_format as block_format
 from promptcache.cache_store import (
     BlobSigner,
+    BlockIndex,
+    BlockIndexConfig,
     BlockMismatchError,
     CorruptBlockError,
     DiskTier,
@@ -244,3 +247,49 @@ def test_a_redis_part_read_takes_one_round_trip_when_it_knows_the_layout_and_two
     hit = reader.lookup(KEY, REACH_OF_300)
     assert hit is not None and len(calls) == 2
     assert_part_of(hit.block, other, REACH_OF_300)
+
+
+class VanishingStore(TieredStore):
+    """A store whose `vanish` keys are deleted from every tier right after they are first read."""
+
+    def __init__(self, tiers, vanish: set[str]) -> None:
+        super().__init__(tiers)
+        self.vanish = vanish
+
+    def get(self, key, **kwargs):
+        hit = super().get(key, **kwargs)
+        if key in self.vanish:
+            self.vanish.discard(key)
+            self.delete(key)
+        return hit
+
+
+@pytest.mark.parametrize(("stored", "gone", "matched"), [(4, 3, 24), (1, 0, 0)])
+def test_a_match_shorter_than_guessed_widens_its_parts_and_stops_where_a_block_is_gone(tmp_path, stored, gone,
+                                                                                        matched):
+    """Blocks of 8 tokens at positions 0.., windows of 8 on two of three layers; a request of `stored` x 8 + 8 tokens
+    guesses its first query at its last token, but the chain ends after `stored` blocks. Block `gone` vanishes after
+    its first (part) read: the match ends before it, and the parts left hold what the new first query reaches."""
+    disk = DiskTier(tmp_path, max_bytes=1 << 30)
+    g = torch.Generator().manual_seed(0)
+    n = 8 * stored
+    keys, values = (torch.randn(3, 1, n, 4, generator=g) for _ in range(2))
+    ids, positions = list(range(100, 100 + n + 8)), list(range(n + 8))
+
+    def index(store, windows=()):
+        return BlockIndex(store, BlockIndexConfig(block_size=8), model_fingerprint="m", tokenizer_fingerprint="t",
+                          bytes_per_token=96, windows=windows)
+
+    writer = TieredStore([disk])
+    index(writer).insert("root", ids[:n], positions[:n], lambda a, b: (keys[:, :, a:b], values[:, :, a:b]), salt=None)
+    assert writer.flush(10)
+    chain = [key for _, key, *_ in index(writer)._chain("root", ids, positions, None, n)]
+    assert all(disk.contains(key) for key in chain)
+    match = index(VanishingStore([disk], {chain[gone]}), (8, None, 8)).match("root", ids, positions, salt=None,
+                                                                             max_tokens=n + 7)
+    assert match.num_tokens == matched
+    for link in match.links:  # each holds what a query at the match's end reaches: keys after it - 8
+        reach = window_reach((8, None, 8), link.block.position_ids.tolist(), matched)
+        assert link.block.serves(reach)
+        for layer, first in enumerate((link.block.present or LayerReach((0, 0, 0))).first_tokens):
+            assert torch.equal(link.block.keys[layer, :, first:], keys[layer, :, link.start + first: link.end])
