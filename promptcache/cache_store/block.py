@@ -66,9 +66,9 @@ class KVBlock:
         """The bytes this block holds: `nbytes` less the KV a part read left out."""
         if self.present is None:
             return self.nbytes
-        layers, tokens = self.keys.shape[0], self.keys.shape[2]
+        tokens = self.keys.shape[2]
         kv = self.keys.numel() * self.keys.element_size() * 2
-        return self.nbytes - kv + kv * self.present.num_read(tokens) // max(1, layers * tokens)
+        return self.nbytes - kv + self.present.share_of(kv, tokens)
 
     @property
     def dtype(self) -> torch.dtype:

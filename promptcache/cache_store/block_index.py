@@ -200,7 +200,7 @@ class BlockIndex:
         size = self.config.block_size
         nbytes = size * self.bytes_per_token
         if reach is not None:  # a part costs its share of the bytes
-            nbytes = nbytes * reach.num_read(size) // max(1, len(reach.first_tokens) * size)
+            nbytes = reach.share_of(nbytes, size)
         if (hit := self.store.get(key, num_tokens=size, nbytes=nbytes, reach=reach)) is None:
             return None
         block, tier = hit

@@ -37,6 +37,10 @@ class LayerReach:
     def is_whole(self) -> bool:
         return not any(self.first_tokens)
 
+    def share_of(self, nbytes: int, num_tokens: int) -> int:
+        """The bytes of `nbytes` of a `num_tokens` block's KV that this reach reads."""
+        return nbytes * self.num_read(num_tokens) // max(1, len(self.first_tokens) * num_tokens)
+
     def num_read(self, num_tokens: int) -> int:
         """How many (layer, token) pairs of a `num_tokens` block are read: the block's bytes times this / (layers x
         tokens) are fetched."""

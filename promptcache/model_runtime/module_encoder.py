@@ -142,7 +142,7 @@ class ModuleEncoder:
         per_token = self.loaded.kv_bytes_per_token + 8  # + the int64 position id
         nbytes = num_tokens * per_token
         if reach is not None:  # a part costs its share of the bytes
-            nbytes = nbytes * reach.num_read(num_tokens) // max(1, len(reach.first_tokens) * num_tokens)
+            nbytes = reach.share_of(nbytes, num_tokens)
         return {"num_tokens": num_tokens, "nbytes": nbytes}
 
     def schema_jobs(self, schema: Schema, *, predecessors: bool = False) -> list[tuple[int, tuple[int, ...]]]:

@@ -131,8 +131,6 @@ def _reach(windows: tuple[int | None, ...], position_ids: Sequence[int], first: 
     """What a request whose first query is at `first_query` reads of a module block (of which it uses tokens from
     `first` on, at `position_ids`, moved by `shift`): per sliding-window layer its tail in reach, every token
     elsewhere; None when it reads all of it."""
-    if not windows:
-        return None
     reach = window_reach(windows, position_ids, first_query, shift)
     if reach is None or first == 0:
         return reach
